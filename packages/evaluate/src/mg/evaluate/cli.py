@@ -1,0 +1,15 @@
+"""`mg-eval` entry point.
+
+The package is not built yet: the command says so and exits non-zero rather
+than pretending to work.
+"""
+
+import sys
+
+
+def main() -> None:
+    print(
+        "mg-eval: WikiText, LAMBADA and BERT-task evaluation is not built yet in this release; nothing was run.",
+        file=sys.stderr,
+    )
+    sys.exit(2)
