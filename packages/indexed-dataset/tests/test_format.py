@@ -211,6 +211,14 @@ def test_file_reader_mode(small: str) -> None:
         assert dataset[1].tolist() == []
 
 
+def test_file_reader_without_preadv(small: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seek + readinto fallback used where os.preadv is missing (Windows)."""
+    monkeypatch.delattr(reader_module.os, "preadv", raising=False)
+    with IndexedDataset(small, mmap=False) as dataset:
+        assert [s.tolist() for s in dataset] == [[1, 2, 3], [], [4], [5, 6]]
+        assert dataset.get(0, 2).tolist() == [3]
+
+
 def test_pickle_reopens_by_path(small: str) -> None:
     for mmap in (True, False):
         dataset = pickle.loads(pickle.dumps(IndexedDataset(small, mmap=mmap)))

@@ -74,8 +74,8 @@ class _FileReader:
             if got == 0:
                 raise IndexedDatasetError(
                     f"{self.path}: truncated while reading: wanted {view.nbytes} bytes at offset "
-                    f"{offset}, the file ends after {offset + done}; was it overwritten while in "
-                    f"use? Reopen it, or {REBUILD_HINT}"
+                    f"{offset} but the file ended after {done}; was it overwritten while in use? "
+                    f"Reopen it, or {REBUILD_HINT}"
                 )
             done += got
         return out
@@ -334,8 +334,8 @@ class IndexedDataset:
         """
         position = self._sequence_index(idx)
         size = int(self._lengths[position])
-        if length is None:
-            length = size - offset
+        offset = int(offset)
+        length = size - offset if length is None else int(length)
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(
                 f"tokens [{offset}, {offset + length}) out of range: sequence {position} of "
