@@ -209,10 +209,10 @@ class IndexedDatasetBuilder:
         if size != header.index_size(self.multimodal) and size == header.index_size(
             not self.multimodal
         ):
-            mine = "multimodal" if self.multimodal else "not multimodal"
+            mine, theirs = ("multimodal", "not") if self.multimodal else ("not multimodal", "is")
             raise IndexedDatasetError(
-                f"{idx_path}: cannot merge: this dataset is {mine} and {prefix} is not "
-                "the same kind; merge only datasets of one kind"
+                f"{idx_path}: cannot merge: this dataset is {mine} but {prefix} {theirs} "
+                "multimodal; merge only datasets of one kind"
             )
 
     # --- finishing ----------------------------------------------------------------------------
