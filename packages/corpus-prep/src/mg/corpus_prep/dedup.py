@@ -18,8 +18,11 @@ count as the same document.
 Near duplicates follow Megatron's OpenWebText recipe
 (tools/openwebtext/find_duplicates.py): Jaccard similarity of the sets of
 character 5-grams ("shingles"), estimated with MinHash. LSH proposes
-candidates; a candidate only counts when its estimated Jaccard similarity
-is at least the threshold, which keeps LSH's false positives out.
+candidates, tuned to a threshold 0.1 below the user's (so that pairs at the
+threshold are found with high probability: banding alone misses many of them,
+and cannot even be set up for thresholds near 1); a candidate only counts when
+its estimated Jaccard similarity is at least the threshold, which keeps the
+extra candidates out.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class NearDeduplicator:
         self.num_perm = num_perm
         self.shingle_size = shingle_size
         self.seed = seed
-        self._lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+        self._lsh = _candidate_index(threshold, num_perm)
         # The permutations are drawn once and shared: drawing them per document
         # would cost more than hashing a short document.
         self._permutations = MinHash(num_perm=num_perm, seed=seed).permutations
@@ -123,6 +126,15 @@ class NearDeduplicator:
         self._signatures[key] = minhash.hashvalues.copy()
         self._lsh.insert(key, minhash, check_duplication=False)
         return None
+
+
+def _candidate_index(threshold: float, num_perm: int) -> MinHashLSH:
+    """LSH bands tuned below `threshold` (see the module docstring)."""
+    looser = min(max(threshold - 0.1, 0.05), 0.9)
+    try:
+        return MinHashLSH(threshold=looser, num_perm=num_perm)
+    except ValueError:  # too few permutations for two bands at this threshold
+        return MinHashLSH(num_perm=num_perm, params=(2, num_perm // 2))
 
 
 class ChainedDeduplicator:
