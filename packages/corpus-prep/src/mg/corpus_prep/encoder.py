@@ -1,0 +1,287 @@
+"""Worker side of `mg-prep tokenize`: raw JSON lines in, token arrays out.
+
+A worker gets a `Chunk` (consecutive raw lines of one file) and returns an
+`EncodedChunk`: for each JSON key, the tokens of all accepted documents back
+to back plus their sequence lengths, ready to be appended to the builders in
+input order, and the lines it rejected with the reason.
+
+The per-document semantics are those of Megatron's `Encoder.encode`:
+- the text of a key is `json.loads(line)[key]`; a list of strings is taken as
+  already split sentences (Megatron accepts that too);
+- each sentence is tokenized on its own and sentences that give no tokens are
+  dropped;
+- `--append-eod` appends eod to a document that has tokens, counted in its
+  last sentence;
+- a document without tokens still ends a document (an empty boundary entry).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mg.corpus_prep.splitter import SentenceSplitter, SplitterSpec, build_splitter
+
+# Reasons a line is rejected, as counted in the summary.
+NOT_UTF8 = "not UTF-8"
+INVALID_JSON = "invalid JSON"
+NOT_AN_OBJECT = "not a JSON object"
+MISSING_KEY = "missing key"
+NOT_A_STRING = "non-string value"
+SPLIT_FAILED = "sentence splitting failed"
+TOKENIZE_FAILED = "tokenizer failed"
+UNREADABLE = "unreadable file"
+
+JSON_TYPE_NAMES = {
+    type(None): "null",
+    bool: "boolean",
+    int: "number",
+    float: "number",
+    dict: "object",
+    list: "array",
+    str: "string",
+}
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Everything a worker needs to build its encoder (picklable, sent once)."""
+
+    json_keys: tuple[str, ...]
+    append_eod: bool
+    tokenizer_config: object  # mg.core.tokenizers.TokenizerConfig
+    splitter: SplitterSpec
+    dtype: str  # numpy dtype of the output tokens
+
+
+@dataclass
+class Chunk:
+    """Consecutive raw lines of one file, starting at line `first_lineno`.
+
+    A chunk with `failure` set carries no lines: it marks, in input order, the
+    point where a file could not be read any further.
+    """
+
+    source: str
+    first_lineno: int
+    lines: list[bytes]
+    nbytes: int
+    failure: Rejected | None = None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A line that was not turned into a document: `reason` is one of the constants above."""
+
+    source: str
+    lineno: int
+    reason: str
+    detail: str
+
+    def message(self) -> str:
+        return f"{self.source}:{self.lineno}: {self.detail}"
+
+
+@dataclass
+class KeyTokens:
+    """One key's documents of a chunk, back to back."""
+
+    tokens: np.ndarray  # every token of every document
+    sequence_lengths: np.ndarray  # int32, one per sequence
+    document_sequences: np.ndarray  # int64, sequences per document
+    document_tokens: np.ndarray  # int64, tokens per document
+
+
+@dataclass
+class EncodedChunk:
+    """What a worker sends back for one `Chunk`."""
+
+    source: str
+    keys: dict[str, KeyTokens]
+    rejected: list[Rejected]
+    documents: int
+    blank_lines: int
+    nbytes: int
+    tokens: int
+    empty: dict[str, int] = field(default_factory=dict)  # documents without tokens, by key
+
+
+Document = dict[str, "str | list[str]"]
+
+
+def json_type_name(value: object) -> str:
+    return JSON_TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def parse_line(raw: bytes, keys: tuple[str, ...]) -> Document | tuple[str, str] | None:
+    """The values of `keys` in one JSON line; (reason, detail) if unusable; None if blank."""
+    if not raw.strip():
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return NOT_UTF8, (
+            f"not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line)"
+        )
+    if text.startswith("\ufeff"):  # a UTF-8 byte order mark on the first line
+        text = text[1:]
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        return INVALID_JSON, f"invalid JSON ({err.msg} at column {err.colno})"
+    except RecursionError:
+        return INVALID_JSON, "invalid JSON (nested too deeply)"
+    if not isinstance(obj, dict):
+        return NOT_AN_OBJECT, f"expected a JSON object, found a JSON {json_type_name(obj)}"
+    document: Document = {}
+    for key in keys:
+        if key not in obj:
+            present = ", ".join(repr(k) for k in list(obj)[:8]) or "no keys"
+            more = ", ..." if len(obj) > 8 else ""
+            return MISSING_KEY, f"no key {key!r} (the object has {present}{more}); see --json-keys"
+        value = obj[key]
+        if isinstance(value, str):
+            document[key] = value
+        elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+            document[key] = value  # already split into sentences
+        else:
+            return NOT_A_STRING, (
+                f"the value of {key!r} is a JSON {json_type_name(value)}, not a string "
+                "(or a list of strings)"
+            )
+    return document
+
+
+class DocumentEncoder:
+    """Turns chunks into token arrays; one per worker process."""
+
+    def __init__(self, spec: EncoderSpec) -> None:
+        from mg.corpus_prep.tokenizer_args import build_tokenizer_from_config
+
+        self.spec = spec
+        self.tokenizer = build_tokenizer_from_config(spec.tokenizer_config)
+        self.splitter: SentenceSplitter = build_splitter(spec.splitter)
+        self.dtype = np.dtype(spec.dtype)
+        self.eod = self.tokenizer.eod
+
+    def encode(self, chunk: Chunk) -> EncodedChunk:
+        keys = self.spec.json_keys
+        if chunk.failure is not None:
+            return EncodedChunk(chunk.source, self._empty_keys(), [chunk.failure], 0, 0, 0, 0)
+        rejected: list[Rejected] = []
+        blank = 0
+        # sentences[key][d] = the sentences of accepted document d
+        sentences: dict[str, list[list[str]]] = {key: [] for key in keys}
+        for offset, raw in enumerate(chunk.lines):
+            lineno = chunk.first_lineno + offset
+            parsed = parse_line(raw, keys)
+            if parsed is None:
+                blank += 1
+                continue
+            if isinstance(parsed, tuple):
+                rejected.append(Rejected(chunk.source, lineno, *parsed))
+                continue
+            try:
+                split = {key: self._split(parsed[key]) for key in keys}
+            except Exception as err:  # a splitter bug or an odd input: reject this line only
+                detail = f"{SPLIT_FAILED} ({_describe(err)})"
+                rejected.append(Rejected(chunk.source, lineno, SPLIT_FAILED, detail))
+                continue
+            for key in keys:
+                sentences[key].append(split[key])
+        ids, failed = self._tokenize(sentences, chunk, rejected)
+        if failed:
+            rejected.sort(key=lambda r: r.lineno)
+        key_tokens = {key: self._assemble(ids[key]) for key in keys}
+        documents = len(ids[keys[0]]) if keys else 0
+        return EncodedChunk(
+            source=chunk.source,
+            keys=key_tokens,
+            rejected=rejected,
+            documents=documents,
+            blank_lines=blank,
+            nbytes=chunk.nbytes,
+            tokens=sum(int(k.tokens.size) for k in key_tokens.values()),
+            empty={key: int((k.document_tokens == 0).sum()) for key, k in key_tokens.items()},
+        )
+
+    def _split(self, value: str | list[str]) -> list[str]:
+        return list(value) if isinstance(value, list) else self.splitter.split(value)
+
+    def _tokenize(
+        self,
+        sentences: dict[str, list[list[str]]],
+        chunk: Chunk,
+        rejected: list[Rejected],
+    ) -> tuple[dict[str, list[list[list[int]]]], bool]:
+        """Token ids per key, document and sentence; one batch call per key when possible."""
+        keys = self.spec.json_keys
+        try:
+            result = {key: self._tokenize_documents(sentences[key]) for key in keys}
+            return result, False
+        except Exception:
+            pass
+        # Some document broke the tokenizer: redo document by document, rejecting the bad ones.
+        accepted_lines = self._accepted_linenos(chunk, rejected)
+        result = {key: [] for key in keys}
+        for d, lineno in enumerate(accepted_lines):
+            try:
+                per_key = {key: self._tokenize_documents([sentences[key][d]])[0] for key in keys}
+            except Exception as err:
+                detail = f"the tokenizer failed ({_describe(err)})"
+                rejected.append(Rejected(chunk.source, lineno, TOKENIZE_FAILED, detail))
+                continue
+            for key in keys:
+                result[key].append(per_key[key])
+        return result, True
+
+    def _tokenize_documents(self, documents: list[list[str]]) -> list[list[list[int]]]:
+        flat = [s for doc in documents for s in doc]
+        ids = self.tokenizer.tokenize_batch(flat) if flat else []
+        out, start = [], 0
+        for doc in documents:
+            out.append(ids[start : start + len(doc)])
+            start += len(doc)
+        return out
+
+    def _accepted_linenos(self, chunk: Chunk, rejected: list[Rejected]) -> list[int]:
+        """Line numbers of the documents that were parsed and split (in order)."""
+        bad = {r.lineno for r in rejected}
+        return [
+            chunk.first_lineno + i
+            for i, raw in enumerate(chunk.lines)
+            if raw.strip() and chunk.first_lineno + i not in bad
+        ]
+
+    def _assemble(self, documents: list[list[list[int]]]) -> KeyTokens:
+        lengths: list[int] = []
+        doc_sequences: list[int] = []
+        doc_tokens: list[int] = []
+        pieces: list[list[int]] = []
+        for doc in documents:
+            kept = [ids for ids in doc if len(ids) > 0]
+            if kept and self.spec.append_eod:
+                kept[-1] = [*kept[-1], self.eod]
+            lengths.extend(len(ids) for ids in kept)
+            doc_sequences.append(len(kept))
+            doc_tokens.append(sum(len(ids) for ids in kept))
+            pieces.extend(kept)
+        total = sum(doc_tokens)
+        tokens = np.fromiter(itertools.chain.from_iterable(pieces), self.dtype, count=total)
+        return KeyTokens(
+            tokens,
+            np.asarray(lengths, dtype=np.int32),
+            np.asarray(doc_sequences, dtype=np.int64),
+            np.asarray(doc_tokens, dtype=np.int64),
+        )
+
+    def _empty_keys(self) -> dict[str, KeyTokens]:
+        return {key: self._assemble([]) for key in self.spec.json_keys}
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text if len(text) < 200 else text[:200] + "..."

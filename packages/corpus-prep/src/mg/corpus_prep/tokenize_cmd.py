@@ -1,0 +1,259 @@
+"""`mg-prep tokenize`: Megatron's tools/preprocess_data.py, streaming and with clear errors.
+
+    mg-prep tokenize --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --append-eod --workers 2
+
+writes `data/corpus_text_document.{bin,idx}`, byte-identical to what Megatron's
+script writes for the same flags. Same flags as Megatron; in addition
+`--input` takes several files, globs and folders (`.jsonl`, `.json`, `.gz`,
+`.zst`), `--sentence-splitter` picks NLTK or spaCy, and `--on-error` decides
+whether a bad line stops the run (default) or is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from mg.corpus_prep.cli import UserError
+from mg.corpus_prep.encoder import EncoderSpec, parse_line
+from mg.corpus_prep.progress import Progress, format_summary, info, warn
+from mg.corpus_prep.reader import InputError, Segment, find_sources, read_lines, split_segments
+from mg.corpus_prep.splitter import SplitterError, SplitterSpec, resolve_splitter
+from mg.corpus_prep.tokenizer_args import (
+    add_tokenizer_args,
+    build_tokenizer_from_config,
+    config_from_args,
+)
+
+
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "tokenize",
+        help="tokenize loose JSON into Megatron .bin/.idx datasets (preprocess_data.py)",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group = parser.add_argument_group("input data")
+    group.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="JSON-lines files (.jsonl/.json, optionally .gz/.zst), glob patterns or folders; "
+        "read in the order given (globs and folders sorted)",
+    )
+    group.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        metavar="KEY",
+        help="keys to take from each JSON object; one output dataset per key (default: text)",
+    )
+    group.add_argument(
+        "--split-sentences", action="store_true", help="split documents into sentences"
+    )
+    group.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="keep the newlines between sentences when splitting",
+    )
+    group.add_argument(
+        "--lang", default="english", help="language for sentence splitting (default: english)"
+    )
+    group.add_argument(
+        "--sentence-splitter",
+        default="nltk",
+        metavar="nltk|spacy:PIPELINE",
+        help="with --split-sentences: NLTK punkt (default, as Megatron) or a spaCy pipeline, "
+        "e.g. spacy:en_core_web_sm (falls back to spacy.blank + sentencizer if not installed)",
+    )
+    add_tokenizer_args(parser)
+    group = parser.add_argument_group("tokenization process")
+    group.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token to each non-empty document",
+    )
+    group = parser.add_argument_group("output data")
+    group.add_argument(
+        "--output-prefix",
+        required=True,
+        help="output path without suffix; writes PREFIX_KEY_{document,sentence}.bin/.idx",
+    )
+    group = parser.add_argument_group("runtime")
+    group.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="tokenizer processes in all (default: the CPUs available, here %(default)s); "
+        "0 tokenizes in the main process",
+    )
+    group.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="cut the input into N contiguous parts processed side by side (each with "
+        "workers/N workers), then merged; the output is the same as with 1",
+    )
+    group.add_argument(
+        "--log-interval",
+        type=int,
+        default=1000,
+        help="print a progress line every N documents (default: 1000)",
+    )
+    group.add_argument(
+        "--on-error",
+        choices=("fail", "skip"),
+        default="fail",
+        help="a bad line (invalid JSON or UTF-8, missing key, non-string value, unreadable "
+        "file): stop with its file:line (fail, default), or skip it and count it (skip)",
+    )
+    group.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="accepted for Megatron compatibility: input order is always kept",
+    )
+    group.add_argument(
+        "--no-progress-bar",
+        dest="progress_bar",
+        action="store_false",
+        default=None,
+        help="no progress bar (it is shown only on a terminal anyway)",
+    )
+    parser.set_defaults(func=run)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.workers < 0:
+        raise UserError(f"--workers {args.workers}: must be 0 or more")
+    if args.partitions < 1:
+        raise UserError(f"--partitions {args.partitions}: must be 1 or more")
+    if args.partitions > 1 and (args.workers < args.partitions or args.workers % args.partitions):
+        raise UserError(
+            f"--workers {args.workers} is not a multiple of --partitions {args.partitions}: "
+            "each partition gets workers/partitions tokenizer processes (Megatron's rule)"
+        )
+    if args.log_interval < 1:
+        raise UserError(f"--log-interval {args.log_interval}: must be 1 or more")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise UserError(f"--json-keys {' '.join(args.json_keys)}: a key is named twice")
+
+
+def _corpus_sample(segments: list[Segment], key: str):
+    """A reader of the first n characters of `key` texts, to train Punkt on if needed."""
+
+    def sample(limit: int) -> str:
+        parts, size = [], 0
+        for segment in segments:
+            for _, raw in read_lines(segment):
+                document = parse_line(raw, (key,))
+                if isinstance(document, dict):
+                    value = document[key]
+                    text = value if isinstance(value, str) else " ".join(value)
+                    parts.append(text)
+                    size += len(text)
+                    if size >= limit:
+                        return "\n\n".join(parts)[:limit]
+        return "\n\n".join(parts)
+
+    return sample
+
+
+def _splitter_spec(args: argparse.Namespace, segments: list[Segment]) -> SplitterSpec:
+    if not args.split_sentences:
+        if args.sentence_splitter != "nltk":
+            warn("--sentence-splitter has no effect without --split-sentences")
+        return SplitterSpec("none")
+    try:
+        return resolve_splitter(
+            args.sentence_splitter,
+            args.lang,
+            args.keep_newlines,
+            _corpus_sample(segments, args.json_keys[0]),
+            warn,
+        )
+    except SplitterError as err:
+        raise UserError(str(err)) from err
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_numbers(args)
+    try:
+        sources = find_sources(args.input)
+    except InputError as err:
+        raise UserError(str(err)) from err
+    if not sources:
+        raise UserError("--input names no files")
+    config = config_from_args(args)
+    tokenizer = build_tokenizer_from_config(config)
+    if args.append_eod and tokenizer.eod is None:
+        raise UserError(f"--append-eod: the {args.tokenizer_type} tokenizer has no eod token")
+    if args.tokenizer_type.lower().startswith("bert") and not args.split_sentences:
+        warn("a BERT tokenizer without --split-sentences: each document is one sequence")
+    from mg.indexed_dataset.format import best_dtype
+
+    dtype = best_dtype(tokenizer.vocab_size)
+    segments = [Segment(source) for source in sources]
+    spec = EncoderSpec(
+        json_keys=tuple(args.json_keys),
+        append_eod=args.append_eod,
+        tokenizer_config=config,
+        splitter=_splitter_spec(args, segments),
+        dtype=dtype.name,
+    )
+    level = "sentence" if args.split_sentences else "document"
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    total = sum(s.size for s in sources) if all(s.compression == "none" for s in sources) else None
+    info(
+        f"mg-prep tokenize: {len(sources)} input file(s), {args.tokenizer_type} "
+        f"(vocab {tokenizer.vocab_size:,}, {dtype.name}), {args.workers} worker(s)"
+        + (f" in {args.partitions} partitions" if args.partitions > 1 else "")
+    )
+    progress = Progress(total, args.log_interval, args.progress_bar)
+    try:
+        stats, outputs = _tokenize(args, sources, spec, level, dtype, progress)
+    finally:
+        elapsed = progress.close()
+    info(format_summary(stats, elapsed, outputs, dtype.name))
+    return 0
+
+
+def _tokenize(args, sources, spec, level, dtype, progress):
+    from mg.corpus_prep.partitions import PartitionFailedError, run_partitioned
+    from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError, tokenize_segments
+    from mg.corpus_prep.writer import DatasetWriter
+
+    try:
+        if args.partitions == 1:
+            with DatasetWriter(args.output_prefix, spec.json_keys, level, dtype) as writer:
+                stats = tokenize_segments(
+                    [Segment(s) for s in sources],
+                    spec,
+                    args.workers,
+                    writer,
+                    args.on_error,
+                    lambda c: progress.update(c.documents, c.nbytes, c.tokens),
+                )
+                return stats, writer.finalize()
+        return run_partitioned(
+            split_segments(sources, args.partitions),
+            spec,
+            args.workers // args.partitions,
+            args.output_prefix,
+            level,
+            dtype,
+            args.on_error,
+            progress.update,
+        )
+    except (LineRejectedError, PartitionFailedError, WorkerDiedError) as err:
+        raise UserError(str(err)) from err
