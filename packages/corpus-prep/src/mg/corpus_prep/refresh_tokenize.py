@@ -1,0 +1,124 @@
+"""How `mg-prep refresh` uses `mg-prep tokenize`: its flags, its run, its fingerprint.
+
+Refresh takes every tokenize flag except ``--input`` and ``--output-prefix``
+(those are per input file) and runs tokenize's own `run` once per file, in
+process, so a shard is byte for byte what ``mg-prep tokenize --input FILE``
+writes.
+
+The fingerprint says which tokens the flags produce: it covers every flag
+that changes the output and, for flags naming files (vocab.json, merges.txt,
+a SentencePiece model, a Hugging Face folder), the sha256 of their content,
+so replacing a vocabulary file in place also counts as a new tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from typing import Any
+
+from mg.corpus_prep import tokenize_cmd
+from mg.corpus_prep.refresh_plan import sha256_of_file
+
+# Per-file flags that refresh sets itself.
+PER_FILE = ("input", "output_prefix")
+# Flags that change how fast tokens are made, not which. (--on-error too: a file that
+# went through with "fail" has no bad lines, so "skip" would give the same tokens.)
+NOT_IN_FINGERPRINT = {
+    "on_error",
+    "workers",
+    "partitions",
+    "log_interval",
+    "progress_bar",
+    "keep_sequential_samples",
+    "legacy_tokenizer",
+}
+
+
+def _tokenize_parser() -> argparse.ArgumentParser:
+    """tokenize's own parser, built by its `register`."""
+    holder = argparse.ArgumentParser(add_help=False).add_subparsers()
+    tokenize_cmd.register(holder)
+    return holder.choices["tokenize"]
+
+
+def add_tokenize_arguments(parser: argparse.ArgumentParser) -> list[str]:
+    """Give `parser` tokenize's flags (minus the per-file ones); return their dests.
+
+    argparse has no public way to copy some of another parser's options, so
+    this does what its ``parents=`` does, action by action, skipping
+    ``--input``, ``--output-prefix`` and ``--help``. (A public
+    ``tokenize_cmd.add_tokenize_arguments`` would make this a one-liner.)
+    """
+    source = _tokenize_parser()
+    dests = []
+    for source_group in source._action_groups:
+        actions = [
+            action
+            for action in source_group._group_actions
+            if action.dest not in PER_FILE and not isinstance(action, argparse._HelpAction)
+        ]
+        if not actions:
+            continue
+        group = parser.add_argument_group(f"tokenize: {source_group.title}")
+        for action in actions:
+            group._add_action(action)
+            dests.append(action.dest)
+    parser.set_defaults(**{k: v for k, v in source._defaults.items() if k != "func"})
+    return dests
+
+
+def tokenize_file(args: argparse.Namespace, path: str, output_prefix: str) -> None:
+    """`mg-prep tokenize --input path --output-prefix output_prefix <the other flags>`."""
+    per_file = argparse.Namespace(**vars(args))
+    per_file.input = [path]
+    per_file.output_prefix = output_prefix
+    status = tokenize_cmd.run(per_file)
+    if status:
+        raise RuntimeError(f"mg-prep tokenize exited with status {status} on {path}")
+
+
+def dataset_names(args: argparse.Namespace) -> list[str]:
+    """The `{key}_{level}` suffixes tokenize writes for these flags."""
+    level = "sentence" if args.split_sentences else "document"
+    return [f"{key}_{level}" for key in args.json_keys]
+
+
+def _content_hash(path: str) -> str:
+    if os.path.isdir(path):
+        digest = hashlib.sha256()
+        for folder, subfolders, names in os.walk(path):
+            subfolders.sort()
+            for name in sorted(names):
+                full = os.path.join(folder, name)
+                digest.update(os.path.relpath(full, path).encode() + b"\0")
+                digest.update(sha256_of_file(full).encode())
+        return digest.hexdigest()
+    return sha256_of_file(path)
+
+
+def output_options(args: argparse.Namespace, dests: list[str]) -> dict[str, Any]:
+    """The flags that decide the tokens, files replaced by ``{"path", "sha256"}``."""
+    options: dict[str, Any] = {}
+    for dest in sorted(dests):
+        if dest in NOT_IN_FINGERPRINT:
+            continue
+        value = getattr(args, dest, None)
+        if isinstance(value, str) and dest != "tokenizer_type" and os.path.exists(value):
+            value = {"path": os.path.abspath(value), "sha256": _content_hash(value)}
+        options[dest] = value
+    return options
+
+
+def fingerprint(options: dict[str, Any]) -> str:
+    """sha256 of the options, minus file paths (moving a vocab file is not a new tokenizer)."""
+
+    def without_paths(value: Any) -> Any:
+        if isinstance(value, dict) and set(value) == {"path", "sha256"}:
+            return value["sha256"]
+        return value
+
+    canonical = {key: without_paths(value) for key, value in options.items()}
+    return hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
