@@ -1,0 +1,88 @@
+"""`mg-prep merge`: Megatron's tools/merge_datasets.py, for folders and explicit prefixes.
+
+    mg-prep merge --input data/parts --output-prefix data/corpus_text_document
+
+A folder contributes every `.bin`/`.idx` pair in it in sorted name order,
+as Megatron merges a folder; a prefix (or a `.bin`/`.idx` path) contributes
+that one dataset. Inputs are merged in the order given. All inputs must hold
+tokens of one dtype; the output appears only once it is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from mg.corpus_prep.cli import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "merge",
+        help="concatenate indexed datasets (merge_datasets.py)",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="DIR|PREFIX",
+        help="folders of datasets (merged in sorted order) and/or dataset prefixes",
+    )
+    parser.add_argument("--output-prefix", required=True, help="output path without .bin/.idx")
+    parser.add_argument(
+        "--multimodal", action="store_true", help="the datasets carry sequence modes"
+    )
+    parser.set_defaults(func=run)
+
+
+def _strip_suffix(path: str) -> str:
+    root, extension = os.path.splitext(path)
+    return root if extension in (".bin", ".idx") else path
+
+
+def resolve_inputs(inputs: list[str], output_prefix: str) -> list[str]:
+    """The dataset prefixes to merge, in order; a folder's own copy of the output is left out."""
+    from mg.indexed_dataset.format import IndexedDatasetError, list_dataset_prefixes
+
+    output = os.path.abspath(output_prefix)
+    prefixes: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            try:
+                found = list_dataset_prefixes(item)
+            except IndexedDatasetError as err:
+                raise UserError(str(err)) from err
+            found = [p for p in found if os.path.abspath(p) != output]
+            if not found:
+                raise UserError(f"{item}: the folder holds no .bin/.idx datasets")
+            prefixes.extend(found)
+            continue
+        prefix = _strip_suffix(item)
+        missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+        if missing:
+            raise UserError(
+                f"{item}: not a folder or a dataset prefix ({', '.join(missing)} not found)"
+            )
+        prefixes.append(prefix)
+    return prefixes
+
+
+def run(args: argparse.Namespace) -> int:
+    from mg.indexed_dataset.format import IndexedDataset, IndexedDatasetError, merge_datasets
+
+    prefixes = resolve_inputs(args.input, args.output_prefix)
+    output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(output_dir, exist_ok=True)
+    try:
+        merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
+        with IndexedDataset(args.output_prefix, multimodal=args.multimodal) as merged:
+            documents, sequences, tokens = merged.num_documents, len(merged), merged.num_tokens
+            dtype = merged.dtype.name
+    except IndexedDatasetError as err:
+        raise UserError(str(err)) from err
+    print(
+        f"mg-prep merge: {len(prefixes)} datasets -> {args.output_prefix}.bin/.idx: "
+        f"{documents:,} documents, {sequences:,} sequences, {tokens:,} tokens ({dtype})"
+    )
+    return 0
