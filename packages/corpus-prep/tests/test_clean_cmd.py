@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 import random
@@ -10,6 +11,8 @@ import pytest
 import zstandard
 
 from mg.core.fixtures import fixture_path
+from mg.corpus_prep.clean_cmd import add_cleaning_arguments, cleaning_options
+from mg.corpus_prep.cleaning import CleanOptions
 from mg.corpus_prep.cli import main
 
 
@@ -145,3 +148,19 @@ def test_compressed_input_and_output_multiple_keys(tmp_path):
         {"title": "A 'title'", "text": "Body one"},
         {"title": "A title", "text": "Body two"},
     ]
+
+
+def test_cleaning_flags_for_another_command_are_opt_in():
+    parser = argparse.ArgumentParser()
+    add_cleaning_arguments(parser, enabled_by_default=False)
+    assert cleaning_options(parser.parse_args([])) is None
+    assert cleaning_options(parser.parse_args(["--clean"])) == CleanOptions()
+    filters_only = cleaning_options(parser.parse_args(["--min-words", "5", "--dedup", "exact"]))
+    assert filters_only == CleanOptions(
+        repair=False,
+        normalization="none",
+        punctuation=False,
+        whitespace=False,
+        min_words=5,
+        dedup="exact",
+    )
