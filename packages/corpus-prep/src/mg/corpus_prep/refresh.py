@@ -33,7 +33,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -274,12 +274,7 @@ def _record(file: InputFile, stem: str, shards_dir: str, datasets: list[str]) ->
 
 def _content(manifest: Manifest) -> str:
     """The manifest without its generation stamp, to tell whether anything changed."""
-    generation, published_at = manifest.generation, manifest.published_at
-    manifest.generation, manifest.published_at = 0, ""
-    try:
-        return manifest.to_json()
-    finally:
-        manifest.generation, manifest.published_at = generation, published_at
+    return replace(manifest, generation=0, published_at="").to_json()
 
 
 def _publish_blends(manifest: Manifest, output_dir: str) -> None:
