@@ -298,8 +298,13 @@ def test_kill_9_mid_tokenization_leaves_no_partial_files(tmp_path):
     refresh(config(tmp_path), build)
     before = published_state(tmp_path)
     add_file(tmp_path, "big.jsonl", [f"document {i}" for i in range(400)])
-    process = start_runner(tmp_path, FAKE_TOKENIZER_DELAY="0.01")
-    time.sleep(1.5)  # well inside the ~4 s of tokenizing
+    process = start_runner(tmp_path, FAKE_TOKENIZER_DELAY="0.01")  # ~4 s of tokenizing
+    staging = tmp_path / "out" / ".staging"
+    deadline = time.monotonic() + 60
+    while not (staging.exists() and os.listdir(staging)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the builder is writing tokens now
+    assert process.poll() is None, "the run finished before it could be killed"
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert published_state(tmp_path) == before
