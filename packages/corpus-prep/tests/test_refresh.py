@@ -255,8 +255,12 @@ def start_runner(tmp_path, lock_timeout=60.0, **env) -> subprocess.Popen:
 
 
 def wait_for_pause(process: subprocess.Popen, stage: str) -> None:
-    line = process.stderr.readline()
-    assert line.strip() == f"refresh: paused at {stage}", line + process.stderr.read()
+    seen = []
+    for line in process.stderr:
+        if line.strip() == f"refresh: paused at {stage}":
+            return
+        seen.append(line)
+    raise AssertionError(f"the refresh never paused at {stage}:\n{''.join(seen)}")
 
 
 @pytest.mark.parametrize("stage", ["shard-built", "shards-moved", "blend-written"])
