@@ -1,0 +1,281 @@
+"""`TransformerConfig`: the shape of a decoder, named as Megatron names it.
+
+Field names follow Megatron-LM's flags (`--num-layers` → `num_layers`, ...), so a
+trainer can map flags onto this dataclass one to one and a checkpoint can record
+it as plain JSON (`to_dict` / `from_dict`). Optional fields that Megatron derives
+(`ffn_hidden_size`, `kv_channels`, `num_query_groups`, `max_position_embeddings`)
+are filled in `__post_init__` with Megatron's rules, and the result is validated
+right away, so an invalid shape fails where it is written, not deep in a forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
+Normalization = Literal["LayerNorm", "RMSNorm"]
+Activation = Literal["gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu"]
+AttentionBackend = Literal["sdpa", "flash", "te"]
+
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+ATTENTION_BACKENDS = ("sdpa", "flash", "te")
+
+
+class ConfigError(ValueError):
+    """An invalid model configuration; the message names the field and the fix."""
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3.1 style RoPE frequency scaling (HF `rope_type: "llama3"`).
+
+    Defaults are Llama 3.1's, which are also the values Megatron-Core hard-codes
+    behind its `--use-rope-scaling` / `--rope-scaling-factor` flags.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron-LM's default FFN width with `--swiglu`: 2/3 of 4h, rounded down to 64.
+
+    Two input projections (gate and up) keep the parameter count close to the
+    plain 4h MLP; the multiple of 64 keeps tensor-parallel shards aligned.
+    (`megatron/training/arguments.py`: `int((4 * h * 2 / 3) / 64) * 64`.)
+    """
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def pad_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_parallel_size: int = 1
+) -> int:
+    """Megatron's padded vocabulary: round up to a multiple of `divisible_by · TP`."""
+    multiple = make_vocab_size_divisible_by * tensor_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass
+class TransformerConfig:
+    """A GPT-style decoder (GPT-2, Llama 2/3, Mistral are values of this).
+
+    Defaults are Megatron-LM's defaults (biases on, LayerNorm, GELU, learned
+    positions, dropout 0.1, init std 0.02), so a config written from
+    Megatron flags means what it meant there.
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    """Embedding rows: the *padded* vocabulary (see `pad_vocab_size`)."""
+
+    ffn_hidden_size: int | None = None
+    """MLP width; default 4h, or `swiglu_ffn_hidden_size(h)` with a gated activation."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None means one per head (MHA)."""
+    kv_channels: int | None = None
+    """Per-head dimension; default hidden_size // num_attention_heads."""
+
+    seq_length: int = 1024
+    max_position_embeddings: int | None = None
+    """Positions the model supports; default seq_length (as Megatron-LM does)."""
+    position_embedding_type: PositionEmbeddingType = "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates (the first ones)."""
+    rope_scaling: RopeScaling | None = None
+
+    normalization: Normalization = "LayerNorm"
+    layernorm_epsilon: float = 1e-5
+    activation: Activation = "gelu"
+    """MLP activation. "gelu" is the exact (erf) GELU, Megatron's `F.gelu`;
+    "gelu_tanh" is the tanh approximation GPT-2 was trained with (HF "gelu_new")
+    and also what Megatron's fused bias-GELU kernel computes. "swiglu"/"geglu" are
+    gated: linear_fc1 produces [gate; up] and the MLP computes act(gate) * up."""
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    """Bias on linear_qkv only (Qwen-style), with add_bias_linear False."""
+    untie_embeddings_and_output_weights: bool = False
+
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention as (left, right), flash-attn's convention: query i
+    sees keys i-left .. i+right. A decoder needs right == 0. HF Mistral's
+    `sliding_window = W` is (W - 1, 0)."""
+    attention_backend: AttentionBackend = "sdpa"
+
+    init_method_std: float = 0.02
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+
+    # Reserved: MoE arrives together with expert parallelism.
+    num_moe_experts: int | None = None
+    moe_router_topk: int = 2
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form notes carried along with the config (e.g. the HF architecture)."""
+
+    def __post_init__(self) -> None:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if (
+            self.kv_channels is None
+            and self.num_attention_heads
+            and self.hidden_size % self.num_attention_heads == 0
+        ):
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = (
+                swiglu_ffn_hidden_size(self.hidden_size)
+                if self.activation in GATED_ACTIVATIONS
+                else 4 * self.hidden_size
+            )
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.window_size is not None:
+            self.window_size = tuple(self.window_size)  # JSON gives a list
+        self.validate()
+
+    # Derived quantities, named as Megatron's code names them.
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """True for SwiGLU/GeGLU: linear_fc1 is twice as wide ([gate; up])."""
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def swiglu(self) -> bool:
+        """Megatron-LM's `--swiglu` flag."""
+        return self.activation == "swiglu"
+
+    @property
+    def query_projection_size(self) -> int:
+        return self.kv_channels * self.num_attention_heads
+
+    @property
+    def kv_projection_size(self) -> int:
+        return self.kv_channels * self.num_query_groups
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels per head that RoPE rotates (Megatron: int(kv_channels · percent))."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    def validate(self) -> None:
+        """Raise `ConfigError` with a Megatron-like message for an invalid shape."""
+
+        def fail(name: str, message: str) -> None:
+            raise ConfigError(f"TransformerConfig.{name}: {message}")
+
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                fail(name, f"must be a positive integer, got {value!r}")
+        if self.kv_channels is None:
+            fail(
+                "hidden_size",
+                f"hidden size ({self.hidden_size}) is not divisible by the number of "
+                f"attention heads ({self.num_attention_heads}); change one of them or "
+                "set kv_channels explicitly",
+            )
+        for name in ("num_query_groups", "kv_channels", "ffn_hidden_size", "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                fail(name, f"must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_query_groups != 0:
+            fail(
+                "num_query_groups",
+                f"number of attention heads ({self.num_attention_heads}) must be a multiple "
+                f"of the number of query groups ({self.num_query_groups})",
+            )
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            fail(
+                "position_embedding_type",
+                f"{self.position_embedding_type!r} is not one of {POSITION_EMBEDDING_TYPES}",
+            )
+        if self.max_position_embeddings < self.seq_length:
+            fail(
+                "max_position_embeddings",
+                f"sequence length ({self.seq_length}) is longer than the maximum number of "
+                f"position embeddings ({self.max_position_embeddings}); raise "
+                "max_position_embeddings or shorten seq_length",
+            )
+        if not 0.0 < self.rotary_percent <= 1.0:
+            fail("rotary_percent", f"must be in (0, 1], got {self.rotary_percent}")
+        if self.position_embedding_type == "rope":
+            if self.rotary_dim < 2 or self.rotary_dim % 2:
+                fail(
+                    "rotary_percent",
+                    f"RoPE rotates int(kv_channels · rotary_percent) = {self.rotary_dim} "
+                    "channels per head, which must be even and at least 2",
+                )
+            if self.rotary_base <= 0:
+                fail("rotary_base", f"must be positive, got {self.rotary_base}")
+        if self.rope_scaling is not None:
+            if self.position_embedding_type != "rope":
+                fail("rope_scaling", "only applies with position_embedding_type='rope'")
+            s = self.rope_scaling
+            if s.factor <= 0 or s.high_freq_factor <= s.low_freq_factor:
+                fail(
+                    "rope_scaling",
+                    "needs factor > 0 and high_freq_factor > low_freq_factor, got "
+                    f"{dataclasses.asdict(s)}",
+                )
+        if self.normalization not in NORMALIZATIONS:
+            fail("normalization", f"{self.normalization!r} is not one of {NORMALIZATIONS}")
+        if self.layernorm_epsilon <= 0:
+            fail("layernorm_epsilon", f"must be positive, got {self.layernorm_epsilon}")
+        if self.activation not in ACTIVATIONS:
+            fail("activation", f"{self.activation!r} is not one of {ACTIVATIONS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            fail(
+                "attention_backend",
+                f"{self.attention_backend!r} is not one of {ATTENTION_BACKENDS}",
+            )
+        if self.window_size is not None:
+            if len(self.window_size) != 2:
+                fail("window_size", f"must be a pair (left, right), got {self.window_size!r}")
+            left, right = self.window_size
+            if right != 0 or left < 0:
+                fail(
+                    "window_size",
+                    f"a causal decoder needs (left >= 0, right == 0), got {self.window_size}; "
+                    "HF Mistral's sliding_window=W is window_size=(W - 1, 0)",
+                )
+        for name in ("attention_dropout", "hidden_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                fail(name, f"must be in [0, 1), got {value}")
+        if self.init_method_std <= 0:
+            fail("init_method_std", f"must be positive, got {self.init_method_std}")
+        if self.num_moe_experts is not None:
+            fail(
+                "num_moe_experts",
+                "MoE arrives with expert parallelism and is not supported yet; "
+                "leave num_moe_experts unset (None)",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (nested RopeScaling as a dict, window_size as a list)."""
+        out = dataclasses.asdict(self)
+        if self.window_size is not None:
+            out["window_size"] = list(self.window_size)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        """Inverse of `to_dict`; unknown keys are an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"TransformerConfig: unknown fields {unknown}")
+        return cls(**data)

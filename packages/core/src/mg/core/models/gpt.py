@@ -1,0 +1,297 @@
+"""The GPT decoder: GPT-2, Llama 2/3 and Mistral are configurations of this one model.
+
+Read top to bottom: embedding → N × TransformerLayer → final norm → output layer.
+
+    TransformerLayer (pre-norm):
+        x = x + dropout(linear_proj(core_attention(rope(split(linear_qkv(input_layernorm(x)))))))
+        x = x + dropout(linear_fc2(act(linear_fc1(pre_mlp_layernorm(x)))))
+
+Module and parameter names are Megatron-Core's GPTModel names with its *local*
+layer spec (`get_gpt_layer_local_spec`): the norms are separate modules
+(`decoder.layers.{i}.input_layernorm.weight`), not fused into linear_qkv as
+`linear_qkv.layer_norm_weight` the way the Transformer Engine spec names them.
+So a state dict of this model is a state dict of Megatron's (minus the
+`_extra_state` entries TE/Megatron add), which keeps checkpoint conversion a
+matter of layout only. Activations are [batch, seq, hidden] (Megatron uses
+[seq, batch, hidden] internally; that never shows in the weights).
+
+Plain PyTorch: no process groups, no parallelism. Tensor/sequence/pipeline
+parallelism, recompute and compile are applied to a built model from outside
+(`model.decoder.layers` is the nn.ModuleList they work on). The model builds on
+the meta device: `with torch.device("meta"): m = GPTModel(cfg)`, then
+`m.to_empty(device=...)` and `m.init_weights()`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mg.core.models.config import TransformerConfig
+from mg.core.models.core_attention import build_core_attention
+from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
+
+
+def build_norm(config: TransformerConfig) -> nn.Module:
+    """LayerNorm (weight and bias) or RMSNorm (weight only), as Megatron's spec picks."""
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+def _init_linear(linear: nn.Linear, std: float) -> None:
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Token embedding, plus learned absolute positions for GPT-2-style models."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.position_embedding_type == "learned_absolute"
+            else None
+        )
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=std)
+        if self.position_embeddings is not None:
+            nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=std)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        hidden = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            hidden = hidden + self.position_embeddings(position_ids)
+        return self.embedding_dropout(hidden)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV projection → RoPE → core attention → output projection.
+
+    linear_qkv layout (Megatron-Core's): output rows are grouped by query
+    group, and each group holds its query heads, then its key head, then its
+    value head:
+
+        [ q(g0,h0) .. q(g0,h{n-1}) k(g0) v(g0) | q(g1,h0) .. k(g1) v(g1) | ... ]
+
+    with n = heads / groups and each block kv_channels rows. Tensor parallelism
+    splits this tensor along dim 0 into whole groups, which is why Megatron
+    interleaves instead of stacking [all q; all k; all v].
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_groups = config.num_query_groups
+        self.head_dim = config.kv_channels
+        qkv_size = config.query_projection_size + 2 * config.kv_projection_size
+        self.linear_qkv = nn.Linear(
+            config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias
+        )
+        self.core_attention = build_core_attention(config, layer_number)
+        self.linear_proj = nn.Linear(
+            config.query_projection_size, config.hidden_size, bias=config.add_bias_linear
+        )
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        _init_linear(self.linear_qkv, std)
+        _init_linear(self.linear_proj, output_std)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        rotary: tuple[Tensor, Tensor] | None,
+        attention_mask: Tensor | None,
+    ) -> Tensor:
+        b, s, _ = hidden.shape
+        heads_per_group = self.num_heads // self.num_groups
+        qkv = self.linear_qkv(hidden).view(
+            b, s, self.num_groups, heads_per_group + 2, self.head_dim
+        )
+        query, key, value = qkv.split([heads_per_group, 1, 1], dim=3)
+        query = query.reshape(b, s, self.num_heads, self.head_dim)
+        key = key.reshape(b, s, self.num_groups, self.head_dim)
+        value = value.reshape(b, s, self.num_groups, self.head_dim)
+        if rotary is not None:
+            query = apply_rotary_pos_emb(query, *rotary)
+            key = apply_rotary_pos_emb(key, *rotary)
+        context = self.core_attention(query, key, value, attention_mask=attention_mask)
+        return self.linear_proj(context)
+
+
+def _squared_relu(x: Tensor) -> Tensor:
+    return F.relu(x).square()
+
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,  # exact (erf) GELU: Megatron's default activation_func
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
+    "relu": F.relu,
+    "squared_relu": _squared_relu,
+    "swiglu": F.silu,  # applied to the gate half
+    "geglu": F.gelu,
+}
+
+
+class MLP(nn.Module):
+    """linear_fc1 → activation → linear_fc2.
+
+    With a gated activation (SwiGLU/GeGLU) linear_fc1 has 2·ffn rows stacked
+    as [gate; up] (Megatron's order: `torch.chunk(x, 2)` gives gate first), and
+    the MLP computes act(gate) * up. HF Llama keeps them as gate_proj / up_proj.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.gated = config.gated_linear_unit
+        fc1_size = config.ffn_hidden_size * (2 if self.gated else 1)
+        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_size, bias=config.add_bias_linear)
+        self.activation = _ACTIVATIONS[config.activation]
+        self.linear_fc2 = nn.Linear(
+            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear
+        )
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        _init_linear(self.linear_fc1, std)
+        _init_linear(self.linear_fc2, output_std)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        hidden = self.linear_fc1(hidden)
+        if self.gated:
+            gate, up = hidden.chunk(2, dim=-1)
+            hidden = self.activation(gate) * up
+        else:
+            hidden = self.activation(hidden)
+        return self.linear_fc2(hidden)
+
+
+class TransformerLayer(nn.Module):
+    """One pre-norm decoder layer; `layer_number` is 1-based as in Megatron."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.input_layernorm = build_norm(config)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = MLP(config)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        self.input_layernorm.reset_parameters()
+        self.pre_mlp_layernorm.reset_parameters()
+        self.self_attention.init_weights(std, output_std)
+        self.mlp.init_weights(std, output_std)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
+        hidden = hidden + self.hidden_dropout(attention)
+        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+
+
+class TransformerBlock(nn.Module):
+    """The layer stack and the final norm (Megatron's `decoder`)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, layer_number=i + 1) for i in range(config.num_layers)
+        )
+        self.final_layernorm = build_norm(config)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, attention_mask)
+        return self.final_layernorm(hidden)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only language model.
+
+    With tied embeddings (the default, as in Megatron) there is no
+    `output_layer` parameter: the logits use `embedding.word_embeddings.weight`,
+    and the state dict has no `output_layer.weight`, as in Megatron's `torch`
+    checkpoints with a single pipeline stage.
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embedding = LanguageModelEmbedding(config)
+        self.rotary_pos_emb = (
+            RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
+        )
+        self.decoder = TransformerBlock(config)
+        self.output_layer = (
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.untie_embeddings_and_output_weights
+            else None
+        )
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Megatron's init: N(0, σ) everywhere, N(0, σ/√(2L)) for the projections
+        that write into the residual stream (linear_proj, linear_fc2), norms at
+        weight 1 / bias 0, biases 0. Seed with torch.manual_seed beforehand."""
+        std = self.config.init_method_std
+        output_std = std / math.sqrt(2.0 * self.config.num_layers)
+        self.embedding.init_weights(std)
+        for layer in self.decoder.layers:
+            layer.init_weights(std, output_std)
+        self.decoder.final_layernorm.reset_parameters()
+        if self.output_layer is not None:
+            nn.init.normal_(self.output_layer.weight, mean=0.0, std=std)
+
+    def output_weight(self) -> Tensor:
+        """The [vocab, hidden] matrix that produces logits (shared or own)."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        """input_ids [b, s] → logits [b, s, vocab], or, with labels [b, s], the
+        per-token cross-entropy [b, s] in fp32 (unreduced, as Megatron returns it:
+        the trainer applies the loss mask and averages).
+
+        position_ids default to 0..s-1 per row. attention_mask is optional, bool,
+        broadcastable to [b, 1, s, s], True = may not attend (Megatron's
+        convention); it is applied on top of the causal mask.
+        """
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        hidden = self.embedding(input_ids, position_ids)
+        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
+        hidden = self.decoder(hidden, rotary, attention_mask)
+        logits = F.linear(hidden, self.output_weight())
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        ).view(b, s)
