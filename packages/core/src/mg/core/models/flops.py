@@ -60,15 +60,8 @@ def num_floating_point_operations(
     k = 1  # dense; MoE (router top-k) arrives with expert parallelism
     gamma = 1.5 if c.gated_linear_unit else 1.0
     ffn = c.ffn_hidden_size
-    layers_term = (
-        12
-        * batch_size
-        * s
-        * c.num_layers
-        * h
-        * h
-        * ((1 + g + s / (2 * h)) * q + (ffn / h) * k * gamma)
-    )
+    per_layer_h2 = (1 + g + s / (2 * h)) * q + (ffn / h) * k * gamma
+    layers_term = 12 * batch_size * s * c.num_layers * h**2 * per_layer_h2
     logits_term = 6 * batch_size * s * h * c.vocab_size
     return float(layers_term + logits_term)
 

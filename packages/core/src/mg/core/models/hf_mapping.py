@@ -1,0 +1,479 @@
+"""Hugging Face ↔ Megatron-Core names and layouts for the GPT family, as data.
+
+One `HFArchitecture` table per HF `model_type` lists which HF tensors make each
+Megatron tensor and how (`layout`). The functions below only interpret the
+tables, so another architecture (Qwen2, Mixtral with an `{e}` expert index) is
+one more table, not more code paths. Both directions are exact: no arithmetic,
+only transposes, concatenations and row permutations, so a round trip
+reproduces every tensor bit for bit.
+
+Layouts:
+  "copy"     same tensor (transposed first with `transpose=True`: GPT-2's
+             Conv1D stores weights as [in, out], nn.Linear as [out, in]).
+  "qkv"      HF (q, k, v) separately, or one [q; k; v] stack (GPT-2 c_attn)
+             ↔ Megatron's fused linear_qkv, interleaved per query group:
+             [q heads of group 0, k0, v0, q heads of group 1, k1, v1, ...].
+  "gate_up"  HF (gate, up) ↔ Megatron's linear_fc1 = [gate; up].
+
+Rules whose HF tensors are all absent are skipped (optional biases); a rule
+with some of its tensors present is an error, and so is any tensor that no
+rule consumes, so a silent partial conversion cannot happen. Vocabulary
+padding (Megatron's padded vocab vs HF's) is left to the converter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mg.core.models.config import RopeScaling, TransformerConfig
+
+# Weight tables ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """One Megatron tensor and the HF tensors it is made of. `{i}` is the layer index."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    layout: str = "copy"
+    transpose: bool = False
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    model_type: str
+    hf_class: str
+    rules: tuple[WeightRule, ...]
+    ignored_hf: tuple[str, ...] = ()
+    """Regexes of HF state-dict keys that are buffers, not weights."""
+
+
+def _rule(megatron: str, *hf: str, layout: str = "copy", transpose: bool = False) -> WeightRule:
+    return WeightRule(megatron, tuple(hf), layout, transpose)
+
+
+_L = "decoder.layers.{i}."
+
+GPT2 = HFArchitecture(
+    model_type="gpt2",
+    hf_class="GPT2LMHeadModel",
+    rules=(
+        _rule("embedding.word_embeddings.weight", "transformer.wte.weight"),
+        _rule("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+        *(
+            rule
+            for part in ("weight", "bias")
+            for rule in (
+                _rule(_L + f"input_layernorm.{part}", f"transformer.h.{{i}}.ln_1.{part}"),
+                _rule(
+                    _L + f"self_attention.linear_qkv.{part}",
+                    f"transformer.h.{{i}}.attn.c_attn.{part}",
+                    layout="qkv",
+                    transpose=part == "weight",
+                ),
+                _rule(
+                    _L + f"self_attention.linear_proj.{part}",
+                    f"transformer.h.{{i}}.attn.c_proj.{part}",
+                    transpose=part == "weight",
+                ),
+                _rule(_L + f"pre_mlp_layernorm.{part}", f"transformer.h.{{i}}.ln_2.{part}"),
+                _rule(
+                    _L + f"mlp.linear_fc1.{part}",
+                    f"transformer.h.{{i}}.mlp.c_fc.{part}",
+                    transpose=part == "weight",
+                ),
+                _rule(
+                    _L + f"mlp.linear_fc2.{part}",
+                    f"transformer.h.{{i}}.mlp.c_proj.{part}",
+                    transpose=part == "weight",
+                ),
+                _rule(f"decoder.final_layernorm.{part}", f"transformer.ln_f.{part}"),
+            )
+        ),
+        _rule("output_layer.weight", "lm_head.weight"),
+    ),
+    ignored_hf=(r"\.attn\.bias$", r"\.attn\.masked_bias$"),
+)
+
+_H = "model.layers.{i}."
+
+LLAMA = HFArchitecture(
+    model_type="llama",
+    hf_class="LlamaForCausalLM",
+    rules=(
+        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+        _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight"),
+        *(
+            rule
+            for part in ("weight", "bias")  # biases: Llama attention_bias/mlp_bias, Qwen2
+            for rule in (
+                _rule(
+                    _L + f"self_attention.linear_qkv.{part}",
+                    _H + f"self_attn.q_proj.{part}",
+                    _H + f"self_attn.k_proj.{part}",
+                    _H + f"self_attn.v_proj.{part}",
+                    layout="qkv",
+                ),
+                _rule(_L + f"self_attention.linear_proj.{part}", _H + f"self_attn.o_proj.{part}"),
+                _rule(
+                    _L + f"mlp.linear_fc1.{part}",
+                    _H + f"mlp.gate_proj.{part}",
+                    _H + f"mlp.up_proj.{part}",
+                    layout="gate_up",
+                ),
+                _rule(_L + f"mlp.linear_fc2.{part}", _H + f"mlp.down_proj.{part}"),
+            )
+        ),
+        _rule(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight"),
+        _rule("decoder.final_layernorm.weight", "model.norm.weight"),
+        _rule("output_layer.weight", "lm_head.weight"),
+    ),
+    ignored_hf=(r"\.rotary_emb\.inv_freq$",),
+)
+
+MISTRAL = dataclasses.replace(LLAMA, model_type="mistral", hf_class="MistralForCausalLM")
+
+ARCHITECTURES: dict[str, HFArchitecture] = {a.model_type: a for a in (GPT2, LLAMA, MISTRAL)}
+
+
+def get_architecture(arch: HFArchitecture | str) -> HFArchitecture:
+    if isinstance(arch, HFArchitecture):
+        return arch
+    try:
+        return ARCHITECTURES[arch]
+    except KeyError:
+        raise ValueError(
+            f"no HF mapping for model_type {arch!r}; known: {sorted(ARCHITECTURES)}"
+        ) from None
+
+
+# Layout transforms -------------------------------------------------------------
+
+
+def interleave_qkv(q: Tensor, k: Tensor, v: Tensor, config: TransformerConfig) -> Tensor:
+    """Separate q [heads·d, ...], k, v [groups·d, ...] → Megatron's per-group fused
+    layout. Works for weights (trailing `hidden` dim) and biases alike."""
+    groups, d = config.num_query_groups, config.kv_channels
+    rest = q.shape[1:]
+    parts = (
+        q.reshape(groups, -1, *rest),  # [groups, heads_per_group·d, ...]
+        k.reshape(groups, d, *rest),
+        v.reshape(groups, d, *rest),
+    )
+    return torch.cat(parts, dim=1).reshape(-1, *rest).contiguous()
+
+
+def split_qkv(fused: Tensor, config: TransformerConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of `interleave_qkv`."""
+    groups, d = config.num_query_groups, config.kv_channels
+    heads_per_group = config.num_attention_heads // groups
+    rest = fused.shape[1:]
+    per_group = fused.reshape(groups, (heads_per_group + 2) * d, *rest)
+    q, k, v = per_group.split([heads_per_group * d, d, d], dim=1)
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
+def _to_megatron(rule: WeightRule, sources: list[Tensor], config: TransformerConfig) -> Tensor:
+    if rule.transpose:
+        sources = [t.t() for t in sources]
+    if rule.layout == "copy":
+        (tensor,) = sources
+        return tensor.contiguous()
+    if rule.layout == "qkv":
+        if len(sources) == 1:  # one [q; k; v] stack
+            sizes = [config.query_projection_size] + [config.kv_projection_size] * 2
+            sources = list(sources[0].split(sizes, dim=0))
+        return interleave_qkv(*sources, config)
+    if rule.layout == "gate_up":
+        return torch.cat(sources, dim=0).contiguous()
+    raise ValueError(f"unknown layout {rule.layout!r} in rule for {rule.megatron}")
+
+
+def _to_hf(rule: WeightRule, tensor: Tensor, config: TransformerConfig) -> list[Tensor]:
+    if rule.layout == "copy":
+        parts = [tensor]
+    elif rule.layout == "qkv":
+        parts = list(split_qkv(tensor, config))
+        if len(rule.hf) == 1:
+            parts = [torch.cat(parts, dim=0)]
+    elif rule.layout == "gate_up":
+        parts = list(tensor.chunk(2, dim=0))
+    else:
+        raise ValueError(f"unknown layout {rule.layout!r} in rule for {rule.megatron}")
+    if rule.transpose:
+        parts = [t.t() for t in parts]
+    return [t.contiguous() for t in parts]
+
+
+# State-dict conversion -----------------------------------------------------------
+
+
+def _expanded_rules(arch: HFArchitecture, config: TransformerConfig):
+    """Yield (megatron_name, hf_names, rule) with `{i}` filled for every layer.
+
+    With tied embeddings the output_layer rule is dropped: the model has no such
+    parameter, and HF's lm_head.weight is then only the tied copy.
+    """
+    for rule in arch.rules:
+        if rule.megatron == "output_layer.weight" and not (
+            config.untie_embeddings_and_output_weights
+        ):
+            continue
+        layers = range(config.num_layers) if "{i}" in rule.megatron else [None]
+        for i in layers:
+            yield (
+                rule.megatron.format(i=i),
+                tuple(name.format(i=i) for name in rule.hf),
+                rule,
+            )
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, Tensor], config: TransformerConfig, arch: HFArchitecture | str
+) -> dict[str, Tensor]:
+    """HF state dict (e.g. `LlamaForCausalLM.state_dict()` or its safetensors) →
+    Megatron-Core / `GPTModel` state dict."""
+    arch = get_architecture(arch)
+    out: dict[str, Tensor] = {}
+    used: set[str] = set()
+    for megatron_name, hf_names, rule in _expanded_rules(arch, config):
+        present = [name in hf_state for name in hf_names]
+        if not any(present):
+            continue
+        if not all(present):
+            missing = [n for n, p in zip(hf_names, present, strict=True) if not p]
+            raise KeyError(f"{megatron_name} needs {list(hf_names)}, but {missing} are missing")
+        out[megatron_name] = _to_megatron(rule, [hf_state[n] for n in hf_names], config)
+        used.update(hf_names)
+    tied_copy = {"lm_head.weight"} if not config.untie_embeddings_and_output_weights else set()
+    leftover = sorted(
+        name
+        for name in hf_state
+        if name not in used
+        and name not in tied_copy
+        and not any(re.search(p, name) for p in arch.ignored_hf)
+    )
+    if leftover:
+        raise KeyError(
+            f"{len(leftover)} HF tensors have no Megatron counterpart for model_type "
+            f"{arch.model_type!r} with this config (wrong architecture or num_layers?): "
+            f"{leftover[:8]}"
+        )
+    return out
+
+
+def megatron_to_hf(
+    megatron_state: Mapping[str, Tensor], config: TransformerConfig, arch: HFArchitecture | str
+) -> dict[str, Tensor]:
+    """Megatron-Core / `GPTModel` state dict → HF state dict, as `save_pretrained`
+    writes it (with tied embeddings, no separate lm_head.weight)."""
+    arch = get_architecture(arch)
+    out: dict[str, Tensor] = {}
+    used: set[str] = set()
+    for megatron_name, hf_names, rule in _expanded_rules(arch, config):
+        if megatron_name not in megatron_state:
+            continue
+        parts = _to_hf(rule, megatron_state[megatron_name], config)
+        out.update(zip(hf_names, parts, strict=True))
+        used.add(megatron_name)
+    leftover = sorted(
+        name for name in megatron_state if name not in used and not name.endswith("_extra_state")
+    )
+    if leftover:
+        raise KeyError(
+            f"{len(leftover)} Megatron tensors have no HF counterpart for model_type "
+            f"{arch.model_type!r}: {leftover[:8]}"
+        )
+    return out
+
+
+# Configs -------------------------------------------------------------------------
+
+_GPT2_ACTIVATIONS = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "relu": "relu",
+}
+
+
+def _as_dict(hf_config: Any) -> dict[str, Any]:
+    return dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
+
+
+def _rope_from_hf(c: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Read RoPE settings from either transformers 5 (`rope_parameters`) or 4
+    (`rope_theta` + `rope_scaling`) style configs."""
+    params = dict(c.get("rope_parameters") or {})
+    if not params:
+        params = dict(c.get("rope_scaling") or {})
+        params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return float(params["rope_theta"]), None
+    if rope_type == "llama3":
+        return float(params["rope_theta"]), RopeScaling(
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    raise ValueError(f"RoPE type {rope_type!r} is not supported (only 'default' and 'llama3')")
+
+
+def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
+    """HF config (a `PretrainedConfig` or a config.json dict) → `TransformerConfig`.
+
+    The vocabulary is taken as is (no Megatron padding) and seq_length is set to
+    max_position_embeddings; pass overrides to change either.
+    """
+    c = _as_dict(hf_config)
+    model_type = c.get("model_type")
+    if model_type == "gpt2":
+        activation = c.get("activation_function", "gelu_new")
+        if activation not in _GPT2_ACTIVATIONS:
+            raise ValueError(f"GPT-2 activation_function {activation!r} is not supported")
+        if c.get("scale_attn_by_inverse_layer_idx") or not c.get("scale_attn_weights", True):
+            raise ValueError("GPT-2 attention-scaling variants are not supported")
+        fields: dict[str, Any] = dict(
+            num_layers=c["n_layer"],
+            hidden_size=c["n_embd"],
+            num_attention_heads=c["n_head"],
+            ffn_hidden_size=c.get("n_inner") or 4 * c["n_embd"],
+            vocab_size=c["vocab_size"],
+            seq_length=c["n_positions"],
+            max_position_embeddings=c["n_positions"],
+            position_embedding_type="learned_absolute",
+            normalization="LayerNorm",
+            layernorm_epsilon=c.get("layer_norm_epsilon", 1e-5),
+            activation=_GPT2_ACTIVATIONS[activation],
+            add_bias_linear=True,
+            untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
+            init_method_std=c.get("initializer_range", 0.02),
+            attention_dropout=c.get("attn_pdrop", 0.1),
+            hidden_dropout=c.get("resid_pdrop", 0.1),
+        )
+    elif model_type in ("llama", "mistral"):
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
+        attention_bias, mlp_bias = c.get("attention_bias", False), c.get("mlp_bias", False)
+        if attention_bias != mlp_bias:
+            raise ValueError(
+                "attention_bias != mlp_bias cannot be expressed with Megatron's "
+                "add_bias_linear (it puts biases on all linear layers or none)"
+            )
+        rotary_base, rope_scaling = _rope_from_hf(c)
+        sliding_window = c.get("sliding_window") if model_type == "mistral" else None
+        fields = dict(
+            num_layers=c["num_hidden_layers"],
+            hidden_size=c["hidden_size"],
+            num_attention_heads=c["num_attention_heads"],
+            num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"],
+            kv_channels=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            ffn_hidden_size=c["intermediate_size"],
+            vocab_size=c["vocab_size"],
+            seq_length=c["max_position_embeddings"],
+            max_position_embeddings=c["max_position_embeddings"],
+            position_embedding_type="rope",
+            rotary_base=rotary_base,
+            rope_scaling=rope_scaling,
+            normalization="RMSNorm",
+            layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
+            activation="swiglu",
+            add_bias_linear=bool(attention_bias),
+            untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
+            window_size=(sliding_window - 1, 0) if sliding_window else None,
+            init_method_std=c.get("initializer_range", 0.02),
+            attention_dropout=c.get("attention_dropout", 0.0),
+            hidden_dropout=0.0,
+        )
+    else:
+        raise ValueError(
+            f"no HF mapping for model_type {model_type!r}; known: {sorted(ARCHITECTURES)}"
+        )
+    fields["extra"] = {"hf_model_type": model_type}
+    return TransformerConfig(**{**fields, **overrides})
+
+
+def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[str, Any]:
+    """`TransformerConfig` → config.json dict for `arch`. Raises if the config uses
+    something that HF architecture cannot express."""
+    arch = get_architecture(arch)
+    c = config
+    common = dict(
+        architectures=[arch.hf_class],
+        model_type=arch.model_type,
+        vocab_size=c.vocab_size,
+        tie_word_embeddings=not c.untie_embeddings_and_output_weights,
+        initializer_range=c.init_method_std,
+    )
+    if arch.model_type == "gpt2":
+        to_hf_act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+        if (
+            c.position_embedding_type != "learned_absolute"
+            or c.normalization != "LayerNorm"
+            or not c.add_bias_linear
+            or c.activation not in to_hf_act
+            or c.kv_channels * c.num_attention_heads != c.hidden_size
+            or c.num_query_groups != c.num_attention_heads
+            or c.window_size is not None
+        ):
+            raise ValueError("this config is not a GPT-2 architecture")
+        return dict(
+            common,
+            n_layer=c.num_layers,
+            n_embd=c.hidden_size,
+            n_head=c.num_attention_heads,
+            n_inner=c.ffn_hidden_size,
+            n_positions=c.max_position_embeddings,
+            layer_norm_epsilon=c.layernorm_epsilon,
+            activation_function=to_hf_act[c.activation],
+            attn_pdrop=c.attention_dropout,
+            resid_pdrop=c.hidden_dropout,
+            embd_pdrop=c.hidden_dropout,
+        )
+    if (
+        c.position_embedding_type != "rope"
+        or c.rotary_percent != 1.0
+        or c.normalization != "RMSNorm"
+        or c.activation != "swiglu"
+        or c.add_qkv_bias
+        or (c.window_size is not None and arch.model_type != "mistral")
+    ):
+        raise ValueError(f"this config is not a {arch.hf_class} architecture")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
+    if c.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "rope_theta": c.rotary_base}
+        rope.update(dataclasses.asdict(c.rope_scaling))
+    out = dict(
+        common,
+        num_hidden_layers=c.num_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_query_groups,
+        head_dim=c.kv_channels,
+        intermediate_size=c.ffn_hidden_size,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.layernorm_epsilon,
+        hidden_act="silu",
+        attention_dropout=c.attention_dropout,
+        # Both spellings: transformers 5 reads rope_parameters, 4 reads the others.
+        rope_parameters=rope,
+        rope_theta=c.rotary_base,
+        rope_scaling=rope if c.rope_scaling is not None else None,
+    )
+    if arch.model_type == "llama":
+        out.update(attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear)
+    else:
+        if c.add_bias_linear:
+            raise ValueError("MistralForCausalLM has no linear biases")
+        out["sliding_window"] = c.window_size[0] + 1 if c.window_size is not None else None
+    return out
