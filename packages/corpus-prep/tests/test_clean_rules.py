@@ -45,6 +45,8 @@ def test_punctuation_quotes_dashes_ellipsis():
 def test_whitespace():
     text = "\ufeff  a\u00a0\u00a0b\tc\u200bd  \r\nline two   \r\n\r\n\r\n\r\npara\u3000end  "
     assert normalize_whitespace(text) == "a b cd\nline two\n\npara end"
+    # indentation survives; spaces after words and at line ends do not
+    assert normalize_whitespace("def f():  \n\t  return  1 ") == "def f():\n   return 1"
 
 
 def test_cleaner_applies_rules_in_order_and_reports_them():

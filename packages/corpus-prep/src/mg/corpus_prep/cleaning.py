@@ -18,8 +18,9 @@ its own:
    `` - `` (spaced, as Moses' normalize-punctuation does); "…" becomes "...".
 4. **whitespace**: CR/CRLF become LF; zero-width characters and the BOM are
    removed; tabs and Unicode spaces (no-break, thin, ideographic, ...) become
-   a plain space; runs of spaces collapse to one; spaces at line ends go;
-   three or more newlines become a paragraph break (two); the text is stripped.
+   a plain space; runs of spaces between words collapse to one (indentation
+   at the start of a line is kept); spaces at line ends go; three or more
+   newlines become a paragraph break (two); the text is stripped.
    Newlines themselves are kept: paragraphs matter to sentence splitting and
    to the model.
 
@@ -112,8 +113,8 @@ _TREEBANK_QUOTES = re.compile(r"``|''")
 _ZERO_WIDTH = str.maketrans({"\u200b": None, "\u200c": None, "\u200d": None, "\ufeff": None})
 # Tab, vertical tab, form feed and the Unicode space separators except the plain space.
 _SPACES = re.compile(r"[\t\x0b\x0c\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]")
-_SPACE_RUNS = re.compile(r" {2,}")
-_LINE_END_SPACES = re.compile(r" +\n|\n +")
+_SPACE_RUNS = re.compile(r"(?<=[^\s]) {2,}")  # after a word: not indentation
+_LINE_END_SPACES = re.compile(r" +\n")
 _PARAGRAPH_RUNS = re.compile(r"\n{3,}")
 
 
@@ -133,7 +134,10 @@ def standardize_punctuation(text: str) -> str:
 
 
 def normalize_whitespace(text: str) -> str:
-    """One space between words, LF line ends, at most one blank line, no outer whitespace."""
+    """One space between words, LF line ends, at most one blank line, no outer whitespace.
+
+    Leading indentation is kept, so that verse and code keep their shape.
+    """
     text = text.replace("\r\n", "\n").replace("\r", "\n").translate(_ZERO_WIDTH)
     text = _SPACE_RUNS.sub(" ", _SPACES.sub(" ", text))
     text = _LINE_END_SPACES.sub("\n", text)
