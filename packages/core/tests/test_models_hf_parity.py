@@ -203,3 +203,14 @@ def test_unknown_tensors_are_an_error():
     )
     with pytest.raises(KeyError, match="k_proj"):
         hf_to_megatron(state, config, "llama")
+
+
+def test_gpt2_checkpoint_without_base_prefix():
+    """The original GPT-2 files were saved from GPT2Model: keys like "h.0.ln_1.weight"."""
+    hf = _perturbed(_hf_gpt2)
+    config = config_from_hf(hf.config)
+    full = _hf_weights(hf, config)
+    bare = {k.removeprefix("transformer."): v for k, v in full.items()}
+    converted, expected = hf_to_megatron(bare, config, "gpt2"), hf_to_megatron(full, config, "gpt2")
+    assert converted.keys() == expected.keys()
+    assert all(torch.equal(converted[k], expected[k]) for k in expected)

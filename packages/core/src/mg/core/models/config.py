@@ -69,6 +69,10 @@ class TransformerConfig:
     Defaults are Megatron-LM's defaults (biases on, LayerNorm, GELU, learned
     positions, dropout 0.1, init std 0.02), so a config written from
     Megatron flags means what it meant there.
+
+    Derived fields are filled once, at construction: `dataclasses.replace(c,
+    hidden_size=...)` keeps the old ffn_hidden_size/kv_channels unless they are
+    passed as None too.
     """
 
     num_layers: int

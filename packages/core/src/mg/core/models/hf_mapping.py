@@ -52,6 +52,10 @@ class HFArchitecture:
     model_type: str
     hf_class: str
     rules: tuple[WeightRule, ...]
+    base_model_prefix: str
+    """Prefix of the base model's keys ("transformer." / "model."). Checkpoints
+    saved from the base class (the original openai-community/gpt2 files) lack
+    it; `hf_to_megatron` adds it back."""
     ignored_hf: tuple[str, ...] = ()
     """Regexes of HF state-dict keys that are buffers, not weights."""
 
@@ -65,6 +69,7 @@ _L = "decoder.layers.{i}."
 GPT2 = HFArchitecture(
     model_type="gpt2",
     hf_class="GPT2LMHeadModel",
+    base_model_prefix="transformer.",
     rules=(
         _rule("embedding.word_embeddings.weight", "transformer.wte.weight"),
         _rule("embedding.position_embeddings.weight", "transformer.wpe.weight"),
@@ -108,6 +113,7 @@ _H = "model.layers.{i}."
 LLAMA = HFArchitecture(
     model_type="llama",
     hf_class="LlamaForCausalLM",
+    base_model_prefix="model.",
     rules=(
         _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
         _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight"),
@@ -242,6 +248,12 @@ def hf_to_megatron(
     """HF state dict (e.g. `LlamaForCausalLM.state_dict()` or its safetensors) →
     Megatron-Core / `GPTModel` state dict."""
     arch = get_architecture(arch)
+    prefix = arch.base_model_prefix
+    if not any(name.startswith(prefix) for name in hf_state):
+        hf_state = {
+            name if name.startswith("lm_head.") else prefix + name: tensor
+            for name, tensor in hf_state.items()
+        }
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     for megatron_name, hf_names, rule in _expanded_rules(arch, config):
