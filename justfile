@@ -49,3 +49,7 @@ demo: setup
 # tokenize a JSONL corpus into an indexed dataset (any `mg-prep tokenize` flags)
 prep *args: setup
     uv run --frozen mg-prep tokenize {{args}}
+
+# incremental, cron-safe tokenization of a growing folder into shards + blend.txt (workflows/cron/README.md)
+refresh input_dir output_dir *args: setup
+    uv run --frozen mg-prep refresh --input-dir {{input_dir}} --output-dir {{output_dir}} {{args}}
