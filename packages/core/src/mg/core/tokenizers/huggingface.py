@@ -54,14 +54,24 @@ class HuggingFaceTokenizer(BaseTokenizer):
                 raise ValueError(
                     f"{_FLAG} {tokenizer_json}: not a tokenizers file ({err})"
                 ) from err
+            # transformers' tokenizer(text) neither pads nor truncates unless asked,
+            # whatever tokenizer.json says (sentence-transformers files pad to 128),
+            # but it takes the pad token from there when the config has none.
+            padding = self._tokenizer.padding
+            if padding and "pad_token" not in config:
+                config["pad_token"] = padding["pad_token"]
+            self._tokenizer.no_padding()
+            self._tokenizer.no_truncation()
             self._cleanup = self._cleanup and type(self._tokenizer.model).__name__ != "BPE"
             self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
             token_id = self._tokenizer.token_to_id
-        else:
+        elif (folder / "tokenizer_config.json").is_file():  # a slow-only tokenizer
             self._tokenizer = None
             self._transformers = _load_with_transformers(folder)
             self.vocab_size = len(self._transformers)
             token_id = self._transformers.convert_tokens_to_ids
+        else:
+            raise ValueError(f"{_FLAG} {path}: has no tokenizer.json (nor tokenizer_config.json)")
 
         def special(key: str) -> int | None:
             token = _token_text(config.get(key))
