@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -108,9 +109,11 @@ class OpenAIGPT2:
 class GoogleBertWordPiece:
     """Google's FullTokenizer (Megatron's bert_tokenization.py) via transformers' Python copy.
 
-    transformers' BasicTokenizer adds an NFC normalisation Megatron lacks;
-    with lower-casing the accents are stripped after an NFD, so the result
-    is the same.
+    Two differences of transformers' `BasicTokenizer` from Megatron's are
+    undone or harmless: its `_clean_text` drops every C* character (private
+    use, unassigned, ...) where Megatron drops only Cc and Cf, so it is
+    restated here from Megatron's source; it adds an NFC normalisation, which
+    with lower-casing is undone by the NFD before accents are stripped.
     """
 
     def __init__(self, vocab_file: Path, lower_case: bool = True) -> None:
@@ -119,13 +122,27 @@ class GoogleBertWordPiece:
             WordpieceTokenizer,
         )
 
+        class MegatronBasicTokenizer(BasicTokenizer):
+            def _clean_text(self, text: str) -> str:  # Megatron's _clean_text/_is_control
+                out = []
+                for char in text:
+                    if char in "\t\n\r":
+                        out.append(" ")
+                    elif ord(char) in (0, 0xFFFD) or unicodedata.category(char) in ("Cc", "Cf"):
+                        continue
+                    elif unicodedata.category(char) == "Zs" or char == " ":
+                        out.append(" ")
+                    else:
+                        out.append(char)
+                return "".join(out)
+
         self.vocab: dict[str, int] = {}
         with vocab_file.open(encoding="utf-8") as f:
             for index, line in enumerate(f):
                 self.vocab[line.strip()] = index  # Megatron's load_vocab
         for extra in ("[BOS]", "[EOS]"):  # Megatron's _BertWordPieceTokenizer.add_token
             self.vocab.setdefault(extra, len(self.vocab))
-        self.basic = BasicTokenizer(do_lower_case=lower_case)
+        self.basic = MegatronBasicTokenizer(do_lower_case=lower_case)
         self.wordpiece = WordpieceTokenizer(
             self.vocab, unk_token="[UNK]", max_input_chars_per_word=200
         )

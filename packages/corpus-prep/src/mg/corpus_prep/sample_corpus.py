@@ -23,6 +23,7 @@ EDGE_CASES: list[str] = [
     "Windows\r\nline endings\r\nhere. And\ttabs.",
     "A long word: " + "pneumonoultramicroscopicsilicovolcanoconiosis" * 3 + " ends here.",
     "An even longer one: " + "x" * 230 + ". Then [CLS] and [SEP] as text.",
+    "Private\ue000use, unassigned\U000e0fff, CJK \U0002b820\u8c48\uf900 and ΟΔΟΣ ΚΑΙ ΣΟΦΙΑΣ.",
     "Unicode line\u2028separator and next\x85line characters are not line ends in JSONL.",
     "Mr. Smith went to Washington D.C. on Jan. 5th. He met Dr. Who at 3 p.m.\n\nNew para.",
 ]

@@ -22,7 +22,6 @@ and handed to the workers as a small picklable `SplitterSpec`:
 
 from __future__ import annotations
 
-import ast
 import functools
 import os
 from collections.abc import Callable
@@ -233,41 +232,9 @@ def punkt_cache_dir() -> Path:
 
 def install_fixture_punkt(nltk_data: Path) -> Path:
     """Write our English punkt_tab fixture under `nltk_data`; return the language folder."""
-    try:
-        from mg.core.tokenizers.punkt import install_punkt_tab  # type: ignore[import-not-found]
-    except ImportError:
-        install_punkt_tab = _install_punkt_tab
-    result = install_punkt_tab(nltk_data)
-    folder = nltk_data / "tokenizers" / "punkt_tab" / "english"
-    return folder if folder.is_dir() else Path(result)
+    from mg.core.tokenizers.punkt import install_punkt_tab
 
-
-def _install_punkt_tab(nltk_data: Path) -> Path:
-    # Stand-in until mg.core.tokenizers.punkt lands.
-    from mg.core.fixtures import fixture_path
-
-    values: dict[str, object] = {}
-    module = ast.parse(fixture_path("punkt-english", "english.py").read_text("utf-8"))
-    for node in module.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            value = node.value
-            if isinstance(value, ast.Call):  # frozenset((...))
-                value = value.args[0] if value.args else ast.Tuple(elts=[])
-            values[node.targets[0].id] = ast.literal_eval(value)
-    folder = nltk_data / "tokenizers" / "punkt_tab" / "english"
-    folder.mkdir(parents=True, exist_ok=True)
-    files = {
-        "abbrev_types.txt": "\n".join(sorted(values["ABBREV_TYPES"])),  # type: ignore[arg-type]
-        "sent_starters.txt": "\n".join(sorted(values["SENT_STARTERS"])),  # type: ignore[arg-type]
-        "collocations.tab": "\n".join("\t".join(p) for p in sorted(values["COLLOCATIONS"])),  # type: ignore[arg-type]
-        "ortho_context.tab": "\n".join(
-            f"{k}\t{v}"
-            for k, v in values["ORTHO_CONTEXT"].items()  # type: ignore[attr-defined]
-        ),
-    }
-    for name, text in files.items():
-        (folder / name).write_text(text + "\n", encoding="utf-8")
-    return folder
+    return install_punkt_tab(nltk_data)
 
 
 def train_punkt(text: str) -> PunktParameters:
