@@ -280,7 +280,13 @@ def test_bert_matches_megatron_on_real_text_and_awkward_unicode(lower_case):
     reference = ReferenceBert(lower_case)
     for name, text in real_texts().items():
         assert tok.tokenize(text) == reference.encode(text), name
-    texts = awkward_strings(1500, seed=2) + ["ΟΔΟΣ ΟΔΟΣ. Σ ΑΣ", "a\ue000b", "x" * 201, "İstanbul"]
+    texts = awkward_strings(1500, seed=2) + [
+        "ΟΔΟΣ ΟΔΟΣ. Σ ΑΣ",
+        "A'Σ Α.Σ ΑΣ'Β ΆΣ",
+        "a\ue000b",
+        "x" * 201,
+        "İstanbul",
+    ]
     assert tok.tokenize_batch(texts) == [reference.encode(t) for t in texts]
 
 

@@ -126,7 +126,12 @@ class GPT2BPETokenizer(BaseTokenizer):
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         if self._tiktoken is not None:
-            return self._tiktoken.encode_ordinary_batch(texts)
+            # A plain loop: tiktoken's encode_ordinary_batch hands each text to a
+            # thread pool, which costs more than it gains for document-sized
+            # texts (measured 6.4 vs 10.2 MB/s on Botchan in ~1 KB documents).
+            # mg-prep parallelises across processes instead.
+            encode = self._tiktoken.encode_ordinary
+            return [encode(text) for text in texts]
         assert self._hf is not None
         return [e.ids for e in self._hf.encode_batch_fast(texts, add_special_tokens=False)]
 

@@ -120,7 +120,9 @@ class TikTokenizer(BaseTokenizer):
     def tokenize_batch(
         self, texts: list[str], bos: bool = False, eos: bool = False
     ) -> list[list[int]]:
-        return [self._wrap(ids, bos, eos) for ids in self._encoding.encode_ordinary_batch(texts)]
+        # A loop, not encode_ordinary_batch: see GPT2BPETokenizer.tokenize_batch.
+        encode = self._encoding.encode_ordinary
+        return [self._wrap(encode(text), bos, eos) for text in texts]
 
     def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         if bos:
