@@ -152,13 +152,22 @@ class SpacySplitter:
         self._keep_newlines = keep_newlines
 
     def split(self, text: str) -> list[str]:
-        sentences = []
+        sentences: list[str] = []
         for doc in self._nlp.pipe(megatron_pieces(text)):
             for sent in doc.sents:
-                if self._keep_newlines:
-                    sentences.append(sent.text_with_ws)
-                elif sent.text.strip():
-                    sentences.append(sent.text)
+                if not self._keep_newlines:
+                    if sent.text.strip():
+                        sentences.append(sent.text.strip())
+                    continue
+                # spaCy starts a sentence with the whitespace before it; punkt with
+                # --keep-newlines ends the previous one with it. Do as punkt does.
+                piece = sent.text_with_ws
+                body = piece.lstrip()
+                if sentences and len(body) < len(piece):
+                    sentences[-1] += piece[: len(piece) - len(body)]
+                    piece = body
+                if piece:
+                    sentences.append(piece)
         return sentences
 
 
