@@ -322,6 +322,14 @@ def test_huggingface_tokenizer_matches_transformers(tmp_path):
         merges_file=str(fixture_path("gpt2-bpe", "merges.txt")),
     ).save_pretrained(str(gpt2_folder))
     folders.append(gpt2_folder)
+    # A folder without tokenizer.json (vocab.txt + tokenizer_config.json): read by
+    # transformers itself, through our fallback.
+    slow_folder = tmp_path / "bert-slow"
+    slow_folder.mkdir()
+    (slow_folder / "vocab.txt").write_bytes(fixture_path("minilm-bert", "vocab.txt").read_bytes())
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "eos_token": "[SEP]"}
+    (slow_folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    folders.append(slow_folder)
     for folder in folders:
         theirs = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         ours = build_tokenizer(TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(folder)))

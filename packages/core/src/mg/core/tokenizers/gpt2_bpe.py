@@ -87,6 +87,7 @@ class GPT2BPETokenizer(BaseTokenizer):
             raise ValueError(f"--vocab-file {vocab_file}: has no {EOD_TOKEN} token")
         merges = read_merges(merges_path)
 
+        self._vocab = vocab
         self._inv_vocab = {i: t for t, i in vocab.items()}
         self.vocab_size = len(vocab)
         self.eod = vocab[EOD_TOKEN]
@@ -112,7 +113,7 @@ class GPT2BPETokenizer(BaseTokenizer):
     @property
     def vocab(self) -> dict[str, int]:
         """Token (GPT-2's byte-as-unicode form) to id."""
-        return {t: i for i, t in self._inv_vocab.items()}
+        return self._vocab
 
     @property
     def inv_vocab(self) -> dict[int, str]:

@@ -40,9 +40,8 @@ class HuggingFaceTokenizer(BaseTokenizer):
         elif location.is_file() and location.suffix == ".json":
             folder, tokenizer_json = location.parent, location
         else:
-            raise ValueError(
-                f"{_FLAG} {path}: not a folder with tokenizer.json, nor a tokenizer.json file"
-            )
+            problem = "does not exist" if not location.exists() else "is not a folder nor a .json"
+            raise ValueError(f"{_FLAG} {path}: {problem} (a folder with tokenizer.json)")
         config = _read_special_config(folder)
         self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
         self._transformers: Any = None
