@@ -111,8 +111,8 @@ class BlendedDataset:
                 raise ValueError(
                     f"the {self.split} blend takes {count} samples from dataset {number} "
                     f"({getattr(dataset, 'dataset_path', type(dataset).__name__)}), which has "
-                    f"only {len(dataset)}; raise mid_level_dataset_surplus (now a "
-                    f"fraction of the share, e.g. 0.005) so each dataset builds more"
+                    f"only {len(dataset)}; build the datasets with more samples to spare "
+                    f"(GPTDatasetConfig.mid_level_dataset_surplus, default 0.005)"
                 )
 
     def __len__(self) -> int:
