@@ -201,8 +201,9 @@ def _sample(dataset, document: int, tokenizer, max_chars: int) -> dict:
 
 
 def _format_sample(sample: dict) -> str:
+    count = sample["sequences"]
     head = (
-        f"document {sample['document']:,} ({sample['sequences']:,} sequences, "
+        f"document {sample['document']:,} ({count:,} sequence{'' if count == 1 else 's'}, "
         f"{sample['tokens']:,} tokens):"
     )
     if "ids" in sample:
