@@ -239,8 +239,10 @@ class DocumentEncoder:
         return result, True
 
     def _tokenize_documents(self, documents: list[list[str]]) -> list[list[list[int]]]:
-        flat = [s for doc in documents for s in doc]
-        ids = self.tokenizer.tokenize_batch(flat) if flat else []
+        # One call per sentence, not tokenize_batch: batch paths start threads of
+        # their own (tiktoken: a pool of 8), and one worker should use one core.
+        tokenize = self.tokenizer.tokenize
+        ids = [tokenize(sentence) for doc in documents for sentence in doc]
         out, start = [], 0
         for doc in documents:
             out.append(ids[start : start + len(doc)])

@@ -1,0 +1,336 @@
+"""Throughput and memory of `mg-prep tokenize` against a plain loop (and Megatron, if present).
+
+    uv run --frozen python bench/bench_prep.py                  # 200 MB corpus, workers 1 and 2
+    uv run --frozen python bench/bench_prep.py --size-mb 20     # a quick run
+    MEGATRON_LM_DIR=~/Megatron-LM uv run --frozen python bench/bench_prep.py
+
+The corpus is JSONL made from the text fixtures (Shakespeare and Botchan
+paragraphs, Wikipedia pages), repeated up to --size-mb, cached under
+bench/.work/. Every contender tokenizes it with GPT-2 BPE and --append-eod
+into a document-level dataset, each in its own process, side by side in one
+run:
+
+- `mg-prep tokenize --workers N` for each N in --workers;
+- baseline: one process, Hugging Face `tokenizers` GPT-2 `encode` per
+  document + megatron-core's `IndexedDatasetBuilder` (the loop most people
+  write first);
+- Megatron-LM's tools/preprocess_data.py when $MEGATRON_LM_DIR points to a
+  checkout whose dependencies are importable (skipped otherwise).
+
+Reported: wall time end to end (start-up included), MB/s and tokens/s over
+that wall time, peak RSS of the whole process tree (sampled from /proc every
+50 ms; psutil is not needed) and of its largest process, and whether each
+output is byte-identical to the first mg-prep run's.
+
+`--memory-mb N` adds one more mg-prep run on an N MB corpus to show that
+peak memory does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "bench" / ".work"
+MIB = 1 << 20
+
+
+# --- corpus ----------------------------------------------------------------------------------
+
+
+def make_corpus(size_mb: int) -> Path:
+    """A JSONL corpus of at least size_mb MiB from the fixtures, cached by size."""
+    from mg.corpus_prep.sample_corpus import (
+        botchan_documents,
+        shakespeare_documents,
+        wikipedia_documents,
+    )
+
+    path = WORK / f"corpus-{size_mb}mb.jsonl"
+    if path.exists() and path.stat().st_size >= size_mb * MIB:
+        return path
+    WORK.mkdir(parents=True, exist_ok=True)
+    base = [*shakespeare_documents(), *botchan_documents(), *wikipedia_documents()]
+    lines = [json.dumps({"text": d["text"]}, ensure_ascii=False) + "\n" for d in base]
+    block = "".join(lines).encode("utf-8")
+    target = size_mb * MIB
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as out:
+        written = 0
+        while written < target:
+            out.write(block)
+            written += len(block)
+    tmp.rename(path)
+    return path
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def _tree_rss(root: int) -> tuple[int, int]:
+    """(sum, max) of VmRSS in bytes over `root` and all its descendants, from /proc."""
+    parents: dict[int, int] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        pid = int(entry)
+        parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                rss[pid] = int(line.split()[1]) * 1024
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in tree:
+                tree.add(pid)
+                frontier.append(pid)
+    values = [rss.get(pid, 0) for pid in tree]
+    return sum(values), max(values, default=0)
+
+
+@dataclass
+class Result:
+    name: str
+    seconds: float
+    peak_total: int
+    peak_process: int
+    output: str | None
+    ok: bool
+    note: str = ""
+    processing: float | None = None  # seconds after start-up, as the contender reports them
+
+
+def measure(name: str, command: list[str], output_prefix: str | None, env=None) -> Result:
+    """Run `command`, sampling the RSS of its process tree; return timings and peaks."""
+    peaks = [0, 0]
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True
+    )
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            total, largest = _tree_rss(process.pid)
+            peaks[0], peaks[1] = max(peaks[0], total), max(peaks[1], largest)
+            done.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    log, _ = process.communicate()
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    ok = process.returncode == 0 and (
+        output_prefix is None or os.path.exists(output_prefix + ".idx")
+    )
+    if not ok:
+        print(f"  {name} failed (exit {process.returncode}):\n{log[-2000:]}", file=sys.stderr)
+    reported = re.search(r"(?:tokens from .* in|processing seconds:) ([\d.]+) s", log)
+    processing = float(reported.group(1)) if reported else None
+    return Result(name, seconds, peaks[0], peaks[1], output_prefix, ok, processing=processing)
+
+
+def sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(16 * MIB), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def count_tokens(prefix: str) -> int:
+    from mg.indexed_dataset.format import IndexedDataset
+
+    return IndexedDataset(prefix).num_tokens
+
+
+# --- contenders ------------------------------------------------------------------------------
+
+
+def gpt2_files() -> tuple[str, str]:
+    from mg.core.fixtures import fixture_path
+
+    return str(fixture_path("gpt2-bpe", "vocab.json")), str(fixture_path("gpt2-bpe", "merges.txt"))
+
+
+def mg_prep_command(corpus: Path, prefix: str, workers: int) -> list[str]:
+    vocab, merges = gpt2_files()
+    return [
+        str(Path(sys.executable).parent / "mg-prep"), "tokenize", "--input", str(corpus),
+        "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", vocab, "--merge-file", merges, "--append-eod",
+        "--workers", str(workers), "--no-progress-bar", "--log-interval", "1000000000",
+    ]  # fmt: skip
+
+
+def baseline_main(corpus: str, prefix: str) -> None:
+    """The plain loop: HF tokenizers GPT-2 encode per document + megatron-core's builder."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab_file, merge_file = gpt2_files()
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(merge_file, encoding="utf-8") as f:
+        merges = [tuple(line.split()) for line in f.read().split("\n")[1:-1]]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    eod = vocab["<|endoftext|>"]
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=DType.optimal_dtype(len(vocab)))
+    start = time.perf_counter()
+    with open(corpus, encoding="utf-8") as fin:
+        for line in fin:
+            ids = tokenizer.encode(json.loads(line)["text"], add_special_tokens=False).ids
+            if ids:
+                ids.append(eod)
+            builder.add_document(ids, [len(ids)] if ids else [])
+    builder.finalize(prefix + ".idx")
+    print(f"processing seconds: {time.perf_counter() - start:.2f} s")
+
+
+def megatron_command(megatron_dir: Path, corpus: Path, prefix: str, workers: int) -> list[str]:
+    vocab, merges = gpt2_files()
+    return [
+        sys.executable, str(megatron_dir / "tools" / "preprocess_data.py"),
+        "--input", str(corpus), "--output-prefix", prefix,
+        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
+        "--append-eod", "--workers", str(workers), "--log-interval", "1000000000",
+        "--legacy-tokenizer",
+    ]  # fmt: skip
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def report(results: list[Result], corpus: Path) -> None:
+    size = corpus.stat().st_size
+    reference = next((r for r in results if r.ok and r.output), None)
+    ref_hash = None
+    if reference is not None:
+        ref_hash = (sha256(reference.output + ".bin"), sha256(reference.output + ".idx"))
+        tokens = count_tokens(reference.output)
+    print(f"\ncorpus: {corpus} ({size / MIB:,.0f} MiB), GPT-2 BPE, --append-eod")
+    header = (
+        f"{'contender':<34} {'wall s':>7} {'MB/s':>6} {'Mtok/s':>6} | {'run s':>6} {'MB/s':>6} "
+        f"| {'RSS tree':>9} {'largest':>8} | same bytes"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        if not r.ok:
+            print(f"{r.name:<34} failed {r.note}")
+            continue
+        same = "-"
+        if ref_hash and r.output and os.path.exists(r.output + ".idx"):
+            hashes = (sha256(r.output + ".bin"), sha256(r.output + ".idx"))
+            same = "yes" if hashes == ref_hash else "NO"
+        run = (
+            f"{r.processing:>6.1f} {size / MIB / r.processing:>6.2f}"
+            if r.processing
+            else f"{'-':>6} {'-':>6}"
+        )
+        print(
+            f"{r.name:<34} {r.seconds:>7.1f} {size / MIB / r.seconds:>6.2f} "
+            f"{tokens / r.seconds / 1e6:>6.3f} | {run} | {r.peak_total / MIB:>6.0f} MB "
+            f"{r.peak_process / MIB:>5.0f} MB | {same}"
+        )
+    print(
+        "wall: end to end, start-up included; run: after start-up, as each reports it; "
+        "RSS: peak of the process tree (sum) and of its largest process"
+    )
+    base = next((r for r in results if r.name.startswith("baseline") and r.ok), None)
+    if base:
+        print()
+        for r in results:
+            if r.ok and r is not base:
+                line = f"{r.name}: {base.seconds / r.seconds:.2f}x the baseline's throughput"
+                if r.processing and base.processing:
+                    line += f" end to end, {base.processing / r.processing:.2f}x after start-up"
+                print(line)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=int, default=200, help="corpus size (default 200)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument(
+        "--memory-mb", type=int, default=0, help="also run mg-prep on a corpus this big"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the outputs in bench/.work")
+    parser.add_argument("--_baseline", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._baseline:
+        baseline_main(*args._baseline)
+        return 0
+
+    corpus = make_corpus(args.size_mb)
+    out = WORK / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    results = []
+    for workers in args.workers:
+        prefix = str(out / f"mg{workers}")
+        command = mg_prep_command(corpus, prefix, workers)
+        results.append(measure(f"mg-prep --workers {workers}", command, prefix + "_text_document"))
+    if not args.no_baseline:
+        prefix = str(out / "baseline")
+        command = [sys.executable, __file__, "--_baseline", str(corpus), prefix]
+        results.append(measure("baseline (HF tokenizers loop)", command, prefix, env))
+    megatron_dir = os.environ.get("MEGATRON_LM_DIR")
+    if megatron_dir:
+        for workers in args.workers:
+            prefix = str(out / f"megatron{workers}")
+            command = megatron_command(Path(megatron_dir), corpus, prefix, workers)
+            results.append(
+                measure(
+                    f"Megatron preprocess_data.py -w{workers}",
+                    command,
+                    prefix + "_text_document",
+                    env,
+                )
+            )
+    else:
+        print("MEGATRON_LM_DIR not set: skipping Megatron-LM's preprocess_data.py")
+    report(results, corpus)
+    if args.memory_mb:
+        big = make_corpus(args.memory_mb)
+        workers = max(args.workers)
+        prefix = str(out / "big")
+        result = measure(
+            f"mg-prep --workers {workers}",
+            mg_prep_command(big, prefix, workers),
+            prefix + "_text_document",
+        )
+        report([result], big)
+        big.unlink()
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
