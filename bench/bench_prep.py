@@ -14,8 +14,10 @@ run:
 - baseline: one process, Hugging Face `tokenizers` GPT-2 `encode` per
   document + megatron-core's `IndexedDatasetBuilder` (the loop most people
   write first);
-- Megatron-LM's tools/preprocess_data.py when $MEGATRON_LM_DIR points to a
-  checkout whose dependencies are importable (skipped otherwise).
+- Megatron-LM's tools/preprocess_data.py --legacy-tokenizer when
+  $MEGATRON_LM_DIR points to a checkout (core_v0.16.1 was used) whose imports
+  resolve in this environment (a stand-in `six` module is added for it);
+  skipped otherwise.
 
 Reported: wall time end to end (start-up included), MB/s and tokens/s over
 that wall time, peak RSS of the whole process tree (sampled from /proc every
@@ -217,7 +219,7 @@ def megatron_command(megatron_dir: Path, corpus: Path, prefix: str, workers: int
         "--input", str(corpus), "--output-prefix", prefix,
         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
         "--append-eod", "--workers", str(workers), "--log-interval", "1000000000",
-        "--legacy-tokenizer",
+        "--legacy-tokenizer",  # core_v0.14+; the classic GPT-2 tokenizer
     ]  # fmt: skip
 
 
@@ -302,6 +304,11 @@ def main() -> int:
         results.append(measure("baseline (HF tokenizers loop)", command, prefix, env))
     megatron_dir = os.environ.get("MEGATRON_LM_DIR")
     if megatron_dir:
+        # its bert_tokenization.py imports `six`, which this environment lacks
+        shims = WORK / "megatron-shims"
+        shims.mkdir(exist_ok=True)
+        (shims / "six.py").write_text("PY2 = False\nPY3 = True\n")
+        env = {**env, "PYTHONPATH": str(shims)}
         for workers in args.workers:
             prefix = str(out / f"megatron{workers}")
             command = megatron_command(Path(megatron_dir), corpus, prefix, workers)
