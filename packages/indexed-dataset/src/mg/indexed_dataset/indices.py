@@ -124,6 +124,10 @@ def num_samples_in_index(
     return int(np.ceil(quotient))
 
 
+_SEARCH_RATIO = 12
+"""Binary-search the boundaries when documents outnumber samples by this much, else count."""
+
+
 def build_sample_index(
     sequence_lengths: np.ndarray,
     document_index: np.ndarray,
@@ -141,8 +145,11 @@ def build_sample_index(
     the documents; here boundary k is placed directly: it lies in the first
     document whose running end reaches `k * seq_length + extra`, at offset
     `k * seq_length` minus that document's start. "First document whose end
-    reaches b" for all b at once is a histogram of how many boundaries each
-    document end covers, then a running sum: two linear passes, no search.
+    reaches b" is found for all boundaries at once: by binary search when
+    samples are few (long sequences), else as a histogram of how many
+    boundaries each document end covers followed by a running sum (two linear
+    passes). Temporaries are kept to two document-sized arrays, as their page
+    faults cost as much as the arithmetic.
 
     The dtype is Megatron's: int32 unless the document index or a sequence is
     longer than int32 allows.
@@ -150,43 +157,61 @@ def build_sample_index(
     extra = int(add_extra_token)
     if seq_length < 1:
         raise ValueError(f"sequence length must be >= 1, got {seq_length}")
+    sequence_lengths = np.asarray(sequence_lengths)
     document_index = np.asarray(document_index)
-    lengths = np.take(sequence_lengths, document_index)
+    num_documents = document_index.shape[0]
     total = int(num_epochs) * int(tokens_per_epoch)
-    if int(lengths.sum(dtype=np.int64)) != total:
-        raise ValueError(
-            f"the document index holds {int(lengths.sum(dtype=np.int64))} tokens, but "
-            f"{num_epochs} epochs of {tokens_per_epoch} tokens were expected"
-        )
     num_samples = num_samples_in_index(total, seq_length, extra, drop_last_partial_sequence)
-    largest = max(document_index.shape[0], int(sequence_lengths.max()) if lengths.size else 0)
+    largest = max(num_documents, int(sequence_lengths.max()) if sequence_lengths.size else 0)
     out_dtype = np.int32 if largest <= _INT32_MAX else np.int64
-    sample_index = np.zeros((num_samples + 1, 2), dtype=out_dtype)
-    if num_samples == 0:
+    sample_index = np.zeros((max(num_samples, 0) + 1, 2), dtype=out_dtype)
+
+    # starts[j]: where document j of the document index begins in the token stream. In
+    # int32 where nothing can overflow, because that halves the memory traffic.
+    work = np.int32 if total + 2 * seq_length + extra <= _INT32_MAX else np.int64
+    starts = np.empty(num_documents + 1, dtype=work)
+    starts[0] = 0
+    ends = starts[1:]
+    if num_documents and (
+        document_index.min() < 0 or document_index.max() >= sequence_lengths.shape[0]
+    ):
+        raise ValueError("the document index refers to sequences the dataset does not have")
+    # mode="clip" (the ids are checked above): with the default mode numpy buffers `out`.
+    if sequence_lengths.dtype == work:
+        np.take(sequence_lengths, document_index, out=ends, mode="clip")
+    else:
+        ends[:] = np.take(sequence_lengths, document_index, mode="clip")
+    np.cumsum(ends, out=ends)
+    if int(starts[-1]) != total:
+        raise ValueError(
+            f"the document index holds {int(starts[-1])} tokens, but {num_epochs} epochs of "
+            f"{tokens_per_epoch} tokens were expected"
+        )
+    if num_samples <= 0:
         return sample_index
 
-    # starts[j] is where document j of the document index begins in the token stream;
-    # int32 arithmetic where it cannot overflow, because it halves the memory traffic.
-    work = np.int32 if total + seq_length + extra <= _INT32_MAX else np.int64
-    starts = np.empty(lengths.size + 1, dtype=work)
-    starts[0] = 0
-    np.cumsum(lengths, dtype=work, out=starts[1:])
-    # Document j covers boundaries k = 1 .. covered[j]: those with k*S + extra <= end of j.
-    covered = starts[1:] - extra
-    covered //= seq_length
-    np.clip(covered, 0, num_samples, out=covered)
-    # The document of boundary k (k = 1..n) is the number of documents covering fewer than k.
-    documents_of = np.cumsum(np.bincount(covered, minlength=num_samples + 1)[:num_samples])
+    positions = np.arange(seq_length, (num_samples + 1) * seq_length, seq_length, dtype=work)
+    if num_samples * _SEARCH_RATIO < num_documents:
+        documents_of = np.searchsorted(ends, positions + extra, side="left")
+    else:
+        # Document j covers the boundaries k = 1 .. covered[j], those with k*S + extra <= its
+        # end; the document of boundary k is the number of documents covering fewer than k.
+        # (At most n by the definition of n; below 0 only for leading empty documents.)
+        covered = ends - extra
+        covered //= seq_length
+        if covered[0] < 0:
+            np.maximum(covered, 0, out=covered)
+        documents_of = np.bincount(covered, minlength=num_samples + 1)[:num_samples]
+        np.cumsum(documents_of, out=documents_of)
     sample_index[1:, 0] = documents_of
-    positions = np.arange(seq_length, (num_samples + 1) * seq_length, seq_length, dtype=np.int64)
-    sample_index[1:, 1] = positions - starts[documents_of]
+    np.subtract(positions, np.take(starts, documents_of), out=sample_index[1:, 1], casting="unsafe")
     # Keeping a last partial sample: boundaries past the end of the stream stop at the
     # last document, `extra` tokens before its end, as the helper does.
-    past_end = documents_of >= lengths.size
-    if past_end.any():
-        last = lengths.size - 1
-        sample_index[1:, 0][past_end] = last
-        sample_index[1:, 1][past_end] = int(lengths[last]) - extra
+    past_end = None if drop_last_partial_sequence else documents_of >= num_documents
+    if past_end is not None and past_end.any():
+        last_length = int(sequence_lengths[document_index[-1]])
+        sample_index[1:, 0][past_end] = num_documents - 1
+        sample_index[1:, 1][past_end] = last_length - extra
     return sample_index
 
 
@@ -397,21 +422,24 @@ def _lockstep(
         if spent is not None:
             np.greater_equal(state, caps_column, out=spent)
             errors[spent] = -np.inf
-        if manual:
-            # First maximum wins, as in the C++ loop: only a strictly greater error moves it.
+        # First maximum wins, as in the C++ loop: only a strictly greater error moves it.
+        if num_datasets == 2:
+            np.greater(errors[1], errors[0], out=better)
+            choice[:] = better
+        elif manual:
             best[:] = errors[0]
             choice.fill(0)
             for d in range(1, num_datasets):
                 np.greater(errors[d], best, out=better)
-                choice[better] = d
+                np.putmask(choice, better, d)  # several times faster than choice[better] = d
                 np.maximum(best, errors[d], out=best)
         else:
             choice[:] = errors.argmax(axis=0)
         np.multiply(choice, num_rows, out=cells)
         cells += columns
         chosen[t] = choice
-        numbers[t] = flat_state[cells]
-        flat_state[cells] += 1.0
+        np.take(flat_state, cells, out=numbers[t], mode="clip")
+        np.add.at(flat_state, cells, 1.0)  # faster than flat_state[cells] += 1 in numpy 2
         step += 1.0
     return chosen, numbers, np.ascontiguousarray(state.T)
 
