@@ -237,7 +237,7 @@ def test_gpt_indices_plan() -> None:
 
 def test_gpt_indices_of_an_empty_split_is_an_error() -> None:
     sizes = np.array([0, 0, 4], dtype=np.int32)
-    with pytest.raises(ValueError, match="too few"):
+    with pytest.raises(ValueError, match="no tokens"):
         build_gpt_indices(sizes, np.array([0, 1], dtype=np.int32), 10, 8, 1)
 
 

@@ -260,10 +260,10 @@ def build_gpt_indices(
     """
     extra = int(add_extra_token)
     tokens_per_epoch = int(np.take(sequence_lengths, documents).sum(dtype=np.int64))
-    if tokens_per_epoch <= extra:
+    if tokens_per_epoch == 0:  # Megatron loops forever here
         raise ValueError(
-            f"the split has {len(documents)} documents with {tokens_per_epoch} tokens in all: "
-            f"too few to draw a sample from; give this split more data (see --split)"
+            f"the split has {len(documents)} documents and no tokens: nothing to draw samples "
+            f"from; give this split data (see --split)"
         )
     num_epochs = num_epochs_needed(tokens_per_epoch, num_samples, seq_length, extra)
     separate = final_epoch_is_separate(tokens_per_epoch, num_epochs, num_samples, seq_length, extra)
@@ -327,7 +327,7 @@ def _greedy_blend(
     sequential; but the greedy keeps every count within about one of `w * i`,
     and forgets a wrong start once every dataset has been drawn again. So the
     steps are cut into K chunks of B, each chunk starts from counts rounded
-    from `w * i`, and all K run in lock step: B numpy steps over K-long arrays
+    from `w * (i - 1)`, and all K run in lock step: B numpy steps over K-long arrays
     instead of K * B Python steps. Chunk k is exact when it started from the
     true counts, which are where chunk k - 1 ended if that one was exact. The
     chunks whose start disagrees with their predecessor's end are run again
