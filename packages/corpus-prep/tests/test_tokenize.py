@@ -308,3 +308,25 @@ def test_a_50_mb_document(tmp_path):
     assert dataset.num_documents == 2 and dataset.sequence_lengths[1] > 10_000_000
     assert np.asarray(dataset[1])[-1] == EOD
     shutil.rmtree(tmp_path)
+
+
+def test_a_json_array_file_gets_a_hint(tmp_path, capsys):
+    corpus = tmp_path / "array.json"
+    corpus.write_text('[\n  {"text": "a"},\n  {"text": "b"}\n]\n')
+    assert tokenize("--input", corpus, "--output-prefix", tmp_path / "o", *GPT2) == 2
+    err = capsys.readouterr().err
+    assert "array.json:1: invalid JSON" in err
+    assert "looks like one JSON array: write one object per line" in err
+
+
+def test_more_partitions_than_lines_and_a_compressed_file(tmp_path):
+    plain = write_lines(tmp_path / "a.jsonl", [{"text": "one"}])
+    packed = tmp_path / "b.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"text": "two"}\n{"text": "three"}\n'))
+    args = ["--input", plain, packed, *GPT2, "--append-eod"]
+    assert (
+        tokenize(*args, "--output-prefix", tmp_path / "p", "--workers", 4, "--partitions", 4) == 0
+    )
+    assert tokenize(*args, "--output-prefix", tmp_path / "s", "--workers", 1) == 0
+    assert same_files(tmp_path / "p_text_document", tmp_path / "s_text_document")
+    assert len(documents(tmp_path / "p_text_document")) == 3

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mg.core.tokenizers import TokenizerConfig
 from mg.corpus_prep.splitter import SentenceSplitter, SplitterSpec, build_splitter
 
 # Reasons a line is rejected, as counted in the summary.
@@ -52,7 +53,7 @@ class EncoderSpec:
 
     json_keys: tuple[str, ...]
     append_eod: bool
-    tokenizer_config: object  # mg.core.tokenizers.TokenizerConfig
+    tokenizer_config: TokenizerConfig
     splitter: SplitterSpec
     dtype: str  # numpy dtype of the output tokens
 
@@ -182,7 +183,10 @@ class DocumentEncoder:
                 blank += 1
                 continue
             if isinstance(parsed, tuple):
-                rejected.append(Rejected(chunk.source, lineno, *parsed))
+                reason, detail = parsed
+                if lineno == 1 and raw.lstrip().startswith(b"["):
+                    detail += "; the file looks like one JSON array: write one object per line"
+                rejected.append(Rejected(chunk.source, lineno, reason, detail))
                 continue
             try:
                 split = {key: self._split(parsed[key]) for key in keys}

@@ -28,7 +28,7 @@ from mg.corpus_prep.encoder import EncodedChunk, EncoderSpec
 from mg.corpus_prep.pipeline import (
     LineRejectedError,
     WorkerDiedError,
-    _start_method,
+    start_method,
     tokenize_segments,
 )
 from mg.corpus_prep.reader import Segment
@@ -83,7 +83,7 @@ def run_partitioned(
     on_progress: Callable[[int, int, int], None],
 ) -> tuple[RunStats, dict[str, str]]:
     """Tokenize each group in its own process, then merge the parts into the final datasets."""
-    context = _start_method()
+    context = start_method()
     messages = context.Queue()
     folder = tempfile.mkdtemp(
         prefix=os.path.basename(output_prefix) + ".partitions-",

@@ -96,7 +96,7 @@ def _encode_in_worker(chunk: Chunk) -> EncodedChunk:
     return _worker_encoder.encode(chunk)
 
 
-def _start_method() -> multiprocessing.context.BaseContext:
+def start_method() -> multiprocessing.context.BaseContext:
     # fork starts workers in milliseconds and shares the loaded modules; spawn elsewhere.
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
@@ -113,7 +113,7 @@ def encode_in_order(
         return
     in_flight = max(2, IN_FLIGHT_PER_WORKER * workers)
     executor = ProcessPoolExecutor(
-        workers, mp_context=_start_method(), initializer=_init_worker, initargs=(spec,)
+        workers, mp_context=start_method(), initializer=_init_worker, initargs=(spec,)
     )
     pending: deque[tuple[Future[EncodedChunk], Chunk]] = deque()
 

@@ -15,12 +15,23 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+
+import numpy as np
 
 from mg.corpus_prep.cli import UserError
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
 from mg.corpus_prep.progress import Progress, format_summary, info, warn
-from mg.corpus_prep.reader import InputError, Segment, find_sources, read_lines, split_segments
+from mg.corpus_prep.reader import (
+    InputError,
+    Segment,
+    Source,
+    find_sources,
+    read_lines,
+    split_segments,
+)
 from mg.corpus_prep.splitter import SplitterError, SplitterSpec, resolve_splitter
+from mg.corpus_prep.stats import RunStats
 from mg.corpus_prep.tokenizer_args import (
     add_tokenizer_args,
     build_tokenizer_from_config,
@@ -148,7 +159,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--json-keys {' '.join(args.json_keys)}: a key is named twice")
 
 
-def _corpus_sample(segments: list[Segment], key: str):
+def _corpus_sample(segments: list[Segment], key: str) -> Callable[[int], str]:
     """A reader of the first n characters of `key` texts, to train Punkt on if needed."""
 
     def sample(limit: int) -> str:
@@ -228,7 +239,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokenize(args, sources, spec, level, dtype, progress):
+def _tokenize(
+    args: argparse.Namespace,
+    sources: list[Source],
+    spec: EncoderSpec,
+    level: str,
+    dtype: np.dtype,
+    progress: Progress,
+) -> tuple[RunStats, dict[str, str]]:
+    """Run the pipeline (or the partitions) into the final datasets; errors become UserError."""
     from mg.corpus_prep.partitions import PartitionFailedError, run_partitioned
     from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError, tokenize_segments
     from mg.corpus_prep.writer import DatasetWriter

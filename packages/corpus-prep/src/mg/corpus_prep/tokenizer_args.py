@@ -13,20 +13,16 @@ import os
 from mg.core import tokenizers as core_tokenizers
 from mg.corpus_prep.cli import UserError
 
-if not hasattr(core_tokenizers, "build_tokenizer"):  # TEMPORARY until mg.core.tokenizers lands
-    from mg.corpus_prep import _tokenizer_shim as core_tokenizers  # type: ignore[no-redef]
-
 
 def add_tokenizer_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     """Add --tokenizer-type, --vocab-file, --merge-file, ... (Megatron's names and meanings)."""
-    TOKENIZER_TYPES = core_tokenizers.TOKENIZER_TYPES  # noqa: N806
     group = parser.add_argument_group("tokenizer (Megatron's flags)")
     group.add_argument(
         "--tokenizer-type",
         required=required,
-        choices=TOKENIZER_TYPES,
+        choices=core_tokenizers.TOKENIZER_TYPES,
         metavar="TYPE",
-        help=f"one of: {', '.join(TOKENIZER_TYPES)}",
+        help=f"one of: {', '.join(core_tokenizers.TOKENIZER_TYPES)}",
     )
     group.add_argument("--vocab-file", help="vocabulary: GPT-2 vocab.json or BERT vocab.txt")
     group.add_argument("--merge-file", help="GPT-2 BPE merges.txt")
@@ -59,15 +55,14 @@ def add_tokenizer_args(parser: argparse.ArgumentParser, required: bool = True) -
     )
 
 
-def config_from_args(args: argparse.Namespace) -> object:
+def config_from_args(args: argparse.Namespace) -> core_tokenizers.TokenizerConfig:
     """The `TokenizerConfig` for the parsed flags, checking that named files exist."""
-    TokenizerConfig = core_tokenizers.TokenizerConfig  # noqa: N806
     for flag in ("vocab_file", "merge_file", "tokenizer_model"):
         path = getattr(args, flag, None)
         if path is not None and not os.path.exists(path):
             option = "--" + flag.replace("_", "-")
             raise UserError(f"{option} {path}: no such file")
-    return TokenizerConfig(
+    return core_tokenizers.TokenizerConfig(
         tokenizer_type=args.tokenizer_type,
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
@@ -80,11 +75,12 @@ def config_from_args(args: argparse.Namespace) -> object:
     )
 
 
-def build_tokenizer_from_config(config: object):  # -> mg.core.tokenizers.Tokenizer
+def build_tokenizer_from_config(
+    config: core_tokenizers.TokenizerConfig,
+) -> core_tokenizers.Tokenizer:
     """Build the tokenizer; a bad or mismatched vocabulary file becomes a `UserError`."""
-    build_tokenizer = core_tokenizers.build_tokenizer
     try:
-        return build_tokenizer(config)
+        return core_tokenizers.build_tokenizer(config)
     except (OSError, ValueError, KeyError, TypeError, ImportError) as err:
         kind = getattr(config, "tokenizer_type", "?")
         raise UserError(f"cannot build the {kind} tokenizer: {err}") from err
