@@ -22,6 +22,7 @@ from mg.corpus_prep.cli import UserError
 from mg.corpus_prep.tokenizer_args import add_tokenizer_args
 
 BAR_WIDTH = 40
+VISIBLE_WHITESPACE = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
 PERCENTILES = (10, 50, 90, 99)
 
 
@@ -211,7 +212,7 @@ def _format_sample(sample: dict) -> str:
         return f"{head}\n    ids {sample['ids']}{more}"
     lines = [head]
     for text in sample["text"]:
-        lines.append("    | " + text.replace("\n", "\\n"))
+        lines.append("    | " + text.translate(VISIBLE_WHITESPACE))
     if sample["truncated"]:
         lines.append("    | ...")
     return "\n".join(lines)

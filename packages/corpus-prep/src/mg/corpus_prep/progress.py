@@ -103,7 +103,8 @@ def format_summary(stats: RunStats, elapsed: float, outputs: dict[str, str], dty
         f"{stats.tokens / seconds:,.0f} tokens/s)"
     ]
     for key, count in sorted(stats.empty.items()):
-        lines.append(f"  {count:,} documents have no tokens in {key!r} (kept as empty documents)")
+        has = "document has" if count == 1 else "documents have"
+        lines.append(f"  {count:,} {has} no tokens in {key!r} (kept as empty documents)")
     if stats.blank_lines:
         lines.append(f"  {stats.blank_lines:,} blank lines ignored")
     if stats.skipped:
