@@ -32,19 +32,18 @@ fixtures *names: setup
 
 # the whole workflow on a small real corpus: fixtures -> corpus -> indexed dataset -> inspect
 demo: setup
-    uv run --frozen python workflows/demo/make_corpus.py --output {{demo_dir}}/corpus.jsonl
-    uv run --frozen mg-prep tokenize \
-        --input {{demo_dir}}/corpus.jsonl \
-        --output-prefix {{demo_dir}}/data/corpus \
-        --tokenizer-type GPT2BPETokenizer \
-        --vocab-file "$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)/vocab.json" \
-        --merge-file "$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)/merges.txt" \
-        --append-eod --workers 2
-    uv run --frozen mg-prep inspect {{demo_dir}}/data/corpus_text_document \
-        --tokenizer-type GPT2BPETokenizer \
-        --vocab-file "$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)/vocab.json" \
-        --merge-file "$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)/merges.txt" \
-        --samples 2
+    #!/usr/bin/env bash
+    set -euo pipefail
+    gpt2="$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)"
+    tokenizer=(--tokenizer-type GPT2BPETokenizer --vocab-file "$gpt2/vocab.json" --merge-file "$gpt2/merges.txt")
+    echo "== 1. corpus: Botchan, six Shakespeare plays and 106 Wikipedia pages as loose JSON"
+    uv run --frozen python workflows/demo/make_corpus.py --output "{{demo_dir}}/corpus.jsonl"
+    echo "== 2. mg-prep tokenize: GPT-2 BPE, one document per line, end-of-document tokens"
+    uv run --frozen mg-prep tokenize --input "{{demo_dir}}/corpus.jsonl" \
+        --output-prefix "{{demo_dir}}/data/corpus" "${tokenizer[@]}" --append-eod --workers 2
+    echo "== 3. mg-prep inspect: what the dataset holds"
+    uv run --frozen mg-prep inspect "{{demo_dir}}/data/corpus_text_document" "${tokenizer[@]}" --samples 2
+    echo "== done: {{demo_dir}}/data/corpus_text_document.{bin,idx}"
 
 # tokenize a JSONL corpus into an indexed dataset (any `mg-prep tokenize` flags)
 prep *args: setup
