@@ -50,18 +50,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "tokenize",
         help="tokenize loose JSON into Megatron .bin/.idx datasets (preprocess_data.py)",
-        description=__doc__.split("\n\n")[0],
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_tokenize_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool = True) -> None:
+    """Every `mg-prep tokenize` flag; `input_output=False` leaves out --input and
+    --output-prefix, for commands that set those per file (`mg-prep refresh`)."""
     group = parser.add_argument_group("input data")
-    group.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        metavar="PATH",
-        help="JSON-lines files (.jsonl/.json, optionally .gz/.zst), glob patterns or folders; "
-        "read in the order given (globs and folders sorted)",
-    )
+    if input_output:
+        group.add_argument(
+            "--input",
+            nargs="+",
+            required=True,
+            metavar="PATH",
+            help="JSON-lines files (.jsonl/.json, optionally .gz/.zst), glob patterns or "
+            "folders; read in the order given (globs and folders sorted)",
+        )
     group.add_argument(
         "--json-keys",
         nargs="+",
@@ -94,12 +102,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="append the end-of-document token to each non-empty document",
     )
-    group = parser.add_argument_group("output data")
-    group.add_argument(
-        "--output-prefix",
-        required=True,
-        help="output path without suffix; writes PREFIX_KEY_{document,sentence}.bin/.idx",
-    )
+    if input_output:
+        group = parser.add_argument_group("output data")
+        group.add_argument(
+            "--output-prefix",
+            required=True,
+            help="output path without suffix; writes PREFIX_KEY_{document,sentence}.bin/.idx",
+        )
     group = parser.add_argument_group("runtime")
     group.add_argument(
         "--workers",
@@ -140,7 +149,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="no progress bar (it is shown only on a terminal anyway)",
     )
-    parser.set_defaults(func=run)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
