@@ -67,7 +67,7 @@ def length_summary(lengths: np.ndarray) -> dict[str, float]:
 
 
 def histogram_lines(lengths: np.ndarray) -> list[str]:
-    """An ASCII histogram in power-of-two buckets: 0, 1, 2-3, 4-7, ..."""
+    """An ASCII histogram in power-of-two buckets: 0, 1, 2-3, 4-7, ... (from the first used)."""
     if lengths.size == 0:
         return []
     buckets = np.zeros(lengths.size, dtype=np.int64)
@@ -76,7 +76,8 @@ def histogram_lines(lengths: np.ndarray) -> list[str]:
     counts = np.bincount(buckets)
     peak = counts.max()
     lines = []
-    for bucket, count in enumerate(counts):
+    first = int(np.flatnonzero(counts)[0])  # no rows of empty buckets before the first count
+    for bucket, count in enumerate(counts[first:], start=first):
         if bucket == 0:
             label = "0"
         else:
