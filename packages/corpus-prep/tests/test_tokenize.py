@@ -162,6 +162,10 @@ BAD_LINES = {
     "null value": (b'{"text": null}', r"the value of 'text' is a JSON null, not a string"),
     "mixed list": (b'{"text": ["a", 1]}', r"the value of 'text' is a JSON array, not a string"),
     "not an object": (b'["text"]', r"expected a JSON object, found a JSON array"),
+    "unpaired surrogate": (
+        b'{"text": "a\\ud800b"}',
+        r"the value of 'text' has an unpaired surrogate \\ud800 at character 2",
+    ),
 }
 
 
@@ -194,8 +198,8 @@ def test_skip_counts_every_reason_and_keeps_the_good_lines(tmp_path, capsys):
     assert status == 0
     err = capsys.readouterr().err
     assert len(documents(tmp_path / "o_text_document")) == 1 + len(BAD_LINES)
-    assert "skipped 7 lines: 3 non-string value, 1 invalid JSON, 1 missing key, 1 not UTF-8, " \
-        "1 not a JSON object" in err  # fmt: skip
+    assert "skipped 8 lines: 3 non-string value, 1 invalid JSON, 1 missing key, 1 not UTF-8, " \
+        "1 not a JSON object, 1 unpaired surrogate" in err  # fmt: skip
     assert f"{len(BAD_LINES)} blank lines ignored" in err
     assert f"{corpus}:2: invalid JSON" in err  # examples name file:line
 

@@ -32,6 +32,7 @@ INVALID_JSON = "invalid JSON"
 NOT_AN_OBJECT = "not a JSON object"
 MISSING_KEY = "missing key"
 NOT_A_STRING = "non-string value"
+BAD_UNICODE = "unpaired surrogate"
 SPLIT_FAILED = "sentence splitting failed"
 TOKENIZE_FAILED = "tokenizer failed"
 UNREADABLE = "unreadable file"
@@ -153,7 +154,20 @@ def parse_line(raw: bytes, keys: tuple[str, ...]) -> Document | tuple[str, str] 
                 f"the value of {key!r} is a JSON {json_type_name(value)}, not a string "
                 "(or a list of strings)"
             )
+        # A \ud800-style escape can decode to half a surrogate pair, which no
+        # tokenizer can encode (Megatron's GPT-2 crashes on it, tiktoken replaces it).
+        if b"\\u" in raw and (problem := _unpaired_surrogate(document[key])):
+            return BAD_UNICODE, f"the value of {key!r} has an unpaired surrogate {problem}"
     return document
+
+
+def _unpaired_surrogate(value: str | list[str]) -> str | None:
+    for text in [value] if isinstance(value, str) else value:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return f"\\u{ord(text[err.start]):04x} at character {err.start + 1} (not Unicode text)"
+    return None
 
 
 class DocumentEncoder:
