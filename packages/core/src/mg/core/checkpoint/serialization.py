@@ -1,0 +1,162 @@
+"""Reading and writing one ``.pt`` file: safe loading and crash-safe writing.
+
+Loading. Every file is first read with ``torch.load(weights_only=True)`` and a
+small allowlist of plain-data classes that checkpoints legitimately hold:
+``argparse.Namespace`` (Megatron pickles its ``args`` as one) and the numpy
+pieces of ``np.random.get_state()`` (Megatron's ``rng_state``). Our own saves
+need nothing more. A file that names any other class (a real Megatron-LM run
+pickles enums such as ``AttnBackend`` into ``args``) is refused with the list of
+classes it asks for, unless the caller passes ``allow_pickle=True``, which falls
+back to ``weights_only=False`` — full pickle, so only for files you trust.
+
+Writing. ``torch.save`` goes to a temporary name beside the target, is flushed
+and fsynced, then renamed over the target, so a reader sees the old file or the
+whole new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mg.core.checkpoint.layout import CheckpointError
+
+_np_core = getattr(np, "_core", None) or np.core  # numpy >= 2 renamed numpy.core
+
+
+def _safe_globals() -> list[Any]:
+    allowed: list[Any] = [
+        argparse.Namespace,
+        _np_core.multiarray._reconstruct,
+        _np_core.multiarray.scalar,
+        np.ndarray,
+        np.dtype,
+    ]
+    # numpy >= 1.25 pickles a dtype through its class (np.dtypes.UInt32DType, ...)
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        allowed += [
+            getattr(dtypes, name)
+            for name in dir(dtypes)
+            if name.endswith("DType") and isinstance(getattr(dtypes, name), type)
+        ]
+    return allowed
+
+
+SAFE_GLOBALS = _safe_globals()
+
+_CORRUPT_ERRORS = (
+    RuntimeError,
+    EOFError,
+    OSError,
+    pickle.UnpicklingError,
+    zipfile.BadZipFile,
+    ValueError,
+    KeyError,
+    AttributeError,
+    ModuleNotFoundError,
+    ImportError,
+    TypeError,
+)
+
+
+def _is_weights_only_refusal(exc: BaseException) -> bool:
+    return isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc)
+
+
+def unsafe_globals(path: Path) -> list[str]:
+    """Classes/functions the pickle in ``path`` names beyond torch's and our allowlist."""
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in SAFE_GLOBALS}
+    return [name for name in found if name not in allowed]
+
+
+def load_file(
+    path: Path,
+    *,
+    map_location: Any = "cpu",
+    allow_pickle: bool = False,
+    mmap: bool = False,
+) -> dict[str, Any]:
+    """Load one checkpoint file; every failure becomes a :class:`CheckpointError` naming it."""
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as exc:
+        if not _is_weights_only_refusal(exc):
+            raise _corrupt(path, exc) from exc
+        refusal = exc
+    if not allow_pickle:
+        try:
+            names = ", ".join(unsafe_globals(path)) or "(unknown)"
+        except Exception:
+            names = "(could not list them)"
+        raise CheckpointError(
+            f"{path}: this file pickles Python objects outside the safe allowlist: {names}. "
+            "That is normal for a checkpoint written by Megatron-LM itself (its args hold "
+            "enums). If you trust the file, load it with allow_pickle=True "
+            "(torch.load weights_only=False, which can run code from the file)."
+        ) from refusal
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    except ModuleNotFoundError as exc:
+        raise CheckpointError(
+            f"{path}: the pickled args need the module {exc.name!r}, which is not installed. "
+            "Install the package that wrote the checkpoint (e.g. megatron-core), or re-save "
+            "the checkpoint with args as a plain dict."
+        ) from exc
+    except Exception as exc:
+        raise _corrupt(path, exc) from exc
+
+
+def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
+    size = path.stat().st_size if path.exists() else None
+    return CheckpointError(
+        f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0] if str(exc) else ''}; file size {size} bytes). The file is "
+        "truncated or corrupt (an interrupted copy or a full disk?): load an older iteration "
+        "(iteration=...) or copy the file again."
+    )
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename/creation inside ``path`` durable (no-op where directories can't be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Any], None], *, binary: bool = True) -> None:
+    """Write ``path`` via ``<path>.tmp-<pid>``: write, flush, fsync, ``os.replace``, fsync dir."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb" if binary else "w") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def save_file(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` ``state`` to ``path`` atomically."""
+    atomic_write(path, lambda handle: torch.save(state, handle))
