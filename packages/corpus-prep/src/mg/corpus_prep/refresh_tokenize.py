@@ -23,7 +23,6 @@ from mg.corpus_prep import tokenize_cmd
 from mg.corpus_prep.refresh_plan import sha256_of_file
 
 # Per-file flags that refresh sets itself.
-PER_FILE = ("input", "output_prefix")
 # Flags that change how fast tokens are made, not which. (--on-error too: a file that
 # went through with "fail" has no bad lines, so "skip" would give the same tokens.)
 NOT_IN_FINGERPRINT = {
@@ -37,37 +36,11 @@ NOT_IN_FINGERPRINT = {
 }
 
 
-def _tokenize_parser() -> argparse.ArgumentParser:
-    """tokenize's own parser, built by its `register`."""
-    holder = argparse.ArgumentParser(add_help=False).add_subparsers()
-    tokenize_cmd.register(holder)
-    return holder.choices["tokenize"]
-
-
 def add_tokenize_arguments(parser: argparse.ArgumentParser) -> list[str]:
-    """Give `parser` tokenize's flags (minus the per-file ones); return their dests.
-
-    argparse has no public way to copy some of another parser's options, so
-    this does what its ``parents=`` does, action by action, skipping
-    ``--input``, ``--output-prefix`` and ``--help``. (A public
-    ``tokenize_cmd.add_tokenize_arguments`` would make this a one-liner.)
-    """
-    source = _tokenize_parser()
-    dests = []
-    for source_group in source._action_groups:
-        actions = [
-            action
-            for action in source_group._group_actions
-            if action.dest not in PER_FILE and not isinstance(action, argparse._HelpAction)
-        ]
-        if not actions:
-            continue
-        group = parser.add_argument_group(f"tokenize: {source_group.title}")
-        for action in actions:
-            group._add_action(action)
-            dests.append(action.dest)
-    parser.set_defaults(**{k: v for k, v in source._defaults.items() if k != "func"})
-    return dests
+    """Give `parser` tokenize's flags (minus the per-file ones); return their dests."""
+    before = {action.dest for action in parser._actions}
+    tokenize_cmd.add_tokenize_arguments(parser, input_output=False)
+    return [action.dest for action in parser._actions if action.dest not in before]
 
 
 def tokenize_file(args: argparse.Namespace, path: str, output_prefix: str) -> None:
