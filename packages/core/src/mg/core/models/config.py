@@ -18,12 +18,14 @@ PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 Activation = Literal["gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu"]
 AttentionBackend = Literal["sdpa", "flash", "te"]
+LayerOrder = Literal["pre_ln", "post_ln"]
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 ATTENTION_BACKENDS = ("sdpa", "flash", "te")
+LAYER_ORDERS = ("pre_ln", "post_ln")
 
 
 class ConfigError(ValueError):
@@ -108,6 +110,14 @@ class TransformerConfig:
     add_qkv_bias: bool = False
     """Bias on linear_qkv only (Qwen-style), with add_bias_linear False."""
     untie_embeddings_and_output_weights: bool = False
+
+    decoder_seq_length: int | None = None
+    """T5 only (`--decoder-seq-length`); seq_length is then the encoder's
+    (`--encoder-seq-length`). Both must fit in max_position_embeddings."""
+    transformer_layer_order: LayerOrder = "pre_ln"
+    """"pre_ln" (Megatron-Core, every model) or "post_ln" (original BERT, HF
+    BertModel: norm after each residual add, a norm on the embeddings, no final
+    norm). Only BertModel supports "post_ln"."""
 
     window_size: tuple[int, int] | None = None
     """Sliding-window attention as (left, right), flash-attn's convention: query i
@@ -212,6 +222,19 @@ class TransformerConfig:
                 f"sequence length ({self.seq_length}) is longer than the maximum number of "
                 f"position embeddings ({self.max_position_embeddings}); raise "
                 "max_position_embeddings or shorten seq_length",
+            )
+        if self.decoder_seq_length is not None and not (
+            0 < self.decoder_seq_length <= self.max_position_embeddings
+        ):
+            fail(
+                "decoder_seq_length",
+                f"decoder sequence length ({self.decoder_seq_length}) must be positive and "
+                f"at most max_position_embeddings ({self.max_position_embeddings})",
+            )
+        if self.transformer_layer_order not in LAYER_ORDERS:
+            fail(
+                "transformer_layer_order",
+                f"{self.transformer_layer_order!r} is not one of {LAYER_ORDERS}",
             )
         if not 0.0 < self.rotary_percent <= 1.0:
             fail("rotary_percent", f"must be in (0, 1], got {self.rotary_percent}")

@@ -7,7 +7,9 @@ that computes attention from already-projected, already-rotated q, k, v.
 Contract of every backend module:
     forward(query [b, s, heads, d], key [b, s, groups, d], value [b, s, groups, d],
             attention_mask: bool [b|1, 1, s, s] | None) -> [b, s, heads * d]
-Attention is causal (and windowed when `config.window_size` is set). An
+Attention is causal (and windowed when `config.window_size` is set) unless
+the module is built with `causal=False` (BERT and the T5 encoder, T5 cross
+attention, where the key length may differ from the query length). An
 `attention_mask` follows Megatron's convention: True marks a position that may
 NOT be attended; it is applied on top of the causal mask.
 
@@ -52,11 +54,14 @@ class SDPAttention(nn.Module):
     explicit boolean mask.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int = 1) -> None:
+    def __init__(
+        self, config: TransformerConfig, layer_number: int = 1, causal: bool = True
+    ) -> None:
         super().__init__()
+        self.causal = causal
         self.num_heads = config.num_attention_heads
         self.num_groups = config.num_query_groups
-        self.window_size = config.window_size
+        self.window_size = config.window_size if causal else None
         self.dropout = config.attention_dropout
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
 
@@ -66,7 +71,9 @@ class SDPAttention(nn.Module):
         b, s = query.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, heads, s, d]
         mask = None
-        if self.window_size is not None or attention_mask is not None:
+        if not self.causal:
+            mask = None if attention_mask is None else ~attention_mask
+        elif self.window_size is not None or attention_mask is not None:
             mask = causal_mask(s, self.window_size, query.device)
             if attention_mask is not None:
                 mask = mask & ~attention_mask
@@ -76,7 +83,7 @@ class SDPAttention(nn.Module):
             v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
+            is_causal=self.causal and mask is None,
             scale=self.softmax_scale,
             enable_gqa=self.num_groups != self.num_heads,
         )
@@ -103,10 +110,13 @@ def _require(module: str, pip_name: str, backend: str) -> ModuleType:
 class FlashAttention(nn.Module):
     """flash-attn 2 (`flash_attn_func`): bshd layout and GQA natively, no masks."""
 
-    def __init__(self, config: TransformerConfig, layer_number: int = 1) -> None:
+    def __init__(
+        self, config: TransformerConfig, layer_number: int = 1, causal: bool = True
+    ) -> None:
         super().__init__()
         self._flash_attn_func = _require("flash_attn", "flash-attn", "flash").flash_attn_func
-        self.window_size = config.window_size or (-1, -1)
+        self.causal = causal
+        self.window_size = (config.window_size if causal else None) or (-1, -1)
         self.dropout = config.attention_dropout
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
 
@@ -115,7 +125,8 @@ class FlashAttention(nn.Module):
     ) -> Tensor:
         if attention_mask is not None:
             raise ValueError(
-                "attention_backend='flash' takes no attention_mask (causal/windowed only); "
+                "attention_backend='flash' takes no attention_mask (causal/windowed or "
+                "unmasked only); "
                 "use attention_backend='sdpa' for custom masks"
             )
         out = self._flash_attn_func(
@@ -124,13 +135,13 @@ class FlashAttention(nn.Module):
             value,
             dropout_p=self.dropout if self.training else 0.0,
             softmax_scale=self.softmax_scale,
-            causal=True,
+            causal=self.causal,
             window_size=self.window_size,
         )
         return out.reshape(*query.shape[:2], -1)
 
 
-def _build_te(config: TransformerConfig, layer_number: int = 1) -> nn.Module:
+def _build_te(config: TransformerConfig, layer_number: int = 1, causal: bool = True) -> nn.Module:
     """Transformer Engine's DotProductAttention, used as the module itself so its
     `_extra_state` sits at `...core_attention._extra_state`, where Megatron's TE
     spec keeps it. Its forward matches the contract above (bshd, causal)."""
@@ -141,20 +152,22 @@ def _build_te(config: TransformerConfig, layer_number: int = 1) -> nn.Module:
         num_gqa_groups=config.num_query_groups,
         attention_dropout=config.attention_dropout,
         qkv_format="bshd",
-        attn_mask_type="causal",
-        window_size=config.window_size,
+        attn_mask_type="causal" if causal else "no_mask",
+        window_size=config.window_size if causal else None,
         layer_number=layer_number,
     )
 
 
-CORE_ATTENTION_BACKENDS: dict[str, Callable[[TransformerConfig, int], nn.Module]] = {
+CORE_ATTENTION_BACKENDS: dict[str, Callable[..., nn.Module]] = {
     "sdpa": SDPAttention,
     "flash": FlashAttention,
     "te": _build_te,
 }
 
 
-def build_core_attention(config: TransformerConfig, layer_number: int = 1) -> nn.Module:
+def build_core_attention(
+    config: TransformerConfig, layer_number: int = 1, causal: bool = True
+) -> nn.Module:
     """The core-attention module for `config.attention_backend` (layer_number is 1-based)."""
     try:
         builder = CORE_ATTENTION_BACKENDS[config.attention_backend]
@@ -163,4 +176,6 @@ def build_core_attention(config: TransformerConfig, layer_number: int = 1) -> nn
             f"unknown attention_backend {config.attention_backend!r}; "
             f"known: {sorted(CORE_ATTENTION_BACKENDS)}"
         ) from None
-    return builder(config, layer_number)
+    if causal:  # keep the two-argument call for backends registered by others
+        return builder(config, layer_number)
+    return builder(config, layer_number, causal=False)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mg.core.models.config import TransformerConfig
+from mg.core.models.config import ConfigError, TransformerConfig
 from mg.core.models.core_attention import build_core_attention
 from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
 
@@ -87,7 +87,7 @@ class SelfAttention(nn.Module):
     interleaves instead of stacking [all q; all k; all v].
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+    def __init__(self, config: TransformerConfig, layer_number: int, causal: bool = True) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_groups = config.num_query_groups
@@ -96,7 +96,7 @@ class SelfAttention(nn.Module):
         self.linear_qkv = nn.Linear(
             config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias
         )
-        self.core_attention = build_core_attention(config, layer_number)
+        self.core_attention = build_core_attention(config, layer_number, causal=causal)
         self.linear_proj = nn.Linear(
             config.query_projection_size, config.hidden_size, bias=config.add_bias_linear
         )
@@ -174,13 +174,15 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """One pre-norm decoder layer; `layer_number` is 1-based as in Megatron."""
+    """One pre-norm layer; `layer_number` is 1-based as in Megatron.
 
-    def __init__(self, config: TransformerConfig, layer_number: int) -> None:
+    causal=False makes it an encoder layer (BERT, the T5 encoder)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, causal: bool = True) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number)
+        self.self_attention = SelfAttention(config, layer_number, causal=causal)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
@@ -203,12 +205,13 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """The layer stack and the final norm (Megatron's `decoder`)."""
+    """The layer stack and the final norm (Megatron's `decoder`, or BERT's `encoder`)."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, causal: bool = True) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            TransformerLayer(config, layer_number=i + 1) for i in range(config.num_layers)
+            TransformerLayer(config, layer_number=i + 1, causal=causal)
+            for i in range(config.num_layers)
         )
         self.final_layernorm = build_norm(config)
 
@@ -235,6 +238,11 @@ class GPTModel(nn.Module):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         config.validate()
+        if config.transformer_layer_order != "pre_ln":
+            raise ConfigError(
+                "TransformerConfig.transformer_layer_order: GPTModel is pre-LN only; "
+                f"got {config.transformer_layer_order!r} (post_ln is for BertModel)"
+            )
         self.config = config
         self.embedding = LanguageModelEmbedding(config)
         self.rotary_pos_emb = (
