@@ -98,8 +98,9 @@ def load_file(
     if not allow_pickle:
         try:
             names = ", ".join(unsafe_globals(path)) or "(unknown)"
-        except Exception:
-            names = "(could not list them)"
+        except Exception as exc:
+            # not a zip archive: garbage, or a pre-1.6 torch.save file (pickle only)
+            raise _corrupt(path, refusal, legacy_hint=True) from exc
         raise CheckpointError(
             f"{path}: this file pickles Python objects outside the safe allowlist: {names}. "
             "That is normal for a checkpoint written by Megatron-LM itself (its args hold "
@@ -118,13 +119,21 @@ def load_file(
         raise _corrupt(path, exc) from exc
 
 
-def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
+def _corrupt(path: Path, exc: BaseException, legacy_hint: bool = False) -> CheckpointError:
     size = path.stat().st_size if path.exists() else None
+    hint = (
+        " If it is an old (pre-zip) torch.save file you trust, allow_pickle=True reads it."
+        if legacy_hint
+        else ""
+    )
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    if "Weights only load failed" in first_line:
+        first_line = "not a zip archive"
     return CheckpointError(
         f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: "
-        f"{str(exc).splitlines()[0] if str(exc) else ''}; file size {size} bytes). The file is "
+        f"{first_line}; file size {size} bytes). The file is "
         "truncated or corrupt (an interrupted copy or a full disk?): load an older iteration "
-        "(iteration=...) or copy the file again."
+        "(iteration=...) or copy the file again." + hint
     )
 
 
