@@ -7,6 +7,7 @@ loss = model(input_ids, labels=labels)  # [b, s] per-token loss
 """
 
 from mg.core.models import presets
+from mg.core.models.bert import BertModel
 from mg.core.models.config import (
     ConfigError,
     RopeScaling,
@@ -17,11 +18,14 @@ from mg.core.models.config import (
 from mg.core.models.flops import num_floating_point_operations, num_parameters
 from mg.core.models.gpt import GPTModel
 from mg.core.models.recompute import apply_activation_recompute
+from mg.core.models.t5 import T5Model
 
 __all__ = [
+    "BertModel",
     "ConfigError",
     "GPTModel",
     "RopeScaling",
+    "T5Model",
     "TransformerConfig",
     "apply_activation_recompute",
     "num_floating_point_operations",
