@@ -1,15 +1,170 @@
-"""`mg-convert` entry point.
+"""`mg-convert`: move models between Hugging Face, Megatron-LM and mg checkpoints.
 
-The package is not built yet: the command says so and exits non-zero rather
-than pretending to work.
+Each subcommand is one module; this file only parses flags and turns user
+errors into one line, `mg-convert <cmd>: error: ...`, with exit status 1.
 """
 
+from __future__ import annotations
+
+import argparse
+import json
 import sys
+from collections.abc import Callable, Sequence
+
+from mg.ckpt_convert.errors import ConvertError
+from mg.core.checkpoint import CheckpointError
+from mg.core.models import ConfigError
+
+EPILOG = """examples:
+  mg-convert import-hf ./Llama-3.2-1B --save ckpt/llama
+  mg-convert export-hf --load ckpt/llama --save ./llama-hf --shard-size 2GB
+  mg-convert inspect ckpt/llama
+  mg-convert import-megatron --load megatron_ckpt --save ckpt/from-megatron
+"""
 
 
-def main() -> None:
-    print(
-        "mg-convert: Hugging Face import/export and resharding is not built yet in this release; nothing was run.",
-        file=sys.stderr,
+def _iteration(text: str) -> int | str:
+    return text if text == "release" else int(text)
+
+
+def _import_hf(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.import_hf import import_hf
+
+    path = import_hf(args.src, args.save, args.dtype, args.make_vocab_size_divisible_by)
+    print(f"wrote {path}")
+
+
+def _export_hf(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.export_hf import export_hf
+
+    path = export_hf(args.load, args.save, args.shard_size, args.iteration)
+    print(f"wrote {path}")
+
+
+def _inspect(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.inspect_checkpoint import format_summary, summarize
+
+    summary = summarize(args.dir, args.iteration)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+
+
+def _import_megatron(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.megatron_lm import import_megatron
+
+    print(f"wrote {import_megatron(args.load, args.save, args.iteration)}")
+
+
+def _export_megatron(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.megatron_lm import export_megatron
+
+    print(f"wrote {export_megatron(args.load, args.save, args.iteration)}")
+
+
+def _not_yet(name: str) -> Callable[[argparse.Namespace], None]:
+    def run(args: argparse.Namespace) -> None:
+        raise ConvertError(
+            f"{name} is not supported yet in this release; nothing was written "
+            "(checkpoints from import-hf/import-megatron are TP=1 PP=1 `torch` format)"
+        )
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mg-convert",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sys.exit(2)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "import-hf",
+        help="Hugging Face GPT-2/Llama/Mistral folder or repo id → mg checkpoint",
+        description="Convert a Hugging Face model (config.json + safetensors or "
+        "pytorch_model.bin, sharded or not) into an mg `torch` checkpoint (iteration "
+        "'release'), layer by layer. Tokenizer files are copied to SAVE/tokenizer/. "
+        "SRC may be a Hub repo id: it is taken from the local cache (HF_HUB_OFFLINE=1 "
+        "never touches the network).",
+    )
+    p.add_argument("src", metavar="SRC", help="local folder or Hugging Face repo id")
+    p.add_argument("--save", required=True, help="new checkpoint folder (must not exist)")
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default=None,
+        help="cast the weights (default: keep the stored dtype, so export is bit-exact)",
+    )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the embedding rows to a multiple of this, as Megatron does (default 128); "
+        "export slices them off again",
+    )
+    p.set_defaults(run=_import_hf)
+
+    p = sub.add_parser(
+        "export-hf",
+        help="mg checkpoint → Hugging Face folder transformers loads",
+        description="Write config.json, model.safetensors (or shards + index), "
+        "generation_config.json and the tokenizer files. The architecture is the one "
+        "recorded at import, else gpt2 for learned positions, mistral with a sliding "
+        "window, llama otherwise.",
+    )
+    p.add_argument("--load", required=True, help="mg checkpoint folder")
+    p.add_argument("--save", required=True, help="new Hugging Face folder (must not exist)")
+    p.add_argument("--shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
+    p.set_defaults(run=_export_hf)
+
+    p = sub.add_parser(
+        "inspect",
+        help="show a checkpoint's config, iteration, layout, parameters, dtype, size",
+        description="Summarise a `torch`-format checkpoint without loading its tensors.",
+    )
+    p.add_argument("dir", metavar="DIR", help="checkpoint folder")
+    p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_inspect)
+
+    for name, direction in (
+        ("import-megatron", "Megatron-LM torch-format GPT checkpoint → mg checkpoint"),
+        ("export-megatron", "mg checkpoint → Megatron-LM torch-format GPT checkpoint"),
+    ):
+        p = sub.add_parser(
+            name,
+            help=direction,
+            description=direction + ". TP=1 PP=1 only. Megatron-LM's args Namespace is "
+            "read with pickle, so only load checkpoints you trust.",
+        )
+        p.add_argument("--load", required=True, help="source checkpoint folder")
+        p.add_argument("--save", required=True, help="new checkpoint folder (must not exist)")
+        p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
+        p.set_defaults(run=_import_megatron if name == "import-megatron" else _export_megatron)
+
+    for name in ("reshard", "format"):
+        p = sub.add_parser(name, help="not supported yet", description="Not supported yet.")
+        p.add_argument("--load")
+        p.add_argument("--save")
+        if name == "reshard":
+            p.add_argument("--target-tensor-parallel-size", type=int)
+            p.add_argument("--target-pipeline-parallel-size", type=int)
+        else:
+            p.add_argument("--to", choices=("torch", "torch_dist"))
+        p.set_defaults(run=_not_yet(f"mg-convert {name}"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ConvertError, CheckpointError, ConfigError) as exc:
+        print(f"mg-convert {args.command}: error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""`mg-convert import-hf`: a Hugging Face GPT-2 / Llama / Mistral folder → an mg checkpoint.
+
+The mapping of names and layouts is core's (`mg.core.models.hf_mapping`); this
+module adds what a file-to-file conversion needs: reading layer by layer,
+Megatron's vocabulary padding, dtype, shape checks against the model the config
+describes, tokenizer files, and an atomic write.
+
+Memory: the source is read one layer at a time through `safe_open` handles that
+are closed after the layer; only the converted state dict accumulates, so the
+peak is about one copy of the model.
+
+The checkpoint records what export needs to give the model back unchanged:
+``config.extra`` holds ``hf_model_type``, ``hf_vocab_size`` (the unpadded
+vocabulary), ``hf_config`` (the source config.json) and ``hf_generation_config``.
+The tokenizer files are copied to ``DIR/tokenizer/`` and the TokenizerConfig
+names that folder relative to DIR (``load_model`` resolves it), so the
+checkpoint folder can be moved as a whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from mg.ckpt_convert.errors import ConvertError
+from mg.ckpt_convert.hf_source import HFWeights, read_hf_config, resolve_source, tokenizer_files
+from mg.ckpt_convert.staging import check_target, staged_dir
+from mg.core.checkpoint.model_io import save_model
+from mg.core.models import GPTModel, TransformerConfig, pad_vocab_size
+from mg.core.models.hf_mapping import config_from_hf, get_architecture, hf_to_megatron
+from mg.core.tokenizers.config import TokenizerConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TOKENIZER_DIR = "tokenizer"
+_LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+# Tensors whose rows are vocabulary entries: padded on import, sliced on export.
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def layer_of(name: str) -> int | None:
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def group_by_layer(names: list[str]) -> dict[int | None, list[str]]:
+    """Tensor names per layer index; None for embeddings, final norm, output layer."""
+    groups: dict[int | None, list[str]] = defaultdict(list)
+    for name in names:
+        groups[layer_of(name)].append(name)
+    return dict(sorted(groups.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
+
+
+def model_config_from_hf(
+    hf_config: dict[str, Any], source: Path, make_vocab_size_divisible_by: int
+) -> TransformerConfig:
+    """config.json → TransformerConfig with Megatron's padded vocabulary."""
+    try:
+        config = config_from_hf(hf_config)
+    except (ValueError, KeyError) as exc:
+        raise ConvertError(f"{source / 'config.json'}: {exc}") from None
+    hf_vocab = config.vocab_size
+    extra = dict(config.extra, hf_vocab_size=hf_vocab, hf_config=hf_config)
+    generation = source / "generation_config.json"
+    if generation.is_file():
+        extra["hf_generation_config"] = json.loads(generation.read_text())
+    return dataclasses.replace(
+        config,
+        vocab_size=pad_vocab_size(hf_vocab, make_vocab_size_divisible_by),
+        extra=extra,
+    )
+
+
+def pad_rows(tensor: Tensor, rows: int) -> Tensor:
+    """Zero rows appended up to `rows` (Megatron's padded vocab entries are never produced)."""
+    if tensor.shape[0] == rows:
+        return tensor
+    out = tensor.new_zeros((rows, *tensor.shape[1:]))
+    out[: tensor.shape[0]] = tensor
+    return out
+
+
+def expected_shapes(config: TransformerConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        model = GPTModel(config)
+    return {name: t.shape for name, t in model.state_dict().items()}
+
+
+def convert_weights(
+    weights: HFWeights,
+    config: TransformerConfig,
+    dtype: torch.dtype | None,
+    progress: bool = True,
+) -> dict[str, Tensor]:
+    """Read, map, pad, cast and check every tensor, one layer at a time."""
+    arch = get_architecture(config.extra["hf_model_type"])
+    shapes = expected_shapes(config)
+    out: dict[str, Tensor] = {}
+    groups = group_by_layer(weights.names())
+    for layer, names in tqdm(groups.items(), desc="import-hf", unit="layer", disable=not progress):
+        if layer is not None and layer >= config.num_layers:
+            raise ConvertError(
+                f"{weights.folder} has tensors of layer {layer} ({names[0]}), but config.json "
+                f"says num_hidden_layers={config.num_layers}"
+            )
+        with weights.open_group(names) as hf_state:
+            try:
+                converted = hf_to_megatron(hf_state, config, arch)
+            except (KeyError, RuntimeError, ValueError) as exc:
+                message = exc.args[0] if isinstance(exc, KeyError) else str(exc)
+                raise ConvertError(f"{weights.folder}: {message}") from None
+        for name, tensor in converted.items():
+            if name in VOCAB_TENSORS:
+                tensor = pad_rows(tensor, config.vocab_size)
+            if dtype is not None and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            if name not in shapes:
+                raise ConvertError(f"{weights.folder}: {name} is not a parameter of this model")
+            if tensor.shape != shapes[name]:
+                raise ConvertError(
+                    f"{weights.folder}: shape mismatch for {name}: the weights give "
+                    f"{tuple(tensor.shape)}, config.json implies {tuple(shapes[name])}"
+                )
+            out[name] = tensor
+    missing = sorted(set(shapes) - set(out))
+    if missing:
+        raise ConvertError(
+            f"{weights.folder}: {len(missing)} parameters have no weights in the source: "
+            f"{missing[:6]}"
+        )
+    return out
+
+
+def copy_tokenizer(source: Path, checkpoint_dir: Path) -> TokenizerConfig | None:
+    """Copy the tokenizer files to DIR/tokenizer/ and describe them (paths relative to DIR)."""
+    files = tokenizer_files(source)
+    if not files:
+        return None
+    target = checkpoint_dir / TOKENIZER_DIR
+    target.mkdir()
+    for file in files:
+        shutil.copy2(file, target / file.name)
+    names = {f.name for f in files}
+    if "tokenizer.json" in names:
+        return TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=TOKENIZER_DIR)
+    if {"vocab.json", "merges.txt"} <= names:
+        return TokenizerConfig(
+            "GPT2BPETokenizer",
+            vocab_file=f"{TOKENIZER_DIR}/vocab.json",
+            merge_file=f"{TOKENIZER_DIR}/merges.txt",
+        )
+    if "tokenizer.model" in names:
+        return TokenizerConfig(
+            "Llama2Tokenizer", tokenizer_model=f"{TOKENIZER_DIR}/tokenizer.model"
+        )
+    return None
+
+
+def import_hf(
+    src: str,
+    save: str | Path,
+    dtype: str | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    progress: bool = True,
+) -> Path:
+    """Convert `src` (folder or Hub repo id) into a release checkpoint at `save`."""
+    check_target(save)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    source = resolve_source(src)
+    hf_config = read_hf_config(source)
+    config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
+    weights = HFWeights(source, get_architecture(config.extra["hf_model_type"]).base_model_prefix)
+    state = convert_weights(weights, config, DTYPES.get(dtype or ""), progress)
+    with staged_dir(save) as staging:
+        tokenizer_config = copy_tokenizer(source, staging)
+        args = {"source": str(src), "converted_by": "mg-convert import-hf"}
+        save_model(staging, state, config, tokenizer_config, iteration="release", args=args)
+    return Path(save)

@@ -1,0 +1,53 @@
+"""`mg-convert inspect`: what a checkpoint holds, without loading it into memory."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from mg.core.checkpoint import describe, load_checkpoint
+
+
+def summarize(load: str | Path, iteration: int | str | None = None) -> dict[str, Any]:
+    """Config, iteration, layout, parameter count, dtypes and size on disk (rank-0 file)."""
+    info = describe(load, iteration, allow_pickle=False)
+    state, _ = load_checkpoint(load, info.iteration, mmap=True)
+    model = state.get("model") or {}
+    tensors = {k: v for k, v in model.items() if hasattr(v, "numel")}
+    dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
+    return {
+        "path": str(info.path),
+        "iteration": info.iteration,
+        "layout": str(info.layout),
+        "parameters": sum(t.numel() for t in tensors.values() if not t.dtype.is_complex),
+        "tensors": len(tensors),
+        "dtype": dict(dtypes),
+        "size_on_disk_bytes": info.total_bytes,
+        "files": [str(p.relative_to(info.path)) for p in info.files],
+        "model_config": info.model_config,
+        "tokenizer_config": info.tokenizer_config,
+        "parallel": info.parallel,
+    }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    config = dict(summary["model_config"] or {})
+    extra = config.pop("extra", {}) or {}
+    lines = [
+        f"checkpoint   {summary['path']}",
+        f"iteration    {summary['iteration']}",
+        f"layout       {summary['layout']}",
+        f"parameters   {summary['parameters']:,} in {summary['tensors']} tensors (rank 0)",
+        f"dtype        {', '.join(f'{k} ×{v}' for k, v in summary['dtype'].items())}",
+        f"size on disk {summary['size_on_disk_bytes'] / 1e6:.1f} MB "
+        f"in {len(summary['files'])} files",
+        f"tokenizer    {json.dumps(summary['tokenizer_config'])}",
+        "model config:" if config else "model config: (none recorded)",
+    ]
+    lines += [f"  {k} = {v}" for k, v in config.items() if v is not None]
+    for key in ("hf_model_type", "hf_vocab_size"):
+        if key in extra:
+            lines.append(f"  extra.{key} = {extra[key]}")
+    return "\n".join(lines)

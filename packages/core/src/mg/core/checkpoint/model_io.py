@@ -1,0 +1,148 @@
+"""A model in, a model out: the one place that turns a checkpoint into a `GPTModel`.
+
+Checkpoints are self-describing (``state["mg"]`` holds the model and tokenizer
+configs), so eval, serve and the converter rebuild the model from the folder
+alone, with no model flags:
+
+    model, config, tokenizer_config, info = load_model("ckpt")
+    save_model("out", model, config, tokenizer_config, iteration="release")
+
+The state written by :func:`save_model` is the trainer's: ``model`` (GPTModel
+state dict, Megatron-Core names), ``mg`` (:func:`mg_metadata`), ``args`` (a
+plain dict), ``iteration``; so ``mg-train --finetune --load`` reads it.
+
+Tokenizer paths recorded relative to the checkpoint folder (what mg-convert
+writes: ``tokenizer/``) are resolved against it on load, so a checkpoint folder
+can be moved or copied as a whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mg.core.checkpoint.layout import RELEASE, CheckpointError, Iteration
+from mg.core.checkpoint.torch_format import (
+    find_rank_file,
+    iteration_dir,
+    load_checkpoint,
+    mg_metadata,
+    resolve_iteration,
+    save_checkpoint_shards,
+)
+from mg.core.models.config import TransformerConfig
+from mg.core.models.gpt import GPTModel
+from mg.core.tokenizers.config import TokenizerConfig
+
+_PATH_FIELDS = ("vocab_file", "merge_file", "tokenizer_model")
+
+
+@dataclass
+class ModelInfo:
+    """Where a loaded model came from, besides its configs."""
+
+    load_dir: Path
+    iteration: Iteration
+    path: Path
+    """The rank file that was read."""
+    args: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Other top-level entries of the state (not ``model``/``optimizer``)."""
+
+
+def resolve_tokenizer_paths(config: TokenizerConfig, root: str | Path) -> TokenizerConfig:
+    """Relative paths that exist under ``root`` become absolute; others stay as given."""
+    root = Path(root)
+    for name in _PATH_FIELDS:
+        value = getattr(config, name)
+        if value and not Path(value).is_absolute() and (root / value).exists():
+            setattr(config, name, str((root / value).resolve()))
+    return config
+
+
+def load_model(
+    load_dir: str | Path,
+    iteration: Iteration | None = None,
+    map_location: Any = "cpu",
+) -> tuple[GPTModel, TransformerConfig, TokenizerConfig | None, ModelInfo]:
+    """Build a `GPTModel` from a checkpoint's own metadata and load its weights (strict).
+
+    Only single-shard (TP=1, PP=1) checkpoints load here; a sharded one raises
+    with the command that merges it. The model is built on the meta device and
+    the loaded tensors are assigned, so weights are held once. The model is
+    returned in eval mode (dropout off), as eval and serve need it.
+    """
+    load_dir = Path(load_dir)
+    iteration = resolve_iteration(load_dir, iteration)
+    path, layout = find_rank_file(iteration_dir(load_dir, iteration))
+    if layout.tp * layout.pp * layout.ep != 1:
+        raise CheckpointError(
+            f"{load_dir} was saved with {layout}; load_model reads single-shard checkpoints. "
+            "Merge it first: mg-convert reshard --target-tensor-parallel-size 1 "
+            "--target-pipeline-parallel-size 1"
+        )
+    state, iteration = load_checkpoint(load_dir, iteration, map_location=map_location)
+    meta = state.get("mg") or {}
+    if not meta.get("model_config"):
+        raise CheckpointError(
+            f"{path} records no model config (state['mg']['model_config']); it was not written "
+            "by mg tools. For a Megatron-LM checkpoint run `mg-convert import-megatron` first."
+        )
+    config = TransformerConfig.from_dict(dict(meta["model_config"]))
+    tokenizer_config = None
+    if meta.get("tokenizer_config"):
+        tokenizer_config = resolve_tokenizer_paths(
+            TokenizerConfig.from_dict(dict(meta["tokenizer_config"])), load_dir
+        )
+    weights = _model_state(state, path)
+    with torch.device("meta"):
+        model = GPTModel(config)
+    try:
+        model.load_state_dict(weights, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"{path}: weights do not fit the recorded model config: {exc}"
+        ) from None
+    extra = {k: v for k, v in state.items() if k not in ("model", "optimizer", "args")}
+    info = ModelInfo(load_dir, iteration, path, state.get("args"), extra)
+    return model.eval(), config, tokenizer_config, info
+
+
+def _model_state(state: Mapping[str, Any], path: Path) -> dict[str, Tensor]:
+    model = state.get("model")
+    if model is None:
+        raise CheckpointError(f"{path} holds no 'model' entry")
+    if "model0" in model and isinstance(model["model0"], Mapping):
+        raise CheckpointError(f"{path} holds virtual pipeline stages (model0, …); not supported")
+    return {k: v for k, v in model.items() if not k.endswith("_extra_state")}
+
+
+def save_model(
+    save_dir: str | Path,
+    model: nn.Module | Mapping[str, Tensor],
+    config: TransformerConfig,
+    tokenizer_config: TokenizerConfig | None,
+    iteration: Iteration = RELEASE,
+    args: Mapping[str, Any] | None = None,
+) -> Path:
+    """Save a model-only checkpoint (no optimizer) atomically; returns the iteration folder.
+
+    ``model`` is a module or its state dict (a converter passes a state dict it
+    assembled, so the weights are never held twice). ``iteration`` is an int > 0
+    or ``"release"`` (Megatron's name for converted weights; loads as iteration 0).
+    """
+    weights = model.state_dict() if isinstance(model, nn.Module) else dict(model)
+    state = {
+        "model": weights,
+        "args": dict(args or {}),
+        "iteration": iteration if isinstance(iteration, int) else 0,
+        "mg": mg_metadata(
+            config.to_dict(), tokenizer_config.to_dict() if tokenizer_config else None
+        ),
+    }
+    return save_checkpoint_shards(save_dir, iteration, {(0, 0): state})

@@ -1,0 +1,64 @@
+"""load_model rebuilds the model from the checkpoint alone; save_model writes the
+trainer's state."""
+
+import pytest
+import torch
+
+from mg.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint_shards
+from mg.core.checkpoint.model_io import load_model, save_model
+from mg.core.models import GPTModel, TransformerConfig
+from mg.core.tokenizers.config import TokenizerConfig
+
+CONFIG = TransformerConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=128,
+    seq_length=16,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    add_bias_linear=False,
+    num_query_groups=2,
+)
+
+
+def test_round_trip_is_self_describing(tmp_path):
+    torch.manual_seed(0)
+    model = GPTModel(CONFIG).eval()
+    (tmp_path / "ckpt" / "tok").mkdir(parents=True)
+    tokenizer = TokenizerConfig("HuggingFaceTokenizer", tokenizer_model="tok")
+    save_model(tmp_path / "ckpt", model, CONFIG, tokenizer, iteration=7, args={"lr": 1e-4})
+
+    loaded, config, tok, info = load_model(tmp_path / "ckpt")
+    assert config == CONFIG and info.iteration == 7 and info.args == {"lr": 1e-4}
+    assert tok.tokenizer_model == str((tmp_path / "ckpt" / "tok").resolve())
+    assert not loaded.training
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+    state, _ = load_checkpoint(tmp_path / "ckpt")  # the trainer's layout
+    assert set(state) >= {"model", "mg", "args", "iteration", "checkpoint_version"}
+    assert state["mg"]["model_config"] == CONFIG.to_dict()
+
+
+def test_release_from_state_dict(tmp_path):
+    weights = GPTModel(CONFIG).state_dict()
+    save_model(tmp_path, weights, CONFIG, None)
+    _, _, tok, info = load_model(tmp_path)
+    assert tok is None and info.iteration == "release"
+
+
+def test_errors_name_the_problem(tmp_path):
+    save_checkpoint_shards(tmp_path / "bare", 1, {(0, 0): {"model": {}}})
+    with pytest.raises(CheckpointError, match="records no model config"):
+        load_model(tmp_path / "bare")
+    weights = GPTModel(CONFIG).state_dict()
+    del weights["decoder.final_layernorm.weight"]
+    save_model(tmp_path / "short", weights, CONFIG, None)
+    with pytest.raises(CheckpointError, match="final_layernorm"):
+        load_model(tmp_path / "short")
+    state = {"model": GPTModel(CONFIG).state_dict(), "mg": None}
+    save_checkpoint_shards(tmp_path / "tp2", 1, {(0, 0): state, (1, 0): state})
+    with pytest.raises(CheckpointError, match="single-shard"):
+        load_model(tmp_path / "tp2")
