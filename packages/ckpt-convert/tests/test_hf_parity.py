@@ -130,3 +130,25 @@ def test_dtype_bf16(tmp_path, make_hf):
     export_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16"
+
+
+def test_import_streams_layer_by_layer(tmp_path, make_hf, monkeypatch):
+    """Source tensors are read per layer through handles closed after it: at most one
+    layer's tensors are open at a time, and every tensor is read exactly once."""
+    from mg.ckpt_convert.hf_source import HFWeights
+
+    make_hf("llama3", tmp_path / "hf", max_shard_size="50KB")
+    groups: list[list[str]] = []
+    real = HFWeights.open_group
+
+    def recording(self, names):
+        names = list(names)
+        groups.append(names)
+        return real(self, names)
+
+    monkeypatch.setattr(HFWeights, "open_group", recording)
+    import_hf(str(tmp_path / "hf"), tmp_path / "ckpt", progress=False)
+    read = [n for g in groups for n in g]
+    assert len(read) == len(set(read)) == len(_hf_tensors(tmp_path / "hf"))
+    assert len(groups) == 3  # embeddings/norm/head, layer 0, layer 1
+    assert max(len(g) for g in groups) <= 9
