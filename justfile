@@ -52,3 +52,11 @@ prep *args: setup
 # incremental, cron-safe tokenization of a growing folder into shards + blend.txt (workflows/cron/README.md)
 refresh input_dir output_dir *args: setup
     uv run --frozen mg-prep refresh --input-dir {{input_dir}} --output-dir {{output_dir}} {{args}}
+
+# Hugging Face model (local folder or cached repo id) -> mg checkpoint
+import-hf src save="ckpt/imported" *args: setup
+    uv run --frozen mg-convert import-hf {{src}} --save {{save}} {{args}}
+
+# mg checkpoint -> Hugging Face folder (config.json + safetensors + tokenizer)
+export-hf load="ckpt/finetuned" save="hf-out" *args: setup
+    uv run --frozen mg-convert export-hf --load {{load}} --save {{save}} {{args}}
