@@ -1,15 +1,218 @@
-"""`mg-eval` entry point.
+"""`mg-eval`: evaluate a checkpoint on WikiText, LAMBADA or an indexed-dataset split.
 
-The package is not built yet: the command says so and exits non-zero rather
-than pretending to work.
+Every task loads the model and tokenizer the checkpoint records (no model
+flags), runs batched under ``torch.no_grad`` in eval mode, prints Megatron's
+result line and, with ``--report``, appends a JSON line.
 """
 
+from __future__ import annotations
+
+import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
+
+from mg.core.checkpoint import CheckpointError
+from mg.evaluate.errors import EvalInputError
+from mg.evaluate.model_loading import TOKENIZER_FIELDS, LoadedModel, load_for_eval
+from mg.evaluate.report import megatron_line, write_report
 
 
-def main() -> None:
-    print(
-        "mg-eval: WikiText, LAMBADA and BERT-task evaluation is not built yet in this release; nothing was run.",
-        file=sys.stderr,
+def _iteration(value: str) -> int | str:
+    return value if value == "release" else int(value)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoint")
+    g.add_argument(
+        "--load",
+        required=True,
+        metavar="DIR",
+        help="checkpoint folder (mg-train --save, mg-convert)",
     )
-    sys.exit(2)
+    g.add_argument(
+        "--ckpt-step",
+        type=_iteration,
+        default=None,
+        metavar="N",
+        help="iteration to load (an int or 'release'); default: latest_checkpointed_iteration.txt",
+    )
+    g.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        help="tokens the model sees at once; default: the checkpoint's seq_length",
+    )
+    g.add_argument(
+        "--micro-batch-size", type=int, default=8, help="sequences per forward pass (default 8)"
+    )
+    g.add_argument(
+        "--report", metavar="FILE.jsonl", help="append the results as one JSON line to this file"
+    )
+    t = parser.add_argument_group(
+        "tokenizer", "override the tokenizer recorded in the checkpoint (Megatron's flag names)"
+    )
+    t.add_argument("--tokenizer-type")
+    t.add_argument("--vocab-file")
+    t.add_argument("--merge-file")
+    t.add_argument("--tokenizer-model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mg-eval",
+        description="Evaluate an mg checkpoint with Megatron-LM's zero-shot formulas.",
+    )
+    sub = parser.add_subparsers(dest="task", required=True, metavar="TASK")
+
+    wiki = sub.add_parser(
+        "wikitext",
+        help="WikiText-103 perplexity (token-level and word-level adjusted)",
+        description="Perplexity on a raw WikiText file (wiki.test.tokens): Megatron's detokenizer, "
+        "whole-text tokenization, overlapping windows. The adjusted (word-level) perplexity is "
+        "exp(avg_loss * token_ratio), token_ratio = (tokens-1)/(words-1).",
+    )
+    _common(wiki)
+    wiki.add_argument("--valid-data", required=True, metavar="FILE", help="raw WikiText file")
+    wiki.add_argument(
+        "--overlapping-eval",
+        type=int,
+        default=32,
+        metavar="STRIDE",
+        help="windows advance by STRIDE tokens; each later window scores only its last STRIDE "
+        "targets (default 32; --seq-length gives disjoint windows)",
+    )
+    wiki.set_defaults(run=_run_wikitext)
+
+    lam = sub.add_parser(
+        "lambada",
+        help="LAMBADA last-word accuracy",
+        description='Accuracy on LAMBADA JSON lines ({"text": ...}): is the greedy prediction '
+        "of the last token (or, with --strict-lambada, of every token of the last word) right?",
+    )
+    _common(lam)
+    lam.add_argument("--valid-data", required=True, metavar="FILE.jsonl", help="LAMBADA JSON lines")
+    lam.add_argument(
+        "--strict-lambada",
+        action="store_true",
+        help="target = the whole last whitespace word (possibly several tokens), as in the paper",
+    )
+    lam.set_defaults(run=_run_lambada)
+
+    ppl = sub.add_parser(
+        "ppl",
+        help="loss and perplexity on an indexed dataset split",
+        description="Loss (masked as in training) and perplexity on one split of an indexed "
+        "dataset (mg-prep output), built as mg-train builds it.",
+    )
+    _common(ppl)
+    ppl.add_argument(
+        "--data-path", required=True, nargs="+", metavar="PREFIX", help="P, or w1 P1 w2 P2 ..."
+    )
+    ppl.add_argument(
+        "--split", default="969,30,1", help="train,valid,test weights (default 969,30,1)"
+    )
+    ppl.add_argument("--eval-split", choices=("train", "valid", "test"), default="valid")
+    ppl.add_argument(
+        "--eval-iters",
+        type=int,
+        default=None,
+        help="evaluate this many micro-batches; default: the whole split",
+    )
+    ppl.add_argument("--seed", type=int, default=1234, help="dataset shuffle seed (as in training)")
+    ppl.add_argument("--data-cache-path", default=None, help="where the sample index files go")
+    ppl.set_defaults(run=_run_ppl)
+    return parser
+
+
+def _load(args: argparse.Namespace) -> tuple[LoadedModel, int]:
+    overrides = {name: getattr(args, name) for name in TOKENIZER_FIELDS}
+    loaded = load_for_eval(args.load, args.ckpt_step, overrides)
+    config = loaded.config
+    seq_length = args.seq_length or config.seq_length
+    if seq_length < 1 or args.micro_batch_size < 1:
+        raise EvalInputError("--seq-length and --micro-batch-size must be >= 1")
+    if (
+        config.position_embedding_type == "learned_absolute"
+        and seq_length > config.max_position_embeddings
+    ):
+        raise EvalInputError(
+            f"--seq-length {seq_length} exceeds the model's max_position_embeddings "
+            f"{config.max_position_embeddings}"
+        )
+    return loaded, seq_length
+
+
+def _run_wikitext(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    from mg.evaluate.wikitext import evaluate_wikitext
+
+    loaded, seq_length = _load(args)
+    result = evaluate_wikitext(
+        loaded.model,
+        loaded.tokenizer,
+        args.valid_data,
+        seq_length,
+        args.overlapping_eval,
+        args.micro_batch_size,
+    )
+    context = dict(
+        valid_data=args.valid_data, seq_length=seq_length, overlapping_eval=args.overlapping_eval
+    )
+    return result.metrics(), dict(context, iteration=loaded.iteration)
+
+
+def _run_lambada(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    from mg.evaluate.lambada import evaluate_lambada
+
+    loaded, seq_length = _load(args)
+    result = evaluate_lambada(
+        loaded.model,
+        loaded.tokenizer,
+        args.valid_data,
+        seq_length,
+        args.micro_batch_size,
+        args.strict_lambada,
+    )
+    context = dict(valid_data=args.valid_data, seq_length=seq_length)
+    return result.metrics(), dict(context, iteration=loaded.iteration)
+
+
+def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    from mg.evaluate.ppl import evaluate_ppl
+
+    if args.eval_iters is not None and args.eval_iters < 1:
+        raise EvalInputError("--eval-iters must be >= 1")
+    loaded, seq_length = _load(args)
+    result = evaluate_ppl(
+        loaded.model,
+        loaded.tokenizer,
+        args.data_path,
+        seq_length,
+        args.micro_batch_size,
+        split=args.split,
+        split_name=args.eval_split,
+        eval_iters=args.eval_iters,
+        seed=args.seed,
+        cache_path=args.data_cache_path,
+    )
+    context = dict(data_path=args.data_path, split=args.split, seq_length=seq_length)
+    return result.metrics(), dict(context, iteration=loaded.iteration)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], tuple[dict[str, Any], dict[str, Any]]] = args.run
+    try:
+        metrics, context = run(args)
+    except (EvalInputError, CheckpointError) as exc:
+        print(f"mg-eval {args.task}: error: {exc}", file=sys.stderr)
+        return 1
+    print(megatron_line(args.task.upper() if args.task != "ppl" else "ppl", metrics))
+    if args.report:
+        write_report(args.report, args.task, metrics, load=args.load, **context)
+        print(f"report appended to {args.report}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

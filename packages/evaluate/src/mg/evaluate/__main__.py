@@ -1,0 +1,5 @@
+import sys
+
+from mg.evaluate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,103 @@
+"""Loss and perplexity on a split of an indexed dataset, as the trainer's validation computes it.
+
+Samples come from ``build_gpt_datasets`` with the same ``--split``/``--seed``/
+``--seq-length`` as training, so ``mg-eval ppl`` on the valid split reproduces
+the validation loss mg-train logs: the per-token loss times the sample's
+``loss_mask``, summed over all samples and divided by the mask's sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mg.core.tokenizers.base import BaseTokenizer
+from mg.evaluate.errors import EvalInputError
+from mg.evaluate.progress import progress
+from mg.indexed_dataset import GPTDatasetConfig, IndexedDatasetError, build_gpt_datasets
+
+SPLITS = ("train", "valid", "test")
+
+
+@dataclass
+class PplResult:
+    loss: float
+    ppl: float
+    num_samples: int
+    num_tokens: int
+    split: str
+
+    def metrics(self) -> dict[str, float | int | str]:
+        return dict(vars(self))
+
+
+def build_split(
+    data_path: list[str],
+    split_name: str,
+    seq_length: int,
+    split: str,
+    seed: int,
+    num_samples: int | None,
+    eod: int,
+    cache_path: str | None,
+):
+    counts: list[int | None] = [0, 0, 0]
+    counts[SPLITS.index(split_name)] = num_samples
+    config = GPTDatasetConfig(
+        seq_length=seq_length, seed=seed, split=split, eod_token_id=eod, path_to_cache=cache_path
+    )
+    try:
+        datasets = build_gpt_datasets(data_path, counts, config)
+    except (ValueError, OSError, IndexedDatasetError) as exc:
+        raise EvalInputError(f"--data-path {' '.join(data_path)}: {exc}") from None
+    dataset = datasets[SPLITS.index(split_name)]
+    if dataset is None or len(dataset) == 0:
+        raise EvalInputError(
+            f"the {split_name} split of --data-path {' '.join(data_path)} is empty with "
+            f"--split {split} and --seq-length {seq_length}; give it a larger share"
+        )
+    return dataset
+
+
+@torch.no_grad()
+def evaluate_ppl(
+    model: torch.nn.Module,
+    tokenizer: BaseTokenizer,
+    data_path: list[str],
+    seq_length: int,
+    micro_batch_size: int,
+    split: str = "969,30,1",
+    split_name: str = "valid",
+    eval_iters: int | None = None,
+    seed: int = 1234,
+    cache_path: str | None = None,
+) -> PplResult:
+    """``eval_iters`` batches of ``micro_batch_size`` samples, or the whole split when None."""
+    num_samples = None if eval_iters is None else eval_iters * micro_batch_size
+    dataset = build_split(
+        data_path, split_name, seq_length, split, seed, num_samples, tokenizer.eod, cache_path
+    )
+    count = len(dataset) if num_samples is None else min(num_samples, len(dataset))
+    device = next(model.parameters()).device
+    starts = range(0, count, micro_batch_size)
+    loss_sum, mask_sum = 0.0, 0.0
+    for start in progress(starts, len(starts), f"ppl ({split_name})"):
+        samples = [dataset[i] for i in range(start, min(start + micro_batch_size, count))]
+        batch = {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
+        mask = batch["loss_mask"].to(device).double()
+        attention_mask = batch.get("attention_mask")
+        losses = model(
+            batch["tokens"].to(device),
+            position_ids=batch["position_ids"].to(device),
+            attention_mask=None if attention_mask is None else attention_mask.to(device),
+            labels=batch["labels"].to(device),
+        )
+        loss_sum += float((losses.double() * mask).sum())
+        mask_sum += float(mask.sum())
+    if mask_sum == 0:
+        raise EvalInputError("every token of the evaluated samples is masked; nothing to score")
+    loss = loss_sum / mask_sum
+    return PplResult(loss, math.exp(min(20.0, loss)), count, int(mask_sum), split_name)
