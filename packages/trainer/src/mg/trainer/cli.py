@@ -1,15 +1,32 @@
-"""`mg-train` entry point.
+"""`mg-train gpt|bert|t5 [Megatron flags]`: parse, validate, then train.
 
-The package is not built yet: the command says so and exits non-zero rather
-than pretending to work.
+Flag errors are reported before any dataset, model or process group is built,
+with exit status 2 (argparse's convention for usage errors).
 """
+
+from __future__ import annotations
 
 import sys
 
+from mg.trainer.arguments import ArgumentError, parse_args
+from mg.trainer.distributed import read_world_size
+from mg.trainer.families import get_family
 
-def main() -> None:
-    print(
-        "mg-train: GPT, BERT and T5 pretraining is not built yet in this release; nothing was run.",
-        file=sys.stderr,
-    )
-    sys.exit(2)
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv, world_size=read_world_size())
+        family = get_family(args.family)
+        if args.family != "gpt":
+            family.build_config(args, 1)  # bert/t5: "not built yet", before anything heavy
+    except ArgumentError as error:
+        print(f"mg-train: error: {error}", file=sys.stderr)
+        return 2
+    from mg.trainer.training import pretrain  # heavy imports only once flags are good
+
+    pretrain(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

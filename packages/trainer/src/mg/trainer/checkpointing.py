@@ -1,0 +1,134 @@
+"""What a training checkpoint holds; the files themselves are `mg.core.checkpoint`'s job.
+
+A checkpoint is Megatron's `torch` layout with Megatron's keys (`args`,
+`iteration`, `model`, `optimizer`, `opt_param_scheduler`, `rng_state`,
+`num_floating_point_operations_so_far`) plus our `mg` entry with the model and
+tokenizer configs, so `mg-eval --load` and `mg-serve --load` need no flags.
+`args` is an `argparse.Namespace` of plain values with Megatron's names,
+including `consumed_train_samples` and `consumed_valid_samples`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mg.core.checkpoint import (
+    get_rng_state,
+    load_checkpoint,
+    mg_metadata,
+    read_latest_iteration,
+    save_checkpoint,
+    set_rng_state,
+)
+from mg.trainer import distributed
+
+
+@dataclass
+class TrainState:
+    """The counters that survive a restart."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    num_floating_point_operations_so_far: float = 0.0
+
+
+def save(
+    save_dir: str,
+    state: TrainState,
+    *,
+    args_flat: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    loss_scaler: Any,
+    model_config: dict[str, Any],
+    tokenizer_config: dict[str, Any],
+    save_optim: bool = True,
+    save_rng: bool = True,
+) -> None:
+    """Save on every rank (rank 0 writes; the others join the barriers)."""
+    is_main = not distributed.is_distributed() or torch.distributed.get_rank() == 0
+    payload = None
+    if is_main:
+        args_ns = argparse.Namespace(
+            **args_flat,
+            iteration=state.iteration,
+            consumed_train_samples=state.consumed_train_samples,
+            consumed_valid_samples=state.consumed_valid_samples,
+            skipped_train_iterations=state.skipped_iterations,
+        )
+        payload = {
+            "args": args_ns,
+            "iteration": state.iteration,
+            "model": distributed.unwrap(model).state_dict(),
+            "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
+            "mg": mg_metadata(model_config, tokenizer_config, dp=args_flat["data_parallel_size"]),
+        }
+        if save_optim:
+            payload["optimizer"] = optimizer.state_dict()
+            payload["opt_param_scheduler"] = scheduler.state_dict()
+            payload["grad_scaler"] = loss_scaler.state_dict()
+        if save_rng:
+            # One entry per data-parallel rank in Megatron; ours are identical on all ranks
+            # except for the data, which is indexed, not random, so rank 0's entry suffices.
+            payload["rng_state"] = [get_rng_state()]
+    save_checkpoint(
+        save_dir,
+        state.iteration,
+        payload,
+        is_writer_of_latest=is_main,
+        barrier=distributed.barrier if distributed.is_distributed() else None,
+    )
+
+
+def resume(
+    load_dir: str,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    loss_scaler: Any,
+    finetune: bool = False,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> TrainState | None:
+    """Load `load_dir`'s latest checkpoint into the objects; None if there is none.
+
+    `--finetune` loads the weights only and restarts at iteration 0 (Megatron).
+    """
+    if read_latest_iteration(load_dir) is None:
+        return None
+    ckpt, iteration = load_checkpoint(load_dir)
+    distributed.unwrap(model).load_state_dict(ckpt["model"])
+    if finetune:
+        return TrainState()
+    if load_optim:
+        if "optimizer" not in ckpt:
+            raise ValueError(
+                f"{load_dir}: the checkpoint has no optimizer state; resume with --no-load-optim"
+            )
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["opt_param_scheduler"])
+        if "grad_scaler" in ckpt:
+            loss_scaler.load_state_dict(ckpt["grad_scaler"])
+    if load_rng:
+        if "rng_state" not in ckpt:
+            raise ValueError(f"{load_dir}: the checkpoint has no RNG state; use --no-load-rng")
+        set_rng_state(ckpt["rng_state"])
+    saved = ckpt.get("args")
+    return TrainState(
+        iteration=int(iteration) if iteration != "release" else 0,
+        consumed_train_samples=int(getattr(saved, "consumed_train_samples", 0)),
+        consumed_valid_samples=int(getattr(saved, "consumed_valid_samples", 0)),
+        skipped_iterations=int(getattr(saved, "skipped_train_iterations", 0)),
+        num_floating_point_operations_so_far=float(
+            ckpt.get("num_floating_point_operations_so_far", 0.0)
+        ),
+    )

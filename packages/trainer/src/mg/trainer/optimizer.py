@@ -1,0 +1,70 @@
+"""The optimizer: AdamW or SGD, Megatron's weight-decay groups, gradient clipping.
+
+Megatron's "adam" is Adam with decoupled weight decay (apex FusedAdam in
+adam_w_mode), i.e. `torch.optim.AdamW`. Biases and every 1-D parameter (norm
+weights) get no weight decay; embeddings and matrices do, as in Megatron's
+`_get_param_groups`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mg.trainer.arguments import OptimizerArgs
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed matrices/embeddings, and undecayed biases and norm weights."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if name.endswith(".bias") or param.dim() == 1:
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, args: OptimizerArgs) -> torch.optim.Optimizer:
+    """AdamW (`--optimizer adam`) or SGD with momentum (`--optimizer sgd`)."""
+    groups = param_groups(model, args.weight_decay)
+    if args.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups,
+            lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_eps,
+            weight_decay=args.weight_decay,
+            foreach=False,  # same kernels on every device; bitwise-stable on CPU
+        )
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(
+            groups, lr=args.lr, momentum=args.sgd_momentum, weight_decay=args.weight_decay
+        )
+    raise ValueError(f"unknown optimizer {args.optimizer!r}; expected adam or sgd")
+
+
+def clip_grad_norm(model: nn.Module, clip_grad: float) -> float:
+    """The global L2 norm of the gradients (before clipping), clipped to `clip_grad` if > 0.
+
+    The norm is computed on the full (all-reduced) gradients, so every data-parallel
+    rank sees the same value. A non-finite norm is returned as is (the caller skips).
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if clip_grad > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_grad, foreach=False)
+    else:
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in params])
+        )
+    value = float(norm)
+    return value if math.isfinite(value) else float("nan")

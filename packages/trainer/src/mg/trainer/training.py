@@ -1,0 +1,401 @@
+"""The training loop: data -> micro-batches -> loss -> backward -> optimizer -> schedule.
+
+Loss averaging follows Megatron-Core's default (`calculate_per_token_loss`
+off): each micro-batch's loss is sum(loss * mask) / sum(mask), divided by the
+number of micro-batches, and gradients are averaged over data-parallel ranks.
+So the gradient is that of the mean of the per-micro-batch means across the
+whole global batch. The *reported* `lm loss` is, as in Megatron, the token-
+weighted mean: loss sums and token counts are added over micro-batches and
+ranks and divided once. With equal token counts per micro-batch (no masking)
+both are the same number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mg.core.models import apply_activation_recompute, num_floating_point_operations
+from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
+from mg.indexed_dataset import samples_per_split
+from mg.trainer import checkpointing, distributed
+from mg.trainer.arguments import Args
+from mg.trainer.batch_schedule import BatchSchedule, train_iterations
+from mg.trainer.checkpointing import TrainState
+from mg.trainer.deterministic import enable_deterministic_mode, set_seed
+from mg.trainer.families import collate, get_family
+from mg.trainer.logging_utils import (
+    MetricsWriter,
+    device_peak_tflops,
+    perplexity,
+    training_log_line,
+    validation_log_line,
+)
+from mg.trainer.loss_scaler import autocast_dtype, build_loss_scaler, unscale_and_check
+from mg.trainer.lr_scheduler import build_scheduler
+from mg.trainer.optimizer import build_optimizer, clip_grad_norm
+
+
+@dataclass
+class TrainResult:
+    """What a run did, for callers and tests (per iteration of this process's run)."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    learning_rates: list[float] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)
+    state: TrainState = field(default_factory=TrainState)
+    exit_reason: str = "done"
+
+
+class _SigtermFlag:
+    """Set by SIGTERM; the loop saves and exits at the end of the iteration."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _SigtermFlag:
+        with contextlib.suppress(ValueError):  # not the main thread: no handler
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _batches(dataset: Any, consumed: int, mbs: int, env: distributed.DistEnv) -> Iterator:
+    sampler = distributed.MegatronPretrainingSampler(
+        len(dataset), consumed, mbs, env.rank, env.world_size
+    )
+    for indices in sampler:
+        yield collate([dataset[i] for i in indices], env.device)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class Trainer:
+    """One training run: built from `Args`, run with `train()`."""
+
+    def __init__(self, args: Args) -> None:
+        self.args = args
+        t = args.training
+        self.env = distributed.init_distributed(args.distributed.distributed_backend)
+        if t.deterministic_mode:
+            enable_deterministic_mode()
+        set_seed(t.seed)
+        self.family = get_family(args.family)
+        d = args.data
+        self.tokenizer_config = TokenizerConfig(
+            tokenizer_type=d.tokenizer_type,
+            vocab_file=d.vocab_file,
+            merge_file=d.merge_file,
+            tokenizer_model=d.tokenizer_model,
+            vocab_size=d.vocab_size,
+            vocab_extra_ids=d.vocab_extra_ids,
+        )
+        self.tokenizer = build_tokenizer(self.tokenizer_config)
+        vocab = vocab_size_with_padding(
+            self.tokenizer.vocab_size,
+            args.model.make_vocab_size_divisible_by,
+            args.distributed.tensor_model_parallel_size,
+        )
+        self.model_config = self.family.build_config(args, vocab)
+        model = self.family.build_model(self.model_config).to(self.env.device)
+        m = args.model
+        if m.recompute_granularity is not None:
+            apply_activation_recompute(
+                model,
+                m.recompute_granularity,
+                m.recompute_method or "uniform",
+                m.recompute_num_layers or 1,
+            )
+        self.batches = BatchSchedule(
+            t.global_batch_size, t.micro_batch_size, args.data_parallel_size, t.rampup_batch_size
+        )
+        self.train_iters = train_iterations(args, self.batches)
+        self.optimizer = build_optimizer(model, args.optimizer)
+        self.scheduler = build_scheduler(args, self.optimizer, self.train_iters)
+        o = args.optimizer
+        self.scaler = build_loss_scaler(
+            t.fp16,
+            o.loss_scale,
+            o.initial_loss_scale,
+            o.min_loss_scale,
+            o.loss_scale_window,
+            o.hysteresis,
+        )
+        self.state = TrainState()
+        c = args.checkpoint
+        if c.load:
+            resumed = checkpointing.resume(
+                c.load,
+                model=model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                loss_scaler=self.scaler,
+                finetune=c.finetune,
+                load_optim=not c.no_load_optim,
+                load_rng=not c.no_load_rng,
+            )
+            if resumed is not None:
+                self.state = resumed
+                if self.env.is_main:
+                    print(
+                        f" loaded checkpoint from {c.load} at iteration {resumed.iteration}",
+                        flush=True,
+                    )
+        self.model = distributed.wrap_model(
+            model, args.distributed.overlap_grad_reduce, args.distributed.ddp_bucket_size
+        )
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.dtype = autocast_dtype(t.bf16, t.fp16)
+        self._build_data()
+        self.peak = device_peak_tflops(self.env.device)
+        lg = args.logging
+        self.writer = MetricsWriter(
+            lg.tensorboard_dir,
+            lg.wandb_project,
+            lg.wandb_exp_name,
+            lg.wandb_save_dir,
+            config=args.flat(),
+            enabled=self.env.is_main,
+        )
+
+    def _build_data(self) -> None:
+        t = self.args.training
+        num_samples = samples_per_split(
+            global_batch_size=t.global_batch_size,
+            eval_interval=t.eval_interval,
+            eval_iters=t.eval_iters,
+            train_iters=self.train_iters,
+            train_samples=t.train_samples,
+        )
+        train, valid, _ = self.family.build_datasets(self.args, self.tokenizer, num_samples)
+        self.train_data = _batches(
+            train, self.state.consumed_train_samples, t.micro_batch_size, self.env
+        )
+        self.valid_dataset = valid
+        self.valid_data = (
+            _batches(valid, self.state.consumed_valid_samples, t.micro_batch_size, self.env)
+            if valid is not None and len(valid) > 0 and t.eval_iters > 0
+            else None
+        )
+
+    # --- one iteration ------------------------------------------------------------------------
+
+    def _forward_backward(self, num_micro: int, backward: bool) -> tuple[float, float]:
+        """Run `num_micro` micro-batches; returns (sum of loss * mask, tokens) over all ranks."""
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        tokens = torch.zeros((), dtype=torch.float64)
+        data = self.train_data if backward else self.valid_data
+        for i in range(num_micro):
+            batch = next(data)
+            sync = (
+                self.model.no_sync()
+                if backward
+                and i < num_micro - 1
+                and isinstance(self.model, nn.parallel.DistributedDataParallel)
+                else contextlib.nullcontext()
+            )
+            with sync:
+                with _autocast(self.env.device, self.dtype):
+                    micro_sum, micro_tokens = self.family.loss_terms(self.model, batch)
+                if backward:
+                    loss = micro_sum / micro_tokens.clamp(min=1) / num_micro
+                    (loss * self.scaler.scale).backward()
+            loss_sum += micro_sum.detach().double().cpu()
+            tokens += micro_tokens.detach().double().cpu()
+        totals = distributed.all_reduce_sum(torch.stack([loss_sum, tokens]))
+        return float(totals[0]), float(totals[1])
+
+    def train_step(self) -> tuple[float, float | None, bool, int]:
+        """One optimizer step on one global batch: (lm loss, grad norm, skipped, GBS)."""
+        gbs = self.batches.global_batch_size(self.state.consumed_train_samples)
+        num_micro = self.batches.num_micro_batches(self.state.consumed_train_samples)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, tokens = self._forward_backward(num_micro, backward=True)
+        distributed.allreduce_gradients(self.model)
+        found_inf = unscale_and_check(self.params, self.scaler.scale)
+        found_inf = distributed.all_reduce_max(float(found_inf)) > 0
+        self.scaler.update(found_inf)
+        grad_norm = None
+        if not found_inf:
+            grad_norm = clip_grad_norm(self.model, self.args.optimizer.clip_grad)
+            self.optimizer.step()
+            self.scheduler.step(gbs)
+        self.state.consumed_train_samples += gbs
+        return loss_sum / max(tokens, 1.0), grad_norm, found_inf, gbs
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Megatron's validation: `--eval-iters` global batches, token-weighted loss."""
+        t = self.args.training
+        self.model.eval()
+        num_micro = t.global_batch_size // (t.micro_batch_size * self.args.data_parallel_size)
+        loss_sum, tokens = 0.0, 0.0
+        for _ in range(t.eval_iters):
+            s, n = self._forward_backward(num_micro, backward=False)
+            loss_sum, tokens = loss_sum + s, tokens + n
+            self.state.consumed_valid_samples += t.global_batch_size
+        self.model.train()
+        return loss_sum / max(tokens, 1.0)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def save(self) -> None:
+        c = self.args.checkpoint
+        checkpointing.save(
+            c.save,
+            self.state,
+            args_flat=self.args.flat(),
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            loss_scaler=self.scaler,
+            model_config=self.model_config.to_dict(),
+            tokenizer_config=self.tokenizer_config.to_dict(),
+            save_optim=not c.no_save_optim,
+            save_rng=not c.no_save_rng,
+        )
+        if self.env.is_main:
+            print(f" saved checkpoint at iteration {self.state.iteration} to {c.save}", flush=True)
+
+    def _validate_and_log(self, prefix: str, result: TrainResult) -> None:
+        loss = self.evaluate()
+        result.validation.append((self.state.iteration, loss))
+        if self.env.is_main:
+            line = validation_log_line(prefix, {"lm loss": loss})
+            print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+        self.writer.scalars(
+            {"lm loss validation": loss, "lm loss validation ppl": perplexity(loss)},
+            self.state.iteration,
+        )
+
+    def train(self, on_iteration: Callable[[Trainer], None] | None = None) -> TrainResult:
+        """Train to `train_iters` or until an exit condition; returns the run's numbers."""
+        args, t, c = self.args, self.args.training, self.args.checkpoint
+        result = TrainResult(state=self.state)
+        start = time.time()
+        interval_time, interval_losses, interval_iters, interval_nan = time.time(), [], 0, 0
+        saved_at = -1
+        with _SigtermFlag() as sigterm:
+            while self.state.iteration < self.train_iters:
+                loss, grad_norm, skipped, gbs = self.train_step()
+                self.state.iteration += 1
+                st = self.state
+                flops = num_floating_point_operations(self.model_config, gbs, args.model.seq_length)
+                st.num_floating_point_operations_so_far += flops
+                lr = self.optimizer.param_groups[0]["lr"]
+                result.losses.append(loss)
+                result.grad_norms.append(grad_norm if grad_norm is not None else float("nan"))
+                result.learning_rates.append(lr)
+                if skipped:
+                    st.skipped_iterations += 1
+                elif math.isfinite(loss):
+                    interval_losses.append(loss)
+                if not math.isfinite(loss):
+                    interval_nan += 1
+                interval_iters += 1
+                scalars = {
+                    "learning-rate": lr,
+                    "batch-size": gbs,
+                    "lm loss": loss,
+                    "loss-scale": self.scaler.scale,
+                }
+                if grad_norm is not None:
+                    scalars["grad-norm"] = grad_norm
+                self.writer.scalars(scalars, st.iteration)
+                if st.iteration % args.logging.log_interval == 0:
+                    elapsed = (time.time() - interval_time) / interval_iters
+                    throughput = flops / (elapsed * 1e12 * args.data_parallel_size)
+                    if self.env.is_main:
+                        print(
+                            training_log_line(
+                                iteration=st.iteration,
+                                train_iters=self.train_iters,
+                                consumed_samples=st.consumed_train_samples,
+                                elapsed_ms=elapsed * 1000.0,
+                                throughput=throughput,
+                                mfu=throughput / self.peak if self.peak else None,
+                                learning_rate=lr,
+                                global_batch_size=gbs,
+                                losses={
+                                    "lm loss": (sum(interval_losses) / len(interval_losses))
+                                    if interval_losses
+                                    else float("nan")
+                                },
+                                loss_scale=self.scaler.scale,
+                                grad_norm=grad_norm,
+                                skipped=st.skipped_iterations,
+                                nan_iterations=interval_nan,
+                            ),
+                            flush=True,
+                        )
+                    self.writer.scalars(
+                        {"iteration-time": elapsed, "throughput": throughput}, st.iteration
+                    )
+                    interval_time, interval_losses, interval_iters, interval_nan = (
+                        time.time(),
+                        [],
+                        0,
+                        0,
+                    )
+                if self.valid_data is not None and st.iteration % t.eval_interval == 0:
+                    self._validate_and_log(f"iteration {st.iteration}", result)
+                if on_iteration is not None:
+                    on_iteration(self)
+                if c.save and c.save_interval and st.iteration % c.save_interval == 0:
+                    self.save()
+                    saved_at = st.iteration
+                reason = self._exit_reason(start, sigterm.received)
+                if reason:
+                    if c.save and saved_at != st.iteration:
+                        self.save()
+                        saved_at = st.iteration
+                    result.exit_reason = reason
+                    if self.env.is_main:
+                        print(f" exiting program at iteration {st.iteration}: {reason}", flush=True)
+                    self.writer.close()
+                    return result
+        if self.valid_data is not None and self.state.iteration % t.eval_interval != 0:
+            self._validate_and_log(f"iteration {self.state.iteration} on validation set", result)
+        if c.save and saved_at != self.state.iteration and self.state.iteration > 0:
+            self.save()
+        self.writer.close()
+        return result
+
+    def _exit_reason(self, start: float, sigterm: bool) -> str | None:
+        t = self.args.training
+        iteration = self.state.iteration
+        if distributed.all_reduce_max(float(sigterm)) > 0:
+            return "received SIGTERM"
+        if t.exit_interval and iteration % t.exit_interval == 0:
+            return f"--exit-interval {t.exit_interval}"
+        if t.exit_duration_in_mins is not None:
+            minutes = distributed.all_reduce_max((time.time() - start) / 60.0)
+            if minutes > t.exit_duration_in_mins:
+                return f"--exit-duration-in-mins {t.exit_duration_in_mins}"
+        return None
+
+
+def pretrain(args: Args) -> TrainResult:
+    """Build everything from `args` and train."""
+    return Trainer(args).train()

@@ -1,0 +1,40 @@
+"""`mg-train` as a command: usage errors exit 2 before anything heavy; bert/t5 say not built."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from mg.trainer.cli import main
+
+
+def test_bert_and_t5_are_not_built_yet(tmp_path, mock_argv, capsys) -> None:
+    for family in ("bert", "t5"):
+        argv = mock_argv(tmp_path)
+        argv[0] = family
+        assert main(argv) == 2
+        assert "not built yet" in capsys.readouterr().err
+
+
+def test_bad_flags_exit_2_with_message(tmp_path, mock_argv, capsys) -> None:
+    argv = mock_argv(tmp_path, "--hidden-size", "30")
+    assert main(argv) == 2
+    assert "hidden size (30) is not divisible by the number of attention heads (4)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_help_explains_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mg.trainer.cli", "gpt", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "Samples per optimizer step" in out
+    assert "--overlap-grad-reduce" in out
+
+
+def test_cli_trains(tmp_path, mock_argv, capsys) -> None:
+    assert main(mock_argv(tmp_path, "--log-interval", "3", iters=3)) == 0
+    assert "iteration        3/       3 |" in capsys.readouterr().out

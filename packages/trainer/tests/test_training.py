@@ -1,0 +1,217 @@
+"""The loop's numbers: loss goes down, accumulation, determinism, resume, exits."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+
+def test_loss_goes_down_on_botchan(tmp_path, mock_argv, train, botchan_corpus) -> None:
+    prefix, tok_flags = botchan_corpus
+    argv = [
+        "gpt",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "64",
+        "--lr",
+        "3e-3",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "5",
+        "--min-lr",
+        "3e-4",
+        "--micro-batch-size",
+        "4",
+        "--train-iters",
+        "40",
+        "--data-path",
+        prefix,
+        "--split",
+        "95,5,0",
+        "--eval-interval",
+        "40",
+        "--eval-iters",
+        "2",
+        "--log-interval",
+        "1000",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        *tok_flags,
+    ]
+    result = train(argv)
+    first = sum(result.losses[:5]) / 5
+    last = sum(result.losses[-5:]) / 5
+    # GPT-2 vocab (50,304 padded): starts near ln(50304) = 10.8
+    assert first > 10.0
+    assert last < first - 3.0, (first, last)
+    [(iteration, valid_loss)] = result.validation
+    assert iteration == 40 and valid_loss < first - 2.5
+
+
+def test_grad_accumulation_matches_one_big_micro_batch(tmp_path, mock_argv, train) -> None:
+    no_dropout = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    accumulated = train(mock_argv(tmp_path, *no_dropout, mbs=1, gbs=8, iters=5))
+    single = train(mock_argv(tmp_path, *no_dropout, mbs=8, gbs=8, iters=5))
+    for a, b in zip(accumulated.losses, single.losses, strict=True):
+        assert abs(a - b) / abs(b) <= 1e-5
+    for a, b in zip(accumulated.grad_norms, single.grad_norms, strict=True):
+        assert abs(a - b) / abs(b) <= 1e-4
+
+
+def test_deterministic_mode_twice_identical(tmp_path, mock_argv, train) -> None:
+    argv = mock_argv(tmp_path, "--deterministic-mode", iters=6)
+    first, second = train(argv), train(argv)
+    assert first.losses == second.losses
+    assert torch.are_deterministic_algorithms_enabled()
+
+
+def test_resume_is_bitwise_identical(tmp_path, mock_argv, train) -> None:
+    straight = train(mock_argv(tmp_path, "--eval-interval", "5", "--eval-iters", "1", iters=20))
+    ckpt = str(tmp_path / "ckpt")
+    first = train(
+        mock_argv(
+            tmp_path,
+            "--eval-interval",
+            "5",
+            "--eval-iters",
+            "1",
+            "--save",
+            ckpt,
+            "--exit-interval",
+            "10",
+            iters=20,
+        )
+    )
+    assert first.exit_reason.startswith("--exit-interval") and len(first.losses) == 10
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "10"
+    second = train(
+        mock_argv(tmp_path, "--eval-interval", "5", "--eval-iters", "1", "--load", ckpt, iters=20)
+    )
+    assert second.state.iteration == 20 and second.state.consumed_train_samples == 160
+    assert first.losses + second.losses == straight.losses  # bitwise
+    assert first.validation + second.validation == straight.validation
+
+
+def test_checkpoint_is_self_describing(tmp_path, mock_argv, train) -> None:
+    from mg.core.checkpoint import describe, load_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    train(mock_argv(tmp_path, "--save", str(ckpt), iters=3))
+    state, iteration = load_checkpoint(ckpt)
+    assert iteration == 3
+    assert {
+        "args",
+        "model",
+        "optimizer",
+        "opt_param_scheduler",
+        "rng_state",
+        "num_floating_point_operations_so_far",
+    } <= set(state)
+    assert state["args"].consumed_train_samples == 24
+    assert state["args"].hidden_size == 32
+    info = describe(ckpt)
+    assert info.model_config["hidden_size"] == 32
+    assert info.tokenizer_config["tokenizer_type"] == "NullTokenizer"
+
+
+def test_finetune_and_no_load_flags(tmp_path, mock_argv, train) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    train(mock_argv(tmp_path, "--save", ckpt, iters=3))
+    tuned = train(mock_argv(tmp_path, "--load", ckpt, "--finetune", iters=3))
+    assert tuned.state.iteration == 3 and tuned.state.consumed_train_samples == 24
+    fresh = train(mock_argv(tmp_path, iters=3))
+    assert tuned.losses[0] < fresh.losses[0]  # started from trained weights
+    resumed = train(
+        mock_argv(tmp_path, "--load", ckpt, "--no-load-optim", "--no-load-rng", iters=5)
+    )
+    assert resumed.state.iteration == 5 and len(resumed.losses) == 2
+
+
+def test_sigterm_saves_and_exits(tmp_path, mock_argv, train) -> None:
+    ckpt = tmp_path / "ckpt"
+
+    def send_sigterm(trainer) -> None:
+        if trainer.state.iteration == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    result = train(mock_argv(tmp_path, "--save", str(ckpt), iters=10), on_iteration=send_sigterm)
+    assert result.exit_reason == "received SIGTERM"
+    assert result.state.iteration == 2
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+
+def test_exit_duration_and_save_interval(tmp_path, mock_argv, train) -> None:
+    ckpt = tmp_path / "ckpt"
+    result = train(
+        mock_argv(
+            tmp_path,
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "2",
+            "--exit-duration-in-mins",
+            "0",
+            iters=10,
+        )
+    )
+    assert result.exit_reason.startswith("--exit-duration-in-mins")
+    assert result.state.iteration == 1
+    assert (ckpt / "iter_0000001").is_dir()
+
+
+def test_rampup_batch_size(tmp_path, mock_argv, train) -> None:
+    argv = mock_argv(tmp_path, "--rampup-batch-size", "4", "4", "16", mbs=4, gbs=12, iters=1)
+    at = argv.index("--train-iters")
+    argv[at : at + 2] = ["--train-samples", "64"]
+    at = argv.index("--lr-warmup-iters")
+    argv[at : at + 2] = ["--lr-warmup-samples", "8"]
+    from mg.trainer.arguments import parse_args
+    from mg.trainer.training import Trainer
+
+    trainer = Trainer(parse_args(argv))
+    sizes = []
+    trainer.train(on_iteration=lambda t: sizes.append(t.state.consumed_train_samples))
+    # 16 samples ramp 4 -> 12 in steps of 4 (one step per 8 samples), then 12 per iteration
+    assert sizes == [4, 8, 16, 28, 40, 52, 64]
+    assert trainer.train_iters == 7
+
+
+def test_bf16_and_fp16_run(tmp_path, mock_argv, train) -> None:
+    bf16 = train(mock_argv(tmp_path, "--bf16", iters=3))
+    assert all(math.isfinite(x) for x in bf16.losses)
+    fp16 = train(
+        mock_argv(
+            tmp_path,
+            "--fp16",
+            "--initial-loss-scale",
+            "1e10",
+            "--hysteresis",
+            "1",
+            mbs=2,
+            gbs=2,
+            iters=3,
+        )
+    )
+    assert all(math.isfinite(x) for x in fp16.losses)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_optimizers_train(tmp_path, mock_argv, train, optimizer) -> None:
+    result = train(
+        mock_argv(tmp_path, "--optimizer", optimizer, "--lr-decay-style", "constant", iters=8)
+    )
+    assert result.losses[-1] < result.losses[0]
