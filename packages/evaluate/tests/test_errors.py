@@ -1,4 +1,4 @@
-"""Bad input ends in one clear line, ``mg-eval <task>: error: FILE:LINE: ...``, never a traceback."""
+"""Bad input ends in one clear line, `mg-eval <task>: error: FILE:LINE: ...`, no traceback."""
 
 import json
 import subprocess
