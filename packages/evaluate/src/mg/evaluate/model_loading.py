@@ -1,8 +1,4 @@
-"""Checkpoint → (model, tokenizer), for every mg-eval task.
-
-Temporary: ``mg.core.checkpoint.model_io.load_model`` (being added to core)
-replaces :func:`_load_gpt` once it lands; only that function goes away.
-"""
+"""Checkpoint → (model, tokenizer), for every mg-eval task, on core's ``load_model``."""
 
 from __future__ import annotations
 
@@ -13,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mg.core.checkpoint import CheckpointError, load_checkpoint
+from mg.core.checkpoint.model_io import load_model
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.core.tokenizers.base import BaseTokenizer
@@ -30,31 +26,6 @@ class LoadedModel:
     iteration: Any
 
 
-def _load_gpt(
-    load_dir: Path, iteration: int | str | None
-) -> tuple[GPTModel, TransformerConfig, TokenizerConfig | None, Any]:
-    state, iteration = load_checkpoint(load_dir, iteration, map_location="cpu")
-    meta = state.get("mg") or {}
-    if not meta.get("model_config"):
-        raise CheckpointError(
-            f"{load_dir} records no model config (state['mg']['model_config']); "
-            "it was not written by mg tools (convert it with mg-convert first)"
-        )
-    config = TransformerConfig.from_dict(dict(meta["model_config"]))
-    tokenizer_config = None
-    if meta.get("tokenizer_config"):
-        tokenizer_config = TokenizerConfig.from_dict(dict(meta["tokenizer_config"]))
-    weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
-    model = GPTModel(config)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:
-        raise CheckpointError(
-            f"{load_dir}: weights do not fit the recorded config: {exc}"
-        ) from None
-    return model, config, tokenizer_config, iteration
-
-
 def load_for_eval(
     load_dir: str | Path,
     iteration: int | str | None = None,
@@ -69,7 +40,7 @@ def load_for_eval(
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
         raise EvalInputError("no such checkpoint folder (--load)", load_dir)
-    model, config, tok_config, iteration = _load_gpt(load_dir, iteration)
+    model, config, tok_config, info = load_model(load_dir, iteration)
     overrides = {k: v for k, v in (tokenizer_overrides or {}).items() if v is not None}
     if tok_config is None:
         if "tokenizer_type" not in overrides:
@@ -93,7 +64,7 @@ def load_for_eval(
         )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device=device, dtype=torch.float32).eval()
-    return LoadedModel(model, config, tokenizer, iteration)
+    return LoadedModel(model, config, tokenizer, info.iteration)
 
 
 def _resolve_relative(config: TokenizerConfig, root: Path) -> None:
