@@ -667,17 +667,22 @@ def _validate_data(args: Args) -> None:
     ):
         if path is not None and not os.path.exists(path):
             _fail(f"{flag} {path}: file not found")
-    if d.data_path:
-        from mg.indexed_dataset import parse_data_path
+    if d.data_path or d.data_args_path:
+        from mg.indexed_dataset import parse_data_path, read_blend_file
 
         try:
-            blend = parse_data_path(d.data_path)
+            blend = (
+                read_blend_file(d.data_args_path)
+                if d.data_args_path
+                else (parse_data_path(d.data_path))
+            )
         except ValueError as error:
             _fail(str(error))
+        source = "--data-args-path" if d.data_args_path else "--data-path"
         for prefix in blend.prefixes:
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
                     _fail(
-                        f"--data-path: {prefix}{ext} not found (a prefix is the path without "
+                        f"{source}: {prefix}{ext} not found (a prefix is the path without "
                         ".bin/.idx, as mg-prep writes it)"
                     )

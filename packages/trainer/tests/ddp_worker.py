@@ -1,0 +1,29 @@
+"""Run by test_ddp.py as one rank (RANK/WORLD_SIZE set by the test).
+
+Trains once per argv in the JSON list (one process group for all), and rank 0
+dumps each run's losses.
+"""
+
+import json
+import sys
+
+from mg.trainer.arguments import parse_args
+from mg.trainer.distributed import read_world_size
+from mg.trainer.training import Trainer
+
+if __name__ == "__main__":
+    out, argvs = sys.argv[1], json.loads(sys.argv[2])
+    results = []
+    for argv in argvs:
+        trainer = Trainer(parse_args(argv, world_size=read_world_size()))
+        result = trainer.train()
+        results.append(
+            {
+                "losses": result.losses,
+                "grad_norms": result.grad_norms,
+                "validation": result.validation,
+            }
+        )
+    if trainer.env.rank == 0:
+        with open(out, "w") as stream:
+            json.dump(results, stream)
