@@ -142,3 +142,11 @@ def test_blend_file_prefixes_checked(tmp_path) -> None:
                 str(blend),
             ]
         )
+
+
+def test_wandb_missing_is_explained(monkeypatch) -> None:
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ArgumentError, match="--wandb-project needs the wandb package"):
+        parse_args([*BASE, "--wandb-project", "demo"])

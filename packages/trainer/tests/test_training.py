@@ -215,3 +215,74 @@ def test_optimizers_train(tmp_path, mock_argv, train, optimizer) -> None:
         mock_argv(tmp_path, "--optimizer", optimizer, "--lr-decay-style", "constant", iters=8)
     )
     assert result.losses[-1] < result.losses[0]
+
+
+def test_deterministic_checkpoints_identical(tmp_path, mock_argv, train) -> None:
+    from mg.core.checkpoint import load_checkpoint
+
+    for name in ("a", "b"):
+        train(mock_argv(tmp_path, "--deterministic-mode", "--save", str(tmp_path / name), iters=4))
+    a, _ = load_checkpoint(tmp_path / "a")
+    b, _ = load_checkpoint(tmp_path / "b")
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    exp_avg = [s["exp_avg"] for s in a["optimizer"]["state"].values()]
+    exp_avg_b = [s["exp_avg"] for s in b["optimizer"]["state"].values()]
+    assert all(torch.equal(x, y) for x, y in zip(exp_avg, exp_avg_b, strict=True))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--recompute-activations"],
+        [
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ],
+    ids=["selective", "full"],
+)
+def test_recompute_does_not_change_losses(tmp_path, mock_argv, train, flags) -> None:
+    plain = train(mock_argv(tmp_path, iters=3))
+    recomputed = train(mock_argv(tmp_path, *flags, iters=3))
+    for a, b in zip(plain.losses, recomputed.losses, strict=True):
+        assert abs(a - b) <= 1e-6 * abs(a)
+
+
+def test_tensorboard_scalars(tmp_path, mock_argv, train) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    train(
+        mock_argv(
+            tmp_path,
+            "--tensorboard-dir",
+            str(tb),
+            "--log-interval",
+            "2",
+            "--eval-interval",
+            "4",
+            "--eval-iters",
+            "1",
+            iters=4,
+        )
+    )
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {
+        "lm loss",
+        "learning-rate",
+        "batch-size",
+        "grad-norm",
+        "loss-scale",
+        "iteration-time",
+        "throughput",
+        "lm loss validation",
+        "lm loss validation ppl",
+    } <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -643,6 +644,8 @@ def validate(args: Args) -> None:
             f"learning rate warmup ({warmup} {unit}) must be shorter than the decay "
             f"({decay} {unit}, --lr-decay-{unit} or the training length)"
         )
+    if args.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        _fail("--wandb-project needs the wandb package: pip install wandb (or drop the flag)")
     if c.save_interval is not None and c.save is None:
         _fail("--save-interval needs --save")
     _validate_data(args)

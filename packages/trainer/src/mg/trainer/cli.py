@@ -24,7 +24,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mg.trainer.training import pretrain  # heavy imports only once flags are good
 
-    pretrain(args)
+    try:
+        pretrain(args)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
