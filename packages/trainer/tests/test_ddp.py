@@ -18,31 +18,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(argvs: list[list[str]], world_size: int, out: Path) -> list[dict]:
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out), json.dumps(argvs)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
+def run_ranks(argvs: list[list[str]], world_size: int, out: Path, attempts: int = 3) -> list[dict]:
+    """Launch `world_size` ranks of ddp_worker.py; retry when another process took the port."""
+    for _ in range(attempts):
+        port = _free_port()
+        procs = []
+        for rank in range(world_size):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
             )
-        )
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    return json.loads(out.read_text())
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), str(out), json.dumps(argvs)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+        if all(p.returncode == 0 for p in procs):
+            return json.loads(out.read_text())
+        if not any("address already in use" in log.lower() for log in logs):
+            break
+    raise AssertionError("ranks failed:\n" + "\n".join(log[-3000:] for log in logs))
 
 
 def test_two_processes_match_one(tmp_path, mock_argv, train) -> None:
