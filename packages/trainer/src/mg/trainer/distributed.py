@@ -100,17 +100,26 @@ def allreduce_gradients(model: nn.Module) -> None:
         offset += g.numel()
 
 
+def _collective_device() -> torch.device:
+    """NCCL reduces CUDA tensors only; gloo takes CPU tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks in place (a no-op on one process)."""
-    if is_distributed():
-        dist.all_reduce(tensor)
-    return tensor
+    """Sum over ranks (a no-op on one process); returns a CPU tensor."""
+    if not is_distributed():
+        return tensor
+    moved = tensor.to(_collective_device())
+    dist.all_reduce(moved)
+    return moved.cpu()
 
 
 def all_reduce_max(value: float) -> float:
     if not is_distributed():
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 

@@ -156,11 +156,14 @@ class Trainer:
             )
             if resumed is not None:
                 self.state = resumed
-                if self.env.is_main:
-                    print(
-                        f" loaded checkpoint from {c.load} at iteration {resumed.iteration}",
-                        flush=True,
-                    )
+            if self.env.is_main:
+                print(
+                    f" loaded checkpoint from {c.load} at iteration {resumed.iteration}"
+                    if resumed is not None
+                    else f" WARNING: no checkpoint in {c.load} "
+                    "(no latest_checkpointed_iteration.txt); training from scratch",
+                    flush=True,
+                )
         self.model = distributed.wrap_model(
             model, args.distributed.overlap_grad_reduce, args.distributed.ddp_bucket_size
         )
@@ -202,8 +205,9 @@ class Trainer:
 
     def _forward_backward(self, num_micro: int, backward: bool) -> tuple[float, float]:
         """Run `num_micro` micro-batches; returns (sum of loss * mask, tokens) over all ranks."""
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        tokens = torch.zeros((), dtype=torch.float64)
+        # Accumulated on the device: no host sync per micro-batch on GPU.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=self.env.device)
         data = self.train_data if backward else self.valid_data
         for i in range(num_micro):
             batch = next(data)
@@ -220,9 +224,9 @@ class Trainer:
                 if backward:
                     loss = micro_sum / micro_tokens.clamp(min=1) / num_micro
                     (loss * self.scaler.scale).backward()
-            loss_sum += micro_sum.detach().double().cpu()
-            tokens += micro_tokens.detach().double().cpu()
-        totals = distributed.all_reduce_sum(torch.stack([loss_sum, tokens]))
+            loss_sum += micro_sum.detach().double()
+            tokens += micro_tokens.detach().double()
+        totals = distributed.all_reduce_sum(torch.stack([loss_sum, tokens]).cpu())
         return float(totals[0]), float(totals[1])
 
     def train_step(self) -> tuple[float, float | None, bool, int]:
@@ -377,7 +381,7 @@ class Trainer:
                     return result
         if self.valid_data is not None and self.state.iteration % t.eval_interval != 0:
             self._validate_and_log(f"iteration {self.state.iteration} on validation set", result)
-        if c.save and saved_at != self.state.iteration and self.state.iteration > 0:
+        if c.save and saved_at != self.state.iteration and result.losses:
             self.save()
         self.writer.close()
         return result
