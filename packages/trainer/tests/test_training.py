@@ -286,3 +286,39 @@ def test_tensorboard_scalars(tmp_path, mock_argv, train) -> None:
         "lm loss validation ppl",
     } <= tags
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3, 4]
+
+
+def test_blend_file_and_weighted_data_path(tmp_path, train, botchan_corpus, capsys) -> None:
+    prefix, tok_flags = botchan_corpus
+    blend = tmp_path / "blend.txt"
+    blend.write_text(f"# written like mg-prep refresh's blend.txt\n0.3 {prefix}\n0.7 {prefix}\n")
+    base = [
+        "gpt",
+        "--num-layers",
+        "1",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "2",
+        "--seq-length",
+        "32",
+        "--lr",
+        "1e-3",
+        "--micro-batch-size",
+        "2",
+        "--train-iters",
+        "3",
+        "--eval-iters",
+        "0",
+        "--split",
+        "98,2,0",
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        "--load",
+        str(tmp_path / "nothing-here"),
+        *tok_flags,
+    ]
+    from_file = train([*base, "--data-args-path", str(blend)])
+    from_flag = train([*base, "--data-path", "0.3", prefix, "0.7", prefix])
+    assert from_file.losses == from_flag.losses and len(from_file.losses) == 3
+    assert "no checkpoint in" in capsys.readouterr().out
