@@ -78,6 +78,7 @@ def test_yaml_unknown_key_is_named(tmp_path) -> None:
         (["--tensor-model-parallel-size", "2"], "not supported yet"),
         (["--use-distributed-optimizer"], "not supported yet"),
         (["--use-flash-attn"], "not supported"),
+        (["--ckpt-format", "torch_dist"], "torch_dist is not supported yet"),
         (["--rampup-batch-size", "2", "2", "100"], "iteration-based training"),
         (["--train-samples", "100"], "exactly one of --train-iters and --train-samples"),
         (["--lr-warmup-iters", "10"], r"warmup \(10 iters\) must be shorter than the decay"),

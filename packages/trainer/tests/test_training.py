@@ -322,3 +322,21 @@ def test_blend_file_and_weighted_data_path(tmp_path, train, botchan_corpus, caps
     from_flag = train([*base, "--data-path", "0.3", prefix, "0.7", prefix])
     assert from_file.losses == from_flag.losses and len(from_file.losses) == 3
     assert "no checkpoint in" in capsys.readouterr().out
+
+
+def test_checkpoint_loads_in_other_tools_without_flags(tmp_path, mock_argv) -> None:
+    """`mg.core.checkpoint.load_model` (what mg-eval/mg-serve use) rebuilds the trained model."""
+    from mg.core.checkpoint import load_model
+    from mg.trainer.arguments import parse_args
+    from mg.trainer.training import Trainer
+
+    ckpt = tmp_path / "ckpt"
+    trainer = Trainer(parse_args(mock_argv(tmp_path, "--save", str(ckpt), iters=3)))
+    trainer.train()
+    model, config, tokenizer_config, _ = load_model(ckpt)
+    assert config == trainer.model_config
+    assert tokenizer_config.tokenizer_type == "NullTokenizer"
+    tokens = torch.randint(0, 127, (2, 16))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), trainer.model(tokens))

@@ -144,6 +144,7 @@ class CheckpointArgs:
     no_load_rng: bool = False
     no_save_optim: bool = False
     no_save_rng: bool = False
+    ckpt_format: str = "torch"
 
 
 @dataclass
@@ -409,6 +410,12 @@ def _add_checkpoint_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
     p.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer state.")
     p.add_argument("--no-save-rng", action="store_true", help="Do not save RNG states.")
+    p.add_argument(
+        "--ckpt-format",
+        default="torch",
+        choices=["torch", "torch_dist"],
+        help="Checkpoint format: Megatron's torch layout (torch_dist is not supported yet).",
+    )
 
 
 def _add_logging_flags(p: argparse._ArgumentGroup) -> None:
@@ -557,6 +564,8 @@ def _unsupported(args: Args) -> None:
         _fail("--context-parallel-size > 1 is not supported yet (data parallelism only)")
     if d.sequence_parallel:
         _fail("--sequence-parallel is not supported yet (needs tensor parallelism)")
+    if args.checkpoint.ckpt_format != "torch":
+        _fail("--ckpt-format torch_dist is not supported yet by mg-train; use --ckpt-format torch")
     if d.use_distributed_optimizer:
         _fail("--use-distributed-optimizer is not supported yet")
     if m.use_flash_attn or m.transformer_impl != "local":
