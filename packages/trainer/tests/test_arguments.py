@@ -151,3 +151,11 @@ def test_wandb_missing_is_explained(monkeypatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ArgumentError, match="--wandb-project needs the wandb package"):
         parse_args([*BASE, "--wandb-project", "demo"])
+
+
+def test_train_samples_sets_iterations() -> None:
+    from mg.trainer.batch_schedule import BatchSchedule, train_iterations
+
+    no_iters = [a for a in BASE if a not in ("--train-iters", "10")]
+    args = parse_args([*no_iters, "--global-batch-size", "8", "--train-samples", "100"])
+    assert train_iterations(args, BatchSchedule(8, 2, 1)) == 12  # 100 // 8, as Megatron

@@ -452,6 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mg-train",
         description="Pretrain a GPT (BERT and T5 soon) with Megatron-LM's flags. "
         "Run under torchrun for data parallelism.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("family", choices=FAMILIES, help="Model family to train.")
     parser.add_argument(
