@@ -30,7 +30,7 @@ lint: setup
 fixtures *names: setup
     uv run --frozen python -m mg.core.fixtures fetch {{names}}
 
-# the whole workflow on a small real corpus: fixtures -> corpus -> indexed dataset -> inspect
+# the whole workflow on a small real corpus: corpus -> dataset -> tiny GPT -> evaluation -> Hugging Face export
 demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
@@ -43,7 +43,20 @@ demo: setup
         --output-prefix "{{demo_dir}}/data/corpus" "${tokenizer[@]}" --append-eod --workers 2
     echo "== 3. mg-prep inspect: what the dataset holds"
     uv run --frozen mg-prep inspect "{{demo_dir}}/data/corpus_text_document" "${tokenizer[@]}" --samples 2
-    echo "== done: {{demo_dir}}/data/corpus_text_document.{bin,idx}"
+    echo "== 4. mg-train gpt: a tiny GPT-2-shaped model, 200 iterations on the CPU"
+    rm -rf "{{demo_dir}}/ckpt"
+    uv run --frozen mg-train gpt --config workflows/configs/gpt-tiny.yaml \
+        --data-path "{{demo_dir}}/data/corpus_text_document" "${tokenizer[@]}" \
+        --save "{{demo_dir}}/ckpt" --tensorboard-dir "{{demo_dir}}/tensorboard"
+    echo "== 5. mg-eval ppl: perplexity on the validation split"
+    rm -f "{{demo_dir}}/report.jsonl"
+    uv run --frozen mg-eval ppl --load "{{demo_dir}}/ckpt" \
+        --data-path "{{demo_dir}}/data/corpus_text_document" --split 98,2,0 \
+        --eval-iters 8 --report "{{demo_dir}}/report.jsonl"
+    echo "== 6. mg-convert export-hf: a Hugging Face folder transformers can load"
+    rm -rf "{{demo_dir}}/hf"
+    uv run --frozen mg-convert export-hf --load "{{demo_dir}}/ckpt" --save "{{demo_dir}}/hf"
+    echo "== done: dataset {{demo_dir}}/data, checkpoint {{demo_dir}}/ckpt, report {{demo_dir}}/report.jsonl, HF model {{demo_dir}}/hf"
 
 # tokenize a JSONL corpus into an indexed dataset (any `mg-prep tokenize` flags)
 prep *args: setup
@@ -60,3 +73,16 @@ import-hf src save="ckpt/imported" *args: setup
 # mg checkpoint -> Hugging Face folder (config.json + safetensors + tokenizer)
 export-hf load="ckpt/finetuned" save="hf-out" *args: setup
     uv run --frozen mg-convert export-hf --load {{load}} --save {{save}} {{args}}
+
+# train a model with Megatron's flags: just train gpt --config workflows/configs/gpt-tiny.yaml --data-path ...
+train *args: setup
+    uv run --frozen mg-train {{args}}
+
+# evaluate a checkpoint: just eval ppl --load ckpt --data-path data/corpus_text_document
+eval *args: setup
+    uv run --frozen mg-eval {{args}}
+
+# continue training an imported model: just finetune ckpt/imported ckpt/finetuned data/corpus_text_document
+finetune load save data *args: setup
+    uv run --frozen mg-train gpt --finetune --load {{load}} --save {{save}} --data-path {{data}} \
+        --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 1e-4 {{args}}
