@@ -82,7 +82,8 @@ train *args: setup
 eval *args: setup
     uv run --frozen mg-eval {{args}}
 
-# continue training an imported model: just finetune ckpt/imported ckpt/finetuned data/corpus_text_document
+# continue training an imported model (model and tokenizer from the checkpoint; add e.g. --seq-length 512):
+#   just finetune ckpt/imported ckpt/finetuned data/corpus_text_document
 finetune load save data *args: setup
-    uv run --frozen mg-train gpt --finetune --load {{load}} --save {{save}} --data-path {{data}} \
+    uv run --frozen mg-train gpt --use-checkpoint-args --finetune --load {{load}} --save {{save}} --data-path {{data}} \
         --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 1e-4 {{args}}

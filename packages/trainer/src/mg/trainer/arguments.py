@@ -140,6 +140,7 @@ class CheckpointArgs:
     load: str | None = None
     save_interval: int | None = None
     finetune: bool = False
+    use_checkpoint_args: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
     no_save_optim: bool = False
@@ -186,6 +187,9 @@ class Args:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
+    # Set by --use-checkpoint-args (mg.trainer.checkpoint_args), not by flags.
+    checkpoint_model_config: dict[str, Any] | None = None
+    checkpoint_tokenizer_config: Any = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -406,6 +410,12 @@ def _add_checkpoint_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--finetune", action="store_true", help="Load the model only; restart at iteration 0."
     )
+    p.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Take the model config (and the tokenizer, unless tokenizer flags are given) from "
+        "the checkpoint in --load; model-shape flags become optional and must agree with it.",
+    )
     p.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     p.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
     p.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer state.")
@@ -505,14 +515,33 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> Args:
         parser.set_defaults(**_load_yaml_defaults(known.config, parser))
     namespace = parser.parse_args(argv)
     values = vars(namespace)
+    given = _given_flags(argv, known.config, parser)
     args = Args(family=values["family"])
     for group, cls in _GROUPS.items():
         kwargs = {f.name: values[f.name] for f in fields(cls) if f.name not in _NOT_FLAGS}
         setattr(args, group, cls(**kwargs))
     args.distributed.world_size = world_size
+    if args.checkpoint.use_checkpoint_args:
+        from mg.trainer.checkpoint_args import apply_checkpoint_args
+
+        apply_checkpoint_args(args, given)
     finalize(args)
     validate(args)
     return args
+
+
+def _given_flags(
+    argv: list[str] | None, config: str | None, parser: argparse.ArgumentParser
+) -> set[str]:
+    """Destinations set explicitly, on the command line or in the YAML config."""
+    bare = build_parser()
+    for action in bare._actions:
+        if action.dest != "help":
+            action.default = argparse.SUPPRESS
+    given = set(vars(bare.parse_args(argv)))
+    if config:
+        given |= set(_load_yaml_defaults(config, parser))
+    return given
 
 
 def finalize(args: Args) -> None:
@@ -550,7 +579,13 @@ def _require(args: Args) -> None:
         if getattr(getattr(args, group), name) is None
     ]
     if missing:
-        _fail(f"missing required arguments: {', '.join(missing)}")
+        hint = ""
+        if args.checkpoint.load and not args.checkpoint.use_checkpoint_args:
+            hint = (
+                f"; to take the model shape from the checkpoint in {args.checkpoint.load}, "
+                "add --use-checkpoint-args"
+            )
+        _fail(f"missing required arguments: {', '.join(missing)}{hint}")
     t = args.training
     if (t.train_iters is None) == (t.train_samples is None):
         _fail("expected exactly one of --train-iters and --train-samples")

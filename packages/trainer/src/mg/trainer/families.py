@@ -39,6 +39,9 @@ def gpt_config(args: Args, vocab_size: int):
     """Megatron's GPT flags onto `TransformerConfig`."""
     from mg.core.models import TransformerConfig
 
+    if args.checkpoint_model_config is not None:
+        # --use-checkpoint-args: the checkpoint's config, whole (see checkpoint_args.py).
+        return TransformerConfig.from_dict(dict(args.checkpoint_model_config))
     m = args.model
     activation = "swiglu" if m.swiglu else "gelu"
     return TransformerConfig(

@@ -102,7 +102,7 @@ class Trainer:
         set_seed(t.seed)
         self.family = get_family(args.family)
         d = args.data
-        self.tokenizer_config = TokenizerConfig(
+        self.tokenizer_config = args.checkpoint_tokenizer_config or TokenizerConfig(
             tokenizer_type=d.tokenizer_type,
             vocab_file=d.vocab_file,
             merge_file=d.merge_file,
