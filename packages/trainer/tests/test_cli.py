@@ -1,4 +1,4 @@
-"""`mg-train` as a command: usage errors exit 2 before anything heavy; bert/t5 say not built."""
+"""`mg-train` as a command: usage errors exit 2 before anything heavy."""
 
 from __future__ import annotations
 
@@ -6,14 +6,6 @@ import subprocess
 import sys
 
 from mg.trainer.cli import main
-
-
-def test_bert_and_t5_are_not_built_yet(tmp_path, mock_argv, capsys) -> None:
-    for family in ("bert", "t5"):
-        argv = mock_argv(tmp_path)
-        argv[0] = family
-        assert main(argv) == 2
-        assert "not built yet" in capsys.readouterr().err
 
 
 def test_bad_flags_exit_2_with_message(tmp_path, mock_argv, capsys) -> None:

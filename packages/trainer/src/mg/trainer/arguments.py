@@ -40,6 +40,9 @@ class ModelArgs:
     num_query_groups: int = 1
     kv_channels: int | None = None
     seq_length: int | None = None
+    encoder_seq_length: int | None = None
+    decoder_seq_length: int | None = None
+    bert_binary_head: bool = True
     max_position_embeddings: int | None = None
     position_embedding_type: str = "learned_absolute"
     rotary_base: float = 10000.0
@@ -80,6 +83,8 @@ class DataArgs:
     tokenizer_model: str | None = None
     vocab_size: int | None = None
     vocab_extra_ids: int = 0
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
 
 
 @dataclass
@@ -232,6 +237,16 @@ def _add_model_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--kv-channels", type=int, help="Channels per head; default hidden/heads.")
     p.add_argument("--seq-length", type=int, help="Tokens per sample.")
     p.add_argument(
+        "--encoder-seq-length", type=int, help="T5/BERT encoder tokens; sets --seq-length."
+    )
+    p.add_argument("--decoder-seq-length", type=int, help="T5 decoder tokens per sample.")
+    p.add_argument(
+        "--bert-no-binary-head",
+        dest="bert_binary_head",
+        action="store_false",
+        help="BERT without the sentence-order (binary) head and its loss.",
+    )
+    p.add_argument(
         "--max-position-embeddings", type=int, help="Longest supported sequence; default seq."
     )
     p.add_argument(
@@ -318,6 +333,10 @@ def _add_data_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--tokenizer-model", help="SentencePiece/tiktoken model or HF folder.")
     p.add_argument("--vocab-size", type=int, help="Vocab size for NullTokenizer/TikTokenizer.")
     p.add_argument("--vocab-extra-ids", type=int, default=0, help="T5 sentinel tokens.")
+    p.add_argument("--mask-prob", type=float, default=0.15, help="BERT/T5: share of masked words.")
+    p.add_argument(
+        "--short-seq-prob", type=float, default=0.1, help="BERT/T5: share of short samples."
+    )
 
 
 def _add_training_flags(p: argparse._ArgumentGroup) -> None:
@@ -460,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `mg-train` parser: a model family, then Megatron's flags."""
     parser = argparse.ArgumentParser(
         prog="mg-train",
-        description="Pretrain a GPT (BERT and T5 soon) with Megatron-LM's flags. "
+        description="Pretrain a GPT, BERT or T5 with Megatron-LM's flags. "
         "Run under torchrun for data parallelism.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -547,6 +566,8 @@ def _given_flags(
 def finalize(args: Args) -> None:
     """Fill the values Megatron derives from others (GBS default, recompute shortcut)."""
     m, t = args.model, args.training
+    if m.seq_length is None:
+        m.seq_length = m.encoder_seq_length
     if t.global_batch_size is None and t.micro_batch_size is not None:
         t.global_batch_size = t.micro_batch_size * args.data_parallel_size
     if m.recompute_activations:

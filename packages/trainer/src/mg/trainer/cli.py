@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv, world_size=read_world_size())
         family = get_family(args.family)
         if args.family != "gpt":
-            family.build_config(args, 1)  # bert/t5: "not built yet", before anything heavy
+            family.build_config(args, 1)  # bert/t5 data/shape flag errors, before anything heavy
     except ArgumentError as error:
         print(f"mg-train: error: {error}", file=sys.stderr)
         return 2

@@ -4,10 +4,14 @@ A family is three functions, so BERT and T5 plug in beside GPT without the
 training loop knowing which one runs:
 
 - `build_config(args, vocab_size)` -> the model config (recorded in checkpoints);
-- `build_model(config)` -> an `nn.Module` with Megatron's init;
+- `build_model(config, args)` -> an `nn.Module` with Megatron's init;
 - `build_datasets(args, tokenizer, num_samples)` -> (train, valid, test);
 - `loss_terms(model, batch)` -> (sum of per-token loss * mask, number of tokens),
-  which the loop turns into Megatron's averages.
+  which the loop turns into Megatron's averages, optionally with a third item:
+  named extra losses, each already a mean over the micro-batch, added to the
+  objective and logged beside `lm loss` (BERT's `sop loss`).
+
+GPT lives here; BERT and T5 in `family_bert.py` and `family_t5.py`.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from mg.trainer.arguments import Args, ArgumentError
 class ModelFamily:
     name: str
     build_config: Callable[[Args, int], Any]
-    build_model: Callable[[Any], nn.Module]
+    build_model: Callable[[Any, Args], nn.Module]
     build_datasets: Callable[[Args, Any, Sequence[int]], tuple[Any, Any, Any]]
-    loss_terms: Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+    loss_terms: Callable[[nn.Module, dict[str, torch.Tensor]], tuple]
 
 
 # --- GPT -------------------------------------------------------------------------------------
@@ -69,7 +73,7 @@ def gpt_config(args: Args, vocab_size: int):
     )
 
 
-def gpt_model(config) -> nn.Module:
+def gpt_model(config, args: Args | None = None) -> nn.Module:
     from mg.core.models import GPTModel
 
     return GPTModel(config)
@@ -115,20 +119,18 @@ def gpt_loss_terms(model: nn.Module, batch: dict[str, torch.Tensor]):
     return (losses.float() * mask).sum(), mask.sum()
 
 
-def _not_built(name: str) -> Callable[..., Any]:
-    def fail(*_: Any, **__: Any) -> Any:
-        raise ArgumentError(
-            f"mg-train {name}: the {name.upper()} model family is not built yet; "
-            "only 'gpt' trains in this release"
-        )
-
-    return fail
-
+from mg.trainer.family_bert import (  # noqa: E402  (they use gpt_config from here)
+    bert_config,
+    bert_datasets,
+    bert_loss_terms,
+    bert_model,
+)
+from mg.trainer.family_t5 import t5_config, t5_datasets, t5_loss_terms, t5_model  # noqa: E402
 
 FAMILIES: dict[str, ModelFamily] = {
     "gpt": ModelFamily("gpt", gpt_config, gpt_model, gpt_datasets, gpt_loss_terms),
-    "bert": ModelFamily(*(["bert"] + [_not_built("bert")] * 4)),
-    "t5": ModelFamily(*(["t5"] + [_not_built("t5")] * 4)),
+    "bert": ModelFamily("bert", bert_config, bert_model, bert_datasets, bert_loss_terms),
+    "t5": ModelFamily("t5", t5_config, t5_model, t5_datasets, t5_loss_terms),
 }
 
 

@@ -52,6 +52,8 @@ class TrainResult:
     grad_norms: list[float] = field(default_factory=list)
     learning_rates: list[float] = field(default_factory=list)
     validation: list[tuple[int, float]] = field(default_factory=list)
+    extra_losses: dict[str, list[float]] = field(default_factory=dict)
+    """Per-iteration extra losses by name (BERT's `sop loss`)."""
     state: TrainState = field(default_factory=TrainState)
     exit_reason: str = "done"
 
@@ -117,7 +119,7 @@ class Trainer:
             args.distributed.tensor_model_parallel_size,
         )
         self.model_config = self.family.build_config(args, vocab)
-        model = self.family.build_model(self.model_config).to(self.env.device)
+        model = self.family.build_model(self.model_config, args).to(self.env.device)
         m = args.model
         if m.recompute_granularity is not None:
             apply_activation_recompute(
@@ -142,6 +144,7 @@ class Trainer:
             o.hysteresis,
         )
         self.state = TrainState()
+        self.extra_losses: dict[str, float] = {}  # the last step's, e.g. {"sop loss": ...}
         c = args.checkpoint
         if c.load:
             resumed = checkpointing.resume(
@@ -204,10 +207,14 @@ class Trainer:
     # --- one iteration ------------------------------------------------------------------------
 
     def _forward_backward(self, num_micro: int, backward: bool) -> tuple[float, float]:
-        """Run `num_micro` micro-batches; returns (sum of loss * mask, tokens) over all ranks."""
+        """Run `num_micro` micro-batches; returns (sum of loss * mask, tokens) over all ranks.
+
+        Extra losses (BERT's `sop loss`), averaged over micro-batches and ranks,
+        go to `self.extra_losses`."""
         # Accumulated on the device: no host sync per micro-batch on GPU.
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        extra_sums: dict[str, torch.Tensor] = {}
         data = self.train_data if backward else self.valid_data
         for i in range(num_micro):
             batch = next(data)
@@ -220,13 +227,27 @@ class Trainer:
             )
             with sync:
                 with _autocast(self.env.device, self.dtype):
-                    micro_sum, micro_tokens = self.family.loss_terms(self.model, batch)
+                    terms = self.family.loss_terms(self.model, batch)
+                micro_sum, micro_tokens = terms[0], terms[1]
+                extra = terms[2] if len(terms) > 2 else {}
                 if backward:
-                    loss = micro_sum / micro_tokens.clamp(min=1) / num_micro
+                    loss = micro_sum / micro_tokens.clamp(min=1)
+                    for value in extra.values():
+                        loss = loss + value
+                    loss = loss / num_micro
                     (loss * self.scaler.scale).backward()
             loss_sum += micro_sum.detach().double()
             tokens += micro_tokens.detach().double()
-        totals = distributed.all_reduce_sum(torch.stack([loss_sum, tokens]).cpu())
+            for name, value in extra.items():
+                extra_sums[name] = extra_sums.get(name, 0.0) + value.detach().double()
+        names = sorted(extra_sums)
+        totals = distributed.all_reduce_sum(
+            torch.stack([loss_sum, tokens, *(extra_sums[n] for n in names)]).cpu()
+        )
+        ranks = self.args.data_parallel_size
+        self.extra_losses = {
+            n: float(totals[2 + i]) / (num_micro * ranks) for i, n in enumerate(names)
+        }
         return float(totals[0]), float(totals[1])
 
     def train_step(self) -> tuple[float, float | None, bool, int]:
@@ -299,6 +320,7 @@ class Trainer:
         result = TrainResult(state=self.state)
         start = time.time()
         interval_time, interval_losses, interval_iters, interval_nan = time.time(), [], 0, 0
+        interval_extra: dict[str, list[float]] = {}
         saved_at = -1
         with _SigtermFlag() as sigterm:
             while self.state.iteration < self.train_iters:
@@ -315,6 +337,10 @@ class Trainer:
                     st.skipped_iterations += 1
                 elif math.isfinite(loss):
                     interval_losses.append(loss)
+                    for name, value in self.extra_losses.items():
+                        interval_extra.setdefault(name, []).append(value)
+                for name, value in self.extra_losses.items():
+                    result.extra_losses.setdefault(name, []).append(value)
                 if not math.isfinite(loss):
                     interval_nan += 1
                 interval_iters += 1
@@ -322,6 +348,7 @@ class Trainer:
                     "learning-rate": lr,
                     "batch-size": gbs,
                     "lm loss": loss,
+                    **self.extra_losses,
                     "loss-scale": self.scaler.scale,
                 }
                 if grad_norm is not None:
@@ -344,7 +371,8 @@ class Trainer:
                                 losses={
                                     "lm loss": (sum(interval_losses) / len(interval_losses))
                                     if interval_losses
-                                    else float("nan")
+                                    else float("nan"),
+                                    **{n: sum(v) / len(v) for n, v in interval_extra.items()},
                                 },
                                 loss_scale=self.scaler.scale,
                                 grad_norm=grad_norm,
@@ -362,6 +390,7 @@ class Trainer:
                         0,
                         0,
                     )
+                    interval_extra = {}
                 if self.valid_data is not None and st.iteration % t.eval_interval == 0:
                     self._validate_and_log(f"iteration {st.iteration}", result)
                 if on_iteration is not None:

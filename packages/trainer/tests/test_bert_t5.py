@@ -1,0 +1,94 @@
+"""`mg-train bert` and `mg-train t5` on a tiny sentence-split Botchan corpus (CPU).
+
+One 30-iteration run per family (the golden flags, `sentence_data.template_argv`)
+serves three checks: the loss goes down, it matches the stored golden curve
+(1e-5 relative), and (BERT) a 10 + save/load + 10 run repeats it bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from mg.trainer.arguments import parse_args
+from mg.trainer.cli import main
+from mg.trainer.training import Trainer, TrainResult
+
+GOLDEN = Path(__file__).parent / "golden"
+sys.path.insert(0, str(Path(__file__).parent))
+from sentence_data import build_sentence_corpus, fill, template_argv  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_sentence_corpus(tmp_path_factory.mktemp("sentences"))
+
+
+@pytest.fixture(scope="module")
+def runs(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, TrainResult]:
+    cache = str(tmp_path_factory.mktemp("cache"))
+    return {
+        family: Trainer(parse_args(fill(template_argv(family), corpus, cache))).train()
+        for family in ("bert", "t5")
+    }
+
+
+def test_bert_lm_and_sop_losses_go_down(runs) -> None:
+    result = runs["bert"]
+    lm, sop = result.losses, result.extra_losses["sop loss"]
+    assert len(lm) == len(sop) == 30
+    # From ~10.32 (ln of the 30k WordPiece vocab) to ~9.79 in 30 steps.
+    assert statistics.mean(lm[:5]) > 10.2
+    assert statistics.mean(lm[-5:]) < statistics.mean(lm[:5]) - 0.35
+    # Sentence order is a coin toss this early: ~ln 2.
+    assert all(0.6 < s < 0.8 for s in sop)
+
+
+def test_t5_loss_goes_down(runs) -> None:
+    result = runs["t5"]
+    assert len(result.losses) == 30 and result.extra_losses == {}
+    assert statistics.mean(result.losses[:5]) > 10.2
+    assert statistics.mean(result.losses[-5:]) < statistics.mean(result.losses[:5]) - 0.5
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_matches_golden_curve(runs, family: str) -> None:
+    record = json.loads((GOLDEN / f"{family}_tiny_botchan.json").read_text())
+    assert record["argv"] == template_argv(family)
+    result = runs[family]
+    curves = [(result.losses, record["lm_loss"])]
+    if family == "bert":
+        curves.append((result.extra_losses["sop loss"], record["sop_loss"]))
+    for losses, golden in curves:
+        assert len(losses) == len(golden) == 30
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, golden, strict=True))
+        assert worst <= 1e-5, f"largest relative difference {worst:.3e}"
+
+
+def test_bert_resume_is_bitwise(runs, corpus: str, tmp_path) -> None:
+    """10 iterations, save, exit; load, 10 more == iterations 1..20 of the 30-iteration run."""
+    argv = fill(template_argv("bert"), corpus, str(tmp_path / "cache"))
+    ckpt = str(tmp_path / "ckpt")
+    first = Trainer(parse_args([*argv, "--save", ckpt, "--exit-interval", "10"])).train()
+    second = Trainer(parse_args([*argv, "--load", ckpt, "--exit-interval", "20"])).train()
+    assert first.exit_reason.startswith("--exit-interval")
+    assert second.state.iteration == 20
+    full = runs["bert"]
+    assert first.losses + second.losses == full.losses[:20]
+    sop = first.extra_losses["sop loss"] + second.extra_losses["sop loss"]
+    assert sop == full.extra_losses["sop loss"][:20]
+
+
+def test_cli_refuses_bad_bert_t5_flags_with_exit_2(corpus: str, tmp_path, capsys) -> None:
+    argv = fill(template_argv("t5"), corpus, str(tmp_path / "cache"))
+    i = argv.index("--decoder-seq-length")
+    assert main(argv[:i] + argv[i + 2 :]) == 2
+    assert "needs --decoder-seq-length" in capsys.readouterr().err
+    bert = [a for a in fill(template_argv("bert"), corpus, str(tmp_path)) if a != corpus]
+    bert[bert.index("--data-path")] = "--mock-data"
+    assert main(bert) == 2
+    assert "--mock-data is GPT only" in capsys.readouterr().err
