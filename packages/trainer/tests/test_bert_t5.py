@@ -8,6 +8,7 @@ serves three checks: the loss goes down, it matches the stored golden curve
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -88,7 +89,31 @@ def test_cli_refuses_bad_bert_t5_flags_with_exit_2(corpus: str, tmp_path, capsys
     i = argv.index("--decoder-seq-length")
     assert main(argv[:i] + argv[i + 2 :]) == 2
     assert "needs --decoder-seq-length" in capsys.readouterr().err
+    i = argv.index("--vocab-extra-ids")
+    assert main(argv[:i] + argv[i + 2 :]) == 2
+    assert "--vocab-extra-ids 100" in capsys.readouterr().err
     bert = [a for a in fill(template_argv("bert"), corpus, str(tmp_path)) if a != corpus]
     bert[bert.index("--data-path")] = "--mock-data"
     assert main(bert) == 2
     assert "--mock-data is GPT only" in capsys.readouterr().err
+
+
+def test_log_lines_and_no_binary_head(corpus: str, tmp_path, capsys) -> None:
+    """Megatron's log line: `lm loss` then `sop loss` for BERT; no head, no `sop loss`.
+    Validation runs for both (lm loss only)."""
+    short = ["--train-iters", "2", "--lr-warmup-iters", "1", "--log-interval", "1"]
+    short += ["--eval-interval", "2"]
+    argv = fill(template_argv("bert"), corpus, str(tmp_path / "cache"))
+    argv[argv.index("--eval-iters") + 1] = "1"
+    with_head = Trainer(parse_args([*argv, *short])).train()
+    out = capsys.readouterr().out
+    assert re.search(r"\| lm loss: \S+ \| sop loss: \S+ \| loss scale", out), out
+    assert len(with_head.validation) == 1
+    trainer = Trainer(parse_args([*argv, *short, "--bert-no-binary-head"]))
+    names = {name for name, _ in trainer.model.named_parameters()}
+    assert not any("binary_head" in name or "pooler" in name for name in names)
+    without = trainer.train()
+    out = capsys.readouterr().out
+    assert "lm loss:" in out and "sop loss" not in out
+    assert without.extra_losses == {} and len(without.losses) == 2
+    assert len(without.validation) == 1

@@ -22,6 +22,8 @@ def t5_config(args: Args, vocab_size: int):
     m = args.model
     if args.checkpoint_model_config is None and m.decoder_seq_length is None:
         raise ArgumentError("mg-train t5 needs --decoder-seq-length")
+    if args.checkpoint_tokenizer_config is None and not args.data.vocab_extra_ids:
+        raise ArgumentError("mg-train t5 needs sentinel tokens: add --vocab-extra-ids 100")
     if m.decoder_seq_length is not None and m.decoder_seq_length > m.max_position_embeddings:
         raise ArgumentError(
             f"--decoder-seq-length ({m.decoder_seq_length}) is longer than "
@@ -39,8 +41,6 @@ def t5_model(config, args: Args | None = None) -> nn.Module:
 def t5_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
     from mg.indexed_dataset.t5_dataset import T5Dataset
 
-    if not args.data.vocab_extra_ids:
-        raise ArgumentError("mg-train t5 needs sentinel tokens: add --vocab-extra-ids 100")
     return build_masked_datasets(
         args,
         tokenizer,
