@@ -8,98 +8,25 @@ our GPTModel with `strict=True`, which proves the names and shapes match, and
 the logits and per-token losses are compared.
 """
 
-import contextlib
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("megatron.core")
 
 from mg.core.models import GPTModel, RopeScaling, TransformerConfig  # noqa: E402
+from mg.core.testing.megatron_reference import (  # noqa: E402
+    megatron_gpt_model,
+    megatron_on_cpu,
+)
 
 pytestmark = pytest.mark.compat
-
-
-class _NoRngTracker:
-    def fork(self, name=None):
-        return contextlib.nullcontext()
 
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
     """megatron.core, initialised for TP = PP = 1 on CPU."""
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.tensor_parallel as tensor_parallel
-    import megatron.core.utils as mcore_utils
-    from megatron.core import parallel_state
-
-    patches = pytest.MonkeyPatch()
-    patches.setattr(torch.cuda, "current_device", lambda: "cpu")
-    patches.setattr(
-        mcore_utils.GlobalMemoryBuffer,
-        "get_tensor",
-        lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(shape, dtype=dtype),
-    )
-    patches.setattr(
-        fused_softmax,
-        "get_default_causal_mask",
-        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1),
-    )
-    patches.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoRngTracker())
-    store = tmp_path_factory.mktemp("pg") / "store"
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=0, world_size=1
-    )
-    parallel_state.initialize_model_parallel(1, 1)
-    try:
+    with megatron_on_cpu(tmp_path_factory.mktemp("pg")):
         yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
-        patches.undo()
-
-
-def _megatron_model(ours: TransformerConfig):
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel as MegatronGPTModel
-    from megatron.core.transformer.transformer_config import (
-        TransformerConfig as MegatronTransformerConfig,
-    )
-
-    gated = ours.gated_linear_unit
-    config = MegatronTransformerConfig(
-        num_layers=ours.num_layers,
-        hidden_size=ours.hidden_size,
-        num_attention_heads=ours.num_attention_heads,
-        num_query_groups=ours.num_query_groups,
-        ffn_hidden_size=ours.ffn_hidden_size,
-        kv_channels=ours.kv_channels,
-        normalization=ours.normalization,
-        layernorm_epsilon=ours.layernorm_epsilon,
-        gated_linear_unit=gated,
-        activation_func=F.silu if gated else F.gelu,
-        add_bias_linear=ours.add_bias_linear,
-        add_qkv_bias=ours.add_qkv_bias,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        init_method_std=ours.init_method_std,
-        use_cpu_initialization=True,
-        transformer_impl="local",
-    )
-    rope = ours.position_embedding_type == "rope"
-    return MegatronGPTModel(
-        config,
-        get_gpt_layer_local_spec(normalization=ours.normalization),
-        vocab_size=ours.vocab_size,
-        max_sequence_length=ours.max_position_embeddings,
-        position_embedding_type=ours.position_embedding_type,
-        share_embeddings_and_output_weights=not ours.untie_embeddings_and_output_weights,
-        rotary_percent=ours.rotary_percent,
-        rotary_base=int(ours.rotary_base),
-        rope_scaling=ours.rope_scaling is not None,
-        rope_scaling_factor=ours.rope_scaling.factor if rope and ours.rope_scaling else 8.0,
-    ).eval()
 
 
 CONFIGS = {
@@ -140,7 +67,7 @@ CONFIGS = {
 def test_against_megatron_core(megatron, name):
     config = CONFIGS[name]
     torch.manual_seed(0)
-    reference = _megatron_model(config)
+    reference = megatron_gpt_model(config)
     with torch.no_grad():  # random norms and biases too, so their names are checked
         for p in reference.parameters():
             p.add_(torch.randn_like(p) * 0.05)

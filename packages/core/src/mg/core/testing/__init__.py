@@ -1,0 +1,1 @@
+"""Helpers for tests that compare mg with reference implementations."""

@@ -1,0 +1,102 @@
+"""megatron-core's GPTModel on CPU, as the reference our models and converters are checked against.
+
+megatron-core (a test-only dependency) assumes CUDA in three places on its
+forward path: the global memory buffer, the default causal mask and the RNG
+tracker. `megatron_on_cpu` patches exactly those for the duration of a test
+session and sets up a 1-rank gloo group with TP = PP = 1; `megatron_gpt_model`
+builds the Megatron-Core `GPTModel` (local layer spec) matching one of our
+`TransformerConfig`s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mg.core.models import TransformerConfig
+
+
+class _NoRngTracker:
+    def fork(self, name: str | None = None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(scratch: Path) -> Iterator[None]:
+    """megatron.core initialised for TP = PP = 1 on CPU; `scratch` holds the gloo file store."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.utils as mcore_utils
+    import pytest
+    from megatron.core import parallel_state
+
+    patches = pytest.MonkeyPatch()
+    patches.setattr(torch.cuda, "current_device", lambda: "cpu")
+    patches.setattr(
+        mcore_utils.GlobalMemoryBuffer,
+        "get_tensor",
+        lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(shape, dtype=dtype),
+    )
+    patches.setattr(
+        fused_softmax,
+        "get_default_causal_mask",
+        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1),
+    )
+    patches.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoRngTracker())
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{scratch / 'store'}", rank=0, world_size=1
+    )
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+        patches.undo()
+
+
+def megatron_gpt_model(ours: TransformerConfig) -> Any:
+    """Megatron-Core's GPTModel (local spec, no dropout, eval mode) with our config's shapes."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel as MegatronGPTModel
+    from megatron.core.transformer.transformer_config import (
+        TransformerConfig as MegatronTransformerConfig,
+    )
+
+    gated = ours.gated_linear_unit
+    config = MegatronTransformerConfig(
+        num_layers=ours.num_layers,
+        hidden_size=ours.hidden_size,
+        num_attention_heads=ours.num_attention_heads,
+        num_query_groups=ours.num_query_groups,
+        ffn_hidden_size=ours.ffn_hidden_size,
+        kv_channels=ours.kv_channels,
+        normalization=ours.normalization,
+        layernorm_epsilon=ours.layernorm_epsilon,
+        gated_linear_unit=gated,
+        activation_func=F.silu if gated else F.gelu,
+        add_bias_linear=ours.add_bias_linear,
+        add_qkv_bias=ours.add_qkv_bias,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        init_method_std=ours.init_method_std,
+        use_cpu_initialization=True,
+        transformer_impl="local",
+    )
+    return MegatronGPTModel(
+        config,
+        get_gpt_layer_local_spec(normalization=ours.normalization),
+        vocab_size=ours.vocab_size,
+        max_sequence_length=ours.max_position_embeddings,
+        position_embedding_type=ours.position_embedding_type,
+        share_embeddings_and_output_weights=not ours.untie_embeddings_and_output_weights,
+        rotary_percent=ours.rotary_percent,
+        rotary_base=int(ours.rotary_base),
+        rope_scaling=ours.rope_scaling is not None,
+        rope_scaling_factor=ours.rope_scaling.factor if ours.rope_scaling else 8.0,
+    ).eval()
