@@ -7,6 +7,8 @@ dumps each run's losses.
 import json
 import sys
 
+import torch.distributed as dist
+
 from mg.trainer.arguments import parse_args
 from mg.trainer.distributed import read_world_size
 from mg.trainer.training import Trainer
@@ -27,3 +29,8 @@ if __name__ == "__main__":
     if trainer.env.rank == 0:
         with open(out, "w") as stream:
             json.dump(results, stream)
+    # Tear the gloo group down before the interpreter does: left to exit, its
+    # threads can abort the process ("terminate called without an active exception").
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
