@@ -102,3 +102,26 @@ def as_id_list(ids: Sequence[int]) -> list[int]:
         out = tolist()
         return out if isinstance(out, list) else [out]
     return [int(i) for i in ids]
+
+
+# Spaces that word-level decoding leaves before punctuation and contractions;
+# the same list as transformers' and Megatron's `clean_up_tokenization`.
+_TOKENIZATION_SPACES = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
+
+
+def clean_up_tokenization(text: str) -> str:
+    """Remove the spaces word-level decoding puts before punctuation and contractions."""
+    for spaced, tight in _TOKENIZATION_SPACES:
+        text = text.replace(spaced, tight)
+    return text

@@ -18,7 +18,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from .base import BaseTokenizer, as_id_list
+from .base import BaseTokenizer, as_id_list, clean_up_tokenization
 
 _FLAG = "--tokenizer-model"
 
@@ -105,10 +105,7 @@ class HuggingFaceTokenizer(BaseTokenizer):
         if self._tokenizer is None:
             return self._transformers.decode(ids)
         text = self._tokenizer.decode(ids, skip_special_tokens=False)
-        if self._cleanup:  # transformers' clean_up_tokenization
-            for spaced, tight in _CLEANUP:
-                text = text.replace(spaced, tight)
-        return text
+        return clean_up_tokenization(text) if self._cleanup else text
 
     def id_to_token(self, i: int) -> str:
         """The raw vocabulary entry, as Megatron's server (``tokenizer.decoder[id]``)."""
@@ -118,20 +115,6 @@ class HuggingFaceTokenizer(BaseTokenizer):
         if token is None:
             raise KeyError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
         return token
-
-
-_CLEANUP = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
 
 
 def _read_special_config(folder: Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from tokenizers import Regex, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordPiece
 
-from .base import BaseTokenizer, as_id_list, require_file
+from .base import BaseTokenizer, as_id_list, clean_up_tokenization, require_file
 
 # Removed before anything else (Megatron's _clean_text): NUL, U+FFFD and every
 # Cc/Cf character except the tab and newlines, which count as whitespace.
@@ -140,23 +140,7 @@ class BertWordPieceTokenizer(BaseTokenizer):
     def detokenize(self, ids: Sequence[int]) -> str:
         """Megatron's ``convert_tokens_to_string``: join, glue ``##`` pieces, tidy spaces."""
         text = " ".join(self._inv_vocab[i] for i in as_id_list(ids)).replace(" ##", "").strip()
-        for spaced, tight in _CLEANUP:
-            text = text.replace(spaced, tight)
-        return text
+        return clean_up_tokenization(text)
 
     def id_to_token(self, i: int) -> str:
         return self._inv_vocab[i]
-
-
-_CLEANUP = (
-    (" .", "."),
-    (" ?", "?"),
-    (" !", "!"),
-    (" ,", ","),
-    (" ' ", "'"),
-    (" n't", "n't"),
-    (" 'm", "'m"),
-    (" 's", "'s"),
-    (" 've", "'ve"),
-    (" 're", "'re"),
-)
