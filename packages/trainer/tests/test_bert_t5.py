@@ -100,7 +100,7 @@ def test_cli_refuses_bad_bert_t5_flags_with_exit_2(corpus: str, tmp_path, capsys
 
 def test_log_lines_and_no_binary_head(corpus: str, tmp_path, capsys) -> None:
     """Megatron's log line: `lm loss` then `sop loss` for BERT; no head, no `sop loss`.
-    Validation runs for both (lm loss only)."""
+    Validation reports `sop loss` too when the head is there."""
     short = ["--train-iters", "2", "--lr-warmup-iters", "1", "--log-interval", "1"]
     short += ["--eval-interval", "2"]
     argv = fill(template_argv("bert"), corpus, str(tmp_path / "cache"))
@@ -109,6 +109,13 @@ def test_log_lines_and_no_binary_head(corpus: str, tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert re.search(r"\| lm loss: \S+ \| sop loss: \S+ \| loss scale", out), out
     assert len(with_head.validation) == 1
+    assert re.search(
+        r"validation loss at .* \| lm loss value: \S+ \| lm loss PPL: \S+ \| "
+        r"sop loss value: \S+ \| sop loss PPL: \S+ \|",
+        out,
+    ), out
+    [(iteration, sop)] = with_head.extra_validation["sop loss"]
+    assert iteration == 2 and 0.5 < sop < 0.9  # a coin toss this early: ~ln 2
     trainer = Trainer(parse_args([*argv, *short, "--bert-no-binary-head"]))
     names = {name for name, _ in trainer.model.named_parameters()}
     assert not any("binary_head" in name or "pooler" in name for name in names)
@@ -116,4 +123,5 @@ def test_log_lines_and_no_binary_head(corpus: str, tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "lm loss:" in out and "sop loss" not in out
     assert without.extra_losses == {} and len(without.losses) == 2
-    assert len(without.validation) == 1
+    assert len(without.validation) == 1 and without.extra_validation == {}
+    assert "sop loss value" not in out

@@ -54,6 +54,8 @@ class TrainResult:
     validation: list[tuple[int, float]] = field(default_factory=list)
     extra_losses: dict[str, list[float]] = field(default_factory=dict)
     """Per-iteration extra losses by name (BERT's `sop loss`)."""
+    extra_validation: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """Validation extra losses by name: (iteration, value)."""
     state: TrainState = field(default_factory=TrainState)
     exit_reason: str = "done"
 
@@ -270,18 +272,23 @@ class Trainer:
         return loss_sum / max(tokens, 1.0), grad_norm, found_inf, gbs
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Megatron's validation: `--eval-iters` global batches, token-weighted loss."""
+    def evaluate(self) -> dict[str, float]:
+        """Megatron's validation: `--eval-iters` global batches; `lm loss` token-weighted,
+        extra losses (BERT's `sop loss`) averaged over the batches."""
         t = self.args.training
         self.model.eval()
         num_micro = t.global_batch_size // (t.micro_batch_size * self.args.data_parallel_size)
         loss_sum, tokens = 0.0, 0.0
+        extra_sums: dict[str, float] = {}
         for _ in range(t.eval_iters):
             s, n = self._forward_backward(num_micro, backward=False)
             loss_sum, tokens = loss_sum + s, tokens + n
+            for name, value in self.extra_losses.items():
+                extra_sums[name] = extra_sums.get(name, 0.0) + value
             self.state.consumed_valid_samples += t.global_batch_size
         self.model.train()
-        return loss_sum / max(tokens, 1.0)
+        extra = {name: value / t.eval_iters for name, value in extra_sums.items()}
+        return {"lm loss": loss_sum / max(tokens, 1.0), **extra}
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -304,15 +311,18 @@ class Trainer:
             print(f" saved checkpoint at iteration {self.state.iteration} to {c.save}", flush=True)
 
     def _validate_and_log(self, prefix: str, result: TrainResult) -> None:
-        loss = self.evaluate()
+        losses = self.evaluate()
+        loss = losses["lm loss"]
         result.validation.append((self.state.iteration, loss))
+        for name, value in losses.items():
+            if name != "lm loss":
+                result.extra_validation.setdefault(name, []).append((self.state.iteration, value))
         if self.env.is_main:
-            line = validation_log_line(prefix, {"lm loss": loss})
+            line = validation_log_line(prefix, losses)
             print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
-        self.writer.scalars(
-            {"lm loss validation": loss, "lm loss validation ppl": perplexity(loss)},
-            self.state.iteration,
-        )
+        scalars = {f"{name} validation": value for name, value in losses.items()}
+        scalars["lm loss validation ppl"] = perplexity(loss)
+        self.writer.scalars(scalars, self.state.iteration)
 
     def train(self, on_iteration: Callable[[Trainer], None] | None = None) -> TrainResult:
         """Train to `train_iters` or until an exit condition; returns the run's numbers."""
