@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from mg.indexed_dataset.blend_builder import BlendBuilder, as_blend
 from mg.indexed_dataset.blended import BlendedDataset
 from mg.indexed_dataset.indices import build_gpt_indices, cached_indices
 from mg.indexed_dataset.split import (
@@ -32,7 +32,6 @@ from mg.indexed_dataset.split import (
     Blend,
     Split,
     check_prefixes_exist,
-    parse_data_path,
     parse_split,
     split_matrix,
     split_range,
@@ -346,25 +345,8 @@ def _open_indexed_dataset(path_prefix: str, config: GPTDatasetConfig) -> TokenSo
     return IndexedDataset(path_prefix, multimodal=False, mmap=config.mmap_bin_files)
 
 
-def _as_blend(blend: Blend | Sequence[str] | str) -> Blend:
-    return blend if isinstance(blend, Blend) else parse_data_path(blend)
-
-
-def _samples_per_dataset(
-    weights: Sequence[float], num_samples: Sequence[int | None], surplus: float
-) -> list[list[int | None]]:
-    """Megatron's per-dataset requests: `ceil(ceil(target * w) * (1 + surplus))` per split."""
-    return [
-        [
-            None if target is None else int(math.ceil(math.ceil(target * weight) * (1 + surplus)))
-            for target in num_samples
-        ]
-        for weight in weights
-    ]
-
-
-class _Builder:
-    """Megatron's `BlendedMegatronDatasetBuilder` for GPT datasets, without the class zoo."""
+class _GPTSplits:
+    """The GPT datasets of one prefix, one per split that has a share of its sequences."""
 
     def __init__(self, config: GPTDatasetConfig, dataset_class: type[GPTDataset]) -> None:
         self.config = config
@@ -376,13 +358,12 @@ class _Builder:
             self._opened[prefix] = _open_indexed_dataset(prefix, self.config)
         return self._opened[prefix]
 
-    def splits_of(
+    def __call__(
         self,
         prefix: str,
         bookends: Sequence[tuple[float, float] | None],
         num_samples: Sequence[int | None],
     ) -> list[GPTDataset | None]:
-        """The GPT datasets of one prefix, one per split that has a share of it."""
         source = self.source(prefix)
         num_sequences = len(source.sequence_lengths)
         datasets: list[GPTDataset | None] = []
@@ -401,65 +382,6 @@ class _Builder:
                 )
             )
         return datasets
-
-    def blend_split(
-        self,
-        blend: Blend,
-        bookends: Sequence[tuple[float, float] | None],
-        num_samples: Sequence[int | None],
-    ) -> list[Dataset | None]:
-        """All splits of a blend that share one split string (Megatron's `blend` case)."""
-        if len(blend.prefixes) == 1 and blend.weights is None:
-            return list(self.splits_of(blend.prefixes[0], bookends, num_samples))
-        weights = blend.normalized_weights()
-        if weights is None:
-            per_dataset = [[None] * len(Split) for _ in blend.prefixes]
-        else:
-            surplus = self.config.mid_level_dataset_surplus
-            targets = _samples_per_dataset(weights, num_samples, 0.0)
-            per_dataset = _samples_per_dataset(weights, num_samples, surplus)
-        by_prefix = [
-            self.splits_of(prefix, bookends, sizes)
-            for prefix, sizes in zip(blend.prefixes, per_dataset, strict=True)
-        ]
-        blended: list[Dataset | None] = []
-        for split in Split:
-            if bookends[split.value] is None:
-                blended.append(None)
-                continue
-            parts = [datasets[split.value] for datasets in by_prefix]
-            requested = num_samples[split.value]
-            if weights is not None:
-                if requested is None:
-                    raise ValueError(
-                        f"the {split.name} split of a weighted blend needs a sample count"
-                    )
-                split_weights = weights
-                size: int | None = sum(target[split.value] for target in targets)
-            else:
-                split_weights = [float(len(part)) for part in parts]
-                for prefix, weight in zip(blend.prefixes, split_weights, strict=True):
-                    if weight == 0:
-                        raise ValueError(
-                            f"{prefix}: its {split.name} split holds no complete sample, so it "
-                            f"cannot be blended by size; give weights, or change --split"
-                        )
-                size = None if requested is None else min(requested, int(sum(split_weights)))
-            blended.append(
-                BlendedDataset(
-                    parts,
-                    split_weights,
-                    size,
-                    split=split.name,
-                    cache_dir=self._blend_cache_dir(blend),
-                )
-            )
-        return blended
-
-    def _blend_cache_dir(self, blend: Blend) -> str:
-        if self.config.path_to_cache is not None:
-            return self.config.path_to_cache
-        return os.path.join(blend.prefixes[0], "cache", "BlendedDataset_indices")
 
 
 def build_gpt_datasets(
@@ -483,13 +405,17 @@ def build_gpt_datasets(
     """
     if len(num_samples) != len(Split):
         raise ValueError(f"num_samples needs 3 entries (train, valid, test), got {num_samples}")
-    builder = _Builder(config, GPTDataset)
+    builder = BlendBuilder(
+        _GPTSplits(config, GPTDataset),
+        surplus=config.mid_level_dataset_surplus,
+        cache_dir=config.path_to_cache,
+    )
     if blend_per_split is not None:
         if blend is not None:
             raise ValueError("give either a blend (--data-path) or per-split blends, not both")
         if len(blend_per_split) != len(Split):
             raise ValueError("blend_per_split needs 3 entries (train, valid, test)")
-        blends = [None if b is None else _as_blend(b) for b in blend_per_split]
+        blends = [None if b is None else as_blend(b) for b in blend_per_split]
         for split_blend in blends:
             if split_blend is not None:
                 check_prefixes_exist(split_blend)
@@ -510,7 +436,7 @@ def build_gpt_datasets(
         raise ValueError(
             "no data: give --data-path (a blend), per-split data paths, or use the mock dataset"
         )
-    blend = _as_blend(blend)
+    blend = as_blend(blend)
     check_prefixes_exist(blend)
     bookends = split_matrix(parse_split(config.split))
     train, valid, test = builder.blend_split(blend, bookends, num_samples)
