@@ -125,3 +125,41 @@ def test_log_lines_and_no_binary_head(corpus: str, tmp_path, capsys) -> None:
     assert without.extra_losses == {} and len(without.losses) == 2
     assert len(without.validation) == 1 and without.extra_validation == {}
     assert "sop loss value" not in out
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_weighted_blend_of_two_prefixes(corpus: str, tmp_path, family: str) -> None:
+    """`--data-path 0.75 A 0.25 B` mixes two `_text_sentence` prefixes by weight, as
+    Megatron's builder does for GPT; each blended sample is its source's sample."""
+    import shutil
+
+    import numpy as np
+
+    from mg.core.tokenizers import TokenizerConfig, build_tokenizer
+    from mg.indexed_dataset import BlendedDataset
+    from mg.trainer.families import get_family
+
+    other = str(tmp_path / "copy_text_sentence")
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(corpus + suffix, other + suffix)
+    argv = fill(template_argv(family), corpus, str(tmp_path / "cache"))
+    i = argv.index("--data-path")
+    argv[i + 1 : i + 2] = ["0.75", corpus, "0.25", other]
+    args = parse_args(argv)
+    d = args.data
+    tokenizer = build_tokenizer(
+        TokenizerConfig(d.tokenizer_type, d.vocab_file, vocab_extra_ids=d.vocab_extra_ids)
+    )
+    train, valid, _ = get_family(family).build_datasets(args, tokenizer, [400, 8, 0])
+    assert isinstance(train, BlendedDataset) and len(train) == 400
+    share = float(np.mean(train.dataset_index == 0))
+    assert abs(share - 0.75) < 0.01
+    for k in (0, 1, 57, 399):
+        source = train.datasets[int(train.dataset_index[k])]
+        expected = source[int(train.dataset_sample_index[k])]
+        got = train[k]
+        for key, value in expected.items():
+            np.testing.assert_array_equal(got[key], value)
+    assert valid is not None and len(valid) == 8
+    result = Trainer(parse_args([*argv, "--train-iters", "2", "--lr-warmup-iters", "1"])).train()
+    assert len(result.losses) == 2 and all(10.0 < loss < 11.0 for loss in result.losses)

@@ -74,6 +74,9 @@ class BlendBuilder:
                 blended.append(None)
                 continue
             parts = [datasets[split.value] for datasets in by_prefix]
+            if any(part is None for part in parts):  # a prefix without this split: none to mix
+                blended.append(None)
+                continue
             requested = num_samples[split.value]
             if weights is not None:
                 if requested is None:
@@ -83,7 +86,7 @@ class BlendBuilder:
                 split_weights = weights
                 size: int | None = sum(target[split.value] for target in targets)
             else:
-                split_weights = [float(len(part)) if part is not None else 0.0 for part in parts]
+                split_weights = [float(len(part)) for part in parts]
                 for prefix, weight in zip(blend.prefixes, split_weights, strict=True):
                     if weight == 0:
                         raise ValueError(

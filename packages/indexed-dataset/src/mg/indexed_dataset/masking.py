@@ -359,6 +359,7 @@ class MaskedWordPieceDataset:
             "min_sentences": self.min_sentences_per_sample(),
             "short_sequence_probability": self.masking.short_sequence_probability,
         }
+        self.unique_identifiers = identifiers  # a blend's cache key names its parts by these
         description = json.dumps(identifiers, indent=4)
         digest = hashlib.md5(description.encode("utf-8"), usedforsecurity=False).hexdigest()
         if cache_dir is None:

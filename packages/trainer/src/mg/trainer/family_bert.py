@@ -51,22 +51,25 @@ def bert_model(config, args: Args | None = None) -> nn.Module:
 def build_masked_datasets(
     args: Args, tokenizer: Any, num_samples: Sequence[int], dataset_class: type, **kwargs: Any
 ) -> tuple[Any, Any, Any]:
-    """Train/valid/test datasets of one `_text_sentence` prefix, split by documents."""
+    """Train/valid/test datasets of `_text_sentence` prefixes, each split by documents.
+
+    `--data-path` takes one prefix or a blend (`w1 P1 w2 P2 ...`, or a blend
+    file via `--data-args-path`), mixed as Megatron's BlendedMegatronDatasetBuilder
+    mixes them for GPT."""
     from mg.indexed_dataset import IndexedDataset
+    from mg.indexed_dataset.blend_builder import BlendBuilder, as_blend
     from mg.indexed_dataset.masking import MaskingConfig
-    from mg.indexed_dataset.split import parse_split, split_matrix, split_range
+    from mg.indexed_dataset.split import (
+        check_prefixes_exist,
+        parse_split,
+        read_blend_file,
+        split_matrix,
+        split_range,
+    )
 
     d = args.data
-    if not d.data_path:
-        raise ArgumentError(f"mg-train {args.family} takes --data-path (one prefix)")
-    prefixes = [p for p in d.data_path if not _is_number(p)]
-    if len(prefixes) != 1:
-        raise ArgumentError(
-            f"mg-train {args.family} takes one --data-path prefix, got {len(prefixes)}"
-        )
-    prefix = prefixes[0]
-    source = IndexedDataset(prefix)
-    num_documents = len(source.document_indices) - 1
+    blend = read_blend_file(d.data_args_path) if d.data_args_path else as_blend(d.data_path)
+    check_prefixes_exist(blend)
     default = dataset_class.default_masking()
     masking = MaskingConfig(
         masking_probability=d.mask_prob,
@@ -77,38 +80,39 @@ def build_masked_datasets(
         masking_use_geometric_distribution=default.masking_use_geometric_distribution,
     )
     cache = d.data_cache_path
-    out: list[Any] = []
-    for name, ends, count in zip(
-        ("train", "valid", "test"), split_matrix(parse_split(d.split)), num_samples, strict=True
-    ):
-        documents = split_range(ends, num_documents) if ends is not None else []
-        if len(documents) == 0 or count == 0:
-            out.append(None)
-            continue
-        out.append(
-            dataset_class(
-                source,
-                prefix,
-                documents,
-                count,
-                args.model.seq_length,
-                tokenizer,
-                masking=masking,
-                seed=args.training.seed,
-                cache_dir=None if cache is None else f"{cache}/{dataset_class.__name__}_indices",
-                split_name=name,
-                **kwargs,
+    index_cache = None if cache is None else f"{cache}/{dataset_class.__name__}_indices"
+
+    def splits_of(prefix: str, bookends, counts) -> list[Any]:
+        source = IndexedDataset(prefix)
+        num_documents = len(source.document_indices) - 1
+        out: list[Any] = []
+        for name, ends, count in zip(("train", "valid", "test"), bookends, counts, strict=True):
+            documents = split_range(ends, num_documents) if ends is not None else []
+            if len(documents) == 0 or count == 0:
+                out.append(None)
+                continue
+            out.append(
+                dataset_class(
+                    source,
+                    prefix,
+                    documents,
+                    count,
+                    args.model.seq_length,
+                    tokenizer,
+                    masking=masking,
+                    seed=args.training.seed,
+                    cache_dir=index_cache,
+                    split_name=name,
+                    **kwargs,
+                )
             )
-        )
-    return out[0], out[1], out[2]
+        return out
 
-
-def _is_number(token: str) -> bool:
-    try:
-        float(token)
-    except ValueError:
-        return False
-    return True
+    builder = BlendBuilder(splits_of, surplus=0.005, cache_dir=cache)
+    train, valid, test = builder.blend_split(
+        blend, split_matrix(parse_split(d.split)), list(num_samples)
+    )
+    return train, valid, test
 
 
 def bert_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
