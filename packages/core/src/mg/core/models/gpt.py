@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from mg.core.models.config import ConfigError, TransformerConfig
 from mg.core.models.core_attention import build_core_attention
+from mg.core.models.kv_cache import KVCache, cached_attention
 from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
 
 
@@ -89,6 +90,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, config: TransformerConfig, layer_number: int, causal: bool = True) -> None:
         super().__init__()
+        self.layer_number = layer_number
         self.num_heads = config.num_attention_heads
         self.num_groups = config.num_query_groups
         self.head_dim = config.kv_channels
@@ -110,6 +112,7 @@ class SelfAttention(nn.Module):
         hidden: Tensor,
         rotary: tuple[Tensor, Tensor] | None,
         attention_mask: Tensor | None,
+        inference_cache: KVCache | None = None,
     ) -> Tensor:
         b, s, _ = hidden.shape
         heads_per_group = self.num_heads // self.num_groups
@@ -123,6 +126,9 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             query = apply_rotary_pos_emb(query, *rotary)
             key = apply_rotary_pos_emb(key, *rotary)
+        if inference_cache is not None:  # incremental decoding: attend to the cached prefix
+            key, value, allowed = inference_cache.update(self.layer_number - 1, key, value)
+            return self.linear_proj(cached_attention(query, key, value, allowed))
         context = self.core_attention(query, key, value, attention_mask=attention_mask)
         return self.linear_proj(context)
 
@@ -198,8 +204,13 @@ class TransformerLayer(nn.Module):
         hidden: Tensor,
         rotary: tuple[Tensor, Tensor] | None = None,
         attention_mask: Tensor | None = None,
+        inference_cache: KVCache | None = None,
     ) -> Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
+        normed = self.input_layernorm(hidden)
+        if inference_cache is None:
+            attention = self.self_attention(normed, rotary, attention_mask)
+        else:
+            attention = self.self_attention(normed, rotary, attention_mask, inference_cache)
         hidden = hidden + self.hidden_dropout(attention)
         return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
 
@@ -220,9 +231,13 @@ class TransformerBlock(nn.Module):
         hidden: Tensor,
         rotary: tuple[Tensor, Tensor] | None = None,
         attention_mask: Tensor | None = None,
+        inference_cache: KVCache | None = None,
     ) -> Tensor:
         for layer in self.layers:
-            hidden = layer(hidden, rotary, attention_mask)
+            if inference_cache is None:
+                hidden = layer(hidden, rotary, attention_mask)
+            else:
+                hidden = layer(hidden, rotary, attention_mask, inference_cache)
         return self.final_layernorm(hidden)
 
 
@@ -282,6 +297,7 @@ class GPTModel(nn.Module):
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
+        inference_cache: KVCache | None = None,
     ) -> Tensor:
         """input_ids [b, s] → logits [b, s, vocab], or, with labels [b, s], the
         per-token cross-entropy [b, s] in fp32 (unreduced, as Megatron returns it:
@@ -290,13 +306,20 @@ class GPTModel(nn.Module):
         position_ids default to 0..s-1 per row. attention_mask is optional, bool,
         broadcastable to [b, 1, s, s], True = may not attend (Megatron's
         convention); it is applied on top of the causal mask.
+
+        inference_cache (a bound `KVCache`) makes this an incremental step:
+        position_ids must then be given, and attention covers the cached prefix
+        of each row's slot (attention_mask is not used).
         """
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         hidden = self.embedding(input_ids, position_ids)
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        hidden = self.decoder(hidden, rotary, attention_mask)
+        if inference_cache is None:
+            hidden = self.decoder(hidden, rotary, attention_mask)
+        else:
+            hidden = self.decoder(hidden, rotary, attention_mask, inference_cache)
         logits = F.linear(hidden, self.output_weight())
         if labels is None:
             return logits
