@@ -21,8 +21,10 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
+from mg.ckpt_convert.bert_heads import hf_class_of, hf_name_for_class, tensors_for_class
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.hf_source import SAFETENSORS_INDEX, TOKENIZER_FILES
+from mg.ckpt_convert.import_hf import VOCAB_TENSORS
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint import load_checkpoint
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
@@ -32,7 +34,7 @@ from mg.core.tokenizers.config import TokenizerConfig
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
 _UNITS["GIB"] = 2**30
-_MEGATRON_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_MEGATRON_LAYER = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.")
 # Keys of config.json that the TransformerConfig does not carry but HF users rely on.
 _CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -45,16 +47,20 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def guess_architecture(config: TransformerConfig) -> str:
+def guess_architecture(config: TransformerConfig, names: list[str] | tuple[str, ...] = ()) -> str:
     """The HF model_type for a model trained here (no record of an HF origin)."""
     if config.extra.get("hf_model_type"):
         return config.extra["hf_model_type"]
+    if "lm_head.dense.weight" in names or config.transformer_layer_order == "post_ln":
+        return "bert"
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
     return "mistral" if config.window_size is not None else "llama"
 
 
-def hf_config_dict(config: TransformerConfig, arch: str, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config_dict(
+    config: TransformerConfig, arch: str, dtype: torch.dtype, hf_class: str | None = None
+) -> dict[str, Any]:
     """config.json: core's mapping plus the token ids recorded at import."""
     hf_vocab = config.extra.get("hf_vocab_size") or config.vocab_size
     try:
@@ -68,6 +74,8 @@ def hf_config_dict(config: TransformerConfig, arch: str, dtype: torch.dtype) -> 
     if out.get("rope_scaling") is None:
         out.pop("rope_scaling", None)
     out["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if hf_class is not None:
+        out["architectures"] = [hf_class]
     return out
 
 
@@ -149,6 +157,12 @@ def copy_tokenizer_files(tokenizer: TokenizerConfig | None, target: Path) -> Non
             if (folder / name).is_file():
                 shutil.copy2(folder / name, target / name)
         return
+    if tokenizer.tokenizer_type.startswith("BertWordPiece") and tokenizer.vocab_file:
+        shutil.copy2(tokenizer.vocab_file, target / "vocab.txt")
+        lower = tokenizer.tokenizer_type == "BertWordPieceLowerCase"
+        settings = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower}
+        (target / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+        return
     for field, name in (
         ("vocab_file", "vocab.json"),
         ("merge_file", "merges.txt"),
@@ -185,12 +199,19 @@ def export_hf(
         tokenizer = resolve_tokenizer_paths(
             TokenizerConfig.from_dict(dict(meta["tokenizer_config"])), load
         )
-    arch = guess_architecture(config)
-    get_architecture(arch)
-    hf_vocab = config.extra.get("hf_vocab_size") or config.vocab_size
     weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+    arch = guess_architecture(config, list(weights))
+    try:
+        get_architecture(arch)
+    except ValueError as exc:
+        raise ConvertError(f"{load}: {exc}") from None
+    hf_class = None
+    if arch == "bert":
+        hf_class = hf_class_of(config, list(weights))
+        weights = {k: weights[k] for k in tensors_for_class(list(weights), hf_class)}
+    hf_vocab = config.extra.get("hf_vocab_size") or config.vocab_size
     dtype = weights["embedding.word_embeddings.weight"].dtype
-    hf_config = hf_config_dict(config, arch, dtype)
+    hf_config = hf_config_dict(config, arch, dtype, hf_class)
     with staged_dir(save) as staging:
         writer = ShardWriter(staging, max_bytes)
         for names in tqdm(
@@ -199,7 +220,7 @@ def export_hf(
             subset = {}
             for name in names:
                 tensor = weights[name]
-                if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                if name in VOCAB_TENSORS:
                     tensor = tensor[:hf_vocab].clone()
                 subset[name] = tensor
             try:
@@ -207,7 +228,7 @@ def export_hf(
             except (KeyError, ValueError, RuntimeError) as exc:
                 raise ConvertError(f"{load}: {exc}") from None
             for name, tensor in converted.items():
-                writer.add(name, tensor)
+                writer.add(name if hf_class is None else hf_name_for_class(name, hf_class), tensor)
         writer.finish()
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         generation = generation_config_dict(config, hf_config)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from mg.ckpt_convert.errors import ConvertError
-from mg.core.models.hf_mapping import ARCHITECTURES
+from mg.core.models.hf_mapping import ARCHITECTURES, UNSUPPORTED_MODEL_TYPES
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -77,6 +77,12 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ConvertError(f"{path}: not valid JSON ({exc})") from None
     model_type = config.get("model_type")
+    if model_type in UNSUPPORTED_MODEL_TYPES:
+        raise ConvertError(
+            f"{path}: model_type {model_type!r} is not supported yet "
+            f"({UNSUPPORTED_MODEL_TYPES[model_type]}); supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
     if model_type not in ARCHITECTURES:
         raise ConvertError(
             f"{path}: unsupported architecture {model_type!r}; "
@@ -88,21 +94,24 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
 class HFWeights:
     """Names of the tensors in a model folder and the file each one is in."""
 
-    def __init__(self, folder: Path, prefix: str = "") -> None:
+    def __init__(
+        self, folder: Path, prefix: str = "", head_prefixes: tuple[str, ...] = ("lm_head.",)
+    ) -> None:
         self.folder = folder
         self.files: dict[str, Path] = {}  # tensor name (prefixed) -> file
         self._stored: dict[str, str] = {}  # tensor name (prefixed) -> name in the file
         for name, file in self._scan().items():
             self.files[name] = file
             self._stored[name] = name
-        # Checkpoints saved from the base class (openai-community/gpt2) lack the
-        # "transformer."/"model." prefix: add it, keep the stored name for reading.
+        # Checkpoints saved from the base class (openai-community/gpt2, a BertModel)
+        # lack the "transformer."/"model."/"bert." prefix: add it, keep the stored
+        # name for reading.
         if prefix and not any(n.startswith(prefix) for n in self.files):
             self.files = {
-                (n if n.startswith("lm_head.") else prefix + n): f for n, f in self.files.items()
+                (n if n.startswith(head_prefixes) else prefix + n): f for n, f in self.files.items()
             }
             self._stored = {
-                (n if n.startswith("lm_head.") else prefix + n): n for n in self._stored
+                (n if n.startswith(head_prefixes) else prefix + n): n for n in self._stored
             }
 
     def _scan(self) -> dict[str, Path]:

@@ -1,4 +1,4 @@
-"""`mg-convert import-hf`: a Hugging Face GPT-2 / Llama / Mistral folder → an mg checkpoint.
+"""`mg-convert import-hf`: a Hugging Face GPT-2 / Llama / Mistral / BERT folder → an mg checkpoint.
 
 The mapping of names and layouts is core's (`mg.core.models.hf_mapping`); this
 module adds what a file-to-file conversion needs: reading layer by layer,
@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from mg.ckpt_convert.bert_heads import bert_meta_model, complete_heads
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.hf_source import HFWeights, read_hf_config, resolve_source, tokenizer_files
 from mg.ckpt_convert.staging import check_target, staged_dir
@@ -41,9 +42,9 @@ from mg.core.tokenizers.config import TokenizerConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOKENIZER_DIR = "tokenizer"
-_LAYER = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+_LAYER = re.compile(r"\.(?:layers|layer|h)\.(\d+)\.")
 # Tensors whose rows are vocabulary entries: padded on import, sliced on export.
-VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
 
 
 def layer_of(name: str) -> int | None:
@@ -88,9 +89,16 @@ def pad_rows(tensor: Tensor, rows: int) -> Tensor:
     return out
 
 
+def is_bert(config: TransformerConfig) -> bool:
+    return config.extra.get("hf_model_type") == "bert"
+
+
 def expected_shapes(config: TransformerConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        model = GPTModel(config)
+    if is_bert(config):
+        model = bert_meta_model(config)
+    else:
+        with torch.device("meta"):
+            model = GPTModel(config)
     return {name: t.shape for name, t in model.state_dict().items()}
 
 
@@ -130,6 +138,10 @@ def convert_weights(
                     f"{tuple(tensor.shape)}, config.json implies {tuple(shapes[name])}"
                 )
             out[name] = tensor
+    if is_bert(config):
+        initialised = complete_heads(out, config, shapes)
+        if initialised:
+            config.extra["hf_initialized"] = initialised
     missing = sorted(set(shapes) - set(out))
     if missing:
         raise ConvertError(
@@ -139,8 +151,13 @@ def convert_weights(
     return out
 
 
-def copy_tokenizer(source: Path, checkpoint_dir: Path) -> TokenizerConfig | None:
-    """Copy the tokenizer files to DIR/tokenizer/ and describe them (paths relative to DIR)."""
+def copy_tokenizer(
+    source: Path, checkpoint_dir: Path, bert: bool = False
+) -> TokenizerConfig | None:
+    """Copy the tokenizer files to DIR/tokenizer/ and describe them (paths relative to DIR).
+
+    A BERT with a vocab.txt gets Megatron's WordPiece tokenizer (what BERT training
+    and the RACE/GLUE tasks use: no [CLS]/[SEP] added by `tokenize`)."""
     files = tokenizer_files(source)
     if not files:
         return None
@@ -149,6 +166,15 @@ def copy_tokenizer(source: Path, checkpoint_dir: Path) -> TokenizerConfig | None
     for file in files:
         shutil.copy2(file, target / file.name)
     names = {f.name for f in files}
+    if bert and "vocab.txt" in names:
+        settings = source / "tokenizer_config.json"
+        lower = True
+        if settings.is_file():
+            lower = json.loads(settings.read_text()).get("do_lower_case", True)
+        return TokenizerConfig(
+            "BertWordPieceLowerCase" if lower else "BertWordPieceCase",
+            vocab_file=f"{TOKENIZER_DIR}/vocab.txt",
+        )
     if "tokenizer.json" in names:
         return TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=TOKENIZER_DIR)
     if {"vocab.json", "merges.txt"} <= names:
@@ -178,10 +204,11 @@ def import_hf(
     source = resolve_source(src)
     hf_config = read_hf_config(source)
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
-    weights = HFWeights(source, get_architecture(config.extra["hf_model_type"]).base_model_prefix)
+    arch = get_architecture(config.extra["hf_model_type"])
+    weights = HFWeights(source, arch.base_model_prefix, arch.head_prefixes)
     state = convert_weights(weights, config, DTYPES.get(dtype or ""), progress)
     with staged_dir(save) as staging:
-        tokenizer_config = copy_tokenizer(source, staging)
+        tokenizer_config = copy_tokenizer(source, staging, bert=is_bert(config))
         args = {"source": str(src), "converted_by": "mg-convert import-hf"}
         save_model(staging, state, config, tokenizer_config, iteration="release", args=args)
     return Path(save)

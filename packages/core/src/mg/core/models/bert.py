@@ -245,13 +245,40 @@ class BertModel(nn.Module):
         return loss, binary_logits
 
 
+def bert_from_state_dict(weights: dict[str, Tensor], config: TransformerConfig) -> BertModel:
+    """A BertModel shaped as the weights say (binary head or not, number of token
+    types) holding them, built on the meta device so the tensors are held once."""
+    tokentypes = weights.get("embedding.tokentype_embeddings.weight")
+    with torch.device("meta"):
+        model = BertModel(
+            config,
+            add_binary_head="binary_head.weight" in weights,
+            num_tokentypes=0 if tokentypes is None else tokentypes.shape[0],
+        )
+    model.load_state_dict(weights, strict=True, assign=True)
+    return model
+
+
 # --- Hugging Face BERT (post-LN) ------------------------------------------------
 
 
 def bert_config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
     """A post-LN TransformerConfig equal in shape to a transformers BertConfig."""
     c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-    act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}[c.get("hidden_act", "gelu")]
+    acts = {
+        "gelu": "gelu",
+        "gelu_new": "gelu_tanh",
+        "gelu_pytorch_tanh": "gelu_tanh",
+        "relu": "relu",
+    }
+    if c.get("hidden_act", "gelu") not in acts:
+        raise ValueError(f"BERT hidden_act {c['hidden_act']!r} is not supported ({sorted(acts)})")
+    if c.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(
+            f"BERT position_embedding_type {c['position_embedding_type']!r} is not supported "
+            "(only 'absolute')"
+        )
+    act = acts[c.get("hidden_act", "gelu")]
     fields = dict(
         num_layers=c["num_hidden_layers"],
         hidden_size=c["hidden_size"],
@@ -266,6 +293,7 @@ def bert_config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
         attention_dropout=c.get("attention_probs_dropout_prob", 0.1),
         hidden_dropout=c.get("hidden_dropout_prob", 0.1),
         init_method_std=c.get("initializer_range", 0.02),
+        untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", True),
         extra={"hf_architecture": "bert", "type_vocab_size": c.get("type_vocab_size", 2)},
     )
     return TransformerConfig(**(fields | overrides))

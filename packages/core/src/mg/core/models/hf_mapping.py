@@ -58,6 +58,10 @@ class HFArchitecture:
     it; `hf_to_megatron` adds it back."""
     ignored_hf: tuple[str, ...] = ()
     """Regexes of HF state-dict keys that are buffers, not weights."""
+    head_prefixes: tuple[str, ...] = ("lm_head.",)
+    """Keys outside the base model (never given `base_model_prefix`)."""
+    tied_output_hf: str = "lm_head.weight"
+    """The HF output weight that is only a copy of the embeddings when tied."""
 
 
 def _rule(megatron: str, *hf: str, layout: str = "copy", transpose: bool = False) -> WeightRule:
@@ -147,12 +151,75 @@ LLAMA = HFArchitecture(
 
 MISTRAL = dataclasses.replace(LLAMA, model_type="mistral", hf_class="MistralForCausalLM")
 
-ARCHITECTURES: dict[str, HFArchitecture] = {a.model_type: a for a in (GPT2, LLAMA, MISTRAL)}
+_E = "encoder.layers.{i}."
+_B = "bert.encoder.layer.{i}."
+
+# Post-LN BertModel (`transformer_layer_order="post_ln"`) ↔ BertForPreTraining. A
+# BertModel / BertForMaskedLM file holds a subset (no `cls.` heads / no pooler):
+# the rules of absent tensors are skipped, so the same table reads all three.
+BERT = HFArchitecture(
+    model_type="bert",
+    hf_class="BertForPreTraining",
+    base_model_prefix="bert.",
+    head_prefixes=("cls.",),
+    tied_output_hf="cls.predictions.decoder.weight",
+    rules=(
+        _rule("embedding.word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
+        _rule("embedding.position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
+        _rule(
+            "embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight"
+        ),
+        *(
+            rule
+            for part in ("weight", "bias")
+            for rule in (
+                _rule(f"embedding.layernorm.{part}", f"bert.embeddings.LayerNorm.{part}"),
+                _rule(
+                    _E + f"self_attention.linear_qkv.{part}",
+                    _B + f"attention.self.query.{part}",
+                    _B + f"attention.self.key.{part}",
+                    _B + f"attention.self.value.{part}",
+                    layout="qkv",
+                ),
+                _rule(
+                    _E + f"self_attention.linear_proj.{part}", _B + f"attention.output.dense.{part}"
+                ),
+                _rule(
+                    _E + f"post_attention_layernorm.{part}",
+                    _B + f"attention.output.LayerNorm.{part}",
+                ),
+                _rule(_E + f"mlp.linear_fc1.{part}", _B + f"intermediate.dense.{part}"),
+                _rule(_E + f"mlp.linear_fc2.{part}", _B + f"output.dense.{part}"),
+                _rule(_E + f"post_mlp_layernorm.{part}", _B + f"output.LayerNorm.{part}"),
+                _rule(f"pooler.dense.{part}", f"bert.pooler.dense.{part}"),
+                _rule(f"lm_head.dense.{part}", f"cls.predictions.transform.dense.{part}"),
+                _rule(f"lm_head.layer_norm.{part}", f"cls.predictions.transform.LayerNorm.{part}"),
+                _rule(f"binary_head.{part}", f"cls.seq_relationship.{part}"),
+            )
+        ),
+        _rule("output_layer.bias", "cls.predictions.bias"),
+        _rule("output_layer.weight", "cls.predictions.decoder.weight"),
+    ),
+    # decoder.bias is tied to cls.predictions.bias; position_ids is a buffer
+    ignored_hf=(r"^cls\.predictions\.decoder\.bias$", r"\.position_ids$"),
+)
+
+# Mixtral is the Mistral table plus `{e}`-indexed expert rules once the GPT model
+# has MoE layers; until then `config_from_hf` refuses it by name.
+UNSUPPORTED_MODEL_TYPES = {
+    "mixtral": "Mixtral is a mixture-of-experts model and MoE layers are not supported yet",
+}
+
+ARCHITECTURES: dict[str, HFArchitecture] = {a.model_type: a for a in (GPT2, LLAMA, MISTRAL, BERT)}
 
 
 def get_architecture(arch: HFArchitecture | str) -> HFArchitecture:
     if isinstance(arch, HFArchitecture):
         return arch
+    if arch in UNSUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {arch!r}: not supported yet ({UNSUPPORTED_MODEL_TYPES[arch]})"
+        )
     try:
         return ARCHITECTURES[arch]
     except KeyError:
@@ -251,7 +318,7 @@ def hf_to_megatron(
     prefix = arch.base_model_prefix
     if not any(name.startswith(prefix) for name in hf_state):
         hf_state = {
-            name if name.startswith("lm_head.") else prefix + name: tensor
+            name if name.startswith(arch.head_prefixes) else prefix + name: tensor
             for name, tensor in hf_state.items()
         }
     out: dict[str, Tensor] = {}
@@ -265,7 +332,7 @@ def hf_to_megatron(
             raise KeyError(f"{megatron_name} needs {list(hf_names)}, but {missing} are missing")
         out[megatron_name] = _to_megatron(rule, [hf_state[n] for n in hf_names], config)
         used.update(hf_names)
-    tied_copy = {"lm_head.weight"} if not config.untie_embeddings_and_output_weights else set()
+    tied_copy = {arch.tied_output_hf} if not config.untie_embeddings_and_output_weights else set()
     leftover = sorted(
         name
         for name in hf_state
@@ -349,6 +416,14 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
     """
     c = _as_dict(hf_config)
     model_type = c.get("model_type")
+    if model_type in UNSUPPORTED_MODEL_TYPES:
+        get_architecture(model_type)  # raises "not supported yet (...)"
+    if model_type == "bert":
+        from mg.core.models.bert import bert_config_from_hf
+
+        config = bert_config_from_hf(c)
+        extra = dict(config.extra, hf_model_type="bert")
+        return dataclasses.replace(config, **{**overrides, "extra": extra})
     if model_type == "gpt2":
         activation = c.get("activation_function", "gelu_new")
         if activation not in _GPT2_ACTIVATIONS:
@@ -427,6 +502,8 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
         tie_word_embeddings=not c.untie_embeddings_and_output_weights,
         initializer_range=c.init_method_std,
     )
+    if arch.model_type == "bert":
+        return dict(common, **_bert_config_to_hf(c))
     if arch.model_type == "gpt2":
         to_hf_act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
         if (
@@ -489,3 +566,35 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
             raise ValueError("MistralForCausalLM has no linear biases")
         out["sliding_window"] = c.window_size[0] + 1 if c.window_size is not None else None
     return out
+
+
+def _bert_config_to_hf(c: TransformerConfig) -> dict[str, Any]:
+    """BertConfig fields of a post-LN BertModel; Megatron-Core's pre-LN BERT has no HF class."""
+    to_hf_act = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+    if c.transformer_layer_order != "post_ln":
+        raise ValueError(
+            "this BERT is pre-LN (Megatron-Core's layer order); Hugging Face's BertModel is "
+            "post-LN, so it cannot express it"
+        )
+    if (
+        c.position_embedding_type != "learned_absolute"
+        or c.normalization != "LayerNorm"
+        or not c.add_bias_linear
+        or c.activation not in to_hf_act
+        or c.kv_channels * c.num_attention_heads != c.hidden_size
+        or c.num_query_groups != c.num_attention_heads
+    ):
+        raise ValueError("this config is not a Hugging Face BERT architecture")
+    return dict(
+        hidden_size=c.hidden_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads,
+        intermediate_size=c.ffn_hidden_size,
+        hidden_act=to_hf_act[c.activation],
+        hidden_dropout_prob=c.hidden_dropout,
+        attention_probs_dropout_prob=c.attention_dropout,
+        max_position_embeddings=c.max_position_embeddings,
+        type_vocab_size=c.extra.get("type_vocab_size", 2),
+        layer_norm_eps=c.layernorm_epsilon,
+        position_embedding_type="absolute",
+    )
