@@ -1,15 +1,168 @@
-"""`mg-serve` entry point.
+"""`mg-serve`: serve a checkpoint over HTTP, or talk to a server.
 
-The package is not built yet: the command says so and exits non-zero rather
-than pretending to work.
+    mg-serve --load ckpt --port 5000          # Megatron's PUT /api + OpenAI /v1/completions
+    mg-serve cli localhost:5000               # Megatron's interactive client
+
+The checkpoint describes its own model and tokenizer, so no model flags are
+needed. Flag names follow Megatron-LM (`--load`, `--port`,
+`--inference-max-requests`, `--inference-max-seq-length`,
+`--max-tokens-to-oom`, `--bf16`).
 """
 
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
 import sys
+from collections.abc import Sequence
+
+from mg.generate_server.loading import ServeSetupError
 
 
-def main() -> None:
-    print(
-        "mg-serve: the text-generation server is not built yet in this release; nothing was run.",
-        file=sys.stderr,
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mg-serve",
+        description="Serve a checkpoint: Megatron's PUT /api, OpenAI-compatible /v1/completions "
+        "(and /v1/chat/completions with a chat template), /health, /metrics, /docs. "
+        "`mg-serve cli HOST:PORT` is the interactive client.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    sys.exit(2)
+    parser.add_argument("--load", required=True, help="checkpoint folder (mg-train/mg-convert)")
+    parser.add_argument("--iteration", default=None, help="iteration to load (default: latest)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=5000, help="port (0: any free port)")
+    parser.add_argument(
+        "--inference-max-requests",
+        type=int,
+        default=8,
+        help="sequences decoded together (KV-cache slots); more requests wait their turn",
+    )
+    parser.add_argument(
+        "--inference-max-seq-length",
+        type=int,
+        default=None,
+        help="prompt + generation per sequence (default: the model's max positions)",
+    )
+    parser.add_argument(
+        "--max-tokens-to-oom",
+        type=int,
+        default=12000,
+        help="largest request: prompts x (longest prompt + tokens to generate)",
+    )
+    parser.add_argument(
+        "--max-tokens-to-generate", type=int, default=None, help="cap on tokens per completion"
+    )
+    parser.add_argument(
+        "--max-request-bytes", type=int, default=1 << 20, help="largest request body"
+    )
+    parser.add_argument(
+        "--max-waiting-requests", type=int, default=256, help="queue length before 503s"
+    )
+    parser.add_argument(
+        "--request-timeout", type=float, default=300.0, help="seconds before a request is cancelled"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MG_SERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $MG_SERVE_API_KEY; none: open)",
+    )
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true", help="serve in bfloat16")
+    precision.add_argument("--fp16", action="store_true", help="serve in float16 (GPU)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    return parser
+
+
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    for name in ("inference_max_requests", "max_tokens_to_oom", "max_request_bytes"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_waiting_requests < 0:
+        parser.error("--max-waiting-requests must be >= 0")
+    if args.inference_max_seq_length is not None and args.inference_max_seq_length < 2:
+        parser.error("--inference-max-seq-length must be >= 2")
+    if args.max_tokens_to_generate is not None and args.max_tokens_to_generate < 0:
+        parser.error("--max-tokens-to-generate must be >= 0")
+    if args.request_timeout <= 0:
+        parser.error("--request-timeout must be > 0 seconds")
+    if not 0 <= args.port <= 65535:
+        parser.error("--port must be within 0..65535")
+
+
+def serve(args: argparse.Namespace) -> None:
+    import torch
+    import uvicorn
+
+    from mg.generate_server.app import ServerSettings, create_app
+    from mg.generate_server.chat import load_chat_template
+    from mg.generate_server.engine import GenerationEngine
+    from mg.generate_server.loading import load_for_serving
+    from mg.generate_server.megatron_api import Limits
+    from mg.generate_server.runner import ModelRunner
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
+    loaded = load_for_serving(args.load, device=device, dtype=dtype, iteration=args.iteration)
+    positions = loaded.config.max_position_embeddings
+    max_length = min(args.inference_max_seq_length or positions, positions)
+    runner = ModelRunner(loaded.model, args.inference_max_requests, max_length)
+    engine = GenerationEngine(
+        runner,
+        loaded.tokenizer.detokenize,
+        vocab_size=min(loaded.tokenizer.vocab_size, loaded.config.vocab_size),
+        max_waiting=args.max_waiting_requests,
+    )
+    settings = ServerSettings(
+        limits=Limits(max_length, args.max_tokens_to_oom, args.max_tokens_to_generate),
+        max_request_bytes=args.max_request_bytes,
+        request_timeout=args.request_timeout,
+        api_key=args.api_key,
+    )
+    chat = load_chat_template(loaded.tokenizer_config)
+    app = create_app(engine, loaded.tokenizer, loaded.name, settings, chat)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as err:
+        raise ServeSetupError(f"cannot listen on {args.host}:{args.port}: {err}") from None
+    port = sock.getsockname()[1]
+    endpoints = "PUT /api, POST /v1/completions" + (", /v1/chat/completions" if chat else "")
+    print(
+        f"mg-serve: {loaded.name} ({device}, {max_length} positions, "
+        f"{args.inference_max_requests} slots) listening on http://{args.host}:{port} "
+        f"[{endpoints}, GET /health, /metrics, /docs]",
+        flush=True,
+    )
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "cli":
+        from mg.generate_server.client import run_client
+
+        client = argparse.ArgumentParser(
+            prog="mg-serve cli", description="Interactive client of a running mg-serve."
+        )
+        client.add_argument("address", help="HOST:PORT of the server")
+        client.add_argument("--api-key", default=None, help="bearer token (or $MG_SERVE_API_KEY)")
+        options = client.parse_args(argv[1:])
+        sys.exit(run_client(options.address, options.api_key))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(args, parser)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    try:
+        serve(args)
+    except ServeSetupError as err:
+        print(f"mg-serve: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,299 @@
+"""The HTTP server: Megatron's `PUT /api`, the OpenAI endpoints, /health, /metrics, OpenAPI.
+
+Every failure a client can cause is a 4xx with a message, never a traceback:
+bad JSON and schema violations are 400 (not FastAPI's 422), a body over
+--max-request-bytes is 413, a missing/wrong bearer token 401, a full queue
+503, a request past --request-timeout 504. Errors of `/api` are
+`{"message": …}` (what Megatron's client prints); errors of `/v1/…` are
+OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from mg.core.tokenizers import BaseTokenizer
+from mg.generate_server import __version__
+from mg.generate_server.async_bridge import GenerationFailed, GenerationTimeout, complete
+from mg.generate_server.chat import ChatTemplate
+from mg.generate_server.engine import EngineFullError, GenerationEngine
+from mg.generate_server.errors import ApiError
+from mg.generate_server.megatron_api import (
+    Limits,
+    build_jobs,
+    megatron_response,
+    parse_megatron_request,
+)
+from mg.generate_server.metrics import CONTENT_TYPE, ServerMetrics
+from mg.generate_server.openai_api import OpenAIService
+from mg.generate_server.openai_schema import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("mg.generate_server")
+
+
+@dataclass
+class ServerSettings:
+    limits: Limits
+    max_request_bytes: int = 1 << 20
+    request_timeout: float | None = 300.0
+    api_key: str | None = None
+
+
+class MegatronApiBody(BaseModel):
+    """`PUT /api` fields (REFERENCE §5); documents the body, which is validated by hand
+    with Megatron's own messages."""
+
+    prompts: list[str] = Field(..., min_length=1, max_length=128)
+    tokens_to_generate: int = Field(64, ge=0)
+    logprobs: bool = False
+    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    top_k: int = Field(0, ge=0, le=1000)
+    top_p: float = Field(0.0, ge=0.0, le=1.0)
+    top_p_decay: float = Field(0.0, ge=0.0, le=1.0)
+    top_p_bound: float = Field(0.0, ge=0.0, le=1.0)
+    add_BOS: bool = False  # noqa: N815 - Megatron's field name
+    stop_on_eol: bool = False
+    stop_on_double_eol: bool = False
+    prevent_newline_after_colon: bool = False
+    random_seed: int = Field(-1, ge=-1)
+    no_log: bool = False
+    stop_token: int | None = None
+
+
+class MegatronApiResponse(BaseModel):
+    text: list[str]
+    segments: list[list[str]]
+    logprobs: list[list[float]] | None
+
+
+def _is_openai(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def _error(path: str, status: int, message: str, param: str | None = None) -> JSONResponse:
+    if _is_openai(path):
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        body: dict[str, Any] = {
+            "error": {"message": message, "type": kind, "param": param, "code": None}
+        }
+    else:
+        body = {"message": message}
+    return JSONResponse(body, status_code=status)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, whether or not Content-Length says so up front."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        too_large = _error(
+            scope["path"], 413, f"request body is larger than {self.max_bytes} bytes"
+        )
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await too_large(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await too_large(scope, receive, send)
+
+
+def create_app(
+    engine: GenerationEngine,
+    tokenizer: BaseTokenizer,
+    model_name: str,
+    settings: ServerSettings,
+    chat_template: ChatTemplate | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine`; run it with uvicorn."""
+    app = FastAPI(
+        title="mg-serve",
+        version=__version__,
+        description="Text generation: Megatron-LM's PUT /api and OpenAI-compatible endpoints.",
+    )
+    metrics = ServerMetrics(engine)
+    openai = OpenAIService(
+        engine, tokenizer, settings.limits, model_name, settings.request_timeout, chat_template
+    )
+    app.state.engine = engine
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    open_paths = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+
+    @app.middleware("http")
+    async def auth_and_metrics(request: Request, call_next: Any) -> Response:
+        path = request.url.path
+        started = time.monotonic()
+        if settings.api_key and path not in open_paths:
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {settings.api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                response: Response = _error(
+                    path, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                )
+                metrics.requests.labels(path, "401").inc()
+                return response
+        try:
+            response = await call_next(request)
+        except Exception as exc:  # last resort: a 500 with a message, the server stays up
+            log.exception("unhandled error on %s", path)
+            response = _error(path, 500, f"internal error: {type(exc).__name__}: {exc}")
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "other")
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        metrics.latency.labels(endpoint).observe(time.monotonic() - started)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        field = ".".join(location) or None
+        message = str(first.get("msg", "invalid request"))
+        if first.get("type") == "json_invalid":
+            field = None
+            message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        return _error(request.url.path, 400, f"{field}: {message}" if field else message, field)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(request.url.path, exc.status, exc.message, exc.param)
+
+    @app.exception_handler(EngineFullError)
+    async def on_full(request: Request, exc: EngineFullError) -> JSONResponse:
+        return _error(request.url.path, 503, str(exc))
+
+    @app.exception_handler(GenerationTimeout)
+    async def on_timeout(request: Request, exc: GenerationTimeout) -> JSONResponse:
+        return _error(
+            request.url.path,
+            504,
+            f"generation took longer than the server's --request-timeout "
+            f"({settings.request_timeout} s)",
+        )
+
+    @app.exception_handler(GenerationFailed)
+    async def on_failed(request: Request, exc: GenerationFailed) -> JSONResponse:
+        return _error(request.url.path, 500, f"generation failed: {exc}")
+
+    @app.put(
+        "/api",
+        response_model=MegatronApiResponse,
+        summary="Megatron-LM text generation",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": MegatronApiBody.model_json_schema()}},
+            }
+        },
+        responses={400: {"description": "invalid request; body {'message': ...}"}},
+    )
+    async def megatron_generate(request: Request) -> Any:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(f"request body is not valid JSON: {exc}") from None
+        req = parse_megatron_request(body)
+        jobs = build_jobs(req, tokenizer, settings.limits)
+        if not req.no_log:
+            host = request.client.host if request.client else "?"
+            log.info(
+                "PUT /api from %s: %d prompt(s), tokens_to_generate=%d",
+                host,
+                len(req.prompts),
+                req.tokens_to_generate,
+            )
+        tasks = [
+            asyncio.ensure_future(complete(engine, prompt, params, settings.request_timeout))
+            for prompt, params in jobs
+        ]
+        try:
+            completions = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        return megatron_response(list(completions), tokenizer, req.logprobs)
+
+    @app.post("/v1/completions", summary="OpenAI-compatible text completion")
+    async def completions(req: CompletionRequest) -> Any:
+        jobs = openai.completion_jobs(req)
+        if req.stream:
+            return StreamingResponse(
+                openai.stream_completions(req, jobs), media_type="text/event-stream"
+            )
+        return await openai.completions(req, jobs)
+
+    if chat_template is not None:
+
+        @app.post("/v1/chat/completions", summary="OpenAI-compatible chat completion")
+        async def chat_completions(req: ChatCompletionRequest) -> Any:
+            jobs = openai.chat_jobs(req)
+            if req.stream:
+                return StreamingResponse(
+                    openai.stream_chat(req, jobs), media_type="text/event-stream"
+                )
+            return await openai.chat(req, jobs)
+
+    @app.get("/v1/models", summary="The served model")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "mg"}],
+        }
+
+    @app.get("/health", summary="Liveness and load")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": model_name,
+            "active": engine.num_active,
+            "waiting": engine.num_waiting,
+        }
+
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

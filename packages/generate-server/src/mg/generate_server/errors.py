@@ -1,0 +1,13 @@
+"""The one error type the API layers raise for a request the server refuses."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    """`message` goes back to the client with HTTP `status`; `param` names the field at fault."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
