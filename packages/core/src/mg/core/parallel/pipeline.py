@@ -1,0 +1,264 @@
+"""Pipeline parallelism: a built GPTModel cut into stage modules ("model chunks").
+
+With P pipeline ranks and v virtual stages per rank (the interleaved
+schedule), the L layers form P·v virtual stages of L/(P·v) consecutive layers;
+virtual stage k = c·P + r is model chunk c of pipeline rank r (Megatron's
+assignment). So at P=2, v=2, L=8: rank 0 holds layers 0-1 and 4-5, rank 1
+layers 2-3 and 6-7. The first virtual stage also holds the embedding, the last
+one the final norm and the output layer.
+
+A chunk keeps Megatron's names for what it holds, with the layers numbered
+locally (`decoder.layers.0` is the chunk's first layer), which is the key
+layout of a Megatron `torch` checkpoint `mp_rank_TT_PPP/` (`model0`,
+`model1`… per chunk). `global_parameter_name` maps a chunk's names back to the
+whole model's, which is what the layout-agnostic `torch_dist` format stores.
+
+Tied embeddings (the default): the last stage holds its own
+`output_layer.weight`, initialised as a copy of the word embeddings, and the
+two copies' gradients are summed over the *embedding group* (the first and
+last pipeline rank) after backward — Megatron's scheme — so the optimizer
+keeps them equal. Only the first stage's copy counts towards the gradient
+norm (`is_shared_copy`).
+
+Every rank builds the whole model with the run's seed and keeps its part:
+initialisation then equals the single-process model's exactly, at the cost of
+building it once per rank (build on the meta device and use `to_empty` +
+`init_weights` for models that do not fit).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mg.core.models.gpt import GPTModel
+
+_SHARED_COPY = "_mg_shared_embedding_copy"
+
+
+class PipelineConfigError(ValueError):
+    """A pipeline layout Megatron refuses too; the message names the flags."""
+
+
+def layer_ranges(
+    num_layers: int, pipeline_size: int, virtual_size: int = 1
+) -> list[list[tuple[int, int]]]:
+    """[pipeline rank][model chunk] → (first layer, end layer), Megatron's assignment."""
+    if pipeline_size < 1 or virtual_size < 1:
+        raise PipelineConfigError("pipeline and virtual pipeline sizes must be >= 1")
+    if num_layers % pipeline_size:
+        raise PipelineConfigError(
+            f"number of layers ({num_layers}) should be divisible by the pipeline parallel "
+            f"size ({pipeline_size}); change --num-layers or --pipeline-model-parallel-size"
+        )
+    if virtual_size > 1:
+        if pipeline_size == 1:
+            raise PipelineConfigError(
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
+            )
+        per_stage = num_layers // pipeline_size
+        if per_stage % virtual_size:
+            raise PipelineConfigError(
+                f"number of layers per pipeline stage ({per_stage}) must be divisible by the "
+                f"number of model chunks per stage ({virtual_size})"
+            )
+    per_chunk = num_layers // (pipeline_size * virtual_size)
+    return [
+        [
+            ((c * pipeline_size + r) * per_chunk, (c * pipeline_size + r + 1) * per_chunk)
+            for c in range(virtual_size)
+        ]
+        for r in range(pipeline_size)
+    ]
+
+
+def virtual_size_from_layers(
+    num_layers: int, pipeline_size: int, layers_per_virtual_stage: int | None
+) -> int:
+    """v from Megatron's --num-layers-per-virtual-pipeline-stage (None → 1)."""
+    if layers_per_virtual_stage is None:
+        return 1
+    if pipeline_size <= 1:
+        raise PipelineConfigError(
+            "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
+        )
+    per_stage = num_layers // pipeline_size
+    if layers_per_virtual_stage < 1 or per_stage % layers_per_virtual_stage:
+        raise PipelineConfigError(
+            f"number of layers per pipeline stage ({per_stage}) must be divisible by "
+            f"--num-layers-per-virtual-pipeline-stage ({layers_per_virtual_stage})"
+        )
+    return per_stage // layers_per_virtual_stage
+
+
+class StageBlock(nn.Module):
+    """The chunk's layers, then the final norm on the last stage (Identity elsewhere).
+
+    Named and shaped like `TransformerBlock` so `apply_activation_recompute`
+    works on a chunk exactly as on a whole model."""
+
+    def __init__(self, layers: list[nn.Module], final_layernorm: nn.Module | None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = final_layernorm if final_layernorm is not None else nn.Identity()
+
+    def forward(
+        self, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None, attention_mask: Tensor | None
+    ) -> Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden, rotary, attention_mask)
+        return self.final_layernorm(hidden)
+
+
+class PipelineChunk(nn.Module):
+    """Layers [start, end) of a GPTModel, with the embedding if first, the head if last.
+
+    forward(input, position_ids, attention_mask, labels): input is token ids
+    [b, s] on the first stage and the hidden states [b, s, h] elsewhere; the
+    last stage returns the per-token loss [b, s] (or logits without labels),
+    the others the hidden states for the next stage."""
+
+    def __init__(self, model: GPTModel, start: int, end: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.config = model.config
+        self.layer_offset = start
+        self.is_first, self.is_last = first, last
+        self.embedding = model.embedding if first else None
+        self.rotary_pos_emb = model.rotary_pos_emb
+        self.decoder = StageBlock(
+            list(model.decoder.layers[start:end]),
+            model.decoder.final_layernorm if last else None,
+        )
+        self.output_layer = None
+        if last:
+            if model.output_layer is not None:
+                self.output_layer = model.output_layer
+            elif first:  # the whole model in one chunk: the weight stays shared
+                self.output_layer = None
+            else:
+                self.output_layer = nn.Linear(
+                    model.config.hidden_size, model.config.vocab_size, bias=False
+                )
+                with torch.no_grad():
+                    self.output_layer.weight.copy_(model.embedding.word_embeddings.weight)
+                setattr(self.output_layer.weight, _SHARED_COPY, True)
+
+    def output_weight(self) -> Tensor:
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        input: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        hidden = self.embedding(input, position_ids) if self.is_first else input
+        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
+        hidden = self.decoder(hidden, rotary, attention_mask)
+        if not self.is_last:
+            return hidden
+        logits = F.linear(hidden, self.output_weight())
+        if labels is None:
+            return logits
+        b, s = labels.shape
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        ).view(b, s)
+
+
+def split_model(
+    model: GPTModel, pipeline_rank: int, pipeline_size: int, virtual_size: int = 1
+) -> list[PipelineChunk]:
+    """This pipeline rank's model chunks (one, or v with the interleaved schedule)."""
+    ranges = layer_ranges(model.config.num_layers, pipeline_size, virtual_size)[pipeline_rank]
+    last_chunk = virtual_size - 1
+    return [
+        PipelineChunk(
+            model,
+            start,
+            end,
+            first=pipeline_rank == 0 and c == 0,
+            last=pipeline_rank == pipeline_size - 1 and c == last_chunk,
+        )
+        for c, (start, end) in enumerate(ranges)
+    ]
+
+
+def is_shared_copy(param: Tensor) -> bool:
+    """True for the last stage's copy of a tied embedding (left out of the grad norm)."""
+    return getattr(param, _SHARED_COPY, False)
+
+
+def shared_embedding_weight(chunks: list[PipelineChunk]) -> Tensor | None:
+    """The tied weight this rank holds (first stage's embedding, last stage's copy), if any."""
+    if chunks[0].config.untie_embeddings_and_output_weights:
+        return None
+    for chunk in chunks:
+        if chunk.is_first and not chunk.is_last:
+            return chunk.embedding.word_embeddings.weight
+        if chunk.is_last and not chunk.is_first:
+            return chunk.output_layer.weight
+    return None
+
+
+def embedding_group_ranks(pipeline_ranks: list[int]) -> list[int]:
+    """Megatron's embedding group of one pipeline: its first and last rank."""
+    return [pipeline_ranks[0], pipeline_ranks[-1]] if len(pipeline_ranks) > 1 else pipeline_ranks
+
+
+def allreduce_shared_embedding_grad(
+    chunks: list[PipelineChunk], embedding_group: dist.ProcessGroup | None
+) -> None:
+    """Sum the tied weight's gradient over the first and last stage (after backward)."""
+    weight = shared_embedding_weight(chunks)
+    if weight is None or embedding_group is None:
+        return
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=embedding_group)
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_parameter_name(chunk: PipelineChunk, local_name: str) -> str | None:
+    """The whole model's name for a chunk's state-dict key (None: the tied copy, not stored)."""
+    if local_name == "output_layer.weight" and is_shared_copy(chunk.output_layer.weight):
+        return None
+    match = _LAYER.match(local_name)
+    if match:
+        index = int(match.group(1)) + chunk.layer_offset
+        return f"decoder.layers.{index}." + local_name[match.end() :]
+    return local_name
+
+
+def global_state_dict(chunks: list[PipelineChunk]) -> dict[str, Tensor]:
+    """The chunks' tensors under the whole model's names (for `torch_dist` checkpoints)."""
+    out: dict[str, Tensor] = {}
+    for chunk in chunks:
+        for name, tensor in chunk.state_dict().items():
+            global_name = global_parameter_name(chunk, name)
+            if global_name is not None:
+                out[global_name] = tensor
+    return out
+
+
+def load_global_state_dict(chunks: list[PipelineChunk], state: dict[str, Tensor]) -> None:
+    """Fill the chunks from whole-model names (any pipeline layout saved it); strict."""
+    for chunk in chunks:
+        local: dict[str, Tensor] = {}
+        for name in chunk.state_dict():
+            global_name = global_parameter_name(chunk, name)
+            if global_name is None:  # tied copy on the last stage
+                global_name = "embedding.word_embeddings.weight"
+            if global_name not in state:
+                raise KeyError(f"checkpoint has no tensor {global_name!r} (for {name!r})")
+            local[name] = state[global_name]
+        chunk.load_state_dict(local, strict=True)
