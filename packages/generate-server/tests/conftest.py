@@ -124,3 +124,9 @@ def run_server(
 def server(loaded) -> Iterator[RunningServer]:
     with run_server(loaded) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    """`with start_server(loaded, api_key=..., ...) as running:` for servers with other settings."""
+    return run_server
