@@ -150,3 +150,18 @@ def current() -> Watchdog:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         _default = Watchdog(timeout_from_minutes(DEFAULT_TIMEOUT_MINUTES), rank)
     return _default
+
+
+@contextlib.contextmanager
+def exit_on_distributed_error(exit_code: int = 1) -> Iterator[None]:
+    """Print a `DistributedOperationError`'s message and end the process at once.
+
+    A plain exit would run the process group's teardown, which can block on
+    the very peer that failed; `os._exit` does not, so torchrun sees this rank
+    fail within the timeout and stops the rest of the job."""
+    try:
+        yield
+    except DistributedOperationError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(exit_code)
