@@ -36,7 +36,7 @@ def gpt2_tokenizer_config() -> TokenizerConfig:
     )
 
 
-def train_tiny_gpt(steps: int = 60) -> GPTModel:
+def train_tiny_gpt(steps: int = 20, window: int = 32) -> GPTModel:
     """A few steps on Botchan so that predictions are words rather than uniform noise."""
     tokenizer = build_tokenizer(gpt2_tokenizer_config())
     torch.manual_seed(1234)
@@ -55,8 +55,8 @@ def train_tiny_gpt(steps: int = 60) -> GPTModel:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        starts = torch.randint(0, len(ids) - SEQ_LENGTH - 1, (8,), generator=generator)
-        batch = torch.stack([ids[s : s + SEQ_LENGTH + 1] for s in starts.tolist()])
+        starts = torch.randint(0, len(ids) - window - 1, (4,), generator=generator)
+        batch = torch.stack([ids[s : s + window + 1] for s in starts.tolist()])
         loss = model(batch[:, :-1], labels=batch[:, 1:]).mean()
         optimizer.zero_grad()
         loss.backward()
