@@ -1,0 +1,85 @@
+"""The `mg-serve` command: starts on a checkpoint, answers, refuses what it cannot do; the
+interactive client against a running server."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+
+from mg.generate_server.client import run_client
+
+SERVE = [sys.executable, "-c", "from mg.generate_server.cli import main; main()"]
+
+
+def test_serve_command_end_to_end(checkpoint) -> None:
+    proc = subprocess.Popen(
+        [*SERVE, "--load", str(checkpoint), "--port", "0", "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"listening on (http://\S+)", line)
+        assert match, line + proc.stdout.read() if proc.poll() is not None else line
+        url = match.group(1)
+        r = httpx.put(
+            url + "/api", json={"prompts": ["Hello"], "tokens_to_generate": 3}, timeout=60
+        )
+        assert r.status_code == 200 and r.json()["text"][0].startswith("Hello")
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _fails(*args: str, env: dict | None = None) -> str:
+    result = subprocess.run(
+        [*SERVE, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def test_clear_errors(checkpoint, tmp_path) -> None:
+    assert "does not exist" in _fails("--load", str(tmp_path / "nope"))
+    assert "not supported yet" in _fails("--load", str(checkpoint), env={"WORLD_SIZE": "2"})
+    assert "--inference-max-requests must be >= 1" in _fails(
+        "--load", str(checkpoint), "--inference-max-requests", "0"
+    )
+
+
+def test_interactive_client(server) -> None:
+    answers = iter(["The school", "4", "Again", "x", "", "-1"])
+    printed: list[str] = []
+
+    def read(prompt: str) -> str:
+        printed.append(prompt)
+        try:
+            return next(answers)
+        except StopIteration:
+            raise EOFError from None
+
+    status = run_client(server.url.removeprefix("http://"), read=read, write=printed.append)
+    assert status == 0
+    assert printed[:2] == ["Enter prompt: ", "Enter number of tokens to generate: "]
+    assert any(p.startswith("The school") for p in printed)
+    assert "not a number of tokens: 'x'" in printed
+    assert any(p.startswith("Error 400: tokens_to_generate must be") for p in printed)
+
+
+def test_client_reports_unreachable_server() -> None:
+    answers = iter(["a", "1"])
+    printed: list[str] = []
+    status = run_client("127.0.0.1:9", read=lambda _: next(answers), write=printed.append)
+    assert status == 1 and "cannot reach" in printed[-1]
