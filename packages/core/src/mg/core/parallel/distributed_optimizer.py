@@ -1,0 +1,532 @@
+"""Megatron's distributed optimizer: optimizer state sharded over data-parallel ranks.
+
+What it does, per step (the ZeRO-1/2 scheme of Megatron-Core's
+`DistributedOptimizer` + `DistributedDataParallel` with a contiguous grad buffer):
+
+1. Parameters are laid out back to back in flat per-dtype *buckets* (the
+   parameter tensors become views into them), in reverse registration order so
+   a bucket's gradients are all ready early in backward. Each bucket is padded
+   to a multiple of the data-parallel size d and split into d equal shards;
+   rank r owns shard r.
+2. Gradients accumulate into a flat fp32 grad buffer per bucket (fp16 for fp16
+   parameters) through post-accumulate-grad hooks, then are reduce-scattered:
+   rank r receives the sum of shard r over ranks and divides it by d, i.e. the
+   averaged gradient of the parameters it owns. With `overlap_grad_reduce` the
+   reduce-scatter of a bucket starts asynchronously as soon as its last
+   gradient arrives in the last micro-batch's backward.
+3. Each rank keeps fp32 main parameters and the inner optimizer's state
+   (AdamW's exp_avg/exp_avg_sq, SGD's momentum) for its shard only, and steps
+   them. For fp32 parameters the main parameters *are* the parameter shard
+   (views, no copy), as in Megatron.
+4. The updated shards are all-gathered back into the parameter buffers. With
+   `overlap_param_gather` the all-gather runs asynchronously and a forward
+   pre-hook waits on a module's buckets just before it is used.
+
+Memory per parameter, d data-parallel ranks (REFERENCE §7, Megatron's
+distributed-optimizer table; the state is counted by `memory_bytes`):
+
+    params / grads      regular   distributed
+    fp16 / fp16         20        4 + 16/d    (main params 4, main grads 4, Adam 8)
+    bf16 / fp32         18        6 + 12/d    (main params 4, Adam 8)
+    fp32 / fp32         16        8 + 8/d     (Adam 8)
+
+Every update is elementwise, so the sharded step equals the unsharded one up to
+the order of the floating-point sums in the reduction. `state_dict()` gathers
+the full per-parameter state in `torch.optim.AdamW`'s (or SGD's) own format and
+`load_state_dict()` slices it, so checkpoints do not depend on d and load into
+a plain torch optimizer too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+# State tensors the inner optimizer keeps per parameter (sharded); "step" is replicated.
+_SHARDED_STATE: dict[type, tuple[str, ...]] = {
+    torch.optim.AdamW: ("exp_avg", "exp_avg_sq"),
+    torch.optim.Adam: ("exp_avg", "exp_avg_sq"),
+    torch.optim.SGD: ("momentum_buffer",),
+}
+_MAIN_PARAM_KEY = "main_param"  # extra state entry for non-fp32 parameters
+
+
+def default_bucket_size(dp_size: int) -> int:
+    """Megatron's default `--ddp-bucket-size`: max(40M, 1M·d) elements."""
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+@dataclass
+class _Bucket:
+    """One flat run of same-dtype parameters and their gradient buffer."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]  # start of each parameter in the bucket
+    param_data: Tensor  # padded to a multiple of d; parameters are views into it
+    grad_data: Tensor
+    shard_size: int
+    shard_start: int
+    main_param_shard: Tensor  # fp32: the param shard itself, else an fp32 copy
+    main_grad_shard: Tensor | None = None  # fp32 averaged gradient of the shard
+    grad_handle: Any = None
+    gather_handle: Any = None
+    ready: set[int] = field(default_factory=set)
+
+    @property
+    def param_shard(self) -> Tensor:
+        return self.param_data[self.shard_start : self.shard_start + self.shard_size]
+
+    @property
+    def grad_shard(self) -> Tensor:
+        return self.grad_data[self.shard_start : self.shard_start + self.shard_size]
+
+
+@dataclass
+class _Fragment:
+    """The part of one parameter that lies in this rank's shard of its bucket."""
+
+    index: int  # the parameter's position in the state dict
+    param: nn.Parameter
+    bucket: _Bucket
+    param_start: int  # first element within param.view(-1)
+    shard_offset: int  # first element within the bucket's shard
+    numel: int
+    main: Tensor  # fp32 view into bucket.main_param_shard, stepped by the inner optimizer
+
+
+class DistributedOptimizer:
+    """Wraps a torch optimizer so that each data-parallel rank steps only its shard.
+
+    `param_groups` are torch-style groups (dicts with "params" and per-group
+    options such as weight_decay); `make_optimizer(groups)` builds the inner
+    torch optimizer (AdamW, Adam or SGD) over the groups it is given. The
+    wrapper is used like the trainer's optimizer, in this order per step:
+    `zero_grad()`, backward (inside `no_sync()` for all but the last
+    micro-batch), `finish_grad_sync()`, `unscale_and_check(scale)`,
+    `clip_grad_norm(max_norm)`, `step()`. `param_groups` is the inner
+    optimizer's, so an LR scheduler drives it as usual.
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+        *,
+        dp_group: dist.ProcessGroup | None = None,
+        bucket_size: int | None = None,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        model: nn.Module | None = None,
+    ) -> None:
+        self.group = dp_group
+        initialized = dist.is_available() and dist.is_initialized()
+        self.dp_size = dist.get_world_size(dp_group) if initialized else 1
+        self.dp_rank = dist.get_rank(dp_group) if initialized else 0
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        if overlap_param_gather and model is None:
+            raise ValueError("overlap_param_gather needs the model (its forward pre-hooks wait)")
+        self._group_options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+        self._params: list[nn.Parameter] = [p for g in param_groups for p in g["params"]]
+        self._group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
+        if len({id(p) for p in self._params}) != len(self._params):
+            raise ValueError("a parameter appears twice in the optimizer's parameter groups")
+        _refuse_dtensors(self._params)
+        order = _layout_order(self._params, model)
+        self._buckets = self._build_buckets(order, bucket_size or default_bucket_size(self.dp_size))
+        self._fragments = self._build_fragments()
+        inner_groups = [{**opts, "params": []} for opts in self._group_options]
+        for frag in self._fragments:
+            inner_groups[self._group_of[frag.index]]["params"].append(frag.main)
+        self.optimizer = make_optimizer(inner_groups)
+        self._state_keys = self._sharded_state_keys()
+        self._steps = 0
+        self._sync_enabled = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in order]
+        if overlap_param_gather:
+            self._hooks += _register_param_wait_hooks(model, self._bucket_of, self._wait_gather)
+
+    # --- layout -------------------------------------------------------------------------------
+
+    def _build_buckets(self, order: list[nn.Parameter], bucket_size: int) -> list[_Bucket]:
+        runs: list[list[nn.Parameter]] = []
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in order:  # parameters of one dtype and device share buckets
+            run = by_dtype.setdefault((p.dtype, p.device), [])
+            if run and sum(q.numel() for q in run) + p.numel() > bucket_size:
+                runs.append(run)
+                run = by_dtype[(p.dtype, p.device)] = []
+            run.append(p)
+        runs.extend(run for run in by_dtype.values() if run)
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._grad_view: dict[int, Tensor] = {}
+        return [self._make_bucket(run) for run in runs]
+
+    def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        d = self.dp_size
+        numel = sum(p.numel() for p in params)
+        shard_size = math.ceil(numel / d)
+        dtype, device = params[0].dtype, params[0].device
+        grad_dtype = torch.float16 if dtype == torch.float16 else torch.float32
+        param_data = torch.zeros(shard_size * d, dtype=dtype, device=device)
+        grad_data = torch.zeros(shard_size * d, dtype=grad_dtype, device=device)
+        offsets, offset = [], 0
+        for p in params:
+            view = param_data[offset : offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            self._grad_view[id(p)] = grad_data[offset : offset + p.numel()]
+            offsets.append(offset)
+            offset += p.numel()
+        start = self.dp_rank * shard_size
+        shard = param_data[start : start + shard_size]
+        main = shard if dtype == torch.float32 else shard.float()
+        bucket = _Bucket(params, offsets, param_data, grad_data, shard_size, start, main)
+        if grad_dtype == torch.float32:
+            bucket.main_grad_shard = bucket.grad_shard
+        for p in params:
+            self._bucket_of[id(p)] = bucket
+        return bucket
+
+    def _build_fragments(self) -> list[_Fragment]:
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        fragments = []
+        for bucket in self._buckets:
+            lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_size
+            for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                start, end = max(lo, offset), min(hi, offset + p.numel())
+                if start >= end:
+                    continue
+                main = bucket.main_param_shard[start - lo : end - lo]
+                fragments.append(
+                    _Fragment(
+                        index_of[id(p)], p, bucket, start - offset, start - lo, end - start, main
+                    )
+                )
+                if bucket.main_grad_shard is not None:
+                    main.grad = bucket.main_grad_shard[start - lo : end - lo]
+        return sorted(fragments, key=lambda f: (f.index, f.param_start))
+
+    def _sharded_state_keys(self) -> tuple[str, ...]:
+        kind = type(self.optimizer)
+        if kind not in _SHARDED_STATE:
+            raise TypeError(
+                f"the distributed optimizer wraps AdamW, Adam or SGD, not {kind.__name__}"
+            )
+        groups = self.optimizer.param_groups
+        if any(g.get("amsgrad") for g in groups):
+            raise ValueError("the distributed optimizer does not support amsgrad")
+        if kind is torch.optim.SGD and all(g.get("momentum", 0) == 0 for g in groups):
+            return ()
+        return _SHARDED_STATE[kind]
+
+    # --- gradients ----------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (one per input group): the LR scheduler sets `lr` here."""
+        return self.optimizer.param_groups
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without starting their reduction (not the last micro-batch)."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def _grad_hook(self, param: Tensor) -> None:
+        self._grad_view[id(param)].add_(param.grad.reshape(-1))
+        param.grad = None
+        if self.overlap_grad_reduce and self._sync_enabled:
+            bucket = self._bucket_of[id(param)]
+            bucket.ready.add(id(param))
+            if len(bucket.ready) == len(bucket.params) and bucket.grad_handle is None:
+                self._start_reduce_scatter(bucket, async_op=True)
+
+    def _start_reduce_scatter(self, bucket: _Bucket, async_op: bool) -> None:
+        if self.dp_size == 1:
+            bucket.grad_handle = _Done()
+            return
+        bucket.grad_handle = (
+            dist.reduce_scatter_tensor(
+                bucket.grad_shard, bucket.grad_data, group=self.group, async_op=async_op
+            )
+            or _Done()
+        )
+
+    def finish_grad_sync(self) -> None:
+        """Finish every bucket's reduce-scatter: this rank's shard then holds the averaged
+        gradient (fp32) in `main.grad` of its fragments."""
+        for bucket in self._buckets:
+            if bucket.grad_handle is None:
+                self._start_reduce_scatter(bucket, async_op=False)
+            bucket.grad_handle.wait()
+            bucket.grad_handle = None
+            bucket.ready.clear()
+            if self.dp_size > 1:
+                bucket.grad_shard.div_(self.dp_size)
+            if bucket.grad_data.dtype != torch.float32:  # fp16 grads: fp32 main grads
+                bucket.main_grad_shard = bucket.grad_shard.float()
+        if any(b.grad_data.dtype != torch.float32 for b in self._buckets):
+            for frag in self._fragments:
+                lo = frag.shard_offset
+                frag.main.grad = frag.bucket.main_grad_shard[lo : lo + frag.numel]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grad buffers (they stay allocated: the parameters' hooks add into them)."""
+        for bucket in self._buckets:
+            bucket.grad_data.zero_()
+        for p in self._params:
+            p.grad = None
+
+    def _all_reduce(self, value: Tensor, op: dist.ReduceOp) -> Tensor:
+        if self.dp_size > 1:
+            dist.all_reduce(value, op=op, group=self.group)
+        return value
+
+    def unscale_and_check(self, scale: float) -> bool:
+        """Divide the shard's gradients by the loss scale; True if any rank found inf/NaN."""
+        found = torch.zeros((), dtype=torch.float32, device=self._buckets[0].grad_data.device)
+        for bucket in self._buckets:
+            if scale != 1.0:
+                bucket.main_grad_shard.mul_(1.0 / scale)
+            found = torch.maximum(found, (~torch.isfinite(bucket.main_grad_shard)).any().float())
+        return bool(self._all_reduce(found, dist.ReduceOp.MAX) > 0)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of the averaged gradient (squared shard norms all-reduced), and
+        `torch.nn.utils.clip_grad_norm_`'s scaling by max_norm / (norm + 1e-6) if > 0."""
+        squares = torch.zeros((), dtype=torch.float32, device=self._buckets[0].grad_data.device)
+        for bucket in self._buckets:
+            squares += torch.linalg.vector_norm(bucket.main_grad_shard) ** 2
+        norm = float(self._all_reduce(squares, dist.ReduceOp.SUM).sqrt())
+        if not math.isfinite(norm):
+            return float("nan")
+        if max_norm > 0:
+            coef = min(max_norm / (norm + 1e-6), 1.0)
+            if coef < 1.0:
+                for bucket in self._buckets:
+                    bucket.main_grad_shard.mul_(coef)
+        return norm
+
+    # --- step and parameters ------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Step the shard, copy it into the parameters and all-gather the parameters."""
+        self.finish_param_sync()  # an in-flight gather still reads the shards
+        self.optimizer.step()
+        self._steps += 1
+        for bucket in self._buckets:
+            if bucket.main_param_shard.data_ptr() != bucket.param_shard.data_ptr():
+                bucket.param_shard.copy_(bucket.main_param_shard)
+            if self.dp_size > 1:
+                bucket.gather_handle = dist.all_gather_into_tensor(
+                    bucket.param_data,
+                    bucket.param_shard,
+                    group=self.group,
+                    async_op=self.overlap_param_gather,
+                )
+        if not self.overlap_param_gather:
+            for bucket in self._buckets:
+                bucket.gather_handle = None
+
+    def _wait_gather(self, buckets: list[_Bucket]) -> None:
+        for bucket in buckets:
+            if bucket.gather_handle is not None:
+                bucket.gather_handle.wait()
+                bucket.gather_handle = None
+
+    def finish_param_sync(self) -> None:
+        """Wait for all parameter all-gathers (before reading parameters outside a forward)."""
+        self._wait_gather(self._buckets)
+
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main parameters from the (low-precision) parameters, after the
+        model's weights were loaded from elsewhere; a no-op for fp32 parameters."""
+        self.finish_param_sync()
+        for bucket in self._buckets:
+            if bucket.main_param_shard.data_ptr() != bucket.param_shard.data_ptr():
+                bucket.main_param_shard.copy_(bucket.param_shard)
+
+    # --- state dict ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full, unsharded state in the inner torch optimizer's own format.
+
+        Collective: every rank of the data-parallel group must call it; each gets
+        the whole state (it is gathered per bucket)."""
+        self.finish_param_sync()
+        groups = []
+        for gi, inner in enumerate(self.optimizer.param_groups):
+            options = {k: v for k, v in inner.items() if k != "params"}
+            groups.append(
+                {**options, "params": [i for i, g in enumerate(self._group_of) if g == gi]}
+            )
+        state: dict[int, dict[str, Any]] = {}
+        if self._steps == 0:
+            return {"state": state, "param_groups": groups}
+        keys = list(self._state_keys)
+        if any(b.param_data.dtype != torch.float32 for b in self._buckets):
+            keys.append(_MAIN_PARAM_KEY)
+        index_of = {id(p): i for i, p in enumerate(self._params)}
+        stepped = type(self.optimizer) is not torch.optim.SGD  # Adam/AdamW count steps
+        for i in range(len(self._params)):
+            state[i] = {"step": torch.tensor(float(self._steps))} if stepped else {}
+        for key in keys:
+            for bucket in self._buckets:
+                gathered = self._gather_bucket_state(bucket, key)
+                for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                    piece = gathered[offset : offset + p.numel()].view_as(p)
+                    state[index_of[id(p)]][key] = piece.clone()
+        return {"state": state, "param_groups": groups}
+
+    def _gather_bucket_state(self, bucket: _Bucket, key: str) -> Tensor:
+        if key == _MAIN_PARAM_KEY:
+            shard = bucket.main_param_shard.float()
+        else:
+            shard = torch.zeros(
+                bucket.shard_size, dtype=torch.float32, device=bucket.grad_data.device
+            )
+            for frag in self._fragments:
+                if frag.bucket is bucket:
+                    value = self.optimizer.state[frag.main][key]
+                    shard[frag.shard_offset : frag.shard_offset + frag.numel] = value
+        if self.dp_size == 1:
+            return shard
+        full = torch.empty(bucket.shard_size * self.dp_size, dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(full, shard, group=self.group)
+        return full
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state (from `state_dict()` at any d, or from the plain torch optimizer)."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self._group_options):
+            raise ValueError(
+                f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} "
+                f"parameter groups, this optimizer has {len(self._group_options)}; was it saved "
+                "for a different model or optimizer?"
+            )
+        for gi, (saved, inner) in enumerate(zip(groups, self.optimizer.param_groups, strict=True)):
+            expected = sum(1 for g in self._group_of if g == gi)
+            if len(saved["params"]) != expected:
+                raise ValueError(
+                    f"optimizer state group {gi} has {len(saved['params'])} parameters, "
+                    f"the model has {expected}; was it saved for a different model?"
+                )
+            inner.update({k: v for k, v in saved.items() if k != "params"})
+        # Saved indices follow the saved group order; map them onto ours position by position.
+        order = [i for g in groups for i in g["params"]]
+        saved_state = state_dict.get("state", {})
+        self.optimizer.state.clear()
+        self._steps = 0
+        for frag in self._fragments:
+            entry = saved_state.get(order[frag.index])
+            if entry is None:
+                continue
+            new: dict[str, Any] = {}
+            if "step" in entry:
+                new["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).clone()
+                self._steps = int(new["step"])
+            for key in self._state_keys:
+                value = entry.get(key)
+                if not isinstance(value, Tensor) or value.numel() != frag.param.numel():
+                    raise ValueError(
+                        f"optimizer state {key!r} of parameter {frag.index} is missing or not "
+                        f"of the model's shape {tuple(frag.param.shape)}; was it saved for a "
+                        "different model or optimizer?"
+                    )
+                new[key] = self._slice(value, frag)
+            if _MAIN_PARAM_KEY in entry:
+                frag.main.copy_(self._slice(entry[_MAIN_PARAM_KEY], frag))
+            self.optimizer.state[frag.main] = new
+        self._steps = int(self._all_reduce(torch.tensor(float(self._steps)), dist.ReduceOp.MAX))
+        if not any(_MAIN_PARAM_KEY in (e or {}) for e in saved_state.values()):
+            self.reload_model_params()
+
+    @staticmethod
+    def _slice(value: Tensor, frag: _Fragment) -> Tensor:
+        flat = value.reshape(-1)[frag.param_start : frag.param_start + frag.numel]
+        return flat.to(device=frag.main.device, dtype=torch.float32).clone()
+
+    # --- accounting ---------------------------------------------------------------------------
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind (what REFERENCE §7's table counts per parameter).
+
+        params/grads: the full flat buffers; main_params: fp32 copies of the shard
+        (none for fp32 parameters); main_grads: fp32 copies of the shard's gradient
+        (fp16 only, made each step); optimizer_state: the inner optimizer's tensors."""
+        out = {"params": 0, "grads": 0, "main_params": 0, "main_grads": 0, "optimizer_state": 0}
+        for b in self._buckets:
+            out["params"] += _nbytes(b.param_data)
+            out["grads"] += _nbytes(b.grad_data)
+            if b.main_param_shard.data_ptr() != b.param_shard.data_ptr():
+                out["main_params"] += _nbytes(b.main_param_shard)
+            if b.grad_data.dtype != torch.float32:
+                out["main_grads"] += b.shard_size * 4
+        for entry in self.optimizer.state.values():
+            out["optimizer_state"] += sum(
+                _nbytes(v) for v in entry.values() if isinstance(v, Tensor) and v.dim() > 0
+            )
+        return out
+
+
+class _Done:
+    """A finished collective (one rank: nothing to wait for)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _refuse_dtensors(params: list[nn.Parameter]) -> None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if any(isinstance(p, DTensor) for p in params):
+        raise NotImplementedError(
+            "the distributed optimizer does not support tensor-parallel (DTensor) parameters "
+            "yet; drop --use-distributed-optimizer or use --tensor-model-parallel-size 1"
+        )
+
+
+def _layout_order(params: list[nn.Parameter], model: nn.Module | None) -> list[nn.Parameter]:
+    """Reverse model order (backward produces gradients roughly last layer first)."""
+    if model is None:
+        return list(reversed(params))
+    wanted = {id(p) for p in params}
+    ordered = [p for p in model.parameters() if id(p) in wanted]
+    seen = {id(p) for p in ordered}
+    missing = [p for p in params if id(p) not in seen]
+    return list(reversed(ordered)) + missing
+
+
+def _register_param_wait_hooks(
+    model: nn.Module,
+    bucket_of: dict[int, _Bucket],
+    wait: Callable[[list[_Bucket]], None],
+) -> list[Any]:
+    """Forward pre-hooks: a module waits for the all-gather of its own parameters' buckets."""
+    hooks = []
+    for module in model.modules():
+        buckets: list[_Bucket] = []
+        for p in module.parameters(recurse=False):
+            bucket = bucket_of.get(id(p))
+            if bucket is not None and all(b is not bucket for b in buckets):
+                buckets.append(bucket)
+        if buckets:
+            hooks.append(module.register_forward_pre_hook(lambda m, a, b=buckets: wait(b)))
+    return hooks
