@@ -56,7 +56,31 @@ demo: setup
     echo "== 6. mg-convert export-hf: a Hugging Face folder transformers can load"
     rm -rf "{{demo_dir}}/hf"
     uv run --frozen mg-convert export-hf --load "{{demo_dir}}/ckpt" --save "{{demo_dir}}/hf"
-    echo "== done: dataset {{demo_dir}}/data, checkpoint {{demo_dir}}/ckpt, report {{demo_dir}}/report.jsonl, HF model {{demo_dir}}/hf"
+    echo "== 7. mg-serve: serve the checkpoint, ask it through Megatron's PUT /api and the OpenAI API, stop it"
+    log="{{demo_dir}}/serve.log"
+    uv run --frozen mg-serve --load "{{demo_dir}}/ckpt" --port 0 > "$log" 2>&1 &
+    server=$!
+    trap 'kill "$server" 2>/dev/null || true' EXIT
+    url=""
+    for _ in $(seq 1 120); do
+        url="$(grep -o 'http://[0-9.]*:[0-9]*' "$log" | head -n 1 || true)"
+        if [ -n "$url" ] && curl -sf "$url/health" > /dev/null; then break; fi
+        kill -0 "$server" 2>/dev/null || { cat "$log"; exit 1; }
+        sleep 1
+    done
+    curl -sf -X PUT "$url/api" -H 'Content-Type: application/json' \
+        -d '{"prompts": ["The school"], "tokens_to_generate": 16, "top_k": 1}'
+    echo
+    curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
+        -d '{"prompt": "The school", "max_tokens": 16, "temperature": 0}'
+    echo
+    kill "$server"
+    wait "$server" || true
+    echo "== done: dataset {{demo_dir}}/data, checkpoint {{demo_dir}}/ckpt, report {{demo_dir}}/report.jsonl, HF model {{demo_dir}}/hf, server log {{demo_dir}}/serve.log"
+
+# serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
+serve load="demo-output/ckpt" *args: setup
+    uv run --frozen mg-serve --load {{load}} {{args}}
 
 # tokenize a JSONL corpus into an indexed dataset (any `mg-prep tokenize` flags)
 prep *args: setup
