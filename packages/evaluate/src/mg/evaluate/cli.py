@@ -1,8 +1,10 @@
-"""`mg-eval`: evaluate a checkpoint on WikiText, LAMBADA or an indexed-dataset split.
+"""`mg-eval`: evaluate a checkpoint on WikiText, LAMBADA or an indexed-dataset split,
+or finetune a BERT on RACE / MNLI / QQP and report its accuracy.
 
 Every task loads the model and tokenizer the checkpoint records (no model
-flags), runs batched under ``torch.no_grad`` in eval mode, prints Megatron's
-result line and, with ``--report``, appends a JSON line.
+flags), prints Megatron's result line and, with ``--report``, appends a JSON
+line. Under torchrun the examples are shared out over the ranks (data
+parallel) and the sums reduced; only rank 0 prints and writes the report.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from mg.core.checkpoint import CheckpointError
+from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
+from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.model_loading import TOKENIZER_FIELDS, LoadedModel, load_for_eval
 from mg.evaluate.report import megatron_line, write_report
 
@@ -122,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--seed", type=int, default=1234, help="dataset shuffle seed (as in training)")
     ppl.add_argument("--data-cache-path", default=None, help="where the sample index files go")
     ppl.set_defaults(run=_run_ppl)
+    add_finetune_tasks(sub)
     return parser
 
 
@@ -202,14 +207,18 @@ def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], tuple[dict[str, Any], dict[str, Any]]] = args.run
+    distributed.init_from_env()
     try:
         metrics, context = run(args)
     except (EvalInputError, CheckpointError) as exc:
         print(f"mg-eval {args.task}: error: {exc}", file=sys.stderr)
         return 1
+    if not distributed.is_main():
+        return 0
     print(megatron_line(args.task.upper() if args.task != "ppl" else "ppl", metrics))
     if args.report:
-        write_report(args.report, args.task, metrics, load=args.load, **context)
+        load = getattr(args, "load", None) or getattr(args, "pretrained_checkpoint", None)
+        write_report(args.report, args.task, metrics, load=load, **context)
         print(f"report appended to {args.report}")
     return 0
 

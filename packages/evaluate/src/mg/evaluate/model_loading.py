@@ -1,4 +1,9 @@
-"""Checkpoint → (model, tokenizer), for every mg-eval task, on core's ``load_model``."""
+"""Checkpoint → (model, tokenizer), for every mg-eval task.
+
+GPT checkpoints load through core's ``load_model``; BERT checkpoints (mg-train
+bert, or a Hugging Face BERT through mg-convert import-hf) through
+:func:`load_bert_for_finetune`, which rebuilds the BertModel the weights describe.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,11 @@ from typing import Any
 
 import torch
 
+from mg.core.checkpoint import CheckpointError, find_rank_file, load_checkpoint
 from mg.core.checkpoint.model_io import load_model
+from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import GPTModel, TransformerConfig
+from mg.core.models.bert import BertModel, bert_from_state_dict
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate.errors import EvalInputError
@@ -41,6 +49,88 @@ def load_for_eval(
     if not load_dir.is_dir():
         raise EvalInputError("no such checkpoint folder (--load)", load_dir)
     model, config, tok_config, info = load_model(load_dir, iteration)
+    tokenizer = eval_tokenizer(tok_config, tokenizer_overrides, load_dir, config.vocab_size)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device=device, dtype=torch.float32).eval()
+    return LoadedModel(model, config, tokenizer, info.iteration)
+
+
+@dataclass
+class LoadedBert:
+    model: BertModel
+    config: TransformerConfig
+    tokenizer: BaseTokenizer
+    iteration: Any
+
+
+def load_bert_for_finetune(
+    load_dir: str | Path,
+    iteration: int | str | None = None,
+    tokenizer_overrides: dict[str, Any] | None = None,
+    config_overrides: dict[str, Any] | None = None,
+    flag: str = "--pretrained-checkpoint",
+) -> LoadedBert:
+    """The BertModel of a BERT checkpoint (fp32, train mode) and its tokenizer.
+
+    ``config_overrides`` (``--hidden-dropout``, ``--attention-dropout``) change
+    the recorded config before the model is built. A GPT checkpoint is refused
+    by name: the RACE/GLUE recipes finetune a bidirectional encoder."""
+    load_dir = Path(load_dir)
+    if not load_dir.is_dir():
+        raise EvalInputError(f"no such checkpoint folder ({flag})", load_dir)
+    iteration = resolve_iteration(load_dir, iteration)
+    path, layout = find_rank_file(iteration_dir(load_dir, iteration))
+    if layout.tp * layout.pp * layout.ep != 1:
+        raise CheckpointError(
+            f"{load_dir} was saved with {layout}; BERT finetuning reads single-shard "
+            "checkpoints (TP=1 PP=1)"
+        )
+    state, iteration = load_checkpoint(load_dir, iteration)
+    meta = state.get("mg") or {}
+    if not meta.get("model_config"):
+        raise EvalInputError(
+            "the checkpoint records no model config; it was not written by mg tools", path
+        )
+    weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+    if "lm_head.dense.weight" not in weights or not any(
+        k.startswith("encoder.layers.") for k in weights
+    ):
+        raise EvalInputError(
+            "not a BERT checkpoint (no encoder.layers / lm_head weights); RACE, MNLI and QQP "
+            "finetune a BERT (mg-train bert, or mg-convert import-hf of a BertModel)",
+            path,
+        )
+    config = TransformerConfig.from_dict(dict(meta["model_config"]))
+    for name, value in (config_overrides or {}).items():
+        if value is not None:
+            setattr(config, name, value)
+    try:
+        model = bert_from_state_dict(weights, config)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: weights do not fit the recorded config: {exc}") from None
+    tok_config = None
+    if meta.get("tokenizer_config"):
+        tok_config = TokenizerConfig.from_dict(dict(meta["tokenizer_config"]))
+    tokenizer = eval_tokenizer(tok_config, tokenizer_overrides, load_dir, config.vocab_size)
+    for special in ("cls", "sep", "pad"):
+        if getattr(tokenizer, special, None) is None or getattr(tokenizer, special) < 0:
+            raise EvalInputError(
+                f"the tokenizer {tokenizer.name} has no [{special.upper()}] token; BERT tasks "
+                "need a WordPiece tokenizer (--tokenizer-type BertWordPieceLowerCase --vocab-file)"
+            )
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device=device, dtype=torch.float32)
+    return LoadedBert(model, config, tokenizer, iteration)
+
+
+def eval_tokenizer(
+    tok_config: TokenizerConfig | None,
+    tokenizer_overrides: dict[str, Any] | None,
+    load_dir: Path,
+    model_vocab_size: int,
+) -> BaseTokenizer:
+    """The recorded tokenizer with the ``--tokenizer-*`` overrides applied, checked
+    against the model's vocabulary."""
     overrides = {k: v for k, v in (tokenizer_overrides or {}).items() if v is not None}
     if tok_config is None:
         if "tokenizer_type" not in overrides:
@@ -57,14 +147,12 @@ def load_for_eval(
         tokenizer = build_tokenizer(tok_config)
     except (ValueError, OSError) as exc:
         raise EvalInputError(f"cannot build the tokenizer: {exc}") from None
-    if tokenizer.vocab_size > config.vocab_size:
+    if tokenizer.vocab_size > model_vocab_size:
         raise EvalInputError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-            f"{config.vocab_size}; wrong --tokenizer-type/--vocab-file?"
+            f"{model_vocab_size}; wrong --tokenizer-type/--vocab-file?"
         )
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = model.to(device=device, dtype=torch.float32).eval()
-    return LoadedModel(model, config, tokenizer, info.iteration)
+    return tokenizer
 
 
 def _resolve_relative(config: TokenizerConfig, root: Path) -> None:

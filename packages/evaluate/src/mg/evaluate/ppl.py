@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from mg.core.tokenizers.base import BaseTokenizer
+from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.progress import progress
 from mg.indexed_dataset import GPTDatasetConfig, IndexedDatasetError, build_gpt_datasets
@@ -82,7 +83,8 @@ def evaluate_ppl(
     )
     count = len(dataset) if num_samples is None else min(num_samples, len(dataset))
     device = next(model.parameters()).device
-    starts = range(0, count, micro_batch_size)
+    # under torchrun each rank takes every world-th micro-batch; the sums are reduced
+    starts = distributed.shard(range(0, count, micro_batch_size))
     loss_sum, mask_sum = 0.0, 0.0
     for start in progress(starts, len(starts), f"ppl ({split_name})"):
         samples = [dataset[i] for i in range(start, min(start + micro_batch_size, count))]
@@ -97,6 +99,7 @@ def evaluate_ppl(
         )
         loss_sum += float((losses.double() * mask).sum())
         mask_sum += float(mask.sum())
+    loss_sum, mask_sum = distributed.all_reduce_sum([loss_sum, mask_sum])
     if mask_sum == 0:
         raise EvalInputError("every token of the evaluated samples is masked; nothing to score")
     loss = loss_sum / mask_sum

@@ -4,6 +4,9 @@ Every task reduces to this: a sequence of ``n + 1`` token ids and a 0/1 mask
 over its ``n`` targets. Sequences in a batch are right-padded to the longest
 one; with causal attention the padding cannot change the scored positions, so
 results equal Megatron's fixed ``seq_length + 1`` padding.
+
+Under torchrun each rank scores a strided share of the sequences and the scores
+are gathered back in order, so every task's sums equal a one-process run.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mg.evaluate import distributed
 from mg.evaluate.progress import progress
 
 
@@ -43,6 +47,8 @@ def score_sequences(
 ) -> list[SequenceScore]:
     model.eval()
     device = next(model.parameters()).device
+    total = len(items)
+    items = distributed.shard(items)
     batches = [items[i : i + micro_batch_size] for i in range(0, len(items), micro_batch_size)]
     out: list[SequenceScore] = []
     for batch in progress(batches, len(batches), desc):
@@ -66,4 +72,4 @@ def score_sequences(
                     all_correct=bool(correct[row].all()),
                 )
             )
-    return out
+    return distributed.unshard(out, total)
