@@ -320,9 +320,16 @@ class GPTModel(nn.Module):
             hidden = self.decoder(hidden, rotary, attention_mask)
         else:
             hidden = self.decoder(hidden, rotary, attention_mask, inference_cache)
+        return self.output_and_loss(hidden, labels)
+
+    def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        """Final hidden states → logits, or the per-token loss when labels are given.
+
+        Its own method so tensor parallelism can swap in a vocab-parallel
+        version on the instance (mg.core.parallel.tensor_parallel)."""
         logits = F.linear(hidden, self.output_weight())
         if labels is None:
             return logits
         return F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), reduction="none"
-        ).view(b, s)
+        ).view(labels.shape)

@@ -1,0 +1,97 @@
+"""Vocab-parallel output layer and cross-entropy: full logits are never gathered.
+
+Each tensor-parallel rank holds rows [start, end) of the [vocab, hidden]
+output matrix (the vocab-parallel embedding when the weights are tied), so it
+computes logits for its slice of the vocabulary only. The cross-entropy is
+Megatron's `_VocabParallelCrossEntropy` (megatron/core/tensor_parallel/
+cross_entropy.py): three all-reduces of [tokens]-sized tensors (max logit, the
+target's logit, the sum of exps) instead of an all-gather of [tokens, vocab].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocab-sharded logits [tokens, vocab/tp] (fp32)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, group: dist.ProcessGroup
+    ) -> Tensor:
+        logits_max = logits.max(dim=-1).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        vocab_end = vocab_start + logits.shape[-1]
+        outside = (target < vocab_start) | (target >= vocab_end)
+        local_target = (target - vocab_start).masked_fill(outside, 0)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        predicted = shifted[rows, local_target].masked_fill(outside, 0.0)
+        dist.all_reduce(predicted, group=group)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, group=group)
+        loss = sum_exp.log() - predicted
+
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), outside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        softmax, outside, local_target = ctx.saved_tensors
+        grad = softmax
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: Tensor, target: Tensor, vocab_start: int, group: dist.ProcessGroup
+) -> Tensor:
+    """Unreduced cross-entropy [tokens] of vocab-sharded fp32 logits [tokens, vocab/tp]."""
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, group)
+
+
+def replicate_for_tensor_parallel(hidden: Tensor, tp_mesh: DeviceMesh) -> Tensor:
+    """The full [b, s, h] activations as a local tensor, whatever their TP layout.
+
+    A plain tensor is taken as replicated (no sequence parallelism); a
+    sequence-sharded DTensor is all-gathered. Either way the gradient coming
+    back is a partial sum per rank (each rank saw only its vocab slice), so it
+    is marked Partial: all-reduced (or reduce-scattered to the sequence
+    shards) in backward — Megatron's copy/gather-to-tensor-parallel regions.
+    """
+    if not isinstance(hidden, DTensor):
+        hidden = DTensor.from_local(hidden, tp_mesh, [Replicate()], run_check=False)
+    return hidden.redistribute(tp_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def vocab_parallel_output(
+    hidden: Tensor, weight: DTensor, labels: Tensor | None, tp_mesh: DeviceMesh
+) -> Tensor:
+    """logits [b, s, vocab] (gathered only when no labels are given) or the
+    per-token fp32 cross-entropy [b, s], from a vocab-sharded output weight."""
+    if weight.placements != (Shard(0),):
+        raise ValueError(f"output weight must be vocab-sharded (Shard(0)), got {weight.placements}")
+    full_hidden = replicate_for_tensor_parallel(hidden, tp_mesh)
+    local_weight = weight.to_local()
+    logits = F.linear(full_hidden, local_weight)
+    if labels is None:
+        return DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False).full_tensor()
+    b, s = labels.shape
+    vocab_start = tp_mesh.get_local_rank() * local_weight.shape[0]
+    loss = vocab_parallel_cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), vocab_start, tp_mesh.get_group()
+    )
+    return loss.view(b, s)

@@ -1,0 +1,211 @@
+"""Tensor (and sequence) parallelism for a built GPTModel, with DTensor parallel styles.
+
+`apply_tensor_parallel(model, tp_mesh, sequence_parallel)` turns the
+parameters into DTensors on the tensor-parallel mesh and installs the
+communication at module boundaries, Megatron's layout:
+
+    embedding.word_embeddings   vocab-parallel (rows sharded, output all-reduced)
+    self_attention.linear_qkv   column-parallel (whole query groups per rank)
+    self_attention.linear_proj  row-parallel (output all-reduced / reduce-scattered)
+    mlp.linear_fc1              column-parallel; gated: gate and up halves each sharded
+    mlp.linear_fc2              row-parallel
+    output layer + loss         vocab-parallel logits and cross-entropy (loss_parallel)
+
+With `sequence_parallel` the norms and dropouts between those regions work on
+sequence shards: activations are [b, s/tp, h] there, all-gathered before a
+column-parallel layer and reduce-scattered after a row-parallel one.
+
+Layout notes:
+- linear_qkv rows are grouped per query group (see SelfAttention), so a plain
+  dim-0 shard gives each rank whole groups: its query heads with their key and
+  value head. The module's head counts are set to the local ones here.
+- A gated linear_fc1 is [gate; up]; each half is sharded (rank r holds
+  [gate_r; up_r]) — `_StridedShard(0, split_factor=2)` in DTensor terms, so the
+  DTensor's global view stays Megatron's [gate; up] layout.
+- The logits never exist in full: each rank multiplies by its vocab slice of
+  the output weight and the cross-entropy all-reduces [tokens]-sized values.
+
+Dropout masks are drawn from each rank's default generator, which the trainer
+seeds identically on all tensor-parallel ranks (Megatron forks a per-TP-rank
+generator for dropout inside tensor-parallel regions; we do not).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from mg.core.models.config import TransformerConfig
+from mg.core.models.gpt import GPTModel
+from mg.core.parallel.loss_parallel import vocab_parallel_output
+
+
+class TensorParallelError(ValueError):
+    """The model's shapes do not split over the requested tensor-parallel size."""
+
+
+class GatedColwiseParallel(ColwiseParallel):
+    """Column parallelism for a fused [gate; up] linear: each half sharded on its own.
+
+    Rank r's local weight is [gate rows of r; up rows of r], so the MLP's
+    `chunk(2, dim=-1)` on the local output still yields matching gate/up slices.
+    """
+
+    def __init__(self) -> None:
+        # The output keeps the strided layout: each rank's [gate_r | up_r] columns.
+        super().__init__(output_layouts=_StridedShard(-1, split_factor=2))
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in module.named_parameters():
+            dist_param = nn.Parameter(
+                distribute_tensor(
+                    param,
+                    device_mesh,
+                    [_StridedShard(0, split_factor=2)],
+                    src_data_rank=self.src_data_rank,
+                ),
+                requires_grad=param.requires_grad,
+            )
+            module.register_parameter(param_name, dist_param)
+
+
+def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
+    """Megatron's divisibility rules, with the flag to change in the message."""
+    checks = [
+        ("num_attention_heads", config.num_attention_heads, "--num-attention-heads"),
+        ("num_query_groups", config.num_query_groups, "--num-query-groups"),
+        ("ffn_hidden_size", config.ffn_hidden_size, "--ffn-hidden-size"),
+        ("vocab_size (padded)", config.vocab_size, "--make-vocab-size-divisible-by"),
+    ]
+    for name, value, flag in checks:
+        if value % tp:
+            raise TensorParallelError(
+                f"{name} ({value}) is not divisible by --tensor-model-parallel-size ({tp}); "
+                f"change {flag} or the tensor-parallel size"
+            )
+    if config.attention_backend == "te":
+        raise TensorParallelError(
+            "tensor parallelism with --transformer-impl transformer_engine is not supported; "
+            "use the local implementation (attention_backend 'sdpa' or 'flash')"
+        )
+
+
+def apply_tensor_parallel(model: GPTModel, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard `model` in place over the 1-D `tp_mesh` (every TP rank calls this).
+
+    The model must be fully materialized and identical on the TP ranks'
+    rank 0 of the mesh (parameters are scattered from it).
+    """
+    if not isinstance(model, GPTModel):
+        raise TypeError(
+            f"tensor parallelism is implemented for GPTModel, not {type(model).__name__}"
+        )
+    tp = tp_mesh.size()
+    check_tensor_parallel_sizes(model.config, tp)
+    activations = Shard(1) if sequence_parallel else Replicate()  # [b, s, h]: dim 1 = sequence
+
+    parallelize_module(
+        model.embedding.word_embeddings,
+        tp_mesh,
+        RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    )
+    if sequence_parallel:
+        # Positions are added to the full sequence, then each rank keeps its
+        # slice (the backward all-gathers the slices' gradients).
+        parallelize_module(
+            model.embedding,
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+            ),
+        )
+    for layer in model.decoder.layers:
+        plan: dict[str, object] = {
+            "self_attention": PrepareModuleInput(
+                input_layouts=(activations, None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            ),
+            "self_attention.linear_qkv": ColwiseParallel(),
+            "self_attention.linear_proj": RowwiseParallel(output_layouts=activations),
+            "mlp": PrepareModuleInput(
+                input_layouts=(activations,), desired_input_layouts=(Replicate(),)
+            ),
+            "mlp.linear_fc1": GatedColwiseParallel() if layer.mlp.gated else ColwiseParallel(),
+            "mlp.linear_fc2": RowwiseParallel(output_layouts=activations),
+        }
+        if sequence_parallel:
+            plan["input_layernorm"] = SequenceParallel()
+            plan["pre_mlp_layernorm"] = SequenceParallel()
+        parallelize_module(layer, tp_mesh, plan)
+        _use_local_head_counts(layer.self_attention, tp)
+    if sequence_parallel:
+        parallelize_module(model.decoder.final_layernorm, tp_mesh, SequenceParallel())
+    if model.output_layer is not None:
+        # Only its weight is used (GPTModel.output_and_loss), sharded by vocab rows.
+        parallelize_module(model.output_layer, tp_mesh, ColwiseParallel())
+
+    def output_and_loss(self: GPTModel, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        return vocab_parallel_output(hidden, self.output_weight(), labels, tp_mesh)
+
+    model.output_and_loss = types.MethodType(output_and_loss, model)
+    model.tensor_parallel_size = tp
+    model.sequence_parallel = sequence_parallel
+
+
+def _use_local_head_counts(attention: nn.Module, tp: int) -> None:
+    """SelfAttention reshapes its local QKV output with these counts."""
+    attention.num_heads //= tp
+    attention.num_groups //= tp
+    core = attention.core_attention
+    for attr in ("num_heads", "num_groups"):
+        if hasattr(core, attr):
+            setattr(core, attr, getattr(core, attr) // tp)
+
+
+@torch.no_grad()
+def sync_tensor_parallel_grads(model: nn.Module) -> None:
+    """Bring every DTensor gradient to its parameter's layout, after the last backward.
+
+    With sequence parallelism a norm's weight gradient is a partial sum per
+    rank (each saw only its sequence slice); Megatron all-reduces those over
+    the tensor-parallel group in `finalize_model_grads`, and so do we, in one
+    collective. Other mismatches (a replicated gradient for a sharded
+    embedding) are resolved locally by DTensor.
+    """
+    partial: list[nn.Parameter] = []
+    for param in model.parameters():
+        grad = param.grad
+        if not isinstance(grad, DTensor) or grad.placements == param.placements:
+            continue
+        if all(p.is_partial() for p in grad.placements) and all(
+            p.is_replicate() for p in param.placements
+        ):
+            partial.append(param)
+        else:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+    if not partial:
+        return
+    locals_ = [p.grad.to_local() for p in partial]
+    flat = torch.cat([t.reshape(-1) for t in locals_])
+    dist.all_reduce(flat, group=partial[0].device_mesh.get_group())
+    offset = 0
+    for param, local in zip(partial, locals_, strict=True):
+        reduced = flat[offset : offset + local.numel()].view_as(local)
+        offset += local.numel()
+        param.grad = DTensor.from_local(
+            reduced, param.device_mesh, param.placements, run_check=False
+        )
