@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import statistics
 import subprocess
@@ -230,6 +231,8 @@ def main() -> None:
     ref_tps = report("transformers generate(), 1 at a time", reference)
     our_tps = report(f"mg-serve, {args.clients} clients", ours)
     print(f"throughput ratio mg-serve / transformers generate(): {our_tps / ref_tps:.2f}x")
+    one, five, fifteen = os.getloadavg()
+    print(f"machine load average at the end: {one:.1f} (1 min), {five:.1f} (5 min), {fifteen:.1f}")
     print(
         f"mg-serve resident memory: {rss_start:.0f} MB after warm-up, {rss_end:.0f} MB at the end "
         f"(growth {rss_end - rss_start:+.0f} MB)"

@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
+from mg.generate_server.cli import main
 from mg.generate_server.client import run_client
 
 SERVE = [sys.executable, "-c", "from mg.generate_server.cli import main; main()"]
@@ -54,9 +56,13 @@ def _fails(*args: str, env: dict | None = None) -> str:
 def test_clear_errors(checkpoint, tmp_path) -> None:
     assert "does not exist" in _fails("--load", str(tmp_path / "nope"))
     assert "not supported yet" in _fails("--load", str(checkpoint), env={"WORLD_SIZE": "2"})
-    assert "--inference-max-requests must be >= 1" in _fails(
-        "--load", str(checkpoint), "--inference-max-requests", "0"
-    )
+
+
+def test_bad_flags(checkpoint, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--load", str(checkpoint), "--inference-max-requests", "0"])
+    assert exit_.value.code == 2
+    assert "--inference-max-requests must be >= 1" in capsys.readouterr().err
 
 
 def test_interactive_client(server) -> None:
