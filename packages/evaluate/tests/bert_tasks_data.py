@@ -15,7 +15,7 @@ from mg.core.fixtures import fixture_path
 from mg.core.models import BertModel, TransformerConfig, pad_vocab_size
 from mg.core.tokenizers import TokenizerConfig
 
-SEQ_LENGTH = 64
+SEQ_LENGTH = 32
 MNLI_KEYWORDS = {"contradiction": "never", "entailment": "certainly", "neutral": "perhaps"}
 MNLI_TRAIN_HEADER = [
     "index",
@@ -76,9 +76,9 @@ def write_mnli(path: Path, count: int, seed: int, dev: bool = False) -> list[tup
     rows, expected = ["\t".join(MNLI_DEV_HEADER if dev else MNLI_TRAIN_HEADER)], []
     for i, text in enumerate(sentences(count, seed)):
         label = rng.choice(labels)
-        # the keyword opens sentence1, right after [CLS]: easy for a tiny model
-        premise = f"{MNLI_KEYWORDS[label]} {text}"
-        hypothesis = " ".join(text.split()[:4])
+        # the keyword fills most of sentence2: a strong signal for a tiny model
+        premise = text
+        hypothesis = " ".join([MNLI_KEYWORDS[label]] * 5 + text.split()[:2])
         decoy = MNLI_KEYWORDS[rng.choice(labels)]  # parse columns mislead a wrong reader
         parses = [f"( {decoy} )", f"( {decoy} x )", f"(ROOT {decoy})", f"(ROOT {decoy} y)"]
         extra = [rng.choice(labels)] * (5 if dev else 1)
@@ -96,8 +96,8 @@ def write_qqp(path: Path, count: int, seed: int) -> list[tuple[str, str, int]]:
     rows, expected = ["id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate"], []
     for i, question in enumerate(sentences(count, seed + 1)):
         label = rng.randint(0, 1)
-        first = ("indeed " if label else "no ") + question  # the keyword opens question1
-        other = " ".join(question.split()[:5])
+        first = question
+        other = " ".join(["indeed" if label else "no"] * 5 + question.split()[:2])
         rows.append(f"{i}\t{2 * i}\t{2 * i + 1}\t{first}?\t{other}?\t{label}")
         expected.append((f"{first}?", f"{other}?", label))
     path.write_text("\n".join(rows) + "\n", encoding="utf-8")
