@@ -1,0 +1,308 @@
+"""Megatron's `torch_dist` checkpoint format: torch.distributed.checkpoint (DCP) directories.
+
+    <save>/latest_checkpointed_iteration.txt
+    <save>/iter_0000200/.metadata            DCP's index: every tensor's global shape and chunks
+    <save>/iter_0000200/__0_0.distcp …       the tensor data each rank wrote
+    <save>/iter_0000200/common.pt            non-sharded state (args, iteration, scheduler, rng, mg)
+    <save>/iter_0000200/metadata.json        written last: its presence marks a complete checkpoint
+
+Tensor keys are global names without ranks
+(`model.decoder.layers.0.self_attention.linear_qkv.weight`,
+`optimizer.state.<same name>.exp_avg`), each stored once with its global shape
+whatever the layout that wrote it; a tensor-parallel shard is a chunk of it.
+So loading into another tensor- or data-parallel layout is DCP reading the
+chunks that overlap the new shards (resharding), and one process can read the
+whole model (`load_full_state`).
+
+Saves are atomic: every rank writes into `iter_XXXXXXX.tmp/`, then rank 0
+writes common.pt and metadata.json, renames the folder into place and
+updates the latest pointer. With `async_save=True` the state is copied to host
+memory, written by a background thread, and committed when the write is done;
+a process killed during an async save leaves only a `.tmp` folder, never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from mg.core.checkpoint.layout import (
+    STAGING_SUFFIX,
+    CheckpointError,
+    Iteration,
+    checkpoint_dir,
+    tracker_file,
+)
+from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
+
+COMMON_FILENAME = "common.pt"
+METADATA_FILENAME = "metadata.json"
+DCP_INDEX_FILENAME = ".metadata"
+# Megatron's metadata.json for a torch_dist checkpoint (dist_checkpointing/core.py).
+TORCH_DIST_METADATA = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+
+
+def is_torch_dist(folder: str | Path) -> bool:
+    """True for a complete torch_dist iteration folder (metadata.json says so)."""
+    path = Path(folder) / METADATA_FILENAME
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------- strided shards
+
+
+def _strided_chunks(tensor: DTensor) -> DTensor:
+    """A `_StridedShard` DTensor (a gated MLP's [gate; up] rows) as DCP-readable chunks.
+
+    DCP describes a rank's part of a tensor as offset + size chunks; a strided
+    shard is several such chunks (rank r of n holds chunks r, r+n, … of
+    split_factor·n), which LocalShardsWrapper lists. Views, so a load writes
+    into the parameter itself.
+    """
+    (placement,) = tensor.placements
+    mesh = tensor.device_mesh
+    n, r = mesh.size(), mesh.get_local_rank()
+    local = tensor.to_local()
+    dim, factor = placement.dim, placement.split_factor
+    pieces = local.chunk(factor, dim=dim)
+    piece_len = tensor.shape[dim] // (factor * n)
+    shards, offsets = [], []
+    for j, piece in enumerate(pieces):
+        offset = [0] * tensor.dim()
+        offset[dim] = (j * n + r) * piece_len
+        shards.append(piece)
+        offsets.append(tuple(offset))
+    wrapper = LocalShardsWrapper(shards, offsets)
+    return DTensor.from_local(
+        wrapper, mesh, [Shard(dim)], run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
+
+
+def dcp_ready(state: Any) -> Any:
+    """A copy of a nested state dict in which every tensor is something DCP can chunk."""
+    if isinstance(state, Mapping):
+        return {k: dcp_ready(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [dcp_ready(v) for v in state]
+    if isinstance(state, DTensor) and any(isinstance(p, _StridedShard) for p in state.placements):
+        if state.device_mesh.ndim != 1:
+            raise NotImplementedError("strided shards are supported on a 1-D mesh only")
+        return _strided_chunks(state)
+    return state
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _staging(save_dir: Path, iteration: Iteration) -> tuple[Path, Path]:
+    final = checkpoint_dir(save_dir, iteration)
+    return final, final.with_name(final.name + STAGING_SUFFIX)
+
+
+def _commit(save_dir: Path, final: Path, staging: Path, common: Mapping[str, Any]) -> None:
+    """Rank 0, once every rank's data is on disk: common.pt, metadata.json, rename, pointer."""
+    save_file(dict(common), staging / COMMON_FILENAME)
+    atomic_write(
+        staging / METADATA_FILENAME,
+        lambda handle: handle.write(json.dumps(TORCH_DIST_METADATA)),
+        binary=False,
+    )
+    if final.exists():
+        displaced = final.with_name(final.name + ".old")
+        shutil.rmtree(displaced, ignore_errors=True)
+        os.rename(final, displaced)
+        shutil.rmtree(displaced, ignore_errors=True)
+    os.rename(staging, final)
+    fsync_dir(save_dir)
+    iteration = common.get("iteration", final.name)
+    atomic_write(tracker_file(save_dir), lambda h: h.write(str(iteration)), binary=False)
+
+
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+class PendingSave:
+    """An async save in flight; `wait()` blocks until it is written and committed."""
+
+    def __init__(self, future: Future | None, path: Path) -> None:
+        self.future = future
+        self.path = path
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
+
+    def wait(self) -> Path:
+        if self.future is not None:
+            self.future.result()
+        return self.path
+
+
+def save_dist_checkpoint(
+    save_dir: str | Path,
+    iteration: int,
+    sharded: Mapping[str, Any],
+    common: Mapping[str, Any] | None,
+    *,
+    async_save: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> PendingSave:
+    """Save `sharded` (nested dicts of tensors/DTensors) collectively; rank 0 passes `common`.
+
+    Every rank of `process_group` calls this. Returns a `PendingSave`; for a
+    synchronous save it is already complete. With `async_save` the caller
+    must `wait()` on it before the next save and before exiting.
+    """
+    if not isinstance(iteration, int) or iteration <= 0:
+        raise ValueError(f"iteration must be an int > 0, got {iteration!r}")
+    save_dir = Path(save_dir)
+    final, staging = _staging(save_dir, iteration)
+    is_main = not dist.is_initialized() or dist.get_rank(process_group) == 0
+    if is_main:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    _barrier(process_group)
+    state = dcp_ready(dict(sharded))
+    no_dist = not dist.is_initialized()
+    common_state = {**(common or {}), "iteration": iteration}
+    if not async_save:
+        dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist)
+        if is_main:
+            _commit(save_dir, final, staging, common_state)
+        _barrier(process_group)
+        return PendingSave(None, final)
+    response = dcp.async_save(
+        state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist
+    )
+    future: Future = getattr(response, "upload_completion", response)
+    if not is_main:
+        return PendingSave(future, final)
+    # DCP's coordinator (rank 0) finishes only after every rank's data is written
+    # and .metadata is saved, so committing after it is safe.
+    committed: Future = Future()
+
+    def commit(done: Future) -> None:
+        try:
+            done.result()
+            _commit(save_dir, final, staging, common_state)
+            committed.set_result(final)
+        except BaseException as exc:  # surfaced by PendingSave.wait()
+            committed.set_exception(exc)
+
+    future.add_done_callback(commit)
+    return PendingSave(committed, final)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _check_complete(folder: Path) -> None:
+    if not is_torch_dist(folder):
+        raise CheckpointError(
+            f"{folder} is not a complete torch_dist checkpoint (no metadata.json naming "
+            "torch_dist); it may be a torch-format checkpoint (use --ckpt-format torch) or a "
+            "save that was interrupted"
+        )
+
+
+def load_common(folder: str | Path) -> dict[str, Any]:
+    """The non-sharded state (common.pt) of a torch_dist iteration folder."""
+    folder = Path(folder)
+    _check_complete(folder)
+    return load_file(folder / COMMON_FILENAME)
+
+
+def load_dist_checkpoint(
+    folder: str | Path,
+    sharded: dict[str, Any],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    """Fill `sharded` (this rank's tensors/DTensors, any layout) in place; returns common.pt.
+
+    Keys absent from the checkpoint raise a CheckpointError naming them.
+    """
+    folder = Path(folder)
+    common = load_common(folder)
+    reader = dcp.FileSystemReader(folder)
+    stored = set(reader.read_metadata().state_dict_metadata)
+    wanted = set(_flat_keys(sharded))
+    missing = sorted(wanted - stored)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise CheckpointError(
+            f"{folder}: the checkpoint has no {shown}; it was saved from a different model "
+            "(check --num-layers, --untie-embeddings-and-output-weights, the optimizer), or "
+            "load without the optimizer (--no-load-optim)"
+        )
+    dcp.load(
+        dcp_ready(sharded),
+        storage_reader=reader,
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
+    return common
+
+
+def _flat_keys(state: Mapping[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in state.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            keys.extend(_flat_keys(v, name + "."))
+        elif isinstance(v, Tensor):
+            keys.append(name)
+    return keys
+
+
+def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Tensor]:
+    """Every tensor under `prefix`, whole (unsharded), on one process without a process group."""
+    folder = Path(folder)
+    _check_complete(folder)
+    reader = dcp.FileSystemReader(folder)
+    metadata = reader.read_metadata()
+    flat = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    nested: dict[str, Any] = {}
+    for key, tensor in flat.items():
+        _set_nested(nested, key, tensor)
+    dcp.load(nested, storage_reader=reader, no_dist=True)
+    return {key[len(prefix) :]: tensor for key, tensor in flat.items()}
+
+
+def _set_nested(root: dict[str, Any], dotted: str, value: Any) -> None:
+    """DCP flattens nested dicts with dots; rebuild the nesting it expects on load.
+
+    Only the first component is a nesting level for our keys (`model.<name>`),
+    since module names themselves contain dots."""
+    head, _, rest = dotted.partition(".")
+    root.setdefault(head, {})[rest] = value
