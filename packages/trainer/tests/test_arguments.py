@@ -76,7 +76,7 @@ def test_yaml_unknown_key_is_named(tmp_path) -> None:
         ),
         (["--fp16", "--bf16"], "--fp16 and --bf16 cannot both be set"),
         (["--tensor-model-parallel-size", "2"], "not supported yet"),
-        (["--use-distributed-optimizer"], "not supported yet"),
+        (["--overlap-param-gather"], "only works with --use-distributed-optimizer"),
         (["--use-flash-attn"], "not supported"),
         (["--ckpt-format", "torch_dist"], "torch_dist is not supported yet"),
         (["--rampup-batch-size", "2", "2", "100"], "iteration-based training"),

@@ -105,6 +105,7 @@ class TrainingArgs:
     deterministic_mode: bool = False
     bf16: bool = False
     fp16: bool = False
+    dry_run: bool = False
 
 
 @dataclass
@@ -174,6 +175,7 @@ class DistributedArgs:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
     distributed_backend: str | None = None
     ddp_bucket_size: int | None = None
     # Filled from the torchrun environment, not from flags.
@@ -379,6 +381,12 @@ def _add_training_flags(p: argparse._ArgumentGroup) -> None:
     )
     p.add_argument("--bf16", action="store_true", help="bf16 autocast with fp32 weights/grads.")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling.")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Print parameters, FLOPs per iteration and per-GPU memory for these flags and "
+        "exit, without building the model (WORLD_SIZE sets the planned world size).",
+    )
 
 
 def _add_optimizer_flags(p: argparse._ArgumentGroup) -> None:
@@ -460,7 +468,18 @@ def _add_distributed_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP (1 for now).")
     p.add_argument("--context-parallel-size", type=int, default=1, help="CP (1 for now).")
     p.add_argument("--sequence-parallel", action="store_true", help="Not supported yet.")
-    p.add_argument("--use-distributed-optimizer", action="store_true", help="Not supported yet.")
+    p.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard optimizer state over data-parallel ranks (reduce-scatter grads, "
+        "all-gather params).",
+    )
+    p.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="With --use-distributed-optimizer: all-gather updated parameters in buckets, "
+        "overlapped with the next forward.",
+    )
     p.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
@@ -632,10 +651,47 @@ def _unsupported(args: Args) -> None:
         )
 
 
+def _check_dry_run(args: Args) -> None:
+    """A dry run plans layouts mg-train may not run yet; only the shape must split."""
+    d = args.distributed
+    if args.family != "gpt":
+        _fail(f"--dry-run supports gpt only, not {args.family}")
+    model_parallel = (
+        d.tensor_model_parallel_size * d.pipeline_model_parallel_size * d.context_parallel_size
+    )
+    if model_parallel < 1 or d.world_size % model_parallel:
+        _fail(
+            f"world size ({d.world_size}, from WORLD_SIZE) is not divisible by tensor x pipeline "
+            f"x context parallel sizes ({model_parallel}); set WORLD_SIZE to the planned GPU count"
+        )
+
+
+def _check_distributed_optimizer(args: Args) -> None:
+    d = args.distributed
+    if d.overlap_param_gather and not d.use_distributed_optimizer:
+        _fail("--overlap-param-gather only works with --use-distributed-optimizer")
+    if not d.use_distributed_optimizer or args.training.dry_run:
+        return
+    if d.tensor_model_parallel_size > 1:
+        _fail(
+            "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported "
+            "yet; drop one of them"
+        )
+    if d.pipeline_model_parallel_size > 1:
+        _fail(
+            "--use-distributed-optimizer with --pipeline-model-parallel-size > 1 is not "
+            "supported yet; drop one of them"
+        )
+
+
 def validate(args: Args) -> None:
     """Refuse inconsistent flags before anything heavy starts (Megatron's validate_args)."""
     _require(args)
-    _unsupported(args)
+    if args.training.dry_run:
+        _check_dry_run(args)
+    else:
+        _unsupported(args)
+    _check_distributed_optimizer(args)
     m, t, o, c = args.model, args.training, args.optimizer, args.checkpoint
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
         _fail(

@@ -19,6 +19,11 @@ def main(argv: list[str] | None = None) -> int:
         family = get_family(args.family)
         if args.family != "gpt":
             family.build_config(args, 1)  # bert/t5 data/shape flag errors, before anything heavy
+        if args.training.dry_run:
+            from mg.trainer.dry_run import report
+
+            print(report(args), flush=True)
+            return 0
     except ArgumentError as error:
         print(f"mg-train: error: {error}", file=sys.stderr)
         return 2

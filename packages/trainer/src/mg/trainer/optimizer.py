@@ -4,6 +4,12 @@ Megatron's "adam" is Adam with decoupled weight decay (apex FusedAdam in
 adam_w_mode), i.e. `torch.optim.AdamW`. Biases and every 1-D parameter (norm
 weights) get no weight decay; embeddings and matrices do, as in Megatron's
 `_get_param_groups`.
+
+`--use-distributed-optimizer` wraps the same torch optimizer in
+`mg.core.parallel.distributed_optimizer.DistributedOptimizer`: each
+data-parallel rank keeps the state of its shard only, gradients are
+reduce-scattered instead of all-reduced, and its state dict is the plain torch
+optimizer's, so checkpoints move freely between the two and between DP sizes.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import math
 import torch
 from torch import nn
 
-from mg.trainer.arguments import OptimizerArgs
+from mg.core.parallel.distributed_optimizer import DistributedOptimizer
+from mg.trainer.arguments import DistributedArgs, OptimizerArgs
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -34,9 +41,29 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: nn.Module, args: OptimizerArgs) -> torch.optim.Optimizer:
-    """AdamW (`--optimizer adam`) or SGD with momentum (`--optimizer sgd`)."""
+def build_optimizer(
+    model: nn.Module,
+    args: OptimizerArgs,
+    dist_args: DistributedArgs | None = None,
+    dp_group: torch.distributed.ProcessGroup | None = None,
+) -> torch.optim.Optimizer | DistributedOptimizer:
+    """AdamW (`--optimizer adam`) or SGD with momentum (`--optimizer sgd`), sharded over
+    `dp_group` (default: the world) with `--use-distributed-optimizer`."""
     groups = param_groups(model, args.weight_decay)
+    if dist_args is not None and dist_args.use_distributed_optimizer:
+        return DistributedOptimizer(
+            groups,
+            lambda inner: _torch_optimizer(inner, args),
+            dp_group=dp_group,
+            bucket_size=dist_args.ddp_bucket_size,
+            overlap_grad_reduce=dist_args.overlap_grad_reduce,
+            overlap_param_gather=dist_args.overlap_param_gather,
+            model=model,
+        )
+    return _torch_optimizer(groups, args)
+
+
+def _torch_optimizer(groups: list[dict], args: OptimizerArgs) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
         return torch.optim.AdamW(
             groups,

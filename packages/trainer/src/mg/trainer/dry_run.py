@@ -1,0 +1,148 @@
+"""`mg-train gpt --dry-run`: what a run would need per GPU, without allocating the model.
+
+Reads the same flags as a real run (the world size from WORLD_SIZE, as torchrun
+sets it, so `WORLD_SIZE=1536 mg-train gpt --dry-run ...` plans a 1536-GPU job
+on a laptop), then prints the parameter count, FLOPs per iteration and the
+per-GPU memory of `mg.core.models.memory` for the most loaded pipeline stage.
+The total parameter count is cross-checked against the model built on the
+meta device (no storage is allocated).
+
+mg-train keeps fp32 weights and gradients and runs `--bf16`/`--fp16` as
+autocast, so its weights/grads/optimizer bytes are the fp32 row of REFERENCE
+§7's table; the activations are 16-bit under autocast. The report also gives
+the figure for Megatron's bf16/fp16 weights with fp32 main parameters, for
+planning a run with Megatron-LM itself.
+"""
+
+from __future__ import annotations
+
+from mg.core.models import TransformerConfig
+from mg.core.models.memory import MemoryEstimate, MemoryEstimateError, estimate_memory
+from mg.core.parallel.mesh import ParallelDims, ParallelLayoutError
+from mg.trainer.arguments import Args, ArgumentError
+
+_GIB = 2**30
+
+
+def _vocab_size(args: Args) -> int:
+    from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
+
+    d = args.data
+    config = args.checkpoint_tokenizer_config or TokenizerConfig(
+        tokenizer_type=d.tokenizer_type,
+        vocab_file=d.vocab_file,
+        merge_file=d.merge_file,
+        tokenizer_model=d.tokenizer_model,
+        vocab_size=d.vocab_size,
+        vocab_extra_ids=d.vocab_extra_ids,
+    )
+    return vocab_size_with_padding(
+        build_tokenizer(config).vocab_size,
+        args.model.make_vocab_size_divisible_by,
+        args.distributed.tensor_model_parallel_size,
+    )
+
+
+def meta_parameter_count(config: TransformerConfig) -> int:
+    """numel of the real model, built on the meta device (shapes only, no storage)."""
+    import torch
+
+    from mg.core.models import GPTModel
+
+    with torch.device("meta"):
+        model = GPTModel(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def estimate(args: Args, config: TransformerConfig, param_dtype: str = "fp32") -> MemoryEstimate:
+    """The memory estimate of `args`' run (mg-train keeps fp32 weights: param_dtype fp32)."""
+    d, m, t = args.distributed, args.model, args.training
+    try:
+        dims = ParallelDims.from_world(
+            d.world_size,
+            tp=d.tensor_model_parallel_size,
+            pp=d.pipeline_model_parallel_size,
+            cp=d.context_parallel_size,
+        )
+        if dims.cp > 1:
+            raise ArgumentError("--dry-run does not model --context-parallel-size > 1 yet")
+        return estimate_memory(
+            config,
+            micro_batch_size=t.micro_batch_size,
+            global_batch_size=t.global_batch_size,
+            seq_length=m.seq_length,
+            tp=dims.tp,
+            pp=dims.pp,
+            dp=dims.dp,
+            sequence_parallel=d.sequence_parallel,
+            param_dtype=param_dtype,
+            activation_dtype="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
+            distributed_optimizer=d.use_distributed_optimizer,
+            optimizer=args.optimizer.optimizer,
+            recompute_granularity=m.recompute_granularity,
+            recompute_method=m.recompute_method or "uniform",
+            recompute_num_layers=m.recompute_num_layers or 1,
+            # PyTorch SDPA keeps no score matrix, except on its math path (attention dropout).
+            fused_attention=config.attention_dropout == 0.0,
+        )
+    except (ParallelLayoutError, MemoryEstimateError) as error:
+        raise ArgumentError(f"--dry-run: {error}") from error
+
+
+def report(args: Args) -> str:
+    """The dry-run report as text (Megatron's units: parameters in B, memory in GiB)."""
+    if args.family != "gpt":
+        raise ArgumentError(f"--dry-run supports gpt only, not {args.family}")
+    from mg.trainer.families import get_family
+
+    config = get_family("gpt").build_config(args, _vocab_size(args))
+    est = estimate(args, config)
+    d, m, t = args.distributed, args.model, args.training
+    tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, 1
+    dp = d.world_size // (tp * pp * cp)
+    meta = meta_parameter_count(config)
+    stage = est.most_loaded
+    bpp = est.bytes_per_parameter
+    recompute = m.recompute_granularity or "none"
+    act_dtype = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
+    lines = [
+        f"mg-train dry run: gpt, {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_attention_heads} heads ({config.num_query_groups} query groups), "
+        f"ffn {config.ffn_hidden_size}, seq {m.seq_length}, padded vocab {config.vocab_size}",
+        f"parallel layout: world {d.world_size} = TP {tp} x PP {pp} x DP {dp}, "
+        f"sequence parallel {'on' if d.sequence_parallel else 'off'}, "
+        f"distributed optimizer {'on' if d.use_distributed_optimizer else 'off'}",
+        f"batch: micro {t.micro_batch_size}, global {t.global_batch_size}, "
+        f"{t.global_batch_size // (t.micro_batch_size * dp)} micro-batches per step, "
+        f"{est.in_flight_micro_batches} in flight on the first stage (1F1B)",
+        f"number of parameters: {est.total_parameters / 1e9:.4f} B "
+        f"(meta-device model: {meta / 1e9:.4f} B{'' if meta == est.total_parameters else ' !'})",
+        f"number of parameters on the most loaded GPU (stage {stage.stage}): "
+        f"{stage.parameters / 1e9:.4f} B",
+        f"FLOPs per iteration: {est.flops_per_iteration:.4E} "
+        f"({est.flops_per_iteration / d.world_size:.4E} per GPU)",
+        "",
+        f"memory per GPU, stage {stage.stage} of {pp} (weights fp32, activations {act_dtype}, "
+        f"recompute {recompute}):",
+        f"  {'part':<34}{'bytes/param':>12}{'GiB':>12}",
+        f"  {'weights':<34}{bpp.params:>12.2f}{stage.weights / _GIB:>12.3f}",
+        f"  {'gradients':<34}{bpp.grads:>12.2f}{stage.gradients / _GIB:>12.3f}",
+        f"  {'optimizer state':<34}{bpp.optimizer_state:>12.2f}"
+        f"{stage.optimizer_state / _GIB:>12.3f}",
+        f"  {f'activations (recompute {recompute})':<34}{'':>12}{stage.activations / _GIB:>12.3f}",
+        f"  {'activations without recompute':<34}{'':>12}"
+        f"{stage.activations_no_recompute / _GIB:>12.3f}",
+        f"  {'total':<34}{bpp.total:>12.2f}{stage.total / _GIB:>12.3f}",
+    ]
+    weights_and_optimizer = stage.weights + stage.gradients + stage.optimizer_state
+    lines.append(
+        f"theoretical memory footprints: weight and optimizer={weights_and_optimizer / 2**20:.2f} "
+        f"MB, activation={stage.activations / 2**20:.2f} MB, total={stage.total / 2**20:.2f} MB"
+    )
+    if t.bf16 or t.fp16:
+        megatron = estimate(args, config, param_dtype=act_dtype).most_loaded
+        lines.append(
+            f"with Megatron's {act_dtype} weights and fp32 main parameters: "
+            f"{megatron.total / _GIB:.3f} GiB per GPU"
+        )
+    return "\n".join(lines)
