@@ -59,6 +59,42 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(CheckpointError, match="final_layernorm"):
         load_model(tmp_path / "short")
     state = {"model": GPTModel(CONFIG).state_dict(), "mg": None}
-    save_checkpoint_shards(tmp_path / "tp2", 1, {(0, 0): state, (1, 0): state})
-    with pytest.raises(CheckpointError, match="single-shard"):
-        load_model(tmp_path / "tp2")
+    save_checkpoint_shards(tmp_path / "pp2", 1, {(0, 0): state, (0, 1): state})
+    with pytest.raises(CheckpointError, match="pipeline- and expert-unsplit"):
+        load_model(tmp_path / "pp2")
+
+
+def _megatron_tp_split(weights: dict, tp: int) -> list[dict]:
+    """Megatron's per-rank shards, written out independently of mg's merge code:
+    QKV/fc1/embeddings by rows (fc1's gate and up halves each), proj/fc2 by columns."""
+    shards = [{} for _ in range(tp)]
+    for name, tensor in weights.items():
+        if name.endswith("linear_fc1.weight"):
+            gate, up = tensor.chunk(2)
+            parts = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
+        elif name.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+            parts = list(tensor.chunk(tp, dim=0))
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            parts = list(tensor.chunk(tp, dim=1))
+        else:
+            parts = [tensor] * tp
+        for shard, part in zip(shards, parts, strict=True):
+            shard[name] = part.clone()
+    return shards
+
+
+def test_tensor_parallel_torch_checkpoint_is_merged(tmp_path):
+    """A TP=2 `torch` checkpoint (mp_rank_00, mp_rank_01) loads as the whole model."""
+    from mg.core.checkpoint import mg_metadata
+
+    torch.manual_seed(0)
+    weights = GPTModel(CONFIG).state_dict()
+    meta = mg_metadata(CONFIG.to_dict(), None, tp=2)
+    shards = {
+        (rank, 0): {"model": shard, "mg": meta}
+        for rank, shard in enumerate(_megatron_tp_split(weights, 2))
+    }
+    save_checkpoint_shards(tmp_path / "tp2", 1, shards)
+    model, *_ = load_model(tmp_path / "tp2")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name

@@ -18,7 +18,7 @@ can be moved or copied as a whole.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_full_state
 from mg.core.checkpoint.layout import RELEASE, CheckpointError, Iteration
 from mg.core.checkpoint.torch_format import (
     find_rank_file,
@@ -35,6 +36,7 @@ from mg.core.checkpoint.torch_format import (
     resolve_iteration,
     save_checkpoint_shards,
 )
+from mg.core.checkpoint.tp_merge import merge_tensor_parallel
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
 from mg.core.tokenizers.config import TokenizerConfig
@@ -72,21 +74,21 @@ def load_model(
 ) -> tuple[GPTModel, TransformerConfig, TokenizerConfig | None, ModelInfo]:
     """Build a `GPTModel` from a checkpoint's own metadata and load its weights (strict).
 
-    Only single-shard (TP=1, PP=1) checkpoints load here; a sharded one raises
-    with the command that merges it. The model is built on the meta device and
+    Reads `torch_dist` checkpoints of any layout and `torch` ones with
+    tensor-parallel shards (`mp_rank_TT`, merged along Megatron's partition
+    dims); a pipeline-split `torch` checkpoint raises with the command that
+    merges it. The model is built on the meta device and
     the loaded tensors are assigned, so weights are held once. The model is
     returned in eval mode (dropout off), as eval and serve need it.
     """
     load_dir = Path(load_dir)
     iteration = resolve_iteration(load_dir, iteration)
-    path, layout = find_rank_file(iteration_dir(load_dir, iteration))
-    if layout.tp * layout.pp * layout.ep != 1:
-        raise CheckpointError(
-            f"{load_dir} was saved with {layout}; load_model reads single-shard checkpoints. "
-            "Merge it first: mg-convert reshard --target-tensor-parallel-size 1 "
-            "--target-pipeline-parallel-size 1"
-        )
-    state, iteration = load_checkpoint(load_dir, iteration, map_location=map_location)
+    folder = iteration_dir(load_dir, iteration)
+    if is_torch_dist(folder):
+        state, path = load_common(folder), folder
+        weights_of = lambda config: load_full_state(folder)  # noqa: E731 (read after the config check)
+    else:
+        state, path, weights_of = _load_torch_format(load_dir, folder, iteration, map_location)
     meta = state.get("mg") or {}
     if not meta.get("model_config"):
         raise CheckpointError(
@@ -99,7 +101,7 @@ def load_model(
         tokenizer_config = resolve_tokenizer_paths(
             TokenizerConfig.from_dict(dict(meta["tokenizer_config"])), load_dir
         )
-    weights = _model_state(state, path)
+    weights = weights_of(config)
     with torch.device("meta"):
         model = GPTModel(config)
     try:
@@ -111,6 +113,31 @@ def load_model(
     extra = {k: v for k, v in state.items() if k not in ("model", "optimizer", "args")}
     info = ModelInfo(load_dir, iteration, path, state.get("args"), extra)
     return model.eval(), config, tokenizer_config, info
+
+
+def _load_torch_format(
+    load_dir: Path, folder: Path, iteration: Iteration, map_location: Any
+) -> tuple[dict[str, Any], Path, Callable[[TransformerConfig], dict[str, Tensor]]]:
+    """Rank 0's state, its path, and a reader of the whole weights (TP shards merged)."""
+    path, layout = find_rank_file(folder)
+    if layout.pp * layout.ep != 1:
+        raise CheckpointError(
+            f"{load_dir} was saved with {layout}; load_model reads pipeline- and expert-"
+            "unsplit `torch` checkpoints. Merge it first: mg-convert reshard "
+            "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1, or save with "
+            "--ckpt-format torch_dist"
+        )
+    states = [load_checkpoint(load_dir, iteration, map_location=map_location)[0]]
+    for tp_rank in range(1, layout.tp):
+        states.append(
+            load_checkpoint(load_dir, iteration, tp_rank=tp_rank, map_location=map_location)[0]
+        )
+
+    def weights(config: TransformerConfig) -> dict[str, Tensor]:
+        shards = [_model_state(s, path) for s in states]
+        return merge_tensor_parallel(shards, config.gated_linear_unit)
+
+    return states[0], path, weights
 
 
 def _model_state(state: Mapping[str, Any], path: Path) -> dict[str, Tensor]:
