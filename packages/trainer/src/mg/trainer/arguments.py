@@ -171,7 +171,9 @@ class DistributedArgs:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
     context_parallel_size: int = 1
+    distributed_timeout_minutes: float = 10.0
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
@@ -200,7 +202,11 @@ class Args:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.distributed.world_size
+        d = self.distributed
+        model_parallel = (
+            d.tensor_model_parallel_size * d.pipeline_model_parallel_size * d.context_parallel_size
+        )
+        return max(d.world_size // model_parallel, 1)
 
     def flat(self) -> dict[str, Any]:
         """All fields as one flat dict with Megatron's names (what a checkpoint's `args` holds)."""
@@ -465,8 +471,29 @@ def _add_logging_flags(p: argparse._ArgumentGroup) -> None:
 
 def _add_distributed_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP (1 for now).")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="PP (1 for now).")
-    p.add_argument("--context-parallel-size", type=int, default=1, help="CP (1 for now).")
+    p.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Pipeline stages (Megatron's 1F1B schedule); layers are split evenly.",
+    )
+    p.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        help="Layers per model chunk: interleaved 1F1B with several chunks per pipeline rank.",
+    )
+    p.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Split each sequence over this many ranks (causal ring attention).",
+    )
+    p.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="A distributed operation that does not complete in this time ends the job.",
+    )
     p.add_argument("--sequence-parallel", action="store_true", help="Not supported yet.")
     p.add_argument(
         "--use-distributed-optimizer",
@@ -633,11 +660,9 @@ def _require(args: Args) -> None:
 
 def _unsupported(args: Args) -> None:
     d, m = args.distributed, args.model
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(d, name) != 1:
-            _fail(f"--{name.replace('_', '-')} > 1 is not supported yet (data parallelism only)")
-    if d.context_parallel_size != 1:
-        _fail("--context-parallel-size > 1 is not supported yet (data parallelism only)")
+    if d.tensor_model_parallel_size != 1:
+        _fail("--tensor-model-parallel-size > 1 is not supported yet")
+    _check_pipeline_and_context(args)
     if d.sequence_parallel:
         _fail("--sequence-parallel is not supported yet (needs tensor parallelism)")
     if args.checkpoint.ckpt_format != "torch":
@@ -682,6 +707,63 @@ def _check_distributed_optimizer(args: Args) -> None:
             "--use-distributed-optimizer with --pipeline-model-parallel-size > 1 is not "
             "supported yet; drop one of them"
         )
+
+
+def _check_pipeline_and_context(args: Args) -> None:
+    """PP/CP layout rules (Megatron's), checked before any process group exists."""
+    d, m, t = args.distributed, args.model, args.training
+    pp, cp = d.pipeline_model_parallel_size, d.context_parallel_size
+    for flag, value in (("--pipeline-model-parallel-size", pp), ("--context-parallel-size", cp)):
+        if value < 1:
+            _fail(f"{flag} must be >= 1, got {value}")
+    if d.distributed_timeout_minutes <= 0:
+        _fail(f"--distributed-timeout-minutes must be > 0, got {d.distributed_timeout_minutes}")
+    model_parallel = pp * cp * d.tensor_model_parallel_size
+    if d.world_size % model_parallel:
+        _fail(
+            f"world size ({d.world_size}) is not divisible by tensor "
+            f"({d.tensor_model_parallel_size}) x pipeline ({pp}) x context ({cp}) parallel "
+            f"sizes; launch a multiple of {model_parallel} processes"
+        )
+    if (pp > 1 or cp > 1) and args.family != "gpt":
+        _fail(
+            f"--pipeline-model-parallel-size and --context-parallel-size are supported for gpt, "
+            f"not {args.family}"
+        )
+    if pp > 1 or d.num_layers_per_virtual_pipeline_stage is not None:
+        from mg.core.parallel.pipeline import PipelineConfigError, virtual_size_from_layers
+
+        try:
+            virtual = virtual_size_from_layers(
+                m.num_layers, pp, d.num_layers_per_virtual_pipeline_stage
+            )
+        except PipelineConfigError as err:
+            _fail(str(err))
+        if m.num_layers % pp:
+            _fail(
+                f"number of layers ({m.num_layers}) should be divisible by the pipeline parallel "
+                f"size ({pp}); change --num-layers or --pipeline-model-parallel-size"
+            )
+        micro = t.global_batch_size // (t.micro_batch_size * args.data_parallel_size)
+        if virtual > 1 and micro % pp:
+            _fail(
+                f"number of microbatches ({micro}) is not divisible by pipeline-model-parallel-"
+                f"size ({pp}) when using interleaved schedule; change --global-batch-size"
+            )
+        if virtual > 1 and t.rampup_batch_size is not None:
+            _fail("--rampup-batch-size with the interleaved schedule is not supported")
+        if d.overlap_grad_reduce:
+            _fail("--overlap-grad-reduce with pipeline parallelism is not supported yet; drop it")
+    if cp > 1:
+        if m.seq_length % (2 * cp):
+            _fail(
+                f"--seq-length ({m.seq_length}) must be divisible by 2 x --context-parallel-size "
+                f"({2 * cp}): each rank holds two of 2·CP chunks"
+            )
+        if args.data.reset_attention_mask:
+            _fail("--context-parallel-size > 1 does not support --reset-attention-mask")
+        if m.attention_dropout > 0:
+            _fail("--context-parallel-size > 1 needs --attention-dropout 0")
 
 
 def validate(args: Args) -> None:

@@ -52,11 +52,14 @@ def save(
     tokenizer_config: dict[str, Any],
     save_optim: bool = True,
     save_rng: bool = True,
+    layout: Any = None,
 ) -> None:
-    """Save on every rank (rank 0 writes; the others join the barriers)."""
+    """Save on every rank: one rank per (tp, pp) shard writes `mp_rank_TT[_PPP]`, the others
+    join the barriers. `layout` is the trainer's `ParallelLayout` (None: one shard)."""
     is_main = not distributed.is_distributed() or torch.distributed.get_rank() == 0
+    writer = is_main if layout is None else layout.writes_checkpoint
     payload = None
-    if is_main:
+    if writer:
         args_ns = argparse.Namespace(
             **args_flat,
             iteration=state.iteration,
@@ -67,9 +70,14 @@ def save(
         payload = {
             "args": args_ns,
             "iteration": state.iteration,
-            "model": distributed.unwrap(model).state_dict(),
+            **_model_states(model),
             "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
-            "mg": mg_metadata(model_config, tokenizer_config, dp=args_flat["data_parallel_size"]),
+            "mg": mg_metadata(
+                model_config,
+                tokenizer_config,
+                dp=args_flat["data_parallel_size"],
+                **_parallel_sizes(layout),
+            ),
         }
         if save_optim:
             payload["optimizer"] = optimizer.state_dict()
@@ -83,9 +91,60 @@ def save(
         save_dir,
         state.iteration,
         payload,
+        **_shard_position(layout),
         is_writer_of_latest=is_main,
         barrier=distributed.barrier if distributed.is_distributed() else None,
     )
+
+
+def _chunks(model: nn.Module) -> list[nn.Module] | None:
+    """A pipeline rank's model chunks, or None for a whole model."""
+    from mg.trainer.model_parallel import PipelineModel
+
+    return list(model) if isinstance(model, PipelineModel) else None
+
+
+def _model_states(model: nn.Module) -> dict[str, Any]:
+    """Megatron's model entries: `model`, or `model0`, `model1`… per virtual stage."""
+    chunks = _chunks(model)
+    if chunks is None:
+        return {"model": distributed.unwrap(model).state_dict()}
+    if len(chunks) == 1:
+        return {"model": chunks[0].state_dict()}
+    return {f"model{i}": chunk.state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _load_model_states(model: nn.Module, ckpt: dict[str, Any], path: str) -> None:
+    chunks = _chunks(model)
+    if chunks is None:
+        distributed.unwrap(model).load_state_dict(ckpt["model"])
+        return
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        raise ValueError(
+            f"{path}: the checkpoint has no {', '.join(missing)} entry; it was saved with a "
+            "different --num-layers-per-virtual-pipeline-stage (use the same value to load it)"
+        )
+    for chunk, key in zip(chunks, keys, strict=True):
+        chunk.load_state_dict(ckpt[key])
+
+
+def _parallel_sizes(layout: Any) -> dict[str, int]:
+    if layout is None:
+        return {}
+    return {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "vp": layout.virtual}
+
+
+def _shard_position(layout: Any) -> dict[str, int]:
+    if layout is None:
+        return {}
+    return {
+        "tp_rank": layout.tp_rank,
+        "tp_size": layout.tp,
+        "pp_rank": layout.pp_rank,
+        "pp_size": layout.pp,
+    }
 
 
 def resume(
@@ -98,6 +157,7 @@ def resume(
     finetune: bool = False,
     load_optim: bool = True,
     load_rng: bool = True,
+    layout: Any = None,
 ) -> TrainState | None:
     """Load `load_dir`'s latest checkpoint into the objects; None if there is none.
 
@@ -105,8 +165,19 @@ def resume(
     """
     if read_latest_iteration(load_dir) is None:
         return None
-    ckpt, iteration = load_checkpoint(load_dir)
-    distributed.unwrap(model).load_state_dict(ckpt["model"])
+    position = _shard_position(layout)
+    ckpt, iteration = load_checkpoint(
+        load_dir, tp_rank=position.get("tp_rank", 0), pp_rank=position.get("pp_rank", 0)
+    )
+    saved = (ckpt.get("mg") or {}).get("parallel") or {}
+    wanted = position.get("pp_size", 1)
+    if saved.get("pp", 1) != wanted:
+        raise ValueError(
+            f"{load_dir}: the torch-format checkpoint was saved with pipeline-model-parallel-size "
+            f"{saved.get('pp', 1)}, this run uses {wanted}; use the same size, or save with "
+            "--ckpt-format torch_dist, which loads into any pipeline layout"
+        )
+    _load_model_states(model, ckpt, load_dir)
     if finetune:
         return TrainState()
     if load_optim:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,10 @@ def read_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(backend: str | None = None) -> DistEnv:
-    """Join the process group torchrun describes (gloo on CPU, NCCL on GPU)."""
+def init_distributed(backend: str | None = None, timeout_minutes: float | None = None) -> DistEnv:
+    """Join the process group torchrun describes (gloo on CPU, NCCL on GPU).
+
+    `timeout_minutes` (`--distributed-timeout-minutes`) bounds every collective."""
     world_size = read_world_size()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -57,6 +60,7 @@ def init_distributed(backend: str | None = None) -> DistEnv:
             rank=rank,
             world_size=world_size,
             device_id=device if use_cuda else None,
+            timeout=timedelta(minutes=timeout_minutes) if timeout_minutes else None,
         )
     return DistEnv(rank, world_size, local_rank, device)
 
@@ -86,14 +90,20 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def allreduce_gradients(model: nn.Module) -> None:
-    """Average gradients over data-parallel ranks after backward (the no-overlap path)."""
+def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Average gradients over data-parallel ranks after backward (the no-overlap path).
+
+    `group` is the data-parallel (× context-parallel) group; the whole world by default."""
     if not is_distributed() or isinstance(model, nn.parallel.DistributedDataParallel):
         return
+    if group is not None and dist.get_world_size(group) == 1:
+        return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -24,9 +24,13 @@ import torch
 from torch import nn
 
 from mg.core.models import apply_activation_recompute, num_floating_point_operations
+from mg.core.parallel.pipeline import (
+    allreduce_shared_embedding_grad,
+    clip_grad_norm_across_stages,
+)
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
 from mg.indexed_dataset import samples_per_split
-from mg.trainer import checkpointing, distributed
+from mg.trainer import checkpointing, distributed, model_parallel
 from mg.trainer.arguments import Args
 from mg.trainer.batch_schedule import BatchSchedule, train_iterations
 from mg.trainer.checkpointing import TrainState
@@ -80,12 +84,21 @@ class _SigtermFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _batches(dataset: Any, consumed: int, mbs: int, env: distributed.DistEnv) -> Iterator:
+def _batches(
+    dataset: Any,
+    consumed: int,
+    mbs: int,
+    env: distributed.DistEnv,
+    layout: model_parallel.ParallelLayout,
+) -> Iterator:
+    """This data-parallel rank's micro-batches (every pp/cp/tp rank of it reads the same)."""
     sampler = distributed.MegatronPretrainingSampler(
-        len(dataset), consumed, mbs, env.rank, env.world_size
+        len(dataset), consumed, mbs, layout.dp_rank, layout.dp
     )
     for indices in sampler:
-        yield collate([dataset[i] for i in indices], env.device)
+        yield model_parallel.shard_for_context(
+            collate([dataset[i] for i in indices], env.device), layout
+        )
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
@@ -100,7 +113,24 @@ class Trainer:
     def __init__(self, args: Args) -> None:
         self.args = args
         t = args.training
-        self.env = distributed.init_distributed(args.distributed.distributed_backend)
+        dargs = args.distributed
+        self.env = distributed.init_distributed(
+            dargs.distributed_backend, dargs.distributed_timeout_minutes
+        )
+        self.layout = model_parallel.build_layout(args, self.env)
+        self.watchdog = None
+        if self.env.world_size > 1:
+            from mg.core.parallel import watchdog
+
+            self.watchdog = watchdog.install(
+                watchdog.timeout_from_minutes(dargs.distributed_timeout_minutes),
+                self.env.rank,
+                self.layout.describe(),
+            )
+        # Megatron prints the training log from the last rank (the last pipeline stage).
+        self.is_log_rank = (
+            self.env.rank == self.env.world_size - 1 if self.layout.pp > 1 else self.env.is_main
+        )
         if t.deterministic_mode:
             enable_deterministic_mode()
         set_seed(t.seed)
@@ -123,13 +153,17 @@ class Trainer:
         self.model_config = self.family.build_config(args, vocab)
         model = self.family.build_model(self.model_config, args).to(self.env.device)
         m = args.model
-        if m.recompute_granularity is not None:
-            apply_activation_recompute(
-                model,
-                m.recompute_granularity,
-                m.recompute_method or "uniform",
-                m.recompute_num_layers or 1,
-            )
+
+        def recompute(module: nn.Module) -> None:
+            if m.recompute_granularity is not None:
+                apply_activation_recompute(
+                    module,
+                    m.recompute_granularity,
+                    m.recompute_method or "uniform",
+                    m.recompute_num_layers or 1,
+                )
+
+        model = model_parallel.parallelize(model, self.layout, recompute)
         self.batches = BatchSchedule(
             t.global_batch_size, t.micro_batch_size, args.data_parallel_size, t.rampup_batch_size
         )
@@ -158,6 +192,7 @@ class Trainer:
                 finetune=c.finetune,
                 load_optim=not c.no_load_optim,
                 load_rng=not c.no_load_rng,
+                layout=self.layout,
             )
             if resumed is not None:
                 self.state = resumed
@@ -197,11 +232,13 @@ class Trainer:
         )
         train, valid, _ = self.family.build_datasets(self.args, self.tokenizer, num_samples)
         self.train_data = _batches(
-            train, self.state.consumed_train_samples, t.micro_batch_size, self.env
+            train, self.state.consumed_train_samples, t.micro_batch_size, self.env, self.layout
         )
         self.valid_dataset = valid
         self.valid_data = (
-            _batches(valid, self.state.consumed_valid_samples, t.micro_batch_size, self.env)
+            _batches(
+                valid, self.state.consumed_valid_samples, t.micro_batch_size, self.env, self.layout
+            )
             if valid is not None and len(valid) > 0 and t.eval_iters > 0
             else None
         )
@@ -218,6 +255,18 @@ class Trainer:
         tokens = torch.zeros((), dtype=torch.float64, device=self.env.device)
         extra_sums: dict[str, torch.Tensor] = {}
         data = self.train_data if backward else self.valid_data
+        if isinstance(self.model, model_parallel.PipelineModel):
+            loss_sum, tokens = model_parallel.pipeline_forward_backward(
+                self.model,
+                self.layout,
+                [next(data) for _ in range(num_micro)],
+                hidden_size=self.model_config.hidden_size,
+                loss_scale=self.scaler.scale,
+                autocast=lambda: _autocast(self.env.device, self.dtype),
+                backward=backward,
+                device=self.env.device,
+            )
+            num_micro = 0  # the schedule ran them all
         for i in range(num_micro):
             batch = next(data)
             sync = (
@@ -233,7 +282,7 @@ class Trainer:
                 micro_sum, micro_tokens = terms[0], terms[1]
                 extra = terms[2] if len(terms) > 2 else {}
                 if backward:
-                    loss = micro_sum / micro_tokens.clamp(min=1)
+                    loss = model_parallel.micro_batch_loss(micro_sum, micro_tokens, self.layout)
                     for value in extra.values():
                         loss = loss + value
                     loss = loss / num_micro
@@ -248,7 +297,7 @@ class Trainer:
         )
         ranks = self.args.data_parallel_size
         self.extra_losses = {
-            n: float(totals[2 + i]) / (num_micro * ranks) for i, n in enumerate(names)
+            n: float(totals[2 + i]) / (max(num_micro, 1) * ranks) for i, n in enumerate(names)
         }
         return float(totals[0]), float(totals[1])
 
@@ -259,13 +308,20 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, tokens = self._forward_backward(num_micro, backward=True)
-        distributed.allreduce_gradients(self.model)
+        distributed.allreduce_gradients(self.model, self.layout.dp_cp_group)
+        if isinstance(self.model, model_parallel.PipelineModel):
+            allreduce_shared_embedding_grad(self.model.chunks, self.layout.embedding_group)
         found_inf = unscale_and_check(self.params, self.scaler.scale)
         found_inf = distributed.all_reduce_max(float(found_inf)) > 0
         self.scaler.update(found_inf)
         grad_norm = None
         if not found_inf:
-            grad_norm = clip_grad_norm(self.model, self.args.optimizer.clip_grad)
+            if isinstance(self.model, model_parallel.PipelineModel):
+                grad_norm = clip_grad_norm_across_stages(
+                    self.params, self.args.optimizer.clip_grad, self.layout.pp_group
+                )
+            else:
+                grad_norm = clip_grad_norm(self.model, self.args.optimizer.clip_grad)
             self.optimizer.step()
             self.scheduler.step(gbs)
         self.state.consumed_train_samples += gbs
@@ -306,6 +362,7 @@ class Trainer:
             tokenizer_config=self.tokenizer_config.to_dict(),
             save_optim=not c.no_save_optim,
             save_rng=not c.no_save_rng,
+            layout=self.layout,
         )
         if self.env.is_main:
             print(f" saved checkpoint at iteration {self.state.iteration} to {c.save}", flush=True)
@@ -366,8 +423,8 @@ class Trainer:
                 self.writer.scalars(scalars, st.iteration)
                 if st.iteration % args.logging.log_interval == 0:
                     elapsed = (time.time() - interval_time) / interval_iters
-                    throughput = flops / (elapsed * 1e12 * args.data_parallel_size)
-                    if self.env.is_main:
+                    throughput = flops / (elapsed * 1e12 * self.env.world_size)
+                    if self.is_log_rank:
                         print(
                             training_log_line(
                                 iteration=st.iteration,

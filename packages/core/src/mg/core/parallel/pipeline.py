@@ -262,3 +262,33 @@ def load_global_state_dict(chunks: list[PipelineChunk], state: dict[str, Tensor]
                 raise KeyError(f"checkpoint has no tensor {global_name!r} (for {name!r})")
             local[name] = state[global_name]
         chunk.load_state_dict(local, strict=True)
+
+
+@torch.no_grad()
+def clip_grad_norm_across_stages(
+    parameters: list[Tensor], max_norm: float, pipeline_group: dist.ProcessGroup | None
+) -> float:
+    """Global L2 gradient norm over all pipeline stages, clipped to `max_norm` if > 0.
+
+    Each stage adds the squares of its own gradients (the tied embedding's last-
+    stage copy left out, so it counts once) and the sums are all-reduced over
+    the pipeline group; every stage then scales by the same coefficient, as
+    Megatron's `clip_grad_norm_fp32`. A non-finite norm is returned as nan."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    counted = [p.grad for p in parameters if p.grad is not None and not is_shared_copy(p)]
+    square = torch.zeros((), dtype=torch.float64)
+    for grad in counted:
+        square += torch.linalg.vector_norm(grad.double()).cpu() ** 2
+    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+        if dist.get_backend(pipeline_group) == "nccl":
+            square = square.cuda()
+        dist.all_reduce(square, group=pipeline_group)
+    norm = float(square) ** 0.5
+    if norm != norm or norm == float("inf"):
+        return float("nan")
+    if max_norm > 0:
+        coefficient = max_norm / (norm + 1e-6)
+        if coefficient < 1.0:
+            for grad in grads:
+                grad.mul_(coefficient)
+    return norm
