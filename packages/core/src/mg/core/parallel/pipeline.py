@@ -292,3 +292,32 @@ def clip_grad_norm_across_stages(
             for grad in grads:
                 grad.mul_(coefficient)
     return norm
+
+
+def global_view(chunks: list[PipelineChunk]) -> nn.Module:
+    """A module whose parameters are this rank's, named as in the whole model.
+
+    For layout-agnostic checkpoints (`torch_dist`): `global_view(chunks).state_dict()`
+    and `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(view, opt)`
+    then carry whole-model names, so a save at one pipeline size loads at another.
+    The last stage's tied copy is named `embedding.word_embeddings.weight` too: its
+    values and optimizer state equal the first stage's, so either copy serves."""
+    root = nn.Module()
+    for chunk in chunks:
+        tensors = dict(chunk.named_parameters())
+        tensors.update(dict(chunk.named_buffers()))
+        for local, tensor in tensors.items():
+            name = global_parameter_name(chunk, local) or "embedding.word_embeddings.weight"
+            *path, leaf = name.split(".")
+            module = root
+            for part in path:
+                child = module._modules.get(part)
+                if child is None:
+                    child = nn.Module()
+                    module.add_module(part, child)
+                module = child
+            if isinstance(tensor, nn.Parameter):
+                module.register_parameter(leaf, tensor)
+            else:
+                module.register_buffer(leaf, tensor)
+    return root

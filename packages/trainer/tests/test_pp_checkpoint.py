@@ -1,0 +1,71 @@
+"""Checkpoints of pipeline-parallel runs: Megatron's mp_rank_TT_PPP layout, resume equal.
+
+A PP=2 run (interleaved: 2 model chunks per rank) saves at iteration 5 and
+exits; a second run resumes from it to iteration 10. Its losses equal the
+uninterrupted single-process run's iterations 6-10 (fp32, 1e-5 relative, as
+in test_pp_cp_equivalence.py), and each pipeline rank's file holds its own
+chunks as `model0`/`model1` with local layer numbers, as Megatron writes them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mg.core.testing.launch import launch_workers
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+FLAGS = ["--num-layers", "4", "--attention-dropout", "0", "--hidden-dropout", "0"]
+PP2_INTERLEAVED = [
+    "--pipeline-model-parallel-size",
+    "2",
+    "--num-layers-per-virtual-pipeline-stage",
+    "1",
+]
+
+
+def _run(argvs: list[list[str]], world_size: int, out: Path) -> list[dict]:
+    launch_workers(str(WORKER), world_size, [str(out), json.dumps(argvs)], timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_pp2_torch_checkpoint_layout_and_resume(tmp_path: Path, mock_argv, train) -> None:
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=10)
+    one = train(argv)
+    save = str(tmp_path / "ckpt")
+    first = [
+        *argv,
+        *PP2_INTERLEAVED,
+        "--save",
+        save,
+        "--save-interval",
+        "5",
+        "--exit-interval",
+        "5",
+    ]
+    second = [*argv, *PP2_INTERLEAVED, "--load", save]
+    runs = _run([first, second], 2, tmp_path / "runs.json")
+    assert len(runs[0]["losses"]) == 5 and len(runs[1]["losses"]) == 5
+    for a, b in zip(one.losses[5:], runs[1]["losses"], strict=True):
+        assert abs(a - b) / abs(a) <= 1e-5, (one.losses, runs[1]["losses"])
+
+    folder = Path(save, "iter_0000005")
+    assert sorted(p.name for p in folder.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    first_stage = torch.load(folder / "mp_rank_00_000" / "model_optim_rng.pt", weights_only=False)
+    last_stage = torch.load(folder / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)
+    assert "model" not in first_stage and {"model0", "model1"} <= set(first_stage)
+    # rank 0: layers 0 and 2, embedding in chunk 0; rank 1: layers 1 and 3, head in chunk 1
+    assert "embedding.word_embeddings.weight" in first_stage["model0"]
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in first_stage["model1"]
+    assert "decoder.layers.1.mlp.linear_fc1.weight" not in first_stage["model1"]
+    assert "output_layer.weight" in last_stage["model1"]  # the tied copy, as Megatron saves it
+    assert "decoder.final_layernorm.weight" in last_stage["model1"]
+    assert first_stage["mg"]["parallel"]["pp"] == 2
+    assert torch.equal(  # the two copies of the tied embedding stayed equal
+        first_stage["model0"]["embedding.word_embeddings.weight"],
+        last_stage["model1"]["output_layer.weight"],
+    )
