@@ -667,8 +667,6 @@ def _unsupported(args: Args) -> None:
         _fail("--sequence-parallel is not supported yet (needs tensor parallelism)")
     if args.checkpoint.ckpt_format != "torch":
         _fail("--ckpt-format torch_dist is not supported yet by mg-train; use --ckpt-format torch")
-    if d.use_distributed_optimizer:
-        _fail("--use-distributed-optimizer is not supported yet")
     if m.use_flash_attn or m.transformer_impl != "local":
         _fail(
             "--use-flash-attn and --transformer-impl transformer_engine are not supported by "

@@ -58,6 +58,9 @@ def save(
     join the barriers. `layout` is the trainer's `ParallelLayout` (None: one shard)."""
     is_main = not distributed.is_distributed() or torch.distributed.get_rank() == 0
     writer = is_main if layout is None else layout.writes_checkpoint
+    # Collective for the distributed optimizer (it gathers its shards), so every rank asks;
+    # it also waits for in-flight parameter all-gathers before the model is read.
+    optimizer_state = optimizer.state_dict() if save_optim else None
     payload = None
     if writer:
         args_ns = argparse.Namespace(
@@ -80,7 +83,7 @@ def save(
             ),
         }
         if save_optim:
-            payload["optimizer"] = optimizer.state_dict()
+            payload["optimizer"] = optimizer_state
             payload["opt_param_scheduler"] = scheduler.state_dict()
             payload["grad_scaler"] = loss_scaler.state_dict()
         if save_rng:

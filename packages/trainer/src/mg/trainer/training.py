@@ -45,7 +45,7 @@ from mg.trainer.logging_utils import (
 )
 from mg.trainer.loss_scaler import autocast_dtype, build_loss_scaler, unscale_and_check
 from mg.trainer.lr_scheduler import build_scheduler
-from mg.trainer.optimizer import build_optimizer, clip_grad_norm
+from mg.trainer.optimizer import DistributedOptimizer, build_optimizer, clip_grad_norm
 
 
 @dataclass
@@ -168,7 +168,10 @@ class Trainer:
             t.global_batch_size, t.micro_batch_size, args.data_parallel_size, t.rampup_batch_size
         )
         self.train_iters = train_iterations(args, self.batches)
-        self.optimizer = build_optimizer(model, args.optimizer)
+        self.optimizer = build_optimizer(
+            model, args.optimizer, args.distributed, self.layout.dp_cp_group
+        )
+        self.distributed_optimizer = isinstance(self.optimizer, DistributedOptimizer)
         self.scheduler = build_scheduler(args, self.optimizer, self.train_iters)
         o = args.optimizer
         self.scaler = build_loss_scaler(
@@ -204,8 +207,10 @@ class Trainer:
                     "(no latest_checkpointed_iteration.txt); training from scratch",
                     flush=True,
                 )
-        self.model = distributed.wrap_model(
-            model, args.distributed.overlap_grad_reduce, args.distributed.ddp_bucket_size
+        self.model = distributed.wrap_model(  # the distributed optimizer reduces on its own
+            model,
+            args.distributed.overlap_grad_reduce and not self.distributed_optimizer,
+            args.distributed.ddp_bucket_size,
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dtype = autocast_dtype(t.bf16, t.fp16)
@@ -269,13 +274,12 @@ class Trainer:
             num_micro = 0  # the schedule ran them all
         for i in range(num_micro):
             batch = next(data)
-            sync = (
-                self.model.no_sync()
-                if backward
-                and i < num_micro - 1
-                and isinstance(self.model, nn.parallel.DistributedDataParallel)
-                else contextlib.nullcontext()
-            )
+            sync = contextlib.nullcontext()
+            if backward and i < num_micro - 1:
+                if isinstance(self.model, nn.parallel.DistributedDataParallel):
+                    sync = self.model.no_sync()
+                elif self.distributed_optimizer:
+                    sync = self.optimizer.no_sync()
             with sync:
                 with _autocast(self.env.device, self.dtype):
                     terms = self.family.loss_terms(self.model, batch)
@@ -308,11 +312,17 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, tokens = self._forward_backward(num_micro, backward=True)
-        distributed.allreduce_gradients(self.model, self.layout.dp_cp_group)
+        if self.distributed_optimizer:
+            self.optimizer.finish_grad_sync()  # reduce-scatter: each rank its shard's average
+        else:
+            distributed.allreduce_gradients(self.model, self.layout.dp_cp_group)
         if isinstance(self.model, model_parallel.PipelineModel):
             allreduce_shared_embedding_grad(self.model.chunks, self.layout.embedding_group)
-        found_inf = unscale_and_check(self.params, self.scaler.scale)
-        found_inf = distributed.all_reduce_max(float(found_inf)) > 0
+        if self.distributed_optimizer:
+            found_inf = self.optimizer.unscale_and_check(self.scaler.scale)
+        else:
+            found_inf = unscale_and_check(self.params, self.scaler.scale)
+            found_inf = distributed.all_reduce_max(float(found_inf)) > 0
         self.scaler.update(found_inf)
         grad_norm = None
         if not found_inf:
@@ -320,6 +330,8 @@ class Trainer:
                 grad_norm = clip_grad_norm_across_stages(
                     self.params, self.args.optimizer.clip_grad, self.layout.pp_group
                 )
+            elif self.distributed_optimizer:
+                grad_norm = self.optimizer.clip_grad_norm(self.args.optimizer.clip_grad)
             else:
                 grad_norm = clip_grad_norm(self.model, self.args.optimizer.clip_grad)
             self.optimizer.step()
