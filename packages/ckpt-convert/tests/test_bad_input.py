@@ -114,10 +114,10 @@ def test_repo_id_not_cached_offline(tmp_path, monkeypatch, capsys):
     assert "not in the local cache and no network" in capsys.readouterr().err
 
 
-def test_not_yet_subcommands_say_so(capsys):
+def test_reshard_of_a_missing_folder_says_so(capsys):
     with pytest.raises(SystemExit):
         main(["reshard", "--load", "a", "--save", "b", "--target-tensor-parallel-size", "2"])
-    assert "not supported yet" in capsys.readouterr().err
+    assert "checkpoint folder a does not exist" in capsys.readouterr().err
 
 
 def test_inspect(tmp_path, make_hf, capsys):

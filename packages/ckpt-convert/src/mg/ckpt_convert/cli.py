@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from mg.ckpt_convert.errors import ConvertError
 from mg.core.checkpoint import CheckpointError
@@ -20,6 +20,9 @@ EPILOG = """examples:
   mg-convert export-hf --load ckpt/llama --save ./llama-hf --shard-size 2GB
   mg-convert inspect ckpt/llama
   mg-convert import-megatron --load megatron_ckpt --save ckpt/from-megatron
+  mg-convert reshard --load ckpt/llama --save ckpt/llama-tp2pp2 \\
+      --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+  mg-convert format --to torch_dist --load ckpt/llama-tp2pp2 --save ckpt/llama-dist
 """
 
 
@@ -60,14 +63,48 @@ def _export_megatron(args: argparse.Namespace) -> None:
     print(f"wrote {export_megatron(args.load, args.save, args.iteration)}")
 
 
-def _not_yet(name: str) -> Callable[[argparse.Namespace], None]:
-    def run(args: argparse.Namespace) -> None:
-        raise ConvertError(
-            f"{name} is not supported yet in this release; nothing was written "
-            "(checkpoints from import-hf/import-megatron are TP=1 PP=1 `torch` format)"
-        )
+def _layout_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load", required=True, help="source checkpoint folder")
+    p.add_argument("--save", required=True, help="new checkpoint folder (must not exist)")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=None, help="default: keep")
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=None, help="default: keep")
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=None,
+        help="when the padded vocabulary does not split into the target TP, re-pad it to a "
+        "multiple of this × TP (default: the checkpoint's args, else 128)",
+    )
+    p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
 
-    return run
+
+def _reshard(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.reshard import reshard
+
+    path = reshard(
+        args.load,
+        args.save,
+        args.target_tensor_parallel_size,
+        args.target_pipeline_parallel_size,
+        args.iteration,
+        args.make_vocab_size_divisible_by,
+    )
+    print(f"wrote {path}")
+
+
+def _format(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.format_convert import convert_format
+
+    path = convert_format(
+        args.load,
+        args.save,
+        args.to,
+        args.target_tensor_parallel_size,
+        args.target_pipeline_parallel_size,
+        args.iteration,
+        args.make_vocab_size_divisible_by,
+    )
+    print(f"wrote {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,16 +181,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
         p.set_defaults(run=_import_megatron if name == "import-megatron" else _export_megatron)
 
-    for name in ("reshard", "format"):
-        p = sub.add_parser(name, help="not supported yet", description="Not supported yet.")
-        p.add_argument("--load")
-        p.add_argument("--save")
-        if name == "reshard":
-            p.add_argument("--target-tensor-parallel-size", type=int)
-            p.add_argument("--target-pipeline-parallel-size", type=int)
-        else:
-            p.add_argument("--to", choices=("torch", "torch_dist"))
-        p.set_defaults(run=_not_yet(f"mg-convert {name}"))
+    p = sub.add_parser(
+        "reshard",
+        help="`torch` checkpoint → the same model in another TP × PP layout",
+        description="Rewrite a `torch`-format checkpoint for another tensor- and "
+        "pipeline-parallel size (Megatron's convert.py --target-*-parallel-size), one "
+        "pipeline stage at a time. Keeps iteration, args, model and tokenizer configs; "
+        "drops optimizer and RNG state (their layout depends on the parallel layout).",
+    )
+    _layout_flags(p)
+    p.set_defaults(run=_reshard)
+
+    p = sub.add_parser(
+        "format",
+        help="`torch` ↔ `torch_dist` checkpoint format",
+        description="Convert between the `torch` format (mp_rank_TT[_PPP] files) and "
+        "`torch_dist` (torch.distributed.checkpoint, loads into any layout). The source "
+        "may have any layout; --target-* sizes default to the source's.",
+    )
+    p.add_argument("--to", required=True, choices=("torch", "torch_dist"), help="target format")
+    _layout_flags(p)
+    p.set_defaults(run=_format)
     return parser
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mg.core.checkpoint.layout import (
+    RELEASE,
     STAGING_SUFFIX,
     CheckpointError,
     Iteration,
@@ -138,7 +139,7 @@ def _commit(save_dir: Path, final: Path, staging: Path, common: Mapping[str, Any
         shutil.rmtree(displaced, ignore_errors=True)
     os.rename(staging, final)
     fsync_dir(save_dir)
-    iteration = common.get("iteration", final.name)
+    iteration = RELEASE if final.name == RELEASE else common.get("iteration", final.name)
     atomic_write(tracker_file(save_dir), lambda h: h.write(str(iteration)), binary=False)
 
 
@@ -165,7 +166,7 @@ class PendingSave:
 
 def save_dist_checkpoint(
     save_dir: str | Path,
-    iteration: int,
+    iteration: Iteration,
     sharded: Mapping[str, Any],
     common: Mapping[str, Any] | None,
     *,
@@ -176,10 +177,12 @@ def save_dist_checkpoint(
 
     Every rank of `process_group` calls this. Returns a `PendingSave`; for a
     synchronous save it is already complete. With `async_save` the caller
-    must `wait()` on it before the next save and before exiting.
+    must `wait()` on it before the next save and before exiting. `iteration` may be
+    "release" (converted weights; common.pt then records iteration 0, as the `torch`
+    format does).
     """
-    if not isinstance(iteration, int) or iteration <= 0:
-        raise ValueError(f"iteration must be an int > 0, got {iteration!r}")
+    if iteration != RELEASE and (not isinstance(iteration, int) or iteration <= 0):
+        raise ValueError(f"iteration must be an int > 0 or 'release', got {iteration!r}")
     save_dir = Path(save_dir)
     final, staging = _staging(save_dir, iteration)
     is_main = not dist.is_initialized() or dist.get_rank(process_group) == 0
@@ -190,7 +193,7 @@ def save_dist_checkpoint(
     _barrier(process_group)
     state = dcp_ready(dict(sharded))
     no_dist = not dist.is_initialized()
-    common_state = {**(common or {}), "iteration": iteration}
+    common_state = {**(common or {}), "iteration": 0 if iteration == RELEASE else iteration}
     if not async_save:
         dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist)
         if is_main:

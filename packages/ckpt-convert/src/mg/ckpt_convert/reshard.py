@@ -1,0 +1,114 @@
+"""`mg-convert reshard`: a `torch`-format checkpoint in another TP × PP layout.
+
+Like Megatron's ``tools/checkpoint/convert.py`` with ``--target-tensor-parallel-size``
+/ ``--target-pipeline-parallel-size``, but in one process and streaming by
+pipeline stage: the source files are memory-mapped, and for each target stage
+only that stage's tensors are joined (TP shards merged), split into the target
+TP shards and written, so about one stage is in memory at a time. The result is
+committed atomically (staging folder, then rename, tracker last) and keeps the
+iteration, args (with the new sizes), model and tokenizer configs; optimizer
+and RNG state are dropped with a printed note (their layout depends on the
+parallel layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from mg.ckpt_convert.checkpoint_source import (
+    CheckpointSource,
+    copy_tokenizer_files,
+    open_checkpoint,
+)
+from mg.ckpt_convert.errors import ConvertError
+from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensor
+from mg.ckpt_convert.staging import check_target, staged_dir
+from mg.core.checkpoint import save_checkpoint_shards
+from mg.core.checkpoint.layout import Iteration
+from mg.core.checkpoint.pp_split import stage_key_map
+from mg.core.checkpoint.tp_split import split_tensor_parallel
+
+
+class _StageShards(Mapping[tuple[int, int], dict[str, Any]]):
+    """The target's rank states, built one pipeline stage at a time as they are read.
+
+    Keys run stage by stage, TP rank within stage, so `save_checkpoint_shards`
+    (which reads the values in key order and writes each before the next)
+    holds one stage's tensors at a time.
+    """
+
+    def __init__(self, source: CheckpointSource, target: TargetLayout, common: dict[str, Any]):
+        self.source, self.target, self.common = source, target, common
+        self._keys = [(t, p) for p in range(target.pp) for t in range(target.tp)]
+        self._stage: int | None = None
+        self._shards: list[dict[str, Tensor]] = []
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        tp_rank, pp_rank = key
+        if self._stage != pp_rank:
+            self._shards = []  # free the previous stage before building this one
+            self._shards = self._build(pp_rank)
+            self._stage = pp_rank
+        return {**self.common, "model": self._shards[tp_rank]}
+
+    def _build(self, pp_rank: int) -> list[dict[str, Tensor]]:
+        config = self.target.config
+        names = stage_key_map(
+            self.source.names,
+            config.num_layers,
+            self.target.pp,
+            pp_rank,
+            tied=not config.untie_embeddings_and_output_weights,
+        )
+        whole = {local: target_tensor(self.source, self.target, g) for local, g in names.items()}
+        return split_tensor_parallel(whole, self.target.tp, config.gated_linear_unit)
+
+
+def write_torch(
+    save_dir: Path, source: CheckpointSource, target: TargetLayout, iteration: Iteration
+) -> Path:
+    """Write ``source`` as a `torch` checkpoint in the target layout; the iteration folder."""
+    shards = _StageShards(source, target, target_state(source, target))
+    path = save_checkpoint_shards(save_dir, iteration, shards, tp_size=target.tp, pp_size=target.pp)
+    copy_tokenizer_files(source, save_dir)
+    return path
+
+
+def reshard(
+    load: str | Path,
+    save: str | Path,
+    tp: int | None,
+    pp: int | None,
+    iteration: Iteration | None = None,
+    divisible_by: int | None = None,
+    report: Any = print,
+) -> Path:
+    """``load`` (a `torch` checkpoint) → ``save`` with TP ``tp`` and PP ``pp`` (None: keep)."""
+    check_target(save)
+    source = open_checkpoint(load, iteration)
+    if source.format != "torch":
+        raise ConvertError(
+            f"{source.folder} is a torch_dist checkpoint, which loads into any layout already; "
+            "to get a `torch` checkpoint of a given layout use: mg-convert format --to torch "
+            "--target-tensor-parallel-size T --target-pipeline-parallel-size P"
+        )
+    target = plan_target(source, tp, pp, divisible_by)
+    with staged_dir(save) as staging:
+        write_torch(staging, source, target, source.iteration)
+    report(
+        f"resharded iteration {source.iteration}: TP={source.tp}, PP={source.pp} → "
+        f"TP={target.tp}, PP={target.pp}"
+    )
+    for note in target.notes:
+        report(f"note: {note}")
+    return Path(save)
