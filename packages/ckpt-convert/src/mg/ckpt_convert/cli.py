@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "inspect",
         help="show a checkpoint's config, iteration, layout, parameters, dtype, size",
-        description="Summarise a `torch`-format checkpoint without loading its tensors.",
+        description="Summarise a `torch` or `torch_dist` checkpoint without loading its tensors.",
     )
     p.add_argument("dir", metavar="DIR", help="checkpoint folder")
     p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")

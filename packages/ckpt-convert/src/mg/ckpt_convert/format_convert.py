@@ -12,6 +12,7 @@ printed note, as in `reshard`.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,14 @@ def convert_format(
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
     check_target(save)
-    source = open_checkpoint(load, iteration)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        source = open_checkpoint(load, iteration)
     target = plan_target(source, tp, pp, divisible_by)
     write = write_torch if to == "torch" else write_torch_dist
-    with staged_dir(save) as staging:
+    with staged_dir(save) as staging, warnings.catch_warnings():
+        # one process on purpose: DCP's "assuming ... a single process" is no news here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         write(staging, source, target, source.iteration)
     layout = f"TP={target.tp}, PP={target.pp}"
     report(

@@ -7,11 +7,18 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mg.ckpt_convert.inspect_dist import summarize_torch_dist
 from mg.core.checkpoint import describe, load_checkpoint
+from mg.core.checkpoint.dist_format import is_torch_dist
+from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 
 
 def summarize(load: str | Path, iteration: int | str | None = None) -> dict[str, Any]:
     """Config, iteration, layout, parameter count, dtypes and size on disk (rank-0 file)."""
+    iteration = resolve_iteration(load, iteration)
+    folder = iteration_dir(load, iteration)
+    if is_torch_dist(folder):
+        return summarize_torch_dist(folder, iteration)
     info = describe(load, iteration, allow_pickle=False)
     state, _ = load_checkpoint(load, info.iteration, mmap=True)
     model = state.get("model") or {}
@@ -39,7 +46,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"checkpoint   {summary['path']}",
         f"iteration    {summary['iteration']}",
         f"layout       {summary['layout']}",
-        f"parameters   {summary['parameters']:,} in {summary['tensors']} tensors (rank 0)",
+        f"parameters   {summary['parameters']:,} in {summary['tensors']} tensors "
+        f"({summary.get('tensors_of', 'rank 0')})",
         f"dtype        {', '.join(f'{k} ×{v}' for k, v in summary['dtype'].items())}",
         f"size on disk {summary['size_on_disk_bytes'] / 1e6:.1f} MB "
         f"in {len(summary['files'])} files",
