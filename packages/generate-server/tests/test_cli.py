@@ -55,7 +55,12 @@ def _fails(*args: str, env: dict | None = None) -> str:
 
 def test_clear_errors(checkpoint, tmp_path) -> None:
     assert "does not exist" in _fails("--load", str(tmp_path / "nope"))
-    assert "not supported yet" in _fails("--load", str(checkpoint), env={"WORLD_SIZE": "2"})
+    assert "start mg-serve with torchrun --nproc-per-node 2" in _fails(
+        "--load", str(checkpoint), env={"WORLD_SIZE": "2"}
+    )
+    assert "torchrun --nproc-per-node 2 mg-serve" in _fails(
+        "--load", str(checkpoint), "--tensor-model-parallel-size", "2"
+    )
 
 
 def test_bad_flags(checkpoint, capsys) -> None:

@@ -2,6 +2,7 @@
 
     mg-serve --load ckpt --port 5000          # Megatron's PUT /api + OpenAI /v1/completions
     mg-serve cli localhost:5000               # Megatron's interactive client
+    torchrun --nproc-per-node 2 --no-python mg-serve --load ckpt   # tensor-parallel 2
 
 The checkpoint describes its own model and tokenizer, so no model flags are
 needed. Flag names follow Megatron-LM (`--load`, `--port`,
@@ -12,11 +13,13 @@ needed. Flag names follow Megatron-LM (`--load`, `--port`,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from mg.generate_server.loading import ServeSetupError
 
@@ -71,7 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true", help="serve in bfloat16")
     precision.add_argument("--fp16", action="store_true", help="serve in float16 (GPU)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if any)")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, cuda:1 (default: cuda if any; under torchrun cuda:LOCAL_RANK or cpu)",
+    )
+    parser.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks; launch that many with torchrun (default: WORLD_SIZE). "
+        "Any checkpoint layout is resharded on load",
+    )
+    parser.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="under torchrun: a collective that takes longer ends the job",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     return parser
 
@@ -88,61 +108,115 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--max-tokens-to-generate must be >= 0")
     if args.request_timeout <= 0:
         parser.error("--request-timeout must be > 0 seconds")
+    if args.distributed_timeout_minutes <= 0:
+        parser.error("--distributed-timeout-minutes must be > 0")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be within 0..65535")
 
 
 def serve(args: argparse.Namespace) -> None:
-    import torch
+    """One process, or one rank of `torchrun --nproc-per-node T` (rank 0 serves HTTP)."""
+    import torch.distributed as dist
+
+    from mg.generate_server.loading import load_for_serving
+    from mg.generate_server.runner import ModelRunner
+    from mg.generate_server.tensor_parallel import (
+        TensorParallelRunner,
+        init_tensor_parallel,
+        resolve_tensor_parallel_size,
+        run_worker,
+        serving_device,
+    )
+
+    tp = resolve_tensor_parallel_size(args.tensor_model_parallel_size)
+    device = serving_device(args.device, tp)
+    env = init_tensor_parallel(tp, device, args.distributed_timeout_minutes)
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
+    loaded = load_for_serving(
+        args.load, device=str(device), dtype=dtype, iteration=args.iteration, tp_mesh=env.tp_mesh
+    )
+    positions = loaded.config.max_position_embeddings
+    max_length = min(args.inference_max_seq_length or positions, positions)
+    if env.tp_mesh is None:
+        runner = ModelRunner(loaded.model, args.inference_max_requests, max_length)
+    else:
+        runner = TensorParallelRunner(loaded.model, args.inference_max_requests, max_length, env)
+    if env.is_driver:
+        _serve_http(args, loaded, runner, max_length, tp)
+    else:
+        run_worker(runner)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _serve_http(args: argparse.Namespace, loaded, runner, max_length: int, tp: int) -> None:
+    """Rank 0: the engine over `runner`, the app, and uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
     from mg.generate_server.app import ServerSettings, create_app
     from mg.generate_server.chat import load_chat_template
     from mg.generate_server.engine import GenerationEngine
-    from mg.generate_server.loading import load_for_serving
     from mg.generate_server.megatron_api import Limits
-    from mg.generate_server.runner import ModelRunner
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
-    loaded = load_for_serving(args.load, device=device, dtype=dtype, iteration=args.iteration)
-    positions = loaded.config.max_position_embeddings
-    max_length = min(args.inference_max_seq_length or positions, positions)
-    runner = ModelRunner(loaded.model, args.inference_max_requests, max_length)
-    engine = GenerationEngine(
-        runner,
-        loaded.tokenizer.detokenize,
-        vocab_size=min(loaded.tokenizer.vocab_size, loaded.config.vocab_size),
-        max_waiting=args.max_waiting_requests,
-    )
-    settings = ServerSettings(
-        limits=Limits(max_length, args.max_tokens_to_oom, args.max_tokens_to_generate),
-        max_request_bytes=args.max_request_bytes,
-        request_timeout=args.request_timeout,
-        api_key=args.api_key,
-    )
-    chat = load_chat_template(loaded.tokenizer_config)
-    app = create_app(engine, loaded.tokenizer, loaded.name, settings, chat)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    engine = None
+    try:
+        engine = GenerationEngine(
+            runner,
+            loaded.tokenizer.detokenize,
+            vocab_size=min(loaded.tokenizer.vocab_size, loaded.config.vocab_size),
+            max_waiting=args.max_waiting_requests,
+        )
+        settings = ServerSettings(
+            limits=Limits(max_length, args.max_tokens_to_oom, args.max_tokens_to_generate),
+            max_request_bytes=args.max_request_bytes,
+            request_timeout=args.request_timeout,
+            api_key=args.api_key,
+        )
+        chat = load_chat_template(loaded.tokenizer_config)
+        app = create_app(engine, loaded.tokenizer, loaded.name, settings, chat)
+        sock = _listen(args.host, args.port)
+        port = sock.getsockname()[1]
+        endpoints = "PUT /api, POST /v1/completions" + (", /v1/chat/completions" if chat else "")
+        layout = f"tensor-parallel {tp} x {runner.device.type}" if tp > 1 else runner.device.type
+        print(
+            f"mg-serve: {loaded.name} ({layout}, {max_length} positions, "
+            f"{args.inference_max_requests} slots) listening on http://{args.host}:{port} "
+            f"[{endpoints}, GET /health, /metrics, /docs]",
+            flush=True,
+        )
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+        with _stopping_signals_return():
+            uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        if engine is not None:
+            engine.shutdown()  # its thread closes the runner (the other ranks stop)
+        else:
+            runner.close()
+
+
+@contextlib.contextmanager
+def _stopping_signals_return() -> Iterator[None]:
+    """uvicorn stops gracefully on SIGINT/SIGTERM and then re-raises the signal to the
+    handler that was installed before it; make that handler a no-op, so `run` returns
+    and the engine (and, under torchrun, the other ranks) are shut down, exit status 0."""
+    stopping = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stopping}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((host, port))
     except OSError as err:
-        raise ServeSetupError(f"cannot listen on {args.host}:{args.port}: {err}") from None
-    port = sock.getsockname()[1]
-    endpoints = "PUT /api, POST /v1/completions" + (", /v1/chat/completions" if chat else "")
-    print(
-        f"mg-serve: {loaded.name} ({device}, {max_length} positions, "
-        f"{args.inference_max_requests} slots) listening on http://{args.host}:{port} "
-        f"[{endpoints}, GET /health, /metrics, /docs]",
-        flush=True,
-    )
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-    try:
-        uvicorn.Server(config).run(sockets=[sock])
-    finally:
-        engine.shutdown()
+        raise ServeSetupError(f"cannot listen on {host}:{port}: {err}") from None
+    return sock
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -166,3 +240,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ServeSetupError as err:
         print(f"mg-serve: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -188,12 +188,18 @@ class GenerationEngine:
 
     def _loop(self) -> None:
         while True:
+            idle = False
             with self._lock:
                 while not self._stopping and not self._waiting and not self._active:
-                    self._lock.wait()
+                    if not self._lock.wait(timeout=self.runner.heartbeat_seconds):
+                        idle = True
+                        break
                 if self._stopping:
                     break
                 admitted = self._take_waiting()
+            if idle:
+                self.runner.heartbeat()
+                continue
             self._drop_cancelled()
             if admitted:
                 self._run_step(admitted, self._prefill)
@@ -201,6 +207,7 @@ class GenerationEngine:
                 self._run_step(list(self._active.values()), self._decode)
         for sequence in list(self._active.values()) + list(self._waiting):
             sequence.emit(TokenEvent(finish_reason="cancelled", error="server shutting down"))
+        self.runner.close()
 
     def _take_waiting(self) -> list[_Sequence]:
         """Waiting requests that fit in free slots and the prefill budget (under the lock)."""

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from mg.core.checkpoint import CheckpointError, load_model
 from mg.core.models import GPTModel, TransformerConfig
@@ -27,25 +27,18 @@ class LoadedModel:
     """What /v1/models and responses call the model: the checkpoint folder's name."""
 
 
-def check_single_process() -> None:
-    """Tensor-parallel serving under torchrun is not built yet: refuse, do not hang."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ServeSetupError(
-            f"mg-serve under torchrun (WORLD_SIZE={world}) is not supported yet: tensor-parallel "
-            "serving is not built. Run one process: mg-serve --load DIR (merge a TP>1 checkpoint "
-            "first with mg-convert reshard --target-tensor-parallel-size 1)."
-        )
-
-
 def load_for_serving(
     load: str | Path,
     device: str = "cpu",
     dtype: str | None = None,
     iteration: str | int | None = None,
+    tp_mesh: DeviceMesh | None = None,
 ) -> LoadedModel:
-    """Rebuild the checkpoint's model and tokenizer from its own metadata (no model flags)."""
-    check_single_process()
+    """Rebuild the checkpoint's model and tokenizer from its own metadata (no model flags).
+
+    With `tp_mesh` (every rank of it calls this) the model keeps this rank's
+    tensor-parallel shard, whatever layout the checkpoint was saved in.
+    """
     if isinstance(iteration, str) and iteration.isdigit():
         iteration = int(iteration)
     try:
@@ -64,4 +57,8 @@ def load_for_serving(
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     model = model.to(device).eval()
+    if tp_mesh is not None:
+        from mg.generate_server.tensor_parallel import shard_for_serving
+
+        model = shard_for_serving(model, tp_mesh)
     return LoadedModel(model, config, tokenizer, tokenizer_config, Path(load).resolve().name)

@@ -1,10 +1,9 @@
 """The model side of generation: one forward over a batch of rows, each in its own cache slot.
 
 The engine decides *what* to run (which tokens, at which positions, in which
-slots); the runner runs it. This is the seam for tensor-parallel serving: a
-runner for a TP-applied model would broadcast the four step tensors from rank
-0, and every rank would run the same forward on its shard of the heads while
-rank 0 alone samples and serves HTTP.
+slots); the runner runs it. `tensor_parallel.TensorParallelRunner` is the
+runner for a TP-sharded model: it broadcasts each step from rank 0 so that
+every rank runs the same forward on its shard of the heads.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ class ModelRunner:
         self.num_slots = num_slots
         self.max_length = max_length
         self.device = next(model.parameters()).device
+        self.heartbeat_seconds: float | None = None
+        """When set, the engine calls `heartbeat` after this long idle."""
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, slots: Tensor, starts: Tensor) -> Tensor:
@@ -37,3 +38,9 @@ class ModelRunner:
             input_ids.to(self.device), positions.to(self.device), inference_cache=self.cache
         )
         return logits.float().cpu()
+
+    def heartbeat(self) -> None:
+        """Called while idle (every `heartbeat_seconds`): nothing to do in one process."""
+
+    def close(self) -> None:
+        """Called once by the engine thread when it stops."""
