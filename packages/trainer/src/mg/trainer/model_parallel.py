@@ -192,7 +192,9 @@ def pipeline_forward_backward(
         tokens = tokens + micro_tokens.detach().double()
         return micro_batch_loss(micro_sum, micro_tokens, layout) / num_micro * loss_scale, None
 
-    mbs, seq = batches[0]["tokens"].shape
+    mbs, seq = batches[0]["tokens"].shape  # seq: this cp rank's tokens
+    if layout.sequence_parallel:  # between layers activations are split over tp ranks
+        seq //= layout.tp
     actions = build_schedule(num_micro, layout.pp_rank, layout.pp, len(model))
     run_schedule(
         actions if backward else forward_only(actions),

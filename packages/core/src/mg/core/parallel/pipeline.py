@@ -29,6 +29,7 @@ building it once per rank (build on the meta device and use `to_empty` +
 from __future__ import annotations
 
 import re
+import types
 
 import torch
 import torch.distributed as dist
@@ -137,15 +138,17 @@ class PipelineChunk(nn.Module):
         if last:
             if model.output_layer is not None:
                 self.output_layer = model.output_layer
-            elif first:  # the whole model in one chunk: the weight stays shared
-                self.output_layer = None
-            else:
-                self.output_layer = nn.Linear(
-                    model.config.hidden_size, model.config.vocab_size, bias=False
-                )
-                with torch.no_grad():
-                    self.output_layer.weight.copy_(model.embedding.word_embeddings.weight)
+            elif not first:  # tied: the last stage gets its own copy (a DTensor stays one)
+                self.output_layer = nn.Linear(1, 1, bias=False)
+                copy = model.embedding.word_embeddings.weight.detach().clone()
+                self.output_layer.weight = nn.Parameter(copy)
                 setattr(self.output_layer.weight, _SHARED_COPY, True)
+        # Tensor parallelism replaces GPTModel.output_and_loss on the instance (vocab-
+        # parallel logits and loss); the last chunk runs the same function on its weight.
+        override = model.__dict__.get("output_and_loss")
+        self._output_and_loss = (
+            types.MethodType(override.__func__, self) if last and override is not None else None
+        )
 
     def output_weight(self) -> Tensor:
         if self.output_layer is not None:
@@ -164,6 +167,8 @@ class PipelineChunk(nn.Module):
         hidden = self.decoder(hidden, rotary, attention_mask)
         if not self.is_last:
             return hidden
+        if self._output_and_loss is not None:
+            return self._output_and_loss(hidden, labels)
         logits = F.linear(hidden, self.output_weight())
         if labels is None:
             return logits
@@ -222,7 +227,10 @@ def allreduce_shared_embedding_grad(
         return
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=embedding_group)
+    grad = weight.grad
+    # a tensor-parallel DTensor: each tp rank sums its own vocab shard with its peer's
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    dist.all_reduce(local, group=embedding_group)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -274,11 +282,11 @@ def clip_grad_norm_across_stages(
     stage copy left out, so it counts once) and the sums are all-reduced over
     the pipeline group; every stage then scales by the same coefficient, as
     Megatron's `clip_grad_norm_fp32`. A non-finite norm is returned as nan."""
+    from mg.core.parallel.grad_norm import global_grad_norm  # DTensor (tensor-parallel) aware
+
     grads = [p.grad for p in parameters if p.grad is not None]
     counted = [p.grad for p in parameters if p.grad is not None and not is_shared_copy(p)]
-    square = torch.zeros((), dtype=torch.float64)
-    for grad in counted:
-        square += torch.linalg.vector_norm(grad.double()).cpu() ** 2
+    square = torch.tensor(global_grad_norm(counted), dtype=torch.float64) ** 2
     if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
         if dist.get_backend(pipeline_group) == "nccl":
             square = square.cuda()
@@ -290,7 +298,7 @@ def clip_grad_norm_across_stages(
         coefficient = max_norm / (norm + 1e-6)
         if coefficient < 1.0:
             for grad in grads:
-                grad.mul_(coefficient)
+                (grad.to_local() if hasattr(grad, "to_local") else grad).mul_(coefficient)
     return norm
 
 
