@@ -27,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     except ArgumentError as error:
         print(f"mg-train: error: {error}", file=sys.stderr)
         return 2
+    from mg.core.parallel.watchdog import exit_on_distributed_error
     from mg.trainer.training import pretrain  # heavy imports only once flags are good
 
     try:
-        pretrain(args)
+        # A dead or stuck peer: print rank, stage and operation, exit at once (non-zero),
+        # so torchrun stops the other ranks instead of leaving them waiting.
+        with exit_on_distributed_error():
+            pretrain(args)
     finally:
         import torch.distributed as dist
 
