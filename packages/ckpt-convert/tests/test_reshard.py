@@ -144,7 +144,7 @@ def test_keeps_iteration_args_configs_and_drops_optimizer(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "TP=1, PP=1 → TP=2, PP=2" in out
-    assert "optimizer and rng_state state not carried over" in out
+    assert "optimizer and RNG state not carried over" in out
     info = describe(tmp_path / "out")
     assert info.iteration == 7 and str(info.layout) == "TP=2, PP=2"
     assert info.model_config == model.config.to_dict()

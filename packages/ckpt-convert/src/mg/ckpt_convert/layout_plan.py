@@ -82,10 +82,13 @@ def plan_target(
             "rows copy the last row and are never real tokens"
         )
     if source.dropped:
+        what = " and ".join(
+            {"optimizer": "optimizer", "rng_state": "RNG"}[k] for k in source.dropped
+        )
         notes.append(
-            f"{' and '.join(source.dropped)} state not carried over: its layout depends on the "
-            "parallel layout (Megatron's converter drops it too); resume with --no-load-optim "
-            "--no-load-rng, or fine-tune with --finetune"
+            f"{what} state not carried over: its layout depends on the parallel layout "
+            "(Megatron's converter drops it too); resume with --no-load-optim --no-load-rng, "
+            "or fine-tune with --finetune"
         )
     return TargetLayout(tp, pp, config, notes)
 
