@@ -98,6 +98,10 @@ import-hf src save="ckpt/imported" *args: setup
 export-hf load="ckpt/finetuned" save="hf-out" *args: setup
     uv run --frozen mg-convert export-hf --load {{load}} --save {{save}} {{args}}
 
+# torch checkpoint -> another tensor/pipeline-parallel layout: just reshard ckpt/llama ckpt/llama-tp2pp2 2 2
+reshard load save tp="1" pp="1" *args: setup
+    uv run --frozen mg-convert reshard --load {{load}} --save {{save}} --target-tensor-parallel-size {{tp}} --target-pipeline-parallel-size {{pp}} {{args}}
+
 # train a model with Megatron's flags: just train gpt --config workflows/configs/gpt-tiny.yaml --data-path ...
 train *args: setup
     uv run --frozen mg-train {{args}}
