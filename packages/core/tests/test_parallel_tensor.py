@@ -158,6 +158,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     pytest.fail("tensor-parallel workers failed:\n" + "\n".join(logs))
 
 
+@pytest.mark.slow  # ~2 min; mg-train's test_tp_training covers the same layouts end to end
 @pytest.mark.parametrize("scenario", [f"{n}-tp{tp}-sp{int(sp)}" for n, tp, sp in SCENARIOS])
 def test_sharded_model_matches_single_process(reports, scenario: str) -> None:
     for rank in range(WORLD):

@@ -152,6 +152,7 @@ class CheckpointArgs:
     no_save_optim: bool = False
     no_save_rng: bool = False
     ckpt_format: str = "torch"
+    async_save: bool = False
 
 
 @dataclass
@@ -457,7 +458,13 @@ def _add_checkpoint_flags(p: argparse._ArgumentGroup) -> None:
         "--ckpt-format",
         default="torch",
         choices=["torch", "torch_dist"],
-        help="Checkpoint format: Megatron's torch layout (torch_dist is not supported yet).",
+        help="Checkpoint format: torch (mp_rank_XX files per TP rank) or torch_dist "
+        "(torch.distributed.checkpoint; loads into any TP/DP layout).",
+    )
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="torch_dist: write the checkpoint in the background while training goes on.",
     )
 
 
@@ -470,7 +477,12 @@ def _add_logging_flags(p: argparse._ArgumentGroup) -> None:
 
 
 def _add_distributed_flags(p: argparse._ArgumentGroup) -> None:
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP (1 for now).")
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="Split attention heads, MLP and vocabulary over this many ranks.",
+    )
     p.add_argument(
         "--pipeline-model-parallel-size",
         type=int,
@@ -494,7 +506,11 @@ def _add_distributed_flags(p: argparse._ArgumentGroup) -> None:
         default=10.0,
         help="A distributed operation that does not complete in this time ends the job.",
     )
-    p.add_argument("--sequence-parallel", action="store_true", help="Not supported yet.")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Shard norm and dropout activations along the sequence over the TP ranks.",
+    )
     p.add_argument(
         "--use-distributed-optimizer",
         action="store_true",
@@ -660,13 +676,18 @@ def _require(args: Args) -> None:
 
 def _unsupported(args: Args) -> None:
     d, m = args.distributed, args.model
-    if d.tensor_model_parallel_size != 1:
-        _fail("--tensor-model-parallel-size > 1 is not supported yet")
+    _check_tensor_parallel(args)
     _check_pipeline_and_context(args)
-    if d.sequence_parallel:
-        _fail("--sequence-parallel is not supported yet (needs tensor parallelism)")
-    if args.checkpoint.ckpt_format != "torch":
-        _fail("--ckpt-format torch_dist is not supported yet by mg-train; use --ckpt-format torch")
+    c = args.checkpoint
+    if c.async_save and c.ckpt_format != "torch_dist":
+        _fail("--async-save needs --ckpt-format torch_dist")
+    if c.ckpt_format == "torch_dist" and (
+        d.use_distributed_optimizer or d.pipeline_model_parallel_size > 1
+    ):
+        _fail(
+            "--ckpt-format torch_dist with --use-distributed-optimizer or "
+            "--pipeline-model-parallel-size > 1 is not supported yet; use --ckpt-format torch"
+        )
     if m.use_flash_attn or m.transformer_impl != "local":
         _fail(
             "--use-flash-attn and --transformer-impl transformer_engine are not supported by "
@@ -674,37 +695,32 @@ def _unsupported(args: Args) -> None:
         )
 
 
-def _check_dry_run(args: Args) -> None:
-    """A dry run plans layouts mg-train may not run yet; only the shape must split."""
-    d = args.distributed
-    if args.family != "gpt":
-        _fail(f"--dry-run supports gpt only, not {args.family}")
-    model_parallel = (
-        d.tensor_model_parallel_size * d.pipeline_model_parallel_size * d.context_parallel_size
-    )
-    if model_parallel < 1 or d.world_size % model_parallel:
-        _fail(
-            f"world size ({d.world_size}, from WORLD_SIZE) is not divisible by tensor x pipeline "
-            f"x context parallel sizes ({model_parallel}); set WORLD_SIZE to the planned GPU count"
-        )
-
-
-def _check_distributed_optimizer(args: Args) -> None:
-    d = args.distributed
-    if d.overlap_param_gather and not d.use_distributed_optimizer:
-        _fail("--overlap-param-gather only works with --use-distributed-optimizer")
-    if not d.use_distributed_optimizer or args.training.dry_run:
+def _check_tensor_parallel(args: Args) -> None:
+    """TP/SP rules, checked before any process group exists."""
+    d, m = args.distributed, args.model
+    tp = d.tensor_model_parallel_size
+    if tp < 1:
+        _fail(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    if d.sequence_parallel and tp == 1:
+        _fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if tp == 1:
         return
-    if d.tensor_model_parallel_size > 1:
+    if args.family != "gpt":
+        _fail(f"--tensor-model-parallel-size > 1 is supported for gpt, not {args.family}")
+    if d.overlap_grad_reduce:
+        _fail("--overlap-grad-reduce with --tensor-model-parallel-size > 1 is not supported yet")
+    heads = m.num_attention_heads
+    groups = m.num_query_groups if m.group_query_attention else heads
+    for flag, value in (("--num-attention-heads", heads), ("--num-query-groups", groups)):
+        if value and value % tp:
+            _fail(f"{flag} ({value}) is not divisible by --tensor-model-parallel-size ({tp})")
+    if m.ffn_hidden_size and m.ffn_hidden_size % tp:
         _fail(
-            "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported "
-            "yet; drop one of them"
+            f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by "
+            f"--tensor-model-parallel-size ({tp})"
         )
-    if d.pipeline_model_parallel_size > 1:
-        _fail(
-            "--use-distributed-optimizer with --pipeline-model-parallel-size > 1 is not "
-            "supported yet; drop one of them"
-        )
+    if args.training.fp16:
+        _fail("--fp16 with --tensor-model-parallel-size > 1 is not supported yet; use --bf16")
 
 
 def _check_pipeline_and_context(args: Args) -> None:
@@ -762,6 +778,39 @@ def _check_pipeline_and_context(args: Args) -> None:
             _fail("--context-parallel-size > 1 does not support --reset-attention-mask")
         if m.attention_dropout > 0:
             _fail("--context-parallel-size > 1 needs --attention-dropout 0")
+
+
+def _check_dry_run(args: Args) -> None:
+    """A dry run plans layouts mg-train may not run yet; only the shape must split."""
+    d = args.distributed
+    if args.family != "gpt":
+        _fail(f"--dry-run supports gpt only, not {args.family}")
+    model_parallel = (
+        d.tensor_model_parallel_size * d.pipeline_model_parallel_size * d.context_parallel_size
+    )
+    if model_parallel < 1 or d.world_size % model_parallel:
+        _fail(
+            f"world size ({d.world_size}, from WORLD_SIZE) is not divisible by tensor x pipeline "
+            f"x context parallel sizes ({model_parallel}); set WORLD_SIZE to the planned GPU count"
+        )
+
+
+def _check_distributed_optimizer(args: Args) -> None:
+    d = args.distributed
+    if d.overlap_param_gather and not d.use_distributed_optimizer:
+        _fail("--overlap-param-gather only works with --use-distributed-optimizer")
+    if not d.use_distributed_optimizer or args.training.dry_run:
+        return
+    if d.tensor_model_parallel_size > 1:
+        _fail(
+            "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported "
+            "yet; drop one of them"
+        )
+    if d.pipeline_model_parallel_size > 1:
+        _fail(
+            "--use-distributed-optimizer with --pipeline-model-parallel-size > 1 is not "
+            "supported yet; drop one of them"
+        )
 
 
 def validate(args: Args) -> None:

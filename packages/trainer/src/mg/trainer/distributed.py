@@ -98,7 +98,7 @@ def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None
         return
     if group is not None and dist.get_world_size(group) == 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -108,6 +108,13 @@ def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel (DTensor) gradient's local shard: data parallelism averages shards."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _collective_device() -> torch.device:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
+from mg.core.parallel.grad_norm import clip_grad_norm as parallel_clip_grad_norm
 from mg.trainer.arguments import DistributedArgs, OptimizerArgs
 
 
@@ -87,6 +88,9 @@ def clip_grad_norm(model: nn.Module, clip_grad: float) -> float:
     rank sees the same value. A non-finite norm is returned as is (the caller skips).
     """
     params = [p for p in model.parameters() if p.grad is not None]
+    if getattr(model, "tensor_parallel_size", 1) > 1:  # DTensor shards: norm over TP ranks
+        value = parallel_clip_grad_norm(params, clip_grad)
+        return value if math.isfinite(value) else float("nan")
     if clip_grad > 0:
         norm = torch.nn.utils.clip_grad_norm_(params, clip_grad, foreach=False)
     else:

@@ -23,14 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from mg.core.checkpoint.dist_format import PendingSave
 from mg.core.models import apply_activation_recompute, num_floating_point_operations
 from mg.core.parallel.pipeline import (
     allreduce_shared_embedding_grad,
     clip_grad_norm_across_stages,
 )
+from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
 from mg.indexed_dataset import samples_per_split
-from mg.trainer import checkpointing, distributed, model_parallel
+from mg.trainer import checkpointing, checkpointing_dist, distributed, model_parallel
 from mg.trainer.arguments import Args
 from mg.trainer.batch_schedule import BatchSchedule, train_iterations
 from mg.trainer.checkpointing import TrainState
@@ -185,18 +187,31 @@ class Trainer:
         self.state = TrainState()
         self.extra_losses: dict[str, float] = {}  # the last step's, e.g. {"sop loss": ...}
         c = args.checkpoint
+        self._pending_save: PendingSave | None = None  # an --async-save in flight
         if c.load:
-            resumed = checkpointing.resume(
-                c.load,
-                model=model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                loss_scaler=self.scaler,
-                finetune=c.finetune,
-                load_optim=not c.no_load_optim,
-                load_rng=not c.no_load_rng,
-                layout=self.layout,
-            )
+            if checkpointing_dist.latest_is_torch_dist(c.load):  # the format is detected
+                resumed = checkpointing_dist.resume(
+                    c.load,
+                    model=model,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    loss_scaler=self.scaler,
+                    finetune=c.finetune,
+                    load_optim=not c.no_load_optim,
+                    load_rng=not c.no_load_rng,
+                )
+            else:
+                resumed = checkpointing.resume(
+                    c.load,
+                    model=model,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    loss_scaler=self.scaler,
+                    finetune=c.finetune,
+                    load_optim=not c.no_load_optim,
+                    load_rng=not c.no_load_rng,
+                    layout=self.layout,
+                )
             if resumed is not None:
                 self.state = resumed
             if self.env.is_main:
@@ -312,6 +327,8 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, tokens = self._forward_backward(num_micro, backward=True)
+        if self.layout.tp > 1:  # sequence-parallel norms' partial grads, summed over TP
+            sync_tensor_parallel_grads(self.model)
         if self.distributed_optimizer:
             self.optimizer.finish_grad_sync()  # reduce-scatter: each rank its shard's average
         else:
@@ -362,6 +379,27 @@ class Trainer:
 
     def save(self) -> None:
         c = self.args.checkpoint
+        self.finish_saves()
+        if c.ckpt_format == "torch_dist":
+            self._pending_save = checkpointing_dist.save(
+                c.save,
+                self.state,
+                args_flat=self.args.flat(),
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                loss_scaler=self.scaler,
+                model_config=self.model_config.to_dict(),
+                tokenizer_config=self.tokenizer_config.to_dict(),
+                parallel={"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp},
+                save_optim=not c.no_save_optim,
+                save_rng=not c.no_save_rng,
+                async_save=c.async_save,
+            )
+            if self.env.is_main:
+                verb = "started async save of" if c.async_save else "saved"
+                print(f" {verb} checkpoint at iteration {self.state.iteration} to {c.save}")
+            return
         checkpointing.save(
             c.save,
             self.state,
@@ -378,6 +416,13 @@ class Trainer:
         )
         if self.env.is_main:
             print(f" saved checkpoint at iteration {self.state.iteration} to {c.save}", flush=True)
+
+    def finish_saves(self) -> None:
+        """Wait for an --async-save in flight (before the next save and before exiting)."""
+        if self._pending_save is not None:
+            self._pending_save.wait()
+            distributed.barrier()
+            self._pending_save = None
 
     def _validate_and_log(self, prefix: str, result: TrainResult) -> None:
         losses = self.evaluate()
@@ -485,12 +530,14 @@ class Trainer:
                     result.exit_reason = reason
                     if self.env.is_main:
                         print(f" exiting program at iteration {st.iteration}: {reason}", flush=True)
+                    self.finish_saves()
                     self.writer.close()
                     return result
         if self.valid_data is not None and self.state.iteration % t.eval_interval != 0:
             self._validate_and_log(f"iteration {self.state.iteration} on validation set", result)
         if c.save and saved_at != self.state.iteration and result.losses:
             self.save()
+        self.finish_saves()
         self.writer.close()
         return result
 

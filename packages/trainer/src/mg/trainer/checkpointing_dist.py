@@ -1,0 +1,155 @@
+"""Training checkpoints in Megatron's `torch_dist` format (`--ckpt-format torch_dist`).
+
+The tensors — the model's and the optimizer's, keyed by parameter name — go
+through `mg.core.checkpoint.dist_format` (torch.distributed.checkpoint), every
+rank writing its own shards, so the checkpoint loads into any tensor- or
+data-parallel layout. Everything else is the `torch` format's content in
+`common.pt`: `args` (with the consumed-sample counters), `iteration`,
+`opt_param_scheduler`, `grad_scaler`, `rng_state`,
+`num_floating_point_operations_so_far` and the `mg` configs.
+
+`--async-save` returns as soon as the state is copied to host memory; the
+trainer waits for the previous save before the next one and before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from mg.core.checkpoint import (
+    CHECKPOINT_VERSION,
+    checkpoint_dir,
+    get_rng_state,
+    mg_metadata,
+    read_latest_iteration,
+    set_rng_state,
+)
+from mg.core.checkpoint.dist_format import (
+    PendingSave,
+    is_torch_dist,
+    load_dist_checkpoint,
+    save_dist_checkpoint,
+)
+from mg.trainer import distributed
+from mg.trainer.checkpointing import TrainState
+
+
+def _named_globally(model: nn.Module) -> nn.Module:
+    """A pipeline rank's chunks as one module with the whole model's parameter names, so
+    the checkpoint's keys do not depend on the pipeline layout (it reshards across PP)."""
+    from mg.core.parallel.pipeline import global_view
+    from mg.trainer.model_parallel import PipelineModel
+
+    return global_view(model.chunks) if isinstance(model, PipelineModel) else model
+
+
+def _check_supported(model: nn.Module, optimizer: Any) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"--ckpt-format torch_dist does not support {type(optimizer).__name__} yet "
+            "(--use-distributed-optimizer); use --ckpt-format torch"
+        )
+
+
+def save(
+    save_dir: str,
+    state: TrainState,
+    *,
+    args_flat: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    loss_scaler: Any,
+    model_config: dict[str, Any],
+    tokenizer_config: dict[str, Any],
+    parallel: dict[str, int],
+    save_optim: bool = True,
+    save_rng: bool = True,
+    async_save: bool = False,
+) -> PendingSave:
+    """Collective: every rank writes its shards; rank 0 writes common.pt and commits."""
+    model = _named_globally(distributed.unwrap(model))
+    _check_supported(model, optimizer)
+    sharded: dict[str, Any] = {"model": model.state_dict()}
+    if save_optim:
+        sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    common = {
+        "args": argparse.Namespace(
+            **args_flat,
+            iteration=state.iteration,
+            consumed_train_samples=state.consumed_train_samples,
+            consumed_valid_samples=state.consumed_valid_samples,
+            skipped_train_iterations=state.skipped_iterations,
+        ),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
+        "mg": mg_metadata(model_config, tokenizer_config, **parallel),
+    }
+    if save_optim:
+        common["opt_param_scheduler"] = scheduler.state_dict()
+        common["grad_scaler"] = loss_scaler.state_dict()
+    if save_rng:
+        # Identical on every rank (the trainer seeds them alike; data order is indexed).
+        common["rng_state"] = [get_rng_state()]
+    return save_dist_checkpoint(save_dir, state.iteration, sharded, common, async_save=async_save)
+
+
+def latest_is_torch_dist(load_dir: str) -> bool:
+    """Whether `load_dir`'s latest checkpoint is a torch_dist one (the format is detected)."""
+    iteration = read_latest_iteration(load_dir)
+    if iteration is None or iteration == "release":
+        return False
+    return is_torch_dist(checkpoint_dir(load_dir, iteration))
+
+
+def resume(
+    load_dir: str,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    loss_scaler: Any,
+    finetune: bool = False,
+    load_optim: bool = True,
+    load_rng: bool = True,
+) -> TrainState:
+    """Load the latest torch_dist checkpoint into this rank's (possibly sharded) objects."""
+    model = _named_globally(distributed.unwrap(model))
+    _check_supported(model, optimizer)
+    iteration = read_latest_iteration(load_dir)
+    folder = Path(checkpoint_dir(load_dir, iteration))
+    want_optim = load_optim and not finetune
+    sharded: dict[str, Any] = {"model": model.state_dict()}
+    if want_optim:
+        sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    common = load_dist_checkpoint(folder, sharded)
+    if want_optim:
+        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+        if "grad_scaler" in common:
+            loss_scaler.load_state_dict(common["grad_scaler"])
+    if finetune:
+        return TrainState()
+    if load_rng:
+        if "rng_state" not in common:
+            raise ValueError(f"{load_dir}: the checkpoint has no RNG state; use --no-load-rng")
+        set_rng_state(common["rng_state"])
+    saved = common.get("args")
+    return TrainState(
+        iteration=int(common["iteration"]),
+        consumed_train_samples=int(getattr(saved, "consumed_train_samples", 0)),
+        consumed_valid_samples=int(getattr(saved, "consumed_valid_samples", 0)),
+        skipped_iterations=int(getattr(saved, "skipped_train_iterations", 0)),
+        num_floating_point_operations_so_far=float(
+            common.get("num_floating_point_operations_so_far", 0.0)
+        ),
+    )
