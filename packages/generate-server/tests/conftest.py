@@ -16,7 +16,7 @@ import uvicorn
 
 from mg.core.checkpoint import save_model
 from mg.core.fixtures import fixture_path
-from mg.core.models import GPTModel
+from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.presets import tiny_gpt2
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.generate_server.app import ServerSettings, create_app
@@ -36,11 +36,14 @@ def gpt2_tokenizer_config() -> TokenizerConfig:
     )
 
 
-def train_tiny_gpt(steps: int = 20, window: int = 32) -> GPTModel:
-    """A few steps on Botchan so that predictions are words rather than uniform noise."""
+def train_tiny_gpt(
+    steps: int = 20, window: int = 32, config: TransformerConfig | None = None
+) -> GPTModel:
+    """A few steps on Botchan so that predictions are words rather than uniform noise
+    (a tiny GPT-2 unless another `config` with the GPT-2 vocabulary is given)."""
     tokenizer = build_tokenizer(gpt2_tokenizer_config())
     torch.manual_seed(1234)
-    config = tiny_gpt2(
+    config = config or tiny_gpt2(
         vocab_size=50304,
         hidden_size=32,
         num_attention_heads=4,
