@@ -69,3 +69,37 @@ def test_pp2_torch_checkpoint_layout_and_resume(tmp_path: Path, mock_argv, train
         first_stage["model0"]["embedding.word_embeddings.weight"],
         last_stage["model1"]["output_layer.weight"],
     )
+
+
+@pytest.mark.slow
+def test_torch_dist_reshards_across_pipeline_sizes(tmp_path: Path, mock_argv, train) -> None:
+    """Saved at PP=2 (torch_dist) at iteration 5; resumed at PP=1 (one process) and at PP=4
+    (4 ranks), iterations 6-10 equal the uninterrupted run (1e-5 relative)."""
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=10)
+    one = train(argv)
+    save = str(tmp_path / "dist")
+    first = [*argv, "--pipeline-model-parallel-size", "2", "--ckpt-format", "torch_dist"]
+    first += ["--save", save, "--save-interval", "5", "--exit-interval", "5"]
+    _run([first], 2, tmp_path / "save.json")
+    assert Path(save, "iter_0000005", "metadata.json").is_file()
+
+    at_pp1 = train([*argv, "--load", save, "--ckpt-format", "torch_dist"])
+    at_pp4 = _run(
+        [
+            [
+                *argv,
+                "--load",
+                save,
+                "--ckpt-format",
+                "torch_dist",
+                "--pipeline-model-parallel-size",
+                "4",
+            ]
+        ],
+        4,
+        tmp_path / "pp4.json",
+    )[0]
+    for name, losses in (("pp1", at_pp1.losses), ("pp4", at_pp4["losses"])):
+        assert len(losses) == 5, name
+        for a, b in zip(one.losses[5:], losses, strict=True):
+            assert abs(a - b) / abs(a) <= 1e-5, (name, one.losses, losses)

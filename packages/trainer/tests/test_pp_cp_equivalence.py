@@ -83,3 +83,28 @@ def test_four_ranks_pp2_dp2_cp2_dp2_pp2_cp2_match_one(tmp_path: Path, reference)
     }
     runs = run_ranks([[*argv, *c] for c in configs.values()], 4, tmp_path / "four.json")
     _check(one, runs, list(configs))
+
+
+@pytest.mark.slow
+def test_four_ranks_pp2_tp2_and_tp2_cp2_match_one(tmp_path: Path, mock_argv, train) -> None:
+    """PP=2 x TP=2 (with and without sequence parallelism) and TP=2 x CP=2 on 4 processes.
+
+    The vocabulary is padded to a multiple of 64·tp, so 127 ids give 128 rows at
+    TP=1 and TP=2 alike (with the default 128·tp the two models would differ)."""
+    argv = mock_argv(
+        tmp_path, *FLAGS, "--make-vocab-size-divisible-by", "64", mbs=2, gbs=8, iters=20
+    )
+    one = train(argv)
+    configs = {
+        "pp2 tp2": ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+        "pp2 tp2 sp": [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+        "tp2 cp2": ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"],
+    }
+    runs = run_ranks([[*argv, *c] for c in configs.values()], 4, tmp_path / "four_tp.json")
+    _check(one, runs, list(configs))

@@ -681,12 +681,10 @@ def _unsupported(args: Args) -> None:
     c = args.checkpoint
     if c.async_save and c.ckpt_format != "torch_dist":
         _fail("--async-save needs --ckpt-format torch_dist")
-    if c.ckpt_format == "torch_dist" and (
-        d.use_distributed_optimizer or d.pipeline_model_parallel_size > 1
-    ):
+    if c.ckpt_format == "torch_dist" and d.use_distributed_optimizer:
         _fail(
-            "--ckpt-format torch_dist with --use-distributed-optimizer or "
-            "--pipeline-model-parallel-size > 1 is not supported yet; use --ckpt-format torch"
+            "--ckpt-format torch_dist with --use-distributed-optimizer is not supported yet; "
+            "use --ckpt-format torch"
         )
     if m.use_flash_attn or m.transformer_impl != "local":
         _fail(
