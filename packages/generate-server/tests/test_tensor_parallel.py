@@ -119,15 +119,15 @@ def _answers(url: str) -> dict:
     with httpx.Client(base_url=url, timeout=120) as client:
         api = client.put(
             "/api",
-            json={"prompts": PROMPTS, "tokens_to_generate": 10, "top_k": 1, "logprobs": True},
+            json={"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs": True},
         ).json()
         requests = [
-            {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 3}
-            for prompt in PROMPTS
+            {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3}
+            for prompt in PROMPTS[:2]
         ] + [
-            {"prompt": PROMPTS[seed % 3], "max_tokens": 16, "temperature": 1.0, "top_p": 0.95}
+            {"prompt": PROMPTS[seed % 3], "max_tokens": 10, "temperature": 1.0, "top_p": 0.95}
             | {"seed": seed}
-            for seed in range(4)
+            for seed in range(3)
         ]
         with ThreadPoolExecutor(len(requests)) as pool:
             post = lambda body: client.post("/v1/completions", json=body)  # noqa: E731
@@ -152,7 +152,7 @@ def assert_same_answers(tp: dict, reference: dict) -> None:
             ):
                 assert top_got.keys() == top_want.keys()
                 assert list(top_got.values()) == pytest.approx(list(top_want.values()), abs=1e-4)
-    samples = [c["text"] for c in reference["openai"][len(PROMPTS) :]]
+    samples = [c["text"] for c in reference["openai"] if c["logprobs"] is None]
     assert len(set(samples)) > 1, "seeded samples should differ from each other"
 
 
