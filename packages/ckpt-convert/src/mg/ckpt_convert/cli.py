@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -212,6 +213,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ConvertError, CheckpointError, ConfigError) as exc:
         print(f"mg-convert {args.command}: error: {exc}", file=sys.stderr)
         sys.exit(1)
+    except BrokenPipeError:
+        # `mg-convert inspect DIR | head`: the reader left; stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
 
 
 if __name__ == "__main__":
