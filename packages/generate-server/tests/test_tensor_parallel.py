@@ -218,3 +218,20 @@ def test_tp2_llama_gqa_swiglu_from_tp2_checkpoint_and_a_dead_rank_ends_the_job(
         assert job.wait(timeout=90) != 0
         assert time.monotonic() - started < 90
         assert "exitcode" in "".join(job.log)
+
+
+@pytest.mark.slow
+def test_tp2_serves_a_torch_dist_checkpoint(checkpoint, server, tmp_path) -> None:
+    dist_checkpoint = tmp_path / "tiny-gpt2-dist"
+    subprocess.run(
+        [
+            str(BIN / "mg-convert"),
+            "format",
+            *("--to", "torch_dist", "--load", str(checkpoint), "--save", str(dist_checkpoint)),
+            "--target-tensor-parallel-size=2",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    with torchrun_server(dist_checkpoint) as job:
+        assert_same_answers(_answers(job.url), _answers(server.url))
