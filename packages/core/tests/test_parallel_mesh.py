@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from mg.core.parallel import ParallelDims, ParallelLayoutError
+from mg.core.testing.launch import launch_workers
 
 WORLD = 4
 LAYOUTS = [
@@ -52,33 +52,11 @@ def _worker(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
     out = tmp_path_factory.mktemp("mesh")
-    for _ in range(3):  # retry if another process took the port
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-        env["WORLD_SIZE"] = str(WORLD)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, str(out)],
-                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-            for r in range(WORLD)
-        ]
-        logs = [p.communicate(timeout=120)[0].decode() for p in procs]
-        if all(p.returncode == 0 for p in procs):
-            return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-        if not any("EADDRINUSE" in log or "address already in use" in log for log in logs):
-            break
-    pytest.fail("mesh workers failed:\n" + "\n".join(logs))
+    launch_workers(__file__, WORLD, [str(out)], timeout=120)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
 def _megatron_groups(world: int, tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, list]:
