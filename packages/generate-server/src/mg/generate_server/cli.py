@@ -214,6 +214,7 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # clients that connect before uvicorn starts wait in the backlog
     except OSError as err:
         raise ServeSetupError(f"cannot listen on {host}:{port}: {err}") from None
     return sock
