@@ -151,3 +151,42 @@ def zero_ckpt(tokenizer_config, tmp_path_factory) -> Path:
         for p in model.parameters():
             p.zero_()
     return save_gpt(tmp_path_factory.mktemp("zero"), model, tokenizer_config)
+
+
+def memorized_passages() -> list[str]:
+    return [" ".join(p.split()[:14]).strip(".,;:!?'\"") for p in botchan_paragraphs(12, skip=80)]
+
+
+@pytest.fixture(scope="session")
+def memorized(tokenizer, tokenizer_config, tmp_path_factory) -> tuple[GPTModel, Path, Path]:
+    """A tiny GPT-2 that knows eight short Botchan passages by heart (80 full-batch steps),
+    its checkpoint, and a LAMBADA file of those eight plus four unseen passages."""
+    torch.manual_seed(0)
+    config = tiny_gpt2(
+        vocab_size=50304,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=SEQ_LENGTH,
+        max_position_embeddings=SEQ_LENGTH,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(config)
+    rows = [tokenizer.tokenize(t) for t in memorized_passages()[:8]]
+    width = max(len(r) for r in rows)
+    batch = torch.full((len(rows), width), tokenizer.eod)
+    mask = torch.zeros(len(rows), width - 1)
+    for i, ids in enumerate(rows):
+        batch[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids) - 1] = 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(80):
+        loss = (model(batch[:, :-1], labels=batch[:, 1:]) * mask).sum() / mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    folder = tmp_path_factory.mktemp("memorized")
+    data = folder / "lambada.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in memorized_passages()))
+    return model, save_gpt(folder / "ckpt", model, tokenizer_config), data

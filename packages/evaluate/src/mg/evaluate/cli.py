@@ -18,6 +18,7 @@ from mg.core.checkpoint import CheckpointError
 from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.finetune_cli import add_finetune_tasks
+from mg.evaluate.harness_cli import add_harness_task
 from mg.evaluate.model_loading import TOKENIZER_FIELDS, LoadedModel, load_for_eval
 from mg.evaluate.report import megatron_line, write_report
 
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--data-cache-path", default=None, help="where the sample index files go")
     ppl.set_defaults(run=_run_ppl)
     add_finetune_tasks(sub)
+    add_harness_task(sub)
     return parser
 
 
@@ -215,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not distributed.is_main():
         return 0
-    print(megatron_line(args.task.upper() if args.task != "ppl" else "ppl", metrics))
+    printer = getattr(args, "print_result", None)
+    if printer is not None:
+        print(printer(args.task, metrics))
+    else:
+        print(megatron_line(args.task.upper() if args.task != "ppl" else "ppl", metrics))
     if args.report:
         load = getattr(args, "load", None) or getattr(args, "pretrained_checkpoint", None)
         write_report(args.report, args.task, metrics, load=load, **context)
