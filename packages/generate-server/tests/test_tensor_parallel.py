@@ -235,3 +235,29 @@ def test_tp2_serves_a_torch_dist_checkpoint(checkpoint, server, tmp_path) -> Non
     )
     with torchrun_server(dist_checkpoint) as job:
         assert_same_answers(_answers(job.url), _answers(server.url))
+
+
+def test_idle_engine_heartbeats_and_closes_its_runner_once(loaded) -> None:
+    """What keeps the other ranks' wait under the timeout, and what stops them."""
+    from mg.generate_server.engine import GenerationEngine
+    from mg.generate_server.runner import ModelRunner
+    from mg.generate_server.sampling import SamplingParams
+
+    class CountingRunner(ModelRunner):
+        beats = 0
+        closed = 0
+
+        def heartbeat(self) -> None:
+            self.beats += 1
+
+        def close(self) -> None:
+            self.closed += 1
+
+    runner = CountingRunner(loaded.model, 2, 32)
+    runner.heartbeat_seconds = 0.02
+    engine = GenerationEngine(runner, loaded.tokenizer.detokenize, loaded.tokenizer.vocab_size)
+    time.sleep(0.3)
+    events = engine.generate([464, 1524], SamplingParams(max_new_tokens=3, top_k=1))
+    assert events[-1].finish_reason == "length" and len(events) == 4
+    engine.shutdown()
+    assert runner.beats >= 3 and runner.closed == 1
