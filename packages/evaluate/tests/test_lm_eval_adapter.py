@@ -197,15 +197,30 @@ def test_unknown_task_is_a_clear_error(trained, capsys) -> None:
 
 
 @pytest.mark.slow
-def test_python_m_lm_eval_style_entry_point(trained, tmp_path) -> None:
-    """`python -m mg.evaluate.lm_eval_adapter` is lm_eval's CLI with "mg" registered."""
+def test_python_m_lm_eval_style_entry_point(memorized, tmp_path) -> None:
+    """`python -m mg.evaluate.lm_eval_adapter run --model mg ...` is lm_eval's own command
+    line with "mg" registered; it gives what `mg-eval harness` gives."""
     import subprocess
     import sys
 
-    _, ckpt = trained
+    _, ckpt, data = memorized
+    (tmp_path / "tasks").mkdir()
+    block = TASKS.format(data=tmp_path / "d.jsonl").split("---\n")[1]
+    (tmp_path / "tasks" / "rolling.yaml").write_text(block)
+    texts = [json.loads(line)["text"] for line in data.read_text().splitlines()]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"context": t}) + "\n" for t in texts))
     result = subprocess.run(
-        [sys.executable, "-m", "mg.evaluate.lm_eval_adapter", "ls", "tasks", "--include_path",
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "mg.evaluate.lm_eval_adapter", "run", "--model", "mg",
+         "--model_args", f"load={ckpt}", "--tasks", "mg_tiny_rolling",
+         "--include_path", str(tmp_path / "tasks"), "--output_path", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mg_tiny_rolling" in result.stdout and "word_perplexity" in result.stdout
+    report = tmp_path / "r.jsonl"
+    argv = ["harness", "--load", str(ckpt), "--tasks", "mg_tiny_rolling"]
+    assert main([*argv, "--include-path", str(tmp_path / "tasks"), "--report", str(report)]) == 0
+    ours = json.loads(report.read_text())["metrics"]["results"]["mg_tiny_rolling"]
+    files = list((tmp_path / "out").rglob("results_*.json"))
+    theirs = json.loads(files[0].read_text())["results"]["mg_tiny_rolling"]
+    assert theirs["word_perplexity,none"] == pytest.approx(ours["word_perplexity,none"], rel=1e-6)

@@ -40,7 +40,6 @@ def _batch_size(value: Any) -> int:
     return size
 
 
-@register_model("mg")
 class MgLM(TemplateLM):
     """model_args: ``load`` (checkpoint folder, required), ``ckpt_step``, ``max_length``
     (default: the checkpoint's seq_length), ``max_gen_toks`` (256), and the tokenizer
@@ -189,4 +188,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # run as a script: let the importable module register "mg" (registering this
+    # __main__ copy too would be a second class under the same name)
+    from mg.evaluate.lm_eval_adapter import main as registered_main
+
+    registered_main()
+else:
+    register_model("mg")(MgLM)
