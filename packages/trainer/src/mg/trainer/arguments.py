@@ -675,17 +675,12 @@ def _require(args: Args) -> None:
 
 
 def _unsupported(args: Args) -> None:
-    d, m = args.distributed, args.model
+    m = args.model
     _check_tensor_parallel(args)
     _check_pipeline_and_context(args)
     c = args.checkpoint
     if c.async_save and c.ckpt_format != "torch_dist":
         _fail("--async-save needs --ckpt-format torch_dist")
-    if c.ckpt_format == "torch_dist" and d.use_distributed_optimizer:
-        _fail(
-            "--ckpt-format torch_dist with --use-distributed-optimizer is not supported yet; "
-            "use --ckpt-format torch"
-        )
     if m.use_flash_attn or m.transformer_impl != "local":
         _fail(
             "--use-flash-attn and --transformer-impl transformer_engine are not supported by "

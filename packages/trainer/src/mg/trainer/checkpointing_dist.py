@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mg.core.checkpoint import (
     CHECKPOINT_VERSION,
+    RELEASE,
     checkpoint_dir,
     get_rng_state,
     mg_metadata,
@@ -38,7 +39,9 @@ from mg.core.checkpoint.dist_format import (
     is_torch_dist,
     load_dist_checkpoint,
     save_dist_checkpoint,
+    stored_tensors,
 )
+from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.trainer import distributed
 from mg.trainer.checkpointing import TrainState
 
@@ -52,12 +55,75 @@ def _named_globally(model: nn.Module) -> nn.Module:
     return global_view(model.chunks) if isinstance(model, PipelineModel) else model
 
 
-def _check_supported(model: nn.Module, optimizer: Any) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(
-            f"--ckpt-format torch_dist does not support {type(optimizer).__name__} yet "
-            "(--use-distributed-optimizer); use --ckpt-format torch"
-        )
+_PLACEHOLDER = "<read from the checkpoint>"
+
+
+def _names(model: nn.Module, optimizer: DistributedOptimizer) -> list[str]:
+    """The distributed optimizer's parameters by name, in its state's index order."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [name_of[id(p)] for p in optimizer.params]
+
+
+def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's state keyed by parameter name, as torch's `get_optimizer_state_dict`
+    writes it (`state.<name>.exp_avg`, `param_groups.<i>.params` = names).
+
+    The distributed optimizer's is its full, gathered state (collective; the same on every
+    data-parallel rank, so DCP writes each tensor once): the checkpoint does not depend on
+    the data-parallel size and loads into the plain optimizer and back."""
+    if not isinstance(optimizer, DistributedOptimizer):
+        return get_optimizer_state_dict(model, optimizer)
+    full = optimizer.state_dict()
+    names = _names(model, optimizer)
+    return {
+        "state": {names[i]: entry for i, entry in full["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in full["param_groups"]
+        ],
+    }
+
+
+def _optimizer_request(folder: Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """What to read for the optimizer: this rank's own layout for a torch optimizer; the
+    full stored tensors of every parameter for the distributed optimizer (it slices its
+    shard on `load_state_dict`)."""
+    if not isinstance(optimizer, DistributedOptimizer):
+        return get_optimizer_state_dict(model, optimizer)
+    stored = stored_tensors(folder, "optimizer.state.")
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for name in _names(model, optimizer):
+        prefix = f"optimizer.state.{name}."
+        entry = {
+            key[len(prefix) :]: value
+            for key, value in stored.items()
+            if key.startswith(prefix) and "." not in key[len(prefix) :]
+        }
+        if entry:
+            state[name] = entry
+    # Non-tensor entries are read whole in place of these placeholders (None is skipped).
+    groups = [{k: _PLACEHOLDER for k in g} for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _load_optimizer(
+    model: nn.Module, optimizer: Any, loaded: dict[str, Any], load_dir: str
+) -> None:
+    if not isinstance(optimizer, DistributedOptimizer):
+        set_optimizer_state_dict(model, optimizer, loaded)
+        return
+    index = {name: i for i, name in enumerate(_names(model, optimizer))}
+    groups = []
+    for gi, group in enumerate(loaded["param_groups"]):
+        unknown = [n for n in group["params"] if n not in index]
+        if unknown:
+            raise ValueError(
+                f"{load_dir}: optimizer group {gi} names parameters this model does not have "
+                f"({', '.join(unknown[:3])}); was it saved for a different model?"
+            )
+        # Our indices are contiguous per group, in our order: the state is keyed by them.
+        groups.append({**group, "params": sorted(index[n] for n in group["params"])})
+    state = {index[name]: entry for name, entry in loaded["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def save(
@@ -78,10 +144,11 @@ def save(
 ) -> PendingSave:
     """Collective: every rank writes its shards; rank 0 writes common.pt and commits."""
     model = _named_globally(distributed.unwrap(model))
-    _check_supported(model, optimizer)
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.finish_param_sync()  # the model's weights are complete only after this
     sharded: dict[str, Any] = {"model": model.state_dict()}
     if save_optim:
-        sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        sharded["optimizer"] = _optimizer_state(model, optimizer)
     common = {
         "args": argparse.Namespace(
             **args_flat,
@@ -106,7 +173,7 @@ def save(
 def latest_is_torch_dist(load_dir: str) -> bool:
     """Whether `load_dir`'s latest checkpoint is a torch_dist one (the format is detected)."""
     iteration = read_latest_iteration(load_dir)
-    if iteration is None or iteration == "release":
+    if iteration is None:
         return False
     return is_torch_dist(checkpoint_dir(load_dir, iteration))
 
@@ -124,19 +191,22 @@ def resume(
 ) -> TrainState:
     """Load the latest torch_dist checkpoint into this rank's (possibly sharded) objects."""
     model = _named_globally(distributed.unwrap(model))
-    _check_supported(model, optimizer)
     iteration = read_latest_iteration(load_dir)
     folder = Path(checkpoint_dir(load_dir, iteration))
+    # A `release` checkpoint (converted weights) loads like --finetune, as in Megatron.
+    finetune = finetune or iteration == RELEASE
     want_optim = load_optim and not finetune
     sharded: dict[str, Any] = {"model": model.state_dict()}
     if want_optim:
-        sharded["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        sharded["optimizer"] = _optimizer_request(folder, model, optimizer)
     common = load_dist_checkpoint(folder, sharded)
     if want_optim:
-        set_optimizer_state_dict(model, optimizer, sharded["optimizer"])
+        _load_optimizer(model, optimizer, sharded["optimizer"], load_dir)
         scheduler.load_state_dict(common["opt_param_scheduler"])
         if "grad_scaler" in common:
             loss_scaler.load_state_dict(common["grad_scaler"])
+    elif isinstance(optimizer, DistributedOptimizer):
+        optimizer.reload_model_params()  # its main copies must follow the loaded weights
     if finetune:
         return TrainState()
     if load_rng:

@@ -264,13 +264,26 @@ def load_dist_checkpoint(
             "(check --num-layers, --untie-embeddings-and-output-weights, the optimizer), or "
             "load without the optimizer (--no-load-optim)"
         )
+    ready = dcp_ready(sharded)
     dcp.load(
-        dcp_ready(sharded),
+        ready,
         storage_reader=reader,
         process_group=process_group,
         no_dist=not dist.is_initialized(),
     )
+    _copy_objects(ready, sharded)
     return common
+
+
+def _copy_objects(loaded: Any, target: Any) -> None:
+    """DCP replaces non-tensor entries (optimizer options) in the copy it was given;
+    tensors were filled in place, other values are copied back into `target`."""
+    items = loaded.items() if isinstance(loaded, Mapping) else enumerate(loaded)
+    for key, value in items:
+        if isinstance(value, (Mapping, list)) and isinstance(target[key], (Mapping, list)):
+            _copy_objects(value, target[key])
+        elif not isinstance(value, Tensor):
+            target[key] = value
 
 
 def _flat_keys(state: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -284,17 +297,24 @@ def _flat_keys(state: Mapping[str, Any], prefix: str = "") -> list[str]:
     return keys
 
 
-def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Tensor]:
-    """Every tensor under `prefix`, whole (unsharded), on one process without a process group."""
+def stored_tensors(folder: str | Path, prefix: str = "") -> dict[str, Tensor]:
+    """Empty tensors of the stored global shape and dtype for every key under `prefix`
+    (keys in full): what a reader asks DCP for when it wants the whole tensors."""
     folder = Path(folder)
     _check_complete(folder)
-    reader = dcp.FileSystemReader(folder)
-    metadata = reader.read_metadata()
-    flat = {
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    return {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
+
+
+def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Tensor]:
+    """Every tensor under `prefix`, whole (unsharded), on one process without a process group."""
+    folder = Path(folder)
+    flat = stored_tensors(folder, prefix)
+    reader = dcp.FileSystemReader(folder)
     nested: dict[str, Any] = {}
     for key, tensor in flat.items():
         _set_nested(nested, key, tensor)

@@ -234,6 +234,12 @@ class DistributedOptimizer:
         """The inner optimizer's groups (one per input group): the LR scheduler sets `lr` here."""
         return self.optimizer.param_groups
 
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The model's parameters in `state_dict()`'s index order, so a checkpoint can key
+        the state by parameter name (torch_dist)."""
+        return list(self._params)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without starting their reduction (not the last micro-batch)."""
