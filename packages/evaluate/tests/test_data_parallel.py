@@ -4,60 +4,34 @@ sums: every number equals the one-process run; BERT finetuning averages gradient
 from __future__ import annotations
 
 import json
-import os
-import socket
-import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 from bert_tasks_data import SEQ_LENGTH, save_tiny_bert, write_mnli
 
+from mg.core.testing.launch import launch_workers
 from mg.evaluate.cli import main
 
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_ENTRY = """import sys
+import torch.distributed as dist
+from mg.core.testing.launch import launch_workers
+from mg.evaluate.cli import main
+code = main(sys.argv[1:])
+if dist.is_initialized():
+    dist.destroy_process_group()
+sys.exit(code)
+"""
 
 
-def _worker(rank: int, port: int, argv: list[str], test_dir: str) -> None:
-    sys.path.insert(0, test_dir)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-    )
-    import torch.distributed as dist
-
-    from mg.evaluate.cli import main as run
-
-    try:
-        code = run(argv)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    if code != 0:
-        raise SystemExit(code)
-
-
-def run_ranks(argv: list[str]) -> None:
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, port, argv, str(Path(__file__).parent)))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0] * WORLD
+def run_ranks(argv: list[str], folder: Path) -> None:
+    """`mg-eval ARGV` as WORLD local ranks (torchrun's environment), each exiting 0."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "mg_eval_entry.py"
+    script.write_text(_ENTRY)
+    launch_workers(str(script), WORLD, argv, timeout=300)
 
 
 def metrics(report: Path) -> dict:
@@ -69,7 +43,7 @@ def metrics(report: Path) -> dict:
 def one_and_two(tmp_path: Path, argv: list[str]) -> tuple[dict, dict]:
     single, double = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     assert main([*argv, "--report", str(single)]) == 0
-    run_ranks([*argv, "--report", str(double)])
+    run_ranks([*argv, "--report", str(double)], tmp_path)
     return metrics(single), metrics(double)
 
 
