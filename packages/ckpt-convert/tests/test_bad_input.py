@@ -89,7 +89,8 @@ def test_exception_mid_write_leaves_no_target(tmp_path, make_hf, monkeypatch):
     def crash(*args, **kwargs):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(import_hf_module, "save_model", crash)
+    # after every tensor went into the checkpoint file, before its data.pkl
+    monkeypatch.setattr(import_hf_module.StreamingTorchFile, "finish", crash)
     with pytest.raises(OSError, match="simulated"):
         import_hf(str(tmp_path / "hf"), tmp_path / "ckpt", progress=False)
     assert _leftovers(tmp_path) == []

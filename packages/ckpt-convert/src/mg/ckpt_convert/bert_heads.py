@@ -12,6 +12,9 @@ same files.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -34,7 +37,10 @@ def bert_meta_model(config: TransformerConfig, binary_head: bool = True) -> Bert
 
 
 def complete_heads(
-    state: dict[str, Tensor], config: TransformerConfig, shapes: dict[str, torch.Size]
+    state: dict[str, Any],
+    config: TransformerConfig,
+    shapes: dict[str, torch.Size],
+    sink: Callable[[Tensor], Any] | None = None,
 ) -> list[str]:
     """Add Megatron-initialised tensors for the heads the source lacks (in place).
 
@@ -57,7 +63,7 @@ def complete_heads(
             tensor = torch.empty(shapes[name]).normal_(
                 0.0, config.init_method_std, generator=generator
             )
-        state[name] = tensor.to(dtype)
+        state[name] = tensor.to(dtype) if sink is None else sink(tensor.to(dtype))
         initialised.append(name)
     return initialised
 

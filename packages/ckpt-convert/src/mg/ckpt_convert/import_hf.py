@@ -6,8 +6,9 @@ Megatron's vocabulary padding, dtype, shape checks against the model the config
 describes, tokenizer files, and an atomic write.
 
 Memory: the source is read one layer at a time through `safe_open` handles that
-are closed after the layer; only the converted state dict accumulates, so the
-peak is about one copy of the model.
+are closed after the layer, and each converted tensor goes straight into the
+checkpoint file (:class:`StreamingTorchFile`) and is dropped, so the peak is
+about one layer, not the model (bench/bench_convert_memory.py).
 
 The checkpoint records what export needs to give the model back unchanged:
 ``config.extra`` holds ``hf_model_type``, ``hf_vocab_size`` (the unpadded
@@ -24,6 +25,7 @@ import json
 import re
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,14 @@ from mg.ckpt_convert.bert_heads import bert_meta_model, complete_heads
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.hf_source import HFWeights, read_hf_config, resolve_source, tokenizer_files
 from mg.ckpt_convert.staging import check_target, staged_dir
-from mg.core.checkpoint.model_io import save_model
+from mg.ckpt_convert.stream_writer import StreamingTorchFile
+from mg.core.checkpoint import (
+    CHECKPOINT_VERSION,
+    RELEASE,
+    checkpoint_file,
+    mg_metadata,
+)
+from mg.core.checkpoint.layout import tracker_file
 from mg.core.models import GPTModel, TransformerConfig, pad_vocab_size
 from mg.core.models.hf_mapping import config_from_hf, get_architecture, hf_to_megatron
 from mg.core.tokenizers.config import TokenizerConfig
@@ -107,8 +116,12 @@ def convert_weights(
     config: TransformerConfig,
     dtype: torch.dtype | None,
     progress: bool = True,
-) -> dict[str, Tensor]:
-    """Read, map, pad, cast and check every tensor, one layer at a time."""
+    sink: Callable[[Tensor], Any] | None = None,
+) -> dict[str, Any]:
+    """Read, map, pad, cast and check every tensor, one layer at a time.
+
+    With a ``sink`` (``StreamingTorchFile.add``) each tensor is handed over as soon as
+    it is converted and the result holds what the sink returned, not the tensors."""
     arch = get_architecture(config.extra["hf_model_type"])
     shapes = expected_shapes(config)
     out: dict[str, Tensor] = {}
@@ -137,9 +150,10 @@ def convert_weights(
                     f"{weights.folder}: shape mismatch for {name}: the weights give "
                     f"{tuple(tensor.shape)}, config.json implies {tuple(shapes[name])}"
                 )
-            out[name] = tensor
+            out[name] = tensor if sink is None else sink(tensor)
+            del tensor
     if is_bert(config):
-        initialised = complete_heads(out, config, shapes)
+        initialised = complete_heads(out, config, shapes, sink)
         if initialised:
             config.extra["hf_initialized"] = initialised
     missing = sorted(set(shapes) - set(out))
@@ -206,9 +220,23 @@ def import_hf(
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
     arch = get_architecture(config.extra["hf_model_type"])
     weights = HFWeights(source, arch.base_model_prefix, arch.head_prefixes)
-    state = convert_weights(weights, config, DTYPES.get(dtype or ""), progress)
     with staged_dir(save) as staging:
         tokenizer_config = copy_tokenizer(source, staging, bert=is_bert(config))
-        args = {"source": str(src), "converted_by": "mg-convert import-hf"}
-        save_model(staging, state, config, tokenizer_config, iteration="release", args=args)
+        path = checkpoint_file(staging, RELEASE)
+        path.parent.mkdir(parents=True)
+        writer = StreamingTorchFile(path)
+        model = convert_weights(weights, config, DTYPES.get(dtype or ""), progress, writer.add)
+        # the state save_model writes (model_io), with the model already on disk
+        writer.finish(
+            {
+                "model": model,
+                "args": {"source": str(src), "converted_by": "mg-convert import-hf"},
+                "iteration": 0,
+                "mg": mg_metadata(
+                    config.to_dict(), tokenizer_config.to_dict() if tokenizer_config else None
+                ),
+                "checkpoint_version": CHECKPOINT_VERSION,
+            }
+        )
+        tracker_file(staging).write_text(RELEASE)
     return Path(save)
