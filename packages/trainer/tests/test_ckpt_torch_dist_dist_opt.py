@@ -75,3 +75,20 @@ def test_plain_torch_dist_resumes_into_the_distributed_optimizer(
     train([*argv, "--save", ckpt, "--save-interval", "3", "--exit-interval", "3"])
     resumed = train([*argv, "--use-distributed-optimizer", "--load", ckpt])
     _assert_close(one.losses[3:], resumed.losses)
+
+
+def test_release_torch_dist_checkpoint_loads_weights_only(tmp_path, mock_argv, train) -> None:
+    """A `release` torch_dist checkpoint (converted weights) is found by --load and loads
+    like --finetune (Megatron): the same losses as --finetune from the iteration folder."""
+    from mg.core.checkpoint.dist_format import load_common, load_full_state, save_dist_checkpoint
+
+    argv = mock_argv(tmp_path, *FLAGS, *TORCH_DIST, mbs=2, gbs=4, iters=3)
+    ckpt = tmp_path / "ckpt"
+    train([*argv, "--save", str(ckpt)])
+    folder = ckpt / "iter_0000003"
+    release = tmp_path / "release"
+    common = {k: v for k, v in load_common(folder).items() if k in ("args", "mg")}
+    save_dist_checkpoint(release, "release", {"model": load_full_state(folder)}, common)
+    finetuned = train([*argv, "--load", str(ckpt), "--finetune"])
+    from_release = train([*argv, "--load", str(release)])
+    assert from_release.losses == finetuned.losses
