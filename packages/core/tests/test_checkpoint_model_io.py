@@ -58,10 +58,32 @@ def test_errors_name_the_problem(tmp_path):
     save_model(tmp_path / "short", weights, CONFIG, None)
     with pytest.raises(CheckpointError, match="final_layernorm"):
         load_model(tmp_path / "short")
-    state = {"model": GPTModel(CONFIG).state_dict(), "mg": None}
-    save_checkpoint_shards(tmp_path / "pp2", 1, {(0, 0): state, (0, 1): state})
-    with pytest.raises(CheckpointError, match="pipeline- and expert-unsplit"):
-        load_model(tmp_path / "pp2")
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_pipeline_split_torch_checkpoint_loads_whole(tmp_path, virtual):
+    """mp_rank_00_PPP files (PP=2 with `model`, or model0/model1 per virtual stage, local
+    layer numbers, the last stage's tied copy) load into the whole model, bit-exact."""
+    from mg.core.checkpoint import mg_metadata
+    from mg.core.checkpoint.pp_split import split_pipeline
+
+    config = TransformerConfig.from_dict({**CONFIG.to_dict(), "num_layers": 4})
+    reference = GPTModel(config).state_dict()
+    stages = split_pipeline(reference, 4, 2, tied=True, virtual_size=virtual)
+    assert "output_layer.weight" in stages[1][-1]  # the tied copy is written, as Megatron does
+    meta = mg_metadata(config.to_dict(), None)
+    shards = {}
+    for pp, chunks in enumerate(stages):
+        models = (
+            {"model": chunks[0]} if virtual == 1 else {f"model{i}": c for i, c in enumerate(chunks)}
+        )
+        shards[(0, pp)] = {**models, "mg": meta, "iteration": 1}
+    save_checkpoint_shards(tmp_path, 1, shards)
+    model, _, _, _ = load_model(tmp_path)
+    loaded = model.state_dict()
+    assert list(loaded) == list(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 def _megatron_tp_split(weights: dict, tp: int) -> list[dict]:

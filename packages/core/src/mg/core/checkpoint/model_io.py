@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_full_state
 from mg.core.checkpoint.layout import RELEASE, CheckpointError, Iteration
+from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.torch_format import (
     find_rank_file,
     iteration_dir,
@@ -75,11 +76,11 @@ def load_model(
     """Build a `GPTModel` from a checkpoint's own metadata and load its weights (strict).
 
     Reads `torch_dist` checkpoints of any layout and `torch` ones with
-    tensor-parallel shards (`mp_rank_TT`, merged along Megatron's partition
-    dims); a pipeline-split `torch` checkpoint raises with the command that
-    merges it. The model is built on the meta device and
-    the loaded tensors are assigned, so weights are held once. The model is
-    returned in eval mode (dropout off), as eval and serve need it.
+    tensor-parallel and pipeline shards (`mp_rank_TT[_PPP]`, stages merged with
+    `merge_pipeline`, TP shards along Megatron's partition dims). The model is
+    built on the meta device and the loaded tensors are assigned, so weights are
+    held once. The model is returned in eval mode (dropout off), as eval and
+    serve need it.
     """
     load_dir = Path(load_dir)
     iteration = resolve_iteration(load_dir, iteration)
@@ -118,35 +119,52 @@ def load_model(
 def _load_torch_format(
     load_dir: Path, folder: Path, iteration: Iteration, map_location: Any
 ) -> tuple[dict[str, Any], Path, Callable[[TransformerConfig], dict[str, Tensor]]]:
-    """Rank 0's state, its path, and a reader of the whole weights (TP shards merged)."""
+    """Rank 0's state, its path, and a reader of the whole weights (pipeline stages and
+    TP shards merged)."""
     path, layout = find_rank_file(folder)
-    if layout.pp * layout.ep != 1:
+    if layout.ep != 1:
         raise CheckpointError(
-            f"{load_dir} was saved with {layout}; load_model reads pipeline- and expert-"
-            "unsplit `torch` checkpoints. Merge it first: mg-convert reshard "
-            "--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1, or save with "
-            "--ckpt-format torch_dist"
+            f"{load_dir} was saved with {layout}; load_model reads expert-unsplit `torch` "
+            "checkpoints. Merge it first: mg-convert reshard, or save with --ckpt-format torch_dist"
         )
-    states = [load_checkpoint(load_dir, iteration, map_location=map_location)[0]]
-    for tp_rank in range(1, layout.tp):
-        states.append(
-            load_checkpoint(load_dir, iteration, tp_rank=tp_rank, map_location=map_location)[0]
-        )
+    # states[tp][pp]: every rank file of the iteration.
+    states = [
+        [
+            load_checkpoint(
+                load_dir,
+                iteration,
+                tp_rank=tp,
+                pp_rank=pp,
+                pp_size=layout.pp,
+                map_location=map_location,
+            )[0]
+            for pp in range(layout.pp)
+        ]
+        for tp in range(layout.tp)
+    ]
 
     def weights(config: TransformerConfig) -> dict[str, Tensor]:
-        shards = [_model_state(s, path) for s in states]
+        tied = not config.untie_embeddings_and_output_weights
+        shards = [
+            merge_pipeline([_model_chunks(s, path) for s in stages], config.num_layers, tied=tied)
+            for stages in states
+        ]
         return merge_tensor_parallel(shards, config.gated_linear_unit)
 
-    return states[0], path, weights
+    return states[0][0], path, weights
 
 
-def _model_state(state: Mapping[str, Any], path: Path) -> dict[str, Tensor]:
-    model = state.get("model")
-    if model is None:
-        raise CheckpointError(f"{path} holds no 'model' entry")
-    if "model0" in model and isinstance(model["model0"], Mapping):
-        raise CheckpointError(f"{path} holds virtual pipeline stages (model0, …); not supported")
-    return {k: v for k, v in model.items() if not k.endswith("_extra_state")}
+def _model_chunks(state: Mapping[str, Any], path: Path) -> list[dict[str, Tensor]]:
+    """A rank file's model chunks: `model`, or `model0`, `model1`… (virtual stages)."""
+    if "model" in state:
+        chunks = [state["model"]]
+    else:
+        chunks = []
+        while f"model{len(chunks)}" in state:
+            chunks.append(state[f"model{len(chunks)}"])
+    if not chunks:
+        raise CheckpointError(f"{path} holds no 'model' (or 'model0') entry")
+    return [{k: v for k, v in c.items() if not k.endswith("_extra_state")} for c in chunks]
 
 
 def save_model(
