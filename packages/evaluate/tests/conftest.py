@@ -15,6 +15,7 @@ from mg.core.checkpoint import mg_metadata, save_checkpoint
 from mg.core.fixtures import fixture_dir, fixture_path
 from mg.core.models import GPTModel
 from mg.core.models.presets import tiny_gpt2
+from mg.core.testing.botchan_training import train_on_botchan
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 
 SEQ_LENGTH = 64
@@ -106,19 +107,9 @@ def train_tiny_gpt(tokenizer, steps: int = 40) -> GPTModel:
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    model = GPTModel(config)
-    text = fixture_path("botchan", "botchan.txt").read_text(encoding="utf-8")[20000:80000]
-    ids = torch.tensor(tokenizer.tokenize(text))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        starts = torch.randint(0, len(ids) - SEQ_LENGTH - 1, (8,), generator=generator)
-        batch = torch.stack([ids[s : s + SEQ_LENGTH + 1] for s in starts.tolist()])
-        loss = model(batch[:, :-1], labels=batch[:, 1:]).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval()
+    return train_on_botchan(
+        GPTModel(config), tokenizer, steps=steps, window=SEQ_LENGTH, batch_size=8, text_end=80000
+    )
 
 
 def save_gpt(save_dir: Path, model: GPTModel, tokenizer_config: TokenizerConfig | None) -> Path:

@@ -18,6 +18,7 @@ from mg.core.checkpoint import save_model
 from mg.core.fixtures import fixture_path
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.presets import tiny_gpt2
+from mg.core.testing.botchan_training import train_on_botchan
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.generate_server.app import ServerSettings, create_app
 from mg.generate_server.engine import GenerationEngine
@@ -52,19 +53,9 @@ def train_tiny_gpt(
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    model = GPTModel(config)
-    text = fixture_path("botchan", "botchan.txt").read_text(encoding="utf-8")[20000:60000]
-    ids = torch.tensor(tokenizer.tokenize(text))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        starts = torch.randint(0, len(ids) - window - 1, (4,), generator=generator)
-        batch = torch.stack([ids[s : s + window + 1] for s in starts.tolist()])
-        loss = model(batch[:, :-1], labels=batch[:, 1:]).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval()
+    return train_on_botchan(
+        GPTModel(config), tokenizer, steps=steps, window=window, batch_size=4, text_end=60000
+    )
 
 
 @pytest.fixture(scope="session")

@@ -189,29 +189,19 @@ class Trainer:
         c = args.checkpoint
         self._pending_save: PendingSave | None = None  # an --async-save in flight
         if c.load:
+            what = {
+                "model": model,
+                "optimizer": self.optimizer,
+                "scheduler": self.scheduler,
+                "loss_scaler": self.scaler,
+                "finetune": c.finetune,
+                "load_optim": not c.no_load_optim,
+                "load_rng": not c.no_load_rng,
+            }
             if checkpointing_dist.latest_is_torch_dist(c.load):  # the format is detected
-                resumed = checkpointing_dist.resume(
-                    c.load,
-                    model=model,
-                    optimizer=self.optimizer,
-                    scheduler=self.scheduler,
-                    loss_scaler=self.scaler,
-                    finetune=c.finetune,
-                    load_optim=not c.no_load_optim,
-                    load_rng=not c.no_load_rng,
-                )
+                resumed = checkpointing_dist.resume(c.load, **what)
             else:
-                resumed = checkpointing.resume(
-                    c.load,
-                    model=model,
-                    optimizer=self.optimizer,
-                    scheduler=self.scheduler,
-                    loss_scaler=self.scaler,
-                    finetune=c.finetune,
-                    load_optim=not c.no_load_optim,
-                    load_rng=not c.no_load_rng,
-                    layout=self.layout,
-                )
+                resumed = checkpointing.resume(c.load, **what, layout=self.layout)
             if resumed is not None:
                 self.state = resumed
             if self.env.is_main:
