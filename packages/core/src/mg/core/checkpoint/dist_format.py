@@ -23,9 +23,11 @@ a process killed during an async save leaves only a `.tmp` folder, never read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -60,6 +62,16 @@ TORCH_DIST_METADATA = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
+
+
+@contextlib.contextmanager
+def _single_process_is_intended() -> Any:
+    """DCP warns on every save/load without a process group; one process is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized"
+        )
+        yield
 
 
 def is_torch_dist(folder: str | Path) -> bool:
@@ -195,14 +207,16 @@ def save_dist_checkpoint(
     no_dist = not dist.is_initialized()
     common_state = {**(common or {}), "iteration": 0 if iteration == RELEASE else iteration}
     if not async_save:
-        dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist)
+        with _single_process_is_intended():
+            dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist)
         if is_main:
             _commit(save_dir, final, staging, common_state)
         _barrier(process_group)
         return PendingSave(None, final)
-    response = dcp.async_save(
-        state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist
-    )
+    with _single_process_is_intended():
+        response = dcp.async_save(
+            state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist
+        )
     future: Future = getattr(response, "upload_completion", response)
     if not is_main:
         return PendingSave(future, final)
@@ -265,12 +279,13 @@ def load_dist_checkpoint(
             "load without the optimizer (--no-load-optim)"
         )
     ready = dcp_ready(sharded)
-    dcp.load(
-        ready,
-        storage_reader=reader,
-        process_group=process_group,
-        no_dist=not dist.is_initialized(),
-    )
+    with _single_process_is_intended():
+        dcp.load(
+            ready,
+            storage_reader=reader,
+            process_group=process_group,
+            no_dist=not dist.is_initialized(),
+        )
     _copy_objects(ready, sharded)
     return common
 
@@ -318,7 +333,8 @@ def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Ten
     nested: dict[str, Any] = {}
     for key, tensor in flat.items():
         _set_nested(nested, key, tensor)
-    dcp.load(nested, storage_reader=reader, no_dist=True)
+    with _single_process_is_intended():
+        dcp.load(nested, storage_reader=reader, no_dist=True)
     return {key[len(prefix) :]: tensor for key, tensor in flat.items()}
 
 

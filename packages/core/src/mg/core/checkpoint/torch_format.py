@@ -420,10 +420,15 @@ def describe(
 ) -> CheckpointInfo:
     """Summarise a checkpoint: iteration, layout on disk, files and sizes, configs.
 
-    Reads only the rank-0 file, memory-mapped, so tensors are not copied into memory.
+    Reads only the rank-0 file, memory-mapped, so tensors are not copied into memory;
+    for a `torch_dist` folder, its common.pt (the layout is the one it was saved from).
     """
     iteration = resolve_iteration(load_dir, iteration)
     folder = iteration_dir(load_dir, iteration)
+    from mg.core.checkpoint import dist_format  # late: dist_format pulls in DCP
+
+    if dist_format.is_torch_dist(folder):
+        return _describe_torch_dist(folder, iteration)
     path, layout = find_rank_file(folder)
     state = _check_state(load_file(path, allow_pickle=allow_pickle, mmap=True), path)
     files = sorted(p for p in folder.rglob("*") if p.is_file())
@@ -441,4 +446,27 @@ def describe(
         parallel=meta.get("parallel"),
         args=state.get("args"),
         keys=sorted(state),
+    )
+
+
+def _describe_torch_dist(folder: Path, iteration: Iteration) -> CheckpointInfo:
+    from mg.core.checkpoint.dist_format import load_common
+
+    common = load_common(folder)
+    meta = common.get("mg") or {}
+    parallel = meta.get("parallel") or {}
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return CheckpointInfo(
+        path=folder,
+        iteration=iteration,
+        layout=Layout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1)),
+        files=files,
+        total_bytes=sum(p.stat().st_size for p in files),
+        checkpoint_version=common.get("checkpoint_version"),
+        format_version=meta.get("format_version"),
+        model_config=meta.get("model_config"),
+        tokenizer_config=meta.get("tokenizer_config"),
+        parallel=meta.get("parallel"),
+        args=common.get("args"),
+        keys=sorted(common),
     )
