@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import re
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,8 +25,23 @@ from mg.core.checkpoint import save_model
 from mg.core.models.presets import tiny_llama
 from mg.generate_server.loading import load_for_serving
 
-sys.path.insert(0, str(Path(__file__).parent))  # pytest runs with --import-mode=importlib
-from conftest import SEQ_LENGTH, gpt2_tokenizer_config, run_server, train_tiny_gpt  # noqa: E402
+
+def _sibling_conftest() -> Any:
+    """This folder's conftest.py by path: under --import-mode=importlib a bare `import
+    conftest` may find another package's conftest when several packages' tests run."""
+    path = Path(__file__).with_name("conftest.py")
+    spec = importlib.util.spec_from_file_location("generate_server_tests_conftest", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_conftest = _sibling_conftest()
+SEQ_LENGTH = _conftest.SEQ_LENGTH
+gpt2_tokenizer_config = _conftest.gpt2_tokenizer_config
+run_server = _conftest.run_server
+train_tiny_gpt = _conftest.train_tiny_gpt
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/stat").exists(), reason="finds the ranks' processes through /proc"
