@@ -36,6 +36,7 @@ import types
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -81,6 +82,43 @@ class GatedColwiseParallel(ColwiseParallel):
                 requires_grad=param.requires_grad,
             )
             module.register_parameter(param_name, dist_param)
+
+
+class RowParallelLinear(RowwiseParallel):
+    """Megatron's RowParallelLinear: reduce the partial products, then add the bias.
+
+    Given `linear(x_shard, W_shard, bias)` with a replicated bias, DTensor's
+    sharding propagation cannot add a replicated bias to a partial sum, so it
+    all-gathers the input and the weight and runs the whole matmul on every
+    rank (two all-gathers per layer per projection, and the full weight in
+    memory). Here the linear runs without its bias, the partial output is
+    all-reduced (or reduce-scattered with sequence parallelism) and the bias is
+    added to the result, as Megatron does; the bias gradient is then a partial
+    sum under sequence parallelism, all-reduced by `sync_tensor_parallel_grads`.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.forward = types.MethodType(_linear_without_bias, module)
+        return super()._apply(module, device_mesh)
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: object,
+        use_local_output: bool,
+        mod: nn.Module,
+        outputs: DTensor,
+        device_mesh: DeviceMesh,
+    ) -> Tensor:
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        if isinstance(mod, nn.Linear) and mod.bias is not None:
+            outputs = outputs + mod.bias
+        return outputs.to_local() if use_local_output else outputs
+
+
+def _linear_without_bias(self: nn.Linear, hidden: Tensor) -> Tensor:
+    return F.linear(hidden, self.weight)
 
 
 def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
@@ -140,12 +178,12 @@ def apply_tensor_parallel(model: GPTModel, tp_mesh: DeviceMesh, sequence_paralle
                 desired_input_layouts=(Replicate(), None, None),
             ),
             "self_attention.linear_qkv": ColwiseParallel(),
-            "self_attention.linear_proj": RowwiseParallel(output_layouts=activations),
+            "self_attention.linear_proj": RowParallelLinear(output_layouts=activations),
             "mlp": PrepareModuleInput(
                 input_layouts=(activations,), desired_input_layouts=(Replicate(),)
             ),
             "mlp.linear_fc1": GatedColwiseParallel() if layer.mlp.gated else ColwiseParallel(),
-            "mlp.linear_fc2": RowwiseParallel(output_layouts=activations),
+            "mlp.linear_fc2": RowParallelLinear(output_layouts=activations),
         }
         if sequence_parallel:
             plan["input_layernorm"] = SequenceParallel()
