@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from mg.core.models import GPTModel
 from mg.core.parallel import watchdog
@@ -133,17 +132,6 @@ def shard_for_serving(model: GPTModel, tp_mesh: DeviceMesh) -> GPTModel:
         apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
     except TensorParallelError as err:
         raise ServeSetupError(f"cannot serve with tensor parallelism: {err}") from None
-    # apply_tensor_parallel's plan declares self_attention's inputs for the
-    # training call (hidden, rotary, mask); a cached step passes the cache as a
-    # fourth input, which PrepareModuleInput rejects. Without sequence
-    # parallelism that hook is Replicate -> Replicate, i.e. does nothing, so
-    # it is dropped; linear_qkv/linear_proj keep their own hooks.
-    for layer in model.decoder.layers:
-        hooks = layer.self_attention._forward_pre_hooks
-        for key, hook in list(hooks.items()):
-            cells = getattr(hook, "__closure__", None) or ()
-            if any(isinstance(cell.cell_contents, PrepareModuleInput) for cell in cells):
-                del hooks[key]
     return model
 
 

@@ -207,10 +207,10 @@ class TransformerLayer(nn.Module):
         inference_cache: KVCache | None = None,
     ) -> Tensor:
         normed = self.input_layernorm(hidden)
-        if inference_cache is None:
-            attention = self.self_attention(normed, rotary, attention_mask)
-        else:
-            attention = self.self_attention(normed, rotary, attention_mask, inference_cache)
+        # the cache goes by keyword: parallel styles describe the positional inputs only
+        attention = self.self_attention(
+            normed, rotary, attention_mask, inference_cache=inference_cache
+        )
         hidden = hidden + self.hidden_dropout(attention)
         return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
 
