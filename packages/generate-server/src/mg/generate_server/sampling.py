@@ -127,7 +127,13 @@ def choose_token(
         token = int(torch.argmax(logits))
     else:
         if params.temperature != 1.0:
-            logits = logits / params.temperature
+            scaled = logits / params.temperature
+            if not torch.isfinite(scaled.max()):
+                # a temperature so small that the scaled logits overflow (or that is 0
+                # in fp32) is the limit T -> 0: only the most likely token(s) remain
+                top = logits == logits.max()
+                scaled = torch.full_like(logits, float("-inf")).masked_fill(top, 0.0)
+            logits = scaled
         if params.top_k > 1:
             logits = _filter_top_k(logits, params.top_k)
         if 0.0 < top_p < 1.0:
