@@ -123,3 +123,24 @@ def test_format_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["format", "--to", "safetensors", "--load", "a", "--save", "b"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_export_hf_reads_any_format_and_layout_to_the_same_files(tmp_path, kind):
+    """torch TP1/PP1 (reference), torch TP2 x PP2 and torch_dist export byte-identical tensors."""
+    from safetensors.torch import load_file
+
+    from mg.ckpt_convert.export_hf import export_hf
+
+    model = build(CONFIGS[kind])
+    save_source(tmp_path / "src", model)
+    reshard(tmp_path / "src", tmp_path / "tp2pp2", 2, 2, **QUIET)
+    convert_format(tmp_path / "tp2pp2", tmp_path / "dist", "torch_dist", **QUIET)
+    exported = {}
+    for name in ("src", "tp2pp2", "dist"):
+        export_hf(tmp_path / name, tmp_path / f"hf-{name}", progress=False)
+        exported[name] = load_file(tmp_path / f"hf-{name}" / "model.safetensors")
+        config = (tmp_path / f"hf-{name}" / "config.json").read_text()
+        assert config == (tmp_path / "hf-src" / "config.json").read_text()
+    assert_same_tensors(exported["tp2pp2"], exported["src"])
+    assert_same_tensors(exported["dist"], exported["src"])

@@ -75,8 +75,11 @@ class CheckpointSource:
         return [k for k in LAYOUT_BOUND if self.state.get(k)]
 
 
-def open_checkpoint(load_dir: str | Path, iteration: Iteration | None = None) -> CheckpointSource:
-    """Open ``load_dir`` (latest iteration unless given); checks it holds a whole GPT model."""
+def open_checkpoint(
+    load_dir: str | Path, iteration: Iteration | None = None, *, check_gpt: bool = True
+) -> CheckpointSource:
+    """Open ``load_dir`` (latest iteration unless given); with `check_gpt`, checks that it
+    holds a whole GPT model (reshard and format conversion need one; export also reads BERT)."""
     load_dir = Path(load_dir)
     iteration = resolve_iteration(load_dir, iteration)
     folder = iteration_dir(load_dir, iteration)
@@ -84,7 +87,8 @@ def open_checkpoint(load_dir: str | Path, iteration: Iteration | None = None) ->
         source = _open_torch_dist(load_dir, folder, iteration)
     else:
         source = _open_torch(load_dir, folder, iteration)
-    _check_names(source)
+    if check_gpt:
+        _check_names(source)
     return source
 
 

@@ -1,6 +1,8 @@
 """`mg-convert export-hf`: an mg checkpoint → a folder `transformers` loads.
 
-The checkpoint is memory-mapped, and tensors are converted one layer at a time
+The checkpoint may be of either format and any TP/PP layout (`checkpoint_source`
+joins the shards of a tensor when it is read). `torch` files are memory-mapped,
+and tensors are converted one layer at a time
 and written into safetensors shards as each shard fills up, so the model is not
 held twice. Shards are named `model-0000K-of-0000N.safetensors` (with
 `model.safetensors.index.json`) once the total exceeds `--shard-size`; a model
@@ -22,11 +24,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 from mg.ckpt_convert.bert_heads import hf_class_of, hf_name_for_class, tensors_for_class
+from mg.ckpt_convert.checkpoint_source import open_checkpoint
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.hf_source import SAFETENSORS_INDEX, TOKENIZER_FILES
 from mg.ckpt_convert.import_hf import VOCAB_TENSORS
 from mg.ckpt_convert.staging import check_target, staged_dir
-from mg.core.checkpoint import load_checkpoint
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.models import TransformerConfig
 from mg.core.models.hf_mapping import config_to_hf, get_architecture, megatron_to_hf
@@ -183,43 +185,35 @@ def export_hf(
     """Write `save` as a transformers model folder from the checkpoint in `load`."""
     check_target(save)
     max_bytes = parse_size(shard_size)
-    state, _ = load_checkpoint(load, iteration, mmap=True)
-    meta = state.get("mg") or {}
-    if not meta.get("model_config"):
-        raise ConvertError(f"{load}: the checkpoint records no model config (state['mg'])")
-    parallel = meta.get("parallel") or {}
-    if parallel.get("tp", 1) * parallel.get("pp", 1) != 1:
-        raise ConvertError(
-            f"{load}: saved with TP={parallel.get('tp')} PP={parallel.get('pp')}; export reads "
-            "TP=1 PP=1 checkpoints (resharding is not supported yet)"
-        )
-    config = TransformerConfig.from_dict(dict(meta["model_config"]))
+    source = open_checkpoint(load, iteration, check_gpt=False)
+    meta = source.state.get("mg") or {}
+    config = source.config
     tokenizer = None
     if meta.get("tokenizer_config"):
         tokenizer = resolve_tokenizer_paths(
             TokenizerConfig.from_dict(dict(meta["tokenizer_config"])), load
         )
-    weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
-    arch = guess_architecture(config, list(weights))
+    names = source.names
+    arch = guess_architecture(config, names)
     try:
         get_architecture(arch)
     except ValueError as exc:
         raise ConvertError(f"{load}: {exc}") from None
     hf_class = None
     if arch == "bert":
-        hf_class = hf_class_of(config, list(weights))
-        weights = {k: weights[k] for k in tensors_for_class(list(weights), hf_class)}
+        hf_class = hf_class_of(config, names)
+        names = list(tensors_for_class(names, hf_class))
     hf_vocab = config.extra.get("hf_vocab_size") or config.vocab_size
-    dtype = weights["embedding.word_embeddings.weight"].dtype
+    dtype = source.tensor("embedding.word_embeddings.weight").dtype
     hf_config = hf_config_dict(config, arch, dtype, hf_class)
     with staged_dir(save) as staging:
         writer = ShardWriter(staging, max_bytes)
-        for names in tqdm(
-            group_megatron(list(weights)), desc="export-hf", unit="layer", disable=not progress
+        for group in tqdm(
+            group_megatron(names), desc="export-hf", unit="layer", disable=not progress
         ):
             subset = {}
-            for name in names:
-                tensor = weights[name]
+            for name in group:
+                tensor = source.tensor(name)
                 if name in VOCAB_TENSORS:
                     tensor = tensor[:hf_vocab].clone()
                 subset[name] = tensor
