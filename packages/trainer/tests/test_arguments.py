@@ -79,7 +79,10 @@ def test_yaml_unknown_key_is_named(tmp_path) -> None:
         (["--sequence-parallel"], "--sequence-parallel needs --tensor-model-parallel-size > 1"),
         (["--overlap-param-gather"], "only works with --use-distributed-optimizer"),
         (["--use-flash-attn"], "not supported"),
-        (["--async-save"], "--async-save needs --ckpt-format torch_dist"),
+        (
+            ["--async-save", "--ckpt-format", "torch"],
+            "--async-save needs --ckpt-format torch_dist",
+        ),
         (["--rampup-batch-size", "2", "2", "100"], "iteration-based training"),
         (["--train-samples", "100"], "exactly one of --train-iters and --train-samples"),
         (["--lr-warmup-iters", "10"], r"warmup \(10 iters\) must be shorter than the decay"),

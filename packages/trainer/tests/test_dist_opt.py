@@ -106,7 +106,7 @@ def test_checkpoint_holds_the_full_adamw_state(tmp_path, mock_argv, train) -> No
     """One process with the distributed optimizer saves torch AdamW's own state dict format."""
     ckpt = tmp_path / "ckpt"
     argv = mock_argv(tmp_path, *FLAGS, "--save", str(ckpt), mbs=2, gbs=4, iters=3)
-    train([*argv, "--use-distributed-optimizer"])
+    train([*argv, "--use-distributed-optimizer", "--ckpt-format", "torch"])
     state = torch.load(
         ckpt / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False
     )

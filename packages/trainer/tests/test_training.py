@@ -110,7 +110,7 @@ def test_checkpoint_is_self_describing(tmp_path, mock_argv, train) -> None:
     from mg.core.checkpoint import describe, load_checkpoint
 
     ckpt = tmp_path / "ckpt"
-    train(mock_argv(tmp_path, "--save", str(ckpt), iters=3))
+    train(mock_argv(tmp_path, "--save", str(ckpt), "--ckpt-format", "torch", iters=3))
     state, iteration = load_checkpoint(ckpt)
     assert iteration == 3
     assert {
@@ -123,6 +123,27 @@ def test_checkpoint_is_self_describing(tmp_path, mock_argv, train) -> None:
     } <= set(state)
     assert state["args"].consumed_train_samples == 24
     assert state["args"].hidden_size == 32
+    info = describe(ckpt)
+    assert info.model_config["hidden_size"] == 32
+    assert info.tokenizer_config["tokenizer_type"] == "NullTokenizer"
+
+
+def test_default_checkpoint_is_torch_dist_and_self_describing(tmp_path, mock_argv, train) -> None:
+    """Megatron's default format: DCP shards + common.pt, metadata.json last."""
+    from mg.core.checkpoint import describe
+    from mg.core.checkpoint.dist_format import is_torch_dist, load_common, stored_tensors
+
+    ckpt = tmp_path / "ckpt"
+    train(mock_argv(tmp_path, "--save", str(ckpt), iters=3))
+    folder = ckpt / "iter_0000003"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert is_torch_dist(folder) and not list(folder.glob("mp_rank_*"))
+    common = load_common(folder)
+    assert {"args", "opt_param_scheduler", "rng_state", "mg"} <= set(common)
+    assert common["args"].consumed_train_samples == 24
+    tensors = stored_tensors(folder)
+    assert any(k.startswith("model.") for k in tensors)
+    assert any(k.startswith("optimizer.") for k in tensors)
     info = describe(ckpt)
     assert info.model_config["hidden_size"] == 32
     assert info.tokenizer_config["tokenizer_type"] == "NullTokenizer"
@@ -219,11 +240,20 @@ def test_optimizers_train(tmp_path, mock_argv, train, optimizer) -> None:
 
 def test_deterministic_checkpoints_identical(tmp_path, mock_argv, train) -> None:
     from mg.core.checkpoint import load_checkpoint
+    from mg.core.checkpoint.dist_format import load_full_state
 
-    for name in ("a", "b"):
-        train(mock_argv(tmp_path, "--deterministic-mode", "--save", str(tmp_path / name), iters=4))
-    a, _ = load_checkpoint(tmp_path / "a")
-    b, _ = load_checkpoint(tmp_path / "b")
+    for fmt in ("torch", "torch_dist"):
+        for name in ("a", "b"):
+            save = str(tmp_path / fmt / name)
+            flags = ("--deterministic-mode", "--save", save, "--ckpt-format", fmt)
+            train(mock_argv(tmp_path, *flags, iters=4))
+    # torch_dist: every stored tensor (model and optimizer state) bitwise equal
+    a = load_full_state(tmp_path / "torch_dist" / "a" / "iter_0000004", prefix="")
+    b = load_full_state(tmp_path / "torch_dist" / "b" / "iter_0000004", prefix="")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    a, _ = load_checkpoint(tmp_path / "torch" / "a")
+    b, _ = load_checkpoint(tmp_path / "torch" / "b")
     assert a["model"].keys() == b["model"].keys()
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     exp_avg = [s["exp_avg"] for s in a["optimizer"]["state"].values()]

@@ -100,3 +100,18 @@ def test_finetune_without_model_flags_suggests_use_checkpoint_args(ckpt) -> None
     load, _ = ckpt
     with pytest.raises(ArgumentError, match="missing required.*--use-checkpoint-args"):
         parse_args(["gpt", "--finetune", "--load", load, *TRAIN])
+
+
+def test_config_from_a_torch_dist_checkpoint_the_trainer_wrote(tmp_path, mock_argv, train) -> None:
+    """The default format (torch_dist) keeps the config in common.pt: finetune needs no flags."""
+    from mg.core.checkpoint import describe
+
+    ckpt = str(tmp_path / "ckpt")
+    train(mock_argv(tmp_path, "--save", ckpt, iters=4))
+    args = parse_args(["gpt", "--use-checkpoint-args", "--load", ckpt, "--finetune", *TRAIN])
+    saved = describe(ckpt).model_config
+    assert args.checkpoint_model_config == saved
+    assert args.model.hidden_size == saved["hidden_size"] == 32
+    assert args.model.num_layers == saved["num_layers"]
+    tuned = train(["gpt", "--use-checkpoint-args", "--load", ckpt, "--finetune", *TRAIN])
+    assert tuned.state.iteration == 3

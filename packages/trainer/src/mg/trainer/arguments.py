@@ -140,7 +140,7 @@ class OptimizerArgs:
 
 @dataclass
 class CheckpointArgs:
-    """Saving and resuming (Megatron's `torch` format)."""
+    """Saving and resuming (`torch_dist` by default, as in Megatron; `torch` on request)."""
 
     save: str | None = None
     load: str | None = None
@@ -151,7 +151,7 @@ class CheckpointArgs:
     no_load_rng: bool = False
     no_save_optim: bool = False
     no_save_rng: bool = False
-    ckpt_format: str = "torch"
+    ckpt_format: str = "torch_dist"
     async_save: bool = False
 
 
@@ -456,10 +456,12 @@ def _add_checkpoint_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--no-save-rng", action="store_true", help="Do not save RNG states.")
     p.add_argument(
         "--ckpt-format",
-        default="torch",
+        default="torch_dist",
         choices=["torch", "torch_dist"],
-        help="Checkpoint format: torch (mp_rank_XX files per TP rank) or torch_dist "
-        "(torch.distributed.checkpoint; loads into any TP/DP layout).",
+        help="Checkpoint format: torch_dist (the default, as in Megatron: "
+        "torch.distributed.checkpoint, saved in parallel and loadable into any TP/PP/DP "
+        "layout) or torch (one mp_rank_TT[_PPP]/model_optim_rng.pt file per model-parallel "
+        "rank). --load reads either, whatever --ckpt-format says.",
     )
     p.add_argument(
         "--async-save",
