@@ -702,8 +702,11 @@ def _check_tensor_parallel(args: Args) -> None:
         return
     if args.family != "gpt":
         _fail(f"--tensor-model-parallel-size > 1 is supported for gpt, not {args.family}")
-    if d.overlap_grad_reduce:
-        _fail("--overlap-grad-reduce with --tensor-model-parallel-size > 1 is not supported yet")
+    if d.overlap_grad_reduce and not d.use_distributed_optimizer:
+        _fail(
+            "--overlap-grad-reduce with --tensor-model-parallel-size > 1 needs "
+            "--use-distributed-optimizer (the plain data-parallel path reduces after backward)"
+        )
     heads = m.num_attention_heads
     groups = m.num_query_groups if m.group_query_attention else heads
     for flag, value in (("--num-attention-heads", heads), ("--num-query-groups", groups)):
@@ -796,11 +799,6 @@ def _check_distributed_optimizer(args: Args) -> None:
         _fail("--overlap-param-gather only works with --use-distributed-optimizer")
     if not d.use_distributed_optimizer or args.training.dry_run:
         return
-    if d.tensor_model_parallel_size > 1:
-        _fail(
-            "--use-distributed-optimizer with --tensor-model-parallel-size > 1 is not supported "
-            "yet; drop one of them"
-        )
     if d.pipeline_model_parallel_size > 1:
         _fail(
             "--use-distributed-optimizer with --pipeline-model-parallel-size > 1 is not "

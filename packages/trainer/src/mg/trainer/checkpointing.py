@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mg.core.checkpoint import (
     get_rng_state,
@@ -111,10 +112,29 @@ def _model_states(model: nn.Module) -> dict[str, Any]:
     """Megatron's model entries: `model`, or `model0`, `model1`… per virtual stage."""
     chunks = _chunks(model)
     if chunks is None:
-        return {"model": distributed.unwrap(model).state_dict()}
+        return {"model": _picklable(distributed.unwrap(model).state_dict())}
     if len(chunks) == 1:
-        return {"model": chunks[0].state_dict()}
-    return {f"model{i}": chunk.state_dict() for i, chunk in enumerate(chunks)}
+        return {"model": _picklable(chunks[0].state_dict())}
+    return {f"model{i}": _picklable(chunk.state_dict()) for i, chunk in enumerate(chunks)}
+
+
+def _picklable(state: dict[str, Any]) -> dict[str, Any]:
+    """torch.save cannot pickle a DTensor whose local shard starts inside a larger buffer
+    (the distributed optimizer's flat buckets): such shards are saved from a compact copy."""
+    return {key: _compact(value) for key, value in state.items()}
+
+
+def _compact(value: Any) -> Any:
+    if not isinstance(value, DTensor) or value._local_tensor.storage_offset() == 0:
+        return value
+    return DTensor.from_local(
+        value.to_local().clone(),
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
 
 
 def _load_model_states(model: nn.Module, ckpt: dict[str, Any], path: str) -> None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from mg.core.checkpoint import (
     CHECKPOINT_VERSION,
@@ -91,10 +92,10 @@ def _optimizer_request(folder: Path, model: nn.Module, optimizer: Any) -> dict[s
         return get_optimizer_state_dict(model, optimizer)
     stored = stored_tensors(folder, "optimizer.state.")
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for name in _names(model, optimizer):
+    for name, param in zip(_names(model, optimizer), optimizer.params, strict=True):
         prefix = f"optimizer.state.{name}."
         entry = {
-            key[len(prefix) :]: value
+            key[len(prefix) :]: _in_layout_of(param, value)
             for key, value in stored.items()
             if key.startswith(prefix) and "." not in key[len(prefix) :]
         }
@@ -103,6 +104,21 @@ def _optimizer_request(folder: Path, model: nn.Module, optimizer: Any) -> dict[s
     # Non-tensor entries are read whole in place of these placeholders (None is skipped).
     groups = [{k: _PLACEHOLDER for k in g} for g in optimizer.param_groups]
     return {"state": state, "param_groups": groups}
+
+
+def _in_layout_of(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel parameter's state is read as its shard (DCP reshards to it)."""
+    if not isinstance(param, DTensor) or stored.shape != param.shape:
+        return stored
+    local = torch.empty_like(param._local_tensor, dtype=stored.dtype)
+    return DTensor.from_local(
+        local,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
 
 
 def _load_optimizer(

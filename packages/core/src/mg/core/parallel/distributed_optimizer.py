@@ -22,6 +22,15 @@ What it does, per step (the ZeRO-1/2 scheme of Megatron-Core's
    `overlap_param_gather` the all-gather runs asynchronously and a forward
    pre-hook waits on a module's buckets just before it is used.
 
+With tensor parallelism the parameters are DTensors: each TP rank's optimizer
+shards its *local* shards over the data-parallel group (the local tensors become
+views into the buckets). Gradients that are partial sums per TP rank (the
+sequence-parallel norms and row-parallel biases) are all-reduced over TP before
+the reduce-scatter, as Megatron's finalize_model_grads does; the gradient norm
+sums the TP-sharded squares over TP and counts replicated ones once; an inf/NaN
+on any TP rank skips the step on all of them. The state of a DTensor parameter
+is returned as a DTensor of the same layout, as torch's optimizers keep it.
+
 Memory per parameter, d data-parallel ranks (REFERENCE §7, Megatron's
 distributed-optimizer table; the state is counted by `memory_bytes`):
 
@@ -48,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 # State tensors the inner optimizer keeps per parameter (sharded); "step" is replicated.
 _SHARDED_STATE: dict[type, tuple[str, ...]] = {
@@ -138,7 +148,8 @@ class DistributedOptimizer:
         self._group_of = [gi for gi, g in enumerate(param_groups) for _ in g["params"]]
         if len({id(p) for p in self._params}) != len(self._params):
             raise ValueError("a parameter appears twice in the optimizer's parameter groups")
-        _refuse_dtensors(self._params)
+        self._tp_group = _tensor_parallel_group(self._params)
+        self._partial_grads: set[int] = set()  # params whose grads are TP partial sums
         order = _layout_order(self._params, model)
         self._buckets = self._build_buckets(order, bucket_size or default_bucket_size(self.dp_size))
         self._fragments = self._build_fragments()
@@ -160,7 +171,7 @@ class DistributedOptimizer:
         by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for p in order:  # parameters of one dtype and device share buckets
             run = by_dtype.setdefault((p.dtype, p.device), [])
-            if run and sum(q.numel() for q in run) + p.numel() > bucket_size:
+            if run and sum(_local(q).numel() for q in run) + _local(p).numel() > bucket_size:
                 runs.append(run)
                 run = by_dtype[(p.dtype, p.device)] = []
             run.append(p)
@@ -171,7 +182,7 @@ class DistributedOptimizer:
 
     def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
         d = self.dp_size
-        numel = sum(p.numel() for p in params)
+        numel = sum(_local(p).numel() for p in params)
         shard_size = math.ceil(numel / d)
         dtype, device = params[0].dtype, params[0].device
         grad_dtype = torch.float16 if dtype == torch.float16 else torch.float32
@@ -179,12 +190,13 @@ class DistributedOptimizer:
         grad_data = torch.zeros(shard_size * d, dtype=grad_dtype, device=device)
         offsets, offset = [], 0
         for p in params:
-            view = param_data[offset : offset + p.numel()]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
-            self._grad_view[id(p)] = grad_data[offset : offset + p.numel()]
+            local = _local(p)
+            view = param_data[offset : offset + local.numel()]
+            view.copy_(local.detach().reshape(-1))
+            _use_storage_of(p, view)
+            self._grad_view[id(p)] = grad_data[offset : offset + local.numel()]
             offsets.append(offset)
-            offset += p.numel()
+            offset += local.numel()
         start = self.dp_rank * shard_size
         shard = param_data[start : start + shard_size]
         main = shard if dtype == torch.float32 else shard.float()
@@ -201,7 +213,7 @@ class DistributedOptimizer:
         for bucket in self._buckets:
             lo, hi = bucket.shard_start, bucket.shard_start + bucket.shard_size
             for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                start, end = max(lo, offset), min(hi, offset + p.numel())
+                start, end = max(lo, offset), min(hi, offset + _local(p).numel())
                 if start >= end:
                     continue
                 main = bucket.main_param_shard[start - lo : end - lo]
@@ -249,8 +261,19 @@ class DistributedOptimizer:
         finally:
             self._sync_enabled = previous
 
+    @torch.no_grad()
     def _grad_hook(self, param: Tensor) -> None:
-        self._grad_view[id(param)].add_(param.grad.reshape(-1))
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            if grad.placements == param.placements:
+                grad = grad.to_local()
+            elif _is_partial_of_replicated(grad, param):
+                # a sequence-parallel norm or bias: summed over TP before the reduce-scatter
+                self._partial_grads.add(id(param))
+                grad = grad.to_local()
+            else:
+                grad = grad.redistribute(param.device_mesh, param.placements).to_local()
+        self._grad_view[id(param)].add_(grad.reshape(-1))
         param.grad = None
         if self.overlap_grad_reduce and self._sync_enabled:
             bucket = self._bucket_of[id(param)]
@@ -258,7 +281,21 @@ class DistributedOptimizer:
             if len(bucket.ready) == len(bucket.params) and bucket.grad_handle is None:
                 self._start_reduce_scatter(bucket, async_op=True)
 
+    def _sum_partial_grads(self, bucket: _Bucket) -> None:
+        """All-reduce over TP the gradients that are partial sums per TP rank (Megatron
+        all-reduces sequence-parallel gradients in finalize_model_grads), in one call."""
+        views = [self._grad_view[id(p)] for p in bucket.params if id(p) in self._partial_grads]
+        if not views:
+            return
+        flat = torch.cat(views)
+        dist.all_reduce(flat, group=self._tp_group)
+        offset = 0
+        for view in views:
+            view.copy_(flat[offset : offset + view.numel()])
+            offset += view.numel()
+
     def _start_reduce_scatter(self, bucket: _Bucket, async_op: bool) -> None:
+        self._sum_partial_grads(bucket)
         if self.dp_size == 1:
             bucket.grad_handle = _Done()
             return
@@ -306,15 +343,25 @@ class DistributedOptimizer:
             if scale != 1.0:
                 bucket.main_grad_shard.mul_(1.0 / scale)
             found = torch.maximum(found, (~torch.isfinite(bucket.main_grad_shard)).any().float())
-        return bool(self._all_reduce(found, dist.ReduceOp.MAX) > 0)
+        found = self._all_reduce(found, dist.ReduceOp.MAX)
+        if self._tp_group is not None:  # every TP rank must skip the same steps
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._tp_group)
+        return bool(found > 0)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of the averaged gradient (squared shard norms all-reduced), and
         `torch.nn.utils.clip_grad_norm_`'s scaling by max_norm / (norm + 1e-6) if > 0."""
-        squares = torch.zeros((), dtype=torch.float32, device=self._buckets[0].grad_data.device)
-        for bucket in self._buckets:
-            squares += torch.linalg.vector_norm(bucket.main_grad_shard) ** 2
-        norm = float(self._all_reduce(squares, dist.ReduceOp.SUM).sqrt())
+        # [TP-sharded parameters' squares, replicated ones'] (the latter are equal on every
+        # TP rank, so counted once; the former are summed over TP, as Megatron's norm is)
+        squares = torch.zeros(2, dtype=torch.float32, device=self._buckets[0].grad_data.device)
+        for frag in self._fragments:
+            lo = frag.shard_offset
+            grad = frag.bucket.main_grad_shard[lo : lo + frag.numel]
+            squares[0 if _is_tp_sharded(frag.param) else 1] += torch.linalg.vector_norm(grad) ** 2
+        squares = self._all_reduce(squares, dist.ReduceOp.SUM)
+        if self._tp_group is not None:
+            dist.all_reduce(squares[0:1], group=self._tp_group)
+        norm = float(squares.sum().sqrt())
         if not math.isfinite(norm):
             return float("nan")
         if max_norm > 0:
@@ -391,8 +438,9 @@ class DistributedOptimizer:
             for bucket in self._buckets:
                 gathered = self._gather_bucket_state(bucket, key)
                 for p, offset in zip(bucket.params, bucket.offsets, strict=True):
-                    piece = gathered[offset : offset + p.numel()].view_as(p)
-                    state[index_of[id(p)]][key] = piece.clone()
+                    local = _local(p)
+                    piece = gathered[offset : offset + local.numel()].view(local.shape).clone()
+                    state[index_of[id(p)]][key] = _like_param(piece, p)
         return {"state": state, "param_groups": groups}
 
     def _gather_bucket_state(self, bucket: _Bucket, key: str) -> Tensor:
@@ -444,7 +492,10 @@ class DistributedOptimizer:
                 self._steps = int(new["step"])
             for key in self._state_keys:
                 value = entry.get(key)
-                if not isinstance(value, Tensor) or value.numel() != frag.param.numel():
+                if isinstance(value, DTensor):
+                    value = value.redistribute(frag.param.device_mesh, frag.param.placements)
+                    value = value.to_local()
+                if not isinstance(value, Tensor) or value.numel() != _local(frag.param).numel():
                     raise ValueError(
                         f"optimizer state {key!r} of parameter {frag.index} is missing or not "
                         f"of the model's shape {tuple(frag.param.shape)}; was it saved for a "
@@ -452,7 +503,11 @@ class DistributedOptimizer:
                     )
                 new[key] = self._slice(value, frag)
             if _MAIN_PARAM_KEY in entry:
-                frag.main.copy_(self._slice(entry[_MAIN_PARAM_KEY], frag))
+                main = entry[_MAIN_PARAM_KEY]
+                if isinstance(main, DTensor):
+                    main = main.redistribute(frag.param.device_mesh, frag.param.placements)
+                    main = main.to_local()
+                frag.main.copy_(self._slice(main, frag))
             self.optimizer.state[frag.main] = new
         self._steps = int(self._all_reduce(torch.tensor(float(self._steps)), dist.ReduceOp.MAX))
         if not any(_MAIN_PARAM_KEY in (e or {}) for e in saved_state.values()):
@@ -497,16 +552,55 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _refuse_dtensors(params: list[nn.Parameter]) -> None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
+def _local(param: Tensor) -> Tensor:
+    """What this rank stores of a parameter: a DTensor's local shard, else the tensor."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _use_storage_of(param: nn.Parameter, view: Tensor) -> None:
+    """Make the parameter's data (a DTensor's local shard) a view into the bucket."""
+    if not isinstance(param, DTensor):
+        param.data = view.view_as(param)
         return
-    if any(isinstance(p, DTensor) for p in params):
-        raise NotImplementedError(
-            "the distributed optimizer does not support tensor-parallel (DTensor) parameters "
-            "yet; drop --use-distributed-optimizer or use --tensor-model-parallel-size 1"
-        )
+    local = param._local_tensor
+    if not local.is_contiguous():
+        raise ValueError("the distributed optimizer needs contiguous tensor-parallel shards")
+    param._local_tensor = view.view(local.shape)
+
+
+def _is_tp_sharded(param: Tensor) -> bool:
+    return isinstance(param, DTensor) and any(not p.is_replicate() for p in param.placements)
+
+
+def _is_partial_of_replicated(grad: DTensor, param: Tensor) -> bool:
+    return all(p.is_partial() for p in grad.placements) and all(
+        p.is_replicate() for p in param.placements
+    )
+
+
+def _like_param(value: Tensor, param: Tensor) -> Tensor:
+    """State of a DTensor parameter as a DTensor of the same layout (as torch optimizers
+    keep it), so checkpoints store it like the plain optimizer's."""
+    if not isinstance(param, DTensor):
+        return value
+    return DTensor.from_local(
+        value,
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+def _tensor_parallel_group(params: list[nn.Parameter]) -> dist.ProcessGroup | None:
+    """The (1-D) tensor-parallel mesh's group of the DTensor parameters, if any."""
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}  # equal by ranks
+    if not meshes:
+        return None
+    if len(meshes) > 1 or next(iter(meshes)).ndim != 1:
+        raise ValueError("the distributed optimizer expects one 1-D tensor-parallel mesh")
+    return next(iter(meshes)).get_group()
 
 
 def _layout_order(params: list[nn.Parameter], model: nn.Module | None) -> list[nn.Parameter]:
