@@ -26,6 +26,7 @@ from mg.core.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from mg.core.parallel.dtensor_layout import shard_like
 from mg.trainer import distributed
 
 
@@ -127,14 +128,7 @@ def _picklable(state: dict[str, Any]) -> dict[str, Any]:
 def _compact(value: Any) -> Any:
     if not isinstance(value, DTensor) or value._local_tensor.storage_offset() == 0:
         return value
-    return DTensor.from_local(
-        value.to_local().clone(),
-        value.device_mesh,
-        value.placements,
-        run_check=False,
-        shape=value.shape,
-        stride=value.stride(),
-    )
+    return shard_like(value.to_local().clone(), value)
 
 
 def _load_model_states(model: nn.Module, ckpt: dict[str, Any], path: str) -> None:

@@ -43,6 +43,7 @@ from mg.core.checkpoint.dist_format import (
     stored_tensors,
 )
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
+from mg.core.parallel.dtensor_layout import shard_like
 from mg.trainer import distributed
 from mg.trainer.checkpointing import TrainState
 
@@ -110,15 +111,7 @@ def _in_layout_of(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel parameter's state is read as its shard (DCP reshards to it)."""
     if not isinstance(param, DTensor) or stored.shape != param.shape:
         return stored
-    local = torch.empty_like(param._local_tensor, dtype=stored.dtype)
-    return DTensor.from_local(
-        local,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
+    return shard_like(torch.empty_like(param._local_tensor, dtype=stored.dtype), param)
 
 
 def _load_optimizer(

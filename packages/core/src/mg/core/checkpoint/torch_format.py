@@ -428,9 +428,19 @@ def describe(
     from mg.core.checkpoint import dist_format  # late: dist_format pulls in DCP
 
     if dist_format.is_torch_dist(folder):
-        return _describe_torch_dist(folder, iteration)
+        common = dist_format.load_common(folder)
+        parallel = (common.get("mg") or {}).get("parallel") or {}
+        layout = Layout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1))
+        return _checkpoint_info(folder, iteration, layout, common)
     path, layout = find_rank_file(folder)
     state = _check_state(load_file(path, allow_pickle=allow_pickle, mmap=True), path)
+    return _checkpoint_info(folder, iteration, layout, state)
+
+
+def _checkpoint_info(
+    folder: Path, iteration: Iteration, layout: Layout, state: Mapping[str, Any]
+) -> CheckpointInfo:
+    """`state`: the rank-0 file's entries, or a torch_dist folder's common.pt."""
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     meta = state.get("mg") or {}
     return CheckpointInfo(
@@ -446,27 +456,4 @@ def describe(
         parallel=meta.get("parallel"),
         args=state.get("args"),
         keys=sorted(state),
-    )
-
-
-def _describe_torch_dist(folder: Path, iteration: Iteration) -> CheckpointInfo:
-    from mg.core.checkpoint.dist_format import load_common
-
-    common = load_common(folder)
-    meta = common.get("mg") or {}
-    parallel = meta.get("parallel") or {}
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return CheckpointInfo(
-        path=folder,
-        iteration=iteration,
-        layout=Layout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1)),
-        files=files,
-        total_bytes=sum(p.stat().st_size for p in files),
-        checkpoint_version=common.get("checkpoint_version"),
-        format_version=meta.get("format_version"),
-        model_config=meta.get("model_config"),
-        tokenizer_config=meta.get("tokenizer_config"),
-        parallel=meta.get("parallel"),
-        args=common.get("args"),
-        keys=sorted(common),
     )

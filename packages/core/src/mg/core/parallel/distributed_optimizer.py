@@ -59,6 +59,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from mg.core.parallel.dtensor_layout import shard_like
+
 # State tensors the inner optimizer keeps per parameter (sharded); "step" is replicated.
 _SHARDED_STATE: dict[type, tuple[str, ...]] = {
     torch.optim.AdamW: ("exp_avg", "exp_avg_sq"),
@@ -440,7 +442,7 @@ class DistributedOptimizer:
                 for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                     local = _local(p)
                     piece = gathered[offset : offset + local.numel()].view(local.shape).clone()
-                    state[index_of[id(p)]][key] = _like_param(piece, p)
+                    state[index_of[id(p)]][key] = shard_like(piece, p)
         return {"state": state, "param_groups": groups}
 
     def _gather_bucket_state(self, bucket: _Bucket, key: str) -> Tensor:
@@ -575,21 +577,6 @@ def _is_tp_sharded(param: Tensor) -> bool:
 def _is_partial_of_replicated(grad: DTensor, param: Tensor) -> bool:
     return all(p.is_partial() for p in grad.placements) and all(
         p.is_replicate() for p in param.placements
-    )
-
-
-def _like_param(value: Tensor, param: Tensor) -> Tensor:
-    """State of a DTensor parameter as a DTensor of the same layout (as torch optimizers
-    keep it), so checkpoints store it like the plain optimizer's."""
-    if not isinstance(param, DTensor):
-        return value
-    return DTensor.from_local(
-        value,
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
     )
 
 
