@@ -4,7 +4,10 @@ or finetune a BERT on RACE / MNLI / QQP and report its accuracy.
 Every task loads the model and tokenizer the checkpoint records (no model
 flags), prints Megatron's result line and, with ``--report``, appends a JSON
 line. Under torchrun the examples are shared out over the ranks (data
-parallel) and the sums reduced; only rank 0 prints and writes the report.
+parallel) and the sums reduced; only rank 0 prints and writes the report. The
+GPT tasks also run in a tensor/pipeline-parallel layout
+(``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``; see
+:mod:`mg.evaluate.model_parallel`).
 """
 
 from __future__ import annotations
@@ -12,14 +15,24 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from mg.core.checkpoint import CheckpointError
+from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.harness_cli import add_harness_task
-from mg.evaluate.model_loading import TOKENIZER_FIELDS, LoadedModel, load_for_eval
+from mg.evaluate.model_loading import TOKENIZER_FIELDS, load_for_eval
+from mg.evaluate.model_parallel import (
+    EvalModel,
+    add_model_parallel_flags,
+    build_eval_layout,
+    parallelize_for_eval,
+)
 from mg.evaluate.report import megatron_line, write_report
 
 
@@ -54,6 +67,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--report", metavar="FILE.jsonl", help="append the results as one JSON line to this file"
     )
+    add_model_parallel_flags(parser)
     t = parser.add_argument_group(
         "tokenizer", "override the tokenizer recorded in the checkpoint (Megatron's flag names)"
     )
@@ -132,7 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args: argparse.Namespace) -> tuple[LoadedModel, int]:
+@dataclass
+class _Prepared:
+    """What a GPT task needs: the model as this rank holds it (its shard or stage only:
+    the rest of the loaded model is let go), the tokenizer and the sequence length."""
+
+    model: EvalModel
+    tokenizer: BaseTokenizer
+    iteration: Any
+    seq_length: int
+
+
+def _load(args: argparse.Namespace) -> _Prepared:
+    # the layout first: a flag that does not fit the world fails before a long load
+    layout = build_eval_layout(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        "cuda" if torch.cuda.is_available() else "cpu",
+    )
     overrides = {name: getattr(args, name) for name in TOKENIZER_FIELDS}
     loaded = load_for_eval(args.load, args.ckpt_step, overrides)
     config = loaded.config
@@ -147,41 +178,44 @@ def _load(args: argparse.Namespace) -> tuple[LoadedModel, int]:
             f"--seq-length {seq_length} exceeds the model's max_position_embeddings "
             f"{config.max_position_embeddings}"
         )
-    return loaded, seq_length
+    model = parallelize_for_eval(loaded.model, layout)
+    return _Prepared(model, loaded.tokenizer, loaded.iteration, seq_length)
 
 
 def _run_wikitext(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     from mg.evaluate.wikitext import evaluate_wikitext
 
-    loaded, seq_length = _load(args)
+    prepared = _load(args)
     result = evaluate_wikitext(
-        loaded.model,
-        loaded.tokenizer,
+        prepared.model,
+        prepared.tokenizer,
         args.valid_data,
-        seq_length,
+        prepared.seq_length,
         args.overlapping_eval,
         args.micro_batch_size,
     )
     context = dict(
-        valid_data=args.valid_data, seq_length=seq_length, overlapping_eval=args.overlapping_eval
+        valid_data=args.valid_data,
+        seq_length=prepared.seq_length,
+        overlapping_eval=args.overlapping_eval,
     )
-    return result.metrics(), dict(context, iteration=loaded.iteration)
+    return result.metrics(), dict(context, iteration=prepared.iteration)
 
 
 def _run_lambada(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     from mg.evaluate.lambada import evaluate_lambada
 
-    loaded, seq_length = _load(args)
+    prepared = _load(args)
     result = evaluate_lambada(
-        loaded.model,
-        loaded.tokenizer,
+        prepared.model,
+        prepared.tokenizer,
         args.valid_data,
-        seq_length,
+        prepared.seq_length,
         args.micro_batch_size,
         args.strict_lambada,
     )
-    context = dict(valid_data=args.valid_data, seq_length=seq_length)
-    return result.metrics(), dict(context, iteration=loaded.iteration)
+    context = dict(valid_data=args.valid_data, seq_length=prepared.seq_length)
+    return result.metrics(), dict(context, iteration=prepared.iteration)
 
 
 def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -189,12 +223,12 @@ def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 
     if args.eval_iters is not None and args.eval_iters < 1:
         raise EvalInputError("--eval-iters must be >= 1")
-    loaded, seq_length = _load(args)
+    prepared = _load(args)
     result = evaluate_ppl(
-        loaded.model,
-        loaded.tokenizer,
+        prepared.model,
+        prepared.tokenizer,
         args.data_path,
-        seq_length,
+        prepared.seq_length,
         args.micro_batch_size,
         split=args.split,
         split_name=args.eval_split,
@@ -202,8 +236,8 @@ def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
         seed=args.seed,
         cache_path=args.data_cache_path,
     )
-    context = dict(data_path=args.data_path, split=args.split, seq_length=seq_length)
-    return result.metrics(), dict(context, iteration=loaded.iteration)
+    context = dict(data_path=args.data_path, split=args.split, seq_length=prepared.seq_length)
+    return result.metrics(), dict(context, iteration=prepared.iteration)
 
 
 def main(argv: list[str] | None = None) -> int:

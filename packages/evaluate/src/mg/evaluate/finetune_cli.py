@@ -15,6 +15,7 @@ import torch
 
 from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
+from mg.evaluate.model_parallel import add_model_parallel_flags, check_single_shard
 
 # task: (help, defaults of the Megatron recipe)
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -89,6 +90,7 @@ def add_finetune_tasks(sub: argparse._SubParsersAction) -> None:
             help="also evaluate every N iterations (always after each epoch)",
         )
         p.add_argument("--report", metavar="FILE.jsonl", help="append the results as a JSON line")
+        add_model_parallel_flags(p, gpt_only=True)
         t = p.add_argument_group("tokenizer", "override the checkpoint's tokenizer")
         t.add_argument("--tokenizer-type")
         t.add_argument("--vocab-file")
@@ -98,6 +100,9 @@ def add_finetune_tasks(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
+    check_single_shard(
+        args.task, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    )
     for flag in ("epochs", "micro_batch_size", "log_interval"):
         if getattr(args, flag) < 1:
             raise EvalInputError(f"--{flag.replace('_', '-')} must be >= 1")

@@ -17,6 +17,7 @@ import torch
 from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
+from mg.evaluate.model_parallel import EvalModel
 from mg.evaluate.progress import progress
 from mg.indexed_dataset import GPTDatasetConfig, IndexedDatasetError, build_gpt_datasets
 
@@ -63,9 +64,8 @@ def build_split(
     return dataset
 
 
-@torch.no_grad()
 def evaluate_ppl(
-    model: torch.nn.Module,
+    model: torch.nn.Module | EvalModel,
     tokenizer: BaseTokenizer,
     data_path: list[str],
     seq_length: int,
@@ -77,29 +77,29 @@ def evaluate_ppl(
     cache_path: str | None = None,
 ) -> PplResult:
     """``eval_iters`` batches of ``micro_batch_size`` samples, or the whole split when None."""
+    model = EvalModel.whole(model)
+    group = model.layout.dp_group
     num_samples = None if eval_iters is None else eval_iters * micro_batch_size
     dataset = build_split(
         data_path, split_name, seq_length, split, seed, num_samples, tokenizer.eod, cache_path
     )
     count = len(dataset) if num_samples is None else min(num_samples, len(dataset))
-    device = next(model.parameters()).device
-    # under torchrun each rank takes every world-th micro-batch; the sums are reduced
-    starts = distributed.shard(range(0, count, micro_batch_size))
-    loss_sum, mask_sum = 0.0, 0.0
-    for start in progress(starts, len(starts), f"ppl ({split_name})"):
+    # under torchrun each data-parallel rank takes every dp-th micro-batch; the sums are reduced
+    starts = distributed.shard(range(0, count, micro_batch_size), group)
+
+    def collate(start: int) -> dict[str, torch.Tensor]:
         samples = [dataset[i] for i in range(start, min(start + micro_batch_size, count))]
-        batch = {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
-        mask = batch["loss_mask"].to(device).double()
-        attention_mask = batch.get("attention_mask")
-        losses = model(
-            batch["tokens"].to(device),
-            position_ids=batch["position_ids"].to(device),
-            attention_mask=None if attention_mask is None else attention_mask.to(device),
-            labels=batch["labels"].to(device),
-        )
-        loss_sum += float((losses.double() * mask).sum())
-        mask_sum += float(mask.sum())
-    loss_sum, mask_sum = distributed.all_reduce_sum([loss_sum, mask_sum])
+        return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
+
+    def sums(losses: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        mask = batch["loss_mask"].double()
+        return float((losses.double() * mask).sum()), float(mask.sum())
+
+    batches = (collate(start) for start in progress(starts, len(starts), f"ppl ({split_name})"))
+    per_batch = model.run(batches, sums)
+    loss_sum = sum(loss for loss, _ in per_batch)
+    mask_sum = sum(tokens for _, tokens in per_batch)
+    loss_sum, mask_sum = distributed.all_reduce_sum([loss_sum, mask_sum], group)
     if mask_sum == 0:
         raise EvalInputError("every token of the evaluated samples is masked; nothing to score")
     loss = loss_sum / mask_sum

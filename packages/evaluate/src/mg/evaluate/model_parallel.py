@@ -1,0 +1,254 @@
+"""GPT evaluation in a tensor/pipeline-parallel layout under torchrun, as Megatron's
+``tasks/main.py`` runs it.
+
+    torchrun --nproc-per-node 4 -m mg.evaluate.cli wikitext --load ckpt \\
+        --valid-data wiki.test.tokens --tensor-model-parallel-size 2
+
+The world splits into TP × PP × DP ranks in Megatron's order (core's
+:mod:`mg.core.parallel.mesh`). Every rank loads the whole model (any saved
+layout merges into one), then keeps its part: its tensor-parallel shard of
+each layer (core's ``apply_tensor_parallel``) and its pipeline stage (core's
+``split_model``). The ranks of one model replica score the same data-parallel
+share of the examples together: micro-batches go through core's pipeline
+schedule, forward only; the last stage's per-micro-batch results are
+broadcast to the replica's other stages, so every rank returns them and the
+data-parallel gather/sum works as without model parallelism.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from mg.core.models import GPTModel
+from mg.core.parallel.mesh import ParallelDims, ParallelLayoutError
+from mg.core.parallel.pipeline import PipelineChunk, PipelineConfigError, split_model
+from mg.core.parallel.pipeline_schedule import build_schedule, forward_only, run_schedule
+from mg.core.parallel.tensor_parallel import TensorParallelError, apply_tensor_parallel
+from mg.evaluate import distributed
+from mg.evaluate.errors import EvalInputError
+
+T = TypeVar("T")
+
+Batch = dict[str, Tensor]
+"""``tokens`` [b, s] model inputs, ``position_ids`` [b, s], optionally ``labels`` [b, s]
+(then the model returns the per-token loss instead of logits) and
+``attention_mask``; other keys ride along for the caller's ``collect``."""
+
+PIPELINE_WINDOW = 32
+"""Micro-batches per pipeline schedule run: enough to keep the stages busy, few
+enough that a whole split is never collated at once."""
+
+
+@dataclass(frozen=True)
+class EvalLayout:
+    """This rank's place in the tp × dp × pp world and the groups it evaluates with.
+
+    The default is data parallel over the whole world (or one process): every
+    rank holds the whole model."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    pp_rank: int = 0
+    dp_group: ProcessGroup | None = None
+    """Ranks that split the examples; None: the whole world."""
+    pp_group: ProcessGroup | None = None
+    tp_mesh: DeviceMesh | None = None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> EvalLayout:
+    """The layout of ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size``
+    over torchrun's world (collective under torchrun: every rank calls it)."""
+    for flag, size in (
+        ("--tensor-model-parallel-size", tp),
+        ("--pipeline-model-parallel-size", pp),
+    ):
+        if size < 1:
+            raise EvalInputError(f"{flag} must be >= 1, got {size}")
+    world = distributed.rank_and_world()[1]
+    if world == 1:
+        if tp * pp > 1:
+            raise EvalInputError(
+                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} needs "
+                f"{tp * pp} processes (or a multiple: the rest is data parallel), but this is "
+                f"one; launch it as torchrun --nproc-per-node {tp * pp} -m mg.evaluate.cli ..."
+            )
+        return EvalLayout()
+    try:
+        dims = ParallelDims.from_world(world, tp=tp, pp=pp)
+    except ParallelLayoutError as err:
+        raise EvalInputError(str(err)) from None
+    mesh = dims.build_mesh(device_type)
+    return EvalLayout(
+        tp=tp,
+        pp=pp,
+        dp=dims.dp,
+        pp_rank=mesh.rank("pp"),
+        dp_group=mesh.group("dp"),
+        pp_group=mesh.group("pp"),
+        tp_mesh=mesh["tp"],
+    )
+
+
+class EvalModel:
+    """A GPT as this rank evaluates it: whole, tensor-parallel, or one pipeline stage.
+
+    :meth:`run` is the one forward path of every GPT task; a plain module given
+    to a task is wrapped with :meth:`whole` (data parallel over the world)."""
+
+    def __init__(self, module: nn.Module, layout: EvalLayout) -> None:
+        self.module = module
+        self.layout = layout
+        first = next(module.parameters())
+        self.device, self.dtype = first.device, first.dtype
+
+    @classmethod
+    def whole(cls, model: nn.Module | EvalModel) -> EvalModel:
+        return model if isinstance(model, EvalModel) else cls(model, EvalLayout())
+
+    @property
+    def fixed_shape(self) -> bool:
+        """Micro-batches must share one shape (the pipeline's receive buffers have it)."""
+        return self.layout.pp > 1
+
+    @torch.no_grad()
+    def run(self, batches: Iterable[Batch], collect: Callable[[Tensor, Batch], T]) -> list[T]:
+        """``collect(output, batch)`` for each micro-batch, in order, on every rank.
+
+        ``output`` is the logits [b, s, vocab] (gathered over tensor-parallel
+        ranks), or the per-token loss [b, s] when the batch has ``labels``."""
+        self.module.eval()
+        if self.layout.pp == 1:
+            return [collect(self._forward(self.module, None, b), b) for b in self._moved(batches)]
+        results: list[T] = []
+        batches = self._moved(batches)
+        while window := list(islice(batches, PIPELINE_WINDOW)):
+            results += self._pipeline(window, collect)
+        return results
+
+    def _moved(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        for batch in batches:
+            yield {k: v.to(self.device) for k, v in batch.items()}
+
+    @staticmethod
+    def _forward(module: nn.Module, hidden: Tensor | None, batch: Batch) -> Tensor:
+        last = not isinstance(module, PipelineChunk) or module.is_last
+        return module(
+            batch["tokens"] if hidden is None else hidden,
+            batch["position_ids"],
+            batch.get("attention_mask"),
+            batch.get("labels") if last else None,
+        )
+
+    def _pipeline(self, window: list[Batch], collect: Callable[[Tensor, Batch], T]) -> list[T]:
+        """One forward-only schedule over ``window``; results broadcast from the last stage."""
+        layout = self.layout
+        rows = max(len(b["tokens"]) for b in window)
+        padded = [_pad_rows(b, rows) for b in window]
+        widths = {tuple(b["tokens"].shape) for b in padded}
+        if len(widths) != 1:
+            raise ValueError(f"pipeline micro-batches must share one shape, got {sorted(widths)}")
+        index = {id(b): i for i, b in enumerate(padded)}
+        results: list[Any] = [None] * len(window)
+
+        def keep(output: Tensor, batch: Batch) -> tuple[None, None]:
+            original = window[index[id(batch)]]
+            results[index[id(batch)]] = collect(output[: len(original["tokens"])], original)
+            return None, None  # no loss to backpropagate
+
+        actions = forward_only(build_schedule(len(window), layout.pp_rank, layout.pp))
+        run_schedule(
+            actions,
+            [self.module],
+            padded,
+            forward_step=self._forward,
+            loss_func=keep,
+            group=layout.pp_group,
+            tensor_shape=(rows, padded[0]["tokens"].shape[1], self.module.config.hidden_size),
+            dtype=self.dtype,
+            device=self.device,
+            backward=False,
+            stage_name=f"mg-eval pipeline stage {layout.pp_rank} of {layout.pp}",
+        )
+        shared: list[Any] = [results if layout.is_last_stage else None]
+        last = dist.get_global_rank(layout.pp_group, layout.pp - 1)
+        dist.broadcast_object_list(shared, src=last, group=layout.pp_group)
+        return shared[0]
+
+
+def _pad_rows(batch: Batch, rows: int) -> Batch:
+    """Rows up to ``rows`` by repeating row 0 (valid inputs; their results are dropped)."""
+    missing = rows - len(batch["tokens"])
+    if missing == 0:
+        return batch
+    return {k: torch.cat([v, v[:1].expand(missing, *v.shape[1:])]) for k, v in batch.items()}
+
+
+def parallelize_for_eval(model: GPTModel, layout: EvalLayout) -> EvalModel:
+    """This rank's part of ``model`` (the whole model, identical on every rank)."""
+    if layout.tp > 1:
+        try:
+            apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=False)
+        except TensorParallelError as err:
+            raise EvalInputError(f"cannot evaluate with tensor parallelism: {err}") from None
+    if layout.pp == 1:
+        return EvalModel(model, layout)
+    try:
+        (stage,) = split_model(model, layout.pp_rank, layout.pp)
+    except PipelineConfigError as err:
+        raise EvalInputError(f"cannot evaluate with pipeline parallelism: {err}") from None
+    return EvalModel(stage, layout)
+
+
+def add_model_parallel_flags(parser: argparse.ArgumentParser, gpt_only: bool = False) -> None:
+    """Megatron's layout flags; the world size (torchrun) must be a multiple of TP x PP.
+
+    ``gpt_only``: the task accepts the flags (Megatron's command lines run) but
+    only at 1 (:func:`check_single_shard`)."""
+    about = (
+        "not supported for this task (BERT finetuning runs single-shard): only 1 is accepted"
+        if gpt_only
+        else "evaluate in a tensor/pipeline-parallel layout under torchrun: every rank loads the "
+        "whole checkpoint and keeps its shard; WORLD_SIZE / (TP x PP) ranks are data parallel"
+    )
+    g = parser.add_argument_group("model parallelism", about)
+    default = "" if gpt_only else " (default 1)"  # the BERT tasks' formatter adds defaults
+    g.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="TP",
+        help="ranks that split each layer" + default,
+    )
+    g.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="PP",
+        help="pipeline stages the layers are split into" + default,
+    )
+
+
+def check_single_shard(task: str, tp: int, pp: int) -> None:
+    """BERT finetuning holds the whole model on every rank; refuse a model-parallel layout."""
+    if tp != 1 or pp != 1:
+        raise EvalInputError(
+            f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp}: "
+            f"tensor/pipeline-parallel evaluation is not supported for {task} (BERT finetuning "
+            "runs single-shard; under torchrun extra ranks are data parallel). It is supported "
+            "for the GPT tasks wikitext, lambada and ppl"
+        )
