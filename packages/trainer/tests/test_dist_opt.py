@@ -124,7 +124,10 @@ def test_checkpoint_holds_the_full_adamw_state(tmp_path, mock_argv, train) -> No
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"], "not supported"),
+        (
+            ["--overlap-grad-reduce", "--pipeline-model-parallel-size", "2"],
+            "needs --use-distributed-optimizer",
+        ),
         (
             ["--overlap-grad-reduce", "--tensor-model-parallel-size", "2"],
             "needs --use-distributed-optimizer",

@@ -103,3 +103,39 @@ def test_torch_dist_reshards_across_pipeline_sizes(tmp_path: Path, mock_argv, tr
         assert len(losses) == 5, name
         for a, b in zip(one.losses[5:], losses, strict=True):
             assert abs(a - b) / abs(a) <= 1e-5, (name, one.losses, losses)
+
+
+def test_distributed_optimizer_with_pipeline_resumes_in_both_formats(
+    tmp_path: Path, mock_argv, train
+) -> None:
+    """PP=2 with the distributed optimizer saves at iteration 5 (torch: mp_rank_00_00P;
+    torch_dist) and resumes: torch at PP=2, torch_dist at PP=1 with the plain optimizer
+    and at PP=2 x DP=2 overlapped. Iterations 6-10 equal the uninterrupted run (1e-5)."""
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=10)
+    one = train(argv)
+    pp2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+    stop = ["--save-interval", "5", "--exit-interval", "5"]
+    legacy, dist = str(tmp_path / "torch"), str(tmp_path / "dist")
+    runs = _run(
+        [
+            [*argv, *pp2, "--ckpt-format", "torch", "--save", legacy, *stop],
+            [*argv, *pp2, "--ckpt-format", "torch", "--load", legacy],
+            [*argv, *pp2, "--ckpt-format", "torch_dist", "--save", dist, *stop],
+        ],
+        2,
+        tmp_path / "pp2.json",
+    )
+    assert sorted(p.name for p in Path(legacy, "iter_0000005").iterdir()) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+    ]
+    at_pp1 = train([*argv, "--load", dist]).losses
+    at_pp2_dp2 = _run(
+        [[*argv, *pp2, "--load", dist, "--overlap-grad-reduce", "--overlap-param-gather"]],
+        4,
+        tmp_path / "dp2.json",
+    )[0]["losses"]
+    for name, losses in (("torch pp2", runs[1]["losses"]), ("pp1", at_pp1), ("dp2", at_pp2_dp2)):
+        assert len(losses) == 5, name
+        for a, b in zip(one.losses[5:], losses, strict=True):
+            assert abs(a - b) / abs(a) <= 1e-5, (name, one.losses, losses)

@@ -26,6 +26,14 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 LOSS_RTOL = 1e-5
 NORM_RTOL = 1e-4
 FLAGS = ["--num-layers", "4", "--attention-dropout", "0", "--hidden-dropout", "0"]
+# small buckets: several per stage, the tied embedding in one of its own
+DIST_OPT_OVERLAPPED = [
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+    "--ddp-bucket-size",
+    "3000",
+]
 
 
 def run_ranks(argvs: list[list[str]], world_size: int, out: Path) -> list[dict]:
@@ -61,6 +69,11 @@ def test_two_ranks_pp2_interleaved_cp2_match_one(tmp_path: Path, reference) -> N
             "1",
         ],
         "cp2": ["--context-parallel-size", "2"],
+        "pp2 distributed optimizer, overlapped": [
+            "--pipeline-model-parallel-size",
+            "2",
+            *DIST_OPT_OVERLAPPED,
+        ],
     }
     runs = run_ranks([[*argv, *c] for c in configs.values()], 2, tmp_path / "two.json")
     _check(one, runs, list(configs))
@@ -107,4 +120,35 @@ def test_four_ranks_pp2_tp2_and_tp2_cp2_match_one(tmp_path: Path, mock_argv, tra
         "tp2 cp2": ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"],
     }
     runs = run_ranks([[*argv, *c] for c in configs.values()], 4, tmp_path / "four_tp.json")
+    _check(one, runs, list(configs))
+
+
+def test_four_ranks_distributed_optimizer_with_pipeline_matches_one(
+    tmp_path: Path, mock_argv, train
+) -> None:
+    """The distributed optimizer under PP=2 x DP=2 (1F1B and interleaved, overlapped grad
+    reduce-scatter and param all-gather) and PP=2 x TP=2: the tied embedding's shards are
+    summed over the embedding group, the grad norm over stages counts it once."""
+    argv = mock_argv(
+        tmp_path, *FLAGS, "--make-vocab-size-divisible-by", "64", mbs=2, gbs=8, iters=20
+    )
+    one = train(argv)
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    configs = {
+        "pp2 dp2 dist-opt overlapped": [*pp2, *DIST_OPT_OVERLAPPED],
+        "pp2 interleaved dp2 dist-opt overlapped": [
+            *pp2,
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            *DIST_OPT_OVERLAPPED,
+        ],
+        "pp2 tp2 sp dist-opt": [
+            *pp2,
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--use-distributed-optimizer",
+        ],
+    }
+    runs = run_ranks([[*argv, *c] for c in configs.values()], 4, tmp_path / "four_do.json")
     _check(one, runs, list(configs))

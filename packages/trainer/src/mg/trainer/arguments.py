@@ -764,8 +764,12 @@ def _check_pipeline_and_context(args: Args) -> None:
             )
         if virtual > 1 and t.rampup_batch_size is not None:
             _fail("--rampup-batch-size with the interleaved schedule is not supported")
-        if d.overlap_grad_reduce:
-            _fail("--overlap-grad-reduce with pipeline parallelism is not supported yet; drop it")
+        if d.overlap_grad_reduce and not d.use_distributed_optimizer:
+            _fail(
+                "--overlap-grad-reduce with pipeline parallelism needs "
+                "--use-distributed-optimizer (the plain data-parallel path reduces after the "
+                "schedule)"
+            )
     if cp > 1:
         if m.seq_length % (2 * cp):
             _fail(
@@ -797,13 +801,6 @@ def _check_distributed_optimizer(args: Args) -> None:
     d = args.distributed
     if d.overlap_param_gather and not d.use_distributed_optimizer:
         _fail("--overlap-param-gather only works with --use-distributed-optimizer")
-    if not d.use_distributed_optimizer or args.training.dry_run:
-        return
-    if d.pipeline_model_parallel_size > 1:
-        _fail(
-            "--use-distributed-optimizer with --pipeline-model-parallel-size > 1 is not "
-            "supported yet; drop one of them"
-        )
 
 
 def validate(args: Args) -> None:

@@ -121,16 +121,19 @@ def _load_optimizer(
         set_optimizer_state_dict(model, optimizer, loaded)
         return
     index = {name: i for i, name in enumerate(_names(model, optimizer))}
-    groups = []
-    for gi, group in enumerate(loaded["param_groups"]):
-        unknown = [n for n in group["params"] if n not in index]
-        if unknown:
-            raise ValueError(
-                f"{load_dir}: optimizer group {gi} names parameters this model does not have "
-                f"({', '.join(unknown[:3])}); was it saved for a different model?"
-            )
-        # Our indices are contiguous per group, in our order: the state is keyed by them.
-        groups.append({**group, "params": sorted(index[n] for n in group["params"])})
+    # A group's stored parameter names are one pipeline stage's (DCP keeps one copy of a
+    # non-tensor entry): take the groups' options from the checkpoint, membership from ours.
+    ours = optimizer.group_members()
+    if len(loaded["param_groups"]) != len(ours):
+        raise ValueError(
+            f"{load_dir}: the checkpoint's optimizer has {len(loaded['param_groups'])} "
+            f"parameter groups, this model's has {len(ours)}; was it saved for a different "
+            "model or optimizer?"
+        )
+    groups = [
+        {**group, "params": members}
+        for group, members in zip(loaded["param_groups"], ours, strict=True)
+    ]
     state = {index[name]: entry for name, entry in loaded["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 

@@ -31,6 +31,7 @@ from mg.core.parallel.context_parallel import apply_context_parallel, shard_batc
 from mg.core.parallel.pipeline import (
     PipelineChunk,
     embedding_group_ranks,
+    shared_embedding_weight,
     split_model,
     virtual_size_from_layers,
 )
@@ -140,6 +141,18 @@ def parallelize(
     return PipelineModel(chunks)
 
 
+def pipeline_optimizer_options(model: nn.Module, layout: ParallelLayout) -> dict:
+    """What the distributed optimizer needs of a pipeline stage: the group its gradient
+    norm and inf check are reduced over, and the tied embedding it holds with its group."""
+    if not isinstance(model, PipelineModel):
+        return {}
+    return {
+        "pipeline_group": layout.pp_group,
+        "tied_weight": shared_embedding_weight(model.chunks),
+        "tied_group": layout.embedding_group,
+    }
+
+
 def shard_for_context(batch: dict[str, Tensor], layout: ParallelLayout) -> dict[str, Tensor]:
     return shard_batch(batch, layout.cp_rank, layout.cp) if layout.cp > 1 else batch
 
@@ -166,9 +179,13 @@ def pipeline_forward_backward(
     autocast: Callable[[], contextlib.AbstractContextManager],
     backward: bool,
     device: torch.device,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run one global batch's micro-batches through the schedule.
 
+    `no_sync` (the distributed optimizer's, with --overlap-grad-reduce) holds
+    back the gradient reduction except in each chunk's last micro-batch, whose
+    backward starts the buckets' reduce-scatters as their gradients complete.
     Returns this rank's (sum of loss × mask, tokens) — zero except on the last
     stage — for the caller's all-reduce."""
     num_micro = len(batches)
@@ -196,6 +213,12 @@ def pipeline_forward_backward(
     if layout.sequence_parallel:  # between layers activations are split over tp ranks
         seq //= layout.tp
     actions = build_schedule(num_micro, layout.pp_rank, layout.pp, len(model))
+
+    def backward_context(chunk: int, micro: int) -> contextlib.AbstractContextManager:
+        if no_sync is None or micro == num_micro - 1:
+            return contextlib.nullcontext()
+        return no_sync()
+
     run_schedule(
         actions if backward else forward_only(actions),
         model.chunks,
@@ -207,5 +230,6 @@ def pipeline_forward_backward(
         dtype=torch.float32,
         device=device,
         backward=backward,
+        backward_context=backward_context,
     )
     return loss_sum, tokens

@@ -15,6 +15,7 @@ optimizer's, so checkpoints move freely between the two and between DP sizes.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,9 +48,11 @@ def build_optimizer(
     args: OptimizerArgs,
     dist_args: DistributedArgs | None = None,
     dp_group: torch.distributed.ProcessGroup | None = None,
+    **pipeline: Any,
 ) -> torch.optim.Optimizer | DistributedOptimizer:
     """AdamW (`--optimizer adam`) or SGD with momentum (`--optimizer sgd`), sharded over
-    `dp_group` (default: the world) with `--use-distributed-optimizer`."""
+    `dp_group` (default: the world) with `--use-distributed-optimizer`; `pipeline`: a
+    pipeline stage's groups and tied weight for it (`pipeline_optimizer_options`)."""
     groups = param_groups(model, args.weight_decay)
     if dist_args is not None and dist_args.use_distributed_optimizer:
         return DistributedOptimizer(
@@ -60,6 +63,7 @@ def build_optimizer(
             overlap_grad_reduce=dist_args.overlap_grad_reduce,
             overlap_param_gather=dist_args.overlap_param_gather,
             model=model,
+            **pipeline,
         )
     return _torch_optimizer(groups, args)
 

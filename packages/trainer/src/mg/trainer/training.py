@@ -171,7 +171,8 @@ class Trainer:
         )
         self.train_iters = train_iterations(args, self.batches)
         self.optimizer = build_optimizer(
-            model, args.optimizer, args.distributed, self.layout.dp_cp_group
+            model, args.optimizer, args.distributed, self.layout.dp_cp_group,
+            **model_parallel.pipeline_optimizer_options(model, self.layout),
         )
         self.distributed_optimizer = isinstance(self.optimizer, DistributedOptimizer)
         self.scheduler = build_scheduler(args, self.optimizer, self.train_iters)
@@ -275,6 +276,7 @@ class Trainer:
                 autocast=lambda: _autocast(self.env.device, self.dtype),
                 backward=backward,
                 device=self.env.device,
+                no_sync=self.optimizer.no_sync if self.distributed_optimizer else None,
             )
             num_micro = 0  # the schedule ran them all
         for i in range(num_micro):
@@ -319,12 +321,12 @@ class Trainer:
         loss_sum, tokens = self._forward_backward(num_micro, backward=True)
         if self.layout.tp > 1:  # sequence-parallel norms' partial grads, summed over TP
             sync_tensor_parallel_grads(self.model)
-        if self.distributed_optimizer:
-            self.optimizer.finish_grad_sync()  # reduce-scatter: each rank its shard's average
+        if self.distributed_optimizer:  # reduce-scatter: each rank its shard's average,
+            self.optimizer.finish_grad_sync()  # the tied embedding's summed over stages
         else:
             distributed.allreduce_gradients(self.model, self.layout.dp_cp_group)
-        if isinstance(self.model, model_parallel.PipelineModel):
-            allreduce_shared_embedding_grad(self.model.chunks, self.layout.embedding_group)
+            if isinstance(self.model, model_parallel.PipelineModel):
+                allreduce_shared_embedding_grad(self.model.chunks, self.layout.embedding_group)
         if self.distributed_optimizer:
             found_inf = self.optimizer.unscale_and_check(self.scaler.scale)
         else:
@@ -333,12 +335,12 @@ class Trainer:
         self.scaler.update(found_inf)
         grad_norm = None
         if not found_inf:
-            if isinstance(self.model, model_parallel.PipelineModel):
+            if self.distributed_optimizer:  # over data, tensor and pipeline ranks
+                grad_norm = self.optimizer.clip_grad_norm(self.args.optimizer.clip_grad)
+            elif isinstance(self.model, model_parallel.PipelineModel):
                 grad_norm = clip_grad_norm_across_stages(
                     self.params, self.args.optimizer.clip_grad, self.layout.pp_group
                 )
-            elif self.distributed_optimizer:
-                grad_norm = self.optimizer.clip_grad_norm(self.args.optimizer.clip_grad)
             else:
                 grad_norm = clip_grad_norm(self.model, self.args.optimizer.clip_grad)
             self.optimizer.step()

@@ -31,6 +31,13 @@ sums the TP-sharded squares over TP and counts replicated ones once; an inf/NaN
 on any TP rank skips the step on all of them. The state of a DTensor parameter
 is returned as a DTensor of the same layout, as torch's optimizers keep it.
 
+With pipeline parallelism each stage's optimizer holds that stage's parameters
+(all its model chunks). A tied embedding held by the first and the last stage
+gets a bucket of its own, so both copies are sharded alike over the data-
+parallel ranks and the embedding group can sum the averaged shards after the
+reduce-scatter (Megatron's DDP does the same). The gradient norm and the
+inf/NaN check are reduced over the pipeline group, the tied copy counted once.
+
 Memory per parameter, d data-parallel ranks (REFERENCE §7, Megatron's
 distributed-optimizer table; the state is counted by `memory_bytes`):
 
@@ -60,6 +67,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from mg.core.parallel.dtensor_layout import shard_like
+from mg.core.parallel.pipeline import is_shared_copy
 
 # State tensors the inner optimizer keeps per parameter (sharded); "step" is replicated.
 _SHARDED_STATE: dict[type, tuple[str, ...]] = {
@@ -136,8 +144,13 @@ class DistributedOptimizer:
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         model: nn.Module | None = None,
+        pipeline_group: dist.ProcessGroup | None = None,
+        tied_weight: Tensor | None = None,
+        tied_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = dp_group
+        self._pipeline_group = pipeline_group
+        self._tied = (tied_weight, tied_group) if tied_weight is not None and tied_group else None
         initialized = dist.is_available() and dist.is_initialized()
         self.dp_size = dist.get_world_size(dp_group) if initialized else 1
         self.dp_rank = dist.get_rank(dp_group) if initialized else 0
@@ -172,6 +185,9 @@ class DistributedOptimizer:
         runs: list[list[nn.Parameter]] = []
         by_dtype: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for p in order:  # parameters of one dtype and device share buckets
+            if self._tied is not None and p is self._tied[0]:
+                runs.append([p])  # sharded alike on every stage that holds a copy
+                continue
             run = by_dtype.setdefault((p.dtype, p.device), [])
             if run and sum(_local(q).numel() for q in run) + _local(p).numel() > bucket_size:
                 runs.append(run)
@@ -254,6 +270,13 @@ class DistributedOptimizer:
         the state by parameter name (torch_dist)."""
         return list(self._params)
 
+    def group_members(self) -> list[list[int]]:
+        """Per parameter group, its parameters' indices in `state_dict()`'s order."""
+        return [
+            [i for i, g in enumerate(self._group_of) if g == gi]
+            for gi in range(len(self._group_options))
+        ]
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients without starting their reduction (not the last micro-batch)."""
@@ -325,6 +348,9 @@ class DistributedOptimizer:
             for frag in self._fragments:
                 lo = frag.shard_offset
                 frag.main.grad = frag.bucket.main_grad_shard[lo : lo + frag.numel]
+        if self._tied is not None:  # the tied copies' averaged shards, summed over stages
+            weight, group = self._tied
+            dist.all_reduce(self._bucket_of[id(weight)].main_grad_shard, group=group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the grad buffers (they stay allocated: the parameters' hooks add into them)."""
@@ -346,8 +372,9 @@ class DistributedOptimizer:
                 bucket.main_grad_shard.mul_(1.0 / scale)
             found = torch.maximum(found, (~torch.isfinite(bucket.main_grad_shard)).any().float())
         found = self._all_reduce(found, dist.ReduceOp.MAX)
-        if self._tp_group is not None:  # every TP rank must skip the same steps
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._tp_group)
+        for group in (self._tp_group, self._pipeline_group):  # every rank skips alike
+            if group is not None:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found > 0)
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -357,12 +384,16 @@ class DistributedOptimizer:
         # TP rank, so counted once; the former are summed over TP, as Megatron's norm is)
         squares = torch.zeros(2, dtype=torch.float32, device=self._buckets[0].grad_data.device)
         for frag in self._fragments:
+            if is_shared_copy(frag.param):  # the first stage counts the tied weight
+                continue
             lo = frag.shard_offset
             grad = frag.bucket.main_grad_shard[lo : lo + frag.numel]
             squares[0 if _is_tp_sharded(frag.param) else 1] += torch.linalg.vector_norm(grad) ** 2
         squares = self._all_reduce(squares, dist.ReduceOp.SUM)
         if self._tp_group is not None:
             dist.all_reduce(squares[0:1], group=self._tp_group)
+        if self._pipeline_group is not None:  # each stage's own parameters
+            dist.all_reduce(squares, group=self._pipeline_group)
         norm = float(squares.sum().sqrt())
         if not math.isfinite(norm):
             return float("nan")
@@ -421,11 +452,8 @@ class DistributedOptimizer:
         the whole state (it is gathered per bucket)."""
         self.finish_param_sync()
         groups = []
-        for gi, inner in enumerate(self.optimizer.param_groups):
-            options = {k: v for k, v in inner.items() if k != "params"}
-            groups.append(
-                {**options, "params": [i for i, g in enumerate(self._group_of) if g == gi]}
-            )
+        for inner, members in zip(self.optimizer.param_groups, self.group_members(), strict=True):
+            groups.append({**{k: v for k, v in inner.items() if k != "params"}, "params": members})
         state: dict[int, dict[str, Any]] = {}
         if self._steps == 0:
             return {"state": state, "param_groups": groups}

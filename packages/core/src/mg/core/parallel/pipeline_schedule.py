@@ -27,6 +27,7 @@ short and keeps Megatron's exact order, which the bubble benchmark measures.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -134,6 +135,7 @@ def run_schedule(
     device: torch.device,
     backward: bool = True,
     stage_name: str | None = None,
+    backward_context: Callable[[int, int], contextlib.AbstractContextManager] | None = None,
 ) -> ScheduleResult:
     """Run `actions` (from `build_schedule`) on this rank's `chunks` over `group`.
 
@@ -141,7 +143,10 @@ def run_schedule(
     previous virtual stage, on rank r−1 (wrapping to P−1 with chunk c−1). The
     first virtual stage calls forward_step with input None; the last one calls
     loss_func on its output and backpropagates the returned loss (already
-    scaled by the caller, e.g. divided by the number of micro-batches)."""
+    scaled by the caller, e.g. divided by the number of micro-batches).
+    `backward_context(chunk, micro)` wraps each backward pass: a data-parallel
+    wrapper's no-sync context for all but a chunk's last micro-batch lets its
+    gradient reduction overlap the rest of the schedule."""
     guard = watchdog_mod.current()
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     next_rank = dist.get_global_rank(group, (rank + 1) % size)
@@ -192,7 +197,8 @@ def run_schedule(
             if stage < num_virtual - 1:
                 grad = receive(_GRADIENT, stage, micro, next_rank, "output gradient")
             begin = time.perf_counter()
-            torch.autograd.backward(out, grad_tensors=grad)
+            with backward_context(c, micro) if backward_context else contextlib.nullcontext():
+                torch.autograd.backward(out, grad_tensors=grad)
             result.trace.append(TraceEvent("B", c, micro, begin, time.perf_counter()))
             if stage > 0:
                 send(inp.grad, _GRADIENT, stage - 1, micro, prev_rank, "input gradient")
