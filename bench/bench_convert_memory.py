@@ -13,7 +13,11 @@ and its peak RSS is the kernel's (getrusage of the child: ru_maxrss):
   meta device (a fixed ~115 MB of torch's lazily set-up kernels, whatever the model
   size); the converters are measured above the second, the reference above the first;
 - mg-convert import-hf (one layer at a time, streamed into the checkpoint file);
-- mg-convert export-hf of that checkpoint (memory-mapped, one layer at a time);
+- mg-convert export-hf of that checkpoint (`torch` format, memory-mapped, one layer
+  at a time, each tensor written to its place in the safetensors file), and of the
+  same checkpoint in `torch_dist` format (each layer's keys read through DCP; the
+  conversion to torch_dist is set-up, not measured); export builds no model, so it
+  is measured above the imports alone;
 - whole-model reference: every shard loaded (`safetensors.torch.load_file`), mapped
   with the same table (`hf_to_megatron`) and `torch.save`d at once, which is what
   a converter that holds the model does.
@@ -51,6 +55,9 @@ import_hf(SRC, OUT, progress=False)""",
     "mg-convert export-hf": f"""{IMPORTS}
 from mg.ckpt_convert.export_hf import export_hf
 export_hf(CKPT, OUT, progress=False)""",
+    "mg-convert export-hf (torch_dist)": f"""{IMPORTS}
+from mg.ckpt_convert.export_hf import export_hf
+export_hf(DIST, OUT, progress=False)""",
     "whole-model reference": f"""{IMPORTS}
 import glob, json
 from safetensors.torch import load_file
@@ -61,6 +68,9 @@ for f in sorted(glob.glob(SRC + "/*.safetensors")):
 config = config_from_hf(json.load(open(SRC + "/config.json")))
 torch.save({{"model": hf_to_megatron(state, config, "llama")}}, OUT + ".pt")""",
 }
+EXPORTS = ("mg-convert export-hf", "mg-convert export-hf (torch_dist)")
+TO_TORCH_DIST = """from mg.ckpt_convert.format_convert import convert_format
+convert_format(CKPT, DIST, "torch_dist", report=lambda _: None)"""
 
 
 def make_llama(folder: Path, layers: int, hidden: int, ffn: int, vocab: int) -> int:
@@ -156,30 +166,35 @@ def run(
         shutil.rmtree(source, ignore_errors=True)
         make_llama(source, layers, hidden, ffn, vocab)
     model_bytes = sum(f.stat().st_size for f in source.glob("*.safetensors"))
-    ckpt, exported, whole = work / "ckpt", work / "exported", work / "whole"
-    for path in (ckpt, exported):
+    ckpt, dist, whole = work / "ckpt", work / "ckpt-dist", work / "whole"
+    exported = {name: work / f"exported-{k}" for k, name in enumerate(EXPORTS)}
+    for path in (ckpt, dist, *exported.values()):
         shutil.rmtree(path, ignore_errors=True)
     Path(str(whole) + ".pt").unlink(missing_ok=True)
     results = {}
     wanted = set(contenders) | {"baseline (imports only)", "baseline (start-up)"}
-    if "mg-convert export-hf" in wanted:
+    if wanted & set(EXPORTS):
         wanted.add("mg-convert import-hf")  # export reads what import wrote
     for name, code in CONTENDERS.items():
         if name not in wanted:
             continue
-        out = {"mg-convert import-hf": ckpt, "mg-convert export-hf": exported}.get(name, whole)
-        rss, seconds = peak_rss(code, SRC=source, CKPT=ckpt, OUT=out)
+        if name == "mg-convert export-hf (torch_dist)":
+            peak_rss(TO_TORCH_DIST, CKPT=ckpt, DIST=dist)  # set-up, not measured
+        out = {"mg-convert import-hf": ckpt, **exported}.get(name, whole)
+        rss, seconds = peak_rss(code, SRC=source, CKPT=ckpt, DIST=dist, OUT=out)
         results[name] = {"peak_rss": rss, "seconds": seconds}
-    # the converters are measured above the start-up that includes the meta model
-    # they build; the whole-model reference (no model built) above the imports
+    # import-hf is measured above the start-up that includes the meta model it
+    # builds; export-hf and the whole-model reference (no model built) above the imports
     for name, values in results.items():
-        base = "baseline (start-up)" if name.startswith("mg-convert") else "baseline (imports only)"
+        base = (
+            "baseline (start-up)" if name == "mg-convert import-hf" else "baseline (imports only)"
+        )
         if name == "baseline (imports only)" or base not in results:
             base = "baseline (imports only)"
         values["above_baseline"] = max(values["peak_rss"] - results[base]["peak_rss"], 0)
         values["ratio_to_model"] = values["above_baseline"] / model_bytes
     results["model"] = {"bytes": model_bytes, "layers": layers, "hidden": hidden}
-    for path in (ckpt, exported):
+    for path in (ckpt, dist, *exported.values()):
         shutil.rmtree(path, ignore_errors=True)
     Path(str(whole) + ".pt").unlink(missing_ok=True)
     return results
@@ -199,10 +214,10 @@ def main() -> None:
         f"model: Llama-shaped, {args.layers} layers, hidden {args.hidden}, fp32, "
         f"{model['bytes'] / mb:,.0f} MB in {args.layers + 2} shards"
     )
-    print(f"{'contender':<26} {'peak RSS':>10} {'above base':>11} {'/ model':>8} {'time':>7}")
+    print(f"{'contender':<34} {'peak RSS':>10} {'above base':>11} {'/ model':>8} {'time':>7}")
     for name, r in results.items():
         print(
-            f"{name:<26} {r['peak_rss'] / mb:>8,.0f}MB {r['above_baseline'] / mb:>9,.0f}MB "
+            f"{name:<34} {r['peak_rss'] / mb:>8,.0f}MB {r['above_baseline'] / mb:>9,.0f}MB "
             f"{r['ratio_to_model']:>7.2f}x {r['seconds']:>6.1f}s"
         )
     ours = results["mg-convert import-hf"]["above_baseline"]

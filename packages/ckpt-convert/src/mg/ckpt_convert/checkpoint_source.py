@@ -1,28 +1,41 @@
 """Open an mg checkpoint of any format and layout as one whole model, read lazily.
 
-`torch` format: every ``mp_rank_TT[_PPP]/model_optim_rng.pt`` is memory-mapped
-(nothing is read until a tensor is asked for), the pipeline stages' local
-layer names are mapped to the whole model's (:mod:`mg.core.checkpoint.pp_split`,
-virtual stages ``model0``, ``model1``… included) and a tensor's TP shards are
-joined only when :meth:`CheckpointSource.tensor` asks for it. `torch_dist`:
-DCP reads the whole tensors (they are stored unsharded by name).
+`torch` format: the ``mp_rank_TT[_PPP]/model_optim_rng.pt`` files are opened
+once to learn the names, shapes and dtypes of their tensors; the pipeline
+stages' local layer names are mapped to the whole model's
+(:mod:`mg.core.checkpoint.pp_split`, virtual stages ``model0``, ``model1``…
+included). `torch_dist`: names, shapes and dtypes come from DCP's index. Either
+way no tensor data is read until :meth:`CheckpointSource.tensors` asks for it,
+a tensor's TP shards are joined then, and :meth:`CheckpointSource.release`
+lets go of what was read (:mod:`.tensor_readers`), so a converter that walks
+the model layer by layer holds about one layer.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mg.ckpt_convert.errors import ConvertError
+from mg.ckpt_convert.tensor_readers import (
+    MODEL_PREFIX,
+    DistReader,
+    ShardRef,
+    TensorReader,
+    TorchFilesReader,
+    model_chunks,
+)
 from mg.core.checkpoint import MODEL_FILENAME, find_rank_file, saved_layout
-from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_full_state
+from mg.core.checkpoint.dist_format import is_torch_dist, load_common
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.serialization import load_file
@@ -34,6 +47,8 @@ from mg.core.models import ConfigError, GPTModel, TransformerConfig
 # the parallel layout, so a conversion drops them (Megatron's converter does the same).
 LAYOUT_BOUND = ("optimizer", "rng_state")
 TOKENIZER_PATH_FIELDS = ("vocab_file", "merge_file", "tokenizer_model")
+
+ConfigReader = Callable[[Mapping[str, Any], Path], TransformerConfig]
 
 
 @dataclass
@@ -48,17 +63,35 @@ class CheckpointSource:
     pp: int
     config: TransformerConfig
     state: dict[str, Any]
-    """Rank 0's entries other than the model (args, mg, scheduler, …)."""
+    """Rank 0's entries other than the model and the layout-bound ones (args, mg, …)."""
+    dropped: list[str]
+    """Layout-bound entries the source has (and a conversion leaves out)."""
     shards: dict[str, list[Tensor]] = field(repr=False)
-    """Whole-model name → its tensor-parallel shards in rank order ([whole] if unsplit)."""
+    """Whole-model name → its tensor-parallel shards in rank order ([whole] if unsplit),
+    on the meta device: shapes and dtypes, no data."""
+    reader: TensorReader = field(repr=False)
 
     @property
     def names(self) -> list[str]:
         return list(self.shards)
 
+    def meta(self, name: str) -> Tensor:
+        """The whole tensor ``name`` on the meta device (its shape and dtype, nothing read)."""
+        return self._join(name, self.shards[name])
+
+    def tensors(self, names: Sequence[str]) -> dict[str, Tensor]:
+        """The whole tensors ``names`` (TP shards joined along Megatron's partition dims)."""
+        parts = self.reader.read(list(names))
+        return {name: self._join(name, parts[name]) for name in names}
+
     def tensor(self, name: str) -> Tensor:
-        """The whole tensor ``name`` (TP shards joined along Megatron's partition dim)."""
-        parts = self.shards[name]
+        return self.tensors([name])[name]
+
+    def release(self) -> None:
+        """Let go of the files read so far (the tensors returned stay valid)."""
+        self.reader.release()
+
+    def _join(self, name: str, parts: list[Tensor]) -> Tensor:
         if len(parts) == 1:
             return parts[0]
         merged = merge_tensor_parallel([{name: p} for p in parts], self.config.gated_linear_unit)
@@ -68,11 +101,6 @@ class CheckpointSource:
     def args(self) -> dict[str, Any]:
         raw = self.state.get("args")
         return vars(raw) if isinstance(raw, argparse.Namespace) else dict(raw or {})
-
-    @property
-    def dropped(self) -> list[str]:
-        """Layout-bound entries the source has (and a conversion leaves out)."""
-        return [k for k in LAYOUT_BOUND if self.state.get(k)]
 
 
 def open_checkpoint(
@@ -86,13 +114,14 @@ def open_checkpoint(
     if is_torch_dist(folder):
         source = _open_torch_dist(load_dir, folder, iteration)
     else:
-        source = _open_torch(load_dir, folder, iteration)
+        source = open_torch_files(load_dir, folder, iteration, recorded_config)
     if check_gpt:
         _check_names(source)
     return source
 
 
-def _config(state: Mapping[str, Any], where: Path) -> TransformerConfig:
+def recorded_config(state: Mapping[str, Any], where: Path) -> TransformerConfig:
+    """The model config an mg checkpoint records under ``mg.model_config``."""
     meta = state.get("mg") or {}
     if not meta.get("model_config"):
         raise ConvertError(
@@ -108,11 +137,40 @@ def _config(state: Mapping[str, Any], where: Path) -> TransformerConfig:
     return config
 
 
+def _owned(value: Any) -> Any:
+    """A copy of small state in which no tensor still points into a memory-mapped file
+    (one such tensor would keep the whole file mapped)."""
+    if isinstance(value, Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _owned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(v) for v in value)
+    return value
+
+
+def _other_entries(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Rank 0's entries but the model and layout-bound ones; which layout-bound ones it had."""
+    dropped = [k for k in LAYOUT_BOUND if state.get(k)]
+    kept = {
+        k: _owned(v)
+        for k, v in state.items()
+        if not k.startswith("model") and k not in LAYOUT_BOUND
+    }
+    return kept, dropped
+
+
 def _open_torch_dist(load_dir: Path, folder: Path, iteration: Iteration) -> CheckpointSource:
     common = load_common(folder)
-    config = _config(common, folder)
+    config = recorded_config(common, folder)
     parallel = (common.get("mg") or {}).get("parallel") or {}
-    weights = load_full_state(folder)
+    index = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    metas = {
+        key[len(MODEL_PREFIX) :]: torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
+        for key, meta in index.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
+    }
+    state, dropped = _other_entries(common)
     return CheckpointSource(
         load_dir,
         folder,
@@ -121,40 +179,46 @@ def _open_torch_dist(load_dir: Path, folder: Path, iteration: Iteration) -> Chec
         int(parallel.get("tp", 1)),
         int(parallel.get("pp", 1)),
         config,
-        common,
-        {name: [tensor] for name, tensor in weights.items()},
+        state,
+        dropped,
+        {name: [meta] for name, meta in metas.items()},
+        DistReader(folder, metas),
     )
 
 
-def _chunks(state: Mapping[str, Any], path: Path) -> list[Mapping[str, Any]]:
-    """``model``, or ``model0``, ``model1``… (virtual pipeline stages), in order."""
-    if isinstance(state.get("model"), Mapping):
-        return [state["model"]]
-    virtual = sorted(
-        (int(k[5:]), v) for k, v in state.items() if k[5:].isdigit() and k.startswith("model")
-    )
-    if not virtual:
-        raise ConvertError(f"{path} holds no 'model' entry")
-    return [v for _, v in virtual]
+def open_torch_files(
+    load_dir: Path,
+    folder: Path,
+    iteration: Iteration,
+    config_of: ConfigReader,
+    *,
+    rename: Callable[[str], str] | None = None,
+    allow_pickle: bool = False,
+) -> CheckpointSource:
+    """A `torch`-format iteration folder of any TP × PP layout as a whole model.
 
-
-def _open_torch(load_dir: Path, folder: Path, iteration: Iteration) -> CheckpointSource:
+    ``config_of(rank-0 state, its path)`` gives the model config (recorded by mg,
+    or derived from Megatron-LM's args); ``rename`` maps a stored tensor name to the
+    name the model uses (Transformer Engine's fused-norm names, for one).
+    ``allow_pickle`` is for files that pickle more than plain data (Megatron-LM's).
+    """
     layout = saved_layout(folder)
     if layout is None:
         find_rank_file(folder)  # raises the format's own message
     if layout.ep > 1:
         raise ConvertError(f"{folder} was saved with {layout}; expert parallelism is not supported")
-    # stages[pp_rank][chunk][local name] -> [shard of tp rank 0, 1, ...]
-    stages: list[list[dict[str, list[Tensor]]]] = []
-    first_state: dict[str, Any] = {}
+    # stages[pp_rank][chunk][local name] -> [(ref, meta) of tp rank 0, 1, ...]
+    stages: list[list[dict[str, list[tuple[ShardRef, Tensor]]]]] = []
+    first_state: Mapping[str, Any] = {}
+    first_path = folder / layout.rank_dirname(0) / MODEL_FILENAME
     for pp_rank in range(layout.pp):
-        chunks: list[dict[str, list[Tensor]]] | None = None
+        chunks: list[dict[str, list[tuple[ShardRef, Tensor]]]] | None = None
         for tp_rank in range(layout.tp):
             path, _ = find_rank_file(folder, tp_rank, pp_rank, layout.pp)
-            state = load_file(path, mmap=True)
-            models = _chunks(state, path)
+            state = load_file(path, mmap=True, allow_pickle=allow_pickle)
+            models = model_chunks(state, path)
             if pp_rank == tp_rank == 0:
-                first_state = {k: v for k, v in state.items() if not k.startswith("model")}
+                first_state, first_path = state, path
             if chunks is None:
                 chunks = [{} for _ in models]
             if len(models) != len(chunks):
@@ -162,24 +226,44 @@ def _open_torch(load_dir: Path, folder: Path, iteration: Iteration) -> Checkpoin
                     f"{path} holds {len(models)} model chunks, tensor-parallel rank 0 of the "
                     f"same stage {len(chunks)}: the checkpoint is inconsistent"
                 )
-            for chunk, model in zip(chunks, models, strict=True):
-                if tp_rank and set(chunk) != {k for k in model if not k.endswith("_extra_state")}:
+            for c, (chunk, model) in enumerate(zip(chunks, models, strict=True)):
+                tensors = {
+                    (rename(k) if rename else k): (k, v)
+                    for k, v in model.items()
+                    if not k.endswith("_extra_state") and isinstance(v, Tensor)
+                }
+                if tp_rank and set(chunk) != set(tensors):
                     raise ConvertError(
                         f"{path} holds other tensors than tensor-parallel rank 0 of the same "
                         "stage: the checkpoint is inconsistent"
                     )
-                for name, tensor in model.items():
-                    if not name.endswith("_extra_state"):
-                        chunk.setdefault(name, []).append(tensor)
+                for name, (key, tensor) in tensors.items():
+                    meta = torch.empty_like(tensor, device="meta")
+                    chunk.setdefault(name, []).append((ShardRef(path, c, key), meta))
         stages.append(chunks or [])
-    config = _config(first_state, folder / layout.rank_dirname(0) / MODEL_FILENAME)
+    config = config_of(first_state, first_path)
+    state, dropped = _other_entries(first_state)
+    del first_state  # its tensors point into the mapped file
     tied = not config.untie_embeddings_and_output_weights
     try:
-        shards = merge_pipeline(stages, config.num_layers, tied=tied)
+        merged = merge_pipeline(stages, config.num_layers, tied=tied)
     except ValueError as exc:
         raise ConvertError(f"{folder}: {exc}") from None
+    reader = TorchFilesReader(
+        {name: [ref for ref, _ in parts] for name, parts in merged.items()}, allow_pickle
+    )
     return CheckpointSource(
-        load_dir, folder, iteration, "torch", layout.tp, layout.pp, config, first_state, shards
+        load_dir,
+        folder,
+        iteration,
+        "torch",
+        layout.tp,
+        layout.pp,
+        config,
+        state,
+        dropped,
+        {name: [meta for _, meta in parts] for name, parts in merged.items()},
+        reader,
     )
 
 

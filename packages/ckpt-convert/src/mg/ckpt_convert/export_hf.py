@@ -1,12 +1,15 @@
 """`mg-convert export-hf`: an mg checkpoint → a folder `transformers` loads.
 
 The checkpoint may be of either format and any TP/PP layout (`checkpoint_source`
-joins the shards of a tensor when it is read). `torch` files are memory-mapped,
-and tensors are converted one layer at a time
-and written into safetensors shards as each shard fills up, so the model is not
-held twice. Shards are named `model-0000K-of-0000N.safetensors` (with
-`model.safetensors.index.json`) once the total exceeds `--shard-size`; a model
-that fits is one `model.safetensors`, as `save_pretrained` does it.
+joins the shards of a tensor when it is read). The model is converted one
+layer at a time and never held whole: first on the meta device, which gives
+every output tensor's name, shape and dtype and so the safetensors files'
+headers and shard plan; then for real, each layer's tensors read (memory-mapped
+`torch` files, or just those keys from a `torch_dist` checkpoint), converted,
+written to their place in the files, and let go of. Shards are named
+`model-0000K-of-0000N.safetensors` (with `model.safetensors.index.json`) once
+the total exceeds `--shard-size`; a model that fits is one `model.safetensors`,
+as `save_pretrained` does it, byte for byte what `safetensors.save_file` writes.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 from tqdm import tqdm
 
 from mg.ckpt_convert.bert_heads import hf_class_of, hf_name_for_class, tensors_for_class
-from mg.ckpt_convert.checkpoint_source import open_checkpoint
+from mg.ckpt_convert.checkpoint_source import CheckpointSource, open_checkpoint
 from mg.ckpt_convert.errors import ConvertError
-from mg.ckpt_convert.hf_source import SAFETENSORS_INDEX, TOKENIZER_FILES
+from mg.ckpt_convert.hf_shards import ShardedWriter, plan_shards
+from mg.ckpt_convert.hf_source import TOKENIZER_FILES
 from mg.ckpt_convert.import_hf import VOCAB_TENSORS
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
@@ -92,48 +95,6 @@ def generation_config_dict(config: TransformerConfig, hf_config: dict[str, Any])
     return out
 
 
-class ShardWriter:
-    """Collects tensors and writes a safetensors file whenever `max_bytes` would be passed."""
-
-    def __init__(self, folder: Path, max_bytes: int) -> None:
-        self.folder, self.max_bytes = folder, max_bytes
-        self.pending: dict[str, Tensor] = {}
-        self.pending_bytes = 0
-        self.written: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
-        self.pending[name] = tensor
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        path = self.folder / f"shard-{len(self.written):05d}.tmp"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.written.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> None:
-        """Rename the files to HF's names and write the index when there is more than one."""
-        self.flush()
-        if len(self.written) == 1:
-            self.written[0][0].rename(self.folder / "model.safetensors")
-            return
-        count = len(self.written)
-        weight_map = {}
-        for k, (path, names) in enumerate(self.written, start=1):
-            final = f"model-{k:05d}-of-{count:05d}.safetensors"
-            path.rename(self.folder / final)
-            weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-        (self.folder / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-
 def group_megatron(names: list[str]) -> list[list[str]]:
     """Embeddings first, then layer by layer, then the final norm and output layer."""
     first, last, layers = [], [], {}
@@ -175,6 +136,54 @@ def copy_tokenizer_files(tokenizer: TokenizerConfig | None, target: Path) -> Non
             shutil.copy2(value, target / name)
 
 
+class LayerConverter:
+    """One layer group's Megatron tensors → its HF tensors; works on meta tensors too,
+    which is how export plans the files before reading any data."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        arch: str,
+        hf_class: str | None,
+        where: str | Path,
+    ) -> None:
+        self.config, self.arch, self.hf_class, self.where = config, arch, hf_class, where
+        self.hf_vocab = config.extra.get("hf_vocab_size") or config.vocab_size
+
+    def __call__(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        subset = {
+            name: tensor[: self.hf_vocab].clone() if name in VOCAB_TENSORS else tensor
+            for name, tensor in tensors.items()
+        }
+        try:
+            converted = megatron_to_hf(subset, self.config, self.arch)
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise ConvertError(f"{self.where}: {exc}") from None
+        if self.hf_class is None:
+            return converted
+        return {hf_name_for_class(n, self.hf_class): t for n, t in converted.items()}
+
+
+def write_weights(
+    source: CheckpointSource,
+    groups: list[list[str]],
+    convert: LayerConverter,
+    folder: Path,
+    max_bytes: int,
+    progress: bool,
+) -> None:
+    """Plan the shards on the meta device, then fill them one layer group at a time."""
+    planned = [
+        item for group in groups for item in convert({n: source.meta(n) for n in group}).items()
+    ]
+    writer = ShardedWriter(folder, plan_shards(planned, max_bytes))
+    for group in tqdm(groups, desc="export-hf", unit="layer", disable=not progress):
+        for name, tensor in convert(source.tensors(group)).items():
+            writer.add(name, tensor)
+        source.release()  # what this layer read leaves memory with it
+    writer.finish()
+
+
 def export_hf(
     load: str | Path,
     save: str | Path,
@@ -203,27 +212,11 @@ def export_hf(
     if arch == "bert":
         hf_class = hf_class_of(config, names)
         names = list(tensors_for_class(names, hf_class))
-    hf_vocab = config.extra.get("hf_vocab_size") or config.vocab_size
-    dtype = source.tensor("embedding.word_embeddings.weight").dtype
+    dtype = source.meta("embedding.word_embeddings.weight").dtype
     hf_config = hf_config_dict(config, arch, dtype, hf_class)
+    convert = LayerConverter(config, arch, hf_class, load)
     with staged_dir(save) as staging:
-        writer = ShardWriter(staging, max_bytes)
-        for group in tqdm(
-            group_megatron(names), desc="export-hf", unit="layer", disable=not progress
-        ):
-            subset = {}
-            for name in group:
-                tensor = source.tensor(name)
-                if name in VOCAB_TENSORS:
-                    tensor = tensor[:hf_vocab].clone()
-                subset[name] = tensor
-            try:
-                converted = megatron_to_hf(subset, config, arch)
-            except (KeyError, ValueError, RuntimeError) as exc:
-                raise ConvertError(f"{load}: {exc}") from None
-            for name, tensor in converted.items():
-                writer.add(name if hf_class is None else hf_name_for_class(name, hf_class), tensor)
-        writer.finish()
+        write_weights(source, group_megatron(names), convert, staging, max_bytes, progress)
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         generation = generation_config_dict(config, hf_config)
         (staging / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

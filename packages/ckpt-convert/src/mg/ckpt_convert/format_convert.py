@@ -21,7 +21,7 @@ from mg.ckpt_convert.checkpoint_source import (
     copy_tokenizer_files,
     open_checkpoint,
 )
-from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensor
+from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensors
 from mg.ckpt_convert.reshard import write_torch
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint.dist_format import save_dist_checkpoint
@@ -34,7 +34,7 @@ def write_torch_dist(
     save_dir: Path, source: CheckpointSource, target: TargetLayout, iteration: Iteration
 ) -> Path:
     """Write ``source`` as a `torch_dist` checkpoint (one process); the iteration folder."""
-    weights = {name: target_tensor(source, target, name) for name in source.names}
+    weights = target_tensors(source, target, source.names)
     pending = save_dist_checkpoint(
         save_dir, iteration, {"model": weights}, target_state(source, target)
     )

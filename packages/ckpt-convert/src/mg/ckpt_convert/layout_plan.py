@@ -93,14 +93,17 @@ def plan_target(
     return TargetLayout(tp, pp, config, notes)
 
 
-def target_tensor(source: CheckpointSource, target: TargetLayout, name: str) -> Tensor:
-    """The whole tensor ``name`` as the target stores it (vocabulary rows re-padded)."""
-    tensor = source.tensor(name)
+def target_tensors(
+    source: CheckpointSource, target: TargetLayout, names: list[str]
+) -> dict[str, Tensor]:
+    """The whole tensors ``names`` as the target stores them (vocabulary rows re-padded)."""
     rows = target.config.vocab_size
-    if name in _VOCAB_ROWS and tensor.shape[0] < rows:
-        extra = tensor[-1:].expand(rows - tensor.shape[0], -1)
-        tensor = torch.cat([tensor, extra], dim=0)
-    return tensor
+    out = source.tensors(names)
+    for name, tensor in out.items():
+        if name in _VOCAB_ROWS and tensor.shape[0] < rows:
+            extra = tensor[-1:].expand(rows - tensor.shape[0], -1)
+            out[name] = torch.cat([tensor, extra], dim=0)
+    return out
 
 
 def target_state(source: CheckpointSource, target: TargetLayout) -> dict[str, Any]:

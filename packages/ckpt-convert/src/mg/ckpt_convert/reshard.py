@@ -25,7 +25,7 @@ from mg.ckpt_convert.checkpoint_source import (
     open_checkpoint,
 )
 from mg.ckpt_convert.errors import ConvertError
-from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensor
+from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensors
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint import save_checkpoint_shards
 from mg.core.checkpoint.layout import Iteration
@@ -70,7 +70,9 @@ class _StageShards(Mapping[tuple[int, int], dict[str, Any]]):
             pp_rank,
             tied=not config.untie_embeddings_and_output_weights,
         )
-        whole = {local: target_tensor(self.source, self.target, g) for local, g in names.items()}
+        self.source.release()  # the previous stage's files
+        tensors = target_tensors(self.source, self.target, list(dict.fromkeys(names.values())))
+        whole = {local: tensors[name] for local, name in names.items()}
         return split_tensor_parallel(whole, self.target.tp, config.gated_linear_unit)
 
 
