@@ -58,7 +58,8 @@ def reference(tmp_path: Path, mock_argv, train):
 
 
 def test_two_ranks_pp2_interleaved_cp2_match_one(tmp_path: Path, reference) -> None:
-    """PP=2 (1F1B, 4 micro-batches), PP=2 with 2 virtual stages per rank, CP=2."""
+    """PP=2 (1F1B, 4 micro-batches), PP=2 with 2 virtual stages per rank, CP=2; interleaved
+    PP=2 with full recompute; PP=2 with the distributed optimizer and both overlaps."""
     argv, one = reference
     configs = {
         "pp2": ["--pipeline-model-parallel-size", "2"],
@@ -69,6 +70,18 @@ def test_two_ranks_pp2_interleaved_cp2_match_one(tmp_path: Path, reference) -> N
             "1",
         ],
         "cp2": ["--context-parallel-size", "2"],
+        "pp2 interleaved, full recompute": [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
         "pp2 distributed optimizer, overlapped": [
             "--pipeline-model-parallel-size",
             "2",
