@@ -78,3 +78,19 @@ def test_gpt_checkpoint_and_flags_refused(bert_ckpt, trained, tmp_path, capsys) 
     assert "--lr must be > 0" in error(capsys, "mnli", bert_ckpt, train, None, "--lr", "0")
     err = error(capsys, "mnli", bert_ckpt, train, None, "--micro-batch-size", "64")
     assert "fewer than one global batch" in err
+
+
+def test_model_parallel_layout_not_supported(bert_ckpt, tmp_path, capsys) -> None:
+    """Megatron's layout flags parse for the BERT tasks but only 1 is accepted."""
+    train = tmp_path / "t.tsv"
+    write_mnli(train, 4, seed=0)
+    for task, flag in (
+        ("mnli", "--tensor-model-parallel-size"),
+        ("qqp", "--pipeline-model-parallel-size"),
+    ):
+        err = error(capsys, task, bert_ckpt, train, None, flag, "2")
+        assert f"{flag} 2" in err and f"not supported for {task}" in err, err
+    race = tmp_path / "race"
+    race.mkdir()
+    err = error(capsys, "race", bert_ckpt, race, None, "--tensor-model-parallel-size", "2")
+    assert "not supported for race" in err and "wikitext, lambada and ppl" in err

@@ -179,6 +179,11 @@ def _load(args: argparse.Namespace) -> _Prepared:
             f"{config.max_position_embeddings}"
         )
     model = parallelize_for_eval(loaded.model, layout)
+    if distributed.rank_and_world()[1] > 1:
+        if distributed.is_main():
+            print(layout.describe(), flush=True)
+        if layout.dp_rank == 0:
+            print(model.describe(), flush=True)
     return _Prepared(model, loaded.tokenizer, loaded.iteration, seq_length)
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from mg.core.models import GPTModel
 from mg.core.parallel.mesh import ParallelDims, ParallelLayoutError
@@ -59,7 +60,9 @@ class EvalLayout:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    tp_rank: int = 0
     pp_rank: int = 0
+    dp_rank: int = 0
     dp_group: ProcessGroup | None = None
     """Ranks that split the examples; None: the whole world."""
     pp_group: ProcessGroup | None = None
@@ -68,6 +71,13 @@ class EvalLayout:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp - 1
+
+    def describe(self) -> str:
+        """Megatron's start-up line (``megatron/training/arguments.py``)."""
+        return (
+            f"using world size: {self.tp * self.pp * self.dp}, data-parallel size: {self.dp}, "
+            f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}"
+        )
 
 
 def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> EvalLayout:
@@ -97,7 +107,9 @@ def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> EvalLayout:
         tp=tp,
         pp=pp,
         dp=dims.dp,
+        tp_rank=mesh.rank("tp"),
         pp_rank=mesh.rank("pp"),
+        dp_rank=mesh.rank("dp"),
         dp_group=mesh.group("dp"),
         pp_group=mesh.group("pp"),
         tp_mesh=mesh["tp"],
@@ -119,6 +131,21 @@ class EvalModel:
     @classmethod
     def whole(cls, model: nn.Module | EvalModel) -> EvalModel:
         return model if isinstance(model, EvalModel) else cls(model, EvalLayout())
+
+    def num_parameters(self) -> int:
+        """Parameters this rank holds (its tensor-parallel shards, its stage's layers)."""
+        return sum(
+            (p.to_local() if isinstance(p, DTensor) else p).numel()
+            for p in self.module.parameters()
+        )
+
+    def describe(self) -> str:
+        """Megatron's per-rank line, printed by the first data-parallel replica."""
+        layout = self.layout
+        return (
+            " > number of parameters on (tensor, pipeline) model parallel rank "
+            f"({layout.tp_rank}, {layout.pp_rank}): {self.num_parameters()}"
+        )
 
     @property
     def fixed_shape(self) -> bool:
