@@ -15,6 +15,9 @@ functions): zero_grad → autocast(`gpt_loss_terms`) → masked mean → backwar
     uv run --frozen python bench/bench_train.py                      # ~50M params, seq 512
     uv run --frozen python bench/bench_train.py --layers 4 --hidden 256 --seq 256 --steps 5
     uv run --frozen python bench/bench_train.py --profile            # + top ops of each
+
+Ours runs twice: eager, and with its layers compiled as `mg-train --torch-compile`
+does (the compilation is in the warmup, not in the timed steps).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from mg.core.models import GPTModel, TransformerConfig
+from mg.core.models.compile import compile_layers
 from mg.core.models.flops import num_floating_point_operations, num_parameters
 from mg.trainer.arguments import OptimizerArgs
 from mg.trainer.families import gpt_loss_terms
@@ -49,13 +53,17 @@ def make_batch(b: int, s: int, vocab: int, gen: torch.Generator) -> dict[str, to
 
 
 class Ours:
-    """mg-train's step: `Trainer.train_step` with one micro-batch, scale 1 (bf16/fp32)."""
+    """mg-train's step: `Trainer.train_step` with one micro-batch, scale 1 (bf16/fp32);
+    with `compiled`, the layers compiled as `--torch-compile` does."""
 
-    name = "ours"
-
-    def __init__(self, config: TransformerConfig, dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, config: TransformerConfig, dtype: torch.dtype | None, compiled: bool = False
+    ) -> None:
         torch.manual_seed(0)
+        self.name = "ours+compile" if compiled else "ours"
         self.model = GPTModel(config)
+        if compiled:
+            compile_layers(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(
             self.model,
@@ -162,6 +170,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="ours/HF alternations per dtype")
     p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument(
+        "--no-compile", action="store_true", help="skip the --torch-compile run of ours"
+    )
     p.add_argument("--profile", action="store_true", help="print top ops of one step of each")
     p.add_argument("--profile-rows", type=int, default=15)
     args = p.parse_args()
@@ -195,13 +206,17 @@ def main() -> None:
     for name in args.dtypes.split(","):
         dtype = {"bf16": torch.bfloat16, "fp32": None}[name.strip()]
         runners = [Ours(config, dtype), HF(config, dtype)]
+        if not args.no_compile:
+            runners.insert(1, Ours(config, dtype, compiled=True))
         assert n_params(runners[0].model) == num_parameters(config), "num_parameters mismatch"
         print(
             f"\n[{name}] params ours {n_params(runners[0].model):,}, "
-            f"HF {n_params(runners[1].model):,}"
+            f"HF {n_params(runners[-1].model):,}"
         )
         for r in runners:
+            t0 = time.perf_counter()
             time_steps(r, batches[: args.warmup] if args.warmup <= args.steps else batches)
+            print(f"  warmup {r.name}: {time.perf_counter() - t0:.1f}s (compilation included)")
         times: dict[str, list[float]] = {r.name: [] for r in runners}
         for rnd in range(args.rounds):
             for r in runners if rnd % 2 == 0 else runners[::-1]:
@@ -210,22 +225,23 @@ def main() -> None:
                 print(f"  round {rnd} {r.name:>4}: " + " ".join(f"{x:.2f}s" for x in t))
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: b * s / v for k, v in med.items()}
-        rows.append((name, tps["ours"], tps["HF"], flops / med["ours"] / 1e12, med))
+        for who in [r.name for r in runners if r.name != "HF"]:
+            rows.append((name, who, tps[who], tps["HF"], flops / med[who] / 1e12, med))
         if args.profile:
             for r in runners:
                 profile(r, batches[0], args.profile_rows)
         del runners
 
-    print("\n| dtype | ours tok/s | HF tok/s | ours/HF | ours TFLOP/s | MFU |")
-    print("| --- | ---: | ---: | ---: | ---: | --- |")
-    for name, ours, hf, tflops, _med in rows:
+    print("\n| dtype | ours | ours tok/s | HF tok/s | ours/HF | ours TFLOP/s | MFU |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for name, who, ours, hf, tflops, _med in rows:
         print(
-            f"| {name} | {ours:,.0f} | {hf:,.0f} | {ours / hf:.2f}x | {tflops:.3f} "
+            f"| {name} | {who} | {ours:,.0f} | {hf:,.0f} | {ours / hf:.2f}x | {tflops:.3f} "
             f"| n/a (no CPU peak table) |"
         )
     print(
         "(median step time: "
-        + ", ".join(f"{r[0]} ours {r[4]['ours']:.2f}s / HF {r[4]['HF']:.2f}s" for r in rows)
+        + ", ".join(f"{r[0]} {r[1]} {r[5][r[1]]:.2f}s / HF {r[5]['HF']:.2f}s" for r in rows)
         + ")"
     )
 

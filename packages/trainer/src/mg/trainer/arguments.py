@@ -105,6 +105,7 @@ class TrainingArgs:
     deterministic_mode: bool = False
     bf16: bool = False
     fp16: bool = False
+    torch_compile: bool = False
     dry_run: bool = False
 
 
@@ -388,6 +389,12 @@ def _add_training_flags(p: argparse._ArgumentGroup) -> None:
     )
     p.add_argument("--bf16", action="store_true", help="bf16 autocast with fp32 weights/grads.")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling.")
+    p.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="Compile each transformer layer with torch.compile (inductor fuses the "
+        "elementwise work between matmuls; the first step pays the compilation).",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -680,6 +687,7 @@ def _unsupported(args: Args) -> None:
     m = args.model
     _check_tensor_parallel(args)
     _check_pipeline_and_context(args)
+    _check_compile(args)
     c = args.checkpoint
     if c.async_save and c.ckpt_format != "torch_dist":
         _fail("--async-save needs --ckpt-format torch_dist")
@@ -719,6 +727,20 @@ def _check_tensor_parallel(args: Args) -> None:
         )
     if args.training.fp16:
         _fail("--fp16 with --tensor-model-parallel-size > 1 is not supported yet; use --bf16")
+
+
+def _check_compile(args: Args) -> None:
+    if not args.training.torch_compile:
+        return
+    import torch
+
+    from mg.core.models.compile import CompileUnavailableError, check_cpu_compiler
+
+    if not torch.cuda.is_available():
+        try:
+            check_cpu_compiler()
+        except CompileUnavailableError as err:
+            _fail(f"--torch-compile: {err}")
 
 
 def _check_pipeline_and_context(args: Args) -> None:

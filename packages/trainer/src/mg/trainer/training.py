@@ -25,6 +25,7 @@ from torch import nn
 
 from mg.core.checkpoint.dist_format import PendingSave
 from mg.core.models import apply_activation_recompute, num_floating_point_operations
+from mg.core.models.compile import compile_layers
 from mg.core.parallel.pipeline import (
     allreduce_shared_embedding_grad,
     clip_grad_norm_across_stages,
@@ -166,6 +167,8 @@ class Trainer:
                 )
 
         model = model_parallel.parallelize(model, self.layout, recompute)
+        if t.torch_compile:
+            compile_layers(model, self.env.device)
         self.batches = BatchSchedule(
             t.global_batch_size, t.micro_batch_size, args.data_parallel_size, t.rampup_batch_size
         )
