@@ -82,3 +82,32 @@ def logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
     model, *_ = load_model(folder)
     with torch.no_grad():
         return model(ids)
+
+
+def megatron_tp_split(weights: dict, tp: int, gated: bool) -> list[dict]:
+    """Megatron's per-rank shards, written independently of mg's split code: QKV, MLP-in
+    (per [gate; up] half when gated), embeddings and output layer along dim 0; attention
+    projection and MLP-out along dim 1; the rest replicated."""
+    shards = [{} for _ in range(tp)]
+    for name, tensor in weights.items():
+        if gated and name.endswith("linear_fc1.weight"):
+            gate, up = tensor.chunk(2)
+            parts = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
+        elif name.endswith(
+            (
+                "linear_qkv.weight",
+                "linear_qkv.bias",
+                "linear_fc1.weight",
+                "linear_fc1.bias",
+                "word_embeddings.weight",
+                "output_layer.weight",
+            )
+        ):
+            parts = list(tensor.chunk(tp, dim=0))
+        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            parts = list(tensor.chunk(tp, dim=1))
+        else:
+            parts = [tensor] * tp
+        for shard, part in zip(shards, parts, strict=True):
+            shard[name] = part
+    return shards

@@ -16,6 +16,7 @@ from reshard_helpers import (  # noqa: E402
     assert_same_tensors,
     build,
     logits,
+    megatron_tp_split,
     model_tensors,
     save_source,
 )
@@ -36,33 +37,6 @@ from mg.core.parallel.pipeline import split_model  # noqa: E402
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def _megatron_tp_split(weights: dict, tp: int) -> list[dict]:
-    """Megatron's per-rank shards, written independently of mg's split code."""
-    shards = [{} for _ in range(tp)]
-    for name, tensor in weights.items():
-        if name.endswith("linear_fc1.weight") and tensor.shape[0] != 4 * 32:  # gated (llama)
-            gate, up = tensor.chunk(2)
-            parts = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
-        elif name.endswith(
-            (
-                "linear_qkv.weight",
-                "linear_qkv.bias",
-                "linear_fc1.weight",
-                "linear_fc1.bias",
-                "word_embeddings.weight",
-                "output_layer.weight",
-            )
-        ):
-            parts = list(tensor.chunk(tp, dim=0))
-        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            parts = list(tensor.chunk(tp, dim=1))
-        else:
-            parts = [tensor] * tp
-        for shard, part in zip(shards, parts, strict=True):
-            shard[name] = part
-    return shards
-
-
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_tensor_parallel_round_trip_is_bit_exact(tmp_path, kind):
     model = build(CONFIGS[kind])
@@ -73,7 +47,7 @@ def test_tensor_parallel_round_trip_is_bit_exact(tmp_path, kind):
         reshard(tmp_path / previous, tmp_path / f"to{tp}", tp, None, report=lambda _: None)
         previous = f"to{tp}"
         files = model_tensors(tmp_path / previous, tp, 1)
-        expected = _megatron_tp_split(model.state_dict(), tp)
+        expected = megatron_tp_split(model.state_dict(), tp, model.config.gated_linear_unit)
         for rank in range(tp):
             assert_same_tensors(files[(rank, 0)], expected[rank])
         assert torch.equal(logits(tmp_path / previous, IDS), reference)
@@ -105,7 +79,8 @@ def test_tp2_pp2_round_trip(tmp_path, kind):
     files = model_tensors(tmp_path / "tp2pp2", 2, 2)
     for stage in range(2):
         (chunk,) = split_model(model, stage, 2)
-        for rank, shard in enumerate(_megatron_tp_split(chunk.state_dict(), 2)):
+        gated = model.config.gated_linear_unit
+        for rank, shard in enumerate(megatron_tp_split(chunk.state_dict(), 2, gated)):
             assert_same_tensors(files[(rank, stage)], shard)
     reshard(tmp_path / "tp2pp2", tmp_path / "tp4pp4", 4, 4, report=lambda _: None)
     reshard(tmp_path / "tp4pp4", tmp_path / "back", 1, 1, report=lambda _: None)

@@ -21,6 +21,8 @@ EPILOG = """examples:
   mg-convert export-hf --load ckpt/llama --save ./llama-hf --shard-size 2GB
   mg-convert inspect ckpt/llama
   mg-convert import-megatron --load megatron_ckpt --save ckpt/from-megatron
+  mg-convert export-megatron --load ckpt/llama --save megatron_ckpt \\
+      --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
   mg-convert reshard --load ckpt/llama --save ckpt/llama-tp2pp2 \\
       --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
   mg-convert format --to torch_dist --load ckpt/llama-tp2pp2 --save ckpt/llama-dist
@@ -52,23 +54,42 @@ def _inspect(args: argparse.Namespace) -> None:
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
 
 
-def _import_megatron(args: argparse.Namespace) -> None:
-    from mg.ckpt_convert.megatron_lm import import_megatron
+def _megatron(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.megatron_lm import export_megatron, import_megatron
 
-    print(f"wrote {import_megatron(args.load, args.save, args.iteration)}")
-
-
-def _export_megatron(args: argparse.Namespace) -> None:
-    from mg.ckpt_convert.megatron_lm import export_megatron
-
-    print(f"wrote {export_megatron(args.load, args.save, args.iteration)}")
+    convert = import_megatron if args.command == "import-megatron" else export_megatron
+    path = convert(
+        args.load,
+        args.save,
+        args.iteration,
+        args.target_tensor_parallel_size,
+        args.target_pipeline_parallel_size,
+        args.make_vocab_size_divisible_by,
+    )
+    print(f"wrote {path}")
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="source checkpoint folder")
     p.add_argument("--save", required=True, help="new checkpoint folder (must not exist)")
-    p.add_argument("--target-tensor-parallel-size", type=int, default=None, help="default: keep")
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=None, help="default: keep")
+    # Megatron's convert.py spells them --target-*-parallel-size; its training flags say
+    # *-model-parallel-size: both spellings are accepted.
+    p.add_argument(
+        "--target-tensor-parallel-size",
+        "--target-tensor-model-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="default: keep",
+    )
+    p.add_argument(
+        "--target-pipeline-parallel-size",
+        "--target-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="default: keep",
+    )
     p.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
@@ -174,13 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
             help=direction,
-            description=direction + ". TP=1 PP=1 only. Megatron-LM's args Namespace is "
+            description=direction + ". Any tensor- and pipeline-parallel layout "
+            "(mp_rank_TT[_PPP]) in, the --target-* layout out (default: the source's). "
+            "Optimizer and RNG state are not carried over. Megatron-LM's args Namespace is "
             "read with pickle, so only load checkpoints you trust.",
         )
-        p.add_argument("--load", required=True, help="source checkpoint folder")
-        p.add_argument("--save", required=True, help="new checkpoint folder (must not exist)")
-        p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
-        p.set_defaults(run=_import_megatron if name == "import-megatron" else _export_megatron)
+        _layout_flags(p)
+        p.set_defaults(run=_megatron)
 
     p = sub.add_parser(
         "reshard",

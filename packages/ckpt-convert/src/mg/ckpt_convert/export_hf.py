@@ -151,8 +151,9 @@ class LayerConverter:
         self.hf_vocab = config.extra.get("hf_vocab_size") or config.vocab_size
 
     def __call__(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        # the padded vocabulary rows are cut off; a view is enough, the writer copies bytes
         subset = {
-            name: tensor[: self.hf_vocab].clone() if name in VOCAB_TENSORS else tensor
+            name: tensor[: self.hf_vocab] if name in VOCAB_TENSORS else tensor
             for name, tensor in tensors.items()
         }
         try:

@@ -1,17 +1,30 @@
 """`mg-convert import-megatron` / `export-megatron`: Megatron-LM `torch`-format GPT checkpoints.
 
 The weights already have Megatron-Core names (our GPTModel uses them), so the
-work is the config: Megatron-LM records its flags as an `argparse.Namespace`
-under ``args``; we read the model-shaping ones into a `TransformerConfig` and,
-on export, write a Namespace back with the same names (and
-``transformer_impl="local"``, whose layer spec names match ours).
+work is the config and the layout. Megatron-LM records its flags as an
+`argparse.Namespace` under ``args``; we read the model-shaping ones into a
+`TransformerConfig` and, on export, write a Namespace back with the same names
+(and ``transformer_impl="local"``, whose layer spec names match ours).
+
+Any TP × PP layout, both ways, through the code that reshards our own
+checkpoints (:mod:`.checkpoint_source`, :mod:`.reshard`): the layouts are the
+same. ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``; each pipeline stage
+numbers its layers from 0 (virtual stages as ``model0``, ``model1``…), the last
+stage of a tied model holds its own copy of the word embeddings as
+``output_layer.weight``; column-parallel tensors (QKV, MLP-in, word embeddings
+and output layer, padded to Megatron's padded vocabulary) are split along dim 0,
+row-parallel ones (attention projection, MLP-out) along dim 1. QKV rows are
+grouped per query group ([q heads; k; v] of group 0, then group 1…), so a
+dim-0 split gives each rank whole groups, which is Megatron's GQA layout; a
+SwiGLU MLP-in is [gate; up], and each rank holds [gate_r; up_r].
 
 Checkpoints written with the Transformer Engine spec fuse the norms into the
 next linear layer (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`);
 import renames those to the local spec's `input_layernorm` / `pre_mlp_layernorm`.
 
-TP=1 and PP=1 only for now. The Namespace needs pickle to load, so only
-convert checkpoints you trust.
+Optimizer and RNG state are not carried over (their layout depends on the
+parallel layout; Megatron's converter drops them too). The Namespace needs
+pickle to load, so only convert checkpoints you trust.
 """
 
 from __future__ import annotations
@@ -21,18 +34,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
-
+from mg.ckpt_convert.checkpoint_source import CheckpointSource, open_checkpoint, open_torch_files
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.import_hf import expected_shapes
+from mg.ckpt_convert.layout_plan import DEFAULT_DIVISIBLE_BY, plan_target
+from mg.ckpt_convert.reshard import write_torch
 from mg.ckpt_convert.staging import check_target, staged_dir
-from mg.core.checkpoint import (
-    CHECKPOINT_VERSION,
-    load_checkpoint,
-    mg_metadata,
-    save_checkpoint_shards,
-)
-from mg.core.checkpoint.model_io import load_model, save_model
+from mg.core.checkpoint import CHECKPOINT_VERSION, mg_metadata
+from mg.core.checkpoint.dist_format import is_torch_dist
+from mg.core.checkpoint.layout import Iteration
+from mg.core.checkpoint.model_io import resolve_tokenizer_paths
+from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import ConfigError, RopeScaling, TransformerConfig
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -44,6 +56,14 @@ _TE_RENAMES = (
     (".mlp.linear_fc1.layer_norm_bias", ".pre_mlp_layernorm.bias"),
 )
 _PLAIN = (str, int, float, bool, type(None))
+# Megatron-LM flags that move layers between pipeline stages unevenly.
+_UNEVEN_PIPELINE = (
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
+    "pipeline_model_parallel_layout",
+)
 
 
 def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
@@ -103,7 +123,12 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
 
 
 def megatron_args_from_config(
-    config: TransformerConfig, tokenizer: TokenizerConfig | None
+    config: TransformerConfig,
+    tokenizer: TokenizerConfig | None,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    make_vocab_size_divisible_by: int | None = None,
 ) -> argparse.Namespace:
     """The inverse: the Namespace Megatron-LM's `load_checkpoint` and `convert.py` read."""
     c = config
@@ -131,13 +156,16 @@ def megatron_args_from_config(
         add_qkv_bias=c.add_qkv_bias or c.add_bias_linear,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
         padded_vocab_size=c.vocab_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by or DEFAULT_DIVISIBLE_BY,
         window_size=list(c.window_size) if c.window_size else None,
         init_method_std=c.init_method_std,
         attention_dropout=c.attention_dropout,
         hidden_dropout=c.hidden_dropout,
         num_experts=None,
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None,
+        num_layers_per_virtual_pipeline_stage=None,
         expert_model_parallel_size=1,
         transformer_impl="local",
         model_type="GPT",
@@ -148,76 +176,173 @@ def megatron_args_from_config(
     return args
 
 
-def local_spec_weights(model: Mapping[str, Any]) -> dict[str, Tensor]:
-    """Drop `_extra_state`, rename TE-fused norm names to the local spec's."""
-    out = {}
-    for name, tensor in model.items():
-        if name.endswith("_extra_state") or tensor is None:
-            continue
-        for te, local in _TE_RENAMES:
-            if name.endswith(te):
-                name = name[: -len(te)] + local
-        out[name] = tensor
-    return out
+def local_spec_name(name: str) -> str:
+    """A Transformer Engine fused-norm name → the local spec's name (others unchanged)."""
+    for te, local in _TE_RENAMES:
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
 
 
-def import_megatron(load: str | Path, save: str | Path, iteration: int | str | None = None) -> Path:
-    """Megatron-LM checkpoint (TP=1, PP=1) → mg checkpoint with the same iteration."""
-    check_target(save)
-    state, iteration = load_checkpoint(load, iteration, pp_size=None, allow_pickle=True)
-    raw_args = state.get("args")
-    if raw_args is None:
-        raise ConvertError(f"{load}: the checkpoint has no 'args'; not written by Megatron-LM")
-    args = vars(raw_args) if isinstance(raw_args, argparse.Namespace) else dict(raw_args)
-    tp, pp = args.get("tensor_model_parallel_size", 1), args.get("pipeline_model_parallel_size", 1)
-    if tp != 1 or pp != 1:
+def _namespace_args(state: Mapping[str, Any], where: Path) -> dict[str, Any]:
+    raw = state.get("args")
+    if raw is None:
+        raise ConvertError(f"{where}: the checkpoint has no 'args'; not written by Megatron-LM")
+    return vars(raw) if isinstance(raw, argparse.Namespace) else dict(raw)
+
+
+def _config_of_megatron(state: Mapping[str, Any], where: Path) -> TransformerConfig:
+    args = _namespace_args(state, where)
+    if "num_layers" not in args and (state.get("mg") or {}).get("model_config"):
         raise ConvertError(
-            f"{load}: saved with TP={tp} PP={pp}; import-megatron reads TP=1 PP=1 (merge it "
-            "with Megatron-LM's tools/checkpoint/convert.py --target-tensor-parallel-size 1 "
-            "--target-pipeline-parallel-size 1 first)"
+            f"{where} is an mg checkpoint already (it records its model config); "
+            "mg tools load it as it is, and mg-convert reshard changes its layout"
         )
-    config = config_from_megatron_args(args)
-    model = state.get("model")
-    if model is None:
-        raise ConvertError(f"{load}: the checkpoint has no 'model' entry")
-    weights = local_spec_weights(model)
+    uneven = [name for name in _UNEVEN_PIPELINE if args.get(name)]
+    if uneven and args.get("pipeline_model_parallel_size", 1) > 1:
+        raise ConvertError(
+            f"{where}: saved with an uneven pipeline split ({', '.join(uneven)}); "
+            "import-megatron reads layers spread evenly over the stages. Re-save it with "
+            "Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1 first"
+        )
+    return config_from_megatron_args(args)
+
+
+def open_megatron(load: str | Path, iteration: Iteration | None = None) -> CheckpointSource:
+    """A Megatron-LM `torch` checkpoint of any TP × PP layout as one whole model (lazily read).
+
+    The model config comes from its args; the state is what an mg checkpoint records
+    (plain-data args, ``mg`` with the model and tokenizer configs), so the result can
+    be written by the same code as any of our checkpoints.
+    """
+    load_dir = Path(load)
+    iteration = resolve_iteration(load_dir, iteration)
+    folder = iteration_dir(load_dir, iteration)
+    if is_torch_dist(folder):
+        raise ConvertError(
+            f"{folder} is a torch_dist checkpoint; import-megatron reads Megatron-LM's `torch` "
+            "format (save with --ckpt-format torch, or convert it with Megatron-LM's "
+            "tools/checkpoint/convert.py)"
+        )
+    source = open_torch_files(
+        load_dir,
+        folder,
+        iteration,
+        _config_of_megatron,
+        rename=local_spec_name,
+        allow_pickle=True,
+    )
+    args = _namespace_args(source.state, folder)
+    recorded = (
+        int(args.get("tensor_model_parallel_size") or 1),
+        int(args.get("pipeline_model_parallel_size") or 1),
+    )
+    if recorded != (source.tp, source.pp):
+        raise ConvertError(
+            f"{folder}: the args say TP={recorded[0]} PP={recorded[1]}, the mp_rank_* folders "
+            f"TP={source.tp} PP={source.pp}; the checkpoint is incomplete or inconsistent"
+        )
+    config = source.config
     if not config.untie_embeddings_and_output_weights:
-        weights.pop("output_layer.weight", None)  # a tied copy, when saved at all
-    shapes = expected_shapes(config)
-    unknown = sorted(set(weights) - set(shapes))
-    missing = sorted(set(shapes) - set(weights))
-    if unknown or missing:
-        raise ConvertError(
-            f"{load}: the weights do not fit the model its args describe; "
-            f"unexpected {unknown[:6]}, missing {missing[:6]}"
-        )
-    for name, tensor in weights.items():
-        if tensor.shape != shapes[name]:
-            raise ConvertError(
-                f"{load}: shape mismatch for {name}: {tuple(tensor.shape)} in the checkpoint, "
-                f"{tuple(shapes[name])} from its args"
-            )
-    tokenizer = None
-    if args.get("tokenizer_type"):
-        tokenizer = TokenizerConfig.from_dict(args)
+        source.shards.pop("output_layer.weight", None)  # a tied copy, when saved at all
+    _check_shapes(source, folder)
+    tokenizer = TokenizerConfig.from_dict(args) if args.get("tokenizer_type") else None
     plain_args = {k: v for k, v in args.items() if isinstance(v, _PLAIN)}
     plain_args["converted_by"] = "mg-convert import-megatron"
+    source.state = {
+        "args": plain_args,
+        "iteration": source.state.get("iteration", 0),
+        "mg": mg_metadata(
+            config.to_dict(),
+            tokenizer.to_dict() if tokenizer else None,
+            tp=source.tp,
+            pp=source.pp,
+        ),
+    }
+    return source
+
+
+def _check_shapes(source: CheckpointSource, where: Path) -> None:
+    shapes = expected_shapes(source.config)
+    unknown = sorted(set(source.names) - set(shapes))
+    missing = sorted(set(shapes) - set(source.names))
+    if unknown or missing:
+        raise ConvertError(
+            f"{where}: the weights do not fit the model its args describe; "
+            f"unexpected {unknown[:6]}, missing {missing[:6]}"
+        )
+    for name in source.names:
+        shape = source.meta(name).shape
+        if shape != shapes[name]:
+            raise ConvertError(
+                f"{where}: shape mismatch for {name}: {tuple(shape)} in the checkpoint "
+                f"(tensor-parallel shards joined), {tuple(shapes[name])} from its args"
+            )
+
+
+def import_megatron(
+    load: str | Path,
+    save: str | Path,
+    iteration: Iteration | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    divisible_by: int | None = None,
+    report: Any = print,
+) -> Path:
+    """Megatron-LM checkpoint (any TP × PP) → mg `torch` checkpoint with the same iteration,
+    in the layout ``tp`` × ``pp`` (None: the source's)."""
+    check_target(save)
+    source = open_megatron(load, iteration)
+    target = plan_target(source, tp, pp, divisible_by)
     with staged_dir(save) as staging:
-        save_model(staging, weights, config, tokenizer, iteration=iteration, args=plain_args)
+        write_torch(staging, source, target, source.iteration)
+    report(
+        f"imported iteration {source.iteration}: Megatron-LM TP={source.tp}, PP={source.pp} "
+        f"→ mg TP={target.tp}, PP={target.pp}"
+    )
+    for note in target.notes:
+        report(f"note: {note}")
     return Path(save)
 
 
-def export_megatron(load: str | Path, save: str | Path, iteration: int | str | None = None) -> Path:
-    """mg checkpoint → Megatron-LM checkpoint (local layer spec names, TP=1, PP=1)."""
+def export_megatron(
+    load: str | Path,
+    save: str | Path,
+    iteration: Iteration | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    divisible_by: int | None = None,
+    report: Any = print,
+) -> Path:
+    """mg checkpoint (either format, any layout) → Megatron-LM `torch` checkpoint with
+    local layer spec names, in the layout ``tp`` × ``pp`` (None: the source's)."""
     check_target(save)
-    model, config, tokenizer, info = load_model(load, iteration)
-    state = {
-        "model": model.state_dict(),
-        "args": megatron_args_from_config(config, tokenizer),
+    source = open_checkpoint(load, iteration)
+    target = plan_target(source, tp, pp, divisible_by)
+    tokenizer_config = (source.state.get("mg") or {}).get("tokenizer_config")
+    tokenizer = None
+    if tokenizer_config:
+        tokenizer = resolve_tokenizer_paths(TokenizerConfig.from_dict(dict(tokenizer_config)), load)
+    args = megatron_args_from_config(
+        target.config,
+        tokenizer,
+        tp=target.tp,
+        pp=target.pp,
+        make_vocab_size_divisible_by=divisible_by
+        or source.args.get("make_vocab_size_divisible_by"),
+    )
+    common = {
+        "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
-        "iteration": info.iteration if isinstance(info.iteration, int) else 0,
-        "mg": mg_metadata(config.to_dict(), tokenizer.to_dict() if tokenizer else None),
+        "iteration": source.iteration if isinstance(source.iteration, int) else 0,
+        "mg": mg_metadata(target.config.to_dict(), tokenizer_config, tp=target.tp, pp=target.pp),
     }
     with staged_dir(save) as staging:
-        save_checkpoint_shards(staging, info.iteration, {(0, 0): state})
+        write_torch(staging, source, target, source.iteration, common=common)
+    report(
+        f"exported iteration {source.iteration}: {source.format} (TP={source.tp}, "
+        f"PP={source.pp}) → Megatron-LM TP={target.tp}, PP={target.pp}"
+    )
+    for note in target.notes:
+        report(f"note: {note}")
     return Path(save)

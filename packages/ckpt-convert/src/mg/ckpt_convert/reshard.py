@@ -77,10 +77,19 @@ class _StageShards(Mapping[tuple[int, int], dict[str, Any]]):
 
 
 def write_torch(
-    save_dir: Path, source: CheckpointSource, target: TargetLayout, iteration: Iteration
+    save_dir: Path,
+    source: CheckpointSource,
+    target: TargetLayout,
+    iteration: Iteration,
+    common: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``source`` as a `torch` checkpoint in the target layout; the iteration folder."""
-    shards = _StageShards(source, target, target_state(source, target))
+    """Write ``source`` as a `torch` checkpoint in the target layout; the iteration folder.
+
+    ``common`` (every rank file's entries besides the model) defaults to the source's,
+    updated to the target layout."""
+    if common is None:
+        common = target_state(source, target)
+    shards = _StageShards(source, target, common)
     path = save_checkpoint_shards(save_dir, iteration, shards, tp_size=target.tp, pp_size=target.pp)
     copy_tokenizer_files(source, save_dir)
     return path
