@@ -8,30 +8,16 @@ from pathlib import Path
 
 import pytest
 from bert_tasks_data import SEQ_LENGTH, save_tiny_bert, write_mnli
+from eval_ranks import run_eval_ranks
 
-from mg.core.testing.launch import launch_workers
 from mg.evaluate.cli import main
 
 WORLD = 2
 
 
-_ENTRY = """import sys
-import torch.distributed as dist
-from mg.core.testing.launch import launch_workers
-from mg.evaluate.cli import main
-code = main(sys.argv[1:])
-if dist.is_initialized():
-    dist.destroy_process_group()
-sys.exit(code)
-"""
-
-
 def run_ranks(argv: list[str], folder: Path) -> None:
     """`mg-eval ARGV` as WORLD local ranks (torchrun's environment), each exiting 0."""
-    folder.mkdir(parents=True, exist_ok=True)
-    script = folder / "mg_eval_entry.py"
-    script.write_text(_ENTRY)
-    launch_workers(str(script), WORLD, argv, timeout=300)
+    run_eval_ranks(WORLD, argv, folder)
 
 
 def metrics(report: Path) -> dict:
@@ -101,7 +87,7 @@ def test_finetune_two_ranks_equals_double_micro_batch(tmp_path):
               "--lr-warmup-fraction", "0"]  # fmt: skip
     single, double = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
     assert main([*common, "--micro-batch-size", "16", "--report", str(single)]) == 0
-    run_ranks([*common, "--micro-batch-size", "8", "--report", str(double)])
+    run_ranks([*common, "--micro-batch-size", "8", "--report", str(double)], tmp_path)
     one, two = metrics(single), metrics(double)
     assert one["iterations"] == two["iterations"] == 2 * (96 // 16)
     assert one["num_examples"] == two["num_examples"] == 33
