@@ -126,3 +126,20 @@ def test_fp16_overflow_skips_and_counts(tmp_path, mock_argv, train) -> None:
     )
     assert result.state.skipped_iterations == 4
     assert all(g != g for g in result.grad_norms)  # no norm on skipped steps (NaN)
+
+
+def test_bf16_nan_gradient_skips_the_step_without_a_scan(tmp_path, mock_argv) -> None:
+    """Without fp16 loss scaling there is no per-gradient inf/NaN scan (as in Megatron);
+    a NaN gradient shows as a NaN grad norm and the step is skipped, weights untouched."""
+    from mg.trainer.arguments import parse_args
+    from mg.trainer.training import Trainer
+
+    trainer = Trainer(parse_args(mock_argv(tmp_path, "--bf16", mbs=2, gbs=2), world_size=1))
+    weight = trainer.model.decoder.final_layernorm.weight
+    with torch.no_grad():
+        weight[0] = float("nan")
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    loss, grad_norm, skipped, _ = trainer.train_step()
+    assert skipped and grad_norm is None and loss != loss
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), before[name]) or p is weight, name

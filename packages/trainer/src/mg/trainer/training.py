@@ -174,7 +174,10 @@ class Trainer:
         )
         self.train_iters = train_iterations(args, self.batches)
         self.optimizer = build_optimizer(
-            model, args.optimizer, args.distributed, self.layout.dp_cp_group,
+            model,
+            args.optimizer,
+            args.distributed,
+            self.layout.dp_cp_group,
             **model_parallel.pipeline_optimizer_options(model, self.layout),
         )
         self.distributed_optimizer = isinstance(self.optimizer, DistributedOptimizer)
@@ -330,26 +333,35 @@ class Trainer:
             distributed.allreduce_gradients(self.model, self.layout.dp_cp_group)
             if isinstance(self.model, model_parallel.PipelineModel):
                 allreduce_shared_embedding_grad(self.model.chunks, self.layout.embedding_group)
-        if self.distributed_optimizer:
-            found_inf = self.optimizer.unscale_and_check(self.scaler.scale)
-        else:
-            found_inf = unscale_and_check(self.params, self.scaler.scale)
-            found_inf = distributed.all_reduce_max(float(found_inf)) > 0
-        self.scaler.update(found_inf)
+        found_inf = False
+        if self.args.training.fp16:  # Megatron checks for inf/NaN only under loss scaling
+            if self.distributed_optimizer:
+                found_inf = self.optimizer.unscale_and_check(self.scaler.scale)
+            else:
+                found_inf = unscale_and_check(self.params, self.scaler.scale)
+                found_inf = distributed.all_reduce_max(float(found_inf)) > 0
+            self.scaler.update(found_inf)
         grad_norm = None
         if not found_inf:
-            if self.distributed_optimizer:  # over data, tensor and pipeline ranks
-                grad_norm = self.optimizer.clip_grad_norm(self.args.optimizer.clip_grad)
-            elif isinstance(self.model, model_parallel.PipelineModel):
-                grad_norm = clip_grad_norm_across_stages(
-                    self.params, self.args.optimizer.clip_grad, self.layout.pp_group
-                )
+            grad_norm = self._clip_grad_norm()
+            # bf16/fp32: a non-finite gradient shows as a NaN norm (the same on every rank)
+            found_inf = not math.isfinite(grad_norm)
+            if found_inf:
+                grad_norm = None
             else:
-                grad_norm = clip_grad_norm(self.model, self.args.optimizer.clip_grad)
-            self.optimizer.step()
-            self.scheduler.step(gbs)
+                self.optimizer.step()
+                self.scheduler.step(gbs)
         self.state.consumed_train_samples += gbs
         return loss_sum / max(tokens, 1.0), grad_norm, found_inf, gbs
+
+    def _clip_grad_norm(self) -> float:
+        """The global gradient norm over every rank that holds gradients, clipped."""
+        clip = self.args.optimizer.clip_grad
+        if self.distributed_optimizer:  # over data, tensor and pipeline ranks
+            return self.optimizer.clip_grad_norm(clip)
+        if isinstance(self.model, model_parallel.PipelineModel):
+            return clip_grad_norm_across_stages(self.params, clip, self.layout.pp_group)
+        return clip_grad_norm(self.model, clip)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
