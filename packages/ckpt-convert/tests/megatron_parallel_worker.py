@@ -1,0 +1,194 @@
+"""One rank of test_megatron_parallel_compat.py: megatron-core's GPTModel at TP=2, then at
+PP=2, on CPU with gloo (2 ranks, launched by mg.core.testing.launch).
+
+    python megatron_parallel_worker.py WORK
+
+For each config in WORK/configs.json and each layout it
+
+- builds Megatron's model for this rank, perturbs it (noise keyed by the whole-model
+  tensor name, so replicated tensors and the last stage's tied embedding copy agree
+  across ranks), saves it exactly as Megatron-LM's save_checkpoint lays it out
+  (WORK/<config>/written-<layout>/, pickled Namespace args) and saves its logits;
+- loads the rank file mg-convert exported (WORK/<config>/exported-<layout>/) strictly
+  into a fresh model and saves those logits.
+
+Logits: at TP=2 each rank's vocabulary shard (GPTModel's parallel output), at PP=2 the
+last stage's, after the first stage's hidden states are sent over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import re
+import sys
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import megatron.core.fusions.fused_softmax as fused_softmax
+import megatron.core.models.gpt.gpt_model as gpt_model
+import megatron.core.tensor_parallel as tensor_parallel
+import megatron.core.transformer.transformer_config as transformer_config
+import megatron.core.utils as mcore_utils
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from mg.ckpt_convert.megatron_lm import megatron_args_from_config
+from mg.core.models import TransformerConfig
+from mg.core.testing.megatron_reference import megatron_gpt_model
+
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+ITERATION = 10
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+class _NoRngTracker:
+    def fork(self, name: str | None = None) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def cpu_patches() -> pytest.MonkeyPatch:
+    """core's megatron_on_cpu patches (one rank there), plus Tensor.cuda, which a tied
+    model's last pipeline stage calls to sync its embedding copy."""
+    patches = pytest.MonkeyPatch()
+    patches.setattr(torch.cuda, "current_device", lambda: "cpu")
+    patches.setattr(
+        mcore_utils.GlobalMemoryBuffer,
+        "get_tensor",
+        lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(shape, dtype=dtype),
+    )
+    patches.setattr(
+        fused_softmax,
+        "get_default_causal_mask",
+        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1),
+    )
+    patches.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoRngTracker())
+    patches.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    return patches
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int, pp: int) -> Iterator[None]:
+    """parallel_state for TP x PP; core's megatron_gpt_model builds this rank's stage."""
+    parallel_state.initialize_model_parallel(tp, pp)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    patches = pytest.MonkeyPatch()
+    if pp > 1:
+        staged_config = functools.partial(
+            transformer_config.TransformerConfig,
+            pipeline_model_parallel_size=pp,
+            pipeline_dtype=torch.float32,
+        )
+        staged_model = functools.partial(
+            gpt_model.GPTModel, pre_process=stage == 0, post_process=stage == pp - 1
+        )
+        patches.setattr(transformer_config, "TransformerConfig", staged_config)
+        patches.setattr(gpt_model, "GPTModel", staged_model)
+    try:
+        yield
+    finally:
+        patches.undo()
+        parallel_state.destroy_model_parallel()
+
+
+def perturb(model: torch.nn.Module, config: TransformerConfig, pp: int) -> None:
+    """Noise seeded by each parameter's whole-model name (norms and biases off 1/0)."""
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    offset = stage * config.num_layers // pp
+    tied = not config.untie_embeddings_and_output_weights
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            match = _LAYER.match(name)
+            if match:
+                name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
+            elif name == "output_layer.weight" and tied:
+                name = "embedding.word_embeddings.weight"
+            generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+def forward(model: torch.nn.Module, ids: torch.Tensor, hidden_size: int) -> torch.Tensor | None:
+    """Logits on the ranks that compute them; a pipeline's first stage sends its output on."""
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    with torch.no_grad():
+        if pp == 1:
+            return model(ids, positions, None)
+        if stage == 0:
+            dist.send(model(ids, positions, None).contiguous(), dst=dist.get_rank() + 1)
+            return None
+        hidden = torch.empty(ids.shape[1], ids.shape[0], hidden_size)  # [s, b, h]
+        dist.recv(hidden, src=dist.get_rank() - 1)
+        model.set_input_tensor(hidden)
+        return model(ids, positions, None)
+
+
+def rank_dir(tp: int, pp: int) -> str:
+    t = parallel_state.get_tensor_model_parallel_rank()
+    p = parallel_state.get_pipeline_model_parallel_rank()
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+
+
+def save_as_megatron(folder: Path, model: torch.nn.Module, config: TransformerConfig, tp, pp):
+    args = megatron_args_from_config(config, None, tp=tp, pp=pp)
+    args.lr, args.micro_batch_size = 3e-4, 4
+    path = folder / f"iter_{ITERATION:07d}" / rank_dir(tp, pp) / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True)
+    state = {
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": ITERATION,
+        "model": model.state_dict(),
+        "rng_state": [{"random_rng_state": (3, (1, 2), None)}],
+        "num_floating_point_operations_so_far": 0,
+    }
+    torch.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (folder / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def load_exported(folder: Path, model: torch.nn.Module, tp: int, pp: int) -> None:
+    (iteration,) = [d for d in folder.iterdir() if d.name.startswith("iter_")]
+    state = torch.load(iteration / rank_dir(tp, pp) / "model_optim_rng.pt", weights_only=False)
+    result = model.load_state_dict(state["model"], strict=False)
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    recorded = json.loads((work / "configs.json").read_text())
+    configs = {name: TransformerConfig.from_dict(config) for name, config in recorded.items()}
+    ids = torch.load(work / "ids.pt")
+    patches = cpu_patches()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        for layout, (tp, pp) in LAYOUTS.items():
+            with model_parallel(tp, pp):
+                for name, config in configs.items():
+                    out = work / name
+                    torch.manual_seed(0)
+                    model = megatron_gpt_model(config)
+                    perturb(model, config, pp)
+                    save_as_megatron(out / f"written-{layout}", model, config, tp, pp)
+                    written = forward(model, ids, config.hidden_size)
+                    fresh = megatron_gpt_model(config)
+                    load_exported(out / f"exported-{layout}", fresh, tp, pp)
+                    exported = forward(fresh, ids, config.hidden_size)
+                    if written is not None:
+                        torch.save(written, out / f"{layout}-written-rank{rank}.pt")
+                        torch.save(exported, out / f"{layout}-exported-rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+        patches.undo()
+
+
+if __name__ == "__main__":
+    main()
