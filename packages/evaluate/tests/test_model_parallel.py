@@ -139,7 +139,8 @@ def test_layout_flags_checked(trained, wikitext_file, tmp_path, capsys):
     assert "--pipeline-model-parallel-size must be >= 1, got 0" in capsys.readouterr().err
     logs = failed_eval_ranks(2, [*argv, "--tensor-model-parallel-size", "3"], tmp_path)
     for log in logs:
-        assert "mg-eval wikitext: error: world_size (2) is not divisible" in log, log[-2000:]
+        assert "mg-eval wikitext: error: world size 2 (torchrun's processes) is not divisible by "
+        "--tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1" in log, log[-2000:]
         assert "Traceback" not in log
 
 

@@ -54,8 +54,9 @@ enough that a whole split is never collated at once."""
 class EvalLayout:
     """This rank's place in the tp × dp × pp world and the groups it evaluates with.
 
-    The default is data parallel over the whole world (or one process): every
-    rank holds the whole model."""
+    The default (what a task given a plain model uses) shares the examples over
+    the whole world, or runs in one process: every rank holds the whole model.
+    The sizes are those of ``build_eval_layout``; ``dp_group`` is what counts."""
 
     tp: int = 1
     pp: int = 1
@@ -98,6 +99,12 @@ def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> EvalLayout:
                 f"one; launch it as torchrun --nproc-per-node {tp * pp} -m mg.evaluate.cli ..."
             )
         return EvalLayout()
+    if world % (tp * pp):
+        raise EvalInputError(
+            f"world size {world} (torchrun's processes) is not divisible by "
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}; launch a "
+            f"multiple of {tp * pp} processes (the rest is data parallel) or change the flags"
+        )
     try:
         dims = ParallelDims.from_world(world, tp=tp, pp=pp)
     except ParallelLayoutError as err:
