@@ -154,3 +154,32 @@ def test_model_shapes_checked(trained):
         parallelize_for_eval(model, EvalLayout(tp=3, tp_mesh=fake_mesh))
     assert all(not hasattr(p, "placements") for p in model.parameters())
     assert isinstance(model.decoder.layers[0].self_attention.linear_qkv.weight, torch.Tensor)
+
+
+@pytest.mark.slow
+def test_llama_layout_equals_one_process(commands, tokenizer_config, tmp_path):
+    """A Llama-style GPT (untied output layer, GQA, SwiGLU, RoPE, RMSNorm) at TP=2 x PP=2:
+    the gated MLP's strided shards, the query groups and the last stage's own output layer."""
+    from conftest import SEQ_LENGTH, save_gpt
+
+    from mg.core.models import GPTModel
+    from mg.core.models.presets import tiny_llama
+
+    torch.manual_seed(7)
+    config = tiny_llama(vocab_size=50304, seq_length=SEQ_LENGTH, max_position_embeddings=SEQ_LENGTH)
+    model = GPTModel(config)
+    ckpt = save_gpt(tmp_path / "llama", model, tokenizer_config)
+    llama = [[str(ckpt) if arg == commands[0][2] else arg for arg in argv] for argv in commands]
+    llama = [llama[0], llama[2], llama[3]]  # wikitext, last-token LAMBADA, ppl
+    report = tmp_path / "one.jsonl"
+    for argv in llama:
+        assert main([*argv, "--report", str(report)]) == 0
+    one = report_metrics(report)
+    whole = sum(p.numel() for p in model.parameters())
+    many = run_layout(llama, 4, 2, 2, tmp_path / "four", whole)
+    for single, parallel in zip(one, many, strict=True):
+        for key, value in single.items():
+            if key in ("avg_loss", "ppl", "adjusted_ppl", "loss"):
+                assert parallel[key] == pytest.approx(value, rel=1e-5), key
+            else:
+                assert parallel[key] == value, key
