@@ -92,3 +92,23 @@ def test_release_torch_dist_checkpoint_loads_weights_only(tmp_path, mock_argv, t
     finetuned = train([*argv, "--load", str(ckpt), "--finetune"])
     from_release = train([*argv, "--load", str(release)])
     assert from_release.losses == finetuned.losses
+
+
+def test_release_torch_checkpoint_loads_weights_only(tmp_path, mock_argv, train) -> None:
+    """The same for the torch format: `release/mp_rank_00` with model weights and args only
+    (no optimizer, no RNG) loads like --finetune instead of asking for optimizer state."""
+    import torch
+
+    from mg.core.checkpoint.torch_format import save_checkpoint_shards
+
+    argv = mock_argv(tmp_path, *FLAGS, "--ckpt-format", "torch", mbs=2, gbs=4, iters=3)
+    ckpt = tmp_path / "ckpt"
+    train([*argv, "--save", str(ckpt)])
+    saved = torch.load(
+        ckpt / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False
+    )
+    weights = {k: saved[k] for k in ("model", "args", "checkpoint_version", "mg")}
+    save_checkpoint_shards(tmp_path / "release", "release", {(0, 0): weights})
+    finetuned = train([*argv, "--load", str(ckpt), "--finetune"])
+    from_release = train([*argv, "--load", str(tmp_path / "release")])
+    assert from_release.losses == finetuned.losses

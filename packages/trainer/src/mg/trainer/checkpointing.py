@@ -178,7 +178,8 @@ def resume(
 ) -> TrainState | None:
     """Load `load_dir`'s latest checkpoint into the objects; None if there is none.
 
-    `--finetune` loads the weights only and restarts at iteration 0 (Megatron).
+    `--finetune`, or a `release` checkpoint (converted weights), loads the weights only
+    and starts at iteration 0, as Megatron does.
     """
     if read_latest_iteration(load_dir) is None:
         return None
@@ -195,7 +196,11 @@ def resume(
             "--ckpt-format torch_dist, which loads into any pipeline layout"
         )
     _load_model_states(model, ckpt, load_dir)
-    if finetune:
+    if finetune or iteration == "release" or not load_optim:
+        refresh = getattr(optimizer, "reload_model_params", None)
+        if refresh is not None:  # the distributed optimizer's main copies follow the weights
+            refresh()
+    if finetune or iteration == "release":
         return TrainState()
     if load_optim:
         if "optimizer" not in ckpt:
