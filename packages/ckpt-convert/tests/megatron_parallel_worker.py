@@ -1,7 +1,8 @@
-"""One rank of test_megatron_parallel_compat.py: megatron-core's GPTModel at TP=2, then at
-PP=2, on CPU with gloo (2 ranks, launched by mg.core.testing.launch).
+"""One rank of test_megatron_parallel_compat.py: megatron-core's GPTModel in the given
+layouts, one after the other, on CPU with gloo (launched by mg.core.testing.launch with
+as many ranks as the largest layout needs; tp2 and pp2 by default).
 
-    python megatron_parallel_worker.py WORK
+    python megatron_parallel_worker.py WORK [tp2] [pp2] [tp2pp2]
 
 For each config in WORK/configs.json and each layout it
 
@@ -12,8 +13,8 @@ For each config in WORK/configs.json and each layout it
 - loads the rank file mg-convert exported (WORK/<config>/exported-<layout>/) strictly
   into a fresh model and saves those logits.
 
-Logits: at TP=2 each rank's vocabulary shard (GPTModel's parallel output), at PP=2 the
-last stage's, after the first stage's hidden states are sent over.
+Logits: each last-stage rank's vocabulary shard (GPTModel's parallel output), saved as
+<layout>-<written|exported>-tp<tensor rank>.pt; a first stage sends its hidden states on.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from mg.ckpt_convert.megatron_lm import megatron_args_from_config
 from mg.core.models import TransformerConfig
 from mg.core.testing.megatron_reference import megatron_gpt_model
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 ITERATION = 10
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -117,15 +118,15 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, hidden_size: int) -> torc
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     with torch.no_grad():
-        if pp == 1:
-            return model(ids, positions, None)
-        if stage == 0:
-            dist.send(model(ids, positions, None).contiguous(), dst=dist.get_rank() + 1)
+        if stage > 0:
+            hidden = torch.empty(ids.shape[1], ids.shape[0], hidden_size)  # [s, b, h]
+            dist.recv(hidden, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        out = model(ids, positions, None)
+        if stage < pp - 1:
+            dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             return None
-        hidden = torch.empty(ids.shape[1], ids.shape[0], hidden_size)  # [s, b, h]
-        dist.recv(hidden, src=dist.get_rank() - 1)
-        model.set_input_tensor(hidden)
-        return model(ids, positions, None)
+        return out
 
 
 def rank_dir(tp: int, pp: int) -> str:
@@ -166,12 +167,14 @@ def main() -> None:
     recorded = json.loads((work / "configs.json").read_text())
     configs = {name: TransformerConfig.from_dict(config) for name, config in recorded.items()}
     ids = torch.load(work / "ids.pt")
+    layouts = sys.argv[2:] or ["tp2", "pp2"]
     patches = cpu_patches()
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     try:
-        for layout, (tp, pp) in LAYOUTS.items():
+        for layout in layouts:
+            tp, pp = LAYOUTS[layout]
             with model_parallel(tp, pp):
+                tp_rank = parallel_state.get_tensor_model_parallel_rank()
                 for name, config in configs.items():
                     out = work / name
                     torch.manual_seed(0)
@@ -183,8 +186,8 @@ def main() -> None:
                     load_exported(out / f"exported-{layout}", fresh, tp, pp)
                     exported = forward(fresh, ids, config.hidden_size)
                     if written is not None:
-                        torch.save(written, out / f"{layout}-written-rank{rank}.pt")
-                        torch.save(exported, out / f"{layout}-exported-rank{rank}.pt")
+                        torch.save(written, out / f"{layout}-written-tp{tp_rank}.pt")
+                        torch.save(exported, out / f"{layout}-exported-tp{tp_rank}.pt")
     finally:
         dist.destroy_process_group()
         patches.undo()
