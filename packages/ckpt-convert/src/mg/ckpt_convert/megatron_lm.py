@@ -193,7 +193,9 @@ def _namespace_args(state: Mapping[str, Any], where: Path) -> dict[str, Any]:
 
 def _config_of_megatron(state: Mapping[str, Any], where: Path) -> TransformerConfig:
     args = _namespace_args(state, where)
-    if "num_layers" not in args and (state.get("mg") or {}).get("model_config"):
+    # Megatron-LM pickles its args Namespace (so does export-megatron); mg tools save a dict
+    saved_by_mg = not isinstance(state["args"], argparse.Namespace)
+    if saved_by_mg and (state.get("mg") or {}).get("model_config"):
         raise ConvertError(
             f"{where} is an mg checkpoint already (it records its model config); "
             "mg tools load it as it is, and mg-convert reshard changes its layout"
