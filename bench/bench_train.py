@@ -17,8 +17,8 @@ functions): zero_grad → autocast(`gpt_loss_terms`) → masked mean → backwar
     uv run --frozen python bench/bench_train.py --layers 4 --hidden 256 --seq 256 --steps 5
     uv run --frozen python bench/bench_train.py --profile            # + top ops of each
 
-Ours runs twice: eager, and with its layers compiled as `mg-train --torch-compile`
-does (the compilation is in the warmup, not in the timed steps).
+Ours runs as plain `mg-train` and with `--cross-entropy-loss-fusion`; `--compile` adds
+a run with `--torch-compile` too (the compilation is in the warmup, not timed).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch import nn
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.compile import compile_layers
 from mg.core.models.flops import num_floating_point_operations, num_parameters
+from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
 from mg.trainer.arguments import OptimizerArgs
 from mg.trainer.families import gpt_loss_terms
 from mg.trainer.optimizer import build_optimizer, clip_grad_norm, param_groups
@@ -55,14 +56,20 @@ def make_batch(b: int, s: int, vocab: int, gen: torch.Generator) -> dict[str, to
 
 class Ours:
     """mg-train's step: `Trainer.train_step` with one micro-batch, scale 1 (bf16/fp32);
-    with `compiled`, the layers compiled as `--torch-compile` does."""
+    `fused_loss` as `--cross-entropy-loss-fusion`, `compiled` as `--torch-compile`."""
 
     def __init__(
-        self, config: TransformerConfig, dtype: torch.dtype | None, compiled: bool = False
+        self,
+        config: TransformerConfig,
+        dtype: torch.dtype | None,
+        fused_loss: bool = False,
+        compiled: bool = False,
     ) -> None:
         torch.manual_seed(0)
-        self.name = "ours+compile" if compiled else "ours"
+        self.name = "ours" + ("+fused-ce" if fused_loss else "") + ("+compile" if compiled else "")
         self.model = GPTModel(config)
+        if fused_loss:
+            apply_cross_entropy_fusion(self.model)
         if compiled:
             compile_layers(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -170,7 +177,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2, help="ours/HF alternations per dtype")
     p.add_argument("--dtypes", default="bf16,fp32")
-    p.add_argument("--no-compile", action="store_true", help="skip the --torch-compile run of ours")
+    p.add_argument("--compile", action="store_true", help="also time ours with --torch-compile")
     p.add_argument("--profile", action="store_true", help="print top ops of one step of each")
     p.add_argument("--profile-rows", type=int, default=15)
     args = p.parse_args()
@@ -203,9 +210,9 @@ def main() -> None:
     rows = []
     for name in args.dtypes.split(","):
         dtype = {"bf16": torch.bfloat16, "fp32": None}[name.strip()]
-        runners = [Ours(config, dtype), HF(config, dtype)]
-        if not args.no_compile:
-            runners.insert(1, Ours(config, dtype, compiled=True))
+        runners = [Ours(config, dtype), Ours(config, dtype, fused_loss=True), HF(config, dtype)]
+        if args.compile:
+            runners.insert(2, Ours(config, dtype, fused_loss=True, compiled=True))
         assert n_params(runners[0].model) == num_parameters(config), "num_parameters mismatch"
         print(
             f"\n[{name}] params ours {n_params(runners[0].model):,}, "

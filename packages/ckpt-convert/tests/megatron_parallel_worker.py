@@ -28,11 +28,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-import megatron.core.fusions.fused_softmax as fused_softmax
 import megatron.core.models.gpt.gpt_model as gpt_model
-import megatron.core.tensor_parallel as tensor_parallel
 import megatron.core.transformer.transformer_config as transformer_config
-import megatron.core.utils as mcore_utils
 import pytest
 import torch
 import torch.distributed as dist
@@ -40,36 +37,11 @@ from megatron.core import parallel_state
 
 from mg.ckpt_convert.megatron_lm import megatron_args_from_config
 from mg.core.models import TransformerConfig
-from mg.core.testing.megatron_reference import megatron_gpt_model
+from mg.core.testing.megatron_reference import megatron_cpu_patches, megatron_gpt_model
 
 LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
 ITERATION = 10
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-class _NoRngTracker:
-    def fork(self, name: str | None = None) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-
-def cpu_patches() -> pytest.MonkeyPatch:
-    """core's megatron_on_cpu patches (one rank there), plus Tensor.cuda, which a tied
-    model's last pipeline stage calls to sync its embedding copy."""
-    patches = pytest.MonkeyPatch()
-    patches.setattr(torch.cuda, "current_device", lambda: "cpu")
-    patches.setattr(
-        mcore_utils.GlobalMemoryBuffer,
-        "get_tensor",
-        lambda self, shape, dtype, name, mem_alloc_context=None: torch.empty(shape, dtype=dtype),
-    )
-    patches.setattr(
-        fused_softmax,
-        "get_default_causal_mask",
-        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1),
-    )
-    patches.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoRngTracker())
-    patches.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
-    return patches
 
 
 @contextlib.contextmanager
@@ -168,7 +140,7 @@ def main() -> None:
     configs = {name: TransformerConfig.from_dict(config) for name, config in recorded.items()}
     ids = torch.load(work / "ids.pt")
     layouts = sys.argv[2:] or ["tp2", "pp2"]
-    patches = cpu_patches()
+    patches = megatron_cpu_patches()
     dist.init_process_group("gloo")
     try:
         for layout in layouts:

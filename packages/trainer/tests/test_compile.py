@@ -1,4 +1,5 @@
-"""`--torch-compile`: compiled layers train like eager ones, alone and with parallelism.
+"""`--torch-compile` and `--cross-entropy-loss-fusion` train like the plain step, alone and
+with parallelism.
 
 Inductor fuses the elementwise work between matmuls, which reorders a few fp32
 sums (norm statistics, fused backward reductions): losses agree with eager to
@@ -72,3 +73,22 @@ def test_missing_compiler_is_refused(tmp_path: Path, mock_argv, monkeypatch) -> 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ArgumentError, match="--torch-compile: torch.compile on CPU needs a C"):
         parse_args(mock_argv(tmp_path, "--torch-compile"), world_size=1)
+
+
+def test_cross_entropy_loss_fusion_trains_like_unfused(tmp_path: Path, mock_argv, train) -> None:
+    """fp32, one process and PP=2 (the last stage takes the fused loss) on 2 ranks."""
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=4, iters=10)
+    plain = train(argv)
+    _close(plain.losses, train([*argv, "--cross-entropy-loss-fusion"]).losses, "fused")
+    out = tmp_path / "pp.json"
+    pp2 = [*argv, "--cross-entropy-loss-fusion", "--pipeline-model-parallel-size", "2"]
+    launch_workers(str(WORKER), 2, [str(out), json.dumps([pp2])], timeout=600)
+    _close(plain.losses, json.loads(out.read_text())[0]["losses"], "fused pp2")
+
+
+def test_cross_entropy_loss_fusion_with_tp_is_refused(tmp_path: Path, mock_argv) -> None:
+    from mg.trainer.arguments import ArgumentError, parse_args
+
+    flags = ["--cross-entropy-loss-fusion", "--tensor-model-parallel-size", "2"]
+    with pytest.raises(ArgumentError, match="already vocab-parallel"):
+        parse_args(mock_argv(tmp_path, *flags), world_size=2)

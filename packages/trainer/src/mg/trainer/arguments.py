@@ -106,6 +106,7 @@ class TrainingArgs:
     bf16: bool = False
     fp16: bool = False
     torch_compile: bool = False
+    cross_entropy_loss_fusion: bool = False
     dry_run: bool = False
 
 
@@ -389,6 +390,12 @@ def _add_training_flags(p: argparse._ArgumentGroup) -> None:
     )
     p.add_argument("--bf16", action="store_true", help="bf16 autocast with fp32 weights/grads.")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling.")
+    p.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="Fuse the output layer and the cross-entropy, a few tokens at a time: no fp32 "
+        "logits of the whole batch in memory, and faster (gpt, without tensor parallelism).",
+    )
     p.add_argument(
         "--torch-compile",
         action="store_true",
@@ -687,7 +694,7 @@ def _unsupported(args: Args) -> None:
     m = args.model
     _check_tensor_parallel(args)
     _check_pipeline_and_context(args)
-    _check_compile(args)
+    _check_fusion_and_compile(args)
     c = args.checkpoint
     if c.async_save and c.ckpt_format != "torch_dist":
         _fail("--async-save needs --ckpt-format torch_dist")
@@ -729,7 +736,15 @@ def _check_tensor_parallel(args: Args) -> None:
         _fail("--fp16 with --tensor-model-parallel-size > 1 is not supported yet; use --bf16")
 
 
-def _check_compile(args: Args) -> None:
+def _check_fusion_and_compile(args: Args) -> None:
+    if args.training.cross_entropy_loss_fusion and (
+        args.family != "gpt" or args.distributed.tensor_model_parallel_size > 1
+    ):
+        _fail(
+            "--cross-entropy-loss-fusion is supported for gpt without tensor parallelism "
+            "(with --tensor-model-parallel-size > 1 the loss is already vocab-parallel, "
+            "without full logits); drop the flag"
+        )
     if not args.training.torch_compile:
         return
     import torch

@@ -68,6 +68,12 @@ def build_optimizer(
     return _torch_optimizer(groups, args)
 
 
+def _has_dtensor(groups: list[dict]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for g in groups for p in g["params"])
+
+
 def _torch_optimizer(groups: list[dict], args: OptimizerArgs) -> torch.optim.Optimizer:
     if args.optimizer == "adam":
         return torch.optim.AdamW(
@@ -76,7 +82,10 @@ def _torch_optimizer(groups: list[dict], args: OptimizerArgs) -> torch.optim.Opt
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
             weight_decay=args.weight_decay,
-            foreach=False,  # same kernels on every device; bitwise-stable on CPU
+            # One kernel for all tensors (Megatron's fused Adam), deterministic; torch's fused
+            # kernel does not take DTensors (tensor parallelism without the distributed
+            # optimizer), which step one tensor at a time.
+            **({"foreach": False} if _has_dtensor(groups) else {"fused": True}),
         )
     if args.optimizer == "sgd":
         return torch.optim.SGD(

@@ -26,6 +26,7 @@ from torch import nn
 from mg.core.checkpoint.dist_format import PendingSave
 from mg.core.models import apply_activation_recompute, num_floating_point_operations
 from mg.core.models.compile import compile_layers
+from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
 from mg.core.parallel.pipeline import (
     allreduce_shared_embedding_grad,
     clip_grad_norm_across_stages,
@@ -166,6 +167,8 @@ class Trainer:
                     m.recompute_num_layers or 1,
                 )
 
+        if t.cross_entropy_loss_fusion:  # before the pipeline split: the last chunk takes it
+            apply_cross_entropy_fusion(model)
         model = model_parallel.parallelize(model, self.layout, recompute)
         if t.torch_compile:
             compile_layers(model, self.env.device)

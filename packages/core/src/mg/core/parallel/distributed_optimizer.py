@@ -518,7 +518,9 @@ class DistributedOptimizer:
                 continue
             new: dict[str, Any] = {}
             if "step" in entry:
-                new["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).clone()
+                # a fused optimizer keeps its step count on the parameters' device
+                on = frag.main.device if self.optimizer.defaults.get("fused") else "cpu"
+                new["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).to(on).clone()
                 self._steps = int(new["step"])
             for key in self._state_keys:
                 value = entry.get(key)

@@ -2,8 +2,9 @@
 
 megatron-core (a test-only dependency) assumes CUDA in three places on its
 forward path: the global memory buffer, the default causal mask and the RNG
-tracker. `megatron_on_cpu` patches exactly those for the duration of a test
-session and sets up a 1-rank gloo group with TP = PP = 1; `megatron_gpt_model`
+tracker. `megatron_cpu_patches` patches exactly those (multi-rank workers use it
+directly); `megatron_on_cpu` applies them for a test session and sets up a 1-rank
+gloo group with TP = PP = 1; `megatron_gpt_model`
 builds the Megatron-Core `GPTModel` (local layer spec) matching one of our
 `TransformerConfig`s.
 """
@@ -26,14 +27,14 @@ class _NoRngTracker:
         return contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def megatron_on_cpu(scratch: Path) -> Iterator[None]:
-    """megatron.core initialised for TP = PP = 1 on CPU; `scratch` holds the gloo file store."""
+def megatron_cpu_patches() -> Any:
+    """The patches (a pytest.MonkeyPatch, undo() when done) that let megatron-core's forward
+    run on CPU: device queries, the global memory buffer, the causal mask, the RNG tracker,
+    and Tensor.cuda (a tied model's last pipeline stage calls it to sync its embedding)."""
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.utils as mcore_utils
     import pytest
-    from megatron.core import parallel_state
 
     patches = pytest.MonkeyPatch()
     patches.setattr(torch.cuda, "current_device", lambda: "cpu")
@@ -48,6 +49,16 @@ def megatron_on_cpu(scratch: Path) -> Iterator[None]:
         lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1),
     )
     patches.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoRngTracker())
+    patches.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    return patches
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(scratch: Path) -> Iterator[None]:
+    """megatron.core initialised for TP = PP = 1 on CPU; `scratch` holds the gloo file store."""
+    from megatron.core import parallel_state
+
+    patches = megatron_cpu_patches()
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{scratch / 'store'}", rank=0, world_size=1
     )

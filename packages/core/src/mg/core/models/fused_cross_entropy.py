@@ -1,0 +1,98 @@
+"""Output layer and cross-entropy fused, a few tokens at a time (`--cross-entropy-loss-fusion`).
+
+The unfused loss materialises the logits [tokens, vocab] in fp32 (412 MB for
+2048 tokens of GPT-2's 50304 ids), runs log-softmax over them and, in backward,
+log-softmax's backward over them again. Here each chunk of tokens computes its
+logits (in the autocast dtype, as the unfused output layer does), turns them
+into the per-token loss and, while they are still in cache, into the gradient
+of that loss with respect to the logits, softmax − one-hot, which is all
+backward needs: it scales it by each token's incoming gradient and does the two
+matmuls. No fp32 logits stay alive, and the vocabulary is swept twice fewer.
+
+Results equal the unfused path's up to rounding (the same matmul precision and
+fp32 softmax; the stored gradient is rounded to the compute dtype once, as the
+unfused backward rounds it before its matmul).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_CHUNK_TOKENS = 128
+"""Tokens per chunk: their fp32 logits (128 x vocab) stay in cache on CPU, big enough
+that each matmul is still efficient."""
+
+
+def _compute_dtype(tensor: Tensor) -> torch.dtype:
+    device = tensor.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return tensor.dtype
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = hidden.to(dtype)
+            w = weight.to(dtype)
+            tokens, vocab = h.shape[0], w.shape[0]
+            loss = torch.empty(tokens, dtype=torch.float32, device=h.device)
+            grad_logits = torch.empty(tokens, vocab, dtype=dtype, device=h.device)
+            for start in range(0, tokens, chunk):
+                end = min(tokens, start + chunk)
+                target = labels[start:end].unsqueeze(1)
+                logits = (h[start:end] @ w.t()).float()
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+                loss[start:end] = (lse - logits.gather(1, target)).squeeze(1)
+                probs = logits.sub_(lse).exp_()
+                probs.scatter_add_(1, target, torch.full_like(target, -1, dtype=probs.dtype))
+                grad_logits[start:end] = probs
+        ctx.save_for_backward(h, w, grad_logits)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        h, w, grad_logits = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        scaled = grad_logits * grad_loss.to(grad_logits.dtype).unsqueeze(1)
+        grad_hidden = (scaled @ w).to(hidden_dtype)
+        grad_weight = (scaled.t() @ h).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> Tensor:
+    """Per-token cross-entropy (fp32, shaped like `labels`) of `hidden @ weight.T`."""
+    vocab = weight.shape[0]
+    flat_labels = labels.reshape(-1)
+    if flat_labels.numel() and (flat_labels.min() < 0 or flat_labels.max() >= vocab):
+        raise ValueError(f"labels must be token ids in [0, {vocab}); got values outside it")
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    loss = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, chunk_tokens)
+    return loss.view(labels.shape)
+
+
+def _fused_output_and_loss(self: nn.Module, hidden: Tensor, labels: Tensor | None) -> Tensor:
+    weight = self.output_weight()
+    if labels is None:
+        return torch.nn.functional.linear(hidden, weight)
+    return linear_cross_entropy(hidden, weight, labels)
+
+
+def apply_cross_entropy_fusion(model: nn.Module) -> nn.Module:
+    """Swap the fused loss into a GPTModel (before pipeline splitting: its chunks take the
+    instance's `output_and_loss`, as they take tensor parallelism's); returns the model."""
+    if "output_and_loss" in model.__dict__:
+        raise ValueError(
+            "the model's output layer is already replaced (tensor parallelism has its own "
+            "vocab-parallel loss); cross-entropy fusion applies to a plain GPTModel"
+        )
+    model.output_and_loss = types.MethodType(_fused_output_and_loss, model)
+    return model
