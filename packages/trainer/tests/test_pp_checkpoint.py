@@ -40,6 +40,8 @@ def test_pp2_torch_checkpoint_layout_and_resume(tmp_path: Path, mock_argv, train
     first = [
         *argv,
         *PP2_INTERLEAVED,
+        "--ckpt-format",
+        "torch",
         "--save",
         save,
         "--save-interval",
@@ -47,7 +49,7 @@ def test_pp2_torch_checkpoint_layout_and_resume(tmp_path: Path, mock_argv, train
         "--exit-interval",
         "5",
     ]
-    second = [*argv, *PP2_INTERLEAVED, "--load", save]
+    second = [*argv, *PP2_INTERLEAVED, "--ckpt-format", "torch", "--load", save]
     runs = _run([first, second], 2, tmp_path / "runs.json")
     assert len(runs[0]["losses"]) == 5 and len(runs[1]["losses"]) == 5
     for a, b in zip(one.losses[5:], runs[1]["losses"], strict=True):
@@ -109,8 +111,9 @@ def test_distributed_optimizer_with_pipeline_resumes_in_both_formats(
     tmp_path: Path, mock_argv, train
 ) -> None:
     """PP=2 with the distributed optimizer saves at iteration 5 (torch: mp_rank_00_00P;
-    torch_dist) and resumes: torch at PP=2, torch_dist at PP=1 with the plain optimizer
-    and at PP=2 x DP=2 overlapped. Iterations 6-10 equal the uninterrupted run (1e-5)."""
+    torch_dist) and resumes: torch at PP=2, torch_dist at PP=2 and PP=1 with the plain
+    optimizer (each stage's own parameter groups) and at PP=2 x DP=2 overlapped.
+    Iterations 6-10 equal the uninterrupted run (1e-5)."""
     argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=10)
     one = train(argv)
     pp2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
@@ -121,6 +124,7 @@ def test_distributed_optimizer_with_pipeline_resumes_in_both_formats(
             [*argv, *pp2, "--ckpt-format", "torch", "--save", legacy, *stop],
             [*argv, *pp2, "--ckpt-format", "torch", "--load", legacy],
             [*argv, *pp2, "--ckpt-format", "torch_dist", "--save", dist, *stop],
+            [*argv, "--pipeline-model-parallel-size", "2", "--load", dist],  # plain AdamW
         ],
         2,
         tmp_path / "pp2.json",
@@ -135,7 +139,13 @@ def test_distributed_optimizer_with_pipeline_resumes_in_both_formats(
         4,
         tmp_path / "dp2.json",
     )[0]["losses"]
-    for name, losses in (("torch pp2", runs[1]["losses"]), ("pp1", at_pp1), ("dp2", at_pp2_dp2)):
+    resumed = {
+        "torch pp2": runs[1]["losses"],
+        "torch_dist pp2 plain": runs[3]["losses"],
+        "pp1": at_pp1,
+        "dp2": at_pp2_dp2,
+    }
+    for name, losses in resumed.items():
         assert len(losses) == 5, name
         for a, b in zip(one.losses[5:], losses, strict=True):
             assert abs(a - b) / abs(a) <= 1e-5, (name, one.losses, losses)

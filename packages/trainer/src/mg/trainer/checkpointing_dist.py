@@ -118,6 +118,17 @@ def _load_optimizer(
     model: nn.Module, optimizer: Any, loaded: dict[str, Any], load_dir: str
 ) -> None:
     if not isinstance(optimizer, DistributedOptimizer):
+        # A group's stored names are one pipeline stage's (DCP keeps one copy of a non-
+        # tensor entry): the options come from the checkpoint, the members are ours.
+        ours = get_optimizer_state_dict(model, optimizer)["param_groups"]
+        groups = loaded["param_groups"]
+        if len(groups) != len(ours):
+            raise ValueError(
+                f"{load_dir}: the checkpoint's optimizer has {len(groups)} parameter groups, "
+                f"this model's has {len(ours)}; was it saved for a different model or optimizer?"
+            )
+        for group, own in zip(groups, ours, strict=True):
+            group["params"] = own["params"]
         set_optimizer_state_dict(model, optimizer, loaded)
         return
     index = {name: i for i, name in enumerate(_names(model, optimizer))}

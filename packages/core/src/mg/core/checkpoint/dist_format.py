@@ -292,11 +292,15 @@ def load_dist_checkpoint(
 
 def _copy_objects(loaded: Any, target: Any) -> None:
     """DCP replaces non-tensor entries (optimizer options) in the copy it was given;
-    tensors were filled in place, other values are copied back into `target`."""
+    tensors were filled in place, other values are copied back into `target` (a stored
+    list of another length, e.g. one pipeline stage's parameter names, replaces ours)."""
     items = loaded.items() if isinstance(loaded, Mapping) else enumerate(loaded)
     for key, value in items:
-        if isinstance(value, (Mapping, list)) and isinstance(target[key], (Mapping, list)):
-            _copy_objects(value, target[key])
+        inner = target[key]
+        both_dicts = isinstance(value, Mapping) and isinstance(inner, Mapping)
+        same_lists = isinstance(value, list) and isinstance(inner, list)
+        if both_dicts or (same_lists and len(value) == len(inner)):
+            _copy_objects(value, inner)
         elif not isinstance(value, Tensor):
             target[key] = value
 
