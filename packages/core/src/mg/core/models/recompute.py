@@ -29,13 +29,17 @@ from typing import Any, Literal
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from mg.core.models.rng_stream import checkpoint_context
+
 _MARK = "_mg_recompute"
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(
+            forward, *args, use_reentrant=False, context_fn=checkpoint_context, **kwargs
+        )
 
     return run
 
@@ -57,7 +61,12 @@ def _uniform_decoder_forward(decoder: nn.Module, chunk: int) -> Callable[..., Te
         layers = list(decoder.layers)
         for start in range(0, len(layers), chunk):
             hidden = checkpoint(
-                run_layers, layers[start : start + chunk], hidden, *args, use_reentrant=False
+                run_layers,
+                layers[start : start + chunk],
+                hidden,
+                *args,
+                use_reentrant=False,
+                context_fn=checkpoint_context,
             )
         return decoder.final_layernorm(hidden)
 

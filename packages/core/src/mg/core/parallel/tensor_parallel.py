@@ -33,6 +33,7 @@ generator for dropout inside tensor-parallel regions; we do not).
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
+from mg.core.models.rng_stream import RNGStream, set_model_parallel_stream
 from mg.core.parallel.loss_parallel import vocab_parallel_output
 
 
@@ -142,11 +144,40 @@ def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
         )
 
 
-def apply_tensor_parallel(model: GPTModel, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+def _fork_tensor_parallel_dropout(
+    model: GPTModel, tp_mesh: DeviceMesh, sequence_parallel: bool, seed: int | None
+) -> None:
+    """Dropout inside tensor-parallel regions draws from the per-rank stream."""
+    base = torch.initial_seed() if seed is None else seed
+    device = next(model.parameters()).device
+    stream = RNGStream(base + 2718 + tp_mesh.get_local_rank(), device)
+    set_model_parallel_stream(stream)
+    config, layers = model.config, model.decoder.layers
+    modules: list[nn.Module] = []
+    if config.attention_dropout > 0:
+        modules += [layer.self_attention.core_attention for layer in layers]
+    if sequence_parallel and config.hidden_dropout > 0:
+        modules += [layer.hidden_dropout for layer in layers]
+    for module in modules:
+        forward = module.forward
+
+        def forked(*args: Any, _forward=forward, **kwargs: Any) -> Any:
+            with stream.fork():
+                return _forward(*args, **kwargs)
+
+        module.forward = forked
+
+
+def apply_tensor_parallel(
+    model: GPTModel, tp_mesh: DeviceMesh, sequence_parallel: bool, seed: int | None = None
+) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` (every TP rank calls this).
 
     The model must be fully materialized and identical on the TP ranks'
-    rank 0 of the mesh (parameters are scattered from it).
+    rank 0 of the mesh (parameters are scattered from it). Dropout over this
+    rank's heads (and, with sequence parallelism, over its slice of the
+    sequence) draws from a per-rank stream seeded `seed + 2718 + tp_rank` as in
+    Megatron (`seed`: torch's initial seed if None; see mg.core.models.rng_stream).
     """
     if not isinstance(model, GPTModel):
         raise TypeError(
@@ -171,6 +202,7 @@ def apply_tensor_parallel(model: GPTModel, tp_mesh: DeviceMesh, sequence_paralle
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
             ),
         )
+    _fork_tensor_parallel_dropout(model, tp_mesh, sequence_parallel, seed)
     for layer in model.decoder.layers:
         plan: dict[str, object] = {
             "self_attention": PrepareModuleInput(
