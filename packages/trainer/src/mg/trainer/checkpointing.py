@@ -26,6 +26,7 @@ from mg.core.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.dtensor_layout import shard_like
 from mg.trainer import distributed
 
@@ -91,7 +92,8 @@ def save(
         if save_rng:
             # One entry per data-parallel rank in Megatron; ours are identical on all ranks
             # except for the data, which is indexed, not random, so rank 0's entry suffices.
-            payload["rng_state"] = [get_rng_state()]
+            # per (tp, pp) file: the tensor-parallel dropout stream is this rank's own
+            payload["rng_state"] = [get_rng_state(tracker_states())]
     save_checkpoint(
         save_dir,
         state.iteration,
@@ -214,7 +216,7 @@ def resume(
     if load_rng:
         if "rng_state" not in ckpt:
             raise ValueError(f"{load_dir}: the checkpoint has no RNG state; use --no-load-rng")
-        set_rng_state(ckpt["rng_state"])
+        restore_tracker_states(set_rng_state(ckpt["rng_state"]))
     saved = ckpt.get("args")
     return TrainState(
         iteration=int(iteration) if iteration != "release" else 0,

@@ -83,3 +83,20 @@ def checkpoint_context() -> tuple[contextlib.AbstractContextManager, ...]:
             stream.state = now
 
     return contextlib.nullcontext(), replay()
+
+
+TRACKER_NAME = "model-parallel-rng"
+"""The key Megatron's checkpoints use for this stream in `rng_tracker_states`."""
+
+
+def tracker_states() -> dict[str, Tensor]:
+    """The stream's state for a checkpoint's `rng_tracker_states` (empty without one)."""
+    stream = _model_parallel
+    return {TRACKER_NAME: stream.state.clone()} if stream is not None else {}
+
+
+def restore_tracker_states(states: dict[str, Tensor]) -> None:
+    """Put a checkpoint's stream state back (a no-op without a stream or a saved state)."""
+    stream = _model_parallel
+    if stream is not None and TRACKER_NAME in states:
+        stream.state = states[TRACKER_NAME].clone()
