@@ -1,7 +1,8 @@
-"""TP=2 + SP with dropout: a torch-format resume continues every random stream.
+"""TP=2 + SP with dropout: a resume continues every random stream, in both formats.
 
-Each mp_rank file keeps its rank's tensor-parallel dropout stream (Megatron's
-`rng_tracker_states["model-parallel-rng"]`) next to the default generators, so
+Each rank's tensor-parallel dropout stream is stored next to the default
+generators: in its mp_rank file (Megatron's `rng_tracker_states
+["model-parallel-rng"]`) or, in torch_dist, as a tensor under `rng.tp<T>_pp<P>`.
 5 + save + load + 5 iterations equal 10 straight ones.
 """
 
@@ -10,17 +11,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from mg.core.testing.launch import launch_workers
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-def test_tp_dropout_resume_equals_straight_run(tmp_path: Path, mock_argv) -> None:
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_tp_dropout_resume_equals_straight_run(tmp_path: Path, mock_argv, ckpt_format) -> None:
     argv = mock_argv(
         tmp_path,
         *("--attention-dropout", "0.1", "--hidden-dropout", "0.1"),
         *("--tensor-model-parallel-size", "2", "--sequence-parallel"),
-        *("--make-vocab-size-divisible-by", "64", "--ckpt-format", "torch"),
+        *("--make-vocab-size-divisible-by", "64", "--ckpt-format", ckpt_format),
         mbs=2,
         gbs=4,
         iters=10,

@@ -42,6 +42,7 @@ from mg.core.checkpoint.dist_format import (
     save_dist_checkpoint,
     stored_tensors,
 )
+from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.dtensor_layout import shard_like
 from mg.trainer import distributed
@@ -164,8 +165,12 @@ def save(
     save_optim: bool = True,
     save_rng: bool = True,
     async_save: bool = False,
+    rng_shard: str | None = None,
 ) -> PendingSave:
-    """Collective: every rank writes its shards; rank 0 writes common.pt and commits."""
+    """Collective: every rank writes its shards; rank 0 writes common.pt and commits.
+
+    `rng_shard` names this rank's (tensor, pipeline) position: the tensor-parallel
+    dropout stream, which differs between those positions, is stored under it."""
     model = _named_globally(distributed.unwrap(model))
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.finish_param_sync()  # the model's weights are complete only after this
@@ -190,6 +195,8 @@ def save(
     if save_rng:
         # Identical on every rank (the trainer seeds them alike; data order is indexed).
         common["rng_state"] = [get_rng_state()]
+        if rng_shard is not None and tracker_states():
+            sharded["rng"] = {rng_shard: tracker_states()}
     return save_dist_checkpoint(save_dir, state.iteration, sharded, common, async_save=async_save)
 
 
@@ -211,8 +218,10 @@ def resume(
     finetune: bool = False,
     load_optim: bool = True,
     load_rng: bool = True,
+    rng_shard: str | None = None,
 ) -> TrainState:
-    """Load the latest torch_dist checkpoint into this rank's (possibly sharded) objects."""
+    """Load the latest torch_dist checkpoint into this rank's (possibly sharded) objects
+    (`rng_shard`: as for `save`; a stream saved in another layout is not restored)."""
     model = _named_globally(distributed.unwrap(model))
     iteration = read_latest_iteration(load_dir)
     folder = Path(checkpoint_dir(load_dir, iteration))
@@ -222,6 +231,12 @@ def resume(
     sharded: dict[str, Any] = {"model": model.state_dict()}
     if want_optim:
         sharded["optimizer"] = _optimizer_request(folder, model, optimizer)
+    streams = {}
+    if load_rng and not finetune and rng_shard is not None:
+        prefix = f"rng.{rng_shard}."
+        streams = {k[len(prefix) :]: v for k, v in stored_tensors(folder, prefix).items()}
+        if streams:
+            sharded["rng"] = {rng_shard: streams}
     common = load_dist_checkpoint(folder, sharded)
     if want_optim:
         _load_optimizer(model, optimizer, sharded["optimizer"], load_dir)
@@ -236,6 +251,7 @@ def resume(
         if "rng_state" not in common:
             raise ValueError(f"{load_dir}: the checkpoint has no RNG state; use --no-load-rng")
         set_rng_state(common["rng_state"])
+        restore_tracker_states(streams)
     saved = common.get("args")
     return TrainState(
         iteration=int(common["iteration"]),
