@@ -198,11 +198,12 @@ def resume(
             "--ckpt-format torch_dist, which loads into any pipeline layout"
         )
     _load_model_states(model, ckpt, load_dir)
-    if finetune or iteration == "release" or not load_optim:
+    weights_only = finetune or iteration == "release"
+    if weights_only or not load_optim:
         refresh = getattr(optimizer, "reload_model_params", None)
         if refresh is not None:  # the distributed optimizer's main copies follow the weights
             refresh()
-    if finetune or iteration == "release":
+    if weights_only:
         return TrainState()
     if load_optim:
         if "optimizer" not in ckpt:

@@ -115,37 +115,27 @@ def _in_layout_of(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     return shard_like(torch.empty_like(param._local_tensor, dtype=stored.dtype), param)
 
 
+def _with_members(groups: list[dict], members: list[list], load_dir: str) -> list[dict]:
+    """The stored groups' options with this rank's parameters as members: a group's stored
+    names are one pipeline stage's (DCP keeps one copy of a non-tensor entry)."""
+    if len(groups) != len(members):
+        raise ValueError(
+            f"{load_dir}: the checkpoint's optimizer has {len(groups)} parameter groups, this "
+            f"model's has {len(members)}; was it saved for a different model or optimizer?"
+        )
+    return [{**g, "params": m} for g, m in zip(groups, members, strict=True)]
+
+
 def _load_optimizer(
     model: nn.Module, optimizer: Any, loaded: dict[str, Any], load_dir: str
 ) -> None:
     if not isinstance(optimizer, DistributedOptimizer):
-        # A group's stored names are one pipeline stage's (DCP keeps one copy of a non-
-        # tensor entry): the options come from the checkpoint, the members are ours.
-        ours = get_optimizer_state_dict(model, optimizer)["param_groups"]
-        groups = loaded["param_groups"]
-        if len(groups) != len(ours):
-            raise ValueError(
-                f"{load_dir}: the checkpoint's optimizer has {len(groups)} parameter groups, "
-                f"this model's has {len(ours)}; was it saved for a different model or optimizer?"
-            )
-        for group, own in zip(groups, ours, strict=True):
-            group["params"] = own["params"]
+        ours = [g["params"] for g in get_optimizer_state_dict(model, optimizer)["param_groups"]]
+        loaded["param_groups"] = _with_members(loaded["param_groups"], ours, load_dir)
         set_optimizer_state_dict(model, optimizer, loaded)
         return
     index = {name: i for i, name in enumerate(_names(model, optimizer))}
-    # A group's stored parameter names are one pipeline stage's (DCP keeps one copy of a
-    # non-tensor entry): take the groups' options from the checkpoint, membership from ours.
-    ours = optimizer.group_members()
-    if len(loaded["param_groups"]) != len(ours):
-        raise ValueError(
-            f"{load_dir}: the checkpoint's optimizer has {len(loaded['param_groups'])} "
-            f"parameter groups, this model's has {len(ours)}; was it saved for a different "
-            "model or optimizer?"
-        )
-    groups = [
-        {**group, "params": members}
-        for group, members in zip(loaded["param_groups"], ours, strict=True)
-    ]
+    groups = _with_members(loaded["param_groups"], optimizer.group_members(), load_dir)
     state = {index[name]: entry for name, entry in loaded["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
@@ -195,8 +185,9 @@ def save(
     if save_rng:
         # Identical on every rank (the trainer seeds them alike; data order is indexed).
         common["rng_state"] = [get_rng_state()]
-        if rng_shard is not None and tracker_states():
-            sharded["rng"] = {rng_shard: tracker_states()}
+        streams = tracker_states()
+        if rng_shard is not None and streams:
+            sharded["rng"] = {rng_shard: streams}
     return save_dist_checkpoint(save_dir, state.iteration, sharded, common, async_save=async_save)
 
 

@@ -25,9 +25,10 @@ Layout notes:
 - The logits never exist in full: each rank multiplies by its vocab slice of
   the output weight and the cross-entropy all-reduces [tokens]-sized values.
 
-Dropout masks are drawn from each rank's default generator, which the trainer
-seeds identically on all tensor-parallel ranks (Megatron forks a per-TP-rank
-generator for dropout inside tensor-parallel regions; we do not).
+Dropout on replicated activations draws from each rank's default generator,
+seeded identically on all tensor-parallel ranks; dropout inside tensor-parallel
+regions (a rank's heads, or its sequence slice with SP) forks to a per-rank
+stream, as Megatron does (mg.core.models.rng_stream).
 """
 
 from __future__ import annotations
