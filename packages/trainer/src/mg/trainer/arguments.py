@@ -108,6 +108,8 @@ class TrainingArgs:
     torch_compile: bool = False
     cross_entropy_loss_fusion: bool = False
     dry_run: bool = False
+    use_cpu_initialization: bool = False
+    init_model_with_meta_device: bool = False
 
 
 @dataclass
@@ -155,6 +157,7 @@ class CheckpointArgs:
     no_save_rng: bool = False
     ckpt_format: str = "torch_dist"
     async_save: bool = False
+    perform_initialization: bool = True
 
 
 @dataclass
@@ -403,6 +406,19 @@ def _add_training_flags(p: argparse._ArgumentGroup) -> None:
         "elementwise work between matmuls; the first step pays the compilation).",
     )
     p.add_argument(
+        "--use-cpu-initialization",
+        action="store_true",
+        help="Draw the initial weights on the CPU (always so without a GPU): the same values "
+        "on any accelerator and at any parallel layout. Without it a GPU run draws them on "
+        "its GPU (faster; equal at every layout of GPU runs).",
+    )
+    p.add_argument(
+        "--init-model-with-meta-device",
+        action="store_true",
+        help="Accepted for Megatron: mg-train always builds GPT models on the meta device and "
+        "gives each rank storage for its own shards only.",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="Print parameters, FLOPs per iteration and per-GPU memory for these flags and "
@@ -476,6 +492,13 @@ def _add_checkpoint_flags(p: argparse._ArgumentGroup) -> None:
         "torch.distributed.checkpoint, saved in parallel and loadable into any TP/PP/DP "
         "layout) or torch (one mp_rank_TT[_PPP]/model_optim_rng.pt file per model-parallel "
         "rank). --load reads either, whatever --ckpt-format says.",
+    )
+    p.add_argument(
+        "--no-initialization",
+        action="store_false",
+        dest="perform_initialization",
+        help="Allocate the model without drawing initial weights (faster start-up when "
+        "--load certainly holds a checkpoint; gpt).",
     )
     p.add_argument(
         "--async-save",
@@ -849,6 +872,11 @@ def validate(args: Args) -> None:
         _unsupported(args)
     _check_distributed_optimizer(args)
     m, t, o, c = args.model, args.training, args.optimizer, args.checkpoint
+    if not c.perform_initialization and (args.family != "gpt" or not c.load):
+        _fail(
+            "--no-initialization leaves the weights unset until a checkpoint fills them: it "
+            "needs --load (and the gpt family); drop the flag to initialise them"
+        )
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
         _fail(
             f"hidden size ({m.hidden_size}) is not divisible by the number of attention heads "

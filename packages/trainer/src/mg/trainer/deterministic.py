@@ -1,10 +1,11 @@
 """Seeding and `--deterministic-mode`.
 
-Megatron seeds python, numpy and torch with `seed + 100 * pp_rank` (we have no
-pipeline ranks, so `seed`); deterministic mode additionally turns on
-`torch.use_deterministic_algorithms`, which makes CUDA kernels that have no
-deterministic version fail loudly instead of silently differing, and sets the
-cuBLAS workspace variable those kernels need.
+The trainer seeds python, numpy and torch with `seed` to build the model (every
+layout then starts from the single-process weights), then with Megatron's
+`seed + 100 * pp_rank` (`ParallelLayout.stage_seed`) for dropout; deterministic
+mode additionally turns on `torch.use_deterministic_algorithms`, which makes
+CUDA kernels that have no deterministic version fail loudly instead of
+silently differing, and sets the cuBLAS workspace variable those kernels need.
 """
 
 from __future__ import annotations

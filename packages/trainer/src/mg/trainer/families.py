@@ -34,6 +34,9 @@ class ModelFamily:
     build_model: Callable[[Any, Args], nn.Module]
     build_datasets: Callable[[Args, Any, Sequence[int]], tuple[Any, Any, Any]]
     loss_terms: Callable[[nn.Module, dict[str, torch.Tensor]], tuple]
+    builds_on_meta: bool = False
+    """`build_model` works on the meta device and the model has `init_units()`: each rank
+    then materialises only its own shards (mg.core.parallel.materialize)."""
 
 
 # --- GPT -------------------------------------------------------------------------------------
@@ -128,7 +131,9 @@ from mg.trainer.family_bert import (  # noqa: E402  (they use gpt_config from he
 from mg.trainer.family_t5 import t5_config, t5_datasets, t5_loss_terms, t5_model  # noqa: E402
 
 FAMILIES: dict[str, ModelFamily] = {
-    "gpt": ModelFamily("gpt", gpt_config, gpt_model, gpt_datasets, gpt_loss_terms),
+    "gpt": ModelFamily(
+        "gpt", gpt_config, gpt_model, gpt_datasets, gpt_loss_terms, builds_on_meta=True
+    ),
     "bert": ModelFamily("bert", bert_config, bert_model, bert_datasets, bert_loss_terms),
     "t5": ModelFamily("t5", t5_config, t5_model, t5_datasets, t5_loss_terms),
 }

@@ -1,12 +1,14 @@
 """Pipeline and context parallelism in the training loop: layout, model split, one schedule.
 
-- `build_layout` turns the torchrun world and the PP/CP flags into the mesh of
-  `mg.core.parallel.mesh` (Megatron's tp-cp-dp-pp rank order) and the groups
-  the step needs: data × context for gradients, pipeline for the schedule and
-  the gradient norm, context for the ring, and Megatron's embedding group
-  (first and last pipeline stage) for the tied embedding.
-- `parallelize` swaps in ring attention (CP) and cuts the model into this
-  rank's chunks (PP), applying activation recompute per chunk.
+- `build_layout` turns the torchrun world and the TP/PP/CP flags into core's
+  `ParallelLayout` (Megatron's tp-cp-dp-pp rank order) with the groups the
+  step needs: data × context for gradients, pipeline for the schedule and the
+  gradient norm, context for the ring, and Megatron's embedding group (first
+  and last pipeline stage) for the tied embedding.
+- `parallelize` shards the layers (TP), swaps in ring attention (CP), cuts the
+  model into this rank's chunks (PP), materialises what this rank owns when
+  the model was built on the meta device, and applies activation recompute
+  per chunk.
 - `pipeline_forward_backward` feeds a global batch's micro-batches through
   Megatron's 1F1B / interleaved schedule.
 
@@ -20,17 +22,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from mg.core.parallel.context_parallel import apply_context_parallel, shard_batch
+from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
+from mg.core.parallel.materialize import materialize
 from mg.core.parallel.pipeline import (
     PipelineChunk,
-    embedding_group_ranks,
     shared_embedding_weight,
     split_model,
     virtual_size_from_layers,
@@ -41,79 +42,25 @@ from mg.trainer.arguments import Args
 from mg.trainer.distributed import DistEnv
 
 
-@dataclass
-class ParallelLayout:
-    """This rank's place in the tp × cp × dp × pp layout and the groups it uses."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    tp_rank: int = 0
-    pp_rank: int = 0
-    cp_rank: int = 0
-    dp_rank: int = 0
-    virtual: int = 1
-    dp_cp_group: dist.ProcessGroup | None = None
-    pp_group: dist.ProcessGroup | None = None
-    cp_group: dist.ProcessGroup | None = None
-    embedding_group: dist.ProcessGroup | None = None
-    tp_mesh: DeviceMesh | None = None
-    sequence_parallel: bool = False
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    @property
-    def writes_checkpoint(self) -> bool:
-        """One rank per (tp, pp) shard writes it: data- and context-parallel rank 0."""
-        return self.dp_rank == 0 and self.cp_rank == 0
-
-    def describe(self) -> str:
-        return f"pipeline stage {self.pp_rank} of {self.pp}" if self.pp > 1 else ""
-
-
 def build_layout(args: Args, env: DistEnv) -> ParallelLayout:
     """The layout for this run (every rank calls it: it creates process groups)."""
     d = args.distributed
-    tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
-    cp = d.context_parallel_size
     virtual = virtual_size_from_layers(
-        args.model.num_layers, pp, d.num_layers_per_virtual_pipeline_stage
+        args.model.num_layers,
+        d.pipeline_model_parallel_size,
+        d.num_layers_per_virtual_pipeline_stage,
     )
-    if env.world_size == 1:
-        return ParallelLayout(virtual=virtual)
-    from mg.core.parallel.mesh import ParallelDims
-
-    dims = ParallelDims.from_world(env.world_size, tp=tp, pp=pp, cp=cp)
-    mesh = dims.build_mesh(env.device.type)
-    coords = dims.coordinates(env.rank)
-    layout = ParallelLayout(
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        dp=dims.dp,
-        tp_rank=coords["tp"],
-        pp_rank=coords["pp"],
-        cp_rank=coords["cp"],
-        dp_rank=coords["dp"],
+    return build_parallel_layout(
+        env.world_size,
+        env.rank,
+        tp=d.tensor_model_parallel_size,
+        pp=d.pipeline_model_parallel_size,
+        cp=d.context_parallel_size,
         virtual=virtual,
-        dp_cp_group=mesh.group("dp_cp"),
-        pp_group=mesh.group("pp"),
-        cp_group=mesh.group("cp"),
-        tp_mesh=mesh["tp"],
         sequence_parallel=d.sequence_parallel,
+        tied_embedding=not args.model.untie_embeddings_and_output_weights,
+        device_type=env.device.type,
     )
-    if pp > 1 and not args.model.untie_embeddings_and_output_weights:
-        # new_group is collective over the world: create every pipeline's pair, keep ours
-        per_stage = env.world_size // pp
-        for offset in range(per_stage):
-            ranks = embedding_group_ranks([offset + s * per_stage for s in range(pp)])
-            group = dist.new_group(ranks)
-            if env.rank in ranks:
-                layout.embedding_group = group
-    return layout
 
 
 class PipelineModel(nn.ModuleList):
@@ -125,20 +72,51 @@ class PipelineModel(nn.ModuleList):
 
 
 def parallelize(
-    model: nn.Module, layout: ParallelLayout, recompute: Callable[[nn.Module], None]
+    model: nn.Module,
+    layout: ParallelLayout,
+    recompute: Callable[[nn.Module], None],
+    *,
+    device: torch.device,
+    seed: int,
+    init_device: torch.device | None = None,
+    perform_initialization: bool = True,
 ) -> nn.Module:
-    """Tensor and context parallelism, then this rank's pipeline chunks; recompute on each."""
+    """Tensor and context parallelism, this rank's pipeline chunks, then recompute on each.
+
+    A model built on the meta device is materialised after the split, so this
+    rank allocates only its stage's layers and its tensor-parallel shards of
+    them, initialised to the single-process model's values
+    (`mg.core.parallel.materialize`; the caller seeded the generator of
+    `init_device` with `seed`). Tensor-parallel dropout draws from Megatron's
+    per-rank stream, `layout.tensor_parallel_seed(seed)`."""
+    on_meta = any(p.is_meta for p in model.parameters())
     if layout.tp > 1:
-        apply_tensor_parallel(model, layout.tp_mesh, layout.sequence_parallel)
+        apply_tensor_parallel(
+            model,
+            layout.tp_mesh,
+            layout.sequence_parallel,
+            seed=layout.tensor_parallel_seed(seed),
+            device=device,
+        )
     if layout.cp > 1:
         apply_context_parallel(model, layout.cp_group)
-    if layout.pp == 1:
-        recompute(model)
-        return model
-    chunks = split_model(model, layout.pp_rank, layout.pp, layout.virtual)
-    for chunk in chunks:
-        recompute(chunk)
-    return PipelineModel(chunks)
+    parts = [model]
+    if layout.pp > 1:
+        parts = split_model(model, layout.pp_rank, layout.pp, layout.virtual)
+    if on_meta:
+        materialize(
+            parts,
+            model.config,
+            device,
+            init_device=init_device,
+            perform_initialization=perform_initialization,
+        )
+    else:
+        for part in parts:
+            part.to(device)
+    for part in parts:
+        recompute(part)
+    return model if layout.pp == 1 else PipelineModel(parts)
 
 
 def pipeline_optimizer_options(model: nn.Module, layout: ParallelLayout) -> dict:
@@ -180,14 +158,17 @@ def pipeline_forward_backward(
     backward: bool,
     device: torch.device,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor]:
     """Run one global batch's micro-batches through the schedule.
 
     `no_sync` (the distributed optimizer's, with --overlap-grad-reduce) holds
     back the gradient reduction except in each chunk's last micro-batch, whose
     backward starts the buckets' reduce-scatters as their gradients complete.
-    Returns this rank's (sum of loss × mask, tokens) — zero except on the last
-    stage — for the caller's all-reduce."""
+    `dtype` is the autocast dtype (bf16/fp16, fp32 without): the one
+    activations and gradients cross stages in. Returns this rank's (sum of
+    loss × mask, tokens) — zero except on the last stage — for the caller's
+    all-reduce."""
     num_micro = len(batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -227,7 +208,7 @@ def pipeline_forward_backward(
         loss_func=loss_func,
         group=layout.pp_group,
         tensor_shape=(mbs, seq, hidden_size),
-        dtype=torch.float32,
+        dtype=dtype,  # activations and gradients cross stages in the compute dtype
         device=device,
         backward=backward,
         backward_context=backward_context,

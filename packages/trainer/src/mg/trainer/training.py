@@ -155,7 +155,9 @@ class Trainer:
             args.distributed.tensor_model_parallel_size,
         )
         self.model_config = self.family.build_config(args, vocab)
-        model = self.family.build_model(self.model_config, args).to(self.env.device)
+        # GPT is built on the meta device: each rank allocates only its shards (parallelize)
+        with torch.device("meta") if self.family.builds_on_meta else contextlib.nullcontext():
+            model = self.family.build_model(self.model_config, args)
         m = args.model
 
         def recompute(module: nn.Module) -> None:
@@ -169,7 +171,18 @@ class Trainer:
 
         if t.cross_entropy_loss_fusion:  # before the pipeline split: the last chunk takes it
             apply_cross_entropy_fusion(model)
-        model = model_parallel.parallelize(model, self.layout, recompute)
+        device = self.env.device
+        model = model_parallel.parallelize(
+            model,
+            self.layout,
+            recompute,
+            device=device,
+            seed=t.seed,
+            init_device=device if device.type != "cpu" and not t.use_cpu_initialization else None,
+            perform_initialization=args.checkpoint.perform_initialization,
+        )
+        # Megatron's per-stage seed for everything after init (dropout): seed + 100 * pp_rank
+        set_seed(self.layout.stage_seed(t.seed))
         if t.torch_compile:
             compile_layers(model, self.env.device)
         self.batches = BatchSchedule(
@@ -286,6 +299,7 @@ class Trainer:
                 backward=backward,
                 device=self.env.device,
                 no_sync=self.optimizer.no_sync if self.distributed_optimizer else None,
+                dtype=self.dtype or torch.float32,
             )
             num_micro = 0  # the schedule ran them all
         for i in range(num_micro):

@@ -19,12 +19,15 @@ Plain PyTorch: no process groups, no parallelism. Tensor/sequence/pipeline
 parallelism, recompute and compile are applied to a built model from outside
 (`model.decoder.layers` is the nn.ModuleList they work on). The model builds on
 the meta device: `with torch.device("meta"): m = GPTModel(cfg)`, then
-`m.to_empty(device=...)` and `m.init_weights()`.
+`m.to_empty(device=...)` and `m.init_weights()`; a rank that holds a part of
+it replays `init_units()` to give its shards the whole model's values.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +44,19 @@ def build_norm(config: TransformerConfig) -> nn.Module:
     if config.normalization == "RMSNorm":
         return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
     return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+@dataclass(frozen=True)
+class InitUnit:
+    """One step of a model's initialisation: `init(module)` for the module at `prefix`."""
+
+    prefix: str
+    module: nn.Module
+    init: Callable[[nn.Module], None]
+
+
+def _reset_norm(norm: nn.Module) -> None:
+    norm.reset_parameters()
 
 
 def _init_linear(linear: nn.Linear, std: float) -> None:
@@ -259,31 +275,57 @@ class GPTModel(nn.Module):
                 f"got {config.transformer_layer_order!r} (post_ln is for BertModel)"
             )
         self.config = config
-        self.embedding = LanguageModelEmbedding(config)
-        self.rotary_pos_emb = (
-            RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-        )
-        self.decoder = TransformerBlock(config)
-        self.output_layer = (
-            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            if config.untie_embeddings_and_output_weights
-            else None
-        )
-        self.init_weights()
+        device = torch.get_default_device()
+        # Built on the meta device, then given storage: the submodules' own default init
+        # (kaiming for nn.Linear) would draw random numbers that init_weights overwrites,
+        # and a sharded build (mg.core.parallel.materialize) replays init_weights only.
+        with torch.device("meta"):
+            self.embedding = LanguageModelEmbedding(config)
+            self.rotary_pos_emb = (
+                RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
+            )
+            self.decoder = TransformerBlock(config)
+            self.output_layer = (
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                if config.untie_embeddings_and_output_weights
+                else None
+            )
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def init_units(self) -> list[InitUnit]:
+        """Megatron's init as an ordered list of (name prefix, module, init function).
+
+        Running the functions in order is `init_weights`; the order fixes which
+        random numbers each tensor gets, so a rank that builds only its shards
+        replays the list unit by unit on a full-size scratch copy and keeps its
+        part (`mg.core.parallel.materialize`) and gets the single-process values."""
+        std = self.config.init_method_std
+        output_std = std / math.sqrt(2.0 * self.config.num_layers)
+        units = [InitUnit("embedding", self.embedding, lambda m: m.init_weights(std))]
+        units += [
+            InitUnit(f"decoder.layers.{i}", layer, lambda m: m.init_weights(std, output_std))
+            for i, layer in enumerate(self.decoder.layers)
+        ]
+        units.append(InitUnit("decoder.final_layernorm", self.decoder.final_layernorm, _reset_norm))
+        if self.output_layer is not None:
+            units.append(
+                InitUnit(
+                    "output_layer",
+                    self.output_layer,
+                    lambda m: nn.init.normal_(m.weight, mean=0.0, std=std),
+                )
+            )
+        return units
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Megatron's init: N(0, σ) everywhere, N(0, σ/√(2L)) for the projections
         that write into the residual stream (linear_proj, linear_fc2), norms at
         weight 1 / bias 0, biases 0. Seed with torch.manual_seed beforehand."""
-        std = self.config.init_method_std
-        output_std = std / math.sqrt(2.0 * self.config.num_layers)
-        self.embedding.init_weights(std)
-        for layer in self.decoder.layers:
-            layer.init_weights(std, output_std)
-        self.decoder.final_layernorm.reset_parameters()
-        if self.output_layer is not None:
-            nn.init.normal_(self.output_layer.weight, mean=0.0, std=std)
+        for unit in self.init_units():
+            unit.init(unit.module)
 
     def output_weight(self) -> Tensor:
         """The [vocab, hidden] matrix that produces logits (shared or own)."""

@@ -146,11 +146,16 @@ def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
 
 
 def _fork_tensor_parallel_dropout(
-    model: GPTModel, tp_mesh: DeviceMesh, sequence_parallel: bool, seed: int | None
+    model: GPTModel,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    seed: int | None,
+    device: torch.device | None,
 ) -> None:
     """Dropout inside tensor-parallel regions draws from the per-rank stream."""
     base = torch.initial_seed() if seed is None else seed
-    device = next(model.parameters()).device
+    if device is None:
+        device = next(model.parameters()).device
     stream = RNGStream(base + 2718 + tp_mesh.get_local_rank(), device)
     set_model_parallel_stream(stream)
     config, layers = model.config, model.decoder.layers
@@ -170,12 +175,18 @@ def _fork_tensor_parallel_dropout(
 
 
 def apply_tensor_parallel(
-    model: GPTModel, tp_mesh: DeviceMesh, sequence_parallel: bool, seed: int | None = None
+    model: GPTModel,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    seed: int | None = None,
+    device: torch.device | None = None,
 ) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` (every TP rank calls this).
 
-    The model must be fully materialized and identical on the TP ranks'
-    rank 0 of the mesh (parameters are scattered from it). Dropout over this
+    The model is either fully materialized and identical on the TP ranks
+    (each keeps its slice, no communication), or on the meta device: then the
+    parameters become DTensors with meta local shards, to be materialized with
+    `mg.core.parallel.materialize` (`device` names where the run computes). Dropout over this
     rank's heads (and, with sequence parallelism, over its slice of the
     sequence) draws from a per-rank stream seeded `seed + 2718 + tp_rank` as in
     Megatron (`seed`: torch's initial seed if None; see mg.core.models.rng_stream).
@@ -192,6 +203,7 @@ def apply_tensor_parallel(
         model.embedding.word_embeddings,
         tp_mesh,
         RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        src_data_rank=None,
     )
     if sequence_parallel:
         # Positions are added to the full sequence, then each rank keeps its
@@ -203,7 +215,7 @@ def apply_tensor_parallel(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
             ),
         )
-    _fork_tensor_parallel_dropout(model, tp_mesh, sequence_parallel, seed)
+    _fork_tensor_parallel_dropout(model, tp_mesh, sequence_parallel, seed, device)
     for layer in model.decoder.layers:
         plan: dict[str, object] = {
             "self_attention": PrepareModuleInput(
@@ -221,13 +233,15 @@ def apply_tensor_parallel(
         if sequence_parallel:
             plan["input_layernorm"] = SequenceParallel()
             plan["pre_mlp_layernorm"] = SequenceParallel()
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
         _use_local_head_counts(layer.self_attention, tp)
     if sequence_parallel:
-        parallelize_module(model.decoder.final_layernorm, tp_mesh, SequenceParallel())
+        parallelize_module(
+            model.decoder.final_layernorm, tp_mesh, SequenceParallel(), src_data_rank=None
+        )
     if model.output_layer is not None:
         # Only its weight is used (GPTModel.output_and_loss), sharded by vocab rows.
-        parallelize_module(model.output_layer, tp_mesh, ColwiseParallel())
+        parallelize_module(model.output_layer, tp_mesh, ColwiseParallel(), src_data_rank=None)
 
     def output_and_loss(self: GPTModel, hidden: Tensor, labels: Tensor | None) -> Tensor:
         return vocab_parallel_output(hidden, self.output_weight(), labels, tp_mesh)

@@ -1,0 +1,151 @@
+"""The parallel layout: this rank's place in tp × cp × dp × pp and the groups it uses.
+
+One object for every tool that runs a model over several ranks: the trainer,
+the evaluator and the server build it with `build_parallel_layout` (a
+collective: it creates process groups) and read sizes, ranks and groups from
+it. One process without torch.distributed gets `ParallelLayout()`: every size
+1, no groups (a group of None means "the whole world" to the data-parallel
+code, which is the same thing there).
+
+Random streams follow Megatron (`megatron/training/initialize.py`): the
+default generators of pipeline rank p are seeded `seed + 100 * p`
+(`stage_seed`), so dropout differs per stage; the tensor-parallel stream of
+`mg.core.models.rng_stream` is seeded `stage_seed + 2718 + tp_rank`
+(`tensor_parallel_seed`). Weights are initialised before that from the plain
+`seed`, so every layout starts from the single-process model's values
+(`mg.core.parallel.materialize`).
+
+Expert parallelism (`ep`) is part of the layout for the MoE layers; until
+they exist its size is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from mg.core.parallel.mesh import ParallelDims
+from mg.core.parallel.pipeline import embedding_group_ranks
+
+
+@dataclass
+class ParallelLayout:
+    """Sizes, this rank's index along each, and the process groups of one run."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    ep: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    cp_rank: int = 0
+    dp_rank: int = 0
+    ep_rank: int = 0
+    virtual: int = 1
+    """Model chunks per pipeline rank (the interleaved schedule's v)."""
+    sequence_parallel: bool = False
+    dp_group: dist.ProcessGroup | None = None
+    """Data-parallel replicas of this rank's shard (None: the whole world)."""
+    dp_cp_group: dist.ProcessGroup | None = None
+    """Data × context ranks: gradients are averaged over them."""
+    pp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    ep_group: dist.ProcessGroup | None = None
+    embedding_group: dist.ProcessGroup | None = None
+    """First and last pipeline stage, which hold the tied embedding's two copies."""
+    tp_mesh: DeviceMesh | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """One rank per (tp, pp) shard writes it: data- and context-parallel rank 0."""
+        return self.dp_rank == 0 and self.cp_rank == 0
+
+    @property
+    def shard_name(self) -> str:
+        """This rank's (tensor, pipeline) position, as checkpoints name per-shard state."""
+        return f"tp{self.tp_rank}_pp{self.pp_rank}"
+
+    def stage_seed(self, seed: int) -> int:
+        """Megatron's seed of this pipeline stage's default generators."""
+        return seed + 100 * self.pp_rank
+
+    def tensor_parallel_seed(self, seed: int) -> int:
+        """Megatron's model-parallel RNG seed (dropout inside tensor-parallel regions)."""
+        return self.stage_seed(seed) + 2718 + self.tp_rank
+
+    def describe(self) -> str:
+        """Where this rank is, for messages (empty without pipeline parallelism)."""
+        return f"pipeline stage {self.pp_rank} of {self.pp}" if self.pp > 1 else ""
+
+    def sizes_line(self) -> str:
+        """Megatron's start-up line (`megatron/training/arguments.py`)."""
+        return (
+            f"using world size: {self.world_size}, data-parallel size: {self.dp}, "
+            f"context-parallel size: {self.cp}, tensor-model-parallel size: {self.tp}, "
+            f"pipeline-model-parallel size: {self.pp}"
+        )
+
+
+def build_parallel_layout(
+    world_size: int,
+    rank: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    virtual: int = 1,
+    sequence_parallel: bool = False,
+    tied_embedding: bool = False,
+    device_type: str = "cpu",
+) -> ParallelLayout:
+    """The layout of `world_size` ranks in Megatron's tp-cp-dp-pp order (collective).
+
+    Raises `ParallelLayoutError` when the world does not split. With one rank
+    no process group is created. `tied_embedding` creates Megatron's embedding
+    groups (first and last stage of each pipeline) when pp > 1."""
+    dims = ParallelDims.from_world(world_size, tp=tp, pp=pp, cp=cp)
+    if world_size == 1:
+        return ParallelLayout(virtual=virtual, sequence_parallel=sequence_parallel)
+    mesh = dims.build_mesh(device_type)
+    coords = dims.coordinates(rank)
+    layout = ParallelLayout(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        dp=dims.dp,
+        tp_rank=coords["tp"],
+        pp_rank=coords["pp"],
+        cp_rank=coords["cp"],
+        dp_rank=coords["dp"],
+        virtual=virtual,
+        sequence_parallel=sequence_parallel,
+        dp_group=mesh.group("dp"),
+        dp_cp_group=mesh.group("dp_cp"),
+        pp_group=mesh.group("pp"),
+        cp_group=mesh.group("cp"),
+        tp_mesh=mesh["tp"],
+    )
+    if pp > 1 and tied_embedding:
+        # new_group is collective over the world: create every pipeline's pair, keep ours
+        per_stage = world_size // pp
+        for offset in range(per_stage):
+            ranks = embedding_group_ranks([offset + s * per_stage for s in range(pp)])
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                layout.embedding_group = group
+    return layout
