@@ -20,9 +20,10 @@ import torch
 from conftest import botchan_paragraphs
 from eval_ranks import THEN, failed_eval_ranks, report_metrics, run_eval_ranks
 
+from mg.core.parallel.layout import ParallelLayout
 from mg.evaluate.cli import main
 from mg.evaluate.errors import EvalInputError
-from mg.evaluate.model_parallel import EvalLayout, parallelize_for_eval
+from mg.evaluate.model_parallel import parallelize_for_eval
 from mg.indexed_dataset import IndexedDatasetBuilder
 
 PERPLEXITY_KEYS = {"wikitext": ("avg_loss", "ppl", "adjusted_ppl"), "ppl": ("loss", "ppl")}
@@ -148,10 +149,10 @@ def test_model_shapes_checked(trained):
     """Layers and heads that do not split over the layout are refused by name."""
     model, _ = trained
     with pytest.raises(EvalInputError, match=r"number of layers \(2\).*pipeline parallel size"):
-        parallelize_for_eval(model, EvalLayout(pp=3, pp_rank=0))
+        parallelize_for_eval(model, ParallelLayout(pp=3, pp_rank=0))
     fake_mesh = types.SimpleNamespace(size=lambda: 3)
     with pytest.raises(EvalInputError, match=r"num_attention_heads \(4\) is not divisible"):
-        parallelize_for_eval(model, EvalLayout(tp=3, tp_mesh=fake_mesh))
+        parallelize_for_eval(model, ParallelLayout(tp=3, tp_mesh=fake_mesh))
     assert all(not hasattr(p, "placements") for p in model.parameters())
     assert isinstance(model.decoder.layers[0].self_attention.linear_qkv.weight, torch.Tensor)
 

@@ -26,12 +26,11 @@ from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.harness_cli import add_harness_task
-from mg.evaluate.model_loading import TOKENIZER_FIELDS, load_for_eval
+from mg.evaluate.model_loading import TOKENIZER_FIELDS, load_for_eval, load_part_for_eval
 from mg.evaluate.model_parallel import (
     EvalModel,
     add_model_parallel_flags,
     build_eval_layout,
-    parallelize_for_eval,
 )
 from mg.evaluate.report import megatron_line, write_report
 
@@ -165,7 +164,10 @@ def _load(args: argparse.Namespace) -> _Prepared:
         "cuda" if torch.cuda.is_available() else "cpu",
     )
     overrides = {name: getattr(args, name) for name in TOKENIZER_FIELDS}
-    loaded = load_for_eval(args.load, args.ckpt_step, overrides)
+    if layout.tp * layout.pp > 1:  # read only this rank's shards / stage
+        loaded = load_part_for_eval(args.load, layout, args.ckpt_step, overrides)
+    else:
+        loaded = load_for_eval(args.load, args.ckpt_step, overrides)
     config = loaded.config
     seq_length = args.seq_length or config.seq_length
     if seq_length < 1 or args.micro_batch_size < 1:
@@ -178,10 +180,10 @@ def _load(args: argparse.Namespace) -> _Prepared:
             f"--seq-length {seq_length} exceeds the model's max_position_embeddings "
             f"{config.max_position_embeddings}"
         )
-    model = parallelize_for_eval(loaded.model, layout)
+    model = EvalModel(loaded.model, layout)
     if distributed.rank_and_world()[1] > 1:
         if distributed.is_main():
-            print(layout.describe(), flush=True)
+            print(layout.sizes_line(), flush=True)
         if layout.dp_rank == 0:
             print(model.describe(), flush=True)
     return _Prepared(model, loaded.tokenizer, loaded.iteration, seq_length)

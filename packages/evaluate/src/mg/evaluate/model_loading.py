@@ -16,9 +16,13 @@ import torch
 
 from mg.core.checkpoint import CheckpointError, find_rank_file, load_checkpoint
 from mg.core.checkpoint.model_io import load_model
+from mg.core.checkpoint.model_part import load_model_part
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.bert import BertModel, bert_from_state_dict
+from mg.core.parallel.layout import ParallelLayout
+from mg.core.parallel.pipeline import PipelineConfigError
+from mg.core.parallel.tensor_parallel import TensorParallelError
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate.errors import EvalInputError
@@ -53,6 +57,35 @@ def load_for_eval(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device=device, dtype=torch.float32).eval()
     return LoadedModel(model, config, tokenizer, info.iteration)
+
+
+def load_part_for_eval(
+    load_dir: str | Path,
+    layout: ParallelLayout,
+    iteration: int | str | None = None,
+    tokenizer_overrides: dict[str, Any] | None = None,
+) -> LoadedModel:
+    """This rank's part of the checkpoint's GPT in a tensor/pipeline-parallel ``layout``
+    (fp32, eval mode): the model's TP shards, or its pipeline stage. Only that part is
+    read from the checkpoint (core's ``load_model_part``)."""
+    load_dir = Path(load_dir)
+    if not load_dir.is_dir():
+        raise EvalInputError("no such checkpoint folder (--load)", load_dir)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    try:
+        part = load_model_part(load_dir, layout, iteration, device=device, dtype=torch.float32)
+    except TensorParallelError as err:
+        raise EvalInputError(f"cannot evaluate with tensor parallelism: {err}") from None
+    except PipelineConfigError as err:
+        raise EvalInputError(f"cannot evaluate with pipeline parallelism: {err}") from None
+    tokenizer = eval_tokenizer(
+        part.tokenizer_config, tokenizer_overrides, load_dir, part.config.vocab_size
+    )
+    return LoadedModel(part.module, part.config, tokenizer, part.info.iteration)
 
 
 @dataclass

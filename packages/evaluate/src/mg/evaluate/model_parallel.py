@@ -5,10 +5,11 @@
         --valid-data wiki.test.tokens --tensor-model-parallel-size 2
 
 The world splits into TP × PP × DP ranks in Megatron's order (core's
-:mod:`mg.core.parallel.mesh`). Every rank loads the whole model (any saved
-layout merges into one), then keeps its part: its tensor-parallel shard of
-each layer (core's ``apply_tensor_parallel``) and its pipeline stage (core's
-``split_model``). The ranks of one model replica score the same data-parallel
+:class:`~mg.core.parallel.layout.ParallelLayout`). Each rank builds the model
+on the meta device, keeps its part there — its tensor-parallel shard of each
+layer (core's ``apply_tensor_parallel``) and its pipeline stage (core's
+``split_model``) — and reads only that part from the checkpoint, whatever
+layout it was saved in (core's ``load_model_part``). The ranks of one model replica score the same data-parallel
 share of the examples together: micro-batches go through core's pipeline
 schedule, forward only; the last stage's per-micro-batch results are
 broadcast to the replica's other stages, so every rank returns them and the
@@ -19,19 +20,17 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from itertools import islice
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from mg.core.models import GPTModel
-from mg.core.parallel.mesh import ParallelDims, ParallelLayoutError
+from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
+from mg.core.parallel.mesh import ParallelLayoutError
 from mg.core.parallel.pipeline import PipelineChunk, PipelineConfigError, split_model
 from mg.core.parallel.pipeline_schedule import build_schedule, forward_only, run_schedule
 from mg.core.parallel.tensor_parallel import TensorParallelError, apply_tensor_parallel
@@ -50,38 +49,7 @@ PIPELINE_WINDOW = 32
 enough that a whole split is never collated at once."""
 
 
-@dataclass(frozen=True)
-class EvalLayout:
-    """This rank's place in the tp × dp × pp world and the groups it evaluates with.
-
-    The default (what a task given a plain model uses) shares the examples over
-    the whole world, or runs in one process: every rank holds the whole model.
-    The sizes are those of ``build_eval_layout``; ``dp_group`` is what counts."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    tp_rank: int = 0
-    pp_rank: int = 0
-    dp_rank: int = 0
-    dp_group: ProcessGroup | None = None
-    """Ranks that split the examples; None: the whole world."""
-    pp_group: ProcessGroup | None = None
-    tp_mesh: DeviceMesh | None = None
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
-    def describe(self) -> str:
-        """Megatron's start-up line (``megatron/training/arguments.py``)."""
-        return (
-            f"using world size: {self.tp * self.pp * self.dp}, data-parallel size: {self.dp}, "
-            f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}"
-        )
-
-
-def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> EvalLayout:
+def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> ParallelLayout:
     """The layout of ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size``
     over torchrun's world (collective under torchrun: every rank calls it)."""
     for flag, size in (
@@ -90,7 +58,7 @@ def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> EvalLayout:
     ):
         if size < 1:
             raise EvalInputError(f"{flag} must be >= 1, got {size}")
-    world = distributed.rank_and_world()[1]
+    rank, world = distributed.rank_and_world()
     if world == 1:
         if tp * pp > 1:
             raise EvalInputError(
@@ -98,7 +66,7 @@ def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> EvalLayout:
                 f"{tp * pp} processes (or a multiple: the rest is data parallel), but this is "
                 f"one; launch it as torchrun --nproc-per-node {tp * pp} -m mg.evaluate.cli ..."
             )
-        return EvalLayout()
+        return ParallelLayout()
     if world % (tp * pp):
         raise EvalInputError(
             f"world size {world} (torchrun's processes) is not divisible by "
@@ -106,21 +74,9 @@ def build_eval_layout(tp: int, pp: int, device_type: str = "cpu") -> EvalLayout:
             f"multiple of {tp * pp} processes (the rest is data parallel) or change the flags"
         )
     try:
-        dims = ParallelDims.from_world(world, tp=tp, pp=pp)
+        return build_parallel_layout(world, rank, tp=tp, pp=pp, device_type=device_type)
     except ParallelLayoutError as err:
         raise EvalInputError(str(err)) from None
-    mesh = dims.build_mesh(device_type)
-    return EvalLayout(
-        tp=tp,
-        pp=pp,
-        dp=dims.dp,
-        tp_rank=mesh.rank("tp"),
-        pp_rank=mesh.rank("pp"),
-        dp_rank=mesh.rank("dp"),
-        dp_group=mesh.group("dp"),
-        pp_group=mesh.group("pp"),
-        tp_mesh=mesh["tp"],
-    )
 
 
 class EvalModel:
@@ -129,7 +85,7 @@ class EvalModel:
     :meth:`run` is the one forward path of every GPT task; a plain module given
     to a task is wrapped with :meth:`whole` (data parallel over the world)."""
 
-    def __init__(self, module: nn.Module, layout: EvalLayout) -> None:
+    def __init__(self, module: nn.Module, layout: ParallelLayout) -> None:
         self.module = module
         self.layout = layout
         first = next(module.parameters())
@@ -137,7 +93,7 @@ class EvalModel:
 
     @classmethod
     def whole(cls, model: nn.Module | EvalModel) -> EvalModel:
-        return model if isinstance(model, EvalModel) else cls(model, EvalLayout())
+        return model if isinstance(model, EvalModel) else cls(model, ParallelLayout())
 
     def num_parameters(self) -> int:
         """Parameters this rank holds (its tensor-parallel shards, its stage's layers)."""
@@ -232,7 +188,7 @@ def _pad_rows(batch: Batch, rows: int) -> Batch:
     return {k: torch.cat([v, v[:1].expand(missing, *v.shape[1:])]) for k, v in batch.items()}
 
 
-def parallelize_for_eval(model: GPTModel, layout: EvalLayout) -> EvalModel:
+def parallelize_for_eval(model: GPTModel, layout: ParallelLayout) -> EvalModel:
     """This rank's part of ``model`` (the whole model, identical on every rank)."""
     if layout.tp > 1:
         try:
@@ -256,8 +212,8 @@ def add_model_parallel_flags(parser: argparse.ArgumentParser, gpt_only: bool = F
     about = (
         "not supported for this task (BERT finetuning runs single-shard): only 1 is accepted"
         if gpt_only
-        else "evaluate in a tensor/pipeline-parallel layout under torchrun: every rank loads the "
-        "whole checkpoint and keeps its shard; WORLD_SIZE / (TP x PP) ranks are data parallel"
+        else "evaluate in a tensor/pipeline-parallel layout under torchrun: each rank reads only "
+        "its shard / stage of the checkpoint; WORLD_SIZE / (TP x PP) ranks are data parallel"
     )
     g = parser.add_argument_group("model parallelism", about)
     default = "" if gpt_only else " (default 1)"  # the BERT tasks' formatter adds defaults

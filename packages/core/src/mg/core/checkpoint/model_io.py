@@ -90,18 +90,7 @@ def load_model(
         weights_of = lambda config: load_full_state(folder)  # noqa: E731 (read after the config check)
     else:
         state, path, weights_of = _load_torch_format(load_dir, folder, iteration, map_location)
-    meta = state.get("mg") or {}
-    if not meta.get("model_config"):
-        raise CheckpointError(
-            f"{path} records no model config (state['mg']['model_config']); it was not written "
-            "by mg tools. For a Megatron-LM checkpoint run `mg-convert import-megatron` first."
-        )
-    config = TransformerConfig.from_dict(dict(meta["model_config"]))
-    tokenizer_config = None
-    if meta.get("tokenizer_config"):
-        tokenizer_config = resolve_tokenizer_paths(
-            TokenizerConfig.from_dict(dict(meta["tokenizer_config"])), load_dir
-        )
+    config, tokenizer_config = model_configs(state, path, load_dir)
     weights = weights_of(config)
     with torch.device("meta"):
         model = GPTModel(config)
@@ -114,6 +103,25 @@ def load_model(
     extra = {k: v for k, v in state.items() if k not in ("model", "optimizer", "args")}
     info = ModelInfo(load_dir, iteration, path, state.get("args"), extra)
     return model.eval(), config, tokenizer_config, info
+
+
+def model_configs(
+    state: Mapping[str, Any], path: Path, load_dir: Path
+) -> tuple[TransformerConfig, TokenizerConfig | None]:
+    """The model and tokenizer configs a checkpoint records (``state["mg"]``)."""
+    meta = state.get("mg") or {}
+    if not meta.get("model_config"):
+        raise CheckpointError(
+            f"{path} records no model config (state['mg']['model_config']); it was not written "
+            "by mg tools. For a Megatron-LM checkpoint run `mg-convert import-megatron` first."
+        )
+    config = TransformerConfig.from_dict(dict(meta["model_config"]))
+    tokenizer_config = None
+    if meta.get("tokenizer_config"):
+        tokenizer_config = resolve_tokenizer_paths(
+            TokenizerConfig.from_dict(dict(meta["tokenizer_config"])), load_dir
+        )
+    return config, tokenizer_config
 
 
 def _load_torch_format(
@@ -146,7 +154,7 @@ def _load_torch_format(
     def weights(config: TransformerConfig) -> dict[str, Tensor]:
         tied = not config.untie_embeddings_and_output_weights
         shards = [
-            merge_pipeline([_model_chunks(s, path) for s in stages], config.num_layers, tied=tied)
+            merge_pipeline([model_chunks(s, path) for s in stages], config.num_layers, tied=tied)
             for stages in states
         ]
         return merge_tensor_parallel(shards, config.gated_linear_unit)
@@ -154,7 +162,7 @@ def _load_torch_format(
     return states[0][0], path, weights
 
 
-def _model_chunks(state: Mapping[str, Any], path: Path) -> list[dict[str, Tensor]]:
+def model_chunks(state: Mapping[str, Any], path: Path) -> list[dict[str, Tensor]]:
     """A rank file's model chunks: `model`, or `model0`, `model1`… (virtual stages)."""
     if "model" in state:
         chunks = [state["model"]]

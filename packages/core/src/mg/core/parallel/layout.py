@@ -94,10 +94,10 @@ class ParallelLayout:
 
     def sizes_line(self) -> str:
         """Megatron's start-up line (`megatron/training/arguments.py`)."""
+        context = f"context-parallel size: {self.cp}, " if self.cp > 1 else ""
         return (
-            f"using world size: {self.world_size}, data-parallel size: {self.dp}, "
-            f"context-parallel size: {self.cp}, tensor-model-parallel size: {self.tp}, "
-            f"pipeline-model-parallel size: {self.pp}"
+            f"using world size: {self.world_size}, data-parallel size: {self.dp}, {context}"
+            f"tensor-model-parallel size: {self.tp}, pipeline-model-parallel size: {self.pp}"
         )
 
 
