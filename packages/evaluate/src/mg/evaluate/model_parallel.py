@@ -10,10 +10,11 @@ on the meta device, keeps its part there — its tensor-parallel shard of each
 layer (core's ``apply_tensor_parallel``) and its pipeline stage (core's
 ``split_model``) — and reads only that part from the checkpoint, whatever
 layout it was saved in (core's ``load_model_part``). The ranks of one model
-replica score the same data-parallel share of the examples together:
-micro-batches go through core's pipeline schedule, forward only; the last stage's per-micro-batch results are
-broadcast to the replica's other stages, so every rank returns them and the
-data-parallel gather/sum works as without model parallelism.
+replica score the same data-parallel share of the examples together: micro-
+batches go through core's pipeline schedule, forward only; the last stage's
+per-micro-batch results are broadcast to the replica's other stages, so every
+rank returns them and the data-parallel gather/sum works as without model
+parallelism.
 """
 
 from __future__ import annotations
