@@ -133,7 +133,7 @@ def serve(args: argparse.Namespace) -> None:
     env = init_tensor_parallel(tp, device, args.distributed_timeout_minutes)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
     loaded = load_for_serving(
-        args.load, device=str(device), dtype=dtype, iteration=args.iteration, tp_mesh=env.tp_mesh
+        args.load, device=str(device), dtype=dtype, iteration=args.iteration, layout=env.layout
     )
     positions = loaded.config.max_position_embeddings
     max_length = min(args.inference_max_seq_length or positions, positions)

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from mg.core.checkpoint import CheckpointError, load_model
+from mg.core.checkpoint.model_part import load_model_part
 from mg.core.models import GPTModel, TransformerConfig
+from mg.core.parallel.layout import ParallelLayout
+from mg.core.parallel.tensor_parallel import TensorParallelError
 from mg.core.tokenizers import BaseTokenizer, TokenizerConfig, build_tokenizer
 
 
@@ -32,19 +34,30 @@ def load_for_serving(
     device: str = "cpu",
     dtype: str | None = None,
     iteration: str | int | None = None,
-    tp_mesh: DeviceMesh | None = None,
+    layout: ParallelLayout | None = None,
 ) -> LoadedModel:
     """Rebuild the checkpoint's model and tokenizer from its own metadata (no model flags).
 
-    With `tp_mesh` (every rank of it calls this) the model keeps this rank's
-    tensor-parallel shard, whatever layout the checkpoint was saved in.
+    With a tensor-parallel `layout` (every rank of it calls this) each rank
+    reads only its shard of the weights, whatever layout the checkpoint was
+    saved in (core's `load_model_part`).
     """
     if isinstance(iteration, str) and iteration.isdigit():
         iteration = int(iteration)
+    torch_dtype = getattr(torch, dtype) if dtype is not None else None
     try:
-        model, config, tokenizer_config, _info = load_model(load, iteration)
+        if layout is not None and layout.tp > 1:
+            part = load_model_part(load, layout, iteration, device=device, dtype=torch_dtype)
+            model, config, tokenizer_config = part.module, part.config, part.tokenizer_config
+        else:
+            model, config, tokenizer_config, _info = load_model(load, iteration)
+            if torch_dtype is not None:
+                model = model.to(torch_dtype)
+            model = model.to(device).eval()
     except CheckpointError as exc:
         raise ServeSetupError(str(exc)) from None
+    except TensorParallelError as err:
+        raise ServeSetupError(f"cannot serve with tensor parallelism: {err}") from None
     if tokenizer_config is None:
         raise ServeSetupError(
             f"{load} records no tokenizer; a server needs one to turn text into tokens. "
@@ -54,11 +67,4 @@ def load_for_serving(
         tokenizer = build_tokenizer(tokenizer_config)
     except ValueError as exc:
         raise ServeSetupError(f"{load}: its tokenizer cannot be built: {exc}") from None
-    if dtype is not None:
-        model = model.to(getattr(torch, dtype))
-    model = model.to(device).eval()
-    if tp_mesh is not None:
-        from mg.generate_server.tensor_parallel import shard_for_serving
-
-        model = shard_for_serving(model, tp_mesh)
     return LoadedModel(model, config, tokenizer, tokenizer_config, Path(load).resolve().name)

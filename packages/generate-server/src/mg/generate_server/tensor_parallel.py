@@ -2,15 +2,14 @@
 
     torchrun --nproc-per-node 2 -m mg.generate_server.cli --load ckpt --port 5000
 
-Every rank loads the checkpoint (any saved layout: `load_model` merges TP
-shards or reads torch_dist), and `apply_tensor_parallel` keeps its shard of
-each layer (heads, MLP columns, vocabulary rows) on a tensor-parallel mesh;
-the KV cache then holds this rank's heads only. Rank 0's engine decides each
-step; `TensorParallelRunner.forward` broadcasts the step (a 3-number header,
-then token ids, slots and start positions) and all ranks run the same
-forward, whose vocab-parallel output is gathered so rank 0 samples from the
-full logits. The other ranks sit in `run_worker`, answering steps until rank
-0 broadcasts shutdown.
+Every rank reads only its tensor-parallel shard of each layer (heads, MLP
+columns, vocabulary rows) from the checkpoint, whatever layout it was saved in
+(core's `load_model_part`); the KV cache then holds this rank's heads only.
+Rank 0's engine decides each step; `TensorParallelRunner.forward` broadcasts
+the step (a 3-number header, then token ids, slots and start positions) and all
+ranks run the same forward, whose vocab-parallel output is gathered so rank 0
+samples from the full logits. The other ranks sit in `run_worker`, answering
+steps until rank 0 broadcasts shutdown.
 
 Failure handling: a broadcast or forward that fails for a communication
 reason ends the process at once (torchrun then stops the job); while idle,
@@ -35,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from mg.core.models import GPTModel
 from mg.core.parallel import watchdog
-from mg.core.parallel.mesh import ParallelDims, ParallelLayoutError
-from mg.core.parallel.tensor_parallel import TensorParallelError, apply_tensor_parallel
+from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
+from mg.core.parallel.mesh import ParallelLayoutError
 from mg.generate_server.loading import ServeSetupError
 from mg.generate_server.runner import ModelRunner
 
@@ -50,11 +49,21 @@ FORWARD, HEARTBEAT, SHUTDOWN = 1, 2, 3
 class TensorParallelEnv:
     """This process's place in a torchrun job, once its process group is up."""
 
-    rank: int
-    world_size: int
+    layout: ParallelLayout
     device: torch.device
-    tp_mesh: DeviceMesh | None
     timeout_minutes: float
+
+    @property
+    def rank(self) -> int:
+        return self.layout.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.layout.tp_mesh
 
     @property
     def is_driver(self) -> bool:
@@ -105,9 +114,9 @@ def serving_device(requested: str | None, world_size: int) -> torch.device:
 def init_tensor_parallel(
     tp: int, device: torch.device, timeout_minutes: float
 ) -> TensorParallelEnv:
-    """Join torchrun's process group (NCCL on GPU, gloo on CPU) and build the TP mesh."""
+    """Join torchrun's process group (NCCL on GPU, gloo on CPU) and build the TP layout."""
     if tp == 1:
-        return TensorParallelEnv(0, 1, device, None, timeout_minutes)
+        return TensorParallelEnv(ParallelLayout(), device, timeout_minutes)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = watchdog.timeout_from_minutes(timeout_minutes)
@@ -120,19 +129,10 @@ def init_tensor_parallel(
     rank = dist.get_rank()
     watchdog.install(timeout, rank, where=f"tensor-parallel rank {rank} of {tp}")
     try:
-        mesh = ParallelDims.from_world(tp, tp=tp).build_mesh(device.type)
+        layout = build_parallel_layout(tp, rank, tp=tp, device_type=device.type)
     except ParallelLayoutError as err:
         raise ServeSetupError(str(err)) from None
-    return TensorParallelEnv(rank, tp, device, mesh["tp"], timeout_minutes)
-
-
-def shard_for_serving(model: GPTModel, tp_mesh: DeviceMesh) -> GPTModel:
-    """Keep this rank's shard of `model` (identical on every rank) for cached decoding."""
-    try:
-        apply_tensor_parallel(model, tp_mesh, sequence_parallel=False)
-    except TensorParallelError as err:
-        raise ServeSetupError(f"cannot serve with tensor parallelism: {err}") from None
-    return model
+    return TensorParallelEnv(layout, device, timeout_minutes)
 
 
 class TensorParallelRunner(ModelRunner):
