@@ -133,7 +133,7 @@ def _worker(spec_path: str) -> None:
                 rng_shard=trainer._rng_shard,
             ),
         )
-    del trainer
+    trainer = None  # the training state goes before the reader phase
     import gc
 
     gc.collect()
@@ -258,7 +258,7 @@ def _report(rows: dict, model: dict, threads: int) -> str:
     ]
     for (tp, pp, path), ranks in rows.items():
 
-        def top(phase: str, key: str = "peak") -> float | None:
+        def top(phase: str, key: str = "peak", ranks: list[dict] = ranks) -> float | None:
             values = [r[phase][key] for r in ranks if phase in r]
             return max(values) if values else None
 
