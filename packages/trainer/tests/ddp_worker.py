@@ -7,6 +7,7 @@ dumps each run's losses.
 import json
 import sys
 
+import torch
 import torch.distributed as dist
 
 from mg.trainer.arguments import parse_args
@@ -18,12 +19,16 @@ if __name__ == "__main__":
     results = []
     for argv in argvs:
         trainer = Trainer(parse_args(argv, world_size=read_world_size()))
+        seeds = [None] * trainer.env.world_size  # each rank's seed of its default generators
+        if dist.is_initialized():
+            dist.all_gather_object(seeds, torch.initial_seed())
         result = trainer.train()
         results.append(
             {
                 "losses": result.losses,
                 "grad_norms": result.grad_norms,
                 "validation": result.validation,
+                "seeds": seeds,
             }
         )
     if trainer.env.rank == 0:

@@ -1,9 +1,12 @@
-"""TP=2 + SP with dropout: a resume continues every random stream, in both formats.
+"""TP=2 + SP and PP=2 with dropout: a resume continues every random stream, in both formats.
 
 Each rank's tensor-parallel dropout stream is stored next to the default
 generators: in its mp_rank file (Megatron's `rng_tracker_states
 ["model-parallel-rng"]`) or, in torch_dist, as a tensor under `rng.tp<T>_pp<P>`.
-5 + save + load + 5 iterations equal 10 straight ones.
+5 + save + load + 5 iterations equal 10 straight ones. With pipeline
+parallelism each stage's generators are seeded `seed + 100 * pp_rank`
+(Megatron's), so the stages draw different masks, and a run is bitwise
+reproducible.
 """
 
 from __future__ import annotations
@@ -38,5 +41,33 @@ def test_tp_dropout_resume_equals_straight_run(tmp_path: Path, mock_argv, ckpt_f
     out = tmp_path / "runs.json"
     launch_workers(str(WORKER), 2, [str(out), json.dumps(argvs)], timeout=600)
     straight, _, resumed = json.loads(out.read_text())
+    assert len(resumed["losses"]) == 5
+    assert resumed["losses"] == straight["losses"][5:]
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_pp_dropout_is_per_stage_reproducible_and_resumes(
+    tmp_path: Path, mock_argv, ckpt_format
+) -> None:
+    argv = mock_argv(
+        tmp_path,
+        *("--attention-dropout", "0.1", "--hidden-dropout", "0.1"),
+        *("--pipeline-model-parallel-size", "2", "--ckpt-format", ckpt_format),
+        mbs=2,
+        gbs=4,
+        iters=10,
+    )
+    ckpt = str(tmp_path / "ckpt")
+    argvs = [
+        argv,
+        argv,
+        [*argv, "--save", ckpt, "--save-interval", "5", "--exit-interval", "5"],
+        [*argv, "--load", ckpt],
+    ]
+    out = tmp_path / "runs.json"
+    launch_workers(str(WORKER), 2, [str(out), json.dumps(argvs)], timeout=600)
+    straight, again, _, resumed = json.loads(out.read_text())
+    assert straight["seeds"] == [1234, 1334]  # seed + 100 * pipeline rank
+    assert again["losses"] == straight["losses"]  # bitwise
     assert len(resumed["losses"]) == 5
     assert resumed["losses"] == straight["losses"][5:]
