@@ -9,6 +9,8 @@ import signal
 import pytest
 import torch
 
+from mg.trainer.arguments import ArgumentError, parse_args
+
 
 def test_loss_goes_down_on_botchan(tmp_path, mock_argv, train, botchan_corpus) -> None:
     prefix, tok_flags = botchan_corpus
@@ -104,6 +106,21 @@ def test_resume_is_bitwise_identical(tmp_path, mock_argv, train) -> None:
     assert second.state.iteration == 20 and second.state.consumed_train_samples == 160
     assert first.losses + second.losses == straight.losses  # bitwise
     assert first.validation + second.validation == straight.validation
+    # Megatron's --no-initialization: allocate only, the checkpoint fills every weight
+    uninitialised = train(
+        mock_argv(
+            tmp_path,
+            *("--eval-interval", "5", "--eval-iters", "1", "--load", ckpt),
+            "--no-initialization",
+            iters=20,
+        )
+    )
+    assert uninitialised.losses == second.losses
+
+
+def test_no_initialization_needs_a_checkpoint(tmp_path, mock_argv) -> None:
+    with pytest.raises(ArgumentError, match="--no-initialization .* needs --load"):
+        parse_args(mock_argv(tmp_path, "--no-initialization"))
 
 
 def test_checkpoint_is_self_describing(tmp_path, mock_argv, train) -> None:
