@@ -241,3 +241,17 @@ def test_receives_out_of_send_order_get_the_wrong_messages_at_p2() -> None:
     ]
     pairs = simulate(fixed_order)
     assert any(sent != expected for _, _, sent, expected in pairs)
+
+
+def test_a_tensor_of_another_shape_is_refused_before_it_is_sent() -> None:
+    """Receive buffers have the run's one shape: a different sequence length must not go out
+    (NCCL would deliver a truncated or overrunning message without complaint)."""
+    import torch
+
+    from mg.core.parallel.pipeline_schedule import PipelineShapeError, _Exchange
+
+    exchange = _Exchange(None, (2, 16, 8), torch.bfloat16, torch.device("cpu"), "stage 0 of 2")
+    exchange.post(Message(ACTIVATION, 1, 0), torch.zeros(2, 16, 8))
+    assert exchange.outbox[Message(ACTIVATION, 1, 0)].dtype == torch.bfloat16
+    with pytest.raises(PipelineShapeError, match=r"shape \(2, 12, 8\).*\(2, 16, 8\)"):
+        exchange.post(Message(ACTIVATION, 1, 1), torch.zeros(2, 12, 8))

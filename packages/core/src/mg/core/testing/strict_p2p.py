@@ -32,8 +32,8 @@ every rank must call it, in the same order as other group creations).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -72,6 +72,31 @@ class P2PRecord:
         }
 
 
+class _Waiter:
+    """Waits for a gloo work on a daemon thread, so the batch can acknowledge receives in
+    whatever order they complete (gloo's `is_completed` stays False until someone waits)
+    and a hung peer does not block the interpreter's exit."""
+
+    def __init__(self, work: dist.Work, changed: threading.Event) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._changed = changed
+        threading.Thread(target=self._run, args=(work,), daemon=True).start()
+
+    def _run(self, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except BaseException as err:  # re-raised on the batch's thread
+            self.error = err
+        finally:
+            self.done.set()
+            self._changed.set()
+
+    def result(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
 class _Done:
     """The work object a strict batch returns: it has already completed."""
 
@@ -96,9 +121,6 @@ class StrictP2P:
     originals: dict[str, Callable]
     records: list[P2PRecord] = field(default_factory=list)
     stand_ins: dict[str, Callable] = field(default_factory=dict)
-    pool: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(16, "strict-p2p")
-    )
 
     # --- the patched functions ---------------------------------------------------------------
 
@@ -192,44 +214,48 @@ class StrictP2P:
 
     def _acknowledge(self, recvs: list[dist.P2POp], works: list[dist.Work], tag: int) -> None:
         """Send each receive's acknowledgement once its data is in, in order per source."""
-        futures = [self.pool.submit(work.wait) for work in works]
+        changed = threading.Event()
+        waiters = [_Waiter(work, changed) for work in works]
         acked = [False] * len(recvs)
         outgoing: list[tuple[dist.Work, torch.Tensor]] = []
         deadline = time.monotonic() + self.timeout_s
-        while not all(acked):
-            for i, (op, future) in enumerate(zip(recvs, futures, strict=True)):
+        while True:
+            changed.clear()
+            for i, (op, waiter) in enumerate(zip(recvs, waiters, strict=True)):
                 earlier = [acked[j] for j in range(i) if recvs[j].peer == op.peer]
-                if not acked[i] and future.done() and all(earlier):
-                    future.result()  # a peer that died raises here
+                if not acked[i] and waiter.done.is_set() and all(earlier):
+                    waiter.result()  # a peer that died raises here
                     header = self._header(op)
                     work = self.originals["isend"](
                         header, dst=op.peer, group=self.ack_group, tag=tag
                     )
                     outgoing.append((work, header))
                     acked[i] = True
-            pending = [f for f, done in zip(futures, acked, strict=True) if not done]
-            if pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    waiting = [
+            if all(acked):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._timed_out(
+                    [
                         f"data from rank {op.peer}"
                         for op, a in zip(recvs, acked, strict=True)
                         if not a
                     ]
-                    self._timed_out(waiting)
-                concurrent.futures.wait(
-                    pending, timeout=min(left, 1.0), return_when="FIRST_COMPLETED"
                 )
+            changed.wait(min(left, 1.0))
         for work, _ in outgoing:
             work.wait()
 
     def _await(self, works: list[dist.Work], names: list[str]) -> None:
-        futures = [self.pool.submit(work.wait) for work in works]
-        done, pending = concurrent.futures.wait(futures, timeout=self.timeout_s)
+        waiters = [_Waiter(work, threading.Event()) for work in works]
+        deadline = time.monotonic() + self.timeout_s
+        for waiter in waiters:
+            waiter.done.wait(max(deadline - time.monotonic(), 0.0))
+        pending = [name for name, w in zip(names, waiters, strict=True) if not w.done.is_set()]
         if pending:
-            self._timed_out([n for n, f in zip(names, futures, strict=True) if f in pending])
-        for future in done:
-            future.result()
+            self._timed_out(pending)
+        for waiter in waiters:
+            waiter.result()
 
     def _timed_out(self, waiting: list[str]) -> None:
         raise StrictP2PError(
@@ -268,7 +294,6 @@ class StrictP2P:
         for module in (dist, c10d):
             for name in _PATCHED:
                 setattr(module, name, self.originals[name])
-        self.pool.shutdown(wait=False)
 
     def dump(self) -> list[dict[str, Any]]:
         return [r.as_dict() for r in self.records]
