@@ -2,11 +2,21 @@
 
 The tensors — the model's and the optimizer's, keyed by parameter name — go
 through `mg.core.checkpoint.dist_format` (torch.distributed.checkpoint), every
-rank writing its own shards, so the checkpoint loads into any tensor- or
-data-parallel layout. Everything else is the `torch` format's content in
-`common.pt`: `args` (with the consumed-sample counters), `iteration`,
-`opt_param_scheduler`, `grad_scaler`, `rng_state`,
-`num_floating_point_operations_so_far` and the `mg` configs.
+rank writing its own shards, so the checkpoint loads into any tensor-,
+pipeline- or data-parallel layout. With the distributed optimizer a rank's
+shards are its fragments of the flat state (`DistributedOptimizer.
+sharded_state`), stored as chunks of each parameter's global tensor: no rank
+gathers, and a load reads only the regions the rank owns in its own layout.
+
+Each (tensor, pipeline) position's generators are stored under
+`rng.tp<T>_pp<P>.`: its tensor-parallel dropout streams as tensors and its
+default generators (which differ per pipeline stage) as one object,
+`rng_state`; a resume in the same layout restores them. Everything else is the
+`torch` format's content in `common.pt`: `args` (with the consumed-sample
+counters), `iteration`, `opt_param_scheduler`, `grad_scaler`, `rng_state`
+(rank 0's generators, Megatron's place: what a resume in another layout, or
+from an older checkpoint, restores), `num_floating_point_operations_so_far`
+and the `mg` configs.
 
 `--async-save` returns as soon as the state is copied to host memory; the
 trainer waits for the previous save before the next one and before exiting.
@@ -15,16 +25,17 @@ trainer waits for the previous save before the next one and before exiting.
 from __future__ import annotations
 
 import argparse
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from mg.core.checkpoint import (
     CHECKPOINT_VERSION,
@@ -44,7 +55,6 @@ from mg.core.checkpoint.dist_format import (
 )
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
-from mg.core.parallel.dtensor_layout import shard_like
 from mg.trainer import distributed
 from mg.trainer.checkpointing import TrainState
 
@@ -71,48 +81,46 @@ def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name, as torch's `get_optimizer_state_dict`
     writes it (`state.<name>.exp_avg`, `param_groups.<i>.params` = names).
 
-    The distributed optimizer's is its full, gathered state (collective; the same on every
-    data-parallel rank, so DCP writes each tensor once): the checkpoint does not depend on
-    the data-parallel size and loads into the plain optimizer and back."""
+    The distributed optimizer's is this rank's own fragments (`sharded_state`), chunks
+    of each parameter's global tensor: the data-parallel ranks together write every
+    tensor once, nothing is gathered, and the checkpoint holds the same global tensors
+    as the plain optimizer's, so it loads at any layout and into either optimizer."""
     if not isinstance(optimizer, DistributedOptimizer):
         return get_optimizer_state_dict(model, optimizer)
-    full = optimizer.state_dict()
-    names = _names(model, optimizer)
+    return _by_name(optimizer.sharded_state(), _names(model, optimizer))
+
+
+def _by_name(indexed: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter index as one keyed by parameter name."""
     return {
-        "state": {names[i]: entry for i, entry in full["state"].items()},
+        "state": {names[i]: entry for i, entry in indexed["state"].items()},
         "param_groups": [
-            {**g, "params": [names[i] for i in g["params"]]} for g in full["param_groups"]
+            {**g, "params": [names[i] for i in g["params"]]} for g in indexed["param_groups"]
         ],
     }
 
 
 def _optimizer_request(folder: Path, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """What to read for the optimizer: this rank's own layout for a torch optimizer; the
-    full stored tensors of every parameter for the distributed optimizer (it slices its
-    shard on `load_state_dict`)."""
+    """What to read for the optimizer: this rank's own layout for a torch optimizer; for
+    the distributed optimizer the regions of its own fragments (`sharded_state_to_load`),
+    of whichever stored entries exist (a checkpoint of the plain optimizer has no
+    main_param; one saved before the first step has no state)."""
     if not isinstance(optimizer, DistributedOptimizer):
         return get_optimizer_state_dict(model, optimizer)
-    stored = stored_tensors(folder, "optimizer.state.")
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for name, param in zip(_names(model, optimizer), optimizer.params, strict=True):
-        prefix = f"optimizer.state.{name}."
-        entry = {
-            key[len(prefix) :]: _in_layout_of(param, value)
-            for key, value in stored.items()
-            if key.startswith(prefix) and "." not in key[len(prefix) :]
-        }
-        if entry:
-            state[name] = entry
+    names = _names(model, optimizer)
+    stored = _stored_keys(folder, "optimizer.state.")
+    request = optimizer.sharded_state_to_load(
+        lambda i, key: f"optimizer.state.{names[i]}.{key}" in stored
+    )
     # Non-tensor entries are read whole in place of these placeholders (None is skipped).
     groups = [{k: _PLACEHOLDER for k in g} for g in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
+    return {"state": _by_name(request, names)["state"], "param_groups": groups}
 
 
-def _in_layout_of(param: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel parameter's state is read as its shard (DCP reshards to it)."""
-    if not isinstance(param, DTensor) or stored.shape != param.shape:
-        return stored
-    return shard_like(torch.empty_like(param._local_tensor, dtype=stored.dtype), param)
+def _stored_keys(folder: Path, prefix: str) -> set[str]:
+    """The checkpoint's keys under `prefix` (from DCP's index; no tensor is made)."""
+    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {key for key in metadata if key.startswith(prefix)}
 
 
 def _with_members(groups: list[dict], members: list[list], load_dir: str) -> list[dict]:
@@ -137,7 +145,7 @@ def _load_optimizer(
     index = {name: i for i, name in enumerate(_names(model, optimizer))}
     groups = _with_members(loaded["param_groups"], optimizer.group_members(), load_dir)
     state = {index[name]: entry for name, entry in loaded["state"].items()}
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    optimizer.load_sharded_state({"state": state, "param_groups": groups})
 
 
 def save(
@@ -159,8 +167,9 @@ def save(
 ) -> PendingSave:
     """Collective: every rank writes its shards; rank 0 writes common.pt and commits.
 
-    `rng_shard` names this rank's (tensor, pipeline) position: the tensor-parallel
-    dropout stream, which differs between those positions, is stored under it."""
+    `rng_shard` names this rank's (tensor, pipeline) position: its generators, which
+    differ between those positions (the default ones per pipeline stage, the
+    tensor-parallel dropout stream per tensor rank), are stored under it."""
     model = _named_globally(distributed.unwrap(model))
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.finish_param_sync()  # the model's weights are complete only after this
@@ -183,12 +192,42 @@ def save(
         common["opt_param_scheduler"] = scheduler.state_dict()
         common["grad_scaler"] = loss_scaler.state_dict()
     if save_rng:
-        # Identical on every rank (the trainer seeds them alike; data order is indexed).
+        # Rank 0's, where Megatron keeps it: what a resume in another layout restores.
         common["rng_state"] = [get_rng_state()]
-        streams = tracker_states()
-        if rng_shard is not None and streams:
-            sharded["rng"] = {rng_shard: streams}
+        if rng_shard is not None:
+            sharded["rng"] = {rng_shard: _position_rng()}
     return save_dist_checkpoint(save_dir, state.iteration, sharded, common, async_save=async_save)
+
+
+_RNG_STATE = "rng_state"  # beside the tracker streams under rng.tp<T>_pp<P>.
+
+
+def _position_rng() -> dict[str, Any]:
+    """This (tensor, pipeline) position's generators: the tensor-parallel streams as
+    tensors, and the default generators (Python, NumPy, torch CPU, CUDA) pickled into
+    one DCP object. Data-parallel peers hold equal states (seeded alike, the same
+    dropout draws), so DCP keeping one copy of the entry loses nothing."""
+    return {**tracker_states(), _RNG_STATE: pickle.dumps(get_rng_state())}
+
+
+def _position_rng_request(folder: Path, position: str) -> dict[str, Any]:
+    """What to read of a position's generators: whatever the checkpoint holds for it
+    (nothing if it was saved in another layout or before per-position states)."""
+    prefix = f"rng.{position}."
+    request: dict[str, Any] = {
+        k[len(prefix) :]: v for k, v in stored_tensors(folder, prefix).items()
+    }
+    if prefix + _RNG_STATE in _stored_keys(folder, prefix):
+        request[_RNG_STATE] = b""  # an object: replaced by the stored one
+    return request
+
+
+def _restore_rng(common_state: Any, position: dict[str, Any]) -> None:
+    """The position's default generators if stored, else the common (rank 0's) ones;
+    then the tensor-parallel streams stored for the position."""
+    own = position.get(_RNG_STATE)
+    set_rng_state(pickle.loads(own) if own else common_state)
+    restore_tracker_states({k: v for k, v in position.items() if k != _RNG_STATE})
 
 
 def latest_is_torch_dist(load_dir: str) -> bool:
@@ -222,12 +261,8 @@ def resume(
     sharded: dict[str, Any] = {"model": model.state_dict()}
     if want_optim:
         sharded["optimizer"] = _optimizer_request(folder, model, optimizer)
-    streams = {}
     if load_rng and not finetune and rng_shard is not None:
-        prefix = f"rng.{rng_shard}."
-        streams = {k[len(prefix) :]: v for k, v in stored_tensors(folder, prefix).items()}
-        if streams:
-            sharded["rng"] = {rng_shard: streams}
+        sharded["rng"] = {rng_shard: _position_rng_request(folder, rng_shard)}
     common = load_dist_checkpoint(folder, sharded)
     if want_optim:
         _load_optimizer(model, optimizer, sharded["optimizer"], load_dir)
@@ -241,8 +276,7 @@ def resume(
     if load_rng:
         if "rng_state" not in common:
             raise ValueError(f"{load_dir}: the checkpoint has no RNG state; use --no-load-rng")
-        set_rng_state(common["rng_state"])
-        restore_tracker_states(streams)
+        _restore_rng(common["rng_state"], sharded.get("rng", {}).get(rng_shard, {}))
     saved = common.get("args")
     return TrainState(
         iteration=int(common["iteration"]),

@@ -47,10 +47,20 @@ distributed-optimizer table; the state is counted by `memory_bytes`):
     fp32 / fp32         16        8 + 8/d     (Adam 8)
 
 Every update is elementwise, so the sharded step equals the unsharded one up to
-the order of the floating-point sums in the reduction. `state_dict()` gathers
-the full per-parameter state in `torch.optim.AdamW`'s (or SGD's) own format and
-`load_state_dict()` slices it, so checkpoints do not depend on d and load into
-a plain torch optimizer too.
+the order of the floating-point sums in the reduction.
+
+Checkpoints, two ways, neither depending on d, both loadable into a plain torch
+optimizer too:
+
+- `state_dict()` gathers the full per-parameter state in `torch.optim.AdamW`'s
+  (or SGD's) own format on every data-parallel rank and `load_state_dict()`
+  slices it: the `torch` format's per-mp_rank files, as Megatron gathers them.
+- `sharded_state()` gives each rank's own fragments only, as views of its flat
+  state described in the parameters' global coordinates (`flat_shards`: a flat
+  range of a tensor-parallel shard is at most a few boxes of the global
+  tensor), and `sharded_state_to_load()` / `load_sharded_state()` read back just
+  this rank's regions from whatever layout wrote them: the `torch_dist` format,
+  with no full-size copy of any state tensor on any rank.
 """
 
 from __future__ import annotations
@@ -64,9 +74,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from mg.core.parallel.dtensor_layout import shard_like
+from mg.core.parallel.flat_shards import axis_map_of, checkpoint_tensor, global_pieces
 from mg.core.parallel.pipeline import is_shared_copy
 
 # State tensors the inner optimizer keeps per parameter (sharded); "step" is replicated.
@@ -174,6 +186,7 @@ class DistributedOptimizer:
         self.optimizer = make_optimizer(inner_groups)
         self._state_keys = self._sharded_state_keys()
         self._steps = 0
+        self._meshes: dict[str, DeviceMesh] = {}  # for sharded_state's chunk wrappers
         self._sync_enabled = True
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook) for p in order]
         if overlap_param_gather:
@@ -451,9 +464,7 @@ class DistributedOptimizer:
         Collective: every rank of the data-parallel group must call it; each gets
         the whole state (it is gathered per bucket)."""
         self.finish_param_sync()
-        groups = []
-        for inner, members in zip(self.optimizer.param_groups, self.group_members(), strict=True):
-            groups.append({**{k: v for k, v in inner.items() if k != "params"}, "params": members})
+        groups = self._groups_with_members()
         state: dict[int, dict[str, Any]] = {}
         if self._steps == 0:
             return {"state": state, "param_groups": groups}
@@ -461,7 +472,7 @@ class DistributedOptimizer:
         if any(b.param_data.dtype != torch.float32 for b in self._buckets):
             keys.append(_MAIN_PARAM_KEY)
         index_of = {id(p): i for i, p in enumerate(self._params)}
-        stepped = type(self.optimizer) is not torch.optim.SGD  # Adam/AdamW count steps
+        stepped = self._stepped()
         for i in range(len(self._params)):
             state[i] = {"step": torch.tensor(float(self._steps))} if stepped else {}
         for key in keys:
@@ -472,6 +483,15 @@ class DistributedOptimizer:
                     piece = gathered[offset : offset + local.numel()].view(local.shape).clone()
                     state[index_of[id(p)]][key] = shard_like(piece, p)
         return {"state": state, "param_groups": groups}
+
+    def _groups_with_members(self) -> list[dict[str, Any]]:
+        """The inner groups' options, each with its members' indices as "params"."""
+        return [
+            {**{k: v for k, v in inner.items() if k != "params"}, "params": members}
+            for inner, members in zip(
+                self.optimizer.param_groups, self.group_members(), strict=True
+            )
+        ]
 
     def _gather_bucket_state(self, bucket: _Bucket, key: str) -> Tensor:
         if key == _MAIN_PARAM_KEY:
@@ -492,21 +512,7 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full state (from `state_dict()` at any d, or from the plain torch optimizer)."""
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or len(groups) != len(self._group_options):
-            raise ValueError(
-                f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} "
-                f"parameter groups, this optimizer has {len(self._group_options)}; was it saved "
-                "for a different model or optimizer?"
-            )
-        for gi, (saved, inner) in enumerate(zip(groups, self.optimizer.param_groups, strict=True)):
-            expected = sum(1 for g in self._group_of if g == gi)
-            if len(saved["params"]) != expected:
-                raise ValueError(
-                    f"optimizer state group {gi} has {len(saved['params'])} parameters, "
-                    f"the model has {expected}; was it saved for a different model?"
-                )
-            inner.update({k: v for k, v in saved.items() if k != "params"})
+        groups = self._load_group_options(state_dict.get("param_groups"))
         # Saved indices follow the saved group order; map them onto ours position by position.
         order = [i for g in groups for i in g["params"]]
         saved_state = state_dict.get("state", {})
@@ -518,9 +524,8 @@ class DistributedOptimizer:
                 continue
             new: dict[str, Any] = {}
             if "step" in entry:
-                # a fused optimizer keeps its step count on the parameters' device
-                on = frag.main.device if self.optimizer.defaults.get("fused") else "cpu"
-                new["step"] = torch.as_tensor(entry["step"], dtype=torch.float32).to(on).clone()
+                step = torch.as_tensor(entry["step"], dtype=torch.float32)
+                new["step"] = step.to(self._step_on(frag)).clone()
                 self._steps = int(new["step"])
             for key in self._state_keys:
                 value = entry.get(key)
@@ -549,6 +554,144 @@ class DistributedOptimizer:
     def _slice(value: Tensor, frag: _Fragment) -> Tensor:
         flat = value.reshape(-1)[frag.param_start : frag.param_start + frag.numel]
         return flat.to(device=frag.main.device, dtype=torch.float32).clone()
+
+    def _load_group_options(self, groups: Any) -> list[dict[str, Any]]:
+        """Check the saved groups against ours and take their options (lr, betas, …)."""
+        if not isinstance(groups, list) or len(groups) != len(self._group_options):
+            raise ValueError(
+                f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} "
+                f"parameter groups, this optimizer has {len(self._group_options)}; was it saved "
+                "for a different model or optimizer?"
+            )
+        for gi, (saved, inner) in enumerate(zip(groups, self.optimizer.param_groups, strict=True)):
+            expected = sum(1 for g in self._group_of if g == gi)
+            if len(saved["params"]) != expected:
+                raise ValueError(
+                    f"optimizer state group {gi} has {len(saved['params'])} parameters, "
+                    f"the model has {expected}; was it saved for a different model?"
+                )
+            inner.update({k: v for k, v in saved.items() if k != "params"})
+        return groups
+
+    # --- sharded state (torch_dist) -----------------------------------------------------------
+
+    def sharded_state(self) -> dict[str, Any]:
+        """This rank's own part of the state in global coordinates, without gathering.
+
+        `state_dict()`'s structure (groups with member indices; per parameter
+        index its "step" and state tensors), but each tensor holds only the
+        fragment this rank steps: views of the optimizer's own flat state that
+        `flat_shards` describes as chunks of the parameter's global (tensor-
+        parallel unsharded) tensor. Over the data- and tensor-parallel ranks the
+        fragments tile each tensor once, so DCP stores the same global tensors
+        `state_dict()` would, loadable into any layout and by the plain optimizer.
+        Left out: parameters this rank owns nothing of, and the last pipeline
+        stage's copy of a tied embedding (the first stage writes the equal state).
+        "main_param" (the fp32 master weights) is written for non-fp32 parameters.
+        Not collective; nothing of full size is made."""
+        self.finish_param_sync()
+        state: dict[int, dict[str, Any]] = {}
+        if self._steps == 0:
+            return {"state": state, "param_groups": self._groups_with_members()}
+        for frag in self._fragments:
+            if is_shared_copy(frag.param):
+                continue
+            inner = self.optimizer.state.get(frag.main, {})
+            entry = self._step_entry()
+            for key in self._state_keys:
+                if key in inner:
+                    entry[key] = self._checkpoint_view(frag, inner[key])
+            if _has_main_copy(frag.bucket):
+                entry[_MAIN_PARAM_KEY] = self._checkpoint_view(frag, frag.main)
+            state[frag.index] = entry
+        return {"state": state, "param_groups": self._groups_with_members()}
+
+    def sharded_state_to_load(self, stored: Callable[[int, str], bool]) -> dict[str, Any]:
+        """Where a load puts this rank's part of the state: `sharded_state()`'s structure
+        over freshly allocated shard-sized state, for DCP to fill from whatever wrote
+        the checkpoint (this optimizer at another layout, or the plain one).
+
+        `stored(index, key)` says whether the checkpoint holds that entry of a
+        parameter; absent ones are not asked for. The state tensors are installed
+        in the inner optimizer at once; finish with `load_sharded_state`."""
+        self.finish_param_sync()
+        self.optimizer.state.clear()
+        state: dict[int, dict[str, Any]] = {}
+        for frag in self._fragments:
+            entry: dict[str, Any] = {}
+            keys = [key for key in self._state_keys if stored(frag.index, key)]
+            if keys:
+                if len(keys) != len(self._state_keys) or not self._has_step(frag, stored):
+                    raise ValueError(
+                        f"the checkpoint has {keys} of parameter {frag.index}'s optimizer "
+                        f"state, the optimizer needs {list(self._state_keys)} and a step "
+                        "count; was it saved for a different optimizer?"
+                    )
+                inner = {key: torch.zeros_like(frag.main) for key in keys}
+                self.optimizer.state[frag.main] = inner
+                entry = {**self._step_entry(), **inner}
+                for key in keys:
+                    entry[key] = self._checkpoint_view(frag, inner[key])
+            if _has_main_copy(frag.bucket) and stored(frag.index, _MAIN_PARAM_KEY):
+                entry[_MAIN_PARAM_KEY] = self._checkpoint_view(frag, frag.main)
+            if entry:
+                state[frag.index] = entry
+        return {"state": state, "param_groups": self._groups_with_members()}
+
+    def load_sharded_state(self, state_dict: dict[str, Any]) -> None:
+        """Finish a load into `sharded_state_to_load()`'s tensors once DCP has filled
+        them: take the groups' options (any member lists of the right lengths) and the
+        step count, and refresh main parameters the checkpoint did not hold from the
+        loaded weights. Collective over the data-parallel group (the step count)."""
+        self._load_group_options(state_dict.get("param_groups"))
+        loaded = state_dict.get("state", {})
+        steps = 0
+        for frag in self._fragments:
+            entry = loaded.get(frag.index, {})
+            inner = self.optimizer.state.get(frag.main)
+            if inner is not None:
+                step = float(entry["step"]) if "step" in entry else 1.0  # SGD: stepped
+                steps = max(steps, int(step))
+                if "step" in entry:
+                    inner["step"] = torch.tensor(
+                        step, dtype=torch.float32, device=self._step_on(frag)
+                    )
+            if _has_main_copy(frag.bucket) and _MAIN_PARAM_KEY not in entry:
+                lo = frag.shard_offset
+                frag.main.copy_(frag.bucket.param_shard[lo : lo + frag.numel])
+        self._steps = int(self._all_reduce(torch.tensor(float(steps)), dist.ReduceOp.MAX))
+
+    def _stepped(self) -> bool:
+        """Adam and AdamW count steps per parameter; SGD does not."""
+        return type(self.optimizer) is not torch.optim.SGD
+
+    def _step_entry(self) -> dict[str, Tensor]:
+        return {"step": torch.tensor(float(self._steps))} if self._stepped() else {}
+
+    def _has_step(self, frag: _Fragment, stored: Callable[[int, str], bool]) -> bool:
+        return not self._stepped() or stored(frag.index, "step")
+
+    def _step_on(self, frag: _Fragment) -> torch.device | str:
+        """A fused optimizer keeps its step count on the parameters' device, else the CPU."""
+        return frag.main.device if self.optimizer.defaults.get("fused") else "cpu"
+
+    def _checkpoint_view(self, frag: _Fragment, flat: Tensor) -> Tensor:
+        """`flat` (a fragment-sized state tensor) as the chunks of the parameter's global
+        tensor it covers (views: a save reads them, a load fills them)."""
+        local = _local(frag.param)
+        pieces = global_pieces(flat, frag.param_start, tuple(local.shape), axis_map_of(frag.param))
+        return checkpoint_tensor(pieces, tuple(frag.param.shape), self._checkpoint_mesh(flat))
+
+    def _checkpoint_mesh(self, like: Tensor) -> DeviceMesh | None:
+        """A mesh holding this rank, for DCP's chunk wrappers (the data-parallel group's;
+        none without a process group, where every fragment is a whole parameter)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        kind = like.device.type
+        if kind not in self._meshes:
+            group = self.group if self.group is not None else dist.group.WORLD
+            self._meshes[kind] = DeviceMesh.from_group(group, kind)
+        return self._meshes[kind]
 
     # --- accounting ---------------------------------------------------------------------------
 
@@ -598,6 +741,11 @@ def _use_storage_of(param: nn.Parameter, view: Tensor) -> None:
     if not local.is_contiguous():
         raise ValueError("the distributed optimizer needs contiguous tensor-parallel shards")
     param._local_tensor = view.view(local.shape)
+
+
+def _has_main_copy(bucket: _Bucket) -> bool:
+    """Non-fp32 parameters have fp32 main copies; fp32 ones are stepped in place."""
+    return bucket.main_param_shard.data_ptr() != bucket.param_shard.data_ptr()
 
 
 def _is_tp_sharded(param: Tensor) -> bool:
