@@ -139,7 +139,8 @@ class PipelineChunk(nn.Module):
             if model.output_layer is not None:
                 self.output_layer = model.output_layer
             elif not first:  # tied: the last stage gets its own copy (a DTensor stays one)
-                self.output_layer = nn.Linear(1, 1, bias=False)
+                # a placeholder built on meta: its own init would draw from the generator
+                self.output_layer = nn.Linear(1, 1, bias=False, device="meta")
                 copy = model.embedding.word_embeddings.weight.detach().clone()
                 self.output_layer.weight = nn.Parameter(copy)
                 setattr(self.output_layer.weight, _SHARED_COPY, True)
