@@ -192,10 +192,13 @@ def test_no_rank_gathers_and_the_save_stays_within_its_state(four) -> None:
 
 def test_pp2_dropout_resume_equals_straight_run(tmp_path: Path, mock_argv) -> None:
     """PP=2 with dropout: 5 + save + load + 5 iterations equal 10 straight, bitwise.
-    Each pipeline stage's default generators are stored and restored as its own."""
+    Each pipeline stage's default generators are stored and restored as its own
+    (the stages draw differently: the first also drops out the embeddings' output).
+    Untied, so that only the generators are under test: a torch_dist checkpoint
+    holds one copy of a tied embedding."""
     argv = mock_argv(
         tmp_path,
-        *("--attention-dropout", "0.1", "--hidden-dropout", "0.1"),
+        *("--attention-dropout", "0.1", "--hidden-dropout", "0.1", *UNTIED),
         *("--pipeline-model-parallel-size", "2", *TORCH_DIST),
         mbs=2,
         gbs=4,
