@@ -24,7 +24,10 @@ Two steps:
 `checkpoint_tensor` hands the pieces to DCP: a DTensor whose local tensor is a
 `LocalShardsWrapper` listing each piece with its global offset (DCP writes and
 reads such chunks as they are; the mesh only has to contain this rank), or the
-plain view when one piece is the whole tensor.
+plain view when one piece is the whole tensor. (A ShardedTensor would do too,
+but it is built either from every rank's shard metadata, checked to cover the
+tensor, or with one collective per tensor; the wrapper needs only this rank's
+pieces, and `dist_format` already writes strided shards that way.)
 """
 
 from __future__ import annotations
