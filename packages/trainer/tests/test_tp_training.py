@@ -73,9 +73,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ckpt = str(tmp / "ckpt")
     gpt = _helpers._mock_argv(tmp, *NO_DROPOUT, mbs=2, gbs=8, iters=ITERS)
     llama = [*gpt, *LLAMA]
-    # The saving run stops at iteration 10 (same LR schedule: --lr-decay-iters 20).
-    half = ["--train-iters", str(ITERS // 2)]
+    # The saving run stops at iteration 10 (same LR schedule: --lr-decay-iters 20); its
+    # background saves at 3, 6 and 9 are in flight while training and the exit check run.
+    half = ["--train-iters", str(ITERS // 2), "--exit-interval", str(ITERS // 2)]
     save = ["--save", ckpt, "--ckpt-format", "torch_dist", "--async-save", *half]
+    save += ["--save-interval", "3"]
     resume = ["--load", ckpt, "--ckpt-format", "torch_dist"]
     argvs = {
         "gpt_tp2": [*gpt, *_tp(2)],

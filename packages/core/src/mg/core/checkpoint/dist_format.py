@@ -176,6 +176,22 @@ class PendingSave:
         return self.path
 
 
+_ASYNC_GROUP: list[dist.ProcessGroup] = []
+
+
+def _async_save_group() -> dist.ProcessGroup | None:
+    """A gloo group of the whole world for background saves (made once, collectively).
+
+    DCP's background thread runs collectives to finish a save; on the default group
+    they would interleave with the training's own collectives (the trainer's next
+    all-reduce) in a different order on different ranks, and hang."""
+    if not dist.is_initialized():
+        return None
+    if not _ASYNC_GROUP:
+        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP[0]
+
+
 def save_dist_checkpoint(
     save_dir: str | Path,
     iteration: Iteration,
@@ -215,7 +231,10 @@ def save_dist_checkpoint(
         return PendingSave(None, final)
     with _single_process_is_intended():
         response = dcp.async_save(
-            state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist
+            state,
+            checkpoint_id=staging,
+            process_group=process_group or _async_save_group(),
+            no_dist=no_dist,
         )
     future: Future = getattr(response, "upload_completion", response)
     if not is_main:
