@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -175,9 +176,16 @@ def _launch(spec: dict, folder: Path, threads: int) -> list[dict]:
     world = spec["tp"] * spec["pp"]
     env = {"OMP_NUM_THREADS": str(threads), "MG_BENCH_THREADS": str(threads)}
     outcomes = run_ranks(__file__, world, ["--worker", str(spec_path)], timeout=3600, env=env)
-    for r, outcome in enumerate(outcomes):
-        if outcome.returncode != 0:
-            raise SystemExit(f"rank {r} of {spec} failed:\n{outcome.log[-4000:]}")
+    return _collect(folder, world, [o.returncode for o in outcomes], [o.log for o in outcomes])
+
+
+def _collect(folder: Path, world: int, codes: list[int], logs: list[str]) -> list[dict] | str:
+    """Every rank's phases, or why the run failed (the kernel's OOM killer sends SIGKILL)."""
+    if any(code == -9 for code in codes):
+        return "killed (out of memory)"
+    for r, code in enumerate(codes):
+        if code != 0:
+            raise SystemExit(f"rank {r} in {folder} failed:\n{logs[r][-4000:]}")
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -217,7 +225,7 @@ def main() -> None:
         "cache": str(work / "cache"),
     }
     print(f"GPT {_params(model) / 1e6:.0f}M parameters, fp32; OMP_NUM_THREADS={args.threads}")
-    rows: dict[tuple[int, int, str], list[dict]] = {}
+    rows: dict[tuple[int, int, str], list[dict] | str] = {}
     for tp, pp in LAYOUTS:
         for path in ("sharded", "whole"):  # the sharded run writes the checkpoint both read
             folder = work / f"tp{tp}-pp{pp}-{path}"
@@ -232,6 +240,7 @@ def main() -> None:
             started = time.perf_counter()
             rows[(tp, pp, path)] = _launch(spec, folder, args.threads)
             print(f"  tp={tp} pp={pp} {path}: {time.perf_counter() - started:.0f} s", flush=True)
+        shutil.rmtree(work / f"ckpt-tp{tp}-pp{pp}", ignore_errors=True)  # GBs per layout
     report = _report(rows, model, args.threads)
     print(report)
     Path(args.output).write_text(report)
@@ -257,6 +266,9 @@ def _report(rows: dict, model: dict, threads: int) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for (tp, pp, path), ranks in rows.items():
+        if isinstance(ranks, str):  # the run did not finish
+            lines.append(f"| TP={tp} PP={pp} | {path} | {ranks} |" + " |" * 8)
+            continue
 
         def top(phase: str, key: str = "peak", ranks: list[dict] = ranks) -> float | None:
             values = [r[phase][key] for r in ranks if phase in r]
@@ -283,6 +295,8 @@ def _report(rows: dict, model: dict, threads: int) -> str:
     lines += ["| layout | path | build | step | save | load | reader |"]
     lines += ["| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for (tp, pp, path), ranks in rows.items():
+        if isinstance(ranks, str):
+            continue
         cells = [f"TP={tp} PP={pp}", path]
         for phase in ("build", "step", "save", "load", "reader"):
             values = [r[phase]["seconds"] for r in ranks if phase in r]

@@ -188,26 +188,3 @@ def test_no_rank_gathers_and_the_save_stays_within_its_state(four) -> None:
             f"MiB); gathering state_dict() +{grew['state_dict'] / 2**20:.1f} MiB"
         )
         assert grew["save"] <= 0.1 * state, (rank, grew, state)
-
-
-def test_pp2_dropout_resume_equals_straight_run(tmp_path: Path, mock_argv) -> None:
-    """PP=2 with dropout: 5 + save + load + 5 iterations equal 10 straight, bitwise.
-    Each pipeline stage's default generators are stored and restored as its own
-    (the stages draw differently: the first also drops out the embeddings' output).
-    Untied, so that only the generators are under test: a torch_dist checkpoint
-    holds one copy of a tied embedding."""
-    argv = mock_argv(
-        tmp_path,
-        *("--attention-dropout", "0.1", "--hidden-dropout", "0.1", *UNTIED),
-        *("--pipeline-model-parallel-size", "2", *TORCH_DIST),
-        mbs=2,
-        gbs=4,
-        iters=10,
-    )
-    ckpt = str(tmp_path / "ckpt")
-    argvs = [argv, [*argv, "--save", ckpt, *STOP], [*argv, "--load", ckpt]]
-    out = tmp_path / "runs.json"
-    launch_workers(str(DDP_WORKER), 2, [str(out), json.dumps(argvs)], timeout=600)
-    straight, _, resumed = json.loads(out.read_text())
-    assert len(resumed["losses"]) == 5
-    assert resumed["losses"] == straight["losses"][5:]

@@ -21,53 +21,41 @@ from mg.core.testing.launch import launch_workers
 WORKER = Path(__file__).with_name("ddp_worker.py")
 
 
-@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
-def test_tp_dropout_resume_equals_straight_run(tmp_path: Path, mock_argv, ckpt_format) -> None:
-    argv = mock_argv(
-        tmp_path,
-        *("--attention-dropout", "0.1", "--hidden-dropout", "0.1"),
-        *("--tensor-model-parallel-size", "2", "--sequence-parallel"),
-        *("--make-vocab-size-divisible-by", "64", "--ckpt-format", ckpt_format),
-        mbs=2,
-        gbs=4,
-        iters=10,
-    )
+def _straight_and_resumed(tmp_path: Path, argv: list[str], repeat: bool = False) -> list[dict]:
+    """The run of `argv` (twice with `repeat`), its first 5 iterations saved, and the
+    resume of those: each run's results, in that order, from one 2-rank launch."""
     ckpt = str(tmp_path / "ckpt")
-    argvs = [
-        argv,
-        [*argv, "--save", ckpt, "--save-interval", "5", "--exit-interval", "5"],
-        [*argv, "--load", ckpt],
-    ]
+    argvs = [argv, *([argv] if repeat else [])]
+    argvs += [[*argv, "--save", ckpt, "--save-interval", "5", "--exit-interval", "5"]]
+    argvs += [[*argv, "--load", ckpt]]
     out = tmp_path / "runs.json"
     launch_workers(str(WORKER), 2, [str(out), json.dumps(argvs)], timeout=600)
-    straight, _, resumed = json.loads(out.read_text())
+    runs = json.loads(out.read_text())
+    straight, resumed = runs[0], runs[-1]
     assert len(resumed["losses"]) == 5
     assert resumed["losses"] == straight["losses"][5:]
+    return runs
+
+
+def _dropout_argv(tmp_path: Path, mock_argv, *flags: str) -> list[str]:
+    dropout = ("--attention-dropout", "0.1", "--hidden-dropout", "0.1")
+    return mock_argv(tmp_path, *dropout, *flags, mbs=2, gbs=4, iters=10)
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_tp_dropout_resume_equals_straight_run(tmp_path: Path, mock_argv, ckpt_format) -> None:
+    tp = ("--tensor-model-parallel-size", "2", "--sequence-parallel")
+    vocab = ("--make-vocab-size-divisible-by", "64")
+    argv = _dropout_argv(tmp_path, mock_argv, *tp, *vocab, "--ckpt-format", ckpt_format)
+    _straight_and_resumed(tmp_path, argv)
 
 
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_pp_dropout_is_per_stage_reproducible_and_resumes(
     tmp_path: Path, mock_argv, ckpt_format
 ) -> None:
-    argv = mock_argv(
-        tmp_path,
-        *("--attention-dropout", "0.1", "--hidden-dropout", "0.1"),
-        *("--pipeline-model-parallel-size", "2", "--ckpt-format", ckpt_format),
-        mbs=2,
-        gbs=4,
-        iters=10,
-    )
-    ckpt = str(tmp_path / "ckpt")
-    argvs = [
-        argv,
-        argv,
-        [*argv, "--save", ckpt, "--save-interval", "5", "--exit-interval", "5"],
-        [*argv, "--load", ckpt],
-    ]
-    out = tmp_path / "runs.json"
-    launch_workers(str(WORKER), 2, [str(out), json.dumps(argvs)], timeout=600)
-    straight, again, _, resumed = json.loads(out.read_text())
+    pp = ("--pipeline-model-parallel-size", "2")
+    argv = _dropout_argv(tmp_path, mock_argv, *pp, "--ckpt-format", ckpt_format)
+    straight, again, *_ = _straight_and_resumed(tmp_path, argv, repeat=True)
     assert straight["seeds"] == [1234, 1334]  # seed + 100 * pipeline rank
     assert again["losses"] == straight["losses"]  # bitwise
-    assert len(resumed["losses"]) == 5
-    assert resumed["losses"] == straight["losses"][5:]
