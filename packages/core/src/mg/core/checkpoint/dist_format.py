@@ -116,16 +116,55 @@ def _strided_chunks(tensor: DTensor) -> DTensor:
 
 
 def dcp_ready(state: Any) -> Any:
-    """A copy of a nested state dict in which every tensor is something DCP can chunk."""
+    """A copy of a nested state dict in which every tensor is something DCP can chunk,
+    over storage of its own size (`own_storage`)."""
     if isinstance(state, Mapping):
         return {k: dcp_ready(v) for k, v in state.items()}
     if isinstance(state, list):
         return [dcp_ready(v) for v in state]
-    if isinstance(state, DTensor) and any(isinstance(p, _StridedShard) for p in state.placements):
-        if state.device_mesh.ndim != 1:
-            raise NotImplementedError("strided shards are supported on a 1-D mesh only")
-        return _strided_chunks(state)
+    if isinstance(state, DTensor):
+        if any(isinstance(p, _StridedShard) for p in state.placements):
+            if state.device_mesh.ndim != 1:
+                raise NotImplementedError("strided shards are supported on a 1-D mesh only")
+            state = _strided_chunks(state)
+        local = state._local_tensor
+        exact = own_storage(local)
+        if exact is local:
+            return state
+        return DTensor.from_local(
+            exact,
+            state.device_mesh,
+            state.placements,
+            run_check=False,
+            shape=state.shape,
+            stride=state.stride(),
+        )
+    if isinstance(state, Tensor):
+        return own_storage(state)
     return state
+
+
+def own_storage(tensor: Tensor) -> Tensor:
+    """`tensor` over a storage of exactly its bytes, sharing its memory.
+
+    Parameters and optimizer state are views into flat buffers (the
+    distributed optimizer's buckets). DCP's writer clones a tensor whose
+    storage is larger than it, and keeps every clone of a file until the file
+    is written: a full copy of the rank's state. A slice of the storage is the
+    same memory with no excess, so nothing is cloned; a load writes through it
+    into the original. Non-contiguous tensors are left as they are."""
+    if isinstance(tensor, LocalShardsWrapper):
+        shards = [own_storage(shard) for shard in tensor.local_shards()]
+        return LocalShardsWrapper(shards, tensor.local_offsets())
+    storage = tensor.untyped_storage()
+    if tensor.numel() == 0 or not tensor.is_contiguous() or storage.nbytes() == tensor.nbytes:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    piece = storage[start : start + tensor.nbytes]
+    with torch.no_grad():
+        return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+            piece, 0, tensor.shape, tensor.stride()
+        )
 
 
 # --------------------------------------------------------------------------- save
