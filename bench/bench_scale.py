@@ -24,8 +24,8 @@ phase's peak resident memory, in GB, imports and earlier state included.
   it is the rank's *resident training state*;
 - save: a `torch_dist` checkpoint of model and optimizer (sharded path only);
 - load: that checkpoint resumed into the same trainer (sharded path only);
-- reader: a fresh process group loads the checkpoint for evaluation in the same
-  layout (the eval/serve load), sharded vs whole.
+- reader: fresh processes load the checkpoint for evaluation in the same layout
+  (the eval/serve load), sharded vs whole.
 
 Printed and written to `bench/results/scale-cpu.md`: per layout the largest
 rank's peak per phase, the ratios to the single-process run (whole-model path) and,
@@ -110,6 +110,13 @@ def _worker(spec_path: str) -> None:
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     tp, pp, path = spec["tp"], spec["pp"], spec["path"]
+    if spec["phase"] == "reader":  # a fresh process: nothing of the training run around
+        if world > 1:
+            dist.init_process_group("gloo")
+        phases = Phases()
+        phases.run("reader", lambda: _reader(spec, path))
+        Path(spec_path).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(phases.results))
+        return
     if path == "whole":  # the path before: build everything on every rank, then cut
         gpt = families.FAMILIES["gpt"]
         families.FAMILIES["gpt"] = families.ModelFamily(
@@ -134,11 +141,6 @@ def _worker(spec_path: str) -> None:
                 rng_shard=trainer._rng_shard,
             ),
         )
-    trainer = None  # the training state goes before the reader phase
-    import gc
-
-    gc.collect()
-    phases.run("reader", lambda: _reader(spec, path))
     if dist.is_initialized():
         dist.barrier()
     out = Path(spec_path).parent / f"rank{rank}.json"
@@ -238,8 +240,15 @@ def main() -> None:
                 "checkpoint": str(work / f"ckpt-tp{tp}-pp{pp}"),
             }
             started = time.perf_counter()
-            rows[(tp, pp, path)] = _launch(spec, folder, args.threads)
+            rows[(tp, pp, path)] = _launch({**spec, "phase": "train"}, folder, args.threads)
             print(f"  tp={tp} pp={pp} {path}: {time.perf_counter() - started:.0f} s", flush=True)
+        for path in ("sharded", "whole"):  # the eval/serve load of the sharded run's checkpoint
+            spec = {"tp": tp, "pp": pp, "path": path, "phase": "reader"}
+            spec["checkpoint"] = str(work / f"ckpt-tp{tp}-pp{pp}")
+            read = _launch(spec, work / f"tp{tp}-pp{pp}-{path}-reader", args.threads)
+            if isinstance(rows[(tp, pp, path)], list) and isinstance(read, list):
+                for phases, reader in zip(rows[(tp, pp, path)], read, strict=True):
+                    phases.update(reader)
         shutil.rmtree(work / f"ckpt-tp{tp}-pp{pp}", ignore_errors=True)  # GBs per layout
     report = _report(rows, model, args.threads)
     print(report)
