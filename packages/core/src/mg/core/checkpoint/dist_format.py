@@ -51,6 +51,7 @@ from mg.core.checkpoint.layout import (
     tracker_file,
 )
 from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
+from mg.core.parallel.dtensor_layout import shard_like
 
 COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = "metadata.json"
@@ -129,16 +130,7 @@ def dcp_ready(state: Any) -> Any:
             state = _strided_chunks(state)
         local = state._local_tensor
         exact = own_storage(local)
-        if exact is local:
-            return state
-        return DTensor.from_local(
-            exact,
-            state.device_mesh,
-            state.placements,
-            run_check=False,
-            shape=state.shape,
-            stride=state.stride(),
-        )
+        return state if exact is local else shard_like(exact, state)
     if isinstance(state, Tensor):
         return own_storage(state)
     return state
