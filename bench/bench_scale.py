@@ -138,7 +138,7 @@ def _worker(spec_path: str) -> None:
                 optimizer=trainer.optimizer,
                 scheduler=trainer.scheduler,
                 loss_scaler=trainer.scaler,
-                rng_shard=trainer._rng_shard,
+                rng_shard=trainer.layout.shard_name,
             ),
         )
     if dist.is_initialized():

@@ -21,11 +21,10 @@ from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.bert import BertModel, bert_from_state_dict
 from mg.core.parallel.layout import ParallelLayout
-from mg.core.parallel.pipeline import PipelineConfigError
-from mg.core.parallel.tensor_parallel import TensorParallelError
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate.errors import EvalInputError
+from mg.evaluate.model_parallel import layout_errors
 
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
@@ -76,12 +75,8 @@ def load_part_for_eval(
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
-    try:
+    with layout_errors():
         part = load_model_part(load_dir, layout, iteration, device=device, dtype=torch.float32)
-    except TensorParallelError as err:
-        raise EvalInputError(f"cannot evaluate with tensor parallelism: {err}") from None
-    except PipelineConfigError as err:
-        raise EvalInputError(f"cannot evaluate with pipeline parallelism: {err}") from None
     tokenizer = eval_tokenizer(
         part.tokenizer_config, tokenizer_overrides, load_dir, part.config.vocab_size
     )

@@ -20,6 +20,7 @@ parallelism.
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any, TypeVar
@@ -189,19 +190,26 @@ def _pad_rows(batch: Batch, rows: int) -> Batch:
     return {k: torch.cat([v, v[:1].expand(missing, *v.shape[1:])]) for k, v in batch.items()}
 
 
-def parallelize_for_eval(model: GPTModel, layout: ParallelLayout) -> EvalModel:
-    """This rank's part of ``model`` (the whole model, identical on every rank)."""
-    if layout.tp > 1:
-        try:
-            apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=False)
-        except TensorParallelError as err:
-            raise EvalInputError(f"cannot evaluate with tensor parallelism: {err}") from None
-    if layout.pp == 1:
-        return EvalModel(model, layout)
+@contextlib.contextmanager
+def layout_errors() -> Iterator[None]:
+    """A model that does not split over the layout, as mg-eval's input error (the message
+    names the number that does not divide)."""
     try:
-        (stage,) = split_model(model, layout.pp_rank, layout.pp)
+        yield
+    except TensorParallelError as err:
+        raise EvalInputError(f"cannot evaluate with tensor parallelism: {err}") from None
     except PipelineConfigError as err:
         raise EvalInputError(f"cannot evaluate with pipeline parallelism: {err}") from None
+
+
+def parallelize_for_eval(model: GPTModel, layout: ParallelLayout) -> EvalModel:
+    """This rank's part of ``model`` (the whole model, identical on every rank)."""
+    with layout_errors():
+        if layout.tp > 1:
+            apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=False)
+        if layout.pp == 1:
+            return EvalModel(model, layout)
+        (stage,) = split_model(model, layout.pp_rank, layout.pp)
     return EvalModel(stage, layout)
 
 

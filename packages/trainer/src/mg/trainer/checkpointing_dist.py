@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
@@ -51,6 +50,7 @@ from mg.core.checkpoint.dist_format import (
     is_torch_dist,
     load_dist_checkpoint,
     save_dist_checkpoint,
+    stored_keys,
     stored_tensors,
 )
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
@@ -108,19 +108,13 @@ def _optimizer_request(folder: Path, model: nn.Module, optimizer: Any) -> dict[s
     if not isinstance(optimizer, DistributedOptimizer):
         return get_optimizer_state_dict(model, optimizer)
     names = _names(model, optimizer)
-    stored = _stored_keys(folder, "optimizer.state.")
+    stored = stored_keys(folder, "optimizer.state.")
     request = optimizer.sharded_state_to_load(
         lambda i, key: f"optimizer.state.{names[i]}.{key}" in stored
     )
     # Non-tensor entries are read whole in place of these placeholders (None is skipped).
     groups = [{k: _PLACEHOLDER for k in g} for g in optimizer.param_groups]
     return {"state": _by_name(request, names)["state"], "param_groups": groups}
-
-
-def _stored_keys(folder: Path, prefix: str) -> set[str]:
-    """The checkpoint's keys under `prefix` (from DCP's index; no tensor is made)."""
-    metadata = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    return {key for key in metadata if key.startswith(prefix)}
 
 
 def _with_members(groups: list[dict], members: list[list], load_dir: str) -> list[dict]:
@@ -217,7 +211,7 @@ def _position_rng_request(folder: Path, position: str) -> dict[str, Any]:
     request: dict[str, Any] = {
         k[len(prefix) :]: v for k, v in stored_tensors(folder, prefix).items()
     }
-    if prefix + _RNG_STATE in _stored_keys(folder, prefix):
+    if prefix + _RNG_STATE in stored_keys(folder, prefix):
         request[_RNG_STATE] = b""  # an object: replaced by the stored one
     return request
 

@@ -222,7 +222,9 @@ class Trainer:
                 "load_rng": not c.no_load_rng,
             }
             if checkpointing_dist.latest_is_torch_dist(c.load):  # the format is detected
-                resumed = checkpointing_dist.resume(c.load, **what, rng_shard=self._rng_shard)
+                resumed = checkpointing_dist.resume(
+                    c.load, **what, rng_shard=self.layout.shard_name
+                )
             else:
                 resumed = checkpointing.resume(c.load, **what, layout=self.layout)
             if resumed is not None:
@@ -419,7 +421,7 @@ class Trainer:
                 save_optim=not c.no_save_optim,
                 save_rng=not c.no_save_rng,
                 async_save=c.async_save,
-                rng_shard=self._rng_shard,
+                rng_shard=self.layout.shard_name,
             )
             if self.env.is_main:
                 verb = "started async save of" if c.async_save else "saved"
@@ -441,11 +443,6 @@ class Trainer:
         )
         if self.env.is_main:
             print(f" saved checkpoint at iteration {self.state.iteration} to {c.save}", flush=True)
-
-    @property
-    def _rng_shard(self) -> str:
-        """Where this rank's tensor-parallel dropout stream goes in a torch_dist checkpoint."""
-        return f"tp{self.layout.tp_rank}_pp{self.layout.pp_rank}"
 
     def finish_saves(self) -> None:
         """Wait for an --async-save in flight (before the next save and before exiting)."""

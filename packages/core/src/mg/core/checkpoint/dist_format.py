@@ -379,6 +379,12 @@ def stored_tensors(folder: str | Path, prefix: str = "") -> dict[str, Tensor]:
     }
 
 
+def stored_keys(folder: str | Path, prefix: str = "") -> set[str]:
+    """The checkpoint's keys under `prefix`, tensors and objects (from DCP's index)."""
+    metadata = dcp.FileSystemReader(Path(folder)).read_metadata()
+    return {key for key in metadata.state_dict_metadata if key.startswith(prefix)}
+
+
 def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Tensor]:
     """Every tensor under `prefix`, whole (unsharded), on one process without a process group."""
     folder = Path(folder)
