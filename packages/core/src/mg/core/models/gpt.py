@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from mg.core.models.config import ConfigError, TransformerConfig
 from mg.core.models.core_attention import build_core_attention
-from mg.core.models.kv_cache import KVCache, cached_attention
+from mg.core.models.kv_cache import KVCache
 from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
 
 
@@ -142,9 +142,9 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             query = apply_rotary_pos_emb(query, *rotary)
             key = apply_rotary_pos_emb(key, *rotary)
-        if inference_cache is not None:  # incremental decoding: attend to the cached prefix
-            key, value, allowed = inference_cache.update(self.layer_number - 1, key, value)
-            return self.linear_proj(cached_attention(query, key, value, allowed))
+        if inference_cache is not None:  # incremental decoding: the cache stores and attends
+            context = inference_cache.attend(self.layer_number - 1, query, key, value)
+            return self.linear_proj(context)
         context = self.core_attention(query, key, value, attention_mask=attention_mask)
         return self.linear_proj(context)
 

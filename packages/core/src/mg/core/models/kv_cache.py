@@ -103,6 +103,13 @@ class KVCache:
             allowed &= j[None, None, :] >= positions[:, :, None] - self.window_size[0]
         return keys, values, allowed[:, None]
 
+    def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Store this step's key/value of one layer and return the context [b, s, heads·d]
+        of its queries [b, s, heads, d] over the cached prefix: the one method a model's
+        attention calls on any inference cache (`PagedKVCache` has it too)."""
+        key, value, allowed = self.update(layer_index, key, value)
+        return cached_attention(query, key, value, allowed)
+
 
 def cached_attention(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor) -> Tensor:
     """softmax(q kᵀ/√d) v over cached keys: query [b, s, heads, d], key/value

@@ -1,0 +1,261 @@
+"""A paged key/value cache: fixed-size blocks from one pool, a block table per sequence.
+
+A server decodes many sequences of different lengths at once. Giving each a
+contiguous slot of the model's full context wastes memory on positions never
+used; here the pool is `num_blocks` blocks of `block_size` positions for every
+layer, and a sequence owns the blocks its block table lists (position p lives
+in block `table[p // block_size]` at offset `p % block_size`). Blocks can be
+shared between sequences (a common prompt prefix is computed once).
+
+One forward runs a *packed* step: the new tokens of every sequence laid end to
+end as one row, input_ids [1, T] and position_ids [1, T]. A step is described by
+`PagedSegment`s (where each sequence's tokens sit in the row, how many
+positions it had cached before, its block table), built by the caller on the
+host, so nothing in the forward waits on the device:
+
+    cache = PagedKVCache.for_model(model, num_blocks=256, block_size=16)
+    cache.bind([PagedSegment(0, 5, 0, [3]), PagedSegment(5, 1, 17, [0, 1])])
+    logits = model(ids, positions, inference_cache=cache)   # ids, positions: [1, 6]
+
+Each layer calls `attend(layer, q, k, v)`: the step's keys/values are written
+into their blocks (one index_copy_ per layer, no copy of the prefix), then the
+queries of the sequences that decode one token are answered together by one
+SDPA over their gathered blocks, and each prefill chunk by its own SDPA with a
+causal mask offset by its cached prefix (chunked prefill).
+
+`attend(layer, query, key, value) -> context` is the whole interface a model
+layer sees (`KVCache` has it too); a layer with a recurrent state instead of
+keys/values (Mamba) would ask the same cache object for its per-sequence state
+by layer index.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class PagedSegment:
+    """One sequence's part of a packed step."""
+
+    query_start: int
+    """Index of its first new token in the packed row."""
+    query_length: int
+    """How many new tokens it has in this step (1 when decoding)."""
+    context_start: int
+    """Positions already cached before this step; its first new token is at this position."""
+    blocks: Sequence[int]
+    """Its block table, covering at least context_start + query_length positions."""
+
+    @property
+    def context_length(self) -> int:
+        return self.context_start + self.query_length
+
+
+def encode_segments(segments: Sequence[PagedSegment]) -> list[int]:
+    """The segments as a flat list of ints (to broadcast a step to tensor-parallel ranks)."""
+    flat = [len(segments)]
+    for s in segments:
+        flat += [s.query_start, s.query_length, s.context_start, len(s.blocks), *s.blocks]
+    return flat
+
+
+def decode_segments(flat: Sequence[int]) -> list[PagedSegment]:
+    """Inverse of `encode_segments`."""
+    segments, i = [], 1
+    for _ in range(flat[0]):
+        start, length, context, n = flat[i : i + 4]
+        segments.append(PagedSegment(start, length, context, list(flat[i + 4 : i + 4 + n])))
+        i += 4 + n
+    return segments
+
+
+@dataclass
+class _Prefill:
+    """A prefill chunk's bound metadata: its rows of the packed step and its keys' blocks."""
+
+    start: int
+    length: int
+    context: int
+    blocks: Tensor
+    mask: Tensor | None
+    """None: a chunk from position 0 (plain causal attention, no window)."""
+
+
+def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero tensor whose memory is touched only when written, on the CPU: anonymous mmap
+    pages cost nothing until used, so a large pool holds only the blocks really filled."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
+class PagedKVCache:
+    """Keys and values in blocks, [layers, blocks, block_size, groups, head_dim] each."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_groups: int,
+        head_dim: int,
+        num_heads: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        window_size: tuple[int, int] | None = None,
+    ) -> None:
+        device = torch.device(device or "cpu")
+        shape = (num_layers, num_blocks, block_size, num_groups, head_dim)
+        self.keys = _zeroed_pool(shape, dtype, device)
+        self.values = _zeroed_pool(shape, dtype, device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_heads = num_heads
+        self.window_size = window_size
+        self.device = device
+        self._bound = False
+
+    @staticmethod
+    def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes one block takes for every layer of `model` (keys and values)."""
+        attention = model.decoder.layers[0].self_attention
+        dtype = dtype or next(model.parameters()).dtype
+        item = torch.empty((), dtype=dtype).element_size()
+        layers = len(model.decoder.layers)
+        return 2 * layers * block_size * attention.num_groups * attention.head_dim * item
+
+    @classmethod
+    def for_model(cls, model: nn.Module, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A pool shaped for `model` (a GPTModel; its local heads under tensor parallelism)."""
+        attention = model.decoder.layers[0].self_attention
+        weight = next(model.parameters())
+        return cls(
+            num_layers=len(model.decoder.layers),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            num_groups=attention.num_groups,
+            head_dim=attention.head_dim,
+            num_heads=attention.num_heads,
+            dtype=weight.dtype,
+            device=weight.device,
+            window_size=model.config.window_size,
+        )
+
+    def bind(self, segments: Sequence[PagedSegment]) -> None:
+        """Describe the next forward's packed row; everything every layer needs is built here."""
+        bs, device = self.block_size, self.device
+        slots: list[int] = []
+        decodes: list[PagedSegment] = []
+        self._prefills: list[_Prefill] = []
+        expected = 0
+        for s in segments:
+            if s.query_start != expected:
+                raise ValueError("PagedKVCache: segments must tile the packed row in order")
+            expected += s.query_length
+            if s.context_length > len(s.blocks) * bs:
+                raise ValueError(
+                    f"PagedKVCache: a sequence reaches position {s.context_length - 1} but its "
+                    f"{len(s.blocks)} blocks of {bs} hold {len(s.blocks) * bs}"
+                )
+            for p in range(s.context_start, s.context_length):
+                slots.append(s.blocks[p // bs] * bs + p % bs)
+            if s.query_length == 1:
+                decodes.append(s)
+            else:
+                nb = -(-s.context_length // bs)
+                self._prefills.append(
+                    _Prefill(
+                        s.query_start,
+                        s.query_length,
+                        s.context_start,
+                        torch.tensor(s.blocks[:nb], device=device),
+                        self._mask([s], s.query_length, nb * bs, chunk=True),
+                    )
+                )
+        self._num_tokens = expected
+        self._slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self._decode_rows = None
+        if decodes:
+            width = max(-(-s.context_length // bs) for s in decodes)
+            tables = [
+                list(s.blocks[:width]) + [0] * (width - len(s.blocks[:width])) for s in decodes
+            ]
+            self._decode_rows = torch.tensor([s.query_start for s in decodes], device=device)
+            self._decode_tables = torch.tensor(tables, device=device)
+            self._decode_mask = self._mask(decodes, 1, width * bs, chunk=False)
+        self._bound = True
+
+    def _mask(
+        self, segments: list[PagedSegment], queries: int, keys: int, chunk: bool
+    ) -> Tensor | None:
+        """Bool [rows, 1, queries, keys] (True = attend): key j is visible to query i of a
+        row when j <= its position (and within the sliding window)."""
+        s = segments[0]
+        if chunk and s.context_start == 0 and self.window_size is None:
+            return None  # plain causal over exactly its own keys
+        start = torch.tensor([x.context_start for x in segments])
+        position = start[:, None] + torch.arange(queries)[None, :]  # [rows, queries]
+        j = torch.arange(keys)
+        allowed = j[None, None, :] <= position[:, :, None]
+        if self.window_size is not None:
+            allowed &= j[None, None, :] >= position[:, :, None] - self.window_size[0]
+        return allowed[:, None].to(self.device)
+
+    def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """Store the step's keys/values [1, T, groups, d] of one layer and return the context
+        [1, T, heads·d] of its queries [1, T, heads, d] over each sequence's cached positions."""
+        if not self._bound:
+            raise RuntimeError("PagedKVCache.bind(segments) must be called before a forward")
+        b, t, heads, d = query.shape
+        if b != 1 or t != self._num_tokens:
+            raise ValueError(
+                f"PagedKVCache is bound to a packed row of {self._num_tokens} tokens; "
+                f"the step has shape [{b}, {t}]"
+            )
+        keys, values = self.keys[layer_index], self.values[layer_index]
+        groups = keys.shape[2]
+        flat_keys = keys.view(-1, groups, d)
+        flat_values = values.view(-1, groups, d)
+        flat_keys.index_copy_(0, self._slots, key[0].to(keys.dtype))
+        flat_values.index_copy_(0, self._slots, value[0].to(values.dtype))
+        out = query.new_empty(t, heads, d)
+        scale = 1.0 / math.sqrt(d)
+        gqa = groups != heads
+        if self._decode_rows is not None:
+            rows = self._decode_rows
+            n = rows.shape[0]
+            q = query[0, rows][:, :, None]  # [n, heads, 1, d]
+            k = keys[self._decode_tables].view(n, -1, groups, d).transpose(1, 2)
+            v = values[self._decode_tables].view(n, -1, groups, d).transpose(1, 2)
+            context = F.scaled_dot_product_attention(
+                q,
+                k.to(q.dtype),
+                v.to(q.dtype),
+                attn_mask=self._decode_mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[rows] = context[:, :, 0]
+        for p in self._prefills:
+            length = p.context + p.length
+            q = query[0, p.start : p.start + p.length].transpose(0, 1)[None]  # [1, heads, s, d]
+            k = keys[p.blocks].view(-1, groups, d)
+            v = values[p.blocks].view(-1, groups, d)
+            if p.mask is None:
+                k, v = k[:length], v[:length]
+            k, v = (x.transpose(0, 1)[None].to(q.dtype) for x in (k, v))
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
+            )
+            out[p.start : p.start + p.length] = context[0].transpose(0, 1)
+        return out.view(1, t, heads * d)
