@@ -40,6 +40,7 @@ from mg.core.checkpoint.torch_format import (
 from mg.core.checkpoint.tp_merge import merge_tensor_parallel
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
+from mg.core.quantization.apply import quantize_layout, recorded_quantization
 from mg.core.tokenizers.config import TokenizerConfig
 
 _PATH_FIELDS = ("vocab_file", "merge_file", "tokenizer_model")
@@ -94,6 +95,9 @@ def load_model(
     weights = weights_of(config)
     with torch.device("meta"):
         model = GPTModel(config)
+    quantization = recorded_quantization(state)
+    if quantization is not None:  # mg-quantize's output: its linears are quantized modules
+        quantize_layout(model, quantization)
     try:
         model.load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as exc:

@@ -43,6 +43,7 @@ from mg.core.models.gpt import GPTModel
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.materialize import copy_shard, materialize, owned_tensors
 from mg.core.parallel.pipeline import split_model
+from mg.core.quantization.apply import recorded_quantization
 from mg.core.tokenizers.config import TokenizerConfig
 
 
@@ -87,6 +88,11 @@ def load_model_part(
         path, _ = find_rank_file(folder)
         state = load_file(path, mmap=True)
     config, tokenizer_config = model_configs(state, path, load_dir)
+    if recorded_quantization(state) is not None:
+        raise CheckpointError(
+            f"{load_dir} is quantized (mg-quantize); quantized checkpoints load whole on one "
+            "process (no tensor/pipeline parallelism)"
+        )
     with torch.device("meta"):
         model = GPTModel(config)
     if layout.tp > 1:

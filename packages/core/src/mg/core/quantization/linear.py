@@ -1,0 +1,279 @@
+"""Quantized drop-in replacements for ``nn.Linear``.
+
+Each module holds its quantized weight and scales as buffers (so they are in
+the state dict and move with ``.to(device)``), keeps the bias in float, and
+picks its matmul at call time:
+
+- ``Int8WeightOnlyLinear`` (W8A16): ``torch._weight_int8pack_mm`` on CPU;
+- ``Int4WeightOnlyLinear`` (W4A16, grouped): ``torch._weight_int4pack_mm_for_cpu``
+  on CPU when the shapes allow it (out_features % 16 == 0), the weight converted
+  once into the kernel's tiled layout (``_convert_weight_to_int4pack_for_cpu``);
+- ``Int8DynamicLinear`` (W8A8, SmoothQuant): per-token int8 activations and
+  ``torch._int_mm`` (int8 × int8 → int32);
+- ``Fp8Linear`` (E4M3 weights and static per-tensor activations):
+  ``torch._scaled_mm`` on GPUs with FP8 (compute capability ≥ 8.9).
+
+Anywhere else they dequantize the weight and call ``F.linear`` (same numbers,
+no speed-up). The path taken is logged once per module type and path, so a
+run says whether it got real low-bit kernels.
+
+Weights are stored in integer dtypes (fp8 as its uint8 bit pattern), so
+``model.to(torch.bfloat16)`` casts scales and biases but never the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mg.core.quantization import primitives as P
+
+log = logging.getLogger("mg.core.quantization")
+_LOGGED: set[tuple[str, str]] = set()
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _note_path(module: nn.Module, path: str) -> None:
+    key = (type(module).__name__, path)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("%s: %s", type(module).__name__, path)
+
+
+def kernel_paths() -> list[tuple[str, str]]:
+    """(module type, matmul path) pairs used so far in this process."""
+    return sorted(_LOGGED)
+
+
+class QuantizedLinear(nn.Module):
+    """Common part: shapes, the float bias, and the 2-D reshape around the matmul."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    def dequantized_weight(self) -> Tensor:
+        """The [out, in] float32 weight this module computes with."""
+        raise NotImplementedError
+
+    def matmul(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = self.matmul(x.reshape(-1, shape[-1]))
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _fallback(self, x: Tensor) -> Tensor:
+        _note_path(self, f"dequantize + F.linear on {x.device.type} ({x.dtype})")
+        return F.linear(x, self.dequantized_weight().to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8WeightOnlyLinear(QuantizedLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.empty(out_features))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight: Tensor | None = None) -> Int8WeightOnlyLinear:
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        module.qweight, module.weight_scale = P.quantize_int8_per_channel(
+            linear.weight if weight is None else weight
+        )
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone())
+        return module
+
+    def dequantized_weight(self) -> Tensor:
+        return P.dequantize_int8(self.qweight, self.weight_scale)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        if x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES:
+            _note_path(self, f"torch._weight_int8pack_mm ({x.dtype})")
+            return torch._weight_int8pack_mm(x, self.qweight, self.weight_scale.to(x.dtype))
+        return self._fallback(x)
+
+
+class Int4WeightOnlyLinear(QuantizedLinear):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, group_size: int = 128
+    ) -> None:
+        super().__init__(in_features, out_features, bias)
+        P.check_group_size(in_features, group_size)
+        self.group_size = group_size
+        groups = in_features // group_size
+        self.register_buffer(
+            "qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+        )
+        self.register_buffer("weight_scale", torch.empty(out_features, groups))
+        self.register_buffer(
+            "weight_zero_point", torch.empty(out_features, groups, dtype=torch.int8)
+        )
+        self._packed: Tensor | None = None  # the kernel's tiled layout, built on first use
+        self._scales_and_zeros: dict[torch.dtype, Tensor] = {}
+
+    @classmethod
+    def from_quantized(
+        cls, linear: nn.Linear, q: Tensor, scale: Tensor, zero: Tensor
+    ) -> Int4WeightOnlyLinear:
+        """From q (0..15, [out, in]), scales and zero points [out, in / group]."""
+        group_size = linear.in_features // scale.shape[1]
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size)
+        module.qweight = P.pack_int4(q)
+        module.weight_scale = scale.float().contiguous()
+        module.weight_zero_point = zero.to(torch.int8).contiguous()
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone())
+        return module
+
+    def q_values(self) -> Tensor:
+        return P.unpack_int4(self.qweight)
+
+    def dequantized_weight(self) -> Tensor:
+        return P.dequantize_int4(self.q_values(), self.weight_scale, self.weight_zero_point)
+
+    def _forget_kernel_form(self) -> None:
+        self._packed, self._scales_and_zeros = None, {}
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:  # new weights: new kernel form
+        self._forget_kernel_form()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse: bool = True):  # moved or cast: new kernel form
+        self._forget_kernel_form()
+        return super()._apply(fn, recurse)
+
+    def _kernel_ok(self, x: Tensor) -> bool:
+        return (
+            x.device.type == "cpu"
+            and x.dtype in _KERNEL_DTYPES
+            and self.out_features % 16 == 0
+            and self.group_size in (32, 64, 128, 256)
+        )
+
+    def _kernel_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self._packed is None:
+            self._packed = torch._convert_weight_to_int4pack_for_cpu(self.q_values().int(), 1)
+        if dtype not in self._scales_and_zeros:
+            # the kernel computes (q - 8) * scale + zero: our (q - z) * s has zero = (8 - z) * s
+            scale = self.weight_scale.float()
+            offset = (8 - self.weight_zero_point.float()) * scale
+            both = torch.stack([scale.t(), offset.t()], dim=-1).contiguous()
+            self._scales_and_zeros[dtype] = both.to(dtype)
+        return self._packed, self._scales_and_zeros[dtype]
+
+    def matmul(self, x: Tensor) -> Tensor:
+        if self._kernel_ok(x):
+            _note_path(self, f"torch._weight_int4pack_mm_for_cpu ({x.dtype})")
+            packed, scales_and_zeros = self._kernel_weights(x.dtype)
+            return torch._weight_int4pack_mm_for_cpu(
+                x.contiguous(), packed, self.group_size, scales_and_zeros
+            )
+        return self._fallback(x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+class Int8DynamicLinear(QuantizedLinear):
+    """W8A8: int8 per-channel weights, int8 per-token activations quantized on the fly."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.empty(out_features))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, weight: Tensor | None = None) -> Int8DynamicLinear:
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        module.qweight, module.weight_scale = P.quantize_int8_per_channel(
+            linear.weight if weight is None else weight
+        )
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone())
+        return module
+
+    def dequantized_weight(self) -> Tensor:
+        return P.dequantize_int8(self.qweight, self.weight_scale)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        xq, xs = P.quantize_int8_per_token(x)
+        if x.device.type == "cpu" or (
+            x.shape[0] > 16 and self.in_features % 8 == 0 and self.out_features % 8 == 0
+        ):
+            _note_path(self, f"torch._int_mm int8 x int8 on {x.device.type}")
+            acc = torch._int_mm(xq, self.qweight.t()).float()
+        else:
+            _note_path(self, f"int8 values in float matmul on {x.device.type}")
+            acc = xq.float() @ self.qweight.float().t()
+        return (acc * xs * self.weight_scale.float()).to(x.dtype)
+
+
+class Fp8Linear(QuantizedLinear):
+    """E4M3 weights (per-tensor or per-channel scale), E4M3 activations (static, per tensor)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, per_channel: bool = False
+    ) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.per_channel = per_channel
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.empty(out_features if per_channel else ()))
+        self.register_buffer("input_scale", torch.empty(()))
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, input_amax: float, per_channel: bool, weight: Tensor | None = None
+    ) -> Fp8Linear:
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, per_channel)
+        q, module.weight_scale = P.quantize_fp8(
+            linear.weight if weight is None else weight, per_channel
+        )
+        module.qweight = q.view(torch.uint8)
+        module.input_scale = torch.tensor(max(float(input_amax), 1e-12) / P.FP8_MAX)
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone())
+        return module
+
+    def fp8_weight(self) -> Tensor:
+        return self.qweight.view(torch.float8_e4m3fn)
+
+    def dequantized_weight(self) -> Tensor:
+        return P.dequantize_fp8(self.fp8_weight(), self.weight_scale)
+
+    def matmul(self, x: Tensor) -> Tensor:
+        if (
+            x.device.type == "cuda"
+            and torch.cuda.get_device_capability(x.device) >= (8, 9)
+            and not self.per_channel
+            and x.shape[0] % 16 == 0
+        ):
+            _note_path(self, "torch._scaled_mm (fp8 e4m3) on cuda")
+            s_in = self.input_scale.float()
+            xq = (x.float() / s_in).clamp(-P.FP8_MAX, P.FP8_MAX).to(torch.float8_e4m3fn)
+            return torch._scaled_mm(
+                xq,
+                self.fp8_weight().t(),
+                scale_a=s_in,
+                scale_b=self.weight_scale.float(),
+                out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16,
+            ).to(x.dtype)
+        _note_path(self, f"fp8 fake-quantized activations + F.linear on {x.device.type}")
+        x = P.fake_quantize_fp8_activation(x, self.input_scale)
+        return F.linear(x, self.dequantized_weight().to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, per_channel={self.per_channel}"
