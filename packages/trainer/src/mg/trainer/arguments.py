@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from mg.trainer.help_format import DefaultsHelpFormatter
+
 FAMILIES = ("gpt", "bert", "t5")
 
 
@@ -158,6 +160,7 @@ class CheckpointArgs:
     ckpt_format: str = "torch_dist"
     async_save: bool = False
     perform_initialization: bool = True
+    overwrite_checkpoints: bool = False
 
 
 @dataclass
@@ -472,6 +475,12 @@ def _add_checkpoint_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--load", help="Checkpoint folder to resume from (latest iteration).")
     p.add_argument("--save-interval", type=int, help="Save every N iterations.")
     p.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="Let this run's saves overwrite newer checkpoints already in --save (refused "
+        "otherwise, e.g. when --load finds nothing but --save holds checkpoints).",
+    )
+    p.add_argument(
         "--finetune", action="store_true", help="Load the model only; restart at iteration 0."
     )
     p.add_argument(
@@ -582,7 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mg-train",
         description="Pretrain a GPT, BERT or T5 with Megatron-LM's flags. "
         "Run under torchrun for data parallelism.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("family", choices=FAMILIES, help="Model family to train.")
     parser.add_argument(
@@ -711,6 +720,9 @@ def _require(args: Args) -> None:
     t = args.training
     if (t.train_iters is None) == (t.train_samples is None):
         _fail("expected exactly one of --train-iters and --train-samples")
+    for flag, value in (("--train-iters", t.train_iters), ("--train-samples", t.train_samples)):
+        if value is not None and value < 1:
+            _fail(f"{flag} {value}: nothing to train; give the number of steps (at least 1)")
 
 
 def _unsupported(args: Args) -> None:
@@ -954,6 +966,8 @@ def validate(args: Args) -> None:
         _fail("--wandb-project needs the wandb package: pip install wandb (or drop the flag)")
     if c.save_interval is not None and c.save is None:
         _fail("--save-interval needs --save")
+    if c.save_interval is not None and c.save_interval <= 0:
+        _fail(f"--save-interval {c.save_interval}: must be at least 1 (iterations between saves)")
     _validate_data(args)
 
 
