@@ -55,7 +55,13 @@ def test_pad_vocab_size_like_megatron():
         (dict(rope_scaling=RopeScaling()), "only applies with position_embedding_type='rope'"),
         (dict(hidden_dropout=1.0), "hidden_dropout"),
         (dict(num_layers=0), "num_layers"),
-        (dict(num_moe_experts=8), "MoE arrives with expert parallelism"),
+        (dict(num_moe_experts=4, moe_router_topk=5), "moe_router_topk"),
+        (dict(num_moe_experts=4, moe_router_topk=1), "moe_router_pre_softmax"),
+        (dict(num_moe_experts=4, moe_layer_freq=[1, 2]), "moe_layer_freq"),
+        (dict(num_moe_experts=4, moe_router_enable_expert_bias=True), "sigmoid"),
+        (dict(num_moe_experts=4, moe_pad_expert_input_to_capacity=True), "capacity"),
+        (dict(num_moe_experts=6, moe_router_num_groups=4, moe_router_group_topk=2), "divisible"),
+        (dict(num_moe_experts=4, moe_shared_expert_gate=True), "moe_shared_expert_gate"),
     ],
 )
 def test_validation_messages(fields, message):
@@ -63,6 +69,17 @@ def test_validation_messages(fields, message):
     with pytest.raises(ConfigError, match=message) as info:
         TransformerConfig(**{**base, **fields})
     assert str(info.value).startswith("TransformerConfig.")
+
+
+def test_moe_defaults_and_layer_pattern():
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    assert TransformerConfig(**base).moe_layer_pattern == [False] * 4
+    c = TransformerConfig(**base, num_moe_experts=8, moe_layer_freq=2)
+    assert c.moe_ffn_hidden_size == c.ffn_hidden_size
+    assert c.moe_layer_pattern == [True, False, True, False]
+    first_dense = TransformerConfig(**base, num_moe_experts=8, moe_layer_freq=[0, 1, 1, 1])
+    assert first_dense.moe_layer_pattern == [False, True, True, True]
+    assert TransformerConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
 
 
 def test_kv_channels_may_be_set_when_hidden_is_not_divisible():

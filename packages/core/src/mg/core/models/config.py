@@ -11,6 +11,7 @@ right away, so an invalid shape fails where it is written, not deep in a forward
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,6 +20,11 @@ Normalization = Literal["LayerNorm", "RMSNorm"]
 Activation = Literal["gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu"]
 AttentionBackend = Literal["sdpa", "flash", "te"]
 LayerOrder = Literal["pre_ln", "post_ln"]
+MoEScoreFunction = Literal["softmax", "sigmoid"]
+MoERouterDtype = Literal["fp32", "fp64"]
+MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
+MoEDropPolicy = Literal["probs", "position"]
+MoEDispatcher = Literal["allgather", "alltoall"]
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -26,6 +32,11 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 ATTENTION_BACKENDS = ("sdpa", "flash", "te")
 LAYER_ORDERS = ("pre_ln", "post_ln")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_ROUTER_DTYPES = ("fp32", "fp64")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+MOE_DROP_POLICIES = ("probs", "position")
+MOE_DISPATCHERS = ("allgather", "alltoall")
 
 
 class ConfigError(ValueError):
@@ -129,9 +140,38 @@ class TransformerConfig:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
 
-    # Reserved: MoE arrives together with expert parallelism.
+    # Mixture of Experts (Megatron-Core's field names; see mg.core.models.moe).
     num_moe_experts: int | None = None
+    """Routed experts per MoE layer; None means a dense model."""
+    moe_ffn_hidden_size: int | None = None
+    """Each routed expert's MLP width; default ffn_hidden_size."""
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE: every N-th layer (from layer 1), or a 0/1 list per layer
+    (e.g. [0] + [1] * (L - 1) for a first dense layer, as DeepSeek-V3 does)."""
     moe_router_topk: int = 2
+    moe_router_score_function: MoEScoreFunction = "softmax"
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (Mixtral's order) instead of over the
+    k selected logits; required with topk 1."""
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_dtype: MoERouterDtype | None = None
+    """Router logits and probabilities in fp32/fp64 instead of the activations' dtype."""
+    moe_router_load_balancing_type: MoELoadBalancing = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None
+    """None: dropless. Otherwise each expert takes at most ceil(tokens·k/E · factor)."""
+    moe_token_drop_policy: MoEDropPolicy = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    """A sigmoid gate on the shared experts' output (Qwen2-MoE)."""
+    moe_token_dispatcher_type: MoEDispatcher = "allgather"
 
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes carried along with the config (e.g. the HF architecture)."""
@@ -153,6 +193,8 @@ class TransformerConfig:
             )
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.num_moe_experts is not None and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.window_size is not None:
@@ -285,11 +327,116 @@ class TransformerConfig:
         if self.init_method_std <= 0:
             fail("init_method_std", f"must be positive, got {self.init_method_std}")
         if self.num_moe_experts is not None:
+            self._validate_moe(fail)
+
+    @property
+    def moe_layer_pattern(self) -> list[bool]:
+        """Per layer (0-based), whether it is an MoE layer (Megatron's `moe_layer_freq` rule)."""
+        if self.num_moe_experts is None:
+            return [False] * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return [i % self.moe_layer_freq == 0 for i in range(self.num_layers)]
+        return [bool(x) for x in self.moe_layer_freq]
+
+    def _validate_moe(self, fail: Callable[[str, str], None]) -> None:
+        """Megatron-Core's MoE checks (`transformer_config.py`), one message per field."""
+        e = self.num_moe_experts
+        if not isinstance(e, int) or e <= 0:
+            fail("num_moe_experts", f"must be a positive integer, got {e!r}")
+        if not isinstance(self.moe_ffn_hidden_size, int) or self.moe_ffn_hidden_size <= 0:
             fail(
-                "num_moe_experts",
-                "MoE arrives with expert parallelism and is not supported yet; "
-                "leave num_moe_experts unset (None)",
+                "moe_ffn_hidden_size",
+                f"must be a positive integer, got {self.moe_ffn_hidden_size!r}",
             )
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq <= 0:
+                fail("moe_layer_freq", f"must be a positive integer or a 0/1 list, got {freq}")
+        elif len(freq) != self.num_layers or any(x not in (0, 1) for x in freq):
+            fail(
+                "moe_layer_freq",
+                f"a pattern needs one 0 (dense) or 1 (MoE) per layer ({self.num_layers}), "
+                f"got {list(freq)}",
+            )
+        if not 0 < self.moe_router_topk <= e:
+            fail(
+                "moe_router_topk",
+                f"top-k ({self.moe_router_topk}) must be between 1 and num_moe_experts ({e})",
+            )
+        choices = {
+            "moe_router_score_function": MOE_SCORE_FUNCTIONS,
+            "moe_router_load_balancing_type": MOE_LOAD_BALANCING_TYPES,
+            "moe_token_drop_policy": MOE_DROP_POLICIES,
+            "moe_token_dispatcher_type": MOE_DISPATCHERS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                fail(name, f"{getattr(self, name)!r} is not one of {allowed}")
+        if self.moe_router_dtype not in (None, *MOE_ROUTER_DTYPES):
+            fail("moe_router_dtype", f"{self.moe_router_dtype!r} is not one of {MOE_ROUTER_DTYPES}")
+        if (
+            self.moe_router_topk == 1
+            and self.moe_router_score_function == "softmax"
+            and not self.moe_router_pre_softmax
+            and self.moe_router_load_balancing_type != "sinkhorn"
+        ):
+            fail(
+                "moe_router_pre_softmax",
+                "top-1 softmax routing needs moe_router_pre_softmax (a softmax over the one "
+                "selected logit is constant 1 and has no gradient)",
+            )
+        if self.moe_router_group_topk:
+            groups = self.moe_router_num_groups
+            if not groups:
+                fail(
+                    "moe_router_num_groups",
+                    "group-limited routing (moe_router_group_topk) needs it",
+                )
+            if e % groups:
+                fail("moe_router_num_groups", f"num_moe_experts ({e}) is not divisible by {groups}")
+            if not 0 < self.moe_router_group_topk <= groups:
+                fail(
+                    "moe_router_group_topk",
+                    f"must be between 1 and moe_router_num_groups ({groups}), "
+                    f"got {self.moe_router_group_topk}",
+                )
+            if self.moe_router_topk % self.moe_router_group_topk:
+                fail(
+                    "moe_router_group_topk",
+                    f"moe_router_topk ({self.moe_router_topk}) must be a multiple of it "
+                    f"({self.moe_router_group_topk})",
+                )
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            fail(
+                "moe_router_enable_expert_bias",
+                "aux-loss-free balancing needs moe_router_score_function='sigmoid'",
+            )
+        if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff:
+            fail("moe_aux_loss_coeff", "sinkhorn routing takes no aux loss; set it to 0")
+        if self.moe_expert_capacity_factor is not None:
+            if self.moe_expert_capacity_factor <= 0:
+                fail(
+                    "moe_expert_capacity_factor",
+                    f"must be positive, got {self.moe_expert_capacity_factor}",
+                )
+            if self.moe_router_load_balancing_type == "sinkhorn":
+                fail(
+                    "moe_expert_capacity_factor",
+                    "capacity works with aux_loss, seq_aux_loss, global_aux_loss or none "
+                    "load balancing, not sinkhorn",
+                )
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            fail(
+                "moe_pad_expert_input_to_capacity",
+                "needs moe_expert_capacity_factor (there is no capacity to pad to when dropless)",
+            )
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and (not isinstance(shared, int) or shared <= 0):
+            fail(
+                "moe_shared_expert_intermediate_size", f"must be a positive integer, got {shared!r}"
+            )
+        if self.moe_shared_expert_gate and shared is None:
+            fail("moe_shared_expert_gate", "needs moe_shared_expert_intermediate_size")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (nested RopeScaling as a dict, window_size as a list)."""

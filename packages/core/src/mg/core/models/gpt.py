@@ -5,6 +5,8 @@ Read top to bottom: embedding → N × TransformerLayer → final norm → outpu
     TransformerLayer (pre-norm):
         x = x + dropout(linear_proj(core_attention(rope(split(linear_qkv(input_layernorm(x)))))))
         x = x + dropout(linear_fc2(act(linear_fc1(pre_mlp_layernorm(x)))))
+    (in an MoE layer, per moe_layer_freq, `mlp` is mg.core.models.moe.MoELayer: a router
+    sends each token to its top-k experts, each an MLP like the one above)
 
 Module and parameter names are Megatron-Core's GPTModel names with its *local*
 layer spec (`get_gpt_layer_local_spec`): the norms are separate modules
@@ -36,6 +38,7 @@ from torch import Tensor, nn
 from mg.core.models.config import ConfigError, TransformerConfig
 from mg.core.models.core_attention import build_core_attention
 from mg.core.models.kv_cache import KVCache
+from mg.core.models.moe import MoELayer
 from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
 
 
@@ -206,7 +209,9 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config, layer_number, causal=causal)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        # an MoE layer (router + experts) where moe_layer_freq says so, else the dense MLP
+        is_moe = config.moe_layer_pattern[layer_number - 1]
+        self.mlp = MoELayer(config, layer_number) if is_moe else MLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def init_weights(self, std: float, output_std: float) -> None:

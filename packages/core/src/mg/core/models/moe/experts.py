@@ -1,0 +1,250 @@
+"""The experts: E small MLPs, run on the tokens routed to each, in two layouts.
+
+Both take the dispatched tokens grouped by expert (`tokens_per_expert[i]`
+rows for local expert i, in order) with each row's routing probability, and
+compute Megatron's expert MLP:
+
+    out = p · (linear_fc2(act(linear_fc1(x))))  with the bias of fc2 also times p
+
+(the probability multiplies the activation before fc2, as Megatron-Core 0.16
+does, so a dropped or padded row of probability 0 contributes nothing).
+
+- `SequentialMLP`: one `ExpertMLP` per expert, `local_experts.{i}.linear_fc1.weight`
+  (Megatron's `SequentialMLP` names).
+- `GroupedMLP`: all experts' weights as `linear_fc1.weight{i}` / `linear_fc2.weight{i}`
+  (Megatron's `TEGroupedMLP` names), multiplied in one `torch._grouped_mm` call
+  where that kernel runs, else expert by expert; the results equal
+  SequentialMLP's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mg.core.models.config import TransformerConfig
+
+EXPERT_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "squared_relu": lambda x: F.relu(x).square(),
+    "swiglu": F.silu,
+    "geglu": F.gelu,
+}
+
+
+def _activate(hidden: Tensor, config: TransformerConfig) -> Tensor:
+    act = EXPERT_ACTIVATIONS[config.activation]
+    if config.gated_linear_unit:  # linear_fc1 rows are [gate; up]
+        gate, up = hidden.chunk(2, dim=-1)
+        return act(gate) * up
+    return act(hidden)
+
+
+class ExpertMLP(nn.Module):
+    """One expert (or the shared experts): linear_fc1 → act → linear_fc2, width `ffn`."""
+
+    def __init__(self, config: TransformerConfig, ffn: int) -> None:
+        super().__init__()
+        self.config = config
+        fc1 = ffn * (2 if config.gated_linear_unit else 1)
+        self.linear_fc1 = nn.Linear(config.hidden_size, fc1, bias=config.add_bias_linear)
+        self.linear_fc2 = nn.Linear(ffn, config.hidden_size, bias=config.add_bias_linear)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, output_std: float) -> None:
+        for linear, sigma in ((self.linear_fc1, std), (self.linear_fc2, output_std)):
+            nn.init.normal_(linear.weight, mean=0.0, std=sigma)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+
+    def forward(self, hidden: Tensor, probs: Tensor | None = None) -> Tensor:
+        hidden = _activate(self.linear_fc1(hidden), self.config)
+        if probs is None:
+            return self.linear_fc2(hidden)
+        hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
+        out = F.linear(hidden, self.linear_fc2.weight)
+        if self.linear_fc2.bias is not None:
+            out = out + self.linear_fc2.bias.unsqueeze(0) * probs.unsqueeze(-1)
+        return out
+
+
+class SequentialMLP(nn.Module):
+    """The local experts one after another (`local_experts.{i}`)."""
+
+    def __init__(self, config: TransformerConfig, num_local_experts: int) -> None:
+        super().__init__()
+        self.local_experts = nn.ModuleList(
+            ExpertMLP(config, config.moe_ffn_hidden_size) for _ in range(num_local_experts)
+        )
+
+    @property
+    def num_local_experts(self) -> int:
+        return len(self.local_experts)
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        for expert in self.local_experts:
+            expert.init_weights(std, output_std)
+
+    def keep_experts(self, indices: Sequence[int]) -> None:
+        """Drop all but these experts (expert parallelism), renumbered from 0."""
+        self.local_experts = nn.ModuleList(self.local_experts[i] for i in indices)
+
+    def forward(self, tokens: Tensor, tokens_per_expert: list[int], probs: Tensor) -> Tensor:
+        chunks = zip(
+            self.local_experts,
+            tokens.split(tokens_per_expert),
+            probs.split(tokens_per_expert),
+            strict=True,
+        )
+        return torch.cat([expert(x, p) for expert, x, p in chunks], dim=0)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (`_grouped_mm` on CPU
+    rejects the expanded gradient a `.sum()` produces)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+_GROUPED_MM_FAILED: set[tuple[str, torch.dtype]] = set()
+
+
+def grouped_linear(x: Tensor, weights: Sequence[Tensor], tokens_per_expert: list[int]) -> Tensor:
+    """Rows of `x` grouped by expert times each expert's weight [out, in]: one grouped GEMM.
+
+    `torch._grouped_mm` needs rows 16-byte aligned; where it does not run (shape,
+    dtype or device) the experts are multiplied one by one instead."""
+    w = torch.stack(list(weights))  # [E, out, in]
+    key = (x.device.type, x.dtype)
+    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])
+    if hasattr(torch, "_grouped_mm") and aligned and key not in _GROUPED_MM_FAILED:
+        offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+        try:
+            return torch._grouped_mm(_ContiguousGrad.apply(x), w.transpose(1, 2), offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM_FAILED.add(key)
+    parts = [F.linear(xi, wi) for xi, wi in zip(x.split(tokens_per_expert), w, strict=True)]
+    return torch.cat(parts, dim=0)
+
+
+class GroupedLinear(nn.Module):
+    """E linears of the same shape as parameters `weight{i}` (and `bias{i}`), TE's names."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.num_gemms = num_gemms
+        for i in range(num_gemms):
+            self.register_parameter(
+                f"weight{i}", nn.Parameter(torch.empty(out_features, in_features))
+            )
+            if bias:
+                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features)))
+        self.has_bias = bias
+
+    def weights(self) -> list[Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def biases(self) -> list[Tensor]:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.has_bias else []
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        for w in self.weights():
+            nn.init.normal_(w, mean=0.0, std=std)
+        for b in self.biases():
+            nn.init.zeros_(b)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep these GEMMs only, renumbered weight0.. (expert parallelism)."""
+        weights, biases = self.weights(), self.biases()
+        for i in range(self.num_gemms):
+            delattr(self, f"weight{i}")
+            if self.has_bias:
+                delattr(self, f"bias{i}")
+        for new, old in enumerate(indices):
+            self.register_parameter(f"weight{new}", weights[old])
+            if self.has_bias:
+                self.register_parameter(f"bias{new}", biases[old])
+        self.num_gemms = len(indices)
+
+    def bias_per_row(self, tokens_per_expert: list[int], device: torch.device) -> Tensor:
+        counts = torch.tensor(tokens_per_expert, device=device)
+        return torch.stack(self.biases()).repeat_interleave(counts, dim=0)
+
+
+class GroupedMLP(nn.Module):
+    """All local experts in grouped GEMMs (`linear_fc1.weight{i}`, `linear_fc2.weight{i}`)."""
+
+    def __init__(self, config: TransformerConfig, num_local_experts: int) -> None:
+        super().__init__()
+        self.config = config
+        ffn = config.moe_ffn_hidden_size
+        fc1 = ffn * (2 if config.gated_linear_unit else 1)
+        bias = config.add_bias_linear
+        self.linear_fc1 = GroupedLinear(num_local_experts, config.hidden_size, fc1, bias)
+        self.linear_fc2 = GroupedLinear(num_local_experts, ffn, config.hidden_size, bias)
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.linear_fc1.num_gemms
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        # expert by expert, fc1 then fc2: the random draws of SequentialMLP's init
+        for i in range(self.num_local_experts):
+            for linear, sigma in ((self.linear_fc1, std), (self.linear_fc2, output_std)):
+                with torch.no_grad():
+                    nn.init.normal_(getattr(linear, f"weight{i}"), mean=0.0, std=sigma)
+                    if linear.has_bias:
+                        getattr(linear, f"bias{i}").zero_()
+
+    def keep_experts(self, indices: Sequence[int]) -> None:
+        self.linear_fc1.keep(indices)
+        self.linear_fc2.keep(indices)
+
+    def forward(self, tokens: Tensor, tokens_per_expert: list[int], probs: Tensor) -> Tensor:
+        hidden = grouped_linear(tokens, self.linear_fc1.weights(), tokens_per_expert)
+        if self.linear_fc1.has_bias:
+            hidden = hidden + self.linear_fc1.bias_per_row(tokens_per_expert, hidden.device)
+        hidden = _activate(hidden, self.config)
+        hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
+        out = grouped_linear(hidden, self.linear_fc2.weights(), tokens_per_expert)
+        if self.linear_fc2.has_bias:
+            bias = self.linear_fc2.bias_per_row(tokens_per_expert, out.device)
+            out = out + bias * probs.unsqueeze(-1)
+        return out
+
+
+class SharedExpertMLP(ExpertMLP):
+    """Experts every token goes through (`shared_experts.*`), optionally gated by
+    sigmoid(x · gate_weight) as in Qwen2-MoE (`shared_experts.gate_weight` [1, h])."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__(config, config.moe_shared_expert_intermediate_size)
+        self.gate_weight = (
+            nn.Parameter(torch.empty(1, config.hidden_size))
+            if config.moe_shared_expert_gate
+            else None
+        )
+
+    @torch.no_grad()
+    def init_weights(self, std: float, output_std: float) -> None:
+        super().init_weights(std, output_std)
+        if self.gate_weight is not None:
+            nn.init.normal_(self.gate_weight, mean=0.0, std=std)
+
+    def forward(self, hidden: Tensor, probs: Tensor | None = None) -> Tensor:
+        out = super().forward(hidden)
+        if self.gate_weight is not None:
+            out = out * torch.sigmoid(F.linear(hidden, self.gate_weight))
+        return out

@@ -1,0 +1,64 @@
+"""The MoE layer a decoder layer uses in place of its MLP (Megatron-Core's `MoELayer`).
+
+Read top to bottom:
+
+    tokens  = x as rows [s·b, h] in Megatron's [seq, batch] order
+    probs, routing_map = router(tokens)                 which experts, what weight
+    rows, tokens_per_expert, row_probs, handle = dispatcher.dispatch(tokens, probs, routing_map)
+    out     = dispatcher.combine(experts(rows, tokens_per_expert, row_probs), handle)
+    out    += shared_experts(tokens)                    when configured
+    return out as [b, s, h]
+
+State-dict names are Megatron-Core's: `router.weight`, `router.expert_bias`,
+`experts.local_experts.{e}.linear_fc1.weight` (sequential) or
+`experts.linear_fc1.weight{e}` (moe_grouped_gemm), `shared_experts.linear_fc1.weight`,
+`shared_experts.gate_weight`. The layer holds every expert and communicates
+nothing; `mg.core.parallel.expert_parallel` keeps a rank's experts and swaps in
+a dispatcher with the expert-parallel group.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from mg.core.models.config import TransformerConfig
+from mg.core.models.moe.dispatcher import AllGatherDispatcher
+from mg.core.models.moe.experts import GroupedMLP, SequentialMLP, SharedExpertMLP
+from mg.core.models.moe.router import TopKRouter
+
+
+class MoELayer(nn.Module):
+    """Router + token dispatcher + routed experts (+ shared experts)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_number = layer_number
+        self.router = TopKRouter(config, layer_number)
+        experts = GroupedMLP if config.moe_grouped_gemm else SequentialMLP
+        self.experts = experts(config, config.num_moe_experts)
+        self.shared_experts = (
+            SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size else None
+        )
+        self.token_dispatcher = AllGatherDispatcher(config.num_moe_experts)
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        """Router, then the experts in order, then the shared experts (Megatron's build order)."""
+        self.router.init_weights(std)
+        self.experts.init_weights(std, output_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std, output_std)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        b, s, h = hidden.shape
+        tokens = hidden.transpose(0, 1).reshape(s * b, h)
+        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+        probs, routing_map = self.router(tokens, seq_length=s)
+        rows, tokens_per_expert, row_probs, handle = self.token_dispatcher.dispatch(
+            tokens, probs, routing_map
+        )
+        out = self.experts(rows, tokens_per_expert, row_probs)
+        out = self.token_dispatcher.combine(out, handle).to(hidden.dtype)
+        if shared is not None:
+            out = out + shared
+        return out.view(s, b, h).transpose(0, 1)
