@@ -1,7 +1,10 @@
 """`mg-train gpt|bert|t5 [Megatron flags]`: parse, validate, then train.
 
 Flag errors are reported before any dataset, model or process group is built,
-with exit status 2 (argparse's convention for usage errors).
+with exit status 2 (argparse's convention for usage errors); so is a run whose
+saves would overwrite newer checkpoints in `--save` (see :mod:`.save_guard`).
+Domain errors met later (a dataset, a checkpoint, a config) are one line and
+exit status 2 as well, never a traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import sys
 from mg.trainer.arguments import ArgumentError, parse_args
 from mg.trainer.distributed import read_world_size
 from mg.trainer.families import get_family
+from mg.trainer.save_guard import SaveGuardError, check_save_target, check_writable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,10 +28,15 @@ def main(argv: list[str] | None = None) -> int:
 
             print(report(args), flush=True)
             return 0
-    except ArgumentError as error:
+        c = args.checkpoint
+        check_save_target(c.save, c.load, finetune=c.finetune, overwrite=c.overwrite_checkpoints)
+        check_writable(c.save)
+    except (ArgumentError, SaveGuardError) as error:
         print(f"mg-train: error: {error}", file=sys.stderr)
         return 2
+    from mg.core.checkpoint import CheckpointError
     from mg.core.parallel.watchdog import exit_on_distributed_error
+    from mg.indexed_dataset.errors import IndexedDatasetError
     from mg.trainer.training import pretrain  # heavy imports only once flags are good
 
     try:
@@ -35,12 +44,28 @@ def main(argv: list[str] | None = None) -> int:
         # so torchrun stops the other ranks instead of leaving them waiting.
         with exit_on_distributed_error():
             pretrain(args)
+    except (CheckpointError, IndexedDatasetError, SaveGuardError, ValueError) as error:
+        # ValueError: the model config's and the checkpoint readers' checks (ConfigError is one)
+        print(f"mg-train: error: {_one_line(error)}", file=sys.stderr, flush=True)
+        return 2
     finally:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """The message, with the hint for a corrupt checkpoint file in --load."""
+    from mg.core.checkpoint.reader_guard import CorruptFileError
+
+    text = str(error) or type(error).__name__
+    if isinstance(error, CorruptFileError):
+        text = text.rstrip(".") + (
+            " (point latest_checkpointed_iteration.txt in --load at an earlier iteration)."
+        )
+    return text
 
 
 if __name__ == "__main__":
