@@ -1,0 +1,156 @@
+"""Decoding state of a hybrid model: a constant-size recurrent state per Mamba layer,
+a KV cache for the attention layers only.
+
+Same slots-and-starts interface as `KVCache` (kv_cache.py), so a server that
+batches rows of different lengths drives both the same way:
+
+    cache = HybridCache.for_model(model, num_slots=8, max_length=1024)
+    cache.bind(slots=torch.tensor([3]), starts=torch.tensor([0]))
+    logits = model(prompt_ids, position_ids, inference_cache=cache)     # prefill
+    cache.bind(slots=torch.tensor([3, 5]), starts=torch.tensor([7, 12]))
+    logits = model(next_ids[:, None], positions[:, None], inference_cache=cache)
+
+Per slot and Mamba layer the state is the convolution window (the last
+d_conv − 1 inputs of the causal conv1d) and the SSM state [heads, P, N]: its
+size does not grow with the sequence. A row bound with start 0 begins a new
+sequence, so its slot's recurrent state is reset to zero. A recurrent state,
+unlike a KV cache, cannot ignore padding after the fact: for right-padded
+rows pass `lengths` (real tokens per row) to `bind`, and the state is taken
+after each row's last real token.
+
+Attention layers get a `KVCache` with one layer per attention layer; `update`
+maps the model's layer index onto it, so `SelfAttention` uses this object as
+it uses a plain KVCache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mg.core.models.kv_cache import KVCache
+from mg.core.models.mamba.pattern import ATTENTION, MAMBA
+
+
+class HybridCache:
+    """Recurrent states for the Mamba layers, keys/values for the attention layers."""
+
+    def __init__(
+        self,
+        layer_pattern: str,
+        num_slots: int,
+        max_length: int,
+        conv_shape: tuple[int, ...],
+        ssm_shape: tuple[int, ...],
+        num_groups: int = 1,
+        head_dim: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        window_size: tuple[int, int] | None = None,
+    ) -> None:
+        self.layer_pattern = layer_pattern
+        self.num_slots = num_slots
+        self.max_length = max_length
+        self._mamba_index = _index_of(layer_pattern, MAMBA)
+        self._attention_index = _index_of(layer_pattern, ATTENTION)
+        num_mamba = len(self._mamba_index)
+        self.conv_states = torch.zeros(
+            (num_mamba, num_slots, *conv_shape), dtype=dtype, device=device
+        )
+        # the SSM state is carried in fp32, as mamba_ssm's kernels carry it
+        self.ssm_states = torch.zeros(
+            (num_mamba, num_slots, *ssm_shape),
+            dtype=torch.promote_types(dtype, torch.float32),
+            device=device,
+        )
+        self.kv = (
+            KVCache(
+                len(self._attention_index),
+                num_slots,
+                max_length,
+                num_groups,
+                head_dim,
+                dtype=dtype,
+                device=device,
+                window_size=window_size,
+            )
+            if self._attention_index
+            else None
+        )
+        self._slots: Tensor | None = None
+        self._starts: Tensor | None = None
+        self._lengths: Tensor | None = None
+
+    @classmethod
+    def for_model(cls, model: nn.Module, num_slots: int, max_length: int) -> HybridCache:
+        """A cache shaped for `model` (a MambaModel, possibly tensor-parallel: the
+        shapes are read from its local modules), in its parameters' dtype and device."""
+        layers = model.decoder.layers
+        pattern = model.decoder.layer_pattern
+        weight = next(model.parameters())
+        mixer = next((layer.mixer for layer in layers if hasattr(layer, "mixer")), None)
+        attention = next(
+            (layer.self_attention for layer in layers if hasattr(layer, "self_attention")), None
+        )
+        conv_shape, ssm_shape = mixer.state_shapes() if mixer is not None else ((0,), (0,))
+        return cls(
+            pattern,
+            num_slots,
+            max_length,
+            conv_shape,
+            ssm_shape,
+            num_groups=attention.num_groups if attention is not None else 1,
+            head_dim=attention.head_dim if attention is not None else 1,
+            dtype=weight.dtype,
+            device=weight.device,
+            window_size=model.config.window_size,
+        )
+
+    def bind(self, slots: Tensor, starts: Tensor, lengths: Tensor | None = None) -> None:
+        """Set each batch row's slot, start position and (optionally) real length for
+        the next forward. A row starting at 0 begins a new sequence in its slot."""
+        device = self.conv_states.device
+        self._slots = slots.to(device, torch.long)
+        self._starts = starts.to(device, torch.long)
+        self._lengths = None if lengths is None else lengths.to(device, torch.long)
+        fresh = self._slots[self._starts == 0]
+        if fresh.numel():
+            self.conv_states[:, fresh] = 0
+            self.ssm_states[:, fresh] = 0
+        if self.kv is not None:
+            self.kv.bind(slots, starts)
+
+    def lengths(self, batch: int, seq: int) -> Tensor:
+        """Real tokens of each row in this forward ([batch]; all `seq` unless bound)."""
+        self._check_bound(batch)
+        if self._lengths is None:
+            return torch.full((batch,), seq, dtype=torch.long, device=self.conv_states.device)
+        return self._lengths
+
+    def mamba_state(self, layer_index: int) -> tuple[Tensor, Tensor]:
+        """The bound rows' (conv window [b, conv_dim, d_conv-1], SSM state [b, heads, P, N])."""
+        i = self._mamba_index[layer_index]
+        return self.conv_states[i, self._slots], self.ssm_states[i, self._slots]
+
+    def store_mamba_state(self, layer_index: int, conv: Tensor, ssm: Tensor) -> None:
+        """Write the bound rows' new states back to their slots."""
+        i = self._mamba_index[layer_index]
+        self.conv_states[i, self._slots] = conv.to(self.conv_states.dtype)
+        self.ssm_states[i, self._slots] = ssm.to(self.ssm_states.dtype)
+
+    def update(self, layer_index: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """KVCache.update for an attention layer, by the model's layer index."""
+        return self.kv.update(self._attention_index[layer_index], key, value)
+
+    def _check_bound(self, batch: int) -> None:
+        if self._slots is None:
+            raise RuntimeError("HybridCache.bind(slots, starts) must be called before a forward")
+        if self._slots.shape[0] != batch:
+            raise ValueError(
+                f"HybridCache is bound to {self._slots.shape[0]} rows, the batch has {batch}"
+            )
+
+
+def _index_of(pattern: str, letter: str) -> dict[int, int]:
+    """Model layer index → index among the layers of one type."""
+    return {layer: i for i, layer in enumerate(j for j, c in enumerate(pattern) if c == letter)}

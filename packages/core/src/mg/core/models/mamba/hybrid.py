@@ -1,0 +1,278 @@
+"""The Mamba-2 / hybrid language model: megatron-core's `MambaModel`.
+
+Read top to bottom: embedding → one layer per letter of the pattern → final
+norm → output layer. Each layer is pre-norm with one residual branch:
+
+    M  MambaLayer:     x = x + dropout(mixer(norm(x)))                  mixer.py
+    *  AttentionLayer: x = x + dropout(self_attention(input_layernorm(x)))
+    -  MLPLayer:       x = x + dropout(mlp(pre_mlp_layernorm(x)))
+
+The attention and MLP branches are the GPT model's own `SelfAttention` and
+`MLP` modules (gpt.py), so whatever applies to them (tensor parallelism, the
+attention backends, the KV cache) applies here too.
+
+Names are megatron-core 0.16.1's `MambaModel`/`MambaStack` with the norms as
+their own modules (the `norm` slot of `MambaLayerSubmodules`, and
+`input_layernorm` / `pre_mlp_layernorm` of `TransformerLayerSubmodules`),
+the way our GPTModel follows the local layer spec: `embedding.word_embeddings`,
+`decoder.layers.{i}.{norm,mixer.*}`, `decoder.layers.{i}.{input_layernorm,
+self_attention.*}`, `decoder.layers.{i}.{pre_mlp_layernorm,mlp.*}`,
+`decoder.final_norm`, `output_layer`. Megatron's only Mamba spec is the
+Transformer Engine one, which fuses each of those norms into the next linear
+(`mixer.in_proj.layer_norm_weight`, `self_attention.linear_qkv.layer_norm_weight`,
+`mlp.linear_fc1.layer_norm_weight`); `megatron_te_names` renames between the two.
+
+Plain PyTorch, no process groups; builds on the meta device like GPTModel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mg.core.models.config import ConfigError
+from mg.core.models.gpt import (
+    MLP,
+    InitUnit,
+    LanguageModelEmbedding,
+    SelfAttention,
+    _reset_norm,
+    build_norm,
+)
+from mg.core.models.mamba.config import MambaConfig
+from mg.core.models.mamba.mixer import MambaMixer
+from mg.core.models.mamba.pattern import ATTENTION, MAMBA
+from mg.core.models.mamba.pattern import MLP as MLP_SYMBOL
+from mg.core.models.rope import RotaryEmbedding
+
+
+class MambaLayer(nn.Module):
+    """norm → Mamba-2 mixer, added to the residual stream."""
+
+    def __init__(self, config: MambaConfig, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.norm = build_norm(config)
+        self.mixer = MambaMixer(config, layer_number)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        self.norm.reset_parameters()
+        self.mixer.init_weights(std, output_std)
+
+    def forward(self, hidden, rotary=None, attention_mask=None, inference_cache=None) -> Tensor:
+        mixed = self.mixer(self.norm(hidden), inference_cache=inference_cache)
+        return hidden + self.hidden_dropout(mixed)
+
+
+class AttentionLayer(nn.Module):
+    """input_layernorm → GPT self-attention, added to the residual stream (no MLP)."""
+
+    def __init__(self, config: MambaConfig, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.input_layernorm = build_norm(config)
+        self.self_attention = SelfAttention(config, layer_number)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        self.input_layernorm.reset_parameters()
+        self.self_attention.init_weights(std, output_std)
+
+    def forward(self, hidden, rotary=None, attention_mask=None, inference_cache=None) -> Tensor:
+        attention = self.self_attention(
+            self.input_layernorm(hidden), rotary, attention_mask, inference_cache=inference_cache
+        )
+        return hidden + self.hidden_dropout(attention)
+
+
+class MLPLayer(nn.Module):
+    """pre_mlp_layernorm → GPT MLP, added to the residual stream (no attention)."""
+
+    def __init__(self, config: MambaConfig, layer_number: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = MLP(config)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def init_weights(self, std: float, output_std: float) -> None:
+        self.pre_mlp_layernorm.reset_parameters()
+        self.mlp.init_weights(std, output_std)
+
+    def forward(self, hidden, rotary=None, attention_mask=None, inference_cache=None) -> Tensor:
+        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+
+
+LAYER_TYPES: dict[str, type[nn.Module]] = {
+    MAMBA: MambaLayer,
+    ATTENTION: AttentionLayer,
+    MLP_SYMBOL: MLPLayer,
+}
+
+
+class MambaStack(nn.Module):
+    """The layers of the pattern and the final norm (Megatron's `decoder`)."""
+
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__()
+        self.layer_pattern = config.layer_pattern
+        self.layers = nn.ModuleList(
+            LAYER_TYPES[letter](config, layer_number=i + 1)
+            for i, letter in enumerate(self.layer_pattern)
+        )
+        self.final_norm = build_norm(config)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        rotary: tuple[Tensor, Tensor] | None = None,
+        attention_mask: Tensor | None = None,
+        inference_cache=None,
+    ) -> Tensor:
+        for layer in self.layers:
+            if inference_cache is None:
+                hidden = layer(hidden, rotary, attention_mask)
+            else:
+                hidden = layer(hidden, rotary, attention_mask, inference_cache)
+        return self.final_norm(hidden)
+
+
+class MambaModel(nn.Module):
+    """Mamba-2 or hybrid decoder-only language model; GPTModel's forward contract.
+
+    Output projections that write into the residual stream (out_proj,
+    linear_proj, linear_fc2) start at N(0, σ/√L): every layer of a hybrid stack
+    has one residual branch, which is megatron-core's `is_hybrid_model` rule
+    (multiplier 1 instead of the transformer's 2 in σ/√(multiplier·L))."""
+
+    def __init__(self, config: MambaConfig) -> None:
+        super().__init__()
+        if not isinstance(config, MambaConfig):
+            raise ConfigError(
+                f"MambaModel needs a MambaConfig, got {type(config).__name__}; "
+                "build one with the mamba_* and hybrid_* fields"
+            )
+        config.validate()
+        self.config = config
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.embedding = LanguageModelEmbedding(config)
+            self.rotary_pos_emb = (
+                RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
+            )
+            self.decoder = MambaStack(config)
+            self.output_layer = (
+                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                if config.untie_embeddings_and_output_weights
+                else None
+            )
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def init_units(self) -> list[InitUnit]:
+        """Megatron's init as ordered (prefix, module, init) units, as GPTModel's."""
+        std = self.config.init_method_std
+        output_std = std / math.sqrt(self.config.num_layers)
+        units = [InitUnit("embedding", self.embedding, lambda m: m.init_weights(std))]
+        units += [
+            InitUnit(f"decoder.layers.{i}", layer, lambda m: m.init_weights(std, output_std))
+            for i, layer in enumerate(self.decoder.layers)
+        ]
+        units.append(InitUnit("decoder.final_norm", self.decoder.final_norm, _reset_norm))
+        if self.output_layer is not None:
+            units.append(
+                InitUnit(
+                    "output_layer",
+                    self.output_layer,
+                    lambda m: nn.init.normal_(m.weight, mean=0.0, std=std),
+                )
+            )
+        return units
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Run `init_units` in order; seed with torch.manual_seed beforehand."""
+        for unit in self.init_units():
+            unit.init(unit.module)
+
+    def output_weight(self) -> Tensor:
+        """The [vocab, hidden] matrix that produces logits (shared or own)."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        inference_cache=None,
+    ) -> Tensor:
+        """input_ids [b, s] → logits [b, s, vocab], or the per-token loss [b, s] (fp32)
+        with labels; GPTModel.forward's contract. attention_mask (True = may not
+        attend) reaches the attention layers only: Mamba layers read every earlier
+        token, so rows must be right-padded, never left-padded.
+
+        inference_cache (a bound `HybridCache`) makes this an incremental step:
+        Mamba layers continue from each row's recurrent state, attention layers
+        from its cached keys and values."""
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+        hidden = self.embedding(input_ids, position_ids)
+        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
+        if inference_cache is None:
+            hidden = self.decoder(hidden, rotary, attention_mask)
+        else:
+            hidden = self.decoder(hidden, rotary, attention_mask, inference_cache)
+        return self.output_and_loss(hidden, labels)
+
+    def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        """Final hidden states → logits, or the per-token loss (swappable for TP)."""
+        logits = F.linear(hidden, self.output_weight())
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        ).view(labels.shape)
+
+
+_TE_FUSED_NORMS = (
+    (".norm.", ".mixer.in_proj.layer_norm_"),
+    (".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),
+    (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
+)
+
+
+def megatron_te_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our keys → megatron-core MambaModel's keys with its (Transformer Engine) spec:
+    each layer's norm becomes the `layer_norm_weight`/`layer_norm_bias` of the
+    linear after it. `decoder.final_norm` and the mixer's own gated `norm` keep
+    their names."""
+    out = {}
+    for key, value in state_dict.items():
+        if key.startswith("decoder.layers."):
+            for ours, theirs in _TE_FUSED_NORMS:
+                if ours in key and not key.split(ours)[0].endswith(".mixer"):
+                    key = key.replace(ours, theirs, 1)
+                    break
+        out[key] = value
+    return out
+
+
+def from_megatron_te_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of `megatron_te_names`."""
+    out = {}
+    for key, value in state_dict.items():
+        for ours, theirs in _TE_FUSED_NORMS:
+            if theirs in key:
+                key = key.replace(theirs, ours, 1)
+                break
+        out[key] = value
+    return out
