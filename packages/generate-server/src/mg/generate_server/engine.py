@@ -1,14 +1,25 @@
-"""The generation engine: continuous batching over a slot-based KV cache, in one thread.
+"""The generation engine: continuous batching over a paged KV cache, in one thread.
 
-Requests arrive from any thread (`submit`). The engine thread loops:
+Requests arrive from any thread (`submit`). The engine thread loops over
+steps; each step is one packed forward (`ModelRunner.forward`) planned under a
+token budget (`max_num_batched_tokens`):
 
-1. admit waiting requests into free cache slots and prefill their prompts
-   together (right-padded, one forward), sampling each one's first token;
-2. run one decode step for every active sequence at once, each at its own
-   position, and sample each one's next token;
-3. hand every token to its request's callback; finished or cancelled
-   sequences free their slot at once, so waiting requests join before the
-   next decode step.
+1. every running sequence that decodes gets its one token first, so a long
+   prompt never stalls the others' next tokens;
+2. sequences still prefilling get the rest of the budget: a long prompt is
+   prefilled in chunks over several steps (chunked prefill);
+3. waiting requests are admitted while the budget, the running-sequence limit
+   (`runner.num_slots`) and the pool allow. A prompt whose leading full blocks
+   are already cached (an earlier prompt with the same start, e.g. a chat
+   system prompt) takes those blocks and skips their computation (prefix
+   caching).
+
+Cache blocks are taken on demand as sequences grow. When the pool runs out, the
+most recently admitted sequence is preempted: its blocks are released and it
+goes back to the front of the queue, to be recomputed from its prompt and the
+tokens it already produced (preemption by recompute), so its output is what it
+would have been. A sequence whose chunk reaches its last token samples its
+next token from that row's logits.
 
 A slow consumer never stalls the loop: callbacks only enqueue. Errors in a
 step fail the requests of that step, not the engine.
@@ -26,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from mg.core.models.paged_kv_cache import PagedSegment
+from mg.generate_server.block_manager import BlockManager, block_hash
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.sampling import (
     SamplingParams,
@@ -34,6 +47,8 @@ from mg.generate_server.sampling import (
     make_generator,
     next_top_p,
 )
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 
 class EngineFullError(RuntimeError):
@@ -52,7 +67,7 @@ class TokenEvent:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     request_id: int
     prompt: list[int]
@@ -60,18 +75,44 @@ class _Sequence:
     emit: Callable[[TokenEvent], None]
     generator: torch.Generator
     top_p: float
-    generated: list[int] = field(default_factory=list)
-    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    """The prompt, then every generated token."""
+    blocks: list[int] = field(default_factory=list)
+    """Its block table."""
+    block_names: list[int] = field(default_factory=list)
+    """Prefix-cache names of its leading full blocks."""
+    computed: int = 0
+    """Leading tokens whose keys/values are in the cache."""
+    prompt_logprobs: list[float] | None = None
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
+    last_token_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+        if self.params.prompt_logprobs:
+            self.prompt_logprobs = []
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
 
     @property
     def length(self) -> int:
-        return len(self.prompt) + len(self.generated)
+        return len(self.tokens)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to run before it can sample (1 when decoding)."""
+        return len(self.tokens) - self.computed
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.tokens) == len(self.prompt)
 
 
 class RequestHandle:
-    """What `submit` returns: cancel() frees the request's slot at the next step."""
+    """What `submit` returns: cancel() frees the request's cache blocks at the next step."""
 
     def __init__(self, sequence: _Sequence, engine: GenerationEngine) -> None:
         self._sequence = sequence
@@ -87,13 +128,31 @@ class EngineStats:
     """Counters read by /metrics."""
 
     prompt_tokens: int = 0
+    """Prompt tokens computed (prefix-cache hits and recomputation excluded)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens found in the prefix cache instead of computed."""
+    recomputed_tokens: int = 0
+    """Tokens computed again after a preemption."""
     generated_tokens: int = 0
     finished: int = 0
     steps: int = 0
+    preemptions: int = 0
+    recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
+    """(time, tokens generated) per step, for the recent tokens/s."""
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second over the last `window` seconds of steps."""
+        now = time.monotonic()
+        samples = [(t, n) for t, n in list(self.recent) if now - t <= window]
+        if not samples:
+            return 0.0
+        span = max(now - samples[0][0], 1e-3)
+        return sum(n for _, n in samples) / span
 
 
 class GenerationEngine:
-    """Continuous-batching generation over a `ModelRunner` (see the module docstring)."""
+    """Continuous batching with chunked prefill, prefix caching and preemption over a
+    `ModelRunner` (see the module docstring)."""
 
     def __init__(
         self,
@@ -101,19 +160,26 @@ class GenerationEngine:
         detokenize: Callable[[Sequence[int]], str],
         vocab_size: int,
         max_waiting: int = 256,
-        max_prefill_tokens: int = 4096,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        prefix_caching: bool = True,
     ) -> None:
+        if max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
         self.runner = runner
         self.detokenize = detokenize
         self.vocab_size = vocab_size
         """Tokens at or above this id (vocabulary padding) are never produced."""
         self.max_waiting = max_waiting
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_running = runner.num_slots
         self.max_length = runner.max_length
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
         self.stats = EngineStats()
+        self.observe_latency: Callable[[str, float], None] | None = None
+        """Called with ("ttft", seconds) for a request's first token and ("itl", seconds)
+        between its later tokens (the /metrics histograms)."""
         self._waiting: deque[_Sequence] = deque()
-        self._active: dict[int, _Sequence] = {}
-        self._free_slots = list(range(runner.num_slots - 1, -1, -1))
+        self._running: list[_Sequence] = []
         self._ids = itertools.count()
         self._lock = threading.Condition()
         self._stopping = False
@@ -128,10 +194,17 @@ class GenerationEngine:
         """Queue a request; `emit` is called from the engine thread for every event."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
-        if len(prompt) + params.max_new_tokens > self.max_length:
+        total = len(prompt) + params.max_new_tokens
+        if total > self.max_length:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + tokens to generate ({params.max_new_tokens}) "
                 f"exceeds the {self.max_length} positions this server holds per sequence"
+            )
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + tokens to generate ({params.max_new_tokens}) "
+                f"exceeds the KV cache ({self.blocks.num_blocks} blocks of "
+                f"{self.blocks.block_size} positions; see --kv-cache-memory)"
             )
         sequence = _Sequence(
             request_id=next(self._ids),
@@ -168,7 +241,7 @@ class GenerationEngine:
 
     @property
     def num_active(self) -> int:
-        return len(self._active)
+        return len(self._running)
 
     @property
     def num_waiting(self) -> int:
@@ -190,113 +263,200 @@ class GenerationEngine:
         while True:
             idle = False
             with self._lock:
-                while not self._stopping and not self._waiting and not self._active:
+                while not self._stopping and not self._waiting and not self._running:
                     if not self._lock.wait(timeout=self.runner.heartbeat_seconds):
                         idle = True
                         break
                 if self._stopping:
                     break
-                admitted = self._take_waiting()
             if idle:
                 self.runner.heartbeat()
                 continue
             self._drop_cancelled()
-            if admitted:
-                self._run_step(admitted, self._prefill)
-            if self._active:
-                self._run_step(list(self._active.values()), self._decode)
-        for sequence in list(self._active.values()) + list(self._waiting):
+            plan = self._schedule()
+            if plan:
+                self._run_step(plan)
+        for sequence in self._running + list(self._waiting):
             sequence.emit(TokenEvent(finish_reason="cancelled", error="server shutting down"))
         self.runner.close()
 
-    def _take_waiting(self) -> list[_Sequence]:
-        """Waiting requests that fit in free slots and the prefill budget (under the lock)."""
-        taken: list[_Sequence] = []
-        budget = self.max_prefill_tokens
-        while self._waiting and self._free_slots:
-            sequence = self._waiting[0]
-            if sequence.cancelled:
-                self._waiting.popleft()
-                sequence.emit(TokenEvent(finish_reason="cancelled"))
-                continue
-            if taken and len(sequence.prompt) > budget:
-                break
-            self._waiting.popleft()
-            budget -= len(sequence.prompt)
-            sequence.slot = self._free_slots.pop()
-            self._active[sequence.request_id] = sequence
-            taken.append(sequence)
-        return taken
-
     def _drop_cancelled(self) -> None:
-        for sequence in [s for s in self._active.values() if s.cancelled]:
+        for sequence in [s for s in self._running if s.cancelled]:
             self._finish(sequence, TokenEvent(finish_reason="cancelled"))
 
     def _finish(self, sequence: _Sequence, event: TokenEvent) -> None:
-        self._active.pop(sequence.request_id, None)
-        with self._lock:
-            self._free_slots.append(sequence.slot)
+        if sequence in self._running:
+            self._running.remove(sequence)
+        self.blocks.release(sequence.blocks)
+        sequence.blocks, sequence.block_names = [], []
         self.stats.finished += 1
         sequence.emit(event)
 
-    def _run_step(
-        self, sequences: list[_Sequence], step: Callable[[list[_Sequence]], None]
-    ) -> None:
-        try:
-            step(sequences)
-            self.stats.steps += 1
-        except Exception as exc:  # a failed step fails its requests, never the engine
-            for sequence in sequences:
-                if sequence.request_id in self._active:
-                    self._finish(
-                        sequence,
-                        TokenEvent(finish_reason="error", error=f"{type(exc).__name__}: {exc}"),
-                    )
+    # --- scheduling ----------------------------------------------------------
 
-    def _prefill(self, sequences: list[_Sequence]) -> None:
-        width = max(len(s.prompt) for s in sequences)
-        ids = torch.zeros(len(sequences), width, dtype=torch.long)
-        for row, sequence in enumerate(sequences):
-            ids[row, : len(sequence.prompt)] = torch.tensor(sequence.prompt)
-        slots = torch.tensor([s.slot for s in sequences])
-        logits = self.runner.forward(ids, slots, torch.zeros(len(sequences), dtype=torch.long))
-        logits = logits[..., : self.vocab_size]
-        self.stats.prompt_tokens += sum(len(s.prompt) for s in sequences)
-        for row, sequence in enumerate(sequences):
-            n = len(sequence.prompt)
-            prompt_logprobs = None
-            if sequence.params.prompt_logprobs:
-                logprobs = torch.log_softmax(logits[row, : n - 1], dim=-1)
-                targets = torch.tensor(sequence.prompt[1:])
-                prompt_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    def _grow(self, sequence: _Sequence, positions: int) -> bool:
+        """Give `sequence` the blocks for `positions` positions; False if the pool lacks them."""
+        missing = self.blocks.blocks_for(positions) - len(sequence.blocks)
+        if missing <= 0:
+            return True
+        taken = self.blocks.allocate(missing)
+        if taken is None:
+            return False
+        sequence.blocks += taken
+        return True
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        """Release its blocks and queue it first again; it is recomputed when readmitted
+        (its full blocks stay named, so the recomputation may find them still cached)."""
+        self._running.remove(sequence)
+        self.blocks.release(sequence.blocks)
+        sequence.blocks, sequence.block_names, sequence.computed = [], [], 0
+        if sequence.collects_prompt_logprobs:
+            sequence.prompt_logprobs = []
+        self.stats.preemptions += 1
+        with self._lock:
+            self._waiting.appendleft(sequence)
+
+    def _schedule(self) -> list[tuple[_Sequence, int]]:
+        """This step's (sequence, tokens to run) pairs, within the token budget and the pool."""
+        budget = self.max_num_batched_tokens
+        plan: list[tuple[_Sequence, int]] = []
+        planned: set[int] = set()
+        decoding = [s for s in self._running if s.remaining == 1]
+        prefilling = [s for s in self._running if s.remaining > 1]
+        for sequence in decoding + prefilling:
+            if budget <= 0:
+                break
+            if sequence not in self._running:  # preempted for an earlier one
+                continue
+            count = min(sequence.remaining, budget)
+            while not self._grow(sequence, sequence.computed + count):
+                victims = [s for s in self._running if s.request_id not in planned]
+                victim = victims[-1]  # the latest admitted; `sequence` itself at worst
+                self._preempt(victim)
+                if victim is sequence:
+                    count = 0
+                    break
+            if count:
+                plan.append((sequence, count))
+                planned.add(sequence.request_id)
+                budget -= count
+        self._admit(plan, budget)
+        return plan
+
+    def _admit(self, plan: list[tuple[_Sequence, int]], budget: int) -> None:
+        """Move waiting requests into the batch while the budget, the running limit and the
+        pool allow (a block per running sequence is kept free for their next tokens)."""
+        while budget > 0 and len(self._running) < self.max_running:
+            with self._lock:
+                if not self._waiting:
+                    return
+                sequence = self._waiting[0]
+                if sequence.cancelled:
+                    self._waiting.popleft()
+                    sequence.emit(TokenEvent(finish_reason="cancelled"))
+                    continue
+            if not sequence.collects_prompt_logprobs:  # those need every prompt row's logits
+                sequence.blocks, sequence.block_names = self.blocks.match_prefix(sequence.tokens)
+                sequence.computed = len(sequence.blocks) * self.blocks.block_size
+            count = min(sequence.remaining, budget)
+            needed = self.blocks.blocks_for(sequence.computed + count) - len(sequence.blocks)
+            if needed + len(self._running) > self.blocks.num_available:
+                self.blocks.release(sequence.blocks)
+                sequence.blocks, sequence.block_names, sequence.computed = [], [], 0
+                return
+            self._grow(sequence, sequence.computed + count)
+            with self._lock:
+                self._waiting.popleft()
+            if not sequence.generated:
+                self.stats.cached_prompt_tokens += sequence.computed
+            self._running.append(sequence)
+            plan.append((sequence, count))
+            budget -= count
+
+    # --- running a step ------------------------------------------------------
+
+    def _run_step(self, plan: list[tuple[_Sequence, int]]) -> None:
+        segments: list[PagedSegment] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        spans: list[tuple[int, int]] = []  # each sequence's rows among the logits
+        for sequence, count in plan:
+            start, first = len(ids), sequence.computed
+            segments.append(PagedSegment(start, count, first, list(sequence.blocks)))
+            ids += sequence.tokens[first : first + count]
+            positions += range(first, first + count)
+            row = len(rows)
+            if sequence.collects_prompt_logprobs:
+                rows += range(start, start + count)
+            elif first + count == sequence.length:
+                rows.append(start + count - 1)
+            spans.append((row, len(rows)))
+        try:
+            logits = self.runner.forward(segments, ids, positions, rows)[:, : self.vocab_size]
+            logprobs = torch.log_softmax(logits, dim=-1)
+        except Exception as exc:  # a failed step fails its requests, never the engine
+            for sequence, _ in plan:
+                self._finish(
+                    sequence,
+                    TokenEvent(finish_reason="error", error=f"{type(exc).__name__}: {exc}"),
+                )
+            return
+        self.stats.steps += 1
+        generated_before = self.stats.generated_tokens
+        for (sequence, count), (row, end) in zip(plan, spans, strict=True):
+            first = sequence.computed
+            self._account(sequence, first, count)
+            sequence.computed += count
+            self._name_full_blocks(sequence)
+            if sequence.collects_prompt_logprobs:
+                targets = sequence.tokens[first + 1 : first + count + 1]
+                picked = logprobs[row : row + len(targets)].gather(
+                    1, torch.tensor(targets)[:, None]
+                )
+                sequence.prompt_logprobs += picked[:, 0].tolist()
+            if sequence.computed < sequence.length:
+                continue  # more of its prompt to prefill
+            prompt_logprobs = sequence.prompt_logprobs if not sequence.generated else None
             if sequence.params.max_new_tokens == 0:
                 self._finish(
                     sequence, TokenEvent(finish_reason="length", prompt_logprobs=prompt_logprobs)
                 )
                 continue
-            self._advance(sequence, logits[row, n - 1], prompt_logprobs)
+            self._advance(sequence, logits[end - 1], logprobs[end - 1], prompt_logprobs)
+        self.stats.recent.append((time.monotonic(), self.stats.generated_tokens - generated_before))
 
-    def _decode(self, sequences: list[_Sequence]) -> None:
-        live = [s for s in sequences if not s.cancelled]
-        self._drop_cancelled()
-        if not live:
+    def _account(self, sequence: _Sequence, first: int, count: int) -> None:
+        if not sequence.generated:
+            self.stats.prompt_tokens += count
+        else:  # a readmitted (preempted) sequence runs its earlier tokens again
+            self.stats.recomputed_tokens += count - (first + count == sequence.length)
+
+    def _name_full_blocks(self, sequence: _Sequence) -> None:
+        """Name the blocks this step filled, so later prompts can reuse them."""
+        if not self.blocks.prefix_caching:
             return
-        ids = torch.tensor([[s.generated[-1]] for s in live])
-        slots = torch.tensor([s.slot for s in live])
-        starts = torch.tensor([s.length - 1 for s in live])
-        logits = self.runner.forward(ids, slots, starts)[:, 0, : self.vocab_size]
-        for row, sequence in enumerate(live):
-            self._advance(sequence, logits[row], None)
+        size = self.blocks.block_size
+        for i in range(len(sequence.block_names), sequence.computed // size):
+            parent = sequence.block_names[-1] if sequence.block_names else None
+            name = block_hash(parent, sequence.tokens[i * size : (i + 1) * size])
+            self.blocks.name(sequence.blocks[i], name)
+            sequence.block_names.append(name)
 
     def _advance(
-        self, sequence: _Sequence, logits: Tensor, prompt_logprobs: list[float] | None
+        self,
+        sequence: _Sequence,
+        logits: Tensor,
+        logprobs: Tensor,
+        prompt_logprobs: list[float] | None,
     ) -> None:
         """Sample one token for `sequence`, emit it, and finish the sequence if it is done."""
         params = sequence.params
-        previous = sequence.generated[-1] if sequence.generated else sequence.prompt[-1]
+        previous = sequence.tokens[-1]
         choice = choose_token(
             logits,
-            torch.log_softmax(logits, dim=-1),
+            logprobs,
             params,
             sequence.top_p,
             sequence.generator,
@@ -304,15 +464,19 @@ class GenerationEngine:
             sequence.generated,
         )
         sequence.top_p = next_top_p(sequence.top_p, params)
-        sequence.generated.append(choice.token)
+        sequence.tokens.append(choice.token)
         self.stats.generated_tokens += 1
+        now = time.monotonic()
+        if self.observe_latency is not None:
+            if len(sequence.generated) == 1:
+                self.observe_latency("ttft", now - sequence.submitted_at)
+            else:
+                self.observe_latency("itl", now - sequence.last_token_at)
+        sequence.last_token_at = now
         finish = self._finish_reason(sequence, choice.token)
-        event = TokenEvent(choice=choice, prompt_logprobs=prompt_logprobs)
-        if finish is None:
-            sequence.emit(event)
-            return
-        sequence.emit(event)
-        self._finish(sequence, TokenEvent(finish_reason=finish))
+        sequence.emit(TokenEvent(choice=choice, prompt_logprobs=prompt_logprobs))
+        if finish is not None:
+            self._finish(sequence, TokenEvent(finish_reason=finish))
 
     def _finish_reason(self, sequence: _Sequence, token: int) -> str | None:
         params = sequence.params

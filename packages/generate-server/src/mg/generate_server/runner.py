@@ -1,42 +1,78 @@
-"""The model side of generation: one forward over a batch of rows, each in its own cache slot.
+"""The model side of generation: one packed forward over a paged KV cache.
 
-The engine decides *what* to run (which tokens, at which positions, in which
-slots); the runner runs it. `tensor_parallel.TensorParallelRunner` is the
-runner for a TP-sharded model: it broadcasts each step from rank 0 so that
+The engine decides *what* to run (which tokens of which sequences, at which
+positions, in which cache blocks); the runner runs it. A step is one row of
+tokens, every sequence's new tokens end to end (`PagedSegment`s say where),
+and only the rows whose logits are needed go through the output layer (the
+last token of each sequence that samples; every prompt token when prompt
+log-probabilities are asked for). `tensor_parallel.TensorParallelRunner` is
+the runner for a TP-sharded model: it broadcasts each step from rank 0 so that
 every rank runs the same forward on its shard of the heads.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
 from mg.core.models import GPTModel
-from mg.core.models.kv_cache import KVCache
+from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
+
+log = logging.getLogger("mg.generate_server")
+
+DEFAULT_BLOCK_SIZE = 16
 
 
 class ModelRunner:
-    """A GPTModel and the KVCache it decodes with (`num_slots` sequences of `max_length`)."""
+    """A GPTModel and the paged KV cache it decodes with.
 
-    def __init__(self, model: GPTModel, num_slots: int, max_length: int) -> None:
+    `num_slots` is how many sequences run at once; `max_length` the positions
+    one sequence may use. The pool holds `num_blocks` blocks of `block_size`
+    positions (default: enough for `num_slots` sequences of `max_length`; on the
+    CPU only the blocks ever written take memory).
+    """
+
+    def __init__(
+        self,
+        model: GPTModel,
+        num_slots: int,
+        max_length: int,
+        num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
         self.model = model.eval()
-        self.cache = KVCache.for_model(model, num_slots=num_slots, max_length=max_length)
         self.num_slots = num_slots
         self.max_length = max_length
+        self.block_size = block_size
+        if num_blocks is None:
+            num_blocks = num_slots * -(-max_length // block_size)
+        self.num_blocks = num_blocks
+        self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size)
         self.device = next(model.parameters()).device
         self.heartbeat_seconds: float | None = None
         """When set, the engine calls `heartbeat` after this long idle."""
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, slots: Tensor, starts: Tensor) -> Tensor:
-        """input_ids [b, s] whose row r starts at position starts[r] of slot slots[r]
-        → fp32 logits [b, s, vocab]."""
-        b, s = input_ids.shape
-        positions = starts[:, None] + torch.arange(s)[None, :]
-        self.cache.bind(slots, starts)
-        logits = self.model(
-            input_ids.to(self.device), positions.to(self.device), inference_cache=self.cache
-        )
+    def forward(
+        self,
+        segments: Sequence[PagedSegment],
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        logit_rows: Sequence[int],
+    ) -> Tensor:
+        """Run the packed step; fp32 logits [len(logit_rows), vocab] of those rows, on the CPU."""
+        model = self.model
+        self.cache.bind(segments)
+        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
+        pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
+        hidden = model.embedding(ids, pos)
+        rotary = model.rotary_pos_emb(pos) if model.rotary_pos_emb is not None else None
+        hidden = model.decoder(hidden, rotary, None, self.cache)
+        rows = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
+        logits = model.output_and_loss(hidden[:, rows], None)[0]
         return logits.float().cpu()
 
     def heartbeat(self) -> None:

@@ -6,8 +6,9 @@ Every rank reads only its tensor-parallel shard of each layer (heads, MLP
 columns, vocabulary rows) from the checkpoint, whatever layout it was saved in
 (core's `load_model_part`); the KV cache then holds this rank's heads only.
 Rank 0's engine decides each step; `TensorParallelRunner.forward` broadcasts
-the step (a 3-number header, then token ids, slots and start positions) and all
-ranks run the same forward, whose vocab-parallel output is gathered so rank 0
+the step (a 4-number header, then token ids, positions, the rows whose logits
+are needed and the step's segments with their block tables) and all ranks run
+the same forward over their own paged KV cache, whose vocab-parallel output is gathered so rank 0
 samples from the full logits. The other ranks sit in `run_worker`, answering
 steps until rank 0 broadcasts shutdown.
 
@@ -24,7 +25,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,16 +34,17 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from mg.core.models import GPTModel
+from mg.core.models.paged_kv_cache import PagedSegment, decode_segments, encode_segments
 from mg.core.parallel import watchdog
 from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
 from mg.core.parallel.mesh import ParallelLayoutError
 from mg.generate_server.loading import ServeSetupError
-from mg.generate_server.runner import ModelRunner
+from mg.generate_server.runner import DEFAULT_BLOCK_SIZE, ModelRunner
 
 log = logging.getLogger("mg.generate_server")
 
 FORWARD, HEARTBEAT, SHUTDOWN = 1, 2, 3
-"""Opcodes of the step header [op, rows, columns] that rank 0 broadcasts."""
+"""Opcodes of the step header [op, tokens, logit rows, segment ints] that rank 0 broadcasts."""
 
 
 @dataclass
@@ -142,8 +144,16 @@ class TensorParallelRunner(ModelRunner):
     steps in `run_worker`, so collectives always happen in the same order.
     """
 
-    def __init__(self, model: GPTModel, num_slots: int, max_length: int, env: TensorParallelEnv):
-        super().__init__(model, num_slots, max_length)
+    def __init__(
+        self,
+        model: GPTModel,
+        num_slots: int,
+        max_length: int,
+        env: TensorParallelEnv,
+        num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ):
+        super().__init__(model, num_slots, max_length, num_blocks, block_size)
         self.env = env
         self.group = env.tp_mesh.get_group()
         self.heartbeat_seconds = min(30.0, env.timeout_minutes * 60.0 / 4.0)
@@ -155,20 +165,33 @@ class TensorParallelRunner(ModelRunner):
             dist.broadcast(tensor, src=0, group=self.group)
         return tensor
 
-    def _header(self, op: int, rows: int = 0, columns: int = 0) -> Tensor:
-        return self._broadcast(torch.tensor([op, rows, columns], dtype=torch.long), "step header")
+    def _header(self, op: int, tokens: int = 0, rows: int = 0, segments: int = 0) -> Tensor:
+        header = torch.tensor([op, tokens, rows, segments], dtype=torch.long)
+        return self._broadcast(header, "step header")
 
-    def forward(self, input_ids: Tensor, slots: Tensor, starts: Tensor) -> Tensor:
-        b, s = input_ids.shape
-        self._header(FORWARD, b, s)
-        step = torch.cat([input_ids.reshape(-1), slots, starts]).to(torch.long)
+    def forward(
+        self,
+        segments: Sequence[PagedSegment],
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        logit_rows: Sequence[int],
+    ) -> Tensor:
+        flat = encode_segments(segments)
+        self._header(FORWARD, len(input_ids), len(logit_rows), len(flat))
+        step = torch.tensor([*input_ids, *positions, *logit_rows, *flat], dtype=torch.long)
         self._broadcast(step, "step inputs")
-        return self.local_forward(input_ids, slots, starts)
+        return self.local_forward(segments, input_ids, positions, logit_rows)
 
-    def local_forward(self, input_ids: Tensor, slots: Tensor, starts: Tensor) -> Tensor:
+    def local_forward(
+        self,
+        segments: Sequence[PagedSegment],
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        logit_rows: Sequence[int],
+    ) -> Tensor:
         """The forward every rank runs; a communication failure inside it ends the process."""
         with watchdog.exit_on_distributed_error(), _fatal_unless_input_error():
-            return super().forward(input_ids, slots, starts)
+            return super().forward(segments, input_ids, positions, logit_rows)
 
     def heartbeat(self) -> None:
         if not self._closed:
@@ -182,7 +205,9 @@ class TensorParallelRunner(ModelRunner):
         try:
             with watchdog.current().operation("shutdown message"):
                 dist.broadcast(
-                    torch.tensor([SHUTDOWN, 0, 0], device=self.env.device), src=0, group=self.group
+                    torch.tensor([SHUTDOWN, 0, 0, 0], device=self.env.device),
+                    src=0,
+                    group=self.group,
                 )
         except watchdog.DistributedOperationError as err:
             log.warning("could not tell the other ranks to stop: %s", err)
@@ -213,19 +238,21 @@ def run_worker(runner: TensorParallelRunner) -> None:
     its shutdown message); SIGTERM keeps its default, immediate exit.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    header = torch.zeros(3, dtype=torch.long)
+    header = torch.zeros(4, dtype=torch.long)
     while True:
-        op, rows, columns = runner._broadcast(header, "waiting for rank 0's next step").tolist()
+        op, tokens, rows, flat = runner._broadcast(
+            header, "waiting for rank 0's next step"
+        ).tolist()
         if op == SHUTDOWN:
             runner._closed = True
             return
         if op == HEARTBEAT:
             continue
-        step = runner._broadcast(torch.zeros(rows * columns + 2 * rows, dtype=torch.long), "step")
-        step = step.cpu()
-        ids = step[: rows * columns].view(rows, columns)
-        slots, starts = step[rows * columns :].split(rows)
+        size = 2 * tokens + rows + flat
+        step = runner._broadcast(torch.zeros(size, dtype=torch.long), "step").tolist()
+        ids, positions = step[:tokens], step[tokens : 2 * tokens]
+        logit_rows, segments = step[2 * tokens : 2 * tokens + rows], step[2 * tokens + rows :]
         try:
-            runner.local_forward(ids, slots, starts)
+            runner.local_forward(decode_segments(segments), ids, positions, logit_rows)
         except ValueError as err:  # rank 0 raised the same and fails that step's requests
             log.debug("step failed on every rank: %s", err)
