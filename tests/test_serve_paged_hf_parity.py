@@ -1,0 +1,143 @@
+"""mg-serve's paged engine gives transformers' greedy `generate()` tokens, token for token,
+for prompts of mixed lengths decoded in one continuous batch, whatever the scheduler
+does: prefix caching on or off (and hit), chunked prefill under a small token
+budget, and preemption by recompute when the KV-cache pool runs out."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mg.core.checkpoint import save_model
+from mg.core.fixtures import fixture_path
+from mg.core.models import GPTModel, presets
+from mg.core.tokenizers import TokenizerConfig
+from mg.generate_server.engine import GenerationEngine
+from mg.generate_server.loading import LoadedModel, load_for_serving
+from mg.generate_server.runner import ModelRunner
+from mg.generate_server.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+export_hf = pytest.importorskip("mg.ckpt_convert.export_hf").export_hf
+
+NEW_TOKENS = 20
+SYSTEM = (
+    "You are a schoolmaster in a small town in the country, and the boys of your "
+    "school are very naughty; answer every question about them truthfully."
+)
+PROMPTS = [
+    "The school master",
+    "I",
+    "It was a fine day and the boys were out in the field behind the school when",
+    SYSTEM + " Who broke the window?",
+    SYSTEM + " Why",
+]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> tuple[LoadedModel, list[list[int]], list[list[int]]]:
+    """A Llama-shaped model (RoPE, GQA, SwiGLU) as an mg checkpoint, the prompts' ids and
+    transformers' greedy continuations of each prompt alone."""
+    folder = tmp_path_factory.mktemp("paged")
+    torch.manual_seed(0)
+    config = presets.tiny_llama(
+        vocab_size=50304,
+        max_position_embeddings=128,
+        seq_length=128,
+        init_method_std=0.3,  # decisive logits: no near-ties for argmax to flip on
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    tokenizer = TokenizerConfig(
+        "GPT2BPETokenizer",
+        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
+        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
+    )
+    save_model(folder / "ckpt", GPTModel(config), config, tokenizer)
+    export_hf(folder / "ckpt", folder / "hf", progress=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    loaded = load_for_serving(folder / "ckpt")
+    prompts = [loaded.tokenizer.tokenize(p) for p in PROMPTS]
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        expected.append(out[0, len(ids) :].tolist())
+    return loaded, prompts, expected
+
+
+def _generate(engine: GenerationEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """All prompts submitted at once (one batch); each one's greedy tokens."""
+    results: list[list[int]] = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
+    for i, prompt in enumerate(prompts):
+
+        def emit(event, i=i) -> None:
+            if event.choice is not None:
+                results[i].append(event.choice.token)
+            if event.finish_reason is not None:
+                assert event.finish_reason == "length", event.error
+                done.release()
+
+        engine.submit(prompt, params, emit)
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    return results
+
+
+SCHEDULES = {
+    "default": {},
+    "no-prefix-caching": {"prefix_caching": False},
+    "chunked-prefill": {"max_num_batched_tokens": 7},
+    "preemption": {"num_blocks": 14, "block_size": 4},
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_greedy_equals_transformers_generate(served, schedule: str) -> None:
+    loaded, prompts, expected = served
+    options = dict(SCHEDULES[schedule])
+    runner = ModelRunner(
+        loaded.model,
+        num_slots=4,
+        max_length=128,
+        num_blocks=options.pop("num_blocks", None),
+        block_size=options.pop("block_size", 16),
+    )
+    engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257, **options)
+    try:
+        assert _generate(engine, prompts) == expected
+        if schedule == "preemption":
+            assert engine.stats.preemptions > 0
+            assert engine.stats.recomputed_tokens > 0
+        if schedule == "chunked-prefill":
+            longest = max(len(p) for p in prompts)
+            assert engine.stats.steps >= NEW_TOKENS + longest // 7
+        # every block is back in the pool (named ones kept for later prompts)
+        assert engine.blocks.num_used == 0
+    finally:
+        engine.shutdown()
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(served) -> None:
+    """The shared system prompt is computed once: a second wave of the same prompts takes its
+    full blocks from the cache, and the tokens do not change."""
+    loaded, prompts, expected = served
+    runner = ModelRunner(loaded.model, num_slots=4, max_length=128, block_size=8)
+    engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257)
+    try:
+        assert _generate(engine, prompts[3:4]) == expected[3:4]
+        computed = engine.stats.prompt_tokens
+        assert engine.stats.cached_prompt_tokens == 0
+        assert _generate(engine, prompts) == expected
+        shared = len(loaded.tokenizer.tokenize(SYSTEM)) // 8 * 8
+        assert engine.stats.cached_prompt_tokens >= 2 * shared
+        total = sum(len(p) for p in prompts)
+        assert engine.stats.prompt_tokens - computed == total - engine.stats.cached_prompt_tokens
+    finally:
+        engine.shutdown()
