@@ -5,24 +5,11 @@ import pytest
 import torch
 
 from mg.core.models import ConfigError
+from mg.core.models.hf_mapping import hf_to_megatron, megatron_to_hf
 from mg.core.models.mamba import MambaConfig, MambaModel
+from mg.core.models.mamba.hf import MAMBA2, mamba2_config_from_hf, mamba2_config_to_hf
 
 transformers = pytest.importorskip("transformers")
-
-
-def _hf_to_ours(state_dict: dict) -> dict:
-    renames = (
-        ("backbone.embeddings.", "embedding.word_embeddings."),
-        ("backbone.layers.", "decoder.layers."),
-        ("backbone.norm_f.", "decoder.final_norm."),
-        ("lm_head.", "output_layer."),
-    )
-    out = {}
-    for key, value in state_dict.items():
-        for theirs, ours in renames:
-            key = key.replace(theirs, ours)
-        out[key] = value
-    return out
 
 
 def _pair(groups: int, tied: bool, chunk_ours: int, chunk_hf: int, layers: int = 3):
@@ -54,15 +41,13 @@ def _pair(groups: int, tied: bool, chunk_ours: int, chunk_hf: int, layers: int =
         mamba_state_dim=16,
         mamba_chunk_size=chunk_ours,
         normalization="RMSNorm",
+        add_bias_linear=False,
         untie_embeddings_and_output_weights=not tied,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
     ours = MambaModel(config).eval()
-    weights = _hf_to_ours(hf.state_dict())
-    if tied:
-        weights.pop("output_layer.weight", None)
-    ours.load_state_dict(weights, strict=True)
+    ours.load_state_dict(hf_to_megatron(hf.state_dict(), config, MAMBA2), strict=True)
     return hf, ours
 
 
@@ -79,6 +64,41 @@ def test_logits_equal_transformers_mamba2(groups, tied, chunk_ours, chunk_hf):
         expected = hf(ids).logits
         got = ours(ids)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_hf_round_trip_is_bit_exact_and_config_survives(tmp_path):
+    """Mamba2ForCausalLM → ours → HF tensors identical; our config → config.json →
+    Mamba2ForCausalLM loads the exported weights and gives the same logits."""
+    hf, ours = _pair(2, False, 16, 8, layers=2)
+    config = mamba2_config_from_hf(hf.config, mamba_chunk_size=16)
+    assert config.to_dict() == ours.config.to_dict() | {
+        "init_method_std": hf.config.initializer_range,
+        "extra": {"hf_model_type": "mamba2"},
+    }
+    back = megatron_to_hf(hf_to_megatron(hf.state_dict(), config, MAMBA2), config, MAMBA2)
+    expected = hf.state_dict()
+    assert set(back) == set(expected)
+    assert all(torch.equal(back[k], expected[k]) for k in expected)
+
+    exported = transformers.Mamba2Config(**mamba2_config_to_hf(ours.config))
+    again = transformers.Mamba2ForCausalLM(exported).eval()
+    again.load_state_dict(megatron_to_hf(ours.state_dict(), ours.config, MAMBA2), strict=True)
+    ids = torch.randint(0, 100, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, ours(ids), rtol=0, atol=1e-4)
+
+
+def test_hf_config_refusals():
+    base = transformers.Mamba2Config(
+        num_heads=8, head_dim=16, hidden_size=64, state_size=16, n_groups=2
+    ).to_dict()
+    with pytest.raises(ValueError, match="use_bias"):
+        mamba2_config_from_hf(base | {"use_bias": True})
+    with pytest.raises(ValueError, match="time_step_limit"):
+        mamba2_config_from_hf(base | {"time_step_limit": (0.0, 0.1)})
+    hybrid = _hybrid_config()
+    with pytest.raises(ValueError, match="Mamba layers only"):
+        mamba2_config_to_hf(hybrid)
 
 
 def test_loss_equals_cross_entropy_of_logits():

@@ -18,7 +18,7 @@ unlike a KV cache, cannot ignore padding after the fact: for right-padded
 rows pass `lengths` (real tokens per row) to `bind`, and the state is taken
 after each row's last real token.
 
-Attention layers get a `KVCache` with one layer per attention layer; `update`
+Attention layers get a `KVCache` with one layer per attention layer; `attend`
 maps the model's layer index onto it, so `SelfAttention` uses this object as
 it uses a plain KVCache.
 """
@@ -138,9 +138,9 @@ class HybridCache:
         self.conv_states[i, self._slots] = conv.to(self.conv_states.dtype)
         self.ssm_states[i, self._slots] = ssm.to(self.ssm_states.dtype)
 
-    def update(self, layer_index: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """KVCache.update for an attention layer, by the model's layer index."""
-        return self.kv.update(self._attention_index[layer_index], key, value)
+    def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """`KVCache.attend` for an attention layer, by the model's layer index."""
+        return self.kv.attend(self._attention_index[layer_index], query, key, value)
 
     def _check_bound(self, batch: int) -> None:
         if self._slots is None:
