@@ -1,3 +1,3 @@
 """mg-quantize: quantization and deployable export."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,0 +1,275 @@
+"""The recipes: which linears are quantized, how, and with what calibration.
+
+Names as ModelOpt / llm-compressor use them:
+
+    int8_wo    W8A16, int8 per output channel (round to nearest)
+    int4_wo    W4A16, int4 per group of --group-size inputs (round to nearest)
+    int4_awq   int4_wo after AWQ's activation-aware scale search (calibration)
+    int4_gptq  int4 by GPTQ, with --gptq-damp and --act-order (calibration)
+    int8_sq    W8A8: SmoothQuant-smoothed int8 weights, per-token int8 activations (calibration)
+    fp8        E4M3 weights (per tensor, or per channel with --fp8-per-channel) and
+               E4M3 activations with a static per-tensor scale from calibrated amax
+
+The output layer (and an MoE router) stays in float unless the user quantizes it on
+purpose; ``--exclude`` glob patterns keep more linears in float.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from mg.core.quantization import (
+    INT4_RECIPES,
+    Fp8Linear,
+    Int4WeightOnlyLinear,
+    Int8DynamicLinear,
+    Int8WeightOnlyLinear,
+    QuantizationConfig,
+    QuantizedLinear,
+    set_submodule,
+)
+from mg.core.quantization.primitives import check_group_size, quantize_int4
+from mg.quantize_export import awq, smoothquant
+from mg.quantize_export.calibration import (
+    AbsMax,
+    Progress,
+    RowSample,
+    layer_prefixes,
+    run_with_hooks,
+)
+from mg.quantize_export.errors import QuantizeInputError
+from mg.quantize_export.gptq import HessianAccumulator, gptq_quantize
+
+CALIBRATED = ("int4_awq", "int4_gptq", "int8_sq", "fp8")
+DEFAULT_EXCLUDE = ("output_layer", "*router*")
+
+
+@dataclass
+class RecipeOptions:
+    recipe: str
+    group_size: int = 128
+    symmetric: bool = True
+    gptq_damp: float = 0.01
+    act_order: bool = False
+    sq_alpha: float = 0.5
+    fp8_per_channel: bool = False
+    awq_grid: int = 20
+    exclude: list[str] = field(default_factory=list)
+    progress: bool = True
+
+
+@dataclass
+class QuantizeResult:
+    config: QuantizationConfig
+    weight_error: dict[str, float]
+    """Relative Frobenius error ‖Ŵ − W‖ / ‖W‖ of each quantized linear."""
+
+
+def target_linears(model: nn.Module, exclude: list[str]) -> list[str]:
+    patterns = [*DEFAULT_EXCLUDE, *exclude]
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and not any(fnmatch.fnmatch(name, p) for p in patterns)
+    ]
+
+
+def check_recipe(model: nn.Module, options: RecipeOptions, names: list[str]) -> None:
+    if options.recipe in INT4_RECIPES:
+        for name in names:
+            linear = model.get_submodule(name)
+            if linear.in_features % options.group_size:
+                raise QuantizeInputError(
+                    f"--group-size {options.group_size} does not divide {name}'s "
+                    f"{linear.in_features} input features; use a group size that does "
+                    "(32, 64, 128) or --exclude that layer"
+                )
+    if not names:
+        raise QuantizeInputError("no linear layer is left to quantize (check --exclude)")
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module, options: RecipeOptions, samples: Tensor | None
+) -> QuantizeResult:
+    """Replace the model's target linears by quantized modules, in place."""
+    names = target_linears(model, options.exclude)
+    check_recipe(model, options, names)
+    if options.recipe in CALIBRATED and samples is None:
+        raise QuantizeInputError(
+            f"--recipe {options.recipe} needs calibration data: give --calib-data-path"
+        )
+    errors: dict[str, float] = {}
+    recipe = options.recipe
+    if recipe in ("int8_wo", "int4_wo"):
+        for name in names:
+            _replace(model, name, options, errors)
+    elif recipe == "int8_sq":
+        stats = _observe(model, samples, {n: AbsMax() for n in names}, "calibrating", options)
+        for name in names:
+            norm = _norm_before(model, name)
+            if norm is not None:
+                linear = model.get_submodule(name)
+                s = smoothquant.smoothing_factors(
+                    stats[name].value, linear.weight, options.sq_alpha
+                )
+                smoothquant.fold_into_norm(norm, linear, s)
+            _replace(model, name, options, errors)
+    elif recipe == "fp8":
+        stats = _observe(model, samples, {n: AbsMax() for n in names}, "calibrating", options)
+        for name in names:
+            _replace(model, name, options, errors, input_amax=float(stats[name].value.max()))
+    elif recipe == "int4_gptq":
+        for group in _layer_groups(names):
+            observers = {n: _Hessian(model.get_submodule(n).in_features) for n in group}
+            stats = _observe(model, samples, observers, f"GPTQ {_label(group)}", options)
+            for name in group:
+                _replace(model, name, options, errors, hessian=stats[name].acc.hessian)
+    elif recipe == "int4_awq":
+        for group in _layer_groups(names):
+            observers = {n: RowSample() for n in group}
+            stats = _observe(model, samples, observers, f"AWQ {_label(group)}", options)
+            for name in group:
+                _apply_awq(model, name, stats[name].value(), options)
+            for name in group:
+                _replace(model, name, options, errors)
+    else:
+        raise QuantizeInputError(f"unknown --recipe {recipe!r}")
+    config = QuantizationConfig(
+        recipe=recipe,
+        modules=names,
+        group_size=options.group_size if recipe in INT4_RECIPES else None,
+        symmetric=options.symmetric,
+        fp8_per_channel=options.fp8_per_channel,
+        details=_details(options, samples),
+    )
+    return QuantizeResult(config, errors)
+
+
+def _details(options: RecipeOptions, samples: Tensor | None) -> dict:
+    details: dict = {}
+    if samples is not None and options.recipe in CALIBRATED:
+        details["calib_samples"], details["calib_seq_length"] = map(int, samples.shape)
+    if options.recipe == "int4_gptq":
+        details.update(gptq_damp=options.gptq_damp, act_order=options.act_order)
+    if options.recipe == "int8_sq":
+        details["smoothquant_alpha"] = options.sq_alpha
+    if options.recipe == "int4_awq":
+        details["awq_grid"] = options.awq_grid
+    if options.exclude:
+        details["exclude"] = list(options.exclude)
+    return details
+
+
+class _Hessian:
+    def __init__(self, columns: int) -> None:
+        self.acc = HessianAccumulator(columns)
+
+    def __call__(self, x: Tensor) -> None:
+        self.acc.add(x)
+
+
+def _observe(model, samples, observers, what: str, options: RecipeOptions) -> dict:
+    progress = Progress(what, len(samples), options.progress)
+    run_with_hooks(model, samples, observers, progress=progress)
+    return observers
+
+
+def _layer_groups(names: list[str]) -> list[list[str]]:
+    """Linears grouped by transformer layer, in order: GPTQ and AWQ go layer by layer,
+    each layer calibrated on the outputs of the layers already quantized."""
+    groups: dict[str, list[str]] = {key: [] for key in layer_prefixes(names)}
+    for name in names:
+        parts = name.split(".")
+        key = ".".join(parts[:3]) if parts[:2] == ["decoder", "layers"] else name
+        groups[key].append(name)
+    return list(groups.values())
+
+
+def _label(group: list[str]) -> str:
+    return ".".join(group[0].split(".")[:3])
+
+
+def _norm_before(model: nn.Module, name: str) -> nn.Module | None:
+    """The norm whose output is this linear's whole input (GPT layers: qkv and fc1)."""
+    layer_name, _, rest = name.rpartition(".")
+    layer_name = layer_name.rpartition(".")[0]
+    if not layer_name:
+        return None
+    layer = model.get_submodule(layer_name)
+    if name.endswith("self_attention.linear_qkv"):
+        return getattr(layer, "input_layernorm", None)
+    if name.endswith("mlp.linear_fc1"):
+        return getattr(layer, "pre_mlp_layernorm", None)
+    return None
+
+
+def _apply_awq(model: nn.Module, name: str, inputs: Tensor, options: RecipeOptions) -> None:
+    """Search the scales and fold them where the producer of the input can absorb 1/s."""
+    linear = model.get_submodule(name)
+    norm = _norm_before(model, name)
+    producer = None
+    if name.endswith("mlp.linear_fc2"):
+        mlp = model.get_submodule(name.rpartition(".")[0])
+        fc1 = getattr(mlp, "linear_fc1", None)
+        if getattr(mlp, "gated", False) and isinstance(fc1, nn.Linear):
+            producer = fc1  # act(gate) * up: scaling the up rows scales fc2's input
+    if norm is None and producer is None:
+        return  # no place to fold 1/s (attention output, ungated MLP): plain int4
+    scales, _alpha = awq.search_awq_scales(
+        linear.weight, inputs, options.group_size, options.symmetric, options.awq_grid
+    )
+    if norm is not None:
+        smoothquant.fold_into_norm(norm, linear, scales)
+    else:
+        half = producer.out_features // 2
+        producer.weight[half:].div_(scales[:, None].to(producer.weight.dtype))
+        if producer.bias is not None:
+            producer.bias[half:].div_(scales.to(producer.bias.dtype))
+        linear.weight.mul_(scales[None, :].to(linear.weight.dtype))
+
+
+def _replace(
+    model: nn.Module,
+    name: str,
+    options: RecipeOptions,
+    errors: dict[str, float],
+    *,
+    input_amax: float = 0.0,
+    hessian: Tensor | None = None,
+) -> None:
+    linear: nn.Linear = model.get_submodule(name)
+    weight = linear.weight.detach().float()
+    recipe = options.recipe
+    quantized: QuantizedLinear
+    if recipe == "int8_wo":
+        quantized = Int8WeightOnlyLinear.from_linear(linear, weight)
+    elif recipe == "int8_sq":
+        quantized = Int8DynamicLinear.from_linear(linear, weight)
+    elif recipe == "fp8":
+        quantized = Fp8Linear.from_linear(linear, input_amax, options.fp8_per_channel, weight)
+    elif recipe == "int4_gptq":
+        assert hessian is not None
+        q, scale, zero = gptq_quantize(
+            weight,
+            hessian,
+            options.group_size,
+            options.symmetric,
+            options.gptq_damp,
+            options.act_order,
+        )
+        quantized = Int4WeightOnlyLinear.from_quantized(linear, q, scale, zero)
+    else:
+        check_group_size(linear.in_features, options.group_size, name)
+        quantized = Int4WeightOnlyLinear.from_quantized(
+            linear, *quantize_int4(weight, options.group_size, options.symmetric)
+        )
+    quantized.to(linear.weight.device)
+    if quantized.bias is not None:
+        quantized.bias.data = quantized.bias.data.to(linear.weight.dtype)
+    errors[name] = float((quantized.dequantized_weight() - weight).norm() / weight.norm())
+    set_submodule(model, name, quantized)

@@ -1,0 +1,54 @@
+"""An mg-quantize checkpoint loads in mg-eval's and mg-serve's loaders (through core's
+load_model) as quantized modules, and both compute the same logits."""
+
+from __future__ import annotations
+
+import torch
+
+from mg.core.checkpoint import save_model
+from mg.core.models import GPTModel
+from mg.core.models.presets import tiny_llama
+from mg.core.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from mg.core.tokenizers import TokenizerConfig
+
+
+def _quantized_checkpoint(tmp_path, recipe: str, extra: list[str]):
+    from mg.core.fixtures import fixture_path
+    from mg.quantize_export import cli
+
+    torch.manual_seed(0)
+    config = tiny_llama(vocab_size=50304, ffn_hidden_size=128)
+    tokenizer = TokenizerConfig(
+        "GPT2BPETokenizer",
+        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
+        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
+    )
+    model = GPTModel(config).eval()
+    save_model(tmp_path / "float", model, config, tokenizer)
+    save = tmp_path / recipe
+    cli.main(["--load", str(tmp_path / "float"), "--save", str(save), "--recipe", recipe, *extra])
+    return model, save
+
+
+def test_eval_and_serve_load_quantized_checkpoints(tmp_path) -> None:
+    from mg.evaluate.model_loading import load_for_eval
+    from mg.generate_server.loading import load_for_serving
+
+    ids = torch.tensor([[464, 3290, 318, 257]])
+    for recipe, extra, kind in (
+        ("int8_wo", [], Int8WeightOnlyLinear),
+        ("int4_wo", ["--group-size", "32"], Int4WeightOnlyLinear),
+    ):
+        model, save = _quantized_checkpoint(tmp_path, recipe, extra)
+        evaluated = load_for_eval(save)
+        served = load_for_serving(save, dtype="bfloat16")
+        assert isinstance(evaluated.model.decoder.layers[1].mlp.linear_fc1, kind)
+        fc1 = served.model.decoder.layers[1].mlp.linear_fc1
+        assert fc1.qweight.dtype in (torch.int8, torch.uint8)
+        assert fc1.weight_scale.dtype == torch.bfloat16
+        a = evaluated.model(ids)
+        with torch.no_grad():
+            reference = model(ids)
+        scale = float(reference.abs().max())
+        assert torch.allclose(a, reference, atol=0.1 * scale)
+        assert torch.allclose(served.model(ids).float(), a, atol=0.1 * scale)
