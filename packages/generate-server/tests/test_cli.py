@@ -19,7 +19,12 @@ SERVE = [sys.executable, "-c", "from mg.generate_server.cli import main; main()"
 
 def test_serve_command_end_to_end(checkpoint) -> None:
     proc = subprocess.Popen(
-        [*SERVE, "--load", str(checkpoint), "--port", "0", "--log-level", "warning"],
+        [
+            *SERVE,
+            *("--load", str(checkpoint), "--port", "0", "--log-level", "warning"),
+            *("--kv-cache-memory", "1MiB", "--num-threads", "1", "--max-num-batched-tokens", "8"),
+            "--no-enable-prefix-caching",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -29,12 +34,19 @@ def test_serve_command_end_to_end(checkpoint) -> None:
         match = re.search(r"listening on (http://\S+)", line)
         assert match, line + proc.stdout.read() if proc.poll() is not None else line
         url = match.group(1)
+        # 2 layers x (keys + values) x 16 positions x 32 channels x 4 bytes = 8 KiB a block
+        assert "float32, 1 threads" in line and "KV cache 128 blocks x 16 = 2048 positions" in line
         r = httpx.put(
             url + "/api", json={"prompts": ["Hello"], "tokens_to_generate": 3}, timeout=60
         )
         assert r.status_code == 200 and r.json()["text"][0].startswith("Hello")
         r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
         assert r.json()["usage"]["completion_tokens"] == 2
+        metrics = httpx.get(url + "/metrics").text
+        assert "mg_serve_kv_cache_blocks 128.0" in metrics
+        assert "mg_serve_time_to_first_token_seconds_count 2.0" in metrics
+        assert "mg_serve_inter_token_latency_seconds_count 3.0" in metrics  # 2 + 1 later tokens
+        assert "mg_serve_kv_cache_used_blocks 0.0" in metrics
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -61,6 +73,9 @@ def test_clear_errors(checkpoint, tmp_path) -> None:
     assert "torchrun --nproc-per-node 2 mg-serve" in _fails(
         "--load", str(checkpoint), "--tensor-model-parallel-size", "2"
     )
+    error = _fails("--load", str(checkpoint), "--kv-cache-memory", "10KiB")
+    assert "--kv-cache-memory 10KiB holds 1 KV-cache blocks" in error
+    assert "one sequence of 64 positions needs 4" in error
 
 
 def test_bad_flags(checkpoint, capsys) -> None:
@@ -68,6 +83,12 @@ def test_bad_flags(checkpoint, capsys) -> None:
         main(["--load", str(checkpoint), "--inference-max-requests", "0"])
     assert exit_.value.code == 2
     assert "--inference-max-requests must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--load", str(checkpoint), "--kv-cache-memory", "lots"])
+    assert "--kv-cache-memory: 'lots' is neither a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--load", str(checkpoint), "--max-num-batched-tokens", "0"])
+    assert "--max-num-batched-tokens must be >= 1" in capsys.readouterr().err
 
 
 def test_interactive_client(server) -> None:

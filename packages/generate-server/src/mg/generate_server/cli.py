@@ -7,7 +7,8 @@
 The checkpoint describes its own model and tokenizer, so no model flags are
 needed. Flag names follow Megatron-LM (`--load`, `--port`,
 `--inference-max-requests`, `--inference-max-seq-length`,
-`--max-tokens-to-oom`, `--bf16`).
+`--max-tokens-to-oom`, `--bf16`) and, for the engine's knobs Megatron has no
+flag for, vLLM (`--max-num-batched-tokens`, `--enable-prefix-caching`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from mg.generate_server.loading import ServeSetupError
+from mg.generate_server.resources import parse_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +42,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--inference-max-requests",
         type=int,
         default=8,
-        help="sequences decoded together (KV-cache slots); more requests wait their turn",
+        help="sequences decoded together; more requests wait their turn",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV-cache pool: bytes (2GiB, 512MiB, 1.5GB, 1000000) or a fraction of the "
+        "device's free memory (0.5). Default: room for --inference-max-requests sequences of "
+        "--inference-max-seq-length, at most half the free memory (on the CPU only the blocks "
+        "written take memory)",
+    )
+    parser.add_argument(
+        "--kv-cache-block-size", type=int, default=16, help="positions per KV-cache block"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens one engine step runs: decodes first, then prompt chunks (chunked prefill); "
+        "smaller keeps other requests' inter-token latency low while a long prompt is read",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the cached blocks of a prompt prefix seen before (e.g. a system prompt)",
+    )
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads for the model (default: the cores this process may use, divided "
+        "among the ranks on this machine)",
     )
     parser.add_argument(
         "--inference-max-seq-length",
@@ -97,7 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    for name in ("inference_max_requests", "max_tokens_to_oom", "max_request_bytes"):
+    for name in (
+        "inference_max_requests",
+        "max_tokens_to_oom",
+        "max_request_bytes",
+        "kv_cache_block_size",
+        "max_num_batched_tokens",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_waiting_requests < 0:
@@ -112,13 +151,22 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--distributed-timeout-minutes must be > 0")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be within 0..65535")
+    if args.num_threads is not None and args.num_threads < 1:
+        parser.error("--num-threads must be >= 1")
+    if args.kv_cache_memory is not None:
+        try:
+            parse_memory(args.kv_cache_memory)
+        except ValueError as err:
+            parser.error(f"--kv-cache-memory: {err}")
 
 
 def serve(args: argparse.Namespace) -> None:
     """One process, or one rank of `torchrun --nproc-per-node T` (rank 0 serves HTTP)."""
+    import torch
     import torch.distributed as dist
 
     from mg.generate_server.loading import load_for_serving
+    from mg.generate_server.resources import check_cpu_bf16, pool_blocks, set_threads
     from mg.generate_server.runner import ModelRunner
     from mg.generate_server.tensor_parallel import (
         TensorParallelRunner,
@@ -130,6 +178,9 @@ def serve(args: argparse.Namespace) -> None:
 
     tp = resolve_tensor_parallel_size(args.tensor_model_parallel_size)
     device = serving_device(args.device, tp)
+    threads = set_threads(args.num_threads, device)
+    if args.bf16 and device.type == "cpu":
+        check_cpu_bf16()
     env = init_tensor_parallel(tp, device, args.distributed_timeout_minutes)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
     loaded = load_for_serving(
@@ -137,10 +188,26 @@ def serve(args: argparse.Namespace) -> None:
     )
     positions = loaded.config.max_position_embeddings
     max_length = min(args.inference_max_seq_length or positions, positions)
+    num_blocks = pool_blocks(
+        loaded.model,
+        device,
+        args.kv_cache_memory,
+        args.kv_cache_block_size,
+        args.inference_max_requests,
+        max_length,
+    )
+    if dist.is_initialized():  # every rank must offer rank 0's engine the same pool
+        agreed = torch.tensor([num_blocks], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        num_blocks = int(agreed)
+    pool = (num_blocks, args.kv_cache_block_size)
     if env.tp_mesh is None:
-        runner = ModelRunner(loaded.model, args.inference_max_requests, max_length)
+        runner = ModelRunner(loaded.model, args.inference_max_requests, max_length, *pool)
     else:
-        runner = TensorParallelRunner(loaded.model, args.inference_max_requests, max_length, env)
+        runner = TensorParallelRunner(
+            loaded.model, args.inference_max_requests, max_length, env, *pool
+        )
+    runner.num_threads = threads
     if env.is_driver:
         _serve_http(args, loaded, runner, max_length, tp)
     else:
@@ -165,6 +232,8 @@ def _serve_http(args: argparse.Namespace, loaded, runner, max_length: int, tp: i
             loaded.tokenizer.detokenize,
             vocab_size=min(loaded.tokenizer.vocab_size, loaded.config.vocab_size),
             max_waiting=args.max_waiting_requests,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            prefix_caching=args.enable_prefix_caching,
         )
         settings = ServerSettings(
             limits=Limits(max_length, args.max_tokens_to_oom, args.max_tokens_to_generate),
@@ -178,9 +247,13 @@ def _serve_http(args: argparse.Namespace, loaded, runner, max_length: int, tp: i
         port = sock.getsockname()[1]
         endpoints = "PUT /api, POST /v1/completions" + (", /v1/chat/completions" if chat else "")
         layout = f"tensor-parallel {tp} x {runner.device.type}" if tp > 1 else runner.device.type
+        dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+        threads = f", {runner.num_threads} threads" if runner.device.type == "cpu" else ""
+        pool = runner.num_blocks * runner.block_size
         print(
-            f"mg-serve: {loaded.name} ({layout}, {max_length} positions, "
-            f"{args.inference_max_requests} slots) listening on http://{args.host}:{port} "
+            f"mg-serve: {loaded.name} ({layout}, {dtype}{threads}, {max_length} positions, "
+            f"{args.inference_max_requests} sequences, KV cache {runner.num_blocks} blocks x "
+            f"{runner.block_size} = {pool} positions) listening on http://{args.host}:{port} "
             f"[{endpoints}, GET /health, /metrics, /docs]",
             flush=True,
         )

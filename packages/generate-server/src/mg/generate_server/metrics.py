@@ -1,4 +1,8 @@
-"""Prometheus metrics of one server: requests, latency, tokens, batch occupancy.
+"""Prometheus metrics of one server: requests, latency, tokens, batch occupancy, KV cache.
+
+Per request: time to first token and inter-token latency (histograms). Engine:
+tokens prompted / cached / recomputed / generated, steps, preemptions, recent
+tokens per second, KV-cache blocks in use and kept for prefix reuse.
 
 Each app gets its own registry (several servers in one process, as in tests,
 do not collide); `GET /metrics` renders it in the text exposition format.
@@ -9,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mg.generate_server.engine import GenerationEngine
@@ -24,14 +28,55 @@ class _EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats
+        engine = self.engine
+        stats = engine.stats
         for name, doc, value in (
             ("mg_serve_prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
+            (
+                "mg_serve_prefix_cache_hit_tokens",
+                "Prompt tokens taken from the prefix cache instead of computed.",
+                stats.cached_prompt_tokens,
+            ),
+            (
+                "mg_serve_recomputed_tokens",
+                "Tokens computed again after a preemption.",
+                stats.recomputed_tokens,
+            ),
             ("mg_serve_generated_tokens", "Tokens generated.", stats.generated_tokens),
             ("mg_serve_engine_steps", "Model forwards run by the engine.", stats.steps),
             ("mg_serve_sequences_finished", "Sequences finished.", stats.finished),
+            (
+                "mg_serve_preemptions",
+                "Sequences preempted (blocks released, recomputed later) for lack of KV cache.",
+                stats.preemptions,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        blocks = engine.blocks
+        for name, doc, value in (
+            (
+                "mg_serve_generation_tokens_per_second",
+                "Tokens generated per second over the last 10 s.",
+                stats.tokens_per_second(),
+            ),
+            ("mg_serve_kv_cache_blocks", "Blocks in the KV-cache pool.", blocks.num_blocks),
+            ("mg_serve_kv_cache_block_size", "Positions per KV-cache block.", blocks.block_size),
+            ("mg_serve_kv_cache_used_blocks", "Blocks held by running sequences.", blocks.num_used),
+            (
+                "mg_serve_kv_cache_cached_blocks",
+                "Unheld blocks kept for prefix reuse (taken back first when the pool runs out).",
+                blocks.num_cached,
+            ),
+            (
+                "mg_serve_kv_cache_usage",
+                "Fraction of the KV-cache pool held by running sequences.",
+                blocks.num_used / blocks.num_blocks,
+            ),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class ServerMetrics:
@@ -59,6 +104,20 @@ class ServerMetrics:
         )
         waiting.set_function(lambda: engine.num_waiting)
         self.registry.register(_EngineCollector(engine))
+        ttft = Histogram(
+            "mg_serve_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        itl = Histogram(
+            "mg_serve_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        histograms = {"ttft": ttft, "itl": itl}
+        engine.observe_latency = lambda kind, seconds: histograms[kind].observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -52,6 +52,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size)
         self.device = next(model.parameters()).device
+        self.num_threads = torch.get_num_threads()
         self.heartbeat_seconds: float | None = None
         """When set, the engine calls `heartbeat` after this long idle."""
 

@@ -1,0 +1,122 @@
+"""What the server takes from the machine: CPU threads, bf16 support, the KV-cache pool's size."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mg.core.models.paged_kv_cache import PagedKVCache
+from mg.generate_server.loading import ServeSetupError
+
+log = logging.getLogger("mg.generate_server")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_memory(text: str) -> int | float:
+    """'2GiB' / '512MiB' / '1.5GB' / '1000000' → bytes (int); '0.5' → a fraction (float)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{text!r} is neither a size (2GiB, 512MiB, 1000000) nor a fraction (0.5)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if not unit and number <= 1.0 and "." in match.group(1):
+        if number <= 0.0:
+            raise ValueError(f"a fraction of free memory must be > 0, got {text}")
+        return number
+    size = int(number * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"{text!r} is no memory at all")
+    return size
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the device can still give: the GPU's free memory, or the machine's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def pool_blocks(
+    model: nn.Module,
+    device: torch.device,
+    kv_cache_memory: str | None,
+    block_size: int,
+    max_requests: int,
+    max_length: int,
+) -> int:
+    """How many KV-cache blocks to allocate (`--kv-cache-memory`, else the default in its help)."""
+    block_bytes = PagedKVCache.block_bytes(model, block_size)
+    per_sequence = -(-max_length // block_size)
+    free = free_memory(device)
+    if kv_cache_memory is None:
+        blocks = min(max_requests * per_sequence, free // 2 // block_bytes)
+        what = "the default pool (half the free memory at most)"
+    else:
+        budget = parse_memory(kv_cache_memory)
+        if isinstance(budget, float):
+            budget = int(budget * free)
+        blocks = budget // block_bytes
+        what = f"--kv-cache-memory {kv_cache_memory}"
+    if blocks < per_sequence:
+        raise ServeSetupError(
+            f"{what} holds {blocks} KV-cache blocks of {block_size} positions "
+            f"({block_bytes} bytes each) but one sequence of {max_length} positions needs "
+            f"{per_sequence}; give more memory or lower --inference-max-seq-length"
+        )
+    log.info(
+        "KV cache: %d blocks x %d positions, %.1f MiB",
+        blocks,
+        block_size,
+        blocks * block_bytes / 2**20,
+    )
+    return blocks
+
+
+def set_threads(requested: int | None, device: torch.device) -> int:
+    """Set torch's intra-op threads: `--num-threads`, else the cores this process may use
+    shared among the ranks on this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    if requested is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            cores = os.cpu_count() or 1
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+        requested = max(1, cores // max(1, ranks))
+    torch.set_num_threads(requested)
+    log.info("using %d CPU threads", requested)
+    return requested
+
+
+def check_cpu_bf16() -> None:
+    """--bf16 on a CPU needs bfloat16 instructions; without them it is slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return  # not Linux: let torch decide
+    if not re.search(r"\b(avx512_bf16|amx_bf16|bf16)\b", flags):
+        raise ServeSetupError(
+            "--bf16: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16 or Arm bf16); "
+            "serve in fp32 by dropping the flag"
+        )
