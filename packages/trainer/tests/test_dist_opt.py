@@ -63,8 +63,8 @@ def _assert_close(reference: list[float], got: list[float], rtol: float) -> None
 def test_dp2_distributed_optimizer_matches_one_process(tmp_path, mock_argv, train) -> None:
     """20 iterations, global batch 8: one process (4 micro-batches of 2) vs DP=2 with the
     distributed optimizer (2 micro-batches each); a second DP=2 run saves at iteration 10
-    and one process with plain AdamW (no --use-distributed-optimizer) resumes it:
-    iterations 11-20 equal the uninterrupted run."""
+    and one process resumes it, with plain AdamW (no --use-distributed-optimizer) and with
+    the distributed optimizer: iterations 11-20 equal the uninterrupted run."""
     argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=20)
     one = train(argv)
     dist_opt = [*argv, "--use-distributed-optimizer"]
@@ -75,6 +75,9 @@ def test_dp2_distributed_optimizer_matches_one_process(tmp_path, mock_argv, trai
     _assert_close(one.grad_norms, plain["grad_norms"], NORM_RTOL)
     _assert_close(one.losses[:10], saved["losses"], LOSS_RTOL)
     resumed = train([*argv, "--load", ckpt])
+    _assert_close(one.losses[10:], resumed.losses, LOSS_RTOL)
+    # distrib_optim.pt does not depend on the data-parallel size: DP=2 -> DP=1
+    resumed = train([*dist_opt, "--load", ckpt])
     _assert_close(one.losses[10:], resumed.losses, LOSS_RTOL)
 
 
@@ -102,23 +105,29 @@ def test_dp2_overlapped_distributed_optimizer_matches_one_process(
     _assert_close([v for _, v in one.validation], [v for _, v in run["validation"]], LOSS_RTOL)
 
 
-def test_checkpoint_holds_the_full_adamw_state(tmp_path, mock_argv, train) -> None:
-    """One process with the distributed optimizer saves torch AdamW's own state dict format."""
+def test_checkpoint_holds_megatrons_distrib_optim_layout(tmp_path, mock_argv, train) -> None:
+    """With the distributed optimizer the torch format is Megatron's pair: the groups and
+    step in model_optim_rng.pt, the flat parameter state in distrib_optim.pt beside it
+    (main weights equal to the model's, in Megatron's grad-buffer order)."""
     ckpt = tmp_path / "ckpt"
     argv = mock_argv(tmp_path, *FLAGS, "--save", str(ckpt), mbs=2, gbs=4, iters=3)
     train([*argv, "--use-distributed-optimizer", "--ckpt-format", "torch"])
-    state = torch.load(
-        ckpt / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False
-    )
-    optim = state["optimizer"]
-    assert [sorted(entry) for entry in optim["state"].values()] == [
-        ["exp_avg", "exp_avg_sq", "step"]
-    ] * len(optim["state"])
+    folder = ckpt / "iter_0000003" / "mp_rank_00"
+    state = torch.load(folder / "model_optim_rng.pt", weights_only=False)
+    groups = state["optimizer"]["optimizer"]["param_groups"]
+    assert {g["step"] for g in groups} == {3.0}
+    assert all("params" not in g for g in groups)
+    flat = torch.load(folder / "distrib_optim.pt", weights_only=True)
+    assert flat["buckets_coalesced"] is True
+    (buffer,) = flat[0].values()
+    assert sorted(buffer) == ["exp_avg", "exp_avg_sq", "numel_unpadded", "param"]
     model = state["model"]
-    assert sum(v.numel() for v in model.values()) == sum(
-        optim["state"][i]["exp_avg"].numel() for i in optim["state"]
-    )
-    assert {float(entry["step"]) for entry in optim["state"].values()} == {3.0}
+    # Megatron's order: reversed, each parameter 64-aligned; the last one starts at 0
+    last = model["decoder.final_layernorm.bias"].reshape(-1)
+    assert torch.equal(buffer["param"][: last.numel()], last)
+    numel = sum(v.numel() for k, v in model.items() if "_extra_state" not in k)
+    assert numel <= buffer["numel_unpadded"] < numel + 64 * len(model)
+    assert buffer["exp_avg_sq"].abs().sum() > 0
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,10 @@ A checkpoint is Megatron's `torch` layout with Megatron's keys (`args`,
 `iteration`, `model`, `optimizer`, `opt_param_scheduler`, `rng_state`,
 `num_floating_point_operations_so_far`) plus our `mg` entry with the model and
 tokenizer configs, so `mg-eval --load` and `mg-serve --load` need no flags.
+With the distributed optimizer, `optimizer` holds only the groups' options and
+step count and the parameter state goes to `distrib_optim.pt` beside it, in the
+flat layout of Megatron-Core's grad buffers, written by data-parallel rank 0
+(`DistributedOptimizer.parameter_state_dp_zero`), as Megatron-LM does.
 `args` is an `argparse.Namespace` of plain values with Megatron's names,
 including `consumed_train_samples` and `consumed_valid_samples`.
 """
@@ -19,6 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mg.core.checkpoint import (
+    CheckpointError,
+    checkpoint_dir,
+    find_rank_file,
     get_rng_state,
     load_checkpoint,
     mg_metadata,
@@ -26,8 +33,13 @@ from mg.core.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from mg.core.checkpoint.layout import DISTRIB_OPTIM_FILENAME
+from mg.core.checkpoint.serialization import load_file
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
+from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.dtensor_layout import shard_like
+from mg.core.parallel.megatron_buffers import megatron_buffers, torch_optimizer_state
+from mg.core.parallel.pipeline import shared_embedding_weight
 from mg.trainer import distributed
 
 
@@ -61,9 +73,21 @@ def save(
     join the barriers. `layout` is the trainer's `ParallelLayout` (None: one shard)."""
     is_main = not distributed.is_distributed() or torch.distributed.get_rank() == 0
     writer = is_main if layout is None else layout.writes_checkpoint
-    # Collective for the distributed optimizer (it gathers its shards), so every rank asks;
-    # it also waits for in-flight parameter all-gathers before the model is read.
-    optimizer_state = optimizer.state_dict() if save_optim else None
+    # Collective for the distributed optimizer (it gathers its shards onto data-parallel
+    # rank 0), so every rank asks; it also waits for in-flight parameter all-gathers
+    # before the model is read.
+    optimizer_state, extra_files = None, {}
+    if save_optim and isinstance(optimizer, DistributedOptimizer):
+        optimizer_state = optimizer.param_groups_state()
+        param_state = optimizer.parameter_state_dp_zero(
+            optimizer.megatron_buffers(_chunk_list(model))
+        )
+        if param_state is not None:
+            extra_files[DISTRIB_OPTIM_FILENAME] = param_state
+    elif save_optim:
+        optimizer_state = optimizer.state_dict()
+    if writer and save_optim and isinstance(optimizer, DistributedOptimizer) and not extra_files:
+        raise RuntimeError("the checkpoint writer is not the distributed optimizer's rank 0")
     payload = None
     if writer:
         args_ns = argparse.Namespace(
@@ -101,7 +125,19 @@ def save(
         **_shard_position(layout),
         is_writer_of_latest=is_main,
         barrier=distributed.barrier if distributed.is_distributed() else None,
+        extra_files=extra_files,
     )
+
+
+def _chunk_list(model: nn.Module) -> list[nn.Module]:
+    """The model chunks Megatron's grad buffers are built over (one for a whole model)."""
+    return _chunks(model) or [distributed.unwrap(model)]
+
+
+def _tied_embedding(model: nn.Module) -> nn.Parameter | None:
+    """A pipeline stage's copy of the tied embedding (Megatron's `shared_embedding`)."""
+    chunks = _chunks(model)
+    return shared_embedding_weight(chunks) if chunks is not None else None
 
 
 def _chunks(model: nn.Module) -> list[nn.Module] | None:
@@ -147,6 +183,50 @@ def _load_model_states(model: nn.Module, ckpt: dict[str, Any], path: str) -> Non
         )
     for chunk, key in zip(chunks, keys, strict=True):
         chunk.load_state_dict(ckpt[key])
+
+
+def _load_optimizer(
+    optimizer: Any,
+    state: dict[str, Any],
+    model: nn.Module,
+    load_dir: str,
+    iteration: Any,
+    position: dict[str, int],
+) -> None:
+    """The optimizer from either `torch`-format layout: the full state in
+    `model_optim_rng.pt` (a plain optimizer's), or Megatron's distributed-optimizer pair
+    (groups there, parameter state in `distrib_optim.pt`, memory-mapped: each rank reads
+    only its own fragments)."""
+    if "state" in state:
+        optimizer.load_state_dict(state)
+        return
+    folder = checkpoint_dir(load_dir, iteration)
+    rank_file, _ = find_rank_file(
+        folder, position.get("tp_rank", 0), position.get("pp_rank", 0), position.get("pp_size")
+    )
+    path = rank_file.parent / DISTRIB_OPTIM_FILENAME
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing: the checkpoint was saved with the distributed optimizer and "
+            "its parameter state is not there; copy it back, or resume with --no-load-optim"
+        )
+    param_state = load_file(path, mmap=True)
+    if isinstance(optimizer, DistributedOptimizer):
+        step = optimizer.load_param_groups_state(state)
+        buffers = optimizer.megatron_buffers(_chunk_list(model))
+        optimizer.load_parameter_state(param_state, buffers, step, str(path))
+        return
+    groups = (state.get("optimizer") or {}).get("param_groups") or []
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"{load_dir}: the optimizer state has {len(groups)} parameter groups, this "
+            f"optimizer has {len(optimizer.param_groups)}; was it saved for a different model?"
+        )
+    tied = _tied_embedding(model)
+    buffers = megatron_buffers(_chunk_list(model), shared_embedding=lambda p: p is tied)
+    optimizer.load_state_dict(
+        torch_optimizer_state(optimizer, groups, param_state, buffers, str(path))
+    )
 
 
 def _parallel_sizes(layout: Any) -> dict[str, int]:
@@ -210,7 +290,7 @@ def resume(
             raise ValueError(
                 f"{load_dir}: the checkpoint has no optimizer state; resume with --no-load-optim"
             )
-        optimizer.load_state_dict(ckpt["optimizer"])
+        _load_optimizer(optimizer, ckpt["optimizer"], model, load_dir, iteration, position)
         scheduler.load_state_dict(ckpt["opt_param_scheduler"])
         if "grad_scaler" in ckpt:
             loss_scaler.load_state_dict(ckpt["grad_scaler"])

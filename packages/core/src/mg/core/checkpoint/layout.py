@@ -29,6 +29,7 @@ from pathlib import Path
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 MODEL_FILENAME = "model_optim_rng.pt"
+DISTRIB_OPTIM_FILENAME = "distrib_optim.pt"  # the distributed optimizer's state, beside it
 RELEASE = "release"
 STAGING_SUFFIX = ".tmp"
 DISPLACED_SUFFIX = ".old"

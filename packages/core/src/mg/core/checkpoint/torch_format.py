@@ -121,10 +121,20 @@ class _Staging:
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir()
 
-    def write(self, state: Mapping[str, Any], rank_dir: str, tp: int, pp: int, ep: int) -> Path:
+    def write(
+        self,
+        state: Mapping[str, Any],
+        rank_dir: str,
+        tp: int,
+        pp: int,
+        ep: int,
+        extra_files: Mapping[str, Any] | None = None,
+    ) -> Path:
         folder = self.staging / rank_dir
         folder.mkdir(exist_ok=True)
         save_file(_complete_state(state, self.iteration, tp, pp, ep), folder / MODEL_FILENAME)
+        for name, content in (extra_files or {}).items():
+            save_file(content, folder / name)
         fsync_dir(self.staging)
         return self.final / rank_dir / MODEL_FILENAME
 
@@ -163,6 +173,7 @@ def save_checkpoint(
     is_writer_of_latest: bool = True,
     barrier: Barrier | None = None,
     update_latest: bool = True,
+    extra_files: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save this rank's part of the checkpoint of ``iteration`` atomically; returns its path.
 
@@ -173,6 +184,9 @@ def save_checkpoint(
     prepares the staging folder, moves it into place once all files are written, and
     then updates ``latest_checkpointed_iteration.txt`` (skipped with
     ``update_latest=False``). ``iteration`` may be ``"release"``.
+
+    ``extra_files`` (name -> object) are saved beside the model file in the same
+    ``mp_rank_*`` folder, e.g. the distributed optimizer's ``distrib_optim.pt``.
 
     To write several shards from one process (a converter), use
     :func:`save_checkpoint_shards`.
@@ -190,7 +204,7 @@ def save_checkpoint(
         staging.reset()
     sync()
     if state is not None:
-        staging.write(state, rank_dir, tp_size, pp_size, ep_size)
+        staging.write(state, rank_dir, tp_size, pp_size, ep_size, extra_files)
     sync()
     if is_writer_of_latest:
         staging.commit(update_latest)

@@ -61,6 +61,12 @@ optimizer too:
   tensor), and `sharded_state_to_load()` / `load_sharded_state()` read back just
   this rank's regions from whatever layout wrote them: the `torch_dist` format,
   with no full-size copy of any state tensor on any rank.
+
+And Megatron's own `torch`-format pair: `param_groups_state()` (options and step,
+in `model_optim_rng.pt`) and `parameter_state_dp_zero()` (the stage's state
+gathered on data-parallel rank 0 in the flat layout of Megatron's grad buffers,
+`distrib_optim.pt`), loaded by `load_param_groups_state()` and
+`load_parameter_state()`, each rank copying only its own fragments.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ from torch.distributed.tensor import DTensor
 
 from mg.core.parallel.dtensor_layout import shard_like
 from mg.core.parallel.flat_shards import axis_map_of, checkpoint_tensor, global_pieces
+from mg.core.parallel.megatron_buffers import FlatBuffer, megatron_buffers, saved_buffer
 from mg.core.parallel.pipeline import is_shared_copy
 
 # State tensors the inner optimizer keeps per parameter (sharded); "step" is replicated.
@@ -167,6 +174,7 @@ class DistributedOptimizer:
         self.dp_size = dist.get_world_size(dp_group) if initialized else 1
         self.dp_rank = dist.get_rank(dp_group) if initialized else 0
         self.overlap_grad_reduce = overlap_grad_reduce
+        self._requested_bucket_size = bucket_size
         self.overlap_param_gather = overlap_param_gather
         if overlap_param_gather and model is None:
             raise ValueError("overlap_param_gather needs the model (its forward pre-hooks wait)")
@@ -660,6 +668,127 @@ class DistributedOptimizer:
                 lo = frag.shard_offset
                 frag.main.copy_(frag.bucket.param_shard[lo : lo + frag.numel])
         self._steps = int(self._all_reduce(torch.tensor(float(steps)), dist.ReduceOp.MAX))
+
+    # --- Megatron's torch format: param groups in model_optim_rng.pt, state in distrib_optim.pt
+
+    def megatron_buffers(self, chunks: list[nn.Module]) -> list[FlatBuffer]:
+        """The grad buffers Megatron-Core's DDP builds for these chunks with this run's
+        settings: one bucket each unless gradients are reduced during backward, then
+        `--ddp-bucket-size` or Megatron's default, max(40M, 1M x data-parallel size)."""
+        bucket_size = None
+        if self.overlap_grad_reduce:
+            bucket_size = self._requested_bucket_size or max(40_000_000, 1_000_000 * self.dp_size)
+        tied = self._tied[0] if self._tied is not None else None
+        return megatron_buffers(
+            chunks, bucket_size=bucket_size, shared_embedding=lambda p: p is tied
+        )
+
+    def param_groups_state(self) -> dict[str, Any]:
+        """What Megatron's `DistributedOptimizer.state_dict()` keeps in `model_optim_rng.pt`:
+        the groups' options and step count, no per-parameter state."""
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "step": float(self._steps)}
+            for g in self.param_groups
+        ]
+        return {"optimizer": {"param_groups": groups}}
+
+    def load_param_groups_state(self, state: dict[str, Any]) -> int:
+        """Take the groups' options from `param_groups_state()`'s dict; returns the step."""
+        groups = (state.get("optimizer") or {}).get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state has {len(groups) if isinstance(groups, list) else 'no'} "
+                f"parameter groups, this optimizer has {len(self.param_groups)}; was it saved "
+                "for a different model or optimizer?"
+            )
+        for saved, inner in zip(groups, self.param_groups, strict=True):
+            inner.update({k: v for k, v in saved.items() if k not in ("params", "step")})
+        return int(groups[0].get("step") or 0) if groups else 0
+
+    def parameter_state_dp_zero(
+        self, buffers: list[FlatBuffer], window: int = 1 << 24
+    ) -> dict[Any, Any] | None:
+        """Megatron's `get_parameter_state_dp_zero`: the parameter state of the whole
+        stage in `distrib_optim.pt`'s layout (see `megatron_buffers`), on data-parallel
+        rank 0 (None elsewhere). Collective over the data-parallel group. The shards
+        travel `window` elements at a time (a sum-reduce onto rank 0 of zero-filled
+        windows, each element owned by one rank), so no other rank holds a full copy."""
+        self.finish_param_sync()
+        keys = ("param", *self._state_keys)
+        where = self._buffer_positions(buffers)
+        root = self.dp_rank == 0
+        out: dict[Any, Any] | None = {"buckets_coalesced": True} if root else None
+        device = self._buckets[0].main_param_shard.device if self._buckets else "cpu"
+        for index, buffer in enumerate(buffers):
+            pieces = sorted(
+                (where[id(f.param)][1] + f.param_start, f)
+                for f in self._fragments
+                if where[id(f.param)][0] == index
+            )
+            world: dict[str, Any] = {}
+            for key in keys:
+                full = torch.zeros(buffer.numel_unpadded) if root else None
+                for lo in range(0, buffer.numel_unpadded, window):
+                    hi = min(lo + window, buffer.numel_unpadded)
+                    part = torch.zeros(hi - lo, dtype=torch.float32, device=device)
+                    for start, frag in pieces:
+                        a, b = max(lo, start), min(hi, start + frag.numel)
+                        if a < b:
+                            value = self._fragment_value(frag, key)
+                            part[a - lo : b - lo] = value[a - start : b - start]
+                    if self.dp_size > 1:
+                        dist.reduce(part, self._root_rank(), group=self.group)
+                    if full is not None:
+                        full[lo:hi] = part.cpu()
+                world[key] = full
+            if out is not None:
+                out[index] = {buffer.dtypes: {**world, "numel_unpadded": buffer.numel_unpadded}}
+        return out
+
+    def load_parameter_state(
+        self, state: dict[Any, Any], buffers: list[FlatBuffer], step: int, source: str
+    ) -> None:
+        """Load Megatron's `distrib_optim.pt` contents (from any data-parallel size):
+        each rank copies its own fragments out of `state` (memory-mapped: only those
+        pages are read). `step` comes from `load_param_groups_state`."""
+        self.finish_param_sync()
+        where = self._buffer_positions(buffers)
+        keys = ("param", *self._state_keys)
+        self.optimizer.state.clear()
+        for frag in self._fragments:
+            index, start = where[id(frag.param)]
+            world = saved_buffer(state, buffers[index], index, source, keys)
+            lo = start + frag.param_start
+            frag.main.copy_(world["param"][lo : lo + frag.numel])
+            if step > 0 and self._state_keys:
+                inner = {
+                    key: world[key][lo : lo + frag.numel].to(frag.main.device, torch.float32)
+                    for key in self._state_keys
+                }
+                if self._stepped():
+                    inner["step"] = torch.tensor(float(step), device=self._step_on(frag))
+                self.optimizer.state[frag.main] = inner
+        self._steps = step
+
+    def _root_rank(self) -> int:
+        return 0 if self.group is None else dist.get_global_rank(self.group, 0)
+
+    def _buffer_positions(self, buffers: list[FlatBuffer]) -> dict[int, tuple[int, int]]:
+        where = {
+            id(p): (index, start)
+            for index, buffer in enumerate(buffers)
+            for p, start in zip(buffer.params, buffer.starts, strict=True)
+        }
+        missing = [f.index for f in self._fragments if id(f.param) not in where]
+        if missing:
+            raise ValueError(f"parameters {missing} are in no grad buffer of the model chunks")
+        return where
+
+    def _fragment_value(self, frag: _Fragment, key: str) -> Tensor:
+        if key == "param":
+            return frag.main
+        value = self.optimizer.state.get(frag.main, {}).get(key)
+        return value if value is not None else torch.zeros_like(frag.main)
 
     def _stepped(self) -> bool:
         """Adam and AdamW count steps per parameter; SGD does not."""

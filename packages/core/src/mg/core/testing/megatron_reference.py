@@ -53,6 +53,33 @@ def megatron_cpu_patches() -> Any:
     return patches
 
 
+def megatron_optimizer_cpu_patches(patches: Any) -> None:
+    """Add to `patches` what megatron-core's DDP and DistributedOptimizer need on CPU:
+    tensors it creates on "cuda" go to the CPU, and CPU tensors report CUDA type names
+    (it checks `param.type()` against "torch.cuda.FloatTensor")."""
+    import functools
+
+    def on_cpu(factory: Any) -> Any:
+        @functools.wraps(factory)
+        def make(*args: Any, **kwargs: Any) -> Any:
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return factory(*args, **kwargs)
+
+        return make
+
+    for name in ("tensor", "zeros", "empty", "ones", "full"):
+        patches.setattr(torch, name, on_cpu(getattr(torch, name)))
+    type_name = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return type_name(self, *args, **kwargs)
+        return type_name(self).replace("torch.", "torch.cuda.", 1)
+
+    patches.setattr(torch.Tensor, "type", cuda_type)
+
+
 @contextlib.contextmanager
 def megatron_on_cpu(scratch: Path) -> Iterator[None]:
     """megatron.core initialised for TP = PP = 1 on CPU; `scratch` holds the gloo file store."""
