@@ -32,7 +32,7 @@ def test_unsupported_architecture_one_line_no_traceback(tmp_path):
 
     BloomConfig(n_layer=1, hidden_size=32, n_head=4).save_pretrained(tmp_path / "bloom")
     result = _run("import-hf", str(tmp_path / "bloom"), "--save", str(tmp_path / "ckpt"))
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "mg-convert import-hf: error:" in result.stderr
     expected = "unsupported architecture 'bloom'; supported: bert, gpt2, llama, mistral"
     assert expected in result.stderr
@@ -111,7 +111,7 @@ def test_repo_id_not_cached_offline(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         main(["import-hf", "nobody/no-such-model", "--save", str(tmp_path / "ckpt")])
-    assert exit_info.value.code == 1
+    assert exit_info.value.code == 2
     assert "not in the local cache and no network" in capsys.readouterr().err
 
 

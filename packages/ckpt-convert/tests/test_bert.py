@@ -203,7 +203,7 @@ def test_mixtral_is_refused_as_not_supported_yet(tmp_path, capsys):
     MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
     with pytest.raises(SystemExit) as exit_info:
         main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")])
-    assert exit_info.value.code == 1
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "mixtral" in err and "not supported yet" in err and "MoE" in err, err
     assert not (tmp_path / "ckpt").exists()

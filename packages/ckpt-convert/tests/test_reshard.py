@@ -185,6 +185,6 @@ def test_refuses_bad_sources(tmp_path, capsys):
         reshard(tmp_path / "odd", tmp_path / "out", 2, 1)
     with pytest.raises(SystemExit) as exit_info:
         main(["reshard", "--load", str(tmp_path / "nowhere"), "--save", str(tmp_path / "o")])
-    assert exit_info.value.code == 1
+    assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("mg-convert reshard: error:") and "does not exist" in err

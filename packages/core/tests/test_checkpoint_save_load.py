@@ -303,10 +303,10 @@ def test_error_corrupt_file(tmp_path: Path, damage: str) -> None:
         path.write_bytes(b"\x00garbage" * 100)
     else:
         path.write_bytes(b"")
-    with pytest.raises(CheckpointError, match="truncated or corrupt") as info:
+    with pytest.raises(CheckpointError, match="truncated or not a torch.save file") as info:
         load_checkpoint(tmp_path)
     assert str(path) in str(info.value)
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+    with pytest.raises(CheckpointError, match="truncated or not a torch.save file"):
         describe(tmp_path)
 
 

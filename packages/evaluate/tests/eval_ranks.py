@@ -48,9 +48,9 @@ def run_eval_ranks(world: int, argv: list[str], folder: Path) -> list[str]:
 
 
 def failed_eval_ranks(world: int, argv: list[str], folder: Path) -> list[str]:
-    """The logs of `mg-eval ARGV` on `world` ranks that must all exit 1."""
+    """The logs of `mg-eval ARGV` on `world` ranks that must all exit 2."""
     outcomes = run_ranks(entry_script(folder), world, argv, timeout=120)
-    assert [o.returncode for o in outcomes] == [1] * world, [o.log[-2000:] for o in outcomes]
+    assert [o.returncode for o in outcomes] == [2] * world, [o.log[-2000:] for o in outcomes]
     return [o.log for o in outcomes]
 
 

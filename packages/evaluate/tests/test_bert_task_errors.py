@@ -18,7 +18,7 @@ def bert_ckpt(tmp_path_factory):
 def error(capsys, task: str, ckpt, train, valid=None, *extra: str) -> str:
     argv = [task, "--pretrained-checkpoint", str(ckpt), "--train-data", str(train)]
     argv += ["--valid-data", str(valid or train), "--epochs", "1", *extra]
-    assert main(argv) == 1
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mg-eval {task}: error: ") and "Traceback" not in err
     return err

@@ -10,7 +10,7 @@ from mg.evaluate.cli import main
 
 
 def error_of(capsys, *argv: str) -> str:
-    assert main(list(argv)) == 1
+    assert main(list(argv)) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return err.strip()
@@ -106,6 +106,6 @@ def test_console_entry_point_prints_no_traceback(tmp_path) -> None:
         capture_output=True,
         text=True,
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.startswith("mg-eval lambada: error: ")
     assert "Traceback" not in result.stderr

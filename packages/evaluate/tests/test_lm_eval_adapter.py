@@ -191,7 +191,7 @@ def test_harness_command_end_to_end(memorized, tmp_path, capsys) -> None:
 
 def test_unknown_task_is_a_clear_error(trained, capsys) -> None:
     _, ckpt = trained
-    assert main(["harness", "--load", str(ckpt), "--tasks", "no_such_task_xyz"]) == 1
+    assert main(["harness", "--load", str(ckpt), "--tasks", "no_such_task_xyz"]) == 2
     err = capsys.readouterr().err
     assert "unknown lm-eval task(s) no_such_task_xyz" in err
 

@@ -133,10 +133,10 @@ def test_tensor_and_pipeline_parallel_equals_one_process(commands, one_process, 
 def test_layout_flags_checked(trained, wikitext_file, tmp_path, capsys):
     _, ckpt = trained
     argv = ["wikitext", "--load", str(ckpt), "--valid-data", str(wikitext_file)]
-    assert main([*argv, "--tensor-model-parallel-size", "2"]) == 1
+    assert main([*argv, "--tensor-model-parallel-size", "2"]) == 2
     err = capsys.readouterr().err
     assert "needs 2 processes" in err and "torchrun --nproc-per-node 2" in err
-    assert main([*argv, "--pipeline-model-parallel-size", "0"]) == 1
+    assert main([*argv, "--pipeline-model-parallel-size", "0"]) == 2
     assert "--pipeline-model-parallel-size must be >= 1, got 0" in capsys.readouterr().err
     logs = failed_eval_ranks(2, [*argv, "--tensor-model-parallel-size", "3"], tmp_path)
     for log in logs:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -38,6 +37,7 @@ from mg.core.checkpoint import MODEL_FILENAME, find_rank_file, saved_layout
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.pp_split import merge_pipeline
+from mg.core.checkpoint.reader_guard import read_dcp_metadata
 from mg.core.checkpoint.serialization import load_file
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.checkpoint.tp_merge import merge_tensor_parallel
@@ -164,7 +164,7 @@ def _open_torch_dist(load_dir: Path, folder: Path, iteration: Iteration) -> Chec
     common = load_common(folder)
     config = recorded_config(common, folder)
     parallel = (common.get("mg") or {}).get("parallel") or {}
-    index = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    index = read_dcp_metadata(folder).state_dict_metadata
     metas = {
         key[len(MODEL_PREFIX) :]: torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
         for key, meta in index.items()

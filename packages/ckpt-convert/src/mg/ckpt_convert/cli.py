@@ -1,7 +1,8 @@
 """`mg-convert`: move models between Hugging Face, Megatron-LM and mg checkpoints.
 
 Each subcommand is one module; this file only parses flags and turns user
-errors into one line, `mg-convert <cmd>: error: ...`, with exit status 1.
+errors into one line, `mg-convert <cmd>: error: ...`, with exit status 2.
+It imports no torch until the flags are parsed, so `--help` answers at once.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import sys
 from collections.abc import Sequence
 
 from mg.ckpt_convert.errors import ConvertError
-from mg.core.checkpoint import CheckpointError
-from mg.core.models import ConfigError
 
 EPILOG = """examples:
   mg-convert import-hf ./Llama-3.2-1B --save ckpt/llama
@@ -229,11 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from mg.core.checkpoint import CheckpointError  # torch: only once the flags are good
+    from mg.core.checkpoint.reader_guard import user_message
+    from mg.core.models import ConfigError
+
     try:
         args.run(args)
     except (ConvertError, CheckpointError, ConfigError) as exc:
-        print(f"mg-convert {args.command}: error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        message = user_message(exc, "--iteration N")
+        print(f"mg-convert {args.command}: error: {message}", file=sys.stderr)
+        sys.exit(2)
     except BrokenPipeError:
         # `mg-convert inspect DIR | head`: the reader left; stop quietly, as Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

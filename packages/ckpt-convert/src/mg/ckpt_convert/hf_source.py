@@ -9,18 +9,16 @@ layer and peak memory stays near one copy of the model (the converted one).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from mg.ckpt_convert.errors import ConvertError
+from mg.core.checkpoint.reader_guard import open_safetensors, read_json, read_weight_map, torch_load
 from mg.core.models.hf_mapping import ARCHITECTURES, UNSUPPORTED_MODEL_TYPES
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -72,10 +70,9 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
         raise ConvertError(f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConvertError(f"{path}: not valid JSON ({exc})") from None
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ConvertError(f"{path}: expected a JSON object (a Hugging Face config)")
     model_type = config.get("model_type")
     if model_type in UNSUPPORTED_MODEL_TYPES:
         raise ConvertError(
@@ -119,7 +116,7 @@ class HFWeights:
         for index_name in (SAFETENSORS_INDEX, BIN_INDEX):
             index = folder / index_name
             if index.is_file():
-                weight_map = json.loads(index.read_text()).get("weight_map") or {}
+                weight_map = read_weight_map(index)
                 missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
                 if missing:
                     raise ConvertError(
@@ -129,11 +126,11 @@ class HFWeights:
                 return {name: folder / file for name, file in weight_map.items()}
         single = folder / "model.safetensors"
         if single.is_file():
-            with safe_open(single, framework="pt") as handle:
+            with open_safetensors(single) as handle:
                 return dict.fromkeys(handle.keys(), single)
         single = folder / "pytorch_model.bin"
         if single.is_file():
-            state = torch.load(single, map_location="cpu", mmap=True, weights_only=True)
+            state = torch_load(single, mmap=True)
             return dict.fromkeys(state, single)
         raise ConvertError(
             f"{folder} has no weights: expected model.safetensors, {SAFETENSORS_INDEX} with "
@@ -160,11 +157,8 @@ class HFWeights:
     @staticmethod
     def _open(file: Path, stack: ExitStack) -> Any:
         if file.suffix == ".safetensors":
-            try:
-                return stack.enter_context(safe_open(file, framework="pt"))
-            except Exception as exc:
-                raise ConvertError(f"{file}: cannot read safetensors file ({exc})") from None
-        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+            return stack.enter_context(open_safetensors(file))
+        return torch_load(file, mmap=True)
 
     @staticmethod
     def _read(handle: Any, name: str, file: Path) -> Tensor:

@@ -10,11 +10,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mg.core.checkpoint.dist_format import load_common
 from mg.core.checkpoint.layout import Iteration
+from mg.core.checkpoint.reader_guard import read_dcp_metadata
 
 
 def summarize_torch_dist(folder: Path, iteration: Iteration) -> dict[str, Any]:
@@ -22,7 +22,7 @@ def summarize_torch_dist(folder: Path, iteration: Iteration) -> dict[str, Any]:
     common = load_common(folder)
     meta = common.get("mg") or {}
     parallel = meta.get("parallel") or {}
-    index = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    index = read_dcp_metadata(folder).state_dict_metadata
     tensors = {
         k: v
         for k, v in index.items()

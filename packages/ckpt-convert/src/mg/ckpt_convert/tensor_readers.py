@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from mg.ckpt_convert.errors import ConvertError
+from mg.core.checkpoint.reader_guard import guard_dcp_load
 from mg.core.checkpoint.serialization import load_file
 
 MODEL_PREFIX = "model."  # torch_dist stores the model's tensors under model.<name>
@@ -107,7 +108,7 @@ class DistReader:
         wanted = {name: torch.empty_like(self.metas[name], device="cpu") for name in names}
         if wanted:
             # DCP flattens nested dicts with dots: {"model": {name: t}} is model.<name>.
-            with _one_process():
+            with _one_process(), guard_dcp_load(self.folder):
                 dcp.load(
                     {MODEL_PREFIX[:-1]: wanted},
                     storage_reader=dcp.FileSystemReader(self.folder),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mg.core.checkpoint import CheckpointError
+from mg.core.checkpoint.reader_guard import user_message
 from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
@@ -254,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         metrics, context = run(args)
     except (EvalInputError, CheckpointError) as exc:
-        print(f"mg-eval {args.task}: error: {exc}", file=sys.stderr)
-        return 1
+        print(f"mg-eval {args.task}: error: {user_message(exc, '--ckpt-step N')}", file=sys.stderr)
+        return 2
     if not distributed.is_main():
         return 0
     printer = getattr(args, "print_result", None)

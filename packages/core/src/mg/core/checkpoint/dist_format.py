@@ -50,6 +50,7 @@ from mg.core.checkpoint.layout import (
     checkpoint_dir,
     tracker_file,
 )
+from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
 from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
 from mg.core.parallel.dtensor_layout import shard_like
 
@@ -318,7 +319,7 @@ def load_dist_checkpoint(
     folder = Path(folder)
     common = load_common(folder)
     reader = dcp.FileSystemReader(folder)
-    stored = set(reader.read_metadata().state_dict_metadata)
+    stored = set(read_dcp_metadata(folder).state_dict_metadata)
     wanted = set(_flat_keys(sharded))
     missing = sorted(wanted - stored)
     if missing:
@@ -329,7 +330,7 @@ def load_dist_checkpoint(
             "load without the optimizer (--no-load-optim)"
         )
     ready = dcp_ready(sharded)
-    with _single_process_is_intended():
+    with _single_process_is_intended(), guard_dcp_load(folder):
         dcp.load(
             ready,
             storage_reader=reader,
@@ -371,7 +372,7 @@ def stored_tensors(folder: str | Path, prefix: str = "") -> dict[str, Tensor]:
     (keys in full): what a reader asks DCP for when it wants the whole tensors."""
     folder = Path(folder)
     _check_complete(folder)
-    metadata = dcp.FileSystemReader(folder).read_metadata()
+    metadata = read_dcp_metadata(folder)
     return {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()
@@ -381,7 +382,7 @@ def stored_tensors(folder: str | Path, prefix: str = "") -> dict[str, Tensor]:
 
 def stored_keys(folder: str | Path, prefix: str = "") -> set[str]:
     """The checkpoint's keys under `prefix`, tensors and objects (from DCP's index)."""
-    metadata = dcp.FileSystemReader(Path(folder)).read_metadata()
+    metadata = read_dcp_metadata(folder)
     return {key for key in metadata.state_dict_metadata if key.startswith(prefix)}
 
 
@@ -393,7 +394,7 @@ def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Ten
     nested: dict[str, Any] = {}
     for key, tensor in flat.items():
         _set_nested(nested, key, tensor)
-    with _single_process_is_intended():
+    with _single_process_is_intended(), guard_dcp_load(folder):
         dcp.load(nested, storage_reader=reader, no_dist=True)
     return {key[len(prefix) :]: tensor for key, tensor in flat.items()}
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from mg.core.checkpoint.layout import CheckpointError
+from mg.core.checkpoint.reader_guard import corrupt_file_error, describe_exception
 
 _np_core = getattr(np, "_core", None) or np.core  # numpy >= 2 renamed numpy.core
 
@@ -91,6 +92,8 @@ def load_file(
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
     except Exception as exc:
         if not _is_weights_only_refusal(exc):
             raise _corrupt(path, exc) from exc
@@ -120,21 +123,13 @@ def load_file(
 
 
 def _corrupt(path: Path, exc: BaseException, legacy_hint: bool = False) -> CheckpointError:
-    size = path.stat().st_size if path.exists() else None
-    hint = (
-        " If it is an old (pre-zip) torch.save file you trust, allow_pickle=True reads it."
-        if legacy_hint
-        else ""
-    )
-    first_line = str(exc).splitlines()[0] if str(exc) else ""
-    if "Weights only load failed" in first_line:
-        first_line = "not a zip archive"
-    return CheckpointError(
-        f"{path}: cannot be read as a torch checkpoint ({type(exc).__name__}: "
-        f"{first_line}; file size {size} bytes). The file is "
-        "truncated or corrupt (an interrupted copy or a full disk?): load an older iteration "
-        "(iteration=...) or copy the file again." + hint
-    )
+    error = corrupt_file_error(path, describe_exception(exc))
+    if legacy_hint:  # not a zip archive: garbage, or a pre-1.6 torch.save file
+        error.args = (
+            error.args[0] + " If it is an old (pre-zip) torch.save file you trust, "
+            "allow_pickle=True reads it.",
+        )
+    return error
 
 
 def fsync_dir(path: Path) -> None:
