@@ -1,0 +1,33 @@
+"""``--export-format``: a deployable copy of the quantized model inside ``--save``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from mg.core.models import TransformerConfig
+from mg.core.quantization import QuantizationConfig
+from mg.core.tokenizers.config import TokenizerConfig
+
+
+def export(
+    fmt: str,
+    folder: Path,
+    model: nn.Module,
+    config: TransformerConfig,
+    tokenizer_config: TokenizerConfig | None,
+    quantization: QuantizationConfig,
+    gguf_type: str | None,
+) -> dict:
+    """Write ``folder/<fmt>/...``; returns what was written, for the report."""
+    if fmt == "gguf":
+        from mg.quantize_export.gguf_export import default_gguf_type, write_gguf
+
+        kind = gguf_type or default_gguf_type(quantization.recipe, quantization.symmetric)
+        (folder / "gguf").mkdir()
+        path = folder / "gguf" / f"model-{kind}.gguf"
+        info = write_gguf(path, model, config, tokenizer_config, folder, kind)
+        info["path"] = str(Path("gguf") / path.name)
+        return {k: v for k, v in info.items() if k != "tensor_types"}
+    raise ValueError(f"unknown export format {fmt!r}")

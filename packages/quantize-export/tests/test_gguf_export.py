@@ -1,0 +1,106 @@
+"""--export-format gguf: the file opens with gguf.GGUFReader, carries llama.cpp's
+hyper-parameters and tokenizer, and its dequantized tensors equal mg's dequantized
+weights (rows mapped to llama.cpp's q/k/v, gate/up and q/k RoPE permutation)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from mg.core.checkpoint import load_model, save_model
+from mg.core.models import GPTModel
+from mg.core.models.hf_mapping import split_qkv
+from mg.core.models.presets import tiny_gpt2
+from mg.quantize_export import cli
+
+
+def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def _tensors(path) -> tuple[GGUFReader, dict[str, np.ndarray]]:
+    reader = GGUFReader(path)
+    out = {}
+    for t in reader.tensors:
+        data = dequantize(t.data, t.tensor_type)
+        out[t.name] = np.asarray(data, dtype=np.float32).reshape(
+            [int(x) for x in reversed(t.shape)]
+        )
+    return reader, out
+
+
+def _field(reader: GGUFReader, key: str):
+    return reader.fields[key].contents()
+
+
+@pytest.mark.parametrize(
+    "recipe, extra, kind, rtol",
+    [
+        ("int8_wo", [], "Q8_0", 1e-3),
+        ("int4_wo", ["--group-size", "32"], "Q4_0", 1e-3),
+        ("int4_wo", ["--group-size", "64", "--asymmetric"], "Q4_1", None),
+    ],
+)
+def test_llama_gguf_equals_mg_dequantized(recipe, extra, kind, rtol, trained_llama, tmp_path):
+    _, ckpt = trained_llama
+    save = tmp_path / "q"
+    cli.main(["--no-progress", "--load", str(ckpt), "--save", str(save), "--recipe", recipe,
+              *extra, "--export-format", "gguf"])  # fmt: skip
+    model, config, _, _ = load_model(save)
+    reader, tensors = _tensors(save / "gguf" / f"model-{kind}.gguf")
+    assert _field(reader, "general.architecture") == "llama"
+    assert _field(reader, "llama.block_count") == 2
+    assert _field(reader, "llama.attention.head_count_kv") == 2
+    assert _field(reader, "tokenizer.ggml.model") == "gpt2"
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert len(tokens) == config.vocab_size and tokens[464] == "The"
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == 50256
+    layer = model.decoder.layers[1]
+    qkv = layer.self_attention.linear_qkv.dequantized_weight()
+    q, k, v = split_qkv(qkv, config)
+    fc1 = layer.mlp.linear_fc1.dequantized_weight()
+    ours = {
+        "blk.1.attn_q.weight": _permute(q, 4),
+        "blk.1.attn_k.weight": _permute(k, 2),
+        "blk.1.attn_v.weight": v,
+        "blk.1.attn_output.weight": layer.self_attention.linear_proj.dequantized_weight(),
+        "blk.1.ffn_gate.weight": fc1[:128],
+        "blk.1.ffn_up.weight": fc1[128:],
+        "blk.1.ffn_down.weight": layer.mlp.linear_fc2.dequantized_weight(),
+        "blk.1.attn_norm.weight": layer.input_layernorm.weight.detach(),
+    }
+    for name, expected in ours.items():
+        got = torch.from_numpy(tensors[name].copy())
+        if rtol is None:  # Q4_1: m = -z * d is rounded to fp16 on its own
+            scale = layer.mlp.linear_fc2.weight_scale.max()
+            assert (got - expected).abs().max() <= 2**-10 * 16 * scale * 2, name
+        else:
+            assert torch.allclose(got, expected, rtol=rtol, atol=1e-6), name
+    assert tensors["output.weight"].shape == (config.vocab_size, 64)
+
+
+def test_gpt2_gguf_f16(tokenizer_config, tmp_path) -> None:
+    torch.manual_seed(0)
+    config = tiny_gpt2(vocab_size=50304)
+    model = GPTModel(config).eval()
+    save_model(tmp_path / "float", model, config, tokenizer_config)
+    save = tmp_path / "q"
+    cli.main(["--no-progress", "--load", str(tmp_path / "float"), "--save", str(save),
+              "--recipe", "int8_wo", "--export-format", "gguf", "--gguf-type", "F16"])  # fmt: skip
+    quantized, _, _, _ = load_model(save)
+    reader, tensors = _tensors(save / "gguf" / "model-F16.gguf")
+    assert _field(reader, "general.architecture") == "gpt2"
+    attention = quantized.decoder.layers[0].self_attention
+    q, k, v = split_qkv(attention.linear_qkv.dequantized_weight(), config)
+    expected = torch.cat([q, k, v]).half().float()
+    assert torch.equal(torch.from_numpy(tensors["blk.0.attn_qkv.weight"]), expected)
+    qb, kb, vb = split_qkv(attention.linear_qkv.bias.detach()[:, None], config)
+    assert torch.equal(
+        torch.from_numpy(tensors["blk.0.attn_qkv.bias"]), torch.cat([qb, kb, vb])[:, 0]
+    )
+    assert "position_embd.weight" in tensors and "output.weight" in tensors
