@@ -15,8 +15,9 @@ default generators of pipeline rank p are seeded `seed + 100 * p`
 `seed`, so every layout starts from the single-process model's values
 (`mg.core.parallel.materialize`).
 
-Expert parallelism (`ep`) is part of the layout for the MoE layers; until
-they exist its size is 1.
+Expert parallelism (`ep`, `etp`) is part of the layout for the MoE layers:
+Megatron-Core's expert groups (`mg.core.parallel.expert_parallel`), drawn from
+the tp × cp × dp ranks of each pipeline stage.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from mg.core.parallel.expert_parallel import expert_rank_groups
 from mg.core.parallel.mesh import ParallelDims
 from mg.core.parallel.pipeline import embedding_group_ranks
 
@@ -54,6 +56,14 @@ class ParallelLayout:
     pp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
+    etp: int = 1
+    """Expert tensor-parallel size (`--expert-tensor-parallel-size`)."""
+    etp_rank: int = 0
+    expert_dp: int = 1
+    expert_dp_rank: int = 0
+    etp_group: dist.ProcessGroup | None = None
+    expert_dp_group: dist.ProcessGroup | None = None
+    """Replicas of this rank's experts: their gradients are averaged over it."""
     embedding_group: dist.ProcessGroup | None = None
     """First and last pipeline stage, which hold the tied embedding's two copies."""
     tp_mesh: DeviceMesh | None = None
@@ -112,6 +122,8 @@ def build_parallel_layout(
     sequence_parallel: bool = False,
     tied_embedding: bool = False,
     device_type: str = "cpu",
+    ep: int = 1,
+    etp: int | None = None,
 ) -> ParallelLayout:
     """The layout of `world_size` ranks in Megatron's tp-cp-dp-pp order (collective).
 
@@ -148,4 +160,26 @@ def build_parallel_layout(
             group = dist.new_group(ranks)
             if rank in ranks:
                 layout.embedding_group = group
+    if ep > 1 or (etp is not None and etp != tp):
+        _add_expert_groups(layout, world_size, rank, ep, tp if etp is None else etp)
     return layout
+
+
+def _add_expert_groups(
+    layout: ParallelLayout, world_size: int, rank: int, ep: int, etp: int
+) -> None:
+    """Megatron's expert groups (collective: every rank creates every group, keeps its own)."""
+    groups = expert_rank_groups(world_size, tp=layout.tp, pp=layout.pp, ep=ep, etp=etp)
+    layout.ep, layout.etp = ep, etp
+    layout.expert_dp = world_size // (layout.pp * ep * etp)
+    for kind, attr in (("ep", "ep_group"), ("etp", "etp_group"), ("edp", "expert_dp_group")):
+        for ranks in groups[kind]:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                setattr(layout, attr, group)
+                if kind == "ep":
+                    layout.ep_rank = ranks.index(rank)
+                elif kind == "etp":
+                    layout.etp_rank = ranks.index(rank)
+                else:
+                    layout.expert_dp_rank = ranks.index(rank)

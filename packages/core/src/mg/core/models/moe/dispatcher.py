@@ -143,9 +143,11 @@ class AllGatherDispatcher:
         if self.group is not None and dist.get_world_size(self.group) > 1:
             tokens = _GatherRows.apply(tokens, self.group)
             probs = _GatherRows.apply(probs, self.group)
-            gathered = routing_map.new_empty(tokens.shape[0], routing_map.shape[1])
-            dist.all_gather_into_tensor(gathered, routing_map.contiguous(), group=self.group)
-            routing_map = gathered
+            gathered = torch.empty(
+                tokens.shape[0], routing_map.shape[1], dtype=torch.uint8, device=tokens.device
+            )  # as bytes: gloo gathers no bool tensors
+            dist.all_gather_into_tensor(gathered, routing_map.to(torch.uint8), group=self.group)
+            routing_map = gathered.bool()
         local_map = routing_map[:, self.local_experts]
         rows, row_probs, sorted_indices = permute(tokens, local_map, probs[:, self.local_experts])
         tokens_per_expert = local_map.sum(dim=0).tolist()
@@ -175,8 +177,9 @@ class AllToAllDispatcher:
     ) -> tuple[Tensor, list[int], Tensor, DispatchHandle]:
         ep, local = self.size, self.num_local_experts
         counts = routing_map.sum(dim=0)  # [E] rows this rank sends to each expert
-        all_counts = counts.new_empty(ep, self.num_experts)
+        all_counts = counts.new_empty(ep * self.num_experts)
         dist.all_gather_into_tensor(all_counts, counts, group=self.group)
+        all_counts = all_counts.view(ep, self.num_experts)
         # received[src, e]: rows rank src sends to our local expert e
         received = all_counts[:, self.rank * local : (self.rank + 1) * local]
         send_splits = counts.view(ep, local).sum(dim=1).tolist()
