@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> int:
             pretrain(args)
     except (CheckpointError, IndexedDatasetError, SaveGuardError, ValueError) as error:
         # ValueError: the model config's and the checkpoint readers' checks (ConfigError is one)
-        print(f"mg-train: error: {_one_line(error)}", file=sys.stderr, flush=True)
+        message = _one_line(error)
+        data = args.data.data_path or (
+            [args.data.data_args_path] if args.data.data_args_path else []
+        )
+        if _from_dataset(error) and data and not any(p in message for p in data):
+            flag = "--data-path" if args.data.data_path else "--data-args-path"
+            message = f"{flag} {' '.join(data)}: {message}"
+        print(f"mg-train: error: {message}", file=sys.stderr, flush=True)
         return 2
     finally:
         import torch.distributed as dist
@@ -54,6 +61,15 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _from_dataset(error: BaseException) -> bool:
+    """Raised by mg.indexed_dataset (its messages name the split, not always the files)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return type(error).__name__ == "IndexedDatasetError" or module.startswith("mg.indexed_dataset")
 
 
 def _one_line(error: BaseException) -> str:
