@@ -21,9 +21,10 @@ from typing import Any
 
 import yaml
 
+from mg.trainer.arguments_mamba import MambaArgs, add_mamba_flags, check_mamba_flags
 from mg.trainer.help_format import DefaultsHelpFormatter
 
-FAMILIES = ("gpt", "bert", "t5")
+FAMILIES = ("gpt", "bert", "t5", "mamba")
 
 
 class ArgumentError(ValueError):
@@ -205,6 +206,7 @@ class Args:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
+    mamba: MambaArgs = field(default_factory=MambaArgs)
     # Set by --use-checkpoint-args (mg.trainer.checkpoint_args), not by flags.
     checkpoint_model_config: dict[str, Any] | None = None
     checkpoint_tokenizer_config: Any = None
@@ -234,6 +236,7 @@ _GROUPS = {
     "checkpoint": CheckpointArgs,
     "logging": LoggingArgs,
     "distributed": DistributedArgs,
+    "mamba": MambaArgs,
 }
 _NOT_FLAGS = {"world_size"}
 
@@ -589,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `mg-train` parser: a model family, then Megatron's flags."""
     parser = argparse.ArgumentParser(
         prog="mg-train",
-        description="Pretrain a GPT, BERT or T5 with Megatron-LM's flags. "
+        description="Pretrain a GPT, BERT, T5 or Mamba/hybrid model with Megatron-LM's flags. "
         "Run under torchrun for data parallelism.",
         formatter_class=DefaultsHelpFormatter,
     )
@@ -606,6 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("checkpointing", _add_checkpoint_flags),
         ("logging", _add_logging_flags),
         ("distributed", _add_distributed_flags),
+        ("mamba and hybrid models (mg-train mamba)", add_mamba_flags),
     ):
         adder(parser.add_argument_group(title))
     return parser
@@ -857,8 +861,8 @@ def _check_pipeline_and_context(args: Args) -> None:
 def _check_dry_run(args: Args) -> None:
     """A dry run plans layouts mg-train may not run yet; only the shape must split."""
     d = args.distributed
-    if args.family != "gpt":
-        _fail(f"--dry-run supports gpt only, not {args.family}")
+    if args.family not in ("gpt", "mamba"):
+        _fail(f"--dry-run supports gpt and mamba only, not {args.family}")
     model_parallel = (
         d.tensor_model_parallel_size * d.pipeline_model_parallel_size * d.context_parallel_size
     )
@@ -878,6 +882,9 @@ def _check_distributed_optimizer(args: Args) -> None:
 def validate(args: Args) -> None:
     """Refuse inconsistent flags before anything heavy starts (Megatron's validate_args)."""
     _require(args)
+    mamba_error = check_mamba_flags(args.family, args.mamba)
+    if mamba_error:
+        _fail(mamba_error)
     if args.training.dry_run:
         _check_dry_run(args)
     else:

@@ -91,6 +91,10 @@ def estimate(args: Args, config: TransformerConfig, param_dtype: str = "fp32") -
 
 def report(args: Args) -> str:
     """The dry-run report as text (Megatron's units: parameters in B, memory in GiB)."""
+    if args.family == "mamba":
+        from mg.trainer.family_mamba import dry_run_report
+
+        return dry_run_report(args)
     if args.family != "gpt":
         raise ArgumentError(f"--dry-run supports gpt only, not {args.family}")
     from mg.trainer.families import get_family

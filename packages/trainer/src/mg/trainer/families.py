@@ -128,6 +128,7 @@ from mg.trainer.family_bert import (  # noqa: E402  (they use gpt_config from he
     bert_loss_terms,
     bert_model,
 )
+from mg.trainer.family_mamba import mamba_config, mamba_model  # noqa: E402
 from mg.trainer.family_t5 import t5_config, t5_datasets, t5_loss_terms, t5_model  # noqa: E402
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -136,6 +137,7 @@ FAMILIES: dict[str, ModelFamily] = {
     ),
     "bert": ModelFamily("bert", bert_config, bert_model, bert_datasets, bert_loss_terms),
     "t5": ModelFamily("t5", t5_config, t5_model, t5_datasets, t5_loss_terms),
+    "mamba": ModelFamily("mamba", mamba_config, mamba_model, gpt_datasets, gpt_loss_terms),
 }
 
 
