@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from mg.trainer.arguments_mamba import MambaArgs, add_mamba_flags, check_mamba_flags
+from mg.trainer.arguments_moe import MoEArgs, add_moe_flags, check_moe_flags
 from mg.trainer.help_format import DefaultsHelpFormatter
 
 FAMILIES = ("gpt", "bert", "t5", "mamba")
@@ -207,6 +208,7 @@ class Args:
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
+    moe: MoEArgs = field(default_factory=MoEArgs)
     # Set by --use-checkpoint-args (mg.trainer.checkpoint_args), not by flags.
     checkpoint_model_config: dict[str, Any] | None = None
     checkpoint_tokenizer_config: Any = None
@@ -237,6 +239,7 @@ _GROUPS = {
     "logging": LoggingArgs,
     "distributed": DistributedArgs,
     "mamba": MambaArgs,
+    "moe": MoEArgs,
 }
 _NOT_FLAGS = {"world_size"}
 
@@ -610,6 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("logging", _add_logging_flags),
         ("distributed", _add_distributed_flags),
         ("mamba and hybrid models (mg-train mamba)", add_mamba_flags),
+        ("mixture of experts", add_moe_flags),
     ):
         adder(parser.add_argument_group(title))
     return parser
@@ -885,6 +889,18 @@ def validate(args: Args) -> None:
     mamba_error = check_mamba_flags(args.family, args.mamba)
     if mamba_error:
         _fail(mamba_error)
+    d = args.distributed
+    moe_error = check_moe_flags(
+        args.family,
+        args.moe,
+        world_size=d.world_size,
+        tp=d.tensor_model_parallel_size,
+        pp=d.pipeline_model_parallel_size,
+        cp=d.context_parallel_size,
+        dry_run=args.training.dry_run,
+    )
+    if moe_error:
+        _fail(moe_error)
     if args.training.dry_run:
         _check_dry_run(args)
     else:

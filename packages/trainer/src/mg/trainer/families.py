@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mg.trainer.arguments import Args, ArgumentError
+from mg.trainer.arguments_moe import moe_config_fields
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ def gpt_config(args: Args, vocab_size: int):
         init_method_std=m.init_method_std,
         attention_dropout=m.attention_dropout,
         hidden_dropout=m.hidden_dropout,
+        **moe_config_fields(args.moe),
     )
 
 

@@ -34,7 +34,7 @@ from mg.core.parallel.pipeline import (
 from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
 from mg.indexed_dataset import samples_per_split
-from mg.trainer import checkpointing, checkpointing_dist, distributed, model_parallel
+from mg.trainer import checkpointing, checkpointing_dist, distributed, model_parallel, moe_step
 from mg.trainer.arguments import Args
 from mg.trainer.batch_schedule import BatchSchedule, train_iterations
 from mg.trainer.checkpointing import TrainState
@@ -343,7 +343,12 @@ class Trainer:
         num_micro = self.batches.num_micro_batches(self.state.consumed_train_samples)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        moe_step.begin_step(num_micro, self.scaler.scale)  # aux-loss gradient scale
         loss_sum, tokens = self._forward_backward(num_micro, backward=True)
+        # MoE: expert-bias update, balancing losses for the log line (dense: nothing)
+        self.extra_losses |= moe_step.finish_step(
+            self.model, self.model_config, self.layout.dp_cp_group
+        )
         if self.layout.tp > 1:  # sequence-parallel norms' partial grads, summed over TP
             sync_tensor_parallel_grads(self.model)
         if self.distributed_optimizer:  # reduce-scatter: each rank its shard's average,

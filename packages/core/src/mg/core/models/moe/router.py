@@ -244,6 +244,8 @@ class TopKRouter(nn.Module):
         self.tp_dp_cp_group: dist.ProcessGroup | None = None
         self.losses: dict[str, Tensor] = {}
         """The last forward's balancing losses, divided by their coefficient (for logging)."""
+        self._loss_sums: dict[str, Tensor] = {}
+        self._loss_counts: dict[str, int] = {}
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -300,7 +302,17 @@ class TopKRouter(nn.Module):
             probs = self._attach_aux_loss(probs, logits, kind, seq_length)
         if self.expert_bias is not None and torch.is_grad_enabled():
             self.local_tokens_per_expert += routing_map.sum(dim=0)
+        for name, value in self.losses.items():
+            self._loss_sums[name] = self._loss_sums.get(name, 0.0) + value
+            self._loss_counts[name] = self._loss_counts.get(name, 0) + 1
         return probs, routing_map
+
+    def pop_losses(self) -> dict[str, Tensor]:
+        """Each balancing loss averaged over the forwards since the last call (a training
+        step's micro-batches), as Megatron logs them; starts a new window."""
+        out = {name: total / self._loss_counts[name] for name, total in self._loss_sums.items()}
+        self._loss_sums, self._loss_counts = {}, {}
+        return out
 
     def _sinkhorn_routing(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         def activation(x: Tensor) -> Tensor:

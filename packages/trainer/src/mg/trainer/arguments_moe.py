@@ -1,0 +1,213 @@
+"""Megatron-LM's Mixture-of-Experts flags (`_add_moe_args`), their group and checks.
+
+The flags map one to one onto core's `TransformerConfig` MoE fields (`--num-experts`
+is `num_moe_experts`, every `--moe-*` flag the field of its name), so
+`moe_config_fields` is the whole translation; core validates the values again.
+`--moe-layer-freq` takes an int or Megatron's list expression ("[0]+[1]*23").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class MoEArgs:
+    """Routed experts, their router and balancing, and expert parallelism."""
+
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int | list[int] = 1
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_router_dtype: str | None = None
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_expert_capacity_factor: float | None = None
+    moe_token_drop_policy: str = "probs"
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_grouped_gemm: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_token_dispatcher_type: str = "allgather"
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+
+
+def parse_moe_layer_freq(text: str) -> int | list[int]:
+    """ "2" → 2; "[0]+[1]*3" → [0, 1, 1, 1]: list literals, + and * only (Megatron's form)."""
+
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+
+    try:
+        parsed = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        parsed = None
+    if isinstance(parsed, int) or (
+        isinstance(parsed, list) and all(isinstance(x, int) for x in parsed)
+    ):
+        return parsed
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give an int (every N-th layer is MoE) or a 0/1 list such as '[0]+[1]*23'"
+    )
+
+
+def add_moe_flags(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--num-experts", type=int, help="Routed experts per MoE layer (MoE on).")
+    p.add_argument(
+        "--moe-ffn-hidden-size", type=int, help="Expert MLP width; default --ffn-hidden-size."
+    )
+    p.add_argument(
+        "--moe-layer-freq",
+        type=parse_moe_layer_freq,
+        default=1,
+        help="MoE every N-th layer, or a 0/1 list per layer, e.g. '[0]+[1]*23' (first dense).",
+    )
+    p.add_argument("--moe-router-topk", type=int, default=2, help="Experts per token.")
+    p.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
+    p.add_argument(
+        "--moe-router-pre-softmax",
+        action="store_true",
+        help="Softmax over all experts before the top-k (needed for top-1 softmax).",
+    )
+    p.add_argument(
+        "--moe-router-topk-scaling-factor", type=float, help="Multiplies the top-k weights."
+    )
+    p.add_argument(
+        "--moe-router-num-groups", type=int, help="Expert groups (group-limited routing)."
+    )
+    p.add_argument("--moe-router-group-topk", type=int, help="Groups a token may use.")
+    p.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), help="Router computation dtype.")
+    p.add_argument(
+        "--moe-router-load-balancing-type",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+        default="aux_loss",
+    )
+    p.add_argument(
+        "--moe-aux-loss-coeff", type=float, default=0.0, help="Load-balancing loss weight."
+    )
+    p.add_argument("--moe-z-loss-coeff", type=float, help="Router z-loss weight (ST-MoE).")
+    p.add_argument(
+        "--moe-router-enable-expert-bias",
+        action="store_true",
+        help="Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the choice.",
+    )
+    p.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    p.add_argument(
+        "--moe-expert-capacity-factor",
+        type=float,
+        help="Tokens an expert takes, as a multiple of the even share; default dropless.",
+    )
+    p.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default="probs")
+    p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    p.add_argument(
+        "--moe-grouped-gemm",
+        action="store_true",
+        help="All experts in grouped GEMMs (torch._grouped_mm where it runs).",
+    )
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int, help="Shared experts' width.")
+    p.add_argument(
+        "--moe-shared-expert-gate", action="store_true", help="Sigmoid gate on the shared experts."
+    )
+    p.add_argument(
+        "--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather"
+    )
+    p.add_argument(
+        "--expert-model-parallel-size", type=int, default=1, help="Expert parallelism (EP)."
+    )
+    p.add_argument(
+        "--expert-tensor-parallel-size", type=int, help="Tensor parallelism inside experts."
+    )
+
+
+def moe_config_fields(moe: MoEArgs) -> dict[str, Any]:
+    """The `TransformerConfig` fields these flags set (none without --num-experts)."""
+    if moe.num_experts is None:
+        return {}
+    out = {"num_moe_experts": moe.num_experts}
+    out |= {f.name: getattr(moe, f.name) for f in fields(MoEArgs) if f.name.startswith("moe_")}
+    return out
+
+
+def check_moe_flags(
+    family: str, moe: MoEArgs, *, world_size: int, tp: int, pp: int, cp: int, dry_run: bool
+) -> str | None:
+    """The one-line message for MoE flags that cannot apply, or None."""
+    defaults = MoEArgs()
+    given = [
+        "--" + f.name.replace("_", "-")
+        for f in fields(MoEArgs)
+        if getattr(moe, f.name) != getattr(defaults, f.name)
+    ]
+    if moe.num_experts is None:
+        others = [g for g in given if g != "--num-experts"]
+        return f"{others[0]} needs --num-experts (MoE is off without it)" if others else None
+    if family != "gpt":
+        return f"--num-experts: mg-train trains MoE for the gpt family only, not {family}"
+    ep = moe.expert_model_parallel_size
+    etp = tp if moe.expert_tensor_parallel_size is None else moe.expert_tensor_parallel_size
+    if moe.num_experts <= 0:
+        return f"--num-experts must be positive, got {moe.num_experts}"
+    if ep <= 0 or etp <= 0:
+        return "--expert-model-parallel-size and --expert-tensor-parallel-size must be positive"
+    if moe.num_experts % ep:
+        return (
+            f"--num-experts ({moe.num_experts}) is not divisible by "
+            f"--expert-model-parallel-size ({ep})"
+        )
+    if not 0 < moe.moe_router_topk <= moe.num_experts:
+        return (
+            f"--moe-router-topk ({moe.moe_router_topk}) must be between 1 and "
+            f"--num-experts ({moe.num_experts})"
+        )
+    per_stage = world_size // pp
+    if per_stage % (ep * etp):
+        return (
+            f"--expert-model-parallel-size ({ep}) × --expert-tensor-parallel-size ({etp}) must "
+            f"divide the {per_stage} ranks of a pipeline stage (world {world_size} / pipeline {pp})"
+        )
+    if (
+        moe.moe_expert_capacity_factor is not None
+        and moe.moe_router_load_balancing_type == "sinkhorn"
+    ):
+        return (
+            "--moe-expert-capacity-factor works with aux_loss, seq_aux_loss, global_aux_loss "
+            "or none load balancing, not sinkhorn"
+        )
+    if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
+        return (
+            "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
+            "(dropless routing has no capacity to pad to)"
+        )
+    if dry_run:
+        return None
+    if ep > 1 or etp != tp:
+        return (
+            f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: mg-train "
+            "does not shard experts across ranks yet (checkpoints and the distributed optimizer "
+            "hold whole layers); use 1 (each rank holds every expert) or --dry-run to plan"
+        )
+    if tp > 1 or cp > 1:
+        return (
+            "--num-experts with --tensor-model-parallel-size or --context-parallel-size > 1 is "
+            "not supported yet; use data and pipeline parallelism"
+        )
+    return None
