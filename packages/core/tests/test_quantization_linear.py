@@ -174,3 +174,27 @@ def test_quantize_layout_builds_loadable_modules_on_meta() -> None:
     x = torch.randn(2, 64)
     assert torch.equal(target[0](x), source(x))
     assert QuantizationConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("out", [64, 32, 16, 48])
+def test_int4_module_holds_the_weight_once_after_the_kernel_conversion(out: int) -> None:
+    lin = _linear(out=out)
+    q, scale, zero = P.quantize_int4(lin.weight.detach(), 32, symmetric=False)
+    module = Int4WeightOnlyLinear.from_quantized(lin, q, scale, zero)
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    x = torch.randn(2, 128)
+    y = module(x)
+    # a tile layout we can read back: the checkpoint packing is dropped (48 rows: mixed
+    # tiles, not read back, kept)
+    assert (module.qweight is None) == (out != 48)
+    assert torch.equal(module.q_values(), q)
+    state = module.state_dict()
+    assert state.keys() == saved.keys()
+    assert all(torch.equal(state[k], saved[k]) for k in saved)
+    module.to(torch.float64).to(torch.float32)  # moved: the packing comes back first
+    assert torch.equal(module.qweight, saved["qweight"])
+    assert torch.equal(module(x), y)
+    fresh = Int4WeightOnlyLinear(128, out, group_size=32)
+    module(x)
+    fresh.load_state_dict(module.state_dict())
+    assert torch.equal(fresh(x), y)

@@ -48,6 +48,22 @@ def kernel_paths() -> list[tuple[str, str]]:
     return sorted(_LOGGED)
 
 
+# torch._convert_weight_to_int4pack_for_cpu's tiles (torch 2.6-2.15): blocks of N output
+# channels, each input column's N nibbles in N/2 bytes; byte b holds channels (b, b + N/2)
+# for N = 64, (2b, 2b + 1) for N = 32 and 16. Used only after checking it on the weight.
+_CPU_INT4_LAYOUTS = ((64, True), (32, False), (16, False))
+
+
+def _unpack_cpu_int4pack(packed: Tensor, n: int, k: int, block: int, halves: bool) -> Tensor:
+    tiles = packed.reshape(n // block, k, block // 2)
+    low, high = tiles & 0x0F, tiles >> 4
+    if halves:
+        full = torch.cat([low, high], dim=-1)
+    else:
+        full = torch.stack([low, high], dim=-1).reshape(n // block, k, block)
+    return full.transpose(1, 2).reshape(n, k).to(torch.int8)
+
+
 class QuantizedLinear(nn.Module):
     """Common part: shapes, the float bias, and the 2-D reshape around the matmul."""
 
@@ -123,6 +139,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
             "weight_zero_point", torch.empty(out_features, groups, dtype=torch.int8)
         )
         self._packed: Tensor | None = None  # the kernel's tiled layout, built on first use
+        self._layout: tuple[int, bool] | None = None
         self._scales_and_zeros: dict[torch.dtype, Tensor] = {}
 
     @classmethod
@@ -140,20 +157,35 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         return module
 
     def q_values(self) -> Tensor:
+        """The [out, in] int4 values 0..15 (from the kernel's layout when only it is held)."""
+        if self.qweight is None:
+            n, k = self.out_features, self.in_features
+            return _unpack_cpu_int4pack(self._packed, n, k, *self._layout)
         return P.unpack_int4(self.qweight)
 
     def dequantized_weight(self) -> Tensor:
         return P.dequantize_int4(self.q_values(), self.weight_scale, self.weight_zero_point)
 
-    def _forget_kernel_form(self) -> None:
-        self._packed, self._scales_and_zeros = None, {}
+    def _hold_portable_form(self) -> None:
+        """Make ``qweight`` (the checkpoint's packing) again and forget the kernel's layout."""
+        if self.qweight is None:
+            self.qweight = P.pack_int4(self.q_values())
+        self._packed, self._layout, self._scales_and_zeros = None, None, {}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.qweight is None:
+            destination[prefix + "qweight"] = P.pack_int4(self.q_values())
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:  # new weights: new kernel form
-        self._forget_kernel_form()
+        if self.qweight is None:
+            shape = (self.out_features, self.in_features // 2)
+            self.qweight = torch.empty(shape, dtype=torch.uint8, device=self.weight_scale.device)
+        self._packed, self._layout, self._scales_and_zeros = None, None, {}
         super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse: bool = True):  # moved or cast: new kernel form
-        self._forget_kernel_form()
+        self._hold_portable_form()
         return super()._apply(fn, recurse)
 
     def _kernel_ok(self, x: Tensor) -> bool:
@@ -166,7 +198,23 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
     def _kernel_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         if self._packed is None:
-            self._packed = torch._convert_weight_to_int4pack_for_cpu(self.q_values().int(), 1)
+            q = self.q_values()
+            self._packed = torch._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+            # Hold the int4 weight once: when the kernel's tiled layout is one we can read
+            # back (checked on this very weight), drop the checkpoint's packing; state_dict
+            # and dequantized_weight rebuild it from the tiles.
+            n, k = q.shape
+            self._layout = next(
+                (
+                    layout
+                    for layout in _CPU_INT4_LAYOUTS
+                    if n % layout[0] == 0
+                    and torch.equal(_unpack_cpu_int4pack(self._packed, n, k, *layout), q)
+                ),
+                None,
+            )
+            if self._layout is not None:
+                self.qweight = None
         if dtype not in self._scales_and_zeros:
             # the kernel computes (q - 8) * scale + zero: our (q - z) * s has zero = (8 - z) * s
             scale = self.weight_scale.float()
