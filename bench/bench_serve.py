@@ -1,241 +1,427 @@
-"""Serving throughput and latency of `mg-serve` vs transformers' `generate()`, same model, same run.
+"""mg-serve vs transformers' batched `generate()`: same model, prompts and threads, in one run.
 
-A small GPT-2-shaped model (real GPT-2 BPE vocabulary, a few M parameters) is
-saved as an mg checkpoint and exported to Hugging Face format (mg-convert's
-export). Then, one after the other so they never share the CPU:
+A Llama-shaped model (SmolLM-135M's shape: 30 layers, hidden 576, 9 heads in 3
+query groups, SwiGLU 1536, tied embeddings; GPT-2 BPE vocabulary padded to
+50304: 135M parameters) is built with random weights, saved as an mg
+checkpoint and exported to Hugging Face format (mg-convert's export). Then, one
+phase after the other so that they never share the CPU, each in a fresh
+process with `--threads` torch threads:
 
-1. reference: transformers' `generate()` answering the same requests one at a
-   time (greedy, `--max-tokens` new tokens each), for `--seconds`;
-2. `mg-serve` in its own process on loopback, with `--clients` concurrent HTTP
-   clients sending `POST /v1/completions` back to back for `--seconds`.
+1. transformers: `generate()` on batches of 8 prompts (left-padded, greedy,
+   `--new-tokens` each, a streamer timestamps every step);
+2. mg-serve (`--num-threads` the same) with 8 and then 32 concurrent clients
+   streaming `POST /v1/completions` (token-id prompts, greedy), two requests
+   per client;
+3. memory: 8 clients with ~1000-token prompts; the server's peak resident
+   memory against the weights plus the keys/values of the tokens cached;
+4. long context: 7 clients decoding, alone and while an 8th sends an
+   8000-token prompt (chunked prefill keeps their inter-token latency down).
 
-Both generate exactly `--max-tokens` tokens per request (end-of-document is
-suppressed: `logit_bias` on our side, no eos on theirs). Reported: completed
-requests, errors, p50/p99 latency, generated tokens/s, the ratio, and the
-server's resident memory after warm-up and at the end (growth = leak check).
+Prompts are Botchan text of mixed lengths (the same token ids on both sides;
+end-of-document can never stop a request early: no eos on theirs, a logit bias
+on ours). Reported per phase: generated tokens/s, time to first token and
+inter-token latency p50/p99 (ours: between streamed chunks, as a client sees
+them; theirs: between generate() steps), peak resident memory, threads; the
+ratios; the machine's load.
 
-    uv run --frozen python bench/bench_serve.py                 # 8 clients, 30 s per phase
-    uv run --frozen python bench/bench_serve.py --clients 4 --seconds 10
+    .venv/bin/python bench/bench_serve.py                       # the full run (~10 min quiet)
+    .venv/bin/python bench/bench_serve.py --layers 4 --skip-long --new-tokens 32   # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import torch
 
-from mg.ckpt_convert.export_hf import export_hf
-from mg.core.checkpoint import save_model
-from mg.core.fixtures import fixture_path
-from mg.core.models import GPTModel, presets
-from mg.core.models.flops import num_parameters
-from mg.core.tokenizers import TokenizerConfig, build_tokenizer
+BENCH = Path(__file__).resolve()
 
 
-def build_checkpoint(folder: Path, layers: int, hidden: int, positions: int) -> int:
+def build_checkpoint(folder: Path, layers: int, positions: int) -> tuple[int, int, int]:
+    """Save the model; (parameters, bytes of weights, bytes of keys+values per token)."""
+    from mg.ckpt_convert.export_hf import export_hf
+    from mg.core.checkpoint import save_model
+    from mg.core.models import GPTModel, presets
+    from mg.core.models.flops import num_parameters
+
     torch.manual_seed(0)
-    config = presets.tiny_gpt2(
+    config = presets.tiny_llama(
         num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=max(1, hidden // 64),
+        hidden_size=576,
+        num_attention_heads=9,
+        num_query_groups=3,
+        ffn_hidden_size=1536,
         vocab_size=50304,
         seq_length=positions,
         max_position_embeddings=positions,
+        untie_embeddings_and_output_weights=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
     model = GPTModel(config)
-    tokenizer = TokenizerConfig(
+    save_model(folder / "ckpt", model, config, tokenizer_config())
+    export_hf(folder / "ckpt", folder / "hf", progress=False)
+    params = num_parameters(config)
+    kv_per_token = 2 * layers * config.num_query_groups * config.kv_channels * 4
+    return params, params * 4, kv_per_token
+
+
+def tokenizer_config():
+    from mg.core.fixtures import fixture_path
+    from mg.core.tokenizers import TokenizerConfig
+
+    return TokenizerConfig(
         "GPT2BPETokenizer",
         vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
         merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
     )
-    save_model(folder / "ckpt", model, config, tokenizer)
-    export_hf(folder / "ckpt", folder / "hf", progress=False)
-    return num_parameters(config)
 
 
-def prompts(count: int, words: int) -> list[str]:
-    text = fixture_path("botchan", "botchan.txt").read_text(encoding="utf-8")[20000:].split()
-    return [" ".join(text[i * words : (i + 1) * words]) for i in range(count)]
+def prompt_ids(count: int, lengths: tuple[int, int], offset: int = 0) -> list[list[int]]:
+    """`count` token-id prompts of Botchan text, lengths spread evenly over [lo, hi]."""
+    from mg.core.fixtures import fixture_path
+    from mg.core.tokenizers import build_tokenizer
+
+    text = fixture_path("botchan", "botchan.txt").read_text(encoding="utf-8")
+    ids = build_tokenizer(tokenizer_config()).tokenize(text[20000:])
+    lo, hi = lengths
+    out, at = [], offset
+    for i in range(count):
+        n = lo + (hi - lo) * i // max(1, count - 1)
+        out.append(ids[at : at + n])
+        at += n
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run_reference(hf_dir: Path, texts: list[str], max_tokens: int, seconds: float) -> dict:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    tok = build_tokenizer(
-        TokenizerConfig(
-            "GPT2BPETokenizer",
-            vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
-            merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
-        )
-    )
-    gen_kwargs = dict(
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-    )
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        model.generate(torch.tensor([tok.tokenize(texts[0])]), **gen_kwargs)  # warm-up
-    latencies, tokens, i = [], 0, 0
-    started = time.monotonic()
-    while time.monotonic() - started < seconds:
-        ids = torch.tensor([tok.tokenize(texts[i % len(texts)])])
-        t0 = time.monotonic()
-        with torch.no_grad():
-            out = model.generate(ids, **gen_kwargs)
-        latencies.append(time.monotonic() - t0)
-        tokens += out.shape[1] - ids.shape[1]
-        i += 1
-    elapsed = time.monotonic() - started
-    return {
-        "requests": len(latencies),
-        "errors": 0,
-        "latencies": latencies,
-        "tokens": tokens,
-        "elapsed": elapsed,
-    }
-
-
-def rss_mb(pid: int) -> float:
+def peak_rss_mb(pid: int | str = "self") -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
 
-async def load_test(
-    url: str, texts: list[str], clients: int, max_tokens: int, seconds: float
-) -> dict:
-    latencies: list[float] = []
-    errors = 0
-    tokens = 0
-    stop_at = time.monotonic() + seconds
+# --- transformers, in its own process -------------------------------------------
 
-    async def client(index: int, http: httpx.AsyncClient) -> None:
-        nonlocal errors, tokens
-        i = index
-        while time.monotonic() < stop_at:
-            body = {
-                "prompt": texts[i % len(texts)],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "logit_bias": {"50256": -100},
-            }
-            t0 = time.monotonic()
-            try:
-                r = await http.post(url + "/v1/completions", json=body)
-                if r.status_code != 200:
-                    errors += 1
-                else:
-                    tokens += r.json()["usage"]["completion_tokens"]
-                    latencies.append(time.monotonic() - t0)
-            except httpx.HTTPError:
-                errors += 1
-            i += clients
 
+def transformers_phase(hf_dir: str, prompts: list[list[int]], new_tokens: int, batch: int) -> dict:
+    import transformers
+    from transformers.generation.streamers import BaseStreamer
+
+    class StepClock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:
+            self.times.append(time.monotonic())
+
+        def end(self) -> None:
+            pass
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    model.generation_config.eos_token_id = None
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def run(group: list[list[int]], clock: StepClock | None) -> int:
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, streamer=clock, **kwargs)
+        return (out.shape[1] - width) * len(group)
+
+    run(prompts[:batch], None)  # warm-up
+    ttft, itl, tokens = [], [], 0
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients)) as http:
-        await asyncio.gather(*(client(k, http) for k in range(clients)))
+    for i in range(0, len(prompts), batch):
+        clock = StepClock()
+        t0 = time.monotonic()
+        tokens += run(prompts[i : i + batch], clock)
+        steps = clock.times[1:]  # the first put() is the prompt
+        ttft += [steps[0] - t0] * batch
+        itl += [b - a for a, b in zip(steps, steps[1:], strict=False)] * batch
     return {
-        "requests": len(latencies),
-        "errors": errors,
-        "latencies": latencies,
         "tokens": tokens,
         "elapsed": time.monotonic() - started,
+        "ttft": ttft,
+        "itl": itl,
+        "peak_mb": peak_rss_mb(),
+        "threads": torch.get_num_threads(),
     }
 
 
-def report(name: str, result: dict) -> float:
-    lat = result["latencies"] or [float("nan")]
-    tps = result["tokens"] / result["elapsed"]
-    print(
-        f"{name:<28} requests {result['requests']:5d}  errors {result['errors']:3d}  "
-        f"p50 {statistics.median(lat) * 1000:8.1f} ms  p99 {percentile(lat, 0.99) * 1000:8.1f} ms  "
-        f"{tps:9.1f} tokens/s"
+# --- mg-serve, in its own process, driven over HTTP ------------------------------
+
+
+class Server:
+    def __init__(self, ckpt: Path, threads: int, max_requests: int, *extra: str) -> None:
+        command = [
+            str(Path(sys.executable).with_name("mg-serve")),
+            *("--load", str(ckpt), "--port", "0", "--log-level", "warning"),
+            *("--num-threads", str(threads), "--inference-max-requests", str(max_requests)),
+            *extra,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.banner = self.proc.stdout.readline()
+        match = re.search(r"listening on (http://\S+)", self.banner)
+        if not match:
+            self.proc.kill()
+            sys.exit(f"mg-serve did not start: {self.banner}{self.proc.stdout.read()}")
+        self.url = match.group(1)
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+
+    def close(self) -> float:
+        peak = peak_rss_mb(self.proc.pid)
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        return peak
+
+
+async def stream_one(http: httpx.AsyncClient, url: str, prompt: list[int], tokens: int) -> dict:
+    """One streamed completion: when it was sent, when each chunk arrived, tokens generated."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": tokens,
+        "temperature": 0,
+        "logit_bias": {"50256": -100},
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.monotonic()
+    arrivals, generated = [], 0
+    async with http.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                generated = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.monotonic())
+    return {"sent": sent, "arrivals": arrivals, "tokens": generated}
+
+
+async def drive(url: str, prompts: list[list[int]], clients: int, tokens: int) -> list[dict]:
+    """`clients` concurrent clients taking the prompts in turn, back to back."""
+    queue = list(reversed(prompts))
+    results: list[dict] = []
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while queue:
+            results.append(await stream_one(http, url, queue.pop(), tokens))
+
+    limits = httpx.Limits(max_connections=clients + 2)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as http:
+        await asyncio.gather(*(client(http) for _ in range(clients)))
+    return results
+
+
+def summarise(results: list[dict], elapsed: float) -> dict:
+    ttft = [r["arrivals"][0] - r["sent"] for r in results if r["arrivals"]]
+    itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    return {
+        "tokens": sum(r["tokens"] for r in results),
+        "elapsed": elapsed,
+        "ttft": ttft,
+        "itl": itl,
+    }
+
+
+def serve_phase(ckpt: Path, threads: int, clients: int, prompts, tokens, *extra) -> dict:
+    server = Server(ckpt, threads, clients, *extra)
+    try:
+        asyncio.run(drive(server.url, prompts[:clients], clients, 4))  # warm-up
+        started = time.monotonic()
+        results = asyncio.run(drive(server.url, prompts, clients, tokens))
+        out = summarise(results, time.monotonic() - started)
+    finally:
+        out_peak = server.close()
+    return {**out, "peak_mb": out_peak, "threads": threads, "banner": server.banner.strip()}
+
+
+def long_context_phase(ckpt: Path, threads: int, args) -> dict:
+    """7 clients decode; ITL of theirs alone, then while an 8th sends a long prompt."""
+    short = prompt_ids(7, (32, 96), offset=50000)
+    budget = ("--max-num-batched-tokens", str(args.long_chunk))
+    server = Server(ckpt, threads, 8, *budget)
+    try:
+        asyncio.run(drive(server.url, short, 7, 4))  # warm-up
+        started = time.monotonic()
+        alone = summarise(
+            asyncio.run(drive(server.url, short, 7, args.long_decode_tokens)),
+            time.monotonic() - started,
+        )
+        (long_prompt,) = prompt_ids(1, (args.long_tokens, args.long_tokens), offset=60000)
+
+        async def together() -> tuple[list[dict], dict]:
+            limits = httpx.Limits(max_connections=10)
+            async with httpx.AsyncClient(timeout=7200, limits=limits) as http:
+                long_task = asyncio.create_task(stream_one(http, server.url, long_prompt, 8))
+                decoding: list[dict] = []
+
+                async def client(prompt: list[int]) -> None:
+                    while not long_task.done():
+                        decoding.append(
+                            await stream_one(http, server.url, prompt, args.long_decode_tokens)
+                        )
+
+                await asyncio.gather(*(client(p) for p in short))
+                return decoding, await long_task
+
+        started = time.monotonic()
+        decoding, long_result = asyncio.run(together())
+        during = summarise(decoding, time.monotonic() - started)
+    finally:
+        peak = server.close()
+    return {
+        "alone": alone,
+        "during": during,
+        "long_ttft": long_result["arrivals"][0] - long_result["sent"],
+        "peak_mb": peak,
+        "chunk": args.long_chunk,
+        "long_tokens": len(long_prompt),
+    }
+
+
+def row(name: str, r: dict) -> str:
+    ms = 1000.0
+    return (
+        f"| {name} | {r['tokens'] / r['elapsed']:.1f} | {statistics.median(r['ttft']) * ms:.0f} | "
+        f"{percentile(r['ttft'], 0.99) * ms:.0f} | {statistics.median(r['itl']) * ms:.0f} | "
+        f"{percentile(r['itl'], 0.99) * ms:.0f} | {r['peak_mb']:.0f} | {r['threads']} |"
     )
-    return tps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompt-words", type=int, default=24)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--positions", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--skip-long", action="store_true", help="no long-context phase")
+    parser.add_argument("--skip-memory", action="store_true", help="no 8 x 1k memory phase")
+    parser.add_argument("--long-tokens", type=int, default=8000)
+    parser.add_argument("--long-chunk", type=int, default=64, help="--max-num-batched-tokens")
+    parser.add_argument("--long-decode-tokens", type=int, default=32)
+    parser.add_argument("--_transformers", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args._transformers:  # the child process of phase 1
+        hf_dir, prompts_file, new_tokens = args._transformers
+        prompts = json.loads(Path(prompts_file).read_text())
+        print(json.dumps(transformers_phase(hf_dir, prompts, int(new_tokens), 8)))
+        return
 
+    positions = max(2048, args.long_tokens + 256)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        params = build_checkpoint(folder, args.layers, args.hidden, args.positions)
-        texts = prompts(64, args.prompt_words)
+        params, weight_bytes, kv_per_token = build_checkpoint(folder, args.layers, positions)
+        ckpt = folder / "ckpt"
+        prompts = prompt_ids(64, tuple(args.prompt_tokens))
         print(
-            f"model: GPT-2 shape, {args.layers} layers, hidden {args.hidden}, "
-            f"{params / 1e6:.1f}M parameters, fp32, {torch.get_num_threads()} threads; "
-            f"{args.max_tokens} new tokens per request, prompts of {args.prompt_words} words"
+            f"model: Llama shape, {args.layers} layers, hidden 576, {params / 1e6:.1f}M "
+            f"parameters, fp32; {args.threads} threads on both sides; prompts of "
+            f"{args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {args.new_tokens} new "
+            f"tokens each",
+            flush=True,
         )
-        reference = run_reference(folder / "hf", texts, args.max_tokens, args.seconds)
-
-        server = subprocess.Popen(
-            [
-                str(Path(sys.executable).with_name("mg-serve")),
-                "--load",
-                str(folder / "ckpt"),
-                "--port",
-                "0",
-                "--inference-max-requests",
-                str(args.clients),
-                "--log-level",
-                "warning",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        results: dict[str, dict] = {}
+        prompts_file = folder / "prompts16.json"
+        prompts_file.write_text(json.dumps(prompts[:16]))
+        child = subprocess.run(
+            [sys.executable, str(BENCH), "--threads", str(args.threads), "--_transformers",
+             str(folder / "hf"), str(prompts_file), str(args.new_tokens)],
+            capture_output=True, text=True, check=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+        )  # fmt: skip
+        results["transformers generate(), batch 8 (16 requests)"] = json.loads(
+            child.stdout.strip().splitlines()[-1]
         )
-        try:
-            line = server.stdout.readline()
-            match = re.search(r"listening on (http://\S+)", line)
-            if not match:
-                sys.exit(f"mg-serve did not start: {line}{server.stdout.read()}")
-            url = match.group(1)
-            asyncio.run(load_test(url, texts, args.clients, args.max_tokens, 3.0))  # warm-up
-            rss_start = rss_mb(server.pid)
-            ours = asyncio.run(load_test(url, texts, args.clients, args.max_tokens, args.seconds))
-            rss_end = rss_mb(server.pid)
-        finally:
-            server.terminate()
-            server.wait(timeout=30)
+        print(
+            row("transformers batch 8", results["transformers generate(), batch 8 (16 requests)"]),
+            flush=True,
+        )
+        for clients in (8, 32):
+            name = f"mg-serve, {clients} clients ({2 * clients} requests)"
+            results[name] = serve_phase(
+                ckpt, args.threads, clients, prompts[: 2 * clients], args.new_tokens
+            )
+            print(row(name, results[name]), results[name]["banner"], flush=True)
+        if not args.skip_memory:
+            long_prompts = prompt_ids(8, (1000, 1000), offset=30000)
+            memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24)
+            cached = 8 * (1000 + 24) * kv_per_token
+            memory["bound_mb"] = (1.2 * weight_bytes + cached) / 2**20
+            memory["weights_mb"] = weight_bytes / 2**20
+            memory["cached_mb"] = cached / 2**20
+            results["memory"] = memory
+            print(row("mg-serve 8 x 1k", memory), f"bound {memory['bound_mb']:.0f} MB", flush=True)
+        if not args.skip_long:
+            results["long"] = long_context_phase(ckpt, args.threads, args)
 
-    ref_tps = report("transformers generate(), 1 at a time", reference)
-    our_tps = report(f"mg-serve, {args.clients} clients", ours)
-    print(f"throughput ratio mg-serve / transformers generate(): {our_tps / ref_tps:.2f}x")
-    one, five, fifteen = os.getloadavg()
-    print(f"machine load average at the end: {one:.1f} (1 min), {five:.1f} (5 min), {fifteen:.1f}")
+    base = results["transformers generate(), batch 8 (16 requests)"]
+    base_tps = base["tokens"] / base["elapsed"]
+    print()
     print(
-        f"mg-serve resident memory: {rss_start:.0f} MB after warm-up, {rss_end:.0f} MB at the end "
-        f"(growth {rss_end - rss_start:+.0f} MB)"
+        "| run | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        "| peak RSS MB | threads |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in results.items():
+        if name in ("memory", "long"):
+            continue
+        print(row(name, r))
+    print()
+    for name, r in results.items():
+        if name.startswith("mg-serve"):
+            print(f"- {name}: {r['tokens'] / r['elapsed'] / base_tps:.2f}x transformers batch 8")
+    if "memory" in results:
+        m = results["memory"]
+        print(
+            f"- 8 x 1k-token sequences: server peak {m['peak_mb']:.0f} MB; weights "
+            f"{m['weights_mb']:.0f} MB, keys/values of the cached tokens {m['cached_mb']:.0f} MB; "
+            f"1.2 x weights + cached = {m['bound_mb']:.0f} MB "
+            f"({m['peak_mb'] / (m['weights_mb'] + m['cached_mb']):.2f}x weights + cached)"
+        )
+    if "long" in results:
+        lc = results["long"]
+        alone, during = lc["alone"], lc["during"]
+        ratio = percentile(during["itl"], 0.99) / percentile(alone["itl"], 0.99)
+        p50, p99 = statistics.median, lambda v: percentile(v, 0.99)
+        print(
+            f"- long context: 7 clients decoding, ITL p50/p99 {p50(alone['itl']) * 1e3:.0f}/"
+            f"{p99(alone['itl']) * 1e3:.0f} ms alone, {p50(during['itl']) * 1e3:.0f}/"
+            f"{p99(during['itl']) * 1e3:.0f} ms while a {lc['long_tokens']}-token prompt is "
+            f"prefilled in chunks of {lc['chunk']} (p99 ratio {ratio:.2f}x; the long prompt's "
+            f"TTFT {lc['long_ttft']:.1f} s)"
+        )
+    one, five, fifteen = os.getloadavg()
+    print(
+        f"- machine: {os.cpu_count()} CPUs, load average at the end "
+        f"{one:.1f} / {five:.1f} / {fifteen:.1f} (1 / 5 / 15 min)"
     )
 
 
