@@ -21,8 +21,9 @@ Prompts are Botchan text of mixed lengths (the same token ids on both sides;
 end-of-document can never stop a request early: no eos on theirs, a logit bias
 on ours). Reported per phase: generated tokens/s, time to first token and
 inter-token latency p50/p99 (ours: between streamed chunks, as a client sees
-them; theirs: between generate() steps), peak resident memory, threads; the
-ratios; the machine's load.
+them; theirs: between generate() steps), peak resident memory (ours: while
+serving, the mark reset after the warm-up; theirs: the whole process),
+threads; the ratios; the machine's load.
 
     .venv/bin/python bench/bench_serve.py                       # the full run (~10 min quiet)
     .venv/bin/python bench/bench_serve.py --layers 4 --skip-long --new-tokens 32   # a smoke run
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -122,7 +124,9 @@ def peak_rss_mb(pid: int | str = "self") -> float:
 # --- transformers, in its own process -------------------------------------------
 
 
-def transformers_phase(hf_dir: str, prompts: list[list[int]], new_tokens: int, batch: int) -> dict:
+def transformers_phase(
+    hf_dir: str, prompts: list[list[int]], new_tokens: int, batch: int, bf16: bool
+) -> dict:
     import transformers
     from transformers.generation.streamers import BaseStreamer
 
@@ -137,6 +141,8 @@ def transformers_phase(hf_dir: str, prompts: list[list[int]], new_tokens: int, b
             pass
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    if bf16:
+        model = model.to(torch.bfloat16)
     model.generation_config.eos_token_id = None
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -190,6 +196,12 @@ class Server:
             sys.exit(f"mg-serve did not start: {self.banner}{self.proc.stdout.read()}")
         self.url = match.group(1)
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+
+    def reset_peak(self) -> None:
+        """Start the peak-RSS mark afresh (Linux: clear_refs 5), so the load's transient
+        copies of the checkpoint do not count as serving memory."""
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/clear_refs").write_text("5")
 
     def close(self) -> float:
         peak = peak_rss_mb(self.proc.pid)
@@ -254,6 +266,7 @@ def serve_phase(ckpt: Path, threads: int, clients: int, prompts, tokens, *extra)
     server = Server(ckpt, threads, clients, *extra)
     try:
         asyncio.run(drive(server.url, prompts[:clients], clients, 4))  # warm-up
+        server.reset_peak()
         started = time.monotonic()
         results = asyncio.run(drive(server.url, prompts, clients, tokens))
         out = summarise(results, time.monotonic() - started)
@@ -262,13 +275,14 @@ def serve_phase(ckpt: Path, threads: int, clients: int, prompts, tokens, *extra)
     return {**out, "peak_mb": out_peak, "threads": threads, "banner": server.banner.strip()}
 
 
-def long_context_phase(ckpt: Path, threads: int, args) -> dict:
+def long_context_phase(ckpt: Path, threads: int, args, *extra: str) -> dict:
     """7 clients decode; ITL of theirs alone, then while an 8th sends a long prompt."""
     short = prompt_ids(7, (32, 96), offset=50000)
     budget = ("--max-num-batched-tokens", str(args.long_chunk))
-    server = Server(ckpt, threads, 8, *budget)
+    server = Server(ckpt, threads, 8, *budget, *extra)
     try:
         asyncio.run(drive(server.url, short, 7, 4))  # warm-up
+        server.reset_peak()
         started = time.monotonic()
         alone = summarise(
             asyncio.run(drive(server.url, short, 7, args.long_decode_tokens)),
@@ -326,13 +340,15 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=8000)
     parser.add_argument("--long-chunk", type=int, default=64, help="--max-num-batched-tokens")
     parser.add_argument("--long-decode-tokens", type=int, default=32)
+    parser.add_argument("--bf16", action="store_true", help="both sides in bfloat16")
     parser.add_argument("--_transformers", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args._transformers:  # the child process of phase 1
         hf_dir, prompts_file, new_tokens = args._transformers
         prompts = json.loads(Path(prompts_file).read_text())
-        print(json.dumps(transformers_phase(hf_dir, prompts, int(new_tokens), 8)))
+        result = transformers_phase(hf_dir, prompts, int(new_tokens), 8, args.bf16)
+        print(json.dumps(result))
         return
 
     positions = max(2048, args.long_tokens + 256)
@@ -343,16 +359,18 @@ def main() -> None:
         prompts = prompt_ids(64, tuple(args.prompt_tokens))
         print(
             f"model: Llama shape, {args.layers} layers, hidden 576, {params / 1e6:.1f}M "
-            f"parameters, fp32; {args.threads} threads on both sides; prompts of "
+            f"parameters, {'bf16' if args.bf16 else 'fp32'}; {args.threads} threads on both "
+            f"sides; prompts of "
             f"{args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {args.new_tokens} new "
             f"tokens each",
             flush=True,
         )
         results: dict[str, dict] = {}
+        bf16 = ["--bf16"] if args.bf16 else []
         prompts_file = folder / "prompts16.json"
         prompts_file.write_text(json.dumps(prompts[:16]))
         child = subprocess.run(
-            [sys.executable, str(BENCH), "--threads", str(args.threads), "--_transformers",
+            [sys.executable, str(BENCH), "--threads", str(args.threads), *bf16, "--_transformers",
              str(folder / "hf"), str(prompts_file), str(args.new_tokens)],
             capture_output=True, text=True, check=True,
             env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
@@ -367,20 +385,22 @@ def main() -> None:
         for clients in (8, 32):
             name = f"mg-serve, {clients} clients ({2 * clients} requests)"
             results[name] = serve_phase(
-                ckpt, args.threads, clients, prompts[: 2 * clients], args.new_tokens
+                ckpt, args.threads, clients, prompts[: 2 * clients], args.new_tokens, *bf16
             )
             print(row(name, results[name]), results[name]["banner"], flush=True)
         if not args.skip_memory:
             long_prompts = prompt_ids(8, (1000, 1000), offset=30000)
-            memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24)
+            memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24, *bf16)
             cached = 8 * (1000 + 24) * kv_per_token
+            if args.bf16:
+                weight_bytes, cached = weight_bytes // 2, cached // 2
             memory["bound_mb"] = (1.2 * weight_bytes + cached) / 2**20
             memory["weights_mb"] = weight_bytes / 2**20
             memory["cached_mb"] = cached / 2**20
             results["memory"] = memory
             print(row("mg-serve 8 x 1k", memory), f"bound {memory['bound_mb']:.0f} MB", flush=True)
         if not args.skip_long:
-            results["long"] = long_context_phase(ckpt, args.threads, args)
+            results["long"] = long_context_phase(ckpt, args.threads, args, *bf16)
 
     base = results["transformers generate(), batch 8 (16 requests)"]
     base_tps = base["tokens"] / base["elapsed"]
