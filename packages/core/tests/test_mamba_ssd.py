@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from mg.core.models.mamba.ssd import (
-    segment_sum,
     ssd_chunked_scan,
     ssd_sequential_scan,
     ssd_step,
@@ -29,13 +28,6 @@ def _inputs(dtype, b=2, length=37, heads=6, p=4, groups=2, n=5, seed=0):
     D = torch.randn(heads, generator=g, dtype=dtype)
     state = torch.randn(b, heads, p, n, generator=g, dtype=dtype)
     return x, dt, A, B, C, D, state
-
-
-def test_segment_sum_by_hand():
-    a = torch.tensor([1.0, 2.0, 3.0])
-    inf = float("-inf")
-    expected = torch.tensor([[0.0, inf, inf], [2.0, 0.0, inf], [5.0, 3.0, 0.0]])
-    assert torch.equal(segment_sum(a), expected)
 
 
 def test_one_step_by_hand():

@@ -12,11 +12,13 @@ h // r, the order of `repeat_interleave` in mamba_ssm and transformers).
 Listing 1 (`ssd_minimal_discrete`) does: inside each chunk the recurrence is a
 masked, decay-weighted attention (quadratic in the chunk, matmuls only), and a
 short recurrence over chunk boundaries carries the state between chunks. It
-differs from transformers' torch fallback in one respect that matters for speed:
-C·Bᵀ is formed once per *group*, not once per head, and B, C are never repeated
-to the heads. `ssd_sequential_scan` is the recurrence written literally, one
-token at a time (the reference the tests hold the chunked scan to), and
-`ssd_step` is one token of it (decoding).
+differs from transformers' torch fallback where that matters for speed: C·Bᵀ is
+formed once per *group*, not once per head (B and C are never repeated to the
+heads); every matmul has its batch dims leading, so no [chunk, chunk] matrix is
+copied into another layout; and the recurrence over chunk boundaries is a loop
+of c steps, not a [c, c] decay matrix. `ssd_sequential_scan` is the recurrence
+written literally, one token at a time (the reference the tests hold the chunked
+scan to), and `ssd_step` is one token of it (decoding).
 
 Shapes: x [b, l, heads, P], dt [b, l, heads] (after softplus), A [heads]
 (negative), B and C [b, l, groups, N], D [heads], state [b, heads, P, N]. The
@@ -33,19 +35,6 @@ from torch import Tensor
 def _work_dtype(x: Tensor) -> torch.dtype:
     """fp32 for half-precision inputs (as mamba_ssm's kernels), else the input's own."""
     return torch.promote_types(x.dtype, torch.float32)
-
-
-def segment_sum(a: Tensor) -> Tensor:
-    """[..., T] → [..., T, T] with out[i, j] = a[j+1] + … + a[i] for j ≤ i, −inf above.
-
-    Summed from masked copies rather than as cumsum[i] − cumsum[j], which would
-    lose precision to cancellation when the decays over a chunk are large."""
-    t = a.shape[-1]
-    a = a[..., None].expand(*a.shape, t)  # [..., i, j] = a[i]
-    strictly_lower = torch.tril(torch.ones(t, t, dtype=torch.bool, device=a.device), diagonal=-1)
-    sums = torch.cumsum(a.masked_fill(~strictly_lower, 0.0), dim=-2)
-    lower = torch.tril(torch.ones(t, t, dtype=torch.bool, device=a.device), diagonal=0)
-    return sums.masked_fill(~lower, float("-inf"))
 
 
 def ssd_chunked_scan(
@@ -79,42 +68,46 @@ def ssd_chunked_scan(
     c = (length + pad) // chunk_size
     cs = chunk_size
 
-    # Chunked layouts: c = chunk, l/s = position in it, g = group, r = head in group.
-    xdt = (x * dt[..., None]).view(b, c, cs, groups, r, p)
-    a = (dt * A).view(b, c, cs, heads).permute(0, 3, 1, 2)  # [b, heads, c, cs]
-    a_cum = torch.cumsum(a, dim=-1)
-    Bc = B.view(b, c, cs, groups, n)
-    Cc = C.view(b, c, cs, groups, n)
+    # Layout [b, c, g, r, l, ...]: c chunk, g group, r head in the group, l/s position in
+    # the chunk; the batch dims of every matmul below lead, so no large tensor is copied.
+    xdt = (x * dt[..., None]).view(b, c, cs, groups, r, p).permute(0, 1, 3, 4, 2, 5)
+    a_cum = torch.cumsum((dt * A).view(b, c, cs, groups, r).permute(0, 1, 3, 4, 2), dim=-1)
+    Bc = B.view(b, c, cs, groups, n).transpose(2, 3)  # [b, c, g, l, n]
+    Cc = C.view(b, c, cs, groups, n).transpose(2, 3)
 
-    # 1. Within each chunk: y_l = Σ_{s≤l} (C_l·B_s) exp(a_{s+1}+…+a_l) dt_s x_s.
-    decay = torch.exp(segment_sum(a)).view(b, groups, r, c, cs, cs)
-    scores = torch.einsum("bclgn,bcsgn->bgcls", Cc, Bc)  # once per group
-    weights = scores[:, :, None] * decay  # [b, g, r, c, l, s]
-    y = torch.einsum("bgrcls,bcsgrp->bclgrp", weights, xdt)
+    # 1. Within each chunk: y_l = Σ_{s≤l} (C_l·B_s) exp(a_{s+1}+…+a_l) dt_s x_s. The decay is
+    # a difference of cumulative sums inside one chunk, in the working precision, as
+    # mamba_ssm's chunk-scan kernel computes it.
+    scores = Cc @ Bc.transpose(-1, -2)  # [b, c, g, l, s], once per group, not per head
+    causal = torch.ones(cs, cs, dtype=torch.bool, device=x.device).tril()
+    decay = (a_cum[..., :, None] - a_cum[..., None, :]).masked_fill(~causal, float("-inf"))
+    weights = decay.exp() * scores[:, :, :, None]  # [b, c, g, r, l, s]
+    y = weights @ xdt  # [b, c, g, r, l, p]
 
-    # 2. Each chunk's contribution to the state at its end.
-    to_end = torch.exp(a_cum[..., -1:] - a_cum).view(b, groups, r, c, cs)
-    states = torch.einsum("bclgn,bgrcl,bclgrp->bcgrpn", Bc, to_end, xdt)
+    # 2. Each chunk's contribution to the state at its end: Σ_l exp(a_{l+1}+…) B_l ⊗ dt_l x_l.
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)[..., None]  # [b, c, g, r, l, 1]
+    states = Bc.transpose(-1, -2)[:, :, :, None] @ (xdt * to_end)  # [b, c, g, r, n, p]
 
-    # 3. The state entering each chunk: a recurrence over chunk boundaries.
+    # 3. The state entering each chunk: the recurrence over chunk boundaries, c steps.
+    chunk_decay = torch.exp(a_cum[..., -1])[..., None, None]  # [b, c, g, r, 1, 1]
     if initial_state is None:
-        first = states.new_zeros(b, 1, groups, r, p, n)
+        state = states.new_zeros(b, groups, r, n, p)
     else:
-        first = initial_state.to(work).view(b, 1, groups, r, p, n)
-    states = torch.cat([first, states], dim=1)  # [b, c+1, g, r, p, n]
-    chunk_decay = torch.exp(segment_sum(F.pad(a_cum[..., -1], (1, 0))))  # [b, h, c+1, c+1]
-    chunk_decay = chunk_decay.view(b, groups, r, c + 1, c + 1)
-    states = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)
-    entering, final = states[:, :-1], states[:, -1]
+        state = initial_state.to(work).view(b, groups, r, p, n).transpose(-1, -2)
+    entering = []
+    for k in range(c):
+        entering.append(state)
+        state = state * chunk_decay[:, k] + states[:, k]
+    entering = torch.stack(entering, dim=1)  # [b, c, g, r, n, p]
 
-    # 4. What the entering state adds to each position: C_l · state · exp(a_1+…+a_l).
-    from_start = torch.exp(a_cum).view(b, groups, r, c, cs)
-    y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", Cc, entering, from_start)
+    # 4. What the entering state adds at each position: exp(a_1+…+a_l) C_l · state.
+    y = y + (Cc[:, :, :, None] @ entering) * torch.exp(a_cum)[..., None]
 
-    y = y.reshape(b, c * cs, heads, p)[:, :length]
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(b, c * cs, heads, p)[:, :length]
     if D is not None:
         y = y + x[:, :length] * D.to(work)[:, None]
-    return y.to(dtype), final.reshape(b, heads, p, n)
+    final = state.transpose(-1, -2).reshape(b, heads, p, n)
+    return y.to(dtype), final
 
 
 def ssd_step(
