@@ -18,6 +18,8 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 from mg.core.models import GPTModel  # noqa: E402
@@ -82,11 +84,19 @@ def _hf_mistral():
     return MistralForCausalLM(config)
 
 
+def _hf_qwen2():
+    config = Qwen2Config(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **TINY_DECODER
+    )
+    return Qwen2ForCausalLM(config)
+
+
 CASES = {
     "gpt2": (_hf_gpt2, "gpt2"),
     "llama2-mha": (_hf_llama_mha, "llama"),
     "llama3-gqa-rope-scaling": (_hf_llama3_gqa, "llama"),
     "mistral-sliding-window": (_hf_mistral, "mistral"),
+    "qwen2-qkv-bias-tied": (_hf_qwen2, "qwen2"),
 }
 
 

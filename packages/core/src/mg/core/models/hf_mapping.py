@@ -150,6 +150,8 @@ LLAMA = HFArchitecture(
 )
 
 MISTRAL = dataclasses.replace(LLAMA, model_type="mistral", hf_class="MistralForCausalLM")
+# Qwen2/Qwen2.5: Llama's layer with biases on q/k/v only (Megatron's --add-qkv-bias).
+QWEN2 = dataclasses.replace(LLAMA, model_type="qwen2", hf_class="Qwen2ForCausalLM")
 
 _E = "encoder.layers.{i}."
 _B = "bert.encoder.layer.{i}."
@@ -210,7 +212,9 @@ UNSUPPORTED_MODEL_TYPES = {
     "mixtral": "Mixtral is a mixture-of-experts model and MoE layers are not supported yet",
 }
 
-ARCHITECTURES: dict[str, HFArchitecture] = {a.model_type: a for a in (GPT2, LLAMA, MISTRAL, BERT)}
+ARCHITECTURES: dict[str, HFArchitecture] = {
+    a.model_type: a for a in (GPT2, LLAMA, MISTRAL, QWEN2, BERT)
+}
 
 
 def get_architecture(arch: HFArchitecture | str) -> HFArchitecture:
@@ -448,10 +452,17 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
             attention_dropout=c.get("attn_pdrop", 0.1),
             hidden_dropout=c.get("resid_pdrop", 0.1),
         )
-    elif model_type in ("llama", "mistral"):
+    elif model_type in ("llama", "mistral", "qwen2"):
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
         attention_bias, mlp_bias = c.get("attention_bias", False), c.get("mlp_bias", False)
+        if model_type == "qwen2" and c.get("use_sliding_window"):
+            raise ValueError(
+                "Qwen2 use_sliding_window (sliding attention on the layers above "
+                "max_window_layers) is not supported; set it to false"
+            )
+        if model_type == "qwen2":
+            attention_bias = mlp_bias = False  # Qwen2's q/k/v biases: add_qkv_bias below
         if attention_bias != mlp_bias:
             raise ValueError(
                 "attention_bias != mlp_bias cannot be expressed with Megatron's "
@@ -476,6 +487,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
             layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
             activation="swiglu",
             add_bias_linear=bool(attention_bias),
+            add_qkv_bias=model_type == "qwen2",
             untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
             window_size=(sliding_window - 1, 0) if sliding_window else None,
             init_method_std=c.get("initializer_range", 0.02),
@@ -534,7 +546,8 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
         or c.rotary_percent != 1.0
         or c.normalization != "RMSNorm"
         or c.activation != "swiglu"
-        or c.add_qkv_bias
+        or c.add_qkv_bias != (arch.model_type == "qwen2")
+        or (c.add_bias_linear and arch.model_type == "qwen2")
         or (c.window_size is not None and arch.model_type != "mistral")
     ):
         raise ValueError(f"this config is not a {arch.hf_class} architecture")
@@ -561,6 +574,8 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
     )
     if arch.model_type == "llama":
         out.update(attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear)
+    elif arch.model_type == "qwen2":
+        out.update(use_sliding_window=False, sliding_window=None)
     else:
         if c.add_bias_linear:
             raise ValueError("MistralForCausalLM has no linear biases")
