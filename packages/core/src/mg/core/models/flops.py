@@ -9,27 +9,50 @@ from __future__ import annotations
 from mg.core.models.config import TransformerConfig
 
 
-def num_parameters(config: TransformerConfig, include_embeddings: bool = True) -> int:
+def mlp_parameters(config: TransformerConfig, moe: bool, active: bool = False) -> int:
+    """Parameters of one layer's MLP: the dense MLP, or an MoE layer's router, routed
+    experts (all of them, or the top-k a token uses with `active`) and shared experts."""
+    c = config
+    h = c.hidden_size
+    gate = 2 if c.gated_linear_unit else 1
+
+    def mlp(ffn: int) -> int:
+        return h * ffn * gate + ffn * h + ((ffn * gate + h) if c.add_bias_linear else 0)
+
+    if not moe:
+        return mlp(c.ffn_hidden_size)
+    experts = c.moe_router_topk if active else c.num_moe_experts
+    router = c.num_moe_experts * h + (c.num_moe_experts if c.add_bias_linear else 0)
+    shared = 0
+    if c.moe_shared_expert_intermediate_size:
+        shared = mlp(c.moe_shared_expert_intermediate_size) + (h if c.moe_shared_expert_gate else 0)
+    return router + experts * mlp(c.moe_ffn_hidden_size) + shared
+
+
+def num_parameters(
+    config: TransformerConfig, include_embeddings: bool = True, active: bool = False
+) -> int:
     """Parameters of `GPTModel(config)`; counts a tied output layer once.
 
     include_embeddings=False leaves out the token and position embeddings and
     the untied output layer (the "non-embedding" count of scaling-law papers).
+    active=True counts what one token uses: in MoE layers the router, its top-k
+    routed experts and the shared experts instead of every expert.
     """
     c = config
     h = c.hidden_size
     norm = 2 * h if c.normalization == "LayerNorm" else h
     qkv_out = c.query_projection_size + 2 * c.kv_projection_size
-    fc1_out = c.ffn_hidden_size * (2 if c.gated_linear_unit else 1)
-    per_layer = (
+    attention = (
         2 * norm
         + h * qkv_out
         + (qkv_out if c.add_bias_linear or c.add_qkv_bias else 0)
         + c.query_projection_size * h
-        + h * fc1_out
-        + c.ffn_hidden_size * h
-        + ((h + fc1_out + h) if c.add_bias_linear else 0)  # linear_proj, fc1, fc2 biases
+        + (h if c.add_bias_linear else 0)  # linear_proj bias
     )
-    total = c.num_layers * per_layer + norm  # + final_layernorm
+    total = norm  # final_layernorm
+    for moe in c.moe_layer_pattern:
+        total += attention + mlp_parameters(c, moe, active)
     if include_embeddings:
         total += c.vocab_size * h
         if c.position_embedding_type == "learned_absolute":
@@ -51,17 +74,27 @@ def num_floating_point_operations(
     MLP (Megatron's `--swiglu`) else 1, F ffn width, V padded vocabulary.
     The s/(2h) term counts causal attention (half the score matrix). No
     recompute FLOPs are counted: this is the MFU numerator.
+
+    MoE layers (per `moe_layer_freq`) count F·k as moe_ffn_hidden_size · top-k
+    plus the shared experts' width, as Megatron's `num_floating_point_operations`
+    does; the router's E·h product is left out, as there.
     """
     c = config
     s = seq_length if seq_length is not None else c.seq_length
     h = c.hidden_size
     q = c.kv_channels * c.num_attention_heads / h
     g = c.num_query_groups / c.num_attention_heads
-    k = 1  # dense; MoE (router top-k) arrives with expert parallelism
     gamma = 1.5 if c.gated_linear_unit else 1.0
-    ffn = c.ffn_hidden_size
-    per_layer_h2 = (1 + g + s / (2 * h)) * q + (ffn / h) * k * gamma
-    layers_term = 12 * batch_size * s * c.num_layers * h**2 * per_layer_h2
+    attention_h2 = (1 + g + s / (2 * h)) * q
+    dense_ffn = c.ffn_hidden_size  # k = 1
+    moe_ffn = 0
+    if c.num_moe_experts is not None:
+        moe_ffn = c.moe_ffn_hidden_size * c.moe_router_topk
+        moe_ffn += c.moe_shared_expert_intermediate_size or 0
+    per_layers_h2 = sum(
+        attention_h2 + ((moe_ffn if moe else dense_ffn) / h) * gamma for moe in c.moe_layer_pattern
+    )
+    layers_term = 12 * batch_size * s * h**2 * per_layers_h2
     logits_term = 6 * batch_size * s * h * c.vocab_size
     return float(layers_term + logits_term)
 

@@ -38,12 +38,13 @@ laptop. Three parts per rank, for every pipeline stage:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 from mg.core.models.config import TransformerConfig
-from mg.core.models.flops import num_floating_point_operations, num_parameters
+from mg.core.models.flops import mlp_parameters, num_floating_point_operations, num_parameters
 
 Precision = Literal["fp32", "bf16", "fp16"]
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -113,7 +114,7 @@ def _check_divisible(config: TransformerConfig, tp: int, pp: int) -> None:
 
 
 def layer_parameters(config: TransformerConfig, tp: int = 1) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank."""
+    """Parameters of one dense transformer layer on one tensor-parallel rank."""
     c = config
     h = c.hidden_size
     norm = 2 * h if c.normalization == "LayerNorm" else h
@@ -127,14 +128,48 @@ def layer_parameters(config: TransformerConfig, tp: int = 1) -> int:
     return (split + split_bias) // tp + replicated
 
 
-def stage_parameters(config: TransformerConfig, tp: int = 1, pp: int = 1) -> list[int]:
+def moe_layer_parameters(
+    config: TransformerConfig, tp: int = 1, ep: int = 1, etp: int | None = None
+) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters of one MoE layer on one rank: attention
+    and shared experts split by tp, the router replicated, the routed experts split
+    over ep (whole experts) × etp (inside each, default tp)."""
+    etp = tp if etp is None else etp
+    dense_mlp = mlp_parameters(config, moe=False)
+    non_expert = layer_parameters(config, tp) - dense_mlp // tp
+    c = config
+    h = c.hidden_size
+    router = c.num_moe_experts * h + (c.num_moe_experts if c.add_bias_linear else 0)
+    shared = mlp_parameters(config, moe=True) - router - c.num_moe_experts * _expert(c)
+    experts = c.num_moe_experts * _expert(c) // (ep * etp)
+    return non_expert + router + shared // tp, experts
+
+
+def _expert(config: TransformerConfig) -> int:
+    c = config
+    h, ffn = c.hidden_size, c.moe_ffn_hidden_size
+    gate = 2 if c.gated_linear_unit else 1
+    return h * ffn * gate + ffn * h + ((ffn * gate + h) if c.add_bias_linear else 0)
+
+
+def stage_parameters(
+    config: TransformerConfig, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None
+) -> list[int]:
     """Parameters held by one tensor-parallel rank of each pipeline stage."""
     _check_divisible(config, tp, pp)
     c = config
     h = c.hidden_size
     norm = 2 * h if c.normalization == "LayerNorm" else h
     word = c.vocab_size * h // tp
-    stages = [c.num_layers // pp * layer_parameters(c, tp) for _ in range(pp)]
+    per_stage = c.num_layers // pp
+    pattern = c.moe_layer_pattern
+    stages = [
+        sum(
+            sum(moe_layer_parameters(c, tp, ep, etp)) if moe else layer_parameters(c, tp)
+            for moe in pattern[i * per_stage : (i + 1) * per_stage]
+        )
+        for i in range(pp)
+    ]
     stages[0] += word
     if c.position_embedding_type == "learned_absolute":
         stages[0] += c.max_position_embeddings * h
@@ -257,8 +292,16 @@ def estimate_memory(
     recompute_method: Literal["uniform", "block"] = "uniform",
     recompute_num_layers: int = 1,
     fused_attention: bool = False,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> MemoryEstimate:
-    """Per-rank bytes for each pipeline stage of a run (see the module docstring)."""
+    """Per-rank bytes for each pipeline stage of a run (see the module docstring).
+
+    MoE: a rank holds its ep-th of the routed experts (split by etp inside); their
+    optimizer state is sharded over the expert data-parallel ranks, dp·tp / (ep·etp).
+    A layer's activations are counted as the larger of a dense and an MoE layer's,
+    the MoE layer's MLP taken as k·moe_ffn (+ shared) wide: each token runs through
+    k experts."""
     s = seq_length if seq_length is not None else config.seq_length
     b = micro_batch_size
     if global_batch_size % (b * dp):
@@ -268,20 +311,42 @@ def estimate_memory(
         )
     num_micro = global_batch_size // (b * dp)
     per_param = bytes_per_parameter(param_dtype, distributed_optimizer, dp, optimizer)
-    params = stage_parameters(config, tp, pp)
+    params = stage_parameters(config, tp, pp, ep, etp)
+    expert_dp = max(dp * tp // (ep * (tp if etp is None else etp)), 1)
+    per_expert_param = bytes_per_parameter(param_dtype, distributed_optimizer, expert_dp, optimizer)
+    per_stage_layers = config.num_layers // pp
+    expert_params = [
+        sum(config.moe_layer_pattern[i * per_stage_layers : (i + 1) * per_stage_layers])
+        * (moe_layer_parameters(config, tp, ep, etp)[1] if config.num_moe_experts else 0)
+        for i in range(pp)
+    ]
     layers = config.num_layers // pp
     e = _ELEMENT_BYTES[activation_dtype]
 
-    def per_layer(mode: str) -> float:
-        return layer_activation_bytes(
+    moe_as_dense = None
+    if config.num_moe_experts is not None and any(config.moe_layer_pattern):
+        width = config.moe_ffn_hidden_size * config.moe_router_topk
+        moe_as_dense = dataclasses.replace(
             config,
-            b,
-            s,
-            tp=tp,
-            sequence_parallel=sequence_parallel,
-            activation_dtype=activation_dtype,
-            recompute=mode,
-            fused_attention=fused_attention,
+            num_moe_experts=None,
+            moe_ffn_hidden_size=None,
+            ffn_hidden_size=width + (config.moe_shared_expert_intermediate_size or 0),
+        )
+
+    def per_layer(mode: str) -> float:
+        return max(
+            layer_activation_bytes(
+                layer_config,
+                b,
+                s,
+                tp=tp,
+                sequence_parallel=sequence_parallel,
+                activation_dtype=activation_dtype,
+                recompute=mode,
+                fused_attention=fused_attention,
+            )
+            for layer_config in (config, moe_as_dense)
+            if layer_config is not None
         )
 
     plain = per_layer("none")
@@ -306,7 +371,8 @@ def estimate_memory(
                 parameters=count,
                 weights=count * per_param.params,
                 gradients=count * per_param.grads,
-                optimizer_state=count * per_param.optimizer_state,
+                optimizer_state=(count - expert_params[stage]) * per_param.optimizer_state
+                + expert_params[stage] * per_expert_param.optimizer_state,
                 activations=in_flight * (stored + extra),
                 activations_no_recompute=in_flight * (layers * plain + extra),
             )
