@@ -184,13 +184,17 @@ class PagedKVCache:
                 )
         self._num_tokens = expected
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
-        self._decode_rows = None
+        self._decode_rows: Tensor | slice | None = None
         if decodes:
             width = max(-(-s.context_length // bs) for s in decodes)
             tables = [
                 list(s.blocks[:width]) + [0] * (width - len(s.blocks[:width])) for s in decodes
             ]
-            self._decode_rows = torch.tensor([s.query_start for s in decodes], device=device)
+            starts = [s.query_start for s in decodes]
+            if starts == list(range(starts[0], starts[0] + len(starts))):
+                self._decode_rows = slice(starts[0], starts[0] + len(starts))  # no gather/scatter
+            else:
+                self._decode_rows = torch.tensor(starts, device=device)
             self._decode_tables = torch.tensor(tables, device=device)
             self._decode_mask = self._mask(decodes, 1, width * bs, chunk=False)
         self._bound = True
@@ -233,7 +237,7 @@ class PagedKVCache:
         gqa = groups != heads
         if self._decode_rows is not None:
             rows = self._decode_rows
-            n = rows.shape[0]
+            n = self._decode_tables.shape[0]
             q = query[0, rows][:, :, None]  # [n, heads, 1, d]
             k = keys[self._decode_tables].view(n, -1, groups, d).transpose(1, 2)
             v = values[self._decode_tables].view(n, -1, groups, d).transpose(1, 2)
