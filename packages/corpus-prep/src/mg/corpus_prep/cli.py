@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+
+from mg.corpus_prep import interrupts
 
 # subcommand -> module under mg.corpus_prep that registers it
 SUBCOMMANDS: dict[str, str] = {
@@ -46,14 +49,19 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # Import only the module of the chosen subcommand; `mg-prep --help` imports all.
     chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
-    parser = build_parser(chosen)
-    args = parser.parse_args(argv)
+    interrupts.install()  # SIGINT and SIGTERM alike, from start-up on
+    command = chosen or "mg-prep"
     try:
+        parser = build_parser(chosen)
+        args = parser.parse_args(argv)
+        command = args.command
         status = args.func(args)
     except UserError as err:
-        print(f"mg-prep {args.command}: error: {err}", file=sys.stderr)
+        print(f"mg-prep {command}: error: {err}", file=sys.stderr)
         status = 2
-    except KeyboardInterrupt:
-        print(f"mg-prep {args.command}: interrupted; nothing was published.", file=sys.stderr)
-        status = 130
+    except KeyboardInterrupt as stop:
+        signum = interrupts.received() or signal.SIGINT
+        name = signal.Signals(signum).name
+        print(f"mg-prep {command}: interrupted ({name}); nothing was published.", file=sys.stderr)
+        status = getattr(stop, "exit_status", 128 + signum)
     sys.exit(status or 0)

@@ -14,6 +14,7 @@ not tokenizing, is the bottleneck (many cores, fast tokenizer).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import shutil
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mg.corpus_prep import interrupts
 from mg.corpus_prep.encoder import EncodedChunk, EncoderSpec
 from mg.corpus_prep.pipeline import (
     LineRejectedError,
@@ -53,7 +55,9 @@ class PartitionJob:
     on_error: str
 
 
-def _run_partition(job: PartitionJob, messages) -> None:  # in a child process
+def _run_partition(job: PartitionJob, messages, parent_pid: int) -> None:  # in a child process
+    interrupts.become_worker(parent_pid)
+
     def report(chunk: EncodedChunk) -> None:
         messages.put(("progress", job.index, chunk.documents, chunk.nbytes, chunk.tokens))
 
@@ -102,7 +106,10 @@ def run_partitioned(
         )
         for i, segments in enumerate(groups)
     ]
-    processes = [context.Process(target=_run_partition, args=(job, messages)) for job in jobs]
+    parent = os.getpid()
+    processes = [
+        context.Process(target=_run_partition, args=(job, messages, parent)) for job in jobs
+    ]
     try:
         for process in processes:
             process.start()
@@ -111,11 +118,16 @@ def run_partitioned(
         for job in jobs:
             stats.merge(results[job.index])
         outputs = output_prefixes(output_prefix, spec.json_keys, level)
-        for key, final in outputs.items():
-            with IndexedDatasetBuilder(final + ".bin", dtype) as builder:
+        interrupts.check()  # an interrupt during the partitions publishes nothing
+        with contextlib.ExitStack() as stack:  # every key merged before any is published
+            builders = {}
+            for key, final in outputs.items():
+                builders[key] = stack.enter_context(IndexedDatasetBuilder(final + ".bin", dtype))
                 for job in jobs:
-                    builder.add_index(output_prefixes(job.prefix, (key,), level)[key])
-                builder.finalize(final + ".idx")
+                    builders[key].add_index(output_prefixes(job.prefix, (key,), level)[key])
+            with interrupts.publishing():
+                for key, final in outputs.items():
+                    builders[key].finalize(final + ".idx")
         return stats, outputs
     finally:
         for process in processes:

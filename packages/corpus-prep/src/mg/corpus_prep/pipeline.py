@@ -31,6 +31,7 @@ from mg.corpus_prep.encoder import (
     EncoderSpec,
     Rejected,
 )
+from mg.corpus_prep.interrupts import become_worker
 from mg.corpus_prep.reader import Segment, read_lines
 from mg.corpus_prep.stats import RunStats
 from mg.corpus_prep.writer import DatasetWriter
@@ -84,7 +85,8 @@ def make_chunks(segments: Iterable[Segment]) -> Iterator[Chunk]:
             yield Chunk(name, first, lines, nbytes)
 
 
-def _init_worker(spec: EncoderSpec) -> None:
+def _init_worker(spec: EncoderSpec, parent_pid: int) -> None:
+    become_worker(parent_pid)  # Ctrl-C is the parent's; die with it (see interrupts)
     # One worker = one core: keep the Rust tokenizers from starting threads of their own.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _worker_encoder
@@ -113,7 +115,7 @@ def encode_in_order(
         return
     in_flight = max(2, IN_FLIGHT_PER_WORKER * workers)
     executor = ProcessPoolExecutor(
-        workers, mp_context=start_method(), initializer=_init_worker, initargs=(spec,)
+        workers, mp_context=start_method(), initializer=_init_worker, initargs=(spec, os.getpid())
     )
     pending: deque[tuple[Future[EncodedChunk], Chunk]] = deque()
 

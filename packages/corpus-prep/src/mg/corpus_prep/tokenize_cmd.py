@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from collections.abc import Callable
 
 import numpy as np
 
+from mg.corpus_prep import interrupts
 from mg.corpus_prep.cli import UserError
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
 from mg.corpus_prep.progress import Progress, format_summary, info, warn
@@ -37,6 +39,8 @@ from mg.corpus_prep.tokenizer_args import (
     build_tokenizer_from_config,
     config_from_args,
 )
+
+MAX_WORKERS_PER_CPU = 4
 
 
 def default_workers() -> int:
@@ -151,11 +155,26 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
     )
 
 
+def max_workers(partitions: int = 1) -> int:
+    """The most tokenizer processes worth starting: MAX_WORKERS_PER_CPU per usable CPU
+    (a multiple of --partitions, at least one per partition). Beyond that each one only
+    adds start-up time and a tokenizer's memory."""
+    cap = MAX_WORKERS_PER_CPU * default_workers()
+    return max(partitions, cap - cap % partitions)
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
     if args.workers < 0:
         raise UserError(f"--workers {args.workers}: must be 0 or more")
     if args.partitions < 1:
         raise UserError(f"--partitions {args.partitions}: must be 1 or more")
+    cap = max_workers(args.partitions)
+    if args.workers > cap:
+        warn(
+            f"--workers {args.workers} is more than this machine can use "
+            f"({default_workers()} CPUs); using {cap}"
+        )
+        args.workers = cap
     if args.partitions > 1 and (args.workers < args.partitions or args.workers % args.partitions):
         raise UserError(
             f"--workers {args.workers} is not a multiple of --partitions {args.partitions}: "
@@ -230,8 +249,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=dtype.name,
     )
     level = "sentence" if args.split_sentences else "document"
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    _make_output_folder(args.output_prefix)
     total = sum(s.size for s in sources) if all(s.compression == "none" for s in sources) else None
     info(
         f"mg-prep tokenize: {len(sources)} input file(s), {args.tokenizer_type} "
@@ -244,7 +262,33 @@ def run(args: argparse.Namespace) -> int:
     finally:
         elapsed = progress.close()
     info(format_summary(stats, elapsed, outputs, dtype.name))
+    if stats.documents == 0:
+        warn(
+            "the dataset holds 0 documents (every line empty or skipped): mg-train and "
+            "mg-eval have nothing to read from it; check --input and --json-keys"
+        )
+    signum = interrupts.received()
+    if signum is not None:  # arrived while the finished files were renamed into place
+        name = signal.Signals(signum).name
+        warn(f"interrupted ({name}) while publishing; the datasets above were complete first")
+        return 128 + signum
     return 0
+
+
+def _make_output_folder(output_prefix: str) -> None:
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UserError(
+            f"--output-prefix {output_prefix}: a part of the path is a file, not a folder"
+        ) from None
+    except OSError as err:
+        raise UserError(
+            f"--output-prefix {output_prefix}: cannot create {folder} ({err.strerror})"
+        ) from None
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"--output-prefix {output_prefix}: {folder} is not writable")
 
 
 def _tokenize(
@@ -271,7 +315,8 @@ def _tokenize(
                     args.on_error,
                     lambda c: progress.update(c.documents, c.nbytes, c.tokens),
                 )
-                return stats, writer.finalize()
+                with interrupts.publishing():
+                    return stats, writer.finalize()
         return run_partitioned(
             split_segments(sources, args.partitions),
             spec,
@@ -283,4 +328,11 @@ def _tokenize(
             progress.update,
         )
     except (LineRejectedError, PartitionFailedError, WorkerDiedError) as err:
+        interrupts.check()  # a worker killed by the same Ctrl-C is the interrupt, not an error
         raise UserError(str(err)) from err
+    except OSError as err:  # the output: read-only, disk full, ... (inputs are read elsewhere)
+        where = err.filename or args.output_prefix
+        raise UserError(
+            f"{where}: cannot write the dataset ({err.strerror or err}); nothing was published "
+            "and the temporary files were removed"
+        ) from err
