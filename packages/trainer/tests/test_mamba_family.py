@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mg.core.testing.launch import launch_workers
 from mg.trainer.cli import main
@@ -89,6 +90,14 @@ def test_hybrid_trains_and_resumes_bitwise(tmp_path, train) -> None:
     second = train(_argv(tmp_path, *flags, "--load", ckpt, iters=8))
     assert first.losses + second.losses == straight.losses  # bitwise
     assert first.validation + second.validation == straight.validation
+
+    # the checkpoint describes itself: eval and serve rebuild the hybrid with no flags
+    from mg.core.checkpoint import load_model
+    from mg.core.models.mamba import MambaModel
+
+    model, config, _, _ = load_model(ckpt)
+    assert isinstance(model, MambaModel) and config.layer_pattern == "M*M-"
+    assert model(torch.randint(0, 127, (1, 9))).shape == (1, 9, 128)
 
 
 @pytest.mark.slow

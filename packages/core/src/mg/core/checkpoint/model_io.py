@@ -40,6 +40,7 @@ from mg.core.checkpoint.torch_format import (
 from mg.core.checkpoint.tp_merge import merge_tensor_parallel
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
+from mg.core.models.mamba import decoder_config_from_dict, decoder_model
 from mg.core.quantization.apply import quantize_layout, recorded_quantization
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -93,8 +94,8 @@ def load_model(
         state, path, weights_of = _load_torch_format(load_dir, folder, iteration, map_location)
     config, tokenizer_config = model_configs(state, path, load_dir)
     weights = weights_of(config)
-    with torch.device("meta"):
-        model = GPTModel(config)
+    with torch.device("meta"):  # a GPTModel, or a MambaModel for a recorded MambaConfig
+        model = decoder_model(config)
     quantization = recorded_quantization(state)
     if quantization is not None:  # mg-quantize's output: its linears are quantized modules
         quantize_layout(model, quantization)
@@ -119,7 +120,7 @@ def model_configs(
             f"{path} records no model config (state['mg']['model_config']); it was not written "
             "by mg tools. For a Megatron-LM checkpoint run `mg-convert import-megatron` first."
         )
-    config = TransformerConfig.from_dict(dict(meta["model_config"]))
+    config = decoder_config_from_dict(dict(meta["model_config"]))
     tokenizer_config = None
     if meta.get("tokenizer_config"):
         tokenizer_config = resolve_tokenizer_paths(

@@ -12,13 +12,14 @@ Modules, one job each: `ssd` (the chunked state-space scan and its recurrence),
 """
 
 from mg.core.models.mamba.cache import HybridCache
-from mg.core.models.mamba.config import MambaConfig
+from mg.core.models.mamba.config import MambaConfig, decoder_config_from_dict
 from mg.core.models.mamba.hybrid import (
     AttentionLayer,
     MambaLayer,
     MambaModel,
     MambaStack,
     MLPLayer,
+    decoder_model,
     from_megatron_te_names,
     megatron_te_names,
 )
@@ -37,6 +38,8 @@ __all__ = [
     "MambaModel",
     "MambaStack",
     "allocate_layers",
+    "decoder_config_from_dict",
+    "decoder_model",
     "from_megatron_te_names",
     "megatron_te_names",
     "ssd_chunked_scan",

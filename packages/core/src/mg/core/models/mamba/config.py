@@ -13,6 +13,7 @@ names are Megatron-LM's flags: `--mamba-state-dim`, `--mamba-head-dim`,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from mg.core.models.config import ConfigError, PositionEmbeddingType, TransformerConfig
 from mg.core.models.mamba.pattern import allocate_layers
@@ -99,3 +100,11 @@ class MambaConfig(TransformerConfig):
             self.layer_pattern  # noqa: B018 - validates the pattern and the ratios
         except ValueError as err:
             raise ConfigError(f"MambaConfig: {err}") from None
+
+
+def decoder_config_from_dict(data: dict[str, Any]) -> TransformerConfig:
+    """A recorded decoder config (a checkpoint's `model_config`) as the class it was:
+    a `MambaConfig` when it has the Mamba fields, else a `TransformerConfig`."""
+    if "mamba_state_dim" in data:
+        return MambaConfig.from_dict(data)
+    return TransformerConfig.from_dict(data)

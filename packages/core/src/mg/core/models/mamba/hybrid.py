@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mg.core.models.config import ConfigError
+from mg.core.models.config import ConfigError, TransformerConfig
 from mg.core.models.gpt import (
     MLP,
+    GPTModel,
     InitUnit,
     LanguageModelEmbedding,
     SelfAttention,
@@ -241,6 +242,14 @@ class MambaModel(nn.Module):
         return F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), reduction="none"
         ).view(labels.shape)
+
+
+def decoder_model(config: TransformerConfig) -> nn.Module:
+    """The decoder a config describes: `MambaModel` for a `MambaConfig`, else `GPTModel`
+    (built on the current default device, as their constructors are)."""
+    if isinstance(config, MambaConfig):
+        return MambaModel(config)
+    return GPTModel(config)
 
 
 _TE_FUSED_NORMS = (
