@@ -49,6 +49,8 @@ class ModelArgs:
     bert_binary_head: bool = True
     max_position_embeddings: int | None = None
     position_embedding_type: str = "learned_absolute"
+    add_position_embedding: bool = True
+    masked_softmax_fusion: bool = True
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     normalization: str = "LayerNorm"
@@ -277,6 +279,18 @@ def _add_model_flags(p: argparse._ArgumentGroup) -> None:
         default="learned_absolute",
         choices=["learned_absolute", "rope", "none"],
         help="Learned absolute positions (GPT-2) or rotary (Llama).",
+    )
+    p.add_argument(
+        "--no-position-embedding",
+        dest="add_position_embedding",
+        action="store_false",
+        help="Megatron's: no learned absolute positions (position type none unless rope).",
+    )
+    p.add_argument(
+        "--no-masked-softmax-fusion",
+        dest="masked_softmax_fusion",
+        action="store_false",
+        help="Accepted for Megatron scripts; mg's attention (SDPA) has no masked-softmax kernel.",
     )
     p.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base (theta).")
     p.add_argument(
@@ -692,6 +706,8 @@ def finalize(args: Args) -> None:
         m.recompute_granularity = "selective"
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
+    if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
+        m.position_embedding_type = "none"  # Megatron: --no-position-embedding without rope
     if args.data.tokenizer_type is None and args.data.mock_data:
         args.data.tokenizer_type = "NullTokenizer"
         if args.data.vocab_size is None:

@@ -84,9 +84,33 @@ def estimate(args: Args, config: TransformerConfig, param_dtype: str = "fp32") -
             recompute_num_layers=m.recompute_num_layers or 1,
             # PyTorch SDPA keeps no score matrix, except on its math path (attention dropout).
             fused_attention=config.attention_dropout == 0.0,
+            ep=args.moe.expert_model_parallel_size,
+            etp=args.moe.expert_tensor_parallel_size,
         )
     except (ParallelLayoutError, MemoryEstimateError) as error:
         raise ArgumentError(f"--dry-run: {error}") from error
+
+
+def _moe_lines(args: Args, config: TransformerConfig, est: MemoryEstimate) -> list[str]:
+    """The experts' layout and the parameters a token uses (nothing for a dense model)."""
+    if config.num_moe_experts is None:
+        return []
+    from mg.core.models.flops import num_parameters
+
+    d, moe = args.distributed, args.moe
+    tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
+    ep = moe.expert_model_parallel_size
+    etp = tp if moe.expert_tensor_parallel_size is None else moe.expert_tensor_parallel_size
+    active = num_parameters(config, active=True)
+    return [
+        f"experts: {config.num_moe_experts} per MoE layer ({sum(config.moe_layer_pattern)} of "
+        f"{config.num_layers} layers), top-{config.moe_router_topk}, expert ffn "
+        f"{config.moe_ffn_hidden_size}, {config.moe_token_dispatcher_type} dispatcher; "
+        f"EP {ep} x expert TP {etp} x expert DP {d.world_size // (pp * ep * etp)}, "
+        f"{config.num_moe_experts // ep} experts per GPU",
+        f"number of parameters active per token: {active / 1e9:.4f} B "
+        f"(of {est.total_parameters / 1e9:.4f} B)",
+    ]
 
 
 def report(args: Args) -> str:
@@ -116,6 +140,7 @@ def report(args: Args) -> str:
         f"parallel layout: world {d.world_size} = TP {tp} x PP {pp} x DP {dp}, "
         f"sequence parallel {'on' if d.sequence_parallel else 'off'}, "
         f"distributed optimizer {'on' if d.use_distributed_optimizer else 'off'}",
+        *_moe_lines(args, config, est),
         f"batch: micro {t.micro_batch_size}, global {t.global_batch_size}, "
         f"{t.global_batch_size // (t.micro_batch_size * dp)} micro-batches per step, "
         f"{est.in_flight_micro_batches} in flight on the first stage (1F1B)",
