@@ -35,7 +35,7 @@ RECIPES = {
 }
 INT4 = ("int4_wo", "int4_awq", "int4_gptq")
 GROUP_SIZES = (32, 64, 128)
-EXPORTS = ("gguf",)  # hf (compressed-tensors) and trtllm (ModelOpt layout): not built yet
+EXPORTS = ("hf", "gguf")
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16")
 
 
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mg-quantize",
         description="Post-training quantization of an mg checkpoint or a Hugging Face folder, "
-        "and export to GGUF (llama.cpp).",
+        "and export to compressed-tensors (vLLM, transformers) or GGUF (llama.cpp).",
         epilog=f"recipes:\n{recipes}\n\nThe output layer and MoE routers stay in float.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

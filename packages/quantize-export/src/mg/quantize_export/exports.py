@@ -30,4 +30,9 @@ def export(
         info = write_gguf(path, model, config, tokenizer_config, folder, kind)
         info["path"] = str(Path("gguf") / path.name)
         return {k: v for k, v in info.items() if k != "tensor_types"}
+    if fmt == "hf":
+        from mg.quantize_export.hf_export import write_hf
+
+        info = write_hf(folder / "hf", model, config, tokenizer_config, folder, quantization)
+        return {**info, "path": "hf"}
     raise ValueError(f"unknown export format {fmt!r}")
