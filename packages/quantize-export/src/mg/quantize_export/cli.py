@@ -35,7 +35,7 @@ RECIPES = {
 }
 INT4 = ("int4_wo", "int4_awq", "int4_gptq")
 GROUP_SIZES = (32, 64, 128)
-EXPORTS = ("hf", "gguf")
+EXPORTS = ("hf", "gguf", "trtllm")
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16")
 
 
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mg-quantize",
         description="Post-training quantization of an mg checkpoint or a Hugging Face folder, "
-        "and export to compressed-tensors (vLLM, transformers) or GGUF (llama.cpp).",
+        "and export to compressed-tensors (vLLM, transformers), GGUF (llama.cpp) or "
+        "ModelOpt's unified layout (TensorRT-LLM).",
         epilog=f"recipes:\n{recipes}\n\nThe output layer and MoE routers stay in float.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -150,6 +151,14 @@ def run(args: argparse.Namespace) -> dict:
         eval_len = min(seq, config.seq_length - 1) + 1
         eval_samples = calibration_samples(args.eval_data_path, args.eval_samples, eval_len, vocab)
         report["ppl_before"] = perplexity(model, eval_samples)
+    if args.export_format:
+        from mg.core.quantization import QuantizationConfig
+        from mg.quantize_export.exports import check_export
+
+        planned = QuantizationConfig(
+            args.recipe, symmetric=not args.asymmetric, fp8_per_channel=args.fp8_per_channel
+        )
+        check_export(args.export_format, config, planned)
     size_before = _float_bytes(model, src_dtype)
     options = RecipeOptions(
         recipe=args.recipe,

@@ -11,6 +11,22 @@ from mg.core.quantization import QuantizationConfig
 from mg.core.tokenizers.config import TokenizerConfig
 
 
+def check_export(fmt: str, config: TransformerConfig, quantization: QuantizationConfig) -> None:
+    """Refuse (QuantizeInputError) before quantizing what the export could not write."""
+    if fmt == "gguf":
+        from mg.quantize_export.gguf_export import gguf_architecture
+
+        gguf_architecture(config)
+    else:
+        from mg.quantize_export.hf_export import hf_architecture
+
+        hf_architecture(config)
+    if fmt == "trtllm":
+        from mg.quantize_export.trtllm_export import quant_algo
+
+        quant_algo(quantization)
+
+
 def export(
     fmt: str,
     folder: Path,
@@ -35,4 +51,11 @@ def export(
 
         info = write_hf(folder / "hf", model, config, tokenizer_config, folder, quantization)
         return {**info, "path": "hf"}
+    if fmt == "trtllm":
+        from mg.quantize_export.trtllm_export import write_trtllm
+
+        info = write_trtllm(
+            folder / "trtllm", model, config, tokenizer_config, folder, quantization
+        )  # fmt: skip
+        return {**info, "path": "trtllm"}
     raise ValueError(f"unknown export format {fmt!r}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -71,7 +72,8 @@ def _rows_of(name: str, out_features: int, config: TransformerConfig, arch: str)
     return {hf: rows[:, 0].long() for hf, rows in mapped.items()}
 
 
-def _quantized_tensors(module: nn.Module, rows: Tensor) -> dict[str, Tensor]:
+def compressed_tensors_of(module: nn.Module, rows: Tensor) -> dict[str, Tensor]:
+    """A quantized linear's tensors for the given rows, in compressed-tensors' names."""
     if isinstance(module, Int4WeightOnlyLinear):
         q = module.q_values()[rows]
         out = {
@@ -139,9 +141,13 @@ def quantization_config(q: QuantizationConfig, ignore: list[str]) -> dict:
 
 
 def hf_state(
-    model: nn.Module, config: TransformerConfig, quantization: QuantizationConfig
+    model: nn.Module,
+    config: TransformerConfig,
+    quantization: QuantizationConfig,
+    tensors_of: Callable[[nn.Module, Tensor], dict[str, Tensor]] = compressed_tensors_of,
 ) -> tuple[str, dict[str, Tensor], list[str]]:
-    """(architecture, HF state dict with the compressed tensors, HF linears kept in float)."""
+    """(architecture, HF state dict with each quantized linear's tensors as ``tensors_of``
+    writes them for the given rows, HF linears kept in float)."""
     arch = hf_architecture(config)
     quantized = set(quantization.modules)
     floats: dict[str, Tensor] = {}
@@ -155,7 +161,7 @@ def hf_state(
         module = model.get_submodule(name)
         for hf_name, rows in _rows_of(name, module.out_features, config, arch).items():
             prefix = hf_name.removesuffix(".weight")
-            for key, value in _quantized_tensors(module, rows).items():
+            for key, value in tensors_of(module, rows).items():
                 out[f"{prefix}.{key}"] = value
             if module.bias is not None:
                 out[f"{prefix}.bias"] = module.bias.detach()[rows].contiguous()
@@ -191,11 +197,11 @@ def write_hf(
         metadata={"format": "pt"},
     )  # fmt: skip
     (folder / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    _copy_tokenizer(tokenizer_config, tokenizer_root, folder)
+    copy_hf_tokenizer(tokenizer_config, tokenizer_root, folder)
     return {"format": "hf", "architecture": arch, "tensors": len(state)}
 
 
-def _copy_tokenizer(config: TokenizerConfig | None, root: Path, folder: Path) -> None:
+def copy_hf_tokenizer(config: TokenizerConfig | None, root: Path, folder: Path) -> None:
     if config is None:
         return
     resolve = lambda v: Path(v) if Path(v).is_absolute() else root / v  # noqa: E731
