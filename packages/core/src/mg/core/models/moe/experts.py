@@ -120,21 +120,28 @@ class _ContiguousGrad(torch.autograd.Function):
 _GROUPED_MM_FAILED: set[tuple[str, torch.dtype]] = set()
 
 
+def grouped_mm_linear(x: Tensor, weights: Sequence[Tensor], tokens_per_expert: list[int]) -> Tensor:
+    """`grouped_linear` as one `torch._grouped_mm` call (any device where it runs)."""
+    w = torch.stack(list(weights))  # [E, out, in]
+    offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(1, 2), offs=offsets))
+
+
 def grouped_linear(x: Tensor, weights: Sequence[Tensor], tokens_per_expert: list[int]) -> Tensor:
     """Rows of `x` grouped by expert times each expert's weight [out, in]: one grouped GEMM.
 
-    `torch._grouped_mm` needs rows 16-byte aligned; where it does not run (shape,
-    dtype or device) the experts are multiplied one by one instead."""
-    w = torch.stack(list(weights))  # [E, out, in]
+    On CUDA, `torch._grouped_mm` (rows 16-byte aligned). Elsewhere, and where that
+    kernel refuses the shape or dtype, the experts are multiplied one by one: on a
+    CPU the kernel is itself a loop, and stacking the weights for it costs a copy
+    of every expert per call (bench/bench_moe.py measured it slower)."""
     key = (x.device.type, x.dtype)
-    aligned = all(n * x.element_size() % 16 == 0 for n in w.shape[1:])
-    if hasattr(torch, "_grouped_mm") and aligned and key not in _GROUPED_MM_FAILED:
-        offsets = torch.tensor(tokens_per_expert, device=x.device).cumsum(0).to(torch.int32)
+    aligned = all(n * x.element_size() % 16 == 0 for n in weights[0].shape)
+    if x.is_cuda and hasattr(torch, "_grouped_mm") and aligned and key not in _GROUPED_MM_FAILED:
         try:
-            return torch._grouped_mm(_ContiguousGrad.apply(x), w.transpose(1, 2), offs=offsets)
+            return grouped_mm_linear(x, weights, tokens_per_expert)
         except (RuntimeError, NotImplementedError):
             _GROUPED_MM_FAILED.add(key)
-    parts = [F.linear(xi, wi) for xi, wi in zip(x.split(tokens_per_expert), w, strict=True)]
+    parts = [F.linear(xi, wi) for xi, wi in zip(x.split(tokens_per_expert), weights, strict=True)]
     return torch.cat(parts, dim=0)
 
 
