@@ -21,6 +21,7 @@ SHAPES = {
         position_embedding_type="rope",
         untie_embeddings_and_output_weights=True,
         num_query_groups=2,
+        qk_layernorm=True,
     ),
 }
 

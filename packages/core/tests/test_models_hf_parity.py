@@ -20,6 +20,8 @@ from transformers import (  # noqa: E402
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from mg.core.models import GPTModel  # noqa: E402
@@ -91,12 +93,24 @@ def _hf_qwen2():
     return Qwen2ForCausalLM(config)
 
 
+def _hf_qwen3():
+    config = Qwen3Config(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,  # not hidden / heads, as in the released Qwen3 models
+        tie_word_embeddings=False,
+        **TINY_DECODER,
+    )
+    return Qwen3ForCausalLM(config)
+
+
 CASES = {
     "gpt2": (_hf_gpt2, "gpt2"),
     "llama2-mha": (_hf_llama_mha, "llama"),
     "llama3-gqa-rope-scaling": (_hf_llama3_gqa, "llama"),
     "mistral-sliding-window": (_hf_mistral, "mistral"),
     "qwen2-qkv-bias-tied": (_hf_qwen2, "qwen2"),
+    "qwen3-qk-norm-head-dim": (_hf_qwen3, "qwen3"),
 }
 
 

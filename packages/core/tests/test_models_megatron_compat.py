@@ -41,7 +41,8 @@ CONFIGS = {
     ),
     # Llama 3.1 style plus the less common switches: GQA, RoPE on half the
     # channels with llama3 scaling (Megatron's fixed 1/4/8192 factors), a
-    # Qwen-style QKV bias, SwiGLU, RMSNorm, untied output.
+    # Qwen-style QKV bias, per-head QK norms (--qk-layernorm), SwiGLU, RMSNorm,
+    # untied output.
     "llama-like": TransformerConfig(
         num_layers=2,
         hidden_size=64,
@@ -58,6 +59,7 @@ CONFIGS = {
         activation="swiglu",
         add_bias_linear=False,
         add_qkv_bias=True,
+        qk_layernorm=True,
         untie_embeddings_and_output_weights=True,
     ),
 }

@@ -120,6 +120,9 @@ class TransformerConfig:
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     """Bias on linear_qkv only (Qwen-style), with add_bias_linear False."""
+    qk_layernorm: bool = False
+    """A norm (`normalization`, over each head's channels) on the queries and keys
+    before RoPE: Megatron's `--qk-layernorm`, Qwen3's q_norm/k_norm."""
     untie_embeddings_and_output_weights: bool = False
 
     decoder_seq_length: int | None = None

@@ -4,6 +4,7 @@ Read top to bottom: embedding → N × TransformerLayer → final norm → outpu
 
     TransformerLayer (pre-norm):
         x = x + dropout(linear_proj(core_attention(rope(split(linear_qkv(input_layernorm(x)))))))
+    (with qk_layernorm, the split queries and keys are normed per head before RoPE)
         x = x + dropout(linear_fc2(act(linear_fc1(pre_mlp_layernorm(x)))))
     (in an MoE layer, per moe_layer_freq, `mlp` is mg.core.models.moe.MoELayer: a router
     sends each token to its top-k experts, each an MLP like the one above)
@@ -42,11 +43,13 @@ from mg.core.models.moe import MoELayer
 from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
 
 
-def build_norm(config: TransformerConfig) -> nn.Module:
-    """LayerNorm (weight and bias) or RMSNorm (weight only), as Megatron's spec picks."""
+def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
+    """LayerNorm (weight and bias) or RMSNorm (weight only), as Megatron's spec picks,
+    over `size` channels (default: the hidden size)."""
+    size = size or config.hidden_size
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        return nn.RMSNorm(size, eps=config.layernorm_epsilon)
+    return nn.LayerNorm(size, eps=config.layernorm_epsilon)
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,16 @@ class SelfAttention(nn.Module):
         self.linear_proj = nn.Linear(
             config.query_projection_size, config.hidden_size, bias=config.add_bias_linear
         )
+        # --qk-layernorm: per-head norms of queries and keys, before RoPE
+        self.q_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
+        self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
 
     def init_weights(self, std: float, output_std: float) -> None:
         _init_linear(self.linear_qkv, std)
         _init_linear(self.linear_proj, output_std)
+        for norm in (self.q_layernorm, self.k_layernorm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def forward(
         self,
@@ -142,6 +151,8 @@ class SelfAttention(nn.Module):
         query = query.reshape(b, s, self.num_heads, self.head_dim)
         key = key.reshape(b, s, self.num_groups, self.head_dim)
         value = value.reshape(b, s, self.num_groups, self.head_dim)
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary is not None:
             query = apply_rotary_pos_emb(query, *rotary)
             key = apply_rotary_pos_emb(key, *rotary)

@@ -152,6 +152,17 @@ LLAMA = HFArchitecture(
 MISTRAL = dataclasses.replace(LLAMA, model_type="mistral", hf_class="MistralForCausalLM")
 # Qwen2/Qwen2.5: Llama's layer with biases on q/k/v only (Megatron's --add-qkv-bias).
 QWEN2 = dataclasses.replace(LLAMA, model_type="qwen2", hf_class="Qwen2ForCausalLM")
+# Qwen3 (dense): Llama's layer with per-head RMSNorms of queries and keys (--qk-layernorm).
+QWEN3 = dataclasses.replace(
+    LLAMA,
+    model_type="qwen3",
+    hf_class="Qwen3ForCausalLM",
+    rules=(
+        *LLAMA.rules,
+        _rule(_L + "self_attention.q_layernorm.weight", _H + "self_attn.q_norm.weight"),
+        _rule(_L + "self_attention.k_layernorm.weight", _H + "self_attn.k_norm.weight"),
+    ),
+)
 
 _E = "encoder.layers.{i}."
 _B = "bert.encoder.layer.{i}."
@@ -213,7 +224,7 @@ UNSUPPORTED_MODEL_TYPES = {
 }
 
 ARCHITECTURES: dict[str, HFArchitecture] = {
-    a.model_type: a for a in (GPT2, LLAMA, MISTRAL, QWEN2, BERT)
+    a.model_type: a for a in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, BERT)
 }
 
 
@@ -452,14 +463,19 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
             attention_dropout=c.get("attn_pdrop", 0.1),
             hidden_dropout=c.get("resid_pdrop", 0.1),
         )
-    elif model_type in ("llama", "mistral", "qwen2"):
+    elif model_type in ("llama", "mistral", "qwen2", "qwen3"):
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
         attention_bias, mlp_bias = c.get("attention_bias", False), c.get("mlp_bias", False)
-        if model_type == "qwen2" and c.get("use_sliding_window"):
+        if model_type in ("qwen2", "qwen3") and c.get("use_sliding_window"):
             raise ValueError(
-                "Qwen2 use_sliding_window (sliding attention on the layers above "
+                f"{model_type} use_sliding_window (sliding attention on the layers above "
                 "max_window_layers) is not supported; set it to false"
+            )
+        if model_type == "qwen3" and attention_bias:
+            raise ValueError(
+                "Qwen3 attention_bias (biases on q/k/v/o but not the MLP) cannot be expressed "
+                "with Megatron's add_bias_linear / add_qkv_bias"
             )
         if model_type == "qwen2":
             attention_bias = mlp_bias = False  # Qwen2's q/k/v biases: add_qkv_bias below
@@ -488,6 +504,7 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
             activation="swiglu",
             add_bias_linear=bool(attention_bias),
             add_qkv_bias=model_type == "qwen2",
+            qk_layernorm=model_type == "qwen3",
             untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False),
             window_size=(sliding_window - 1, 0) if sliding_window else None,
             init_method_std=c.get("initializer_range", 0.02),
@@ -547,7 +564,8 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
         or c.normalization != "RMSNorm"
         or c.activation != "swiglu"
         or c.add_qkv_bias != (arch.model_type == "qwen2")
-        or (c.add_bias_linear and arch.model_type == "qwen2")
+        or c.qk_layernorm != (arch.model_type == "qwen3")
+        or (c.add_bias_linear and arch.model_type in ("qwen2", "qwen3"))
         or (c.window_size is not None and arch.model_type != "mistral")
     ):
         raise ValueError(f"this config is not a {arch.hf_class} architecture")
@@ -574,8 +592,10 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
     )
     if arch.model_type == "llama":
         out.update(attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear)
-    elif arch.model_type == "qwen2":
+    elif arch.model_type in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None)
+        if arch.model_type == "qwen3":
+            out.update(attention_bias=False)
     else:
         if c.add_bias_linear:
             raise ValueError("MistralForCausalLM has no linear biases")

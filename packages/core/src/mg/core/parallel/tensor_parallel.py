@@ -233,6 +233,11 @@ def apply_tensor_parallel(
         if sequence_parallel:
             plan["input_layernorm"] = SequenceParallel()
             plan["pre_mlp_layernorm"] = SequenceParallel()
+        if layer.self_attention.q_layernorm is not None:
+            # replicated weights over this rank's heads ([b, s, heads, d], dim 2): their
+            # gradients are partial sums, all-reduced like sequence-parallel norms'
+            for name in ("self_attention.q_layernorm", "self_attention.k_layernorm"):
+                plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
         _use_local_head_counts(layer.self_attention, tp)
     if sequence_parallel:

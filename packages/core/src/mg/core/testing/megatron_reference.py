@@ -120,6 +120,7 @@ def megatron_gpt_model(ours: TransformerConfig) -> Any:
         activation_func=F.silu if gated else F.gelu,
         add_bias_linear=ours.add_bias_linear,
         add_qkv_bias=ours.add_qkv_bias,
+        qk_layernorm=ours.qk_layernorm,
         attention_dropout=0.0,
         hidden_dropout=0.0,
         init_method_std=ours.init_method_std,
@@ -128,7 +129,7 @@ def megatron_gpt_model(ours: TransformerConfig) -> Any:
     )
     return MegatronGPTModel(
         config,
-        get_gpt_layer_local_spec(normalization=ours.normalization),
+        get_gpt_layer_local_spec(normalization=ours.normalization, qk_layernorm=ours.qk_layernorm),
         vocab_size=ours.vocab_size,
         max_sequence_length=ours.max_position_embeddings,
         position_embedding_type=ours.position_embedding_type,
