@@ -28,10 +28,12 @@ extra candidates out.
 from __future__ import annotations
 
 import hashlib
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from datasketch import MinHash, MinHashLSH
+
+if TYPE_CHECKING:  # datasketch pulls in scipy (2 s): imported when a MinHash is built
+    from datasketch import MinHash, MinHashLSH
 
 EXACT_DUPLICATE = "exact_duplicate"
 NEAR_DUPLICATE = "near_duplicate"
@@ -97,6 +99,8 @@ class NearDeduplicator:
         self.num_perm = num_perm
         self.shingle_size = shingle_size
         self.seed = seed
+        from datasketch import MinHash
+
         self._lsh = _candidate_index(threshold, num_perm)
         # The permutations are drawn once and shared: drawing them per document
         # would cost more than hashing a short document.
@@ -107,6 +111,8 @@ class NearDeduplicator:
         return len(self._signatures)
 
     def signature(self, text: str) -> MinHash:
+        from datasketch import MinHash
+
         minhash = MinHash(
             num_perm=self.num_perm,
             seed=self.seed,
@@ -130,6 +136,8 @@ class NearDeduplicator:
 
 def _candidate_index(threshold: float, num_perm: int) -> MinHashLSH:
     """LSH bands tuned below `threshold` (see the module docstring)."""
+    from datasketch import MinHashLSH
+
     looser = min(max(threshold - 0.1, 0.05), 0.9)
     try:
         return MinHashLSH(threshold=looser, num_perm=num_perm)

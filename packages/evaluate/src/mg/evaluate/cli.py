@@ -16,23 +16,16 @@ import argparse
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mg.core.checkpoint import CheckpointError
-from mg.core.checkpoint.reader_guard import user_message
-from mg.core.tokenizers.base import BaseTokenizer
-from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.harness_cli import add_harness_task
-from mg.evaluate.model_loading import TOKENIZER_FIELDS, load_for_eval, load_part_for_eval
-from mg.evaluate.model_parallel import (
-    EvalModel,
-    add_model_parallel_flags,
-    build_eval_layout,
-)
+from mg.evaluate.parallel_flags import add_model_parallel_flags
+
+if TYPE_CHECKING:  # torch and the model code load only once the flags are parsed
+    from mg.core.tokenizers.base import BaseTokenizer
+    from mg.evaluate.model_parallel import EvalModel
 from mg.evaluate.report import megatron_line, write_report
 
 
@@ -158,6 +151,12 @@ class _Prepared:
 
 
 def _load(args: argparse.Namespace) -> _Prepared:
+    import torch
+
+    from mg.evaluate import distributed
+    from mg.evaluate.model_loading import TOKENIZER_FIELDS, load_for_eval, load_part_for_eval
+    from mg.evaluate.model_parallel import EvalModel, build_eval_layout
+
     # the layout first: a flag that does not fit the world fails before a long load
     layout = build_eval_layout(
         args.tensor_model_parallel_size,
@@ -251,6 +250,10 @@ def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], tuple[dict[str, Any], dict[str, Any]]] = args.run
+    from mg.core.checkpoint import CheckpointError
+    from mg.core.checkpoint.reader_guard import user_message
+    from mg.evaluate import distributed
+
     distributed.init_from_env()
     try:
         metrics, context = run(args)

@@ -11,11 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
-from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
-from mg.evaluate.model_parallel import add_model_parallel_flags, check_single_shard
+from mg.evaluate.parallel_flags import add_model_parallel_flags, check_single_shard
 
 # task: (help, defaults of the Megatron recipe)
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -119,6 +116,9 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run_finetune_task(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch  # here, not at the top: `mg-eval --help` imports no torch
+
+    from mg.evaluate import distributed
     from mg.evaluate.classification import BertClassifier
     from mg.evaluate.finetune import FinetuneConfig, finetune
     from mg.evaluate.glue import MNLI, QQP, glue_samples

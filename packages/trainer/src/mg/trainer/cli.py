@@ -9,17 +9,19 @@ exit status 2 as well, never a traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from mg.trainer.arguments import ArgumentError, parse_args
-from mg.trainer.distributed import read_world_size
-from mg.trainer.families import get_family
 from mg.trainer.save_guard import SaveGuardError, check_save_target, check_writable
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = parse_args(argv, world_size=read_world_size())
+        # WORLD_SIZE as torchrun sets it; no torch import before argparse answers --help
+        args = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        from mg.trainer.families import get_family
+
         family = get_family(args.family)
         if args.family != "gpt":
             family.build_config(args, 1)  # bert/t5 data/shape flag errors, before anything heavy
