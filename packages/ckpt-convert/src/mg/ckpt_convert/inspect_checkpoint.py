@@ -39,6 +39,18 @@ def summarize(load: str | Path, iteration: int | str | None = None) -> dict[str,
     }
 
 
+# Fields that describe a feature the model may not have: shown only when it has it
+# (a dense model's summary listing moe_router_topk = 2 reads as if it were an MoE).
+_FEATURE_FIELDS = {("moe_", "num_moe_experts"): "num_moe_experts"}
+
+
+def _shown(key: str, config: dict[str, Any]) -> bool:
+    for prefixes, switch in _FEATURE_FIELDS.items():
+        if key.startswith(prefixes) and key != switch:
+            return bool(config.get(switch))
+    return True
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     config = dict(summary["model_config"] or {})
     extra = config.pop("extra", {}) or {}
@@ -54,7 +66,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"tokenizer    {json.dumps(summary['tokenizer_config'])}",
         "model config:" if config else "model config: (none recorded)",
     ]
-    lines += [f"  {k} = {v}" for k, v in config.items() if v is not None]
+    lines += [f"  {k} = {v}" for k, v in config.items() if v is not None and _shown(k, config)]
     for key in ("hf_model_type", "hf_vocab_size"):
         if key in extra:
             lines.append(f"  extra.{key} = {extra[key]}")
