@@ -1,9 +1,9 @@
 """mg-train with tensor (and sequence) parallelism on 4 gloo ranks matches one process.
 
 One 4-rank launch trains, one after the other: a tiny GPT-2 shape at TP=2
-(DP=2) and TP=4, a tiny Qwen2 shape (the Llama shape below with biases on
-QKV only) at TP=2 + sequence parallel, a tiny Llama shape (GQA, SwiGLU,
-RMSNorm, RoPE, untied), and saves the Llama run at TP=2 x DP=2 in the
+(DP=2) and TP=4, a tiny Qwen shape (the Llama shape below with Qwen2's
+QKV-only biases and Qwen3's per-head QK norms) at TP=2 + sequence parallel, a
+tiny Llama shape (GQA, SwiGLU, RMSNorm, RoPE, untied), and saves the Llama run at TP=2 x DP=2 in the
 torch_dist format; then reloads that checkpoint at TP=1 (DP=4) and TP=4 and
 trains on. Each is compared with the same flags in one process.
 
@@ -58,6 +58,7 @@ LLAMA = [
     "--disable-bias-linear",
 ]
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+QWEN = ["--add-qkv-bias", "--qk-layernorm"]
 
 
 def _vocab(tp: int) -> list[str]:
@@ -83,7 +84,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     argvs = {
         "gpt_tp2": [*gpt, *_tp(2)],
         "gpt_tp4": [*gpt, *_tp(4)],
-        "qwen2_tp2_sp": [*llama, "--add-qkv-bias", *_tp(2), "--sequence-parallel"],
+        "qwen_tp2_sp": [*llama, *QWEN, *_tp(2), "--sequence-parallel"],
         "llama_tp2_dp2_save": [*llama, *_tp(2), *save],
         "llama_resume_tp1": [*llama, *_tp(1), *resume],
         "llama_resume_tp4": [*llama, *_tp(4), *resume],
@@ -116,13 +117,13 @@ def llama_one(runs) -> list[float]:
     return _helpers._train([*runs["llama"], *_vocab(1)]).losses
 
 
-def test_llama_and_qwen2_tensor_and_sequence_parallel_match_one_process(
+def test_llama_and_qwen_tensor_and_sequence_parallel_match_one_process(
     runs, llama_one, train
 ) -> None:
     _close(runs["four"]["llama_tp2_dp2_save"]["losses"], llama_one[: ITERS // 2])
-    qwen2_one = train([*runs["llama"], "--add-qkv-bias", *_vocab(1)]).losses
-    _close(runs["four"]["qwen2_tp2_sp"]["losses"], qwen2_one)
-    assert qwen2_one != llama_one  # the QKV biases take part
+    qwen_one = train([*runs["llama"], *QWEN, *_vocab(1)]).losses
+    _close(runs["four"]["qwen_tp2_sp"]["losses"], qwen_one)
+    assert qwen_one != llama_one  # the QKV biases and QK norms take part
 
 
 @pytest.mark.parametrize("layout", ["tp1", "tp4"])

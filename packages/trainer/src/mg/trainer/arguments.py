@@ -58,6 +58,7 @@ class ModelArgs:
     swiglu: bool = False
     disable_bias_linear: bool = False
     add_qkv_bias: bool = False
+    qk_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = False
     init_method_std: float = 0.02
     attention_dropout: float = 0.1
@@ -303,6 +304,11 @@ def _add_model_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (Llama) instead of GeLU.")
     p.add_argument("--disable-bias-linear", action="store_true", help="No biases in linear layers.")
     p.add_argument("--add-qkv-bias", action="store_true", help="Bias on QKV only (Qwen).")
+    p.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="Norm each head's queries and keys before RoPE (Qwen3, OLMo 2).",
+    )
     p.add_argument(
         "--untie-embeddings-and-output-weights",
         action="store_true",

@@ -53,6 +53,7 @@ _SHAPE: dict[str, Any] = {
     "swiglu": lambda c: c.activation == "swiglu",
     "disable_bias_linear": lambda c: not c.add_bias_linear,
     "add_qkv_bias": lambda c: c.add_qkv_bias,
+    "qk_layernorm": lambda c: c.qk_layernorm,
     "untie_embeddings_and_output_weights": lambda c: c.untie_embeddings_and_output_weights,
 }
 

@@ -70,6 +70,7 @@ def gpt_config(args: Args, vocab_size: int):
         activation=activation,
         add_bias_linear=not m.disable_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
         untie_embeddings_and_output_weights=m.untie_embeddings_and_output_weights,
         init_method_std=m.init_method_std,
         attention_dropout=m.attention_dropout,
