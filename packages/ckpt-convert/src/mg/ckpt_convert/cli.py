@@ -33,9 +33,11 @@ def _iteration(text: str) -> int | str:
 
 
 def _import_hf(args: argparse.Namespace) -> None:
+    from mg.ckpt_convert.finite_check import warn_if_nonfinite
     from mg.ckpt_convert.import_hf import import_hf
 
     path = import_hf(args.src, args.save, args.dtype, args.make_vocab_size_divisible_by)
+    warn_if_nonfinite(path, args.src)
     print(f"wrote {path}")
 
 
