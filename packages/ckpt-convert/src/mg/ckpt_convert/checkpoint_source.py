@@ -42,6 +42,7 @@ from mg.core.checkpoint.serialization import load_file
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.checkpoint.tp_merge import merge_tensor_parallel
 from mg.core.models import ConfigError, GPTModel, TransformerConfig
+from mg.core.models.mamba import decoder_config_from_dict
 
 # Entries that describe one rank's optimizer or random state: their layout depends on
 # the parallel layout, so a conversion drops them (Megatron's converter does the same).
@@ -129,7 +130,7 @@ def recorded_config(state: Mapping[str, Any], where: Path) -> TransformerConfig:
             "by mg tools. For a Megatron-LM checkpoint run `mg-convert import-megatron` first."
         )
     try:
-        config = TransformerConfig.from_dict(dict(meta["model_config"]))
+        config = decoder_config_from_dict(dict(meta["model_config"]))  # or a MambaConfig
     except ConfigError as exc:
         raise ConvertError(f"{where}: the recorded model config is not valid: {exc}") from None
     if config.num_moe_experts:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from mg.ckpt_convert.architectures import hf_architecture, hf_config_of
 from mg.ckpt_convert.bert_heads import hf_class_of, hf_name_for_class, tensors_for_class
 from mg.ckpt_convert.checkpoint_source import CheckpointSource, open_checkpoint
 from mg.ckpt_convert.errors import ConvertError
@@ -34,7 +35,8 @@ from mg.ckpt_convert.import_hf import VOCAB_TENSORS
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.models import TransformerConfig
-from mg.core.models.hf_mapping import config_to_hf, get_architecture, megatron_to_hf
+from mg.core.models.hf_mapping import megatron_to_hf
+from mg.core.models.mamba import MambaConfig
 from mg.core.tokenizers.config import TokenizerConfig
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20}
@@ -56,6 +58,8 @@ def guess_architecture(config: TransformerConfig, names: list[str] | tuple[str, 
     """The HF model_type for a model trained here (no record of an HF origin)."""
     if config.extra.get("hf_model_type"):
         return config.extra["hf_model_type"]
+    if isinstance(config, MambaConfig):
+        return "mamba2"
     if "lm_head.dense.weight" in names or config.transformer_layer_order == "post_ln":
         return "bert"
     if config.position_embedding_type == "learned_absolute":
@@ -69,7 +73,7 @@ def hf_config_dict(
     """config.json: core's mapping plus the token ids recorded at import."""
     hf_vocab = config.extra.get("hf_vocab_size") or config.vocab_size
     try:
-        out = config_to_hf(dataclasses.replace(config, vocab_size=hf_vocab), arch)
+        out = hf_config_of(dataclasses.replace(config, vocab_size=hf_vocab), arch)
     except ValueError as exc:
         raise ConvertError(f"cannot export as {arch!r}: {exc}") from None
     source = config.extra.get("hf_config") or {}
@@ -157,7 +161,7 @@ class LayerConverter:
             for name, tensor in tensors.items()
         }
         try:
-            converted = megatron_to_hf(subset, self.config, self.arch)
+            converted = megatron_to_hf(subset, self.config, hf_architecture(self.arch))
         except (KeyError, ValueError, RuntimeError) as exc:
             raise ConvertError(f"{self.where}: {exc}") from None
         if self.hf_class is None:
@@ -206,7 +210,7 @@ def export_hf(
     names = source.names
     arch = guess_architecture(config, names)
     try:
-        get_architecture(arch)
+        hf_architecture(arch)
     except ValueError as exc:
         raise ConvertError(f"{load}: {exc}") from None
     hf_class = None

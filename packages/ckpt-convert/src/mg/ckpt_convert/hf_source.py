@@ -17,9 +17,10 @@ from typing import Any
 
 from torch import Tensor
 
+from mg.ckpt_convert.architectures import SUPPORTED_MODEL_TYPES
 from mg.ckpt_convert.errors import ConvertError
 from mg.core.checkpoint.reader_guard import open_safetensors, read_json, read_weight_map, torch_load
-from mg.core.models.hf_mapping import ARCHITECTURES, UNSUPPORTED_MODEL_TYPES
+from mg.core.models.hf_mapping import UNSUPPORTED_MODEL_TYPES
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -78,12 +79,12 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
         raise ConvertError(
             f"{path}: model_type {model_type!r} is not supported yet "
             f"({UNSUPPORTED_MODEL_TYPES[model_type]}); supported: "
-            f"{', '.join(sorted(ARCHITECTURES))}"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    if model_type not in ARCHITECTURES:
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConvertError(
             f"{path}: unsupported architecture {model_type!r}; "
-            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return config
 

@@ -1,4 +1,4 @@
-"""`mg-convert import-hf`: a Hugging Face GPT-2 / Llama / Mistral / BERT folder → an mg checkpoint.
+"""`mg-convert import-hf`: a Hugging Face GPT-2 / Llama / Mistral / BERT / Mamba-2 folder → mg.
 
 The mapping of names and layouts is core's (`mg.core.models.hf_mapping`); this
 module adds what a file-to-file conversion needs: reading layer by layer,
@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from mg.ckpt_convert.architectures import hf_architecture, model_config_of_hf
 from mg.ckpt_convert.bert_heads import bert_meta_model, complete_heads
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.hf_source import HFWeights, read_hf_config, resolve_source, tokenizer_files
@@ -45,8 +46,9 @@ from mg.core.checkpoint import (
     mg_metadata,
 )
 from mg.core.checkpoint.layout import tracker_file
-from mg.core.models import GPTModel, TransformerConfig, pad_vocab_size
-from mg.core.models.hf_mapping import config_from_hf, get_architecture, hf_to_megatron
+from mg.core.models import TransformerConfig, pad_vocab_size
+from mg.core.models.hf_mapping import hf_to_megatron
+from mg.core.models.mamba import decoder_model
 from mg.core.tokenizers.config import TokenizerConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,7 +76,7 @@ def model_config_from_hf(
 ) -> TransformerConfig:
     """config.json → TransformerConfig with Megatron's padded vocabulary."""
     try:
-        config = config_from_hf(hf_config)
+        config = model_config_of_hf(hf_config)
     except (ValueError, KeyError) as exc:
         raise ConvertError(f"{source / 'config.json'}: {exc}") from None
     hf_vocab = config.vocab_size
@@ -107,7 +109,7 @@ def expected_shapes(config: TransformerConfig) -> dict[str, torch.Size]:
         model = bert_meta_model(config)
     else:
         with torch.device("meta"):
-            model = GPTModel(config)
+            model = decoder_model(config)  # GPTModel, or MambaModel for Mamba-2
     return {name: t.shape for name, t in model.state_dict().items()}
 
 
@@ -122,7 +124,7 @@ def convert_weights(
 
     With a ``sink`` (``StreamingTorchFile.add``) each tensor is handed over as soon as
     it is converted and the result holds what the sink returned, not the tensors."""
-    arch = get_architecture(config.extra["hf_model_type"])
+    arch = hf_architecture(config.extra["hf_model_type"])
     shapes = expected_shapes(config)
     out: dict[str, Tensor] = {}
     groups = group_by_layer(weights.names())
@@ -218,7 +220,7 @@ def import_hf(
     source = resolve_source(src)
     hf_config = read_hf_config(source)
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
-    arch = get_architecture(config.extra["hf_model_type"])
+    arch = hf_architecture(config.extra["hf_model_type"])
     weights = HFWeights(source, arch.base_model_prefix, arch.head_prefixes)
     with staged_dir(save) as staging:
         tokenizer_config = copy_tokenizer(source, staging, bert=is_bert(config))

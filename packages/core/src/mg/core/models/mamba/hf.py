@@ -48,6 +48,13 @@ def _as_dict(hf_config: Any) -> dict[str, Any]:
     return dict(hf_config) if isinstance(hf_config, Mapping) else hf_config.to_dict()
 
 
+def _as_float(value: Any) -> float:
+    """A float from config.json, where transformers writes inf as {"__float__": "Infinity"}."""
+    if isinstance(value, Mapping) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
 def mamba2_config_from_hf(hf_config: Any, **overrides: Any) -> MambaConfig:
     """A `Mamba2Config` (or its config.json dict) → `MambaConfig`; what our model
     cannot express (projection biases, no conv bias, another activation, a dt
@@ -60,7 +67,7 @@ def mamba2_config_from_hf(hf_config: Any, **overrides: Any) -> MambaConfig:
         raise ValueError("Mamba2 use_conv_bias=False is not supported (the conv1d has a bias)")
     if c.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Mamba2 hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
-    limit = tuple(c.get("time_step_limit", (0.0, math.inf)))
+    limit = tuple(_as_float(v) for v in c.get("time_step_limit", (0.0, math.inf)))
     if limit[0] > 0.0 or limit[1] != math.inf:
         raise ValueError(f"Mamba2 time_step_limit {limit} (a dt clamp) is not supported")
     hidden = c["hidden_size"]
