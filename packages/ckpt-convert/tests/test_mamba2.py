@@ -28,6 +28,24 @@ def _hf_tensors(folder) -> dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def _greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
+    """Greedy decoding with the model's recurrent state (HybridCache), over the HF vocab."""
+    from mg.core.models.mamba import HybridCache
+
+    cache = HybridCache.for_model(model, num_slots=1, max_length=64)
+    n = prompt.shape[1]
+    cache.bind(torch.tensor([0]), torch.tensor([0]))
+    logits = model(prompt, torch.arange(n)[None], inference_cache=cache)[:, -1, :VOCAB]
+    tokens = []
+    for i in range(steps):
+        tokens.append(int(logits.argmax(-1)))
+        cache.bind(torch.tensor([0]), torch.tensor([n + i]))
+        step = model(torch.tensor([[tokens[-1]]]), torch.tensor([[n + i]]), inference_cache=cache)
+        logits = step[:, -1, :VOCAB]
+    return tokens
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_mamba2_import_export_parity(tmp_path, tied):
     from transformers import AutoModelForCausalLM, Mamba2Config, Mamba2ForCausalLM
@@ -64,6 +82,13 @@ def test_mamba2_import_export_parity(tmp_path, tied):
     with torch.no_grad():
         diff = (model(ids)[..., :VOCAB] - expected).abs().max().item()
     assert diff <= 1e-4
+    if not tied:  # the imported model decodes as transformers does, with its recurrent state
+        prompt = ids[:1, :9]
+        with torch.no_grad():
+            theirs = hf_model.generate(
+                prompt, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompt)
+            )[0, 9:].tolist()
+        assert _greedy(model, prompt, 12) == theirs
 
     export_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
     records: list[str] = []
