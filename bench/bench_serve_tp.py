@@ -1,7 +1,7 @@
 """Tensor-parallel `mg-serve` (torchrun, 2 ranks) vs the same checkpoint served by one process.
 
-The checkpoint and load test are bench_serve.py's (GPT-2 shape, real GPT-2 BPE
-vocabulary). One after the other, so they never share the CPU:
+A small GPT-2-shaped checkpoint (real GPT-2 BPE vocabulary) and a back-to-back
+load test. One after the other, so they never share the CPU:
 
 1. reference: `mg-serve --load ckpt` in one process (torch's default threads:
    all cores);
@@ -29,19 +29,113 @@ import asyncio
 import os
 import queue
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve import build_checkpoint, load_test, prompts, report  # noqa: E402
+from mg.ckpt_convert.export_hf import export_hf
+from mg.core.checkpoint import save_model
+from mg.core.fixtures import fixture_path
+from mg.core.models import GPTModel, presets
+from mg.core.models.flops import num_parameters
+from mg.core.tokenizers import TokenizerConfig
 
 BIN = Path(sys.executable).parent
+
+
+# The GPT-2-shaped checkpoint and the back-to-back load test (bench_serve.py's before it
+# became the comparison with transformers' batched generate()).
+def build_checkpoint(folder: Path, layers: int, hidden: int, positions: int) -> int:
+    torch.manual_seed(0)
+    config = presets.tiny_gpt2(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=max(1, hidden // 64),
+        vocab_size=50304,
+        seq_length=positions,
+        max_position_embeddings=positions,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(config)
+    tokenizer = TokenizerConfig(
+        "GPT2BPETokenizer",
+        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
+        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
+    )
+    save_model(folder / "ckpt", model, config, tokenizer)
+    export_hf(folder / "ckpt", folder / "hf", progress=False)
+    return num_parameters(config)
+
+
+def prompts(count: int, words: int) -> list[str]:
+    text = fixture_path("botchan", "botchan.txt").read_text(encoding="utf-8")[20000:].split()
+    return [" ".join(text[i * words : (i + 1) * words]) for i in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def load_test(
+    url: str, texts: list[str], clients: int, max_tokens: int, seconds: float
+) -> dict:
+    latencies: list[float] = []
+    errors = 0
+    tokens = 0
+    stop_at = time.monotonic() + seconds
+
+    async def client(index: int, http: httpx.AsyncClient) -> None:
+        nonlocal errors, tokens
+        i = index
+        while time.monotonic() < stop_at:
+            body = {
+                "prompt": texts[i % len(texts)],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "logit_bias": {"50256": -100},
+            }
+            t0 = time.monotonic()
+            try:
+                r = await http.post(url + "/v1/completions", json=body)
+                if r.status_code != 200:
+                    errors += 1
+                else:
+                    tokens += r.json()["usage"]["completion_tokens"]
+                    latencies.append(time.monotonic() - t0)
+            except httpx.HTTPError:
+                errors += 1
+            i += clients
+
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=clients)) as http:
+        await asyncio.gather(*(client(k, http) for k in range(clients)))
+    return {
+        "requests": len(latencies),
+        "errors": errors,
+        "latencies": latencies,
+        "tokens": tokens,
+        "elapsed": time.monotonic() - started,
+    }
+
+
+def report(name: str, result: dict) -> float:
+    lat = result["latencies"] or [float("nan")]
+    tps = result["tokens"] / result["elapsed"]
+    print(
+        f"{name:<28} requests {result['requests']:5d}  errors {result['errors']:3d}  "
+        f"p50 {statistics.median(lat) * 1000:8.1f} ms  p99 {percentile(lat, 0.99) * 1000:8.1f} ms  "
+        f"{tps:9.1f} tokens/s"
+    )
+    return tps
 
 
 def start(command: list[str]) -> tuple[subprocess.Popen, str]:
