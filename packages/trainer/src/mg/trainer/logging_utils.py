@@ -2,7 +2,9 @@
 
 The training line is Megatron's `training_log` string, field for field, with one
 addition after the throughput: `MFU: x% |` (model FLOPs utilisation against the
-device's dense bf16 peak) or `MFU: n/a |` where the peak is unknown (CPU).
+device's dense bf16 peak; on a CPU against an FP32 estimate, see :mod:`.cpu_peak`) or
+`MFU: n/a |` where the peak is unknown. Small throughputs get more digits than
+Megatron's one decimal, so a CPU run does not read "0.0".
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from datetime import datetime
 from typing import Any
 
 import torch
+
+from mg.trainer.cpu_peak import estimate_cpu_peak
 
 # Dense bf16 peak TFLOP/s per device, from the vendors' data sheets (no sparsity).
 PEAK_BF16_TFLOPS = {
@@ -27,7 +31,10 @@ PEAK_BF16_TFLOPS = {
 
 
 def device_peak_tflops(device: torch.device) -> float | None:
-    """Peak bf16 TFLOP/s of `device`, or None when unknown (CPU, unlisted GPUs)."""
+    """Peak bf16 TFLOP/s of a GPU (FP32 estimate of a CPU), or None when unknown."""
+    if device.type == "cpu":
+        peak = estimate_cpu_peak(torch.get_num_threads())
+        return peak.tflops if peak is not None else None
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -60,8 +67,8 @@ def training_log_line(
     s += f" iteration {iteration:8d}/{train_iters:8d} |"
     s += f" consumed samples: {consumed_samples:12d} |"
     s += f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-    s += f" throughput per GPU (TFLOP/s/GPU): {throughput:.1f} |"
-    s += f" MFU: {mfu * 100:.1f}% |" if mfu is not None else " MFU: n/a |"
+    s += f" throughput per GPU (TFLOP/s/GPU): {_digits(throughput)} |"
+    s += f" MFU: {_digits(mfu * 100)}% |" if mfu is not None else " MFU: n/a |"
     s += f" learning rate: {learning_rate:.6E} |"
     s += f" global batch size: {global_batch_size:5d} |"
     for key, value in losses.items():
@@ -72,6 +79,13 @@ def training_log_line(
     s += f" number of skipped iterations: {skipped:3d} |"
     s += f" number of nan iterations: {nan_iterations:3d} |"
     return s
+
+
+def _digits(value: float) -> str:
+    """Megatron's one decimal for 10 and more; enough digits to be non-zero below."""
+    if value >= 10 or value == 0:
+        return f"{value:.1f}"
+    return f"{value:.3f}" if value >= 0.01 else f"{value:.5f}"
 
 
 def perplexity(loss: float) -> float:

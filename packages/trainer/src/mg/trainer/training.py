@@ -246,6 +246,10 @@ class Trainer:
         self.dtype = autocast_dtype(t.bf16, t.fp16)
         self._build_data()
         self.peak = device_peak_tflops(self.env.device)
+        if self.env.device.type == "cpu" and self.is_log_rank and self.peak:
+            from mg.trainer.cpu_peak import estimate_cpu_peak  # what MFU is measured against
+
+            print(f" {estimate_cpu_peak(torch.get_num_threads()).describe()}", flush=True)
         lg = args.logging
         self.writer = MetricsWriter(
             lg.tensorboard_dir,
