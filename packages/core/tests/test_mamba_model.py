@@ -199,3 +199,48 @@ def test_config_round_trips_through_a_dict():
     again = MambaConfig.from_dict(config.to_dict())
     assert again == config and again.layer_pattern == config.layer_pattern
     assert config.mamba_num_heads == 2 * 64 // 16
+
+
+def test_mamba_ssm_kernel_absent_is_a_clear_error(monkeypatch):
+    import sys
+
+    from mg.core.models.mamba.kernels import KernelUnavailableError, use_mamba_ssm_kernels
+
+    monkeypatch.setitem(sys.modules, "mamba_ssm", None)  # as if not installed
+    with pytest.raises(KernelUnavailableError, match="pip install mamba-ssm"):
+        use_mamba_ssm_kernels(MambaModel(_hybrid_config()))
+
+
+def test_mamba_ssm_kernel_is_called_as_megatron_calls_it(monkeypatch):
+    """The kernel's contract (megatron-core's call: x [b,l,h,p], dt after softplus, A, B/C
+    [b,l,g,n], chunk_size, D, initial_states, return_final_states) stood in for by the
+    sequential recurrence: the model's logits and decoding state are unchanged."""
+    import sys
+    import types
+
+    from mg.core.models.mamba import ssd_sequential_scan
+    from mg.core.models.mamba.kernels import use_mamba_ssm_kernels
+
+    calls = []
+
+    def mamba_chunk_scan_combined(
+        x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=False
+    ):
+        calls.append(chunk_size)
+        y, final = ssd_sequential_scan(x, dt, A, B, C, D, initial_states)
+        return (y, final) if return_final_states else y
+
+    module = types.ModuleType("mamba_ssm.ops.triton.ssd_combined")
+    module.mamba_chunk_scan_combined = mamba_chunk_scan_combined
+    for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", module)
+
+    model = MambaModel(_hybrid_config()).eval()
+    ids = torch.randint(0, 128, (2, 11))
+    with torch.no_grad():
+        expected = model(ids)
+        assert use_mamba_ssm_kernels(model) == 2
+        got = model(ids)
+    assert calls == [128, 128]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)

@@ -127,6 +127,7 @@ def test_data_parallel_distributed_optimizer_matches_one_process(tmp_path, train
         (["--spec", "local"], "--spec local: mg-train mamba builds"),
         (["--mamba-num-groups", "3"], "do not divide into 3 groups"),
         (["--tensor-model-parallel-size", "2"], "supported for gpt, not mamba"),
+        (["--mamba-ssm-kernels"], "--mamba-ssm-kernels: the mamba_ssm package is not installed"),
     ],
 )
 def test_flag_errors_exit_2_with_one_line(tmp_path, capsys, argv, message) -> None:

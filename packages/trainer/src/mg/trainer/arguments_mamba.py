@@ -30,6 +30,7 @@ class MambaArgs:
     mamba_num_groups: int = 8
     mamba_num_heads: int | None = None
     mamba_chunk_size: int = 128
+    mamba_ssm_kernels: bool = False
     hybrid_attention_ratio: float = 0.0
     hybrid_mlp_ratio: float = 0.0
     hybrid_override_pattern: str | None = None
@@ -52,6 +53,11 @@ def add_mamba_flags(p: argparse._ArgumentGroup) -> None:
         type=int,
         default=128,
         help="Chunk length of the SSD scan (speed only, not the result; mg's flag).",
+    )
+    p.add_argument(
+        "--mamba-ssm-kernels",
+        action="store_true",
+        help="Scan with mamba_ssm's Triton kernel (CUDA; pip install mamba-ssm; mg's flag).",
     )
     p.add_argument(
         "--hybrid-attention-ratio", type=float, default=0.0, help="Share of attention layers."
@@ -91,6 +97,18 @@ def check_mamba_flags(family: str, mamba: MambaArgs) -> str | None:
                 flag = "--" + f.name.replace("_", "-")
                 return f"{flag} is a Mamba / hybrid flag: use `mg-train mamba`, not {family}"
         return None
+    if mamba.mamba_ssm_kernels:
+        import importlib.util
+
+        import torch
+
+        if importlib.util.find_spec("mamba_ssm") is None:
+            return (
+                "--mamba-ssm-kernels: the mamba_ssm package is not installed "
+                "(pip install mamba-ssm); drop the flag to use the PyTorch scan"
+            )
+        if not torch.cuda.is_available():
+            return "--mamba-ssm-kernels: mamba_ssm's Triton kernels need a CUDA GPU"
     if mamba.spec is not None and tuple(mamba.spec) not in MAMBA_SPECS:
         return (
             f"--spec {' '.join(mamba.spec)}: mg-train mamba builds megatron-core's "

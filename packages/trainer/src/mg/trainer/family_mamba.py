@@ -44,7 +44,12 @@ def mamba_config(args: Args, vocab_size: int):
 def mamba_model(config, args: Args | None = None) -> nn.Module:
     from mg.core.models.mamba import MambaModel
 
-    return MambaModel(config)
+    model = MambaModel(config)
+    if args is not None and args.mamba.mamba_ssm_kernels:
+        from mg.core.models.mamba.kernels import use_mamba_ssm_kernels
+
+        use_mamba_ssm_kernels(model)  # not in the config: the checkpoint runs anywhere
+    return model
 
 
 def dry_run_report(args: Args) -> str:

@@ -94,6 +94,8 @@ class MambaMixer(nn.Module):
             self.d_inner, self.d_inner // self.num_groups, eps=config.layernorm_epsilon
         )
         self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=False)
+        self.chunk_scan = ssd_chunked_scan
+        """The whole-sequence scan; `kernels.use_mamba_ssm_kernels` swaps in mamba_ssm's."""
 
     def init_weights(self, std: float, output_std: float) -> None:
         """MambaMixer's init: in_proj N(0, σ), out_proj N(0, σ_out), conv weight
@@ -157,7 +159,7 @@ class MambaMixer(nn.Module):
             y, ssm_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.D)
             y = y[:, None]
         else:
-            y, ssm_state = ssd_chunked_scan(
+            y, ssm_state = self.chunk_scan(
                 x, dt, A, B, C, self.chunk_size, D=self.D, initial_state=ssm_state
             )
         if inference_cache is not None:
