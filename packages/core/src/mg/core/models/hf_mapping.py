@@ -217,14 +217,69 @@ BERT = HFArchitecture(
     ignored_hf=(r"^cls\.predictions\.decoder\.bias$", r"\.position_ids$"),
 )
 
-# Mixtral is the Mistral table plus `{e}`-indexed expert rules once the GPT model
-# has MoE layers; until then `config_from_hf` refuses it by name.
-UNSUPPORTED_MODEL_TYPES = {
-    "mixtral": "Mixtral is a mixture-of-experts model and MoE layers are not supported yet",
-}
+# Mixture-of-experts families: the dense table's attention (and its MLP rules for the
+# dense layers), plus the router and `{e}`-indexed experts on the MoE layers, named as
+# the checkpoints on disk name them (transformers 5 fuses the experts in memory but
+# saves them one by one).
+_EXPERT = _L + "mlp.experts.local_experts.{e}."
+_DENSE_ATTENTION = tuple(r for r in LLAMA.rules if ".mlp." not in r.megatron)
+MIXTRAL = dataclasses.replace(
+    MISTRAL,
+    model_type="mixtral",
+    hf_class="MixtralForCausalLM",
+    rules=(
+        *_DENSE_ATTENTION,
+        _rule(_L + "mlp.router.weight", _H + "block_sparse_moe.gate.weight"),
+        _rule(
+            _EXPERT + "linear_fc1.weight",
+            _H + "block_sparse_moe.experts.{e}.w1.weight",
+            _H + "block_sparse_moe.experts.{e}.w3.weight",
+            layout="gate_up",
+        ),
+        _rule(_EXPERT + "linear_fc2.weight", _H + "block_sparse_moe.experts.{e}.w2.weight"),
+    ),
+)
+_QWEN_EXPERTS = (
+    _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight"),
+    _rule(
+        _EXPERT + "linear_fc1.weight",
+        _H + "mlp.experts.{e}.gate_proj.weight",
+        _H + "mlp.experts.{e}.up_proj.weight",
+        layout="gate_up",
+    ),
+    _rule(_EXPERT + "linear_fc2.weight", _H + "mlp.experts.{e}.down_proj.weight"),
+)
+QWEN3_MOE = dataclasses.replace(
+    QWEN3,
+    model_type="qwen3_moe",
+    hf_class="Qwen3MoeForCausalLM",
+    rules=(*QWEN3.rules, *_QWEN_EXPERTS),
+)
+QWEN2_MOE = dataclasses.replace(
+    QWEN2,
+    model_type="qwen2_moe",
+    hf_class="Qwen2MoeForCausalLM",
+    rules=(
+        *QWEN2.rules,
+        *_QWEN_EXPERTS,
+        _rule(
+            _L + "mlp.shared_experts.linear_fc1.weight",
+            _H + "mlp.shared_expert.gate_proj.weight",
+            _H + "mlp.shared_expert.up_proj.weight",
+            layout="gate_up",
+        ),
+        _rule(
+            _L + "mlp.shared_experts.linear_fc2.weight", _H + "mlp.shared_expert.down_proj.weight"
+        ),
+        _rule(_L + "mlp.shared_experts.gate_weight", _H + "mlp.shared_expert_gate.weight"),
+    ),
+)
+
+UNSUPPORTED_MODEL_TYPES: dict[str, str] = {}
 
 ARCHITECTURES: dict[str, HFArchitecture] = {
-    a.model_type: a for a in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, BERT)
+    a.model_type: a
+    for a in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, BERT)
 }
 
 
@@ -310,18 +365,31 @@ def _expanded_rules(arch: HFArchitecture, config: TransformerConfig):
     With tied embeddings the output_layer rule is dropped: the model has no such
     parameter, and HF's lm_head.weight is then only the tied copy.
     """
+    moe_layers = config.moe_layer_pattern
     for rule in arch.rules:
         if rule.megatron == "output_layer.weight" and not (
             config.untie_embeddings_and_output_weights
         ):
             continue
+        moe_rule = any(part in rule.megatron for part in _MOE_PARTS)
+        dense_mlp_rule = ".mlp." in rule.megatron and not moe_rule
         layers = range(config.num_layers) if "{i}" in rule.megatron else [None]
         for i in layers:
-            yield (
-                rule.megatron.format(i=i),
-                tuple(name.format(i=i) for name in rule.hf),
-                rule,
-            )
+            # an MoE layer has a router and experts in place of the dense MLP
+            if i is not None and (
+                (moe_rule and not moe_layers[i]) or (dense_mlp_rule and moe_layers[i])
+            ):
+                continue
+            experts = range(config.num_moe_experts) if "{e}" in rule.megatron else [None]
+            for e in experts:
+                name = rule.megatron.format(i=i, e=e)
+                if config.moe_grouped_gemm:  # TE's names: experts.linear_fc1.weight{e}
+                    name = _GROUPED_NAME.sub(r"experts.\2.\3\1", name)
+                yield name, tuple(n.format(i=i, e=e) for n in rule.hf), rule
+
+
+_MOE_PARTS = (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts.")
+_GROUPED_NAME = re.compile(r"experts\.local_experts\.(\d+)\.(linear_fc\d)\.(weight|bias)$")
 
 
 def hf_to_megatron(
@@ -463,7 +531,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
             attention_dropout=c.get("attn_pdrop", 0.1),
             hidden_dropout=c.get("resid_pdrop", 0.1),
         )
-    elif model_type in ("llama", "mistral", "qwen2", "qwen3"):
+    elif model_type in ("llama", "mistral", "qwen2", "qwen3", *_MOE_BASE):
+        base, model_type = model_type, _MOE_BASE.get(model_type, model_type)
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
         attention_bias, mlp_bias = c.get("attention_bias", False), c.get("mlp_bias", False)
@@ -511,6 +580,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
             attention_dropout=c.get("attention_dropout", 0.0),
             hidden_dropout=0.0,
         )
+        fields.update(_moe_fields_from_hf(base, c))
+        model_type = base
     else:
         raise ValueError(
             f"no HF mapping for model_type {model_type!r}; known: {sorted(ARCHITECTURES)}"
@@ -519,11 +590,94 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
     return TransformerConfig(**{**fields, **overrides})
 
 
+_MOE_BASE = {"mixtral": "mistral", "qwen3_moe": "qwen3", "qwen2_moe": "qwen2"}
+"""Each MoE family and the dense family whose attention it shares."""
+
+
+def _moe_fields_from_hf(model_type: str, c: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json (none for
+    dense families). Mixtral renormalises its top-k softmax weights, which is Megatron's
+    softmax over the top-k logits; Qwen's norm_topk_prob false is the pre-softmax top-k."""
+    if model_type not in _MOE_BASE:
+        return {}
+    layers = c["num_hidden_layers"]
+    if model_type == "mixtral":
+        return dict(
+            num_moe_experts=c["num_local_experts"],
+            moe_router_topk=c["num_experts_per_tok"],
+            moe_ffn_hidden_size=c["intermediate_size"],
+            moe_aux_loss_coeff=float(c.get("router_aux_loss_coef", 0.0)),
+        )
+    step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
+    fields: dict[str, Any] = dict(
+        # config.json says num_experts; transformers 5's Qwen3MoeConfig.to_dict num_local_experts
+        num_moe_experts=c.get("num_experts") or c["num_local_experts"],
+        moe_router_topk=c["num_experts_per_tok"],
+        moe_ffn_hidden_size=c["moe_intermediate_size"],
+        moe_router_pre_softmax=not c.get("norm_topk_prob", model_type == "qwen3_moe"),
+        moe_aux_loss_coeff=float(c.get("router_aux_loss_coef", 0.0)),
+        moe_layer_freq=[int(i not in dense and (i + 1) % step == 0) for i in range(layers)],
+    )
+    if model_type == "qwen2_moe":
+        fields.update(
+            moe_shared_expert_intermediate_size=c["shared_expert_intermediate_size"],
+            moe_shared_expert_gate=True,
+        )
+    return fields
+
+
+def _moe_config_to_hf(c: TransformerConfig, model_type: str) -> dict[str, Any]:
+    """The MoE part of a Mixtral / Qwen-MoE config.json; raises for routing HF cannot run."""
+    if (model_type in _MOE_BASE) != (c.num_moe_experts is not None):
+        raise ValueError(
+            f"model_type {model_type!r} {'needs' if model_type in _MOE_BASE else 'has no'} "
+            "mixture-of-experts layers (num_moe_experts)"
+        )
+    if model_type not in _MOE_BASE:
+        return {}
+    plain_router = (
+        c.moe_router_score_function == "softmax"
+        and not c.moe_router_topk_scaling_factor
+        and not c.moe_router_group_topk
+        and c.moe_expert_capacity_factor is None
+        and not c.moe_router_enable_expert_bias
+    )
+    shared = c.moe_shared_expert_intermediate_size
+    if not plain_router or (shared is not None) != (model_type == "qwen2_moe"):
+        raise ValueError(
+            f"this MoE config's routing (score function, scaling, groups, capacity, expert "
+            f"bias or shared experts) is not what {model_type} runs"
+        )
+    pattern = c.moe_layer_pattern
+    common = dict(num_experts_per_tok=c.moe_router_topk, router_aux_loss_coef=c.moe_aux_loss_coeff)
+    if model_type == "mixtral":
+        if not all(pattern) or c.moe_router_pre_softmax:
+            raise ValueError("Mixtral has MoE in every layer and renormalised top-k weights")
+        return dict(
+            common, num_local_experts=c.num_moe_experts, intermediate_size=c.moe_ffn_hidden_size
+        )
+    out = dict(
+        common,
+        num_experts=c.num_moe_experts,
+        moe_intermediate_size=c.moe_ffn_hidden_size,
+        norm_topk_prob=not c.moe_router_pre_softmax,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+    )
+    if model_type == "qwen2_moe":
+        if not c.moe_shared_expert_gate:
+            raise ValueError("Qwen2-MoE's shared experts are gated (moe_shared_expert_gate)")
+        out["shared_expert_intermediate_size"] = shared
+    return out
+
+
 def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[str, Any]:
     """`TransformerConfig` → config.json dict for `arch`. Raises if the config uses
     something that HF architecture cannot express."""
     arch = get_architecture(arch)
     c = config
+    moe = _moe_config_to_hf(c, arch.model_type)
+    base = _MOE_BASE.get(arch.model_type, arch.model_type)
     common = dict(
         architectures=[arch.hf_class],
         model_type=arch.model_type,
@@ -563,10 +717,10 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
         or c.rotary_percent != 1.0
         or c.normalization != "RMSNorm"
         or c.activation != "swiglu"
-        or c.add_qkv_bias != (arch.model_type == "qwen2")
-        or c.qk_layernorm != (arch.model_type == "qwen3")
-        or (c.add_bias_linear and arch.model_type in ("qwen2", "qwen3"))
-        or (c.window_size is not None and arch.model_type != "mistral")
+        or c.add_qkv_bias != (base == "qwen2")
+        or c.qk_layernorm != (base == "qwen3")
+        or (c.add_bias_linear and base in ("qwen2", "qwen3"))
+        or (c.window_size is not None and base != "mistral")
     ):
         raise ValueError(f"this config is not a {arch.hf_class} architecture")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
@@ -590,11 +744,12 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
         rope_theta=c.rotary_base,
         rope_scaling=rope if c.rope_scaling is not None else None,
     )
-    if arch.model_type == "llama":
+    out.update(moe)
+    if base == "llama":
         out.update(attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear)
-    elif arch.model_type in ("qwen2", "qwen3"):
+    elif base in ("qwen2", "qwen3"):
         out.update(use_sliding_window=False, sliding_window=None)
-        if arch.model_type == "qwen3":
+        if base == "qwen3":
             out.update(attention_bias=False)
     else:
         if c.add_bias_linear:
