@@ -1,6 +1,6 @@
 """BERT import/export: transformers BertModel / BertForMaskedLM / BertForPreTraining →
 our post-LN BertModel with the same hidden states and logits, back to the same files;
-the real MiniLM weights (FIXTURES.md); Mixtral refused as not supported yet (MoE)."""
+the real MiniLM weights (FIXTURES.md)."""
 
 from __future__ import annotations
 
@@ -183,30 +183,6 @@ def test_real_minilm_hidden_states(tmp_path):
     diff = (ours - expected).abs().max().item()
     print(f"MiniLM max |Δhidden| = {diff:.2e}")
     assert diff <= TOL
-
-
-def test_mixtral_is_refused_as_not_supported_yet(tmp_path, capsys):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    from mg.ckpt_convert.cli import main
-
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=2,
-        max_position_embeddings=32,
-    )
-    MixtralForCausalLM(config).save_pretrained(tmp_path / "hf")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "mixtral" in err and "not supported yet" in err and "MoE" in err, err
-    assert not (tmp_path / "ckpt").exists()
 
 
 def test_pre_ln_bert_export_is_refused(tmp_path, capsys):

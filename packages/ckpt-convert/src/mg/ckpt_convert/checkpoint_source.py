@@ -133,8 +133,6 @@ def recorded_config(state: Mapping[str, Any], where: Path) -> TransformerConfig:
         config = decoder_config_from_dict(dict(meta["model_config"]))  # or a MambaConfig
     except ConfigError as exc:
         raise ConvertError(f"{where}: the recorded model config is not valid: {exc}") from None
-    if config.num_moe_experts:
-        raise ConvertError(f"{where}: MoE checkpoints (num_moe_experts) are not supported yet")
     return config
 
 
