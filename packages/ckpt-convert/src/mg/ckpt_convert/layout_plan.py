@@ -25,6 +25,8 @@ from mg.ckpt_convert.errors import ConvertError
 from mg.core.checkpoint import mg_metadata
 from mg.core.checkpoint.pp_split import WORD_EMBEDDINGS
 from mg.core.models import TransformerConfig
+from mg.core.models.mamba import MambaConfig
+from mg.core.models.mamba.pattern import MAMBA
 
 _VOCAB_ROWS = (WORD_EMBEDDINGS, "output_layer.weight")
 DEFAULT_DIVISIBLE_BY = 128  # Megatron's --make-vocab-size-divisible-by default
@@ -61,6 +63,11 @@ def plan_target(
                 f"--target-tensor-parallel-size {tp} does not divide the model's {what} "
                 f"({value}); Megatron splits it evenly over the ranks, choose a divisor of {value}"
             )
+    if tp > 1 and isinstance(c, MambaConfig) and MAMBA in c.layer_pattern:
+        raise ConvertError(
+            f"--target-tensor-parallel-size {tp}: Mamba layers are not split over "
+            "tensor-parallel ranks yet (Megatron splits their heads and groups); use 1"
+        )
     if c.num_layers % pp:
         raise ConvertError(
             f"--target-pipeline-parallel-size {pp} does not divide the model's num_layers "

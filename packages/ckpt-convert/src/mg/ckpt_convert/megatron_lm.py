@@ -46,6 +46,7 @@ from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import ConfigError, RopeScaling, TransformerConfig
+from mg.core.models.mamba import MambaConfig
 from mg.core.tokenizers.config import TokenizerConfig
 
 # Transformer Engine spec name → local spec name (suffix replacements).
@@ -54,6 +55,9 @@ _TE_RENAMES = (
     (".self_attention.linear_qkv.layer_norm_bias", ".input_layernorm.bias"),
     (".mlp.linear_fc1.layer_norm_weight", ".pre_mlp_layernorm.weight"),
     (".mlp.linear_fc1.layer_norm_bias", ".pre_mlp_layernorm.bias"),
+    # a Mamba layer's norm, fused into its in_proj by megatron-core's mamba_stack_spec
+    (".mixer.in_proj.layer_norm_weight", ".norm.weight"),
+    (".mixer.in_proj.layer_norm_bias", ".norm.bias"),
 )
 _PLAIN = (str, int, float, bool, type(None))
 # Megatron-LM flags that move layers between pipeline stages unevenly.
@@ -89,7 +93,7 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
         rope_scaling = RopeScaling(factor=float(get("rope_scaling_factor", 8.0)))
     window = get("window_size")
     try:
-        return TransformerConfig(
+        config = TransformerConfig(
             num_layers=args["num_layers"],
             hidden_size=args["hidden_size"],
             num_attention_heads=args["num_attention_heads"],
@@ -118,6 +122,41 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
         )
     except KeyError as exc:
         raise ConvertError(f"Megatron-LM args lack {exc.args[0]!r}") from None
+    except ConfigError as exc:
+        raise ConvertError(f"Megatron-LM args describe an unsupported model: {exc}") from None
+    return _mamba_config(config, get) if _is_mamba(get) else config
+
+
+def _is_mamba(get: Any) -> bool:
+    """pretrain_mamba.py's args: a Mamba layer spec, a hybrid pattern or hybrid ratios."""
+    spec = " ".join(get("spec", None) or [])
+    return (
+        "mamba" in spec
+        or bool(get("hybrid_override_pattern"))
+        or float(get("hybrid_attention_ratio", 0.0)) > 0
+        or float(get("hybrid_mlp_ratio", 0.0)) > 0
+    )
+
+
+def _mamba_config(config: TransformerConfig, get: Any) -> MambaConfig:
+    """The Mamba / hybrid fields of pretrain_mamba.py's args on top of the decoder's."""
+    if int(get("tensor_model_parallel_size", 1)) > 1:
+        raise ConvertError(
+            "Mamba / hybrid checkpoints saved with tensor parallelism are not supported yet "
+            "(their heads and groups are split per rank); re-save with Megatron-LM's "
+            "tools/checkpoint/convert.py --target-tensor-parallel-size 1 first"
+        )
+    try:
+        return MambaConfig(
+            **config.to_dict(),
+            mamba_state_dim=int(get("mamba_state_dim", 128)),
+            mamba_head_dim=int(get("mamba_head_dim", 64)),
+            mamba_num_groups=int(get("mamba_num_groups", 8)),
+            mamba_num_heads=get("mamba_num_heads"),
+            hybrid_attention_ratio=float(get("hybrid_attention_ratio", 0.0)),
+            hybrid_mlp_ratio=float(get("hybrid_mlp_ratio", 0.0)),
+            hybrid_override_pattern=get("hybrid_override_pattern"),
+        )
     except ConfigError as exc:
         raise ConvertError(f"Megatron-LM args describe an unsupported model: {exc}") from None
 

@@ -69,7 +69,7 @@ def stage_key_map(
         elif name.startswith("embedding."):
             if first:
                 out[name] = name
-        elif name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        elif name.startswith(("decoder.final_layernorm.", "decoder.final_norm.", "output_layer.")):
             if last:
                 out[name] = name
         else:

@@ -1,0 +1,101 @@
+"""import-megatron of a Megatron-LM hybrid (pretrain_mamba.py) checkpoint: its Namespace args
+give a MambaConfig with the same layer pattern, its Transformer Engine spec names
+(`mixer.in_proj.layer_norm_weight`, ...) become ours, pipeline stages merge; TP > 1
+is refused by name. megatron-core's own MambaModel names are checked in core's
+test_mamba_megatron.py; the checkpoint here is written the way Megatron-LM's
+save_checkpoint writes one, from those names."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from mg.ckpt_convert.errors import ConvertError
+from mg.ckpt_convert.megatron_lm import import_megatron, megatron_args_from_config
+from mg.core.checkpoint import load_model
+from mg.core.checkpoint.pp_split import split_pipeline
+from mg.core.models.mamba import MambaConfig, MambaModel, megatron_te_names
+
+QUIET = {"report": lambda *_: None}
+MAMBA_SPEC = ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+
+
+def _config() -> MambaConfig:
+    return MambaConfig(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=128,
+        seq_length=32,
+        mamba_head_dim=16,
+        mamba_num_groups=2,
+        mamba_state_dim=16,
+        normalization="RMSNorm",
+        activation="squared_relu",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        hybrid_override_pattern="M*M-",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+
+
+def _megatron_args(config: MambaConfig, tp: int = 1, pp: int = 1) -> argparse.Namespace:
+    """pretrain_mamba.py's args: the GPT flags plus the Mamba / hybrid ones and the spec."""
+    args = megatron_args_from_config(config, None, tp=tp, pp=pp)
+    args.spec = MAMBA_SPEC
+    args.mamba_state_dim, args.mamba_head_dim = config.mamba_state_dim, config.mamba_head_dim
+    args.mamba_num_groups, args.mamba_num_heads = config.mamba_num_groups, None
+    args.hybrid_attention_ratio, args.hybrid_mlp_ratio = 0.0, 0.0
+    args.hybrid_override_pattern = config.hybrid_override_pattern
+    args.group_query_attention = True
+    return args
+
+
+def _write(folder: Path, model: MambaModel, args: argparse.Namespace, pp: int) -> None:
+    stages = split_pipeline(model.state_dict(), 4, pp, tied=False)
+    for p, chunks in enumerate(stages):
+        rank_dir = folder / "iter_0000020" / ("mp_rank_00" + (f"_{p:03d}" if pp > 1 else ""))
+        rank_dir.mkdir(parents=True)
+        state = {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": 20,
+            "model": megatron_te_names(chunks[0]),
+        }
+        torch.save(state, rank_dir / "model_optim_rng.pt")
+    (folder / "latest_checkpointed_iteration.txt").write_text("20")
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_import_of_a_megatron_hybrid(tmp_path, pp):
+    config = _config()
+    torch.manual_seed(0)
+    model = MambaModel(config).eval()
+    _write(tmp_path / "megatron", model, _megatron_args(config, pp=pp), pp)
+    assert (
+        "decoder.layers.0.mixer.in_proj.layer_norm_weight"
+        in torch.load(next((tmp_path / "megatron").rglob("*.pt")), weights_only=False)["model"]
+    )
+
+    import_megatron(tmp_path / "megatron", tmp_path / "ours", pp=1, **QUIET)
+    loaded, ours, _, info = load_model(tmp_path / "ours")
+    assert isinstance(loaded, MambaModel) and info.iteration == 20
+    assert ours.layer_pattern == "M*M-" and ours.mamba_num_groups == 2
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+def test_tensor_parallel_mamba_is_refused(tmp_path):
+    config = _config()
+    _write(tmp_path / "megatron", MambaModel(config), _megatron_args(config, tp=2), 1)
+    with pytest.raises(ConvertError, match="saved with tensor parallelism are not supported"):
+        import_megatron(tmp_path / "megatron", tmp_path / "ours", **QUIET)
+    _write(tmp_path / "m1", MambaModel(config), _megatron_args(config), 1)
+    with pytest.raises(ConvertError, match="Mamba layers are not split"):
+        import_megatron(tmp_path / "m1", tmp_path / "ours2", tp=2, **QUIET)
