@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mg.ckpt_convert.errors import ConvertError
-from mg.ckpt_convert.megatron_lm import import_megatron, megatron_args_from_config
+from mg.ckpt_convert.megatron_lm import export_megatron, import_megatron, megatron_args_from_config
 from mg.core.checkpoint import load_model
 from mg.core.checkpoint.pp_split import split_pipeline
 from mg.core.models.mamba import MambaConfig, MambaModel, megatron_te_names
@@ -89,6 +89,8 @@ def test_import_of_a_megatron_hybrid(tmp_path, pp):
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
+    with pytest.raises(ConvertError, match="export-megatron of Mamba / hybrid models"):
+        export_megatron(tmp_path / "ours", tmp_path / "back", **QUIET)
 
 
 def test_tensor_parallel_mamba_is_refused(tmp_path):

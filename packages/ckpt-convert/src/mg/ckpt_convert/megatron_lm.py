@@ -359,6 +359,12 @@ def export_megatron(
     local layer spec names, in the layout ``tp`` × ``pp`` (None: the source's)."""
     check_target(save)
     source = open_checkpoint(load, iteration)
+    if isinstance(source.config, MambaConfig):
+        raise ConvertError(
+            f"{source.folder}: export-megatron of Mamba / hybrid models is not supported yet "
+            "(Megatron-LM loads them with its Transformer Engine spec's names and args); "
+            "mg-train, mg-eval and export-hf (Mamba2ForCausalLM) read this checkpoint as it is"
+        )
     target = plan_target(source, tp, pp, divisible_by)
     tokenizer_config = (source.state.get("mg") or {}).get("tokenizer_config")
     tokenizer = None
