@@ -170,3 +170,38 @@ def test_interrupted_run_leaves_no_output(trained_llama, tmp_path, monkeypatch, 
     with pytest.raises(KeyboardInterrupt):
         cli.main(["--load", str(ckpt), "--save", str(tmp_path / "q"), "--recipe", "int8_wo"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_any_saved_layout_quantizes_to_the_same_checkpoint(trained_llama, tmp_path, capsys):
+    """torch TP=2 shards and a torch_dist checkpoint of the same model (merged on the fly
+    by core's loader) quantize to exactly the tensors of the single-file checkpoint."""
+    from mg.core.checkpoint import RELEASE, load_checkpoint, mg_metadata, save_checkpoint_shards
+    from mg.core.checkpoint.dist_format import save_dist_checkpoint
+    from mg.core.checkpoint.tp_split import split_tensor_parallel
+
+    model, ckpt = trained_llama
+    config = model.config
+    meta = load_checkpoint(ckpt)[0]["mg"]
+    shards = split_tensor_parallel(model.state_dict(), 2, config.gated_linear_unit)
+    tp_meta = mg_metadata(meta["model_config"], meta["tokenizer_config"], tp=2)
+    save_checkpoint_shards(
+        tmp_path / "tp2",
+        RELEASE,
+        {(tp, 0): {"model": s, "iteration": 0, "mg": tp_meta} for tp, s in enumerate(shards)},
+    )
+    save_dist_checkpoint(
+        tmp_path / "dist", RELEASE, {"model": dict(model.state_dict())}, {"mg": meta}
+    )
+    outputs = {}
+    for name, source in (("single", ckpt), ("tp2", tmp_path / "tp2"), ("dist", tmp_path / "dist")):
+        save = tmp_path / f"q-{name}"
+        code, _, err = quantize(
+            capsys, "--load", str(source), "--save", str(save), "--recipe", "int4_wo",
+            "--group-size", "32",
+        )  # fmt: skip
+        assert code == 0, err
+        outputs[name] = load_checkpoint(save)[0]["model"]
+    for name in ("tp2", "dist"):
+        assert outputs[name].keys() == outputs["single"].keys()
+        for key, tensor in outputs["single"].items():
+            assert torch.equal(outputs[name][key], tensor), (name, key)
