@@ -68,7 +68,11 @@ def test_moe_layer_freq_forms():
         ([*MOE, "--moe-router-topk", "5"], 1, r"--moe-router-topk \(5\) must be between 1"),
         ([*MOE, "--expert-model-parallel-size", "3"], 1, "not divisible by"),
         ([*MOE, "--expert-model-parallel-size", "2"], 1, "must divide the 1 ranks"),
-        ([*MOE, "--expert-model-parallel-size", "2"], 2, "does not shard experts"),
+        (
+            [*MOE, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+            2,
+            "with --use-distributed-optimizer",
+        ),
         ([*MOE, "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
         ([*MOE, "--tensor-model-parallel-size", "2"], 2, "not supported yet"),
     ],
@@ -169,5 +173,47 @@ def test_megatron_mixtral_script_dry_run_on_64_gpus(tmp_path):
     assert "number of parameters active per token: 12.88" in text
     assert "number of parameters: 46.70" in text and "!" not in text  # meta model agrees
     # without --dry-run the same flags are refused in one line: experts are not sharded yet
-    with pytest.raises(ArgumentError, match="does not shard experts"):
+    with pytest.raises(ArgumentError, match="pipeline-model-parallel-size 4: expert-parallel"):
         parse_args(argv[:1] + argv[2:], world_size=64)
+
+
+@pytest.mark.slow  # two trainer ranks x two runs: ~40 s on 2 shared cores
+def test_expert_parallel_training_matches_one_process(tmp_path, mock_argv, train):
+    """EP = 2 on two gloo ranks (each rank half the experts and its own micro-batches, the
+    alltoall and allgather dispatchers) vs one process with every expert accumulating the
+    same micro-batches: same losses, grad norms and validation loss, aux and z-loss on."""
+    import json
+    from pathlib import Path
+
+    from mg.core.testing.launch import launch_workers
+
+    flags = [
+        *MOE,
+        "--moe-z-loss-coeff",
+        "1e-3",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--eval-interval",
+        "3",
+        "--eval-iters",
+        "1",
+        "--clip-grad",
+        "0.05",  # small enough to clip: the norm must include the other rank's experts
+    ]
+    argv = mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=6)
+    one = train(argv)
+    runs = [
+        [*argv, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", kind]
+        for kind in ("alltoall", "allgather")
+    ]
+    out = tmp_path / "ep.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=300)
+    for two in json.loads(out.read_text()):
+        assert two["losses"] == pytest.approx(one.losses, rel=1e-5)
+        assert two["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
+        assert max(one.grad_norms) > 0.05  # clipping happened
+        for (i, a), (j, b) in zip(one.validation, two["validation"], strict=True):
+            assert i == j and b == pytest.approx(a, rel=1e-5)

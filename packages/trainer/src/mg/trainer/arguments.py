@@ -920,6 +920,16 @@ def validate(args: Args) -> None:
         pp=d.pipeline_model_parallel_size,
         cp=d.context_parallel_size,
         dry_run=args.training.dry_run,
+        sharded_state=tuple(
+            flag
+            for flag, given in (
+                ("--save", args.checkpoint.save),
+                ("--load", args.checkpoint.load),
+                ("--use-distributed-optimizer", d.use_distributed_optimizer),
+                ("--overlap-grad-reduce", d.overlap_grad_reduce),
+            )
+            if given
+        ),
     )
     if moe_error:
         _fail(moe_error)

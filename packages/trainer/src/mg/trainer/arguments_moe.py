@@ -148,9 +148,21 @@ def moe_config_fields(moe: MoEArgs) -> dict[str, Any]:
 
 
 def check_moe_flags(
-    family: str, moe: MoEArgs, *, world_size: int, tp: int, pp: int, cp: int, dry_run: bool
+    family: str,
+    moe: MoEArgs,
+    *,
+    world_size: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    dry_run: bool,
+    sharded_state: tuple[str, ...] = (),
 ) -> str | None:
-    """The one-line message for MoE flags that cannot apply, or None."""
+    """The one-line message for MoE flags that cannot apply, or None.
+
+    `sharded_state`: the flags given that would save, load or shard the training
+    state (--save, --load, --use-distributed-optimizer, --overlap-grad-reduce), which
+    expert parallelism does not support yet."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -199,11 +211,17 @@ def check_moe_flags(
         )
     if dry_run:
         return None
-    if ep > 1 or etp != tp:
+    if etp != tp:
         return (
-            f"--expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: mg-train "
-            "does not shard experts across ranks yet (checkpoints and the distributed optimizer "
-            "hold whole layers); use 1 (each rank holds every expert) or --dry-run to plan"
+            f"--expert-tensor-parallel-size {etp}: experts follow "
+            f"--tensor-model-parallel-size ({tp}) in mg-train; drop the flag"
+        )
+    if ep > 1 and (pp > 1 or sharded_state):
+        blocker = f"--pipeline-model-parallel-size {pp}" if pp > 1 else sharded_state[0]
+        return (
+            f"--expert-model-parallel-size {ep} with {blocker}: expert-parallel training runs "
+            "with data parallelism only so far (its checkpoints, the distributed optimizer, "
+            "DDP overlap and pipeline stages do not shard experts yet); use 1 or --dry-run"
         )
     if tp > 1 or cp > 1:
         return (

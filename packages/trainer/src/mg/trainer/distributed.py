@@ -98,7 +98,12 @@ def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None
         return
     if group is not None and dist.get_world_size(group) == 1:
         return
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    # expert-parallel experts (allreduce=False) are averaged over their own group (moe_step)
+    grads = [
+        _local(p.grad)
+        for p in model.parameters()
+        if p.grad is not None and getattr(p, "allreduce", True)
+    ]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

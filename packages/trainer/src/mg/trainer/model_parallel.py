@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mg.core.parallel.context_parallel import apply_context_parallel, shard_batch
+from mg.core.parallel.expert_parallel import apply_expert_parallel
 from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
 from mg.core.parallel.materialize import materialize
 from mg.core.parallel.pipeline import (
@@ -60,6 +61,8 @@ def build_layout(args: Args, env: DistEnv) -> ParallelLayout:
         sequence_parallel=d.sequence_parallel,
         tied_embedding=not args.model.untie_embeddings_and_output_weights,
         device_type=env.device.type,
+        ep=args.moe.expert_model_parallel_size,
+        etp=args.moe.expert_tensor_parallel_size,
     )
 
 
@@ -114,6 +117,8 @@ def parallelize(
     else:
         for part in parts:
             part.to(device)
+    if layout.ep > 1:  # keep this rank's experts, route tokens over the EP group
+        apply_expert_parallel(model, layout.ep_group, model.config.moe_token_dispatcher_type)
     for part in parts:
         recompute(part)
     return model if layout.pp == 1 else PipelineModel(parts)

@@ -13,12 +13,16 @@ A dense model makes every function here a no-op.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mg.core.models import TransformerConfig
 from mg.core.models.moe import AuxLossBackward, TopKRouter
+from mg.core.parallel.expert_parallel import is_expert_parameter
+from mg.core.parallel.layout import ParallelLayout
 
 _AUX_NAMES = {
     "aux_loss": "load_balancing_loss",
@@ -72,3 +76,43 @@ def finish_step(
         dist.all_reduce(moved)
         totals = moved.cpu()
     return {n: float(totals[2 * i] / totals[2 * i + 1].clamp(min=1)) for i, n in enumerate(names)}
+
+
+def allreduce_expert_gradients(model: nn.Module, layout: ParallelLayout) -> None:
+    """Expert-parallel experts' gradients summed over their replicas (expert-DP group) and
+    scaled 1/dp like the dense ones (Megatron's expert_gradient_scaling_factor): a rank's
+    experts already hold the gradient of every token its EP group routed to them."""
+    if layout.ep == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None and is_expert_parameter(p)]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if layout.expert_dp > 1:
+        dist.all_reduce(flat, group=layout.expert_dp_group)
+    flat /= layout.dp * layout.cp
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm_expert_parallel(
+    params: list[nn.Parameter], clip_grad: float, layout: ParallelLayout
+) -> float:
+    """The global L2 norm with expert parallelism: the dense gradients (the same on every
+    rank) plus every rank's own experts, summed over the EP group; clipped if clip > 0."""
+    grads = [p for p in params if p.grad is not None]
+    dense = [p.grad.float().square().sum() for p in grads if not is_expert_parameter(p)]
+    experts = [p.grad.float().square().sum() for p in grads if is_expert_parameter(p)]
+    zero = torch.zeros((), device=grads[0].grad.device)
+    expert_sq = torch.stack(experts).sum() if experts else zero
+    dist.all_reduce(expert_sq, group=layout.ep_group)
+    total = float(((torch.stack(dense).sum() if dense else zero) + expert_sq).sqrt())
+    if not math.isfinite(total):
+        return float("nan")
+    if clip_grad > 0 and total > clip_grad:
+        scale = clip_grad / (total + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
+        for p in grads:
+            p.grad.mul_(scale)
+    return total

@@ -359,6 +359,7 @@ class Trainer:
             self.optimizer.finish_grad_sync()  # the tied embedding's summed over stages
         else:
             distributed.allreduce_gradients(self.model, self.layout.dp_cp_group)
+            moe_step.allreduce_expert_gradients(self.model, self.layout)  # EP > 1 only
             if isinstance(self.model, model_parallel.PipelineModel):
                 allreduce_shared_embedding_grad(self.model.chunks, self.layout.embedding_group)
         found_inf = False
@@ -389,6 +390,8 @@ class Trainer:
             return self.optimizer.clip_grad_norm(clip)
         if isinstance(self.model, model_parallel.PipelineModel):
             return clip_grad_norm_across_stages(self.params, clip, self.layout.pp_group)
+        if self.layout.ep > 1:  # each rank holds other experts: their squares summed over EP
+            return moe_step.clip_grad_norm_expert_parallel(self.params, clip, self.layout)
         return clip_grad_norm(self.model, clip)
 
     @torch.no_grad()
