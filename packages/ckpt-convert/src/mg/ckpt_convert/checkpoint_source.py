@@ -41,8 +41,8 @@ from mg.core.checkpoint.reader_guard import read_dcp_metadata
 from mg.core.checkpoint.serialization import load_file
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.checkpoint.tp_merge import merge_tensor_parallel
-from mg.core.models import ConfigError, GPTModel, TransformerConfig
-from mg.core.models.mamba import decoder_config_from_dict
+from mg.core.models import ConfigError, TransformerConfig
+from mg.core.models.mamba import decoder_config_from_dict, decoder_model
 
 # Entries that describe one rank's optimizer or random state: their layout depends on
 # the parallel layout, so a conversion drops them (Megatron's converter does the same).
@@ -268,7 +268,7 @@ def open_torch_files(
 
 def _check_names(source: CheckpointSource) -> None:
     with torch.device("meta"):
-        expected = GPTModel(source.config).state_dict()
+        expected = decoder_model(source.config).state_dict()  # GPTModel or MambaModel
     unexpected = [n for n in source.names if n not in expected]
     missing = [n for n in expected if n not in source.shards]
     if unexpected or missing:
