@@ -47,7 +47,8 @@ demo: setup
     rm -rf "{{demo_dir}}/ckpt"
     uv run --frozen mg-train gpt --config workflows/configs/gpt-tiny.yaml \
         --data-path "{{demo_dir}}/data/corpus_text_document" "${tokenizer[@]}" \
-        --save "{{demo_dir}}/ckpt" --tensorboard-dir "{{demo_dir}}/tensorboard"
+        --save "{{demo_dir}}/ckpt" --tensorboard-dir "{{demo_dir}}/tensorboard" \
+        | tee "{{demo_dir}}/train.log"
     echo "== 5. mg-eval ppl: perplexity on the validation split"
     rm -f "{{demo_dir}}/report.jsonl"
     uv run --frozen mg-eval ppl --load "{{demo_dir}}/ckpt" \
@@ -69,14 +70,22 @@ demo: setup
         sleep 1
     done
     curl -sf -X PUT "$url/api" -H 'Content-Type: application/json' \
-        -d '{"prompts": ["The school"], "tokens_to_generate": 16, "top_k": 1}'
+        -d '{"prompts": ["The school"], "tokens_to_generate": 16, "top_k": 1}' \
+        | tee "{{demo_dir}}/served_api.json"
     echo
     curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
-        -d '{"prompt": "The school", "max_tokens": 16, "temperature": 0}'
+        -d '{"prompt": "To be, or not to be", "max_tokens": 16, "temperature": 0}' \
+        | tee "{{demo_dir}}/served_openai.json"
     echo
     kill "$server"
     wait "$server" || true
-    echo "== done: dataset {{demo_dir}}/data, checkpoint {{demo_dir}}/ckpt, report {{demo_dir}}/report.jsonl, HF model {{demo_dir}}/hf, server log {{demo_dir}}/serve.log"
+    echo "== 8. summary: loss curves against the unigram level, throughput, answers"
+    uv run --frozen python workflows/demo/report.py --train-log "{{demo_dir}}/train.log" \
+        --data-prefix "{{demo_dir}}/data/corpus_text_document" --seq-length 128 \
+        --eval-report "{{demo_dir}}/report.jsonl" --export "{{demo_dir}}/hf" \
+        --served "{{demo_dir}}/served_api.json" "{{demo_dir}}/served_openai.json" \
+        --output-dir "{{demo_dir}}"
+    echo "== done: dataset {{demo_dir}}/data, checkpoint {{demo_dir}}/ckpt, report {{demo_dir}}/report.jsonl, HF model {{demo_dir}}/hf, server log {{demo_dir}}/serve.log, loss plot {{demo_dir}}/loss.png, summary {{demo_dir}}/summary.md"
 
 # serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
 serve load="demo-output/ckpt" *args: setup
