@@ -119,6 +119,9 @@ def test_bad_input_is_one_line_status_2(trained_llama, datasets, tmp_path, capsy
     assert "does not divide" in err and "linear_qkv" in err
     err = _fails(capsys, *base, "--recipe", "int4_gptq", "--group-size", "32")
     assert "needs calibration data: give --calib-data-path" in err
+    err = _fails(capsys, *base, "--recipe", "fp8", "--calib-data-path", calib,
+                 "--calib-seq-length", "4096")  # fmt: skip
+    assert "longer than the model's 32 positions" in err
     assert "no such folder" in _fails(capsys, "--load", str(tmp_path / "none"), "--save",
                                       str(tmp_path / "q"), "--recipe", "int8_wo")  # fmt: skip
     (tmp_path / "exists").mkdir()

@@ -142,6 +142,11 @@ def run(args: argparse.Namespace) -> dict:
     model.float()
     vocab = _tokenizer_vocab(source.tokenizer_config, config.vocab_size)
     seq = args.calib_seq_length or min(512, config.seq_length)
+    longest = config.max_position_embeddings or config.seq_length
+    if seq > longest:
+        raise QuantizeInputError(
+            f"--calib-seq-length {seq} is longer than the model's {longest} positions"
+        )
     samples = None
     if args.recipe in CALIBRATED and args.calib_data_path:
         samples = calibration_samples(args.calib_data_path, args.calib_samples, seq, vocab)
