@@ -311,3 +311,31 @@ def test_grouped_mm_kernel_equals_the_expert_loop():
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     for got, want in zip(grads, [x.grad] + [w.grad for w in weights], strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@torch.no_grad()
+def test_moe_gpt_decodes_token_by_token_like_a_full_forward():
+    """Routing is per token, so cached decoding (mg-serve's path) equals the full forward."""
+    from mg.core.models.kv_cache import KVCache
+
+    config = _config(
+        activation="swiglu",
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        moe_shared_expert_intermediate_size=12,
+        moe_grouped_gemm=True,
+    )
+    torch.manual_seed(0)
+    model = GPTModel(config).eval()
+    ids = torch.randint(0, 64, (1, 14), generator=torch.Generator().manual_seed(1))
+    full = model(ids)
+    cache = KVCache.for_model(model, num_slots=1, max_length=16)
+    cache.bind(torch.tensor([0]), torch.tensor([0]))
+    steps = [model(ids[:, :8], torch.arange(8)[None], inference_cache=cache)]
+    for pos in range(8, 14):
+        cache.bind(torch.tensor([0]), torch.tensor([pos]))
+        steps.append(model(ids[:, pos : pos + 1], torch.tensor([[pos]]), inference_cache=cache))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
