@@ -149,6 +149,15 @@ class Trainer:
             vocab_extra_ids=d.vocab_extra_ids,
         )
         self.tokenizer = build_tokenizer(self.tokenizer_config)
+        self.saved_tokenizer_config = self.tokenizer_config.to_dict()
+        if args.checkpoint.save:  # the checkpoint carries its tokenizer files (portable)
+            from mg.trainer.tokenizer_bundle import bundled_config, copy_tokenizer_files
+
+            if self.env.is_main:
+                copy_tokenizer_files(args.checkpoint.save, self.tokenizer_config)
+            self.saved_tokenizer_config = bundled_config(
+                args.checkpoint.save, self.tokenizer_config
+            )
         vocab = vocab_size_with_padding(
             self.tokenizer.vocab_size,
             args.model.make_vocab_size_divisible_by,
@@ -428,7 +437,7 @@ class Trainer:
                 scheduler=self.scheduler,
                 loss_scaler=self.scaler,
                 model_config=self.model_config.to_dict(),
-                tokenizer_config=self.tokenizer_config.to_dict(),
+                tokenizer_config=self.saved_tokenizer_config,
                 parallel={"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp},
                 save_optim=not c.no_save_optim,
                 save_rng=not c.no_save_rng,
@@ -448,7 +457,7 @@ class Trainer:
             scheduler=self.scheduler,
             loss_scaler=self.scaler,
             model_config=self.model_config.to_dict(),
-            tokenizer_config=self.tokenizer_config.to_dict(),
+            tokenizer_config=self.saved_tokenizer_config,
             save_optim=not c.no_save_optim,
             save_rng=not c.no_save_rng,
             layout=self.layout,
