@@ -1,0 +1,148 @@
+"""Perplexity change of every mg-quantize recipe on held-out text, one trained model.
+
+A Llama-shaped model (GPT-2 BPE vocabulary) is trained on Botchan (characters
+20000:200000, core's `train_on_botchan`), or read with `--load`; calibration windows
+come from the training text (20000:60000), held-out windows from text it never saw
+(200000:270000). Each recipe then runs through `mg-quantize` with `--eval-data-path`,
+which reports the perplexity before and after with core's model forward.
+
+    uv run --frozen python bench/bench_quantize_quality.py --steps 400 --out table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RECIPES = [
+    ("int8_wo", []),
+    ("fp8", []),
+    ("fp8", ["--fp8-per-channel"]),
+    ("int8_sq", []),
+    ("int4_wo", ["--group-size", "128"]),
+    ("int4_awq", ["--group-size", "128"]),
+    ("int4_gptq", ["--group-size", "128"]),
+    ("int4_gptq", ["--group-size", "128", "--act-order"]),
+    ("int4_wo", ["--group-size", "32"]),
+]
+
+
+def _dataset(prefix: Path, tokenizer, start: int, end: int) -> str:
+    import numpy as np
+
+    from mg.core.fixtures import fixture_path
+    from mg.indexed_dataset import IndexedDatasetBuilder
+
+    text = fixture_path("botchan", "botchan.txt").read_text(encoding="utf-8")[start:end]
+    with IndexedDatasetBuilder(f"{prefix}.bin", np.int32) as builder:
+        for k in range(0, len(text), 2000):
+            ids = tokenizer.tokenize(text[k : k + 2000])
+            builder.add_document(ids, [len(ids)])
+        builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--load", help="an mg checkpoint with a GPT-2 BPE tokenizer")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    import torch
+
+    from mg.core.checkpoint import load_model, save_model
+    from mg.core.fixtures import fixture_path
+    from mg.core.models import GPTModel
+    from mg.core.models.presets import tiny_llama
+    from mg.core.testing.botchan_training import train_on_botchan
+    from mg.core.tokenizers import TokenizerConfig, build_tokenizer
+    from mg.quantize_export import cli
+
+    tok_config = TokenizerConfig(
+        "GPT2BPETokenizer",
+        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
+        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
+    )
+    tokenizer = build_tokenizer(tok_config)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        start = time.perf_counter()
+        if args.load:
+            source = args.load
+            model, config, _, _ = load_model(source)
+        else:
+            torch.manual_seed(0)
+            config = tiny_llama(
+                vocab_size=50304, hidden_size=args.hidden, num_layers=args.layers,
+                num_attention_heads=args.hidden // 64, num_query_groups=args.hidden // 128,
+                ffn_hidden_size=args.ffn, seq_length=args.seq, max_position_embeddings=args.seq,
+            )  # fmt: skip
+            model = train_on_botchan(
+                GPTModel(config), tokenizer, steps=args.steps, window=args.seq, batch_size=8,
+                text_end=200000,
+            )  # fmt: skip
+            source = str(tmp / "float")
+            save_model(source, model, config, tok_config)
+        params = sum(p.numel() for p in model.parameters())
+        linear = sum(
+            m.weight.numel()
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n != "output_layer"
+        )
+        trained_s = time.perf_counter() - start
+        del model
+        calib = _dataset(tmp / "calib", tokenizer, 20000, 60000)
+        heldout = _dataset(tmp / "heldout", tokenizer, 200000, 270000)
+        rows = []
+        for recipe, extra in RECIPES:
+            report = tmp / "report.json"
+            out = tmp / "q"
+            cli.main(
+                ["--no-progress", "--overwrite", "--load", source, "--save", str(out),
+                 "--recipe", recipe, *extra, "--calib-data-path", calib,
+                 "--calib-samples", str(args.calib_samples), "--calib-seq-length", str(args.seq),
+                 "--eval-data-path", heldout, "--eval-samples", str(args.eval_samples),
+                 "--report", str(report)]
+            )  # fmt: skip
+            data = json.loads(report.read_text())
+            rows.append((recipe, " ".join(extra), data))
+            print(recipe, extra, data["ppl_before"], data["ppl_after"], file=sys.stderr)
+    base = rows[0][2]["ppl_before"]
+    lines = [
+        f"model: {params / 1e6:.1f}M parameters ({linear / 1e6:.1f}M in the quantized linears; "
+        f"hidden {config.hidden_size}, {config.num_layers} layers, ffn {config.ffn_hidden_size}, "
+        f"vocab {config.vocab_size}), "
+        + (f"--load {args.load}" if args.load else f"trained {args.steps} steps on Botchan")
+        + f" ({trained_s:.0f} s); held-out perplexity {base:.3f} on {args.eval_samples} "
+        f"windows of {args.seq} tokens; calibration {args.calib_samples} windows; "
+        f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "",
+        "| recipe | options | perplexity | change | size vs float |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for recipe, extra, data in rows:
+        lines.append(
+            f"| {recipe} | {extra} | {data['ppl_after']:.3f} | {data['ppl_change_pct']:+.2f}% | "
+            f"{data['size_after_bytes'] / data['size_before_bytes']:.2f}x |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
