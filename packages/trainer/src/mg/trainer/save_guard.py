@@ -11,8 +11,7 @@ even built:
   choose: `--load` the existing folder, a new `--save`, or
   `--overwrite-checkpoints` to overwrite on purpose;
 - `--save` must be a folder this process can create and write (checked with a
-  probe file), and its disk must have room for one checkpoint where that is
-  cheap to estimate (see :func:`check_room`).
+  probe file).
 
 Reads only the tracker file and folder names (no torch), so it runs before
 anything heavy.
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file
@@ -143,18 +141,3 @@ def check_writable(save: str | None) -> None:
         ) from None
     finally:
         probe.unlink(missing_ok=True)
-
-
-def check_room(save: str | None, checkpoint_bytes: int) -> None:
-    """Refuse when `--save`'s disk has less free space than one checkpoint needs."""
-    if not save or checkpoint_bytes <= 0:
-        return
-    try:
-        free = shutil.disk_usage(save).free
-    except OSError:
-        return
-    if free < checkpoint_bytes:
-        raise SaveGuardError(
-            f"--save {save}: its disk has {free / 2**20:,.1f} MiB free, one checkpoint needs "
-            f"about {checkpoint_bytes / 2**20:,.1f} MiB; free some space or choose another --save"
-        )
