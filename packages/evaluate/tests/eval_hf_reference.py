@@ -13,13 +13,17 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from mg.core.models.hf_mapping import config_to_hf, megatron_to_hf
 
+GPT2_VOCAB = 50257  # the GPT-2 BPE tokenizer's
 
-def to_hf(model) -> GPT2LMHeadModel:
-    hf_config = GPT2Config(**config_to_hf(model.config, "gpt2"))
+
+def to_hf(model, vocab_size: int = GPT2_VOCAB) -> GPT2LMHeadModel:
+    """The model as `transformers` holds it, without Megatron's padding rows beyond the
+    tokenizer's `vocab_size` (mg-eval gives them no probability, as if absent)."""
+    hf_config = GPT2Config(**{**config_to_hf(model.config, "gpt2"), "vocab_size": vocab_size})
     hf = GPT2LMHeadModel(hf_config)
-    missing, unexpected = hf.load_state_dict(
-        megatron_to_hf(model.state_dict(), model.config, "gpt2"), strict=False
-    )
+    weights = megatron_to_hf(model.state_dict(), model.config, "gpt2")
+    weights["transformer.wte.weight"] = weights["transformer.wte.weight"][:vocab_size]
+    missing, unexpected = hf.load_state_dict(weights, strict=False)
     assert not unexpected
     assert all(k == "lm_head.weight" or k.endswith("attn.bias") for k in missing), missing
     hf.tie_weights()

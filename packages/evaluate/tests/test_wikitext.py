@@ -7,7 +7,8 @@ from eval_hf_reference import to_hf, wikitext_ppl
 from mg.evaluate.cli import main
 from mg.evaluate.wikitext import build_windows
 
-V = 50304  # the zero model's vocabulary: uniform logits cost ln(V) per token
+V = 50257  # the tokenizer's tokens: uniform logits over them (the padding rows to 50304
+# take no probability) cost ln(V) per token
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -41,6 +41,7 @@ from mg.core.models.core_attention import build_core_attention
 from mg.core.models.kv_cache import KVCache
 from mg.core.models.moe import MoELayer
 from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
+from mg.core.models.vocab_mask import mask_padded_vocab
 
 
 def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
@@ -291,6 +292,9 @@ class GPTModel(nn.Module):
                 f"got {config.transformer_layer_order!r} (post_ln is for BertModel)"
             )
         self.config = config
+        # the tokenizer's vocabulary, where a reader sets it: padding rows beyond it get
+        # -inf logits (mg.core.models.vocab_mask)
+        self.real_vocab_size: int | None = None
         device = torch.get_default_device()
         # Built on the meta device, then given storage: the submodules' own default init
         # (kaiming for nn.Linear) would draw random numbers that init_weights overwrites,
@@ -385,7 +389,7 @@ class GPTModel(nn.Module):
 
         Its own method so tensor parallelism can swap in a vocab-parallel
         version on the instance (mg.core.parallel.tensor_parallel)."""
-        logits = F.linear(hidden, self.output_weight())
+        logits = mask_padded_vocab(F.linear(hidden, self.output_weight()), self.real_vocab_size)
         if labels is None:
             return logits
         return F.cross_entropy(

@@ -19,6 +19,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from mg.core.models.vocab_mask import mask_padded_vocab
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy from vocab-sharded logits [tokens, vocab/tp] (fp32)."""
@@ -78,19 +80,24 @@ def replicate_for_tensor_parallel(hidden: Tensor, tp_mesh: DeviceMesh) -> Tensor
 
 
 def vocab_parallel_output(
-    hidden: Tensor, weight: DTensor, labels: Tensor | None, tp_mesh: DeviceMesh
+    hidden: Tensor,
+    weight: DTensor,
+    labels: Tensor | None,
+    tp_mesh: DeviceMesh,
+    real_vocab_size: int | None = None,
 ) -> Tensor:
     """logits [b, s, vocab] (gathered only when no labels are given) or the
-    per-token fp32 cross-entropy [b, s], from a vocab-sharded output weight."""
+    per-token fp32 cross-entropy [b, s], from a vocab-sharded output weight;
+    rows >= real_vocab_size (the padding) at -inf when it is given."""
     if weight.placements != (Shard(0),):
         raise ValueError(f"output weight must be vocab-sharded (Shard(0)), got {weight.placements}")
     full_hidden = replicate_for_tensor_parallel(hidden, tp_mesh)
     local_weight = weight.to_local()
-    logits = F.linear(full_hidden, local_weight)
+    vocab_start = tp_mesh.get_local_rank() * local_weight.shape[0]
+    logits = mask_padded_vocab(F.linear(full_hidden, local_weight), real_vocab_size, vocab_start)
     if labels is None:
         return DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False).full_tensor()
     b, s = labels.shape
-    vocab_start = tp_mesh.get_local_rank() * local_weight.shape[0]
     loss = vocab_parallel_cross_entropy(
         logits.float().flatten(0, 1), labels.flatten(), vocab_start, tp_mesh.get_group()
     )

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.gpt import GPTModel
+from mg.core.models.vocab_mask import mask_padded_vocab
 
 _SHARED_COPY = "_mg_shared_embedding_copy"
 
@@ -146,6 +147,7 @@ class PipelineChunk(nn.Module):
                 setattr(self.output_layer.weight, _SHARED_COPY, True)
         # Tensor parallelism replaces GPTModel.output_and_loss on the instance (vocab-
         # parallel logits and loss); the last chunk runs the same function on its weight.
+        self.real_vocab_size = model.real_vocab_size  # padding rows masked beyond it
         override = model.__dict__.get("output_and_loss")
         self._output_and_loss = (
             types.MethodType(override.__func__, self) if last and override is not None else None
@@ -170,7 +172,7 @@ class PipelineChunk(nn.Module):
             return hidden
         if self._output_and_loss is not None:
             return self._output_and_loss(hidden, labels)
-        logits = F.linear(hidden, self.output_weight())
+        logits = mask_padded_vocab(F.linear(hidden, self.output_weight()), self.real_vocab_size)
         if labels is None:
             return logits
         b, s = labels.shape

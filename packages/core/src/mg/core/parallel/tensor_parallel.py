@@ -249,7 +249,8 @@ def apply_tensor_parallel(
         parallelize_module(model.output_layer, tp_mesh, ColwiseParallel(), src_data_rank=None)
 
     def output_and_loss(self: GPTModel, hidden: Tensor, labels: Tensor | None) -> Tensor:
-        return vocab_parallel_output(hidden, self.output_weight(), labels, tp_mesh)
+        weight = self.output_weight()
+        return vocab_parallel_output(hidden, weight, labels, tp_mesh, self.real_vocab_size)
 
     model.output_and_loss = types.MethodType(output_and_loss, model)
     model.tensor_parallel_size = tp

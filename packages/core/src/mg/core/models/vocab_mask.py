@@ -1,0 +1,32 @@
+"""Padded vocabulary rows take no probability.
+
+Megatron pads the embedding and output layer to a multiple of
+`--make-vocab-size-divisible-by` x TP rows (GPT-2's 50,257 tokens become 50,304).
+No target is ever a padding row, but in a softmax those rows still take
+probability mass, so a padded model's perplexity and samples differ slightly
+from the unpadded model's (`transformers`'). A reader that knows the tokenizer
+(mg-eval, mg-serve) sets the model's `real_vocab_size`; the logits of the rows
+beyond it are then -inf. Training keeps them, as Megatron's loss does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def mask_padded_vocab(logits: Tensor, real_vocab_size: int | None, vocab_start: int = 0) -> Tensor:
+    """`logits` [..., n] of vocabulary rows vocab_start .. vocab_start + n - 1 (a
+    tensor-parallel shard starts later), with the rows >= real_vocab_size at -inf."""
+    if real_vocab_size is None or real_vocab_size - vocab_start >= logits.shape[-1]:
+        return logits
+    rows = torch.arange(logits.shape[-1], device=logits.device) + vocab_start
+    return logits.masked_fill(rows >= real_vocab_size, float("-inf"))
+
+
+def set_real_vocab_size(model: nn.Module, size: int | None) -> None:
+    """Mask the padding rows beyond `size` in every output of `model` (whole, tensor-
+    parallel or a pipeline stage); None unmasks."""
+    for module in model.modules():
+        if hasattr(module, "real_vocab_size"):
+            module.real_vocab_size = size
