@@ -147,7 +147,7 @@ class PipelineChunk(nn.Module):
                 setattr(self.output_layer.weight, _SHARED_COPY, True)
         # Tensor parallelism replaces GPTModel.output_and_loss on the instance (vocab-
         # parallel logits and loss); the last chunk runs the same function on its weight.
-        self.real_vocab_size = model.real_vocab_size  # padding rows masked beyond it
+        self.real_vocab_size = getattr(model, "real_vocab_size", None)  # padding masked beyond
         override = model.__dict__.get("output_and_loss")
         self._output_and_loss = (
             types.MethodType(override.__func__, self) if last and override is not None else None
