@@ -85,7 +85,7 @@ def pool_blocks(
             f"({block_bytes} bytes each) but one sequence of {max_length} positions needs "
             f"{per_sequence}; give more memory or lower --inference-max-seq-length"
         )
-    log.info(
+    log.debug(
         "KV cache: %d blocks x %d positions, %.1f MiB",
         blocks,
         block_size,
@@ -105,7 +105,7 @@ def set_threads(requested: int | None, device: torch.device) -> int:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
         requested = max(1, cores // max(1, ranks))
     torch.set_num_threads(requested)
-    log.info("using %d CPU threads", requested)
+    log.debug("using %d CPU threads", requested)  # the start-up line says it
     return requested
 
 
