@@ -18,34 +18,9 @@ from mg.core.models import TransformerConfig
 from mg.core.models.gpt import GPTModel
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.megatron_buffers import megatron_parameter_order
+from mg.core.testing.megatron_reference import tiny_config as _config
 
 pytestmark = pytest.mark.compat
-
-SHAPES = {
-    "gpt2": dict(normalization="LayerNorm"),
-    "llama": dict(
-        normalization="RMSNorm",
-        activation="swiglu",
-        add_bias_linear=False,
-        position_embedding_type="rope",
-        untie_embeddings_and_output_weights=True,
-        num_query_groups=2,
-        qk_layernorm=True,
-    ),
-}
-
-
-def _config(shape: str) -> TransformerConfig:
-    return TransformerConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        ffn_hidden_size=96,
-        vocab_size=128,
-        max_position_embeddings=32,
-        seq_length=16,
-        **SHAPES[shape],
-    )
 
 
 @pytest.fixture

@@ -7,23 +7,10 @@ import warnings
 import pytest
 
 from mg.core.checkpoint.megatron_sharded_keys import ShardedKey, megatron_sharded_key
-from mg.core.models import TransformerConfig
 from mg.core.models.gpt import GPTModel
+from mg.core.testing.megatron_reference import TINY_SHAPES, tiny_config
 
 pytestmark = pytest.mark.compat
-
-SHAPES = {
-    "gpt2": dict(normalization="LayerNorm"),
-    "llama": dict(
-        normalization="RMSNorm",
-        activation="swiglu",
-        add_bias_linear=False,
-        position_embedding_type="rope",
-        untie_embeddings_and_output_weights=True,
-        num_query_groups=2,
-        qk_layernorm=True,
-    ),
-}
 
 
 def _their_entries(model) -> dict[str, list]:
@@ -37,23 +24,14 @@ def _their_entries(model) -> dict[str, list]:
     return out
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(TINY_SHAPES))
 def test_keys_layer_axis_and_shapes_match_megatron_core(tmp_path, shape) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron.core warns that TE and Apex are missing
         pytest.importorskip("megatron.core")
         from mg.core.testing.megatron_reference import megatron_gpt_model, megatron_on_cpu
 
-        config = TransformerConfig(
-            num_layers=3,
-            hidden_size=64,
-            num_attention_heads=4,
-            ffn_hidden_size=96,
-            vocab_size=128,
-            max_position_embeddings=32,
-            seq_length=16,
-            **SHAPES[shape],
-        )
+        config = tiny_config(shape, num_layers=3)
         with megatron_on_cpu(tmp_path):
             theirs = _their_entries(megatron_gpt_model(config))
     ours = dict(GPTModel(config).named_parameters())

@@ -53,6 +53,36 @@ def megatron_cpu_patches() -> Any:
     return patches
 
 
+# Tiny shapes that exercise Megatron's naming and layout differences: GPT-2 (tied,
+# biases, LayerNorm) and a Llama/Qwen3 shape (untied, GQA, SwiGLU, RMSNorm, QK norms).
+TINY_SHAPES: dict[str, dict[str, Any]] = {
+    "gpt2": dict(normalization="LayerNorm"),
+    "llama": dict(
+        normalization="RMSNorm",
+        activation="swiglu",
+        add_bias_linear=False,
+        position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True,
+        num_query_groups=2,
+        qk_layernorm=True,
+    ),
+}
+
+
+def tiny_config(shape: str, num_layers: int = 2) -> TransformerConfig:
+    """One of `TINY_SHAPES` as a 64-wide, 128-token-vocabulary config."""
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=96,
+        vocab_size=128,
+        max_position_embeddings=32,
+        seq_length=16,
+        **TINY_SHAPES[shape],
+    )
+
+
 def megatron_optimizer_cpu_patches(patches: Any) -> None:
     """Add to `patches` what megatron-core's DDP and DistributedOptimizer need on CPU:
     tensors it creates on "cuda" go to the CPU, and CPU tensors report CUDA type names
