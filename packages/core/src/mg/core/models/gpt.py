@@ -41,7 +41,7 @@ from mg.core.models.core_attention import build_core_attention
 from mg.core.models.kv_cache import KVCache
 from mg.core.models.moe import MoELayer
 from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
-from mg.core.models.vocab_mask import mask_padded_vocab
+from mg.core.models.vocab_mask import logits_or_loss
 
 
 def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
@@ -389,9 +389,4 @@ class GPTModel(nn.Module):
 
         Its own method so tensor parallelism can swap in a vocab-parallel
         version on the instance (mg.core.parallel.tensor_parallel)."""
-        logits = mask_padded_vocab(F.linear(hidden, self.output_weight()), self.real_vocab_size)
-        if labels is None:
-            return logits
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
-        ).view(labels.shape)
+        return logits_or_loss(hidden, self.output_weight(), labels, self.real_vocab_size)

@@ -1,4 +1,4 @@
-"""Padded vocabulary rows take no probability.
+"""The language-model output, where padded vocabulary rows take no probability.
 
 Megatron pads the embedding and output layer to a multiple of
 `--make-vocab-size-divisible-by` x TP rows (GPT-2's 50,257 tokens become 50,304).
@@ -12,6 +12,7 @@ beyond it are then -inf. Training keeps them, as Megatron's loss does.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -30,3 +31,16 @@ def set_real_vocab_size(model: nn.Module, size: int | None) -> None:
     for module in model.modules():
         if hasattr(module, "real_vocab_size"):
             module.real_vocab_size = size
+
+
+def logits_or_loss(
+    hidden: Tensor, weight: Tensor, labels: Tensor | None, real_vocab_size: int | None = None
+) -> Tensor:
+    """Final hidden states [b, s, h] → logits [b, s, vocab], or with labels the per-token
+    cross-entropy [b, s] in fp32 (unreduced, as Megatron returns it)."""
+    logits = mask_padded_vocab(F.linear(hidden, weight), real_vocab_size)
+    if labels is None:
+        return logits
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(
+        labels.shape
+    )

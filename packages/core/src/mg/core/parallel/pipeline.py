@@ -33,11 +33,10 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.gpt import GPTModel
-from mg.core.models.vocab_mask import mask_padded_vocab
+from mg.core.models.vocab_mask import logits_or_loss
 
 _SHARED_COPY = "_mg_shared_embedding_copy"
 
@@ -172,13 +171,7 @@ class PipelineChunk(nn.Module):
             return hidden
         if self._output_and_loss is not None:
             return self._output_and_loss(hidden, labels)
-        logits = mask_padded_vocab(F.linear(hidden, self.output_weight()), self.real_vocab_size)
-        if labels is None:
-            return logits
-        b, s = labels.shape
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
-        ).view(b, s)
+        return logits_or_loss(hidden, self.output_weight(), labels, self.real_vocab_size)
 
 
 def split_model(

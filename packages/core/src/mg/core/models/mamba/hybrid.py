@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import ConfigError, TransformerConfig
@@ -48,6 +47,7 @@ from mg.core.models.mamba.mixer import MambaMixer
 from mg.core.models.mamba.pattern import ATTENTION, MAMBA
 from mg.core.models.mamba.pattern import MLP as MLP_SYMBOL
 from mg.core.models.rope import RotaryEmbedding
+from mg.core.models.vocab_mask import logits_or_loss
 
 
 class MambaLayer(nn.Module):
@@ -159,6 +159,7 @@ class MambaModel(nn.Module):
             )
         config.validate()
         self.config = config
+        self.real_vocab_size: int | None = None  # padding rows masked beyond it (vocab_mask)
         device = torch.get_default_device()
         with torch.device("meta"):
             self.embedding = LanguageModelEmbedding(config)
@@ -236,12 +237,7 @@ class MambaModel(nn.Module):
 
     def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
         """Final hidden states → logits, or the per-token loss (swappable for TP)."""
-        logits = F.linear(hidden, self.output_weight())
-        if labels is None:
-            return logits
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
-        ).view(labels.shape)
+        return logits_or_loss(hidden, self.output_weight(), labels, self.real_vocab_size)
 
 
 def decoder_model(config: TransformerConfig) -> nn.Module:
