@@ -54,3 +54,23 @@ def test_perplexity_equals_transformers_on_a_padded_vocabulary(tmp_path) -> None
     unmasked = score_sequences(loaded.model, items, micro_batch_size=1)[0].loss_sum
     # a near-uniform random model: each target loses about log(50304 / 50257) nats
     assert unmasked - expected > 0.5 * (len(ids) - 1) * math.log(50304 / 50257)
+
+
+def test_mg_serve_never_samples_a_padding_row(tmp_path) -> None:
+    """mg-serve's model masks the rows Megatron padded (here from the tokenizer's 50,257
+    to 50,304); an imported model keeps its own vocabulary (Qwen2's exceeds its tokenizer)."""
+    from mg.core.checkpoint import save_model
+    from mg.core.models import GPTModel, presets
+    from mg.core.models.vocab_mask import unpadded_vocab_size
+    from mg.core.tokenizers import TokenizerConfig
+    from mg.generate_server.loading import load_for_serving
+
+    config = presets.tiny_gpt2(vocab_size=50304, max_position_embeddings=32, seq_length=32)
+    tokenizer = TokenizerConfig(**GPT2_BPE)
+    save_model(tmp_path / "ckpt", GPTModel(config), config, tokenizer)
+    served = load_for_serving(tmp_path / "ckpt")
+    with torch.no_grad():
+        logits = served.model(torch.tensor([[464, 3290, 318]]))
+    assert torch.isinf(logits[..., 50257:]).all() and torch.isfinite(logits[..., :50257]).all()
+    config.extra = {"hf_vocab_size": 50280}
+    assert unpadded_vocab_size(config, 50257) == 50280

@@ -20,7 +20,7 @@ from mg.core.checkpoint.model_part import load_model_part
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.bert import BertModel, bert_from_state_dict
-from mg.core.models.vocab_mask import set_real_vocab_size
+from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.core.tokenizers.base import BaseTokenizer
@@ -56,7 +56,8 @@ def load_for_eval(
     tokenizer = eval_tokenizer(tok_config, tokenizer_overrides, load_dir, config.vocab_size)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device=device, dtype=torch.float32).eval()
-    set_real_vocab_size(model, tokenizer.vocab_size)  # padding rows take no probability
+    # Megatron's padding rows take no probability
+    set_real_vocab_size(model, unpadded_vocab_size(config, tokenizer.vocab_size))
     return LoadedModel(model, config, tokenizer, info.iteration)
 
 
@@ -82,7 +83,8 @@ def load_part_for_eval(
     tokenizer = eval_tokenizer(
         part.tokenizer_config, tokenizer_overrides, load_dir, part.config.vocab_size
     )
-    set_real_vocab_size(part.module, tokenizer.vocab_size)  # padding rows take no probability
+    # Megatron's padding rows take no probability
+    set_real_vocab_size(part.module, unpadded_vocab_size(part.config, tokenizer.vocab_size))
     return LoadedModel(part.module, part.config, tokenizer, part.info.iteration)
 
 

@@ -10,6 +10,7 @@ import torch
 from mg.core.checkpoint import CheckpointError, load_model
 from mg.core.checkpoint.model_part import load_model_part
 from mg.core.models import GPTModel, TransformerConfig
+from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.tensor_parallel import TensorParallelError
 from mg.core.tokenizers import BaseTokenizer, TokenizerConfig, build_tokenizer
@@ -67,4 +68,6 @@ def load_for_serving(
         tokenizer = build_tokenizer(tokenizer_config)
     except ValueError as exc:
         raise ServeSetupError(f"{load}: its tokenizer cannot be built: {exc}") from None
+    # Megatron's padding rows are never sampled
+    set_real_vocab_size(model, unpadded_vocab_size(config, tokenizer.vocab_size))
     return LoadedModel(model, config, tokenizer, tokenizer_config, Path(load).resolve().name)

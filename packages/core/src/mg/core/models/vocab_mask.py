@@ -5,11 +5,14 @@ Megatron pads the embedding and output layer to a multiple of
 No target is ever a padding row, but in a softmax those rows still take
 probability mass, so a padded model's perplexity and samples differ slightly
 from the unpadded model's (`transformers`'). A reader that knows the tokenizer
-(mg-eval, mg-serve) sets the model's `real_vocab_size`; the logits of the rows
-beyond it are then -inf. Training keeps them, as Megatron's loss does.
+(mg-eval, mg-serve) sets the model's `real_vocab_size` (`unpadded_vocab_size`:
+the imported model's own vocabulary, else the tokenizer's); the logits of the
+rows beyond it are then -inf. Training keeps them, as Megatron's loss does.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +26,14 @@ def mask_padded_vocab(logits: Tensor, real_vocab_size: int | None, vocab_start: 
         return logits
     rows = torch.arange(logits.shape[-1], device=logits.device) + vocab_start
     return logits.masked_fill(rows >= real_vocab_size, float("-inf"))
+
+
+def unpadded_vocab_size(config: Any, tokenizer_vocab_size: int) -> int:
+    """Where Megatron's padding starts: a model imported from Hugging Face keeps its own
+    vocabulary (`hf_vocab_size`, which may exceed the tokenizer's, as Qwen2's does);
+    a model trained here was padded from its tokenizer's."""
+    extra = getattr(config, "extra", None) or {}
+    return int(extra.get("hf_vocab_size") or tokenizer_vocab_size)
 
 
 def set_real_vocab_size(model: nn.Module, size: int | None) -> None:
