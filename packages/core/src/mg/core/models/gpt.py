@@ -72,6 +72,31 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
         nn.init.zeros_(linear.bias)
 
 
+def language_model_init_units(
+    model: nn.Module, final_norm: str, output_std: float
+) -> list[InitUnit]:
+    """A decoder language model's init in order: the embedding, each layer (N(0, σ),
+    its residual-writing projections N(0, output_std)), the final norm `final_norm`
+    of `model.decoder`, then an untied output layer."""
+    std = model.config.init_method_std
+    units = [InitUnit("embedding", model.embedding, lambda m: m.init_weights(std))]
+    units += [
+        InitUnit(f"decoder.layers.{i}", layer, lambda m: m.init_weights(std, output_std))
+        for i, layer in enumerate(model.decoder.layers)
+    ]
+    norm = getattr(model.decoder, final_norm)
+    units.append(InitUnit(f"decoder.{final_norm}", norm, _reset_norm))
+    if model.output_layer is not None:
+        units.append(
+            InitUnit(
+                "output_layer",
+                model.output_layer,
+                lambda m: nn.init.normal_(m.weight, mean=0.0, std=std),
+            )
+        )
+    return units
+
+
 class LanguageModelEmbedding(nn.Module):
     """Token embedding, plus learned absolute positions for GPT-2-style models."""
 
@@ -321,23 +346,8 @@ class GPTModel(nn.Module):
         random numbers each tensor gets, so a rank that builds only its shards
         replays the list unit by unit on a full-size scratch copy and keeps its
         part (`mg.core.parallel.materialize`) and gets the single-process values."""
-        std = self.config.init_method_std
-        output_std = std / math.sqrt(2.0 * self.config.num_layers)
-        units = [InitUnit("embedding", self.embedding, lambda m: m.init_weights(std))]
-        units += [
-            InitUnit(f"decoder.layers.{i}", layer, lambda m: m.init_weights(std, output_std))
-            for i, layer in enumerate(self.decoder.layers)
-        ]
-        units.append(InitUnit("decoder.final_layernorm", self.decoder.final_layernorm, _reset_norm))
-        if self.output_layer is not None:
-            units.append(
-                InitUnit(
-                    "output_layer",
-                    self.output_layer,
-                    lambda m: nn.init.normal_(m.weight, mean=0.0, std=std),
-                )
-            )
-        return units
+        output_std = self.config.init_method_std / math.sqrt(2.0 * self.config.num_layers)
+        return language_model_init_units(self, "final_layernorm", output_std)
 
     @torch.no_grad()
     def init_weights(self) -> None:

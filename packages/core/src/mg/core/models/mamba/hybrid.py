@@ -39,8 +39,8 @@ from mg.core.models.gpt import (
     InitUnit,
     LanguageModelEmbedding,
     SelfAttention,
-    _reset_norm,
     build_norm,
+    language_model_init_units,
 )
 from mg.core.models.mamba.config import MambaConfig
 from mg.core.models.mamba.mixer import MambaMixer
@@ -178,23 +178,8 @@ class MambaModel(nn.Module):
 
     def init_units(self) -> list[InitUnit]:
         """Megatron's init as ordered (prefix, module, init) units, as GPTModel's."""
-        std = self.config.init_method_std
-        output_std = std / math.sqrt(self.config.num_layers)
-        units = [InitUnit("embedding", self.embedding, lambda m: m.init_weights(std))]
-        units += [
-            InitUnit(f"decoder.layers.{i}", layer, lambda m: m.init_weights(std, output_std))
-            for i, layer in enumerate(self.decoder.layers)
-        ]
-        units.append(InitUnit("decoder.final_norm", self.decoder.final_norm, _reset_norm))
-        if self.output_layer is not None:
-            units.append(
-                InitUnit(
-                    "output_layer",
-                    self.output_layer,
-                    lambda m: nn.init.normal_(m.weight, mean=0.0, std=std),
-                )
-            )
-        return units
+        output_std = self.config.init_method_std / math.sqrt(self.config.num_layers)
+        return language_model_init_units(self, "final_norm", output_std)
 
     @torch.no_grad()
     def init_weights(self) -> None:
