@@ -165,6 +165,8 @@ def test_bad_json_is_400_and_server_lives_on(server) -> None:
     assert r.json()["message"].startswith("request body is not valid JSON")
     r = httpx.put(server.url + "/api", content=b"\xff\xfe", timeout=10)
     assert r.status_code == 400
+    r = httpx.put(server.url + "/api", content=b"[" * 5000 + b"]" * 5000, timeout=10)
+    assert r.status_code == 400 and "nested too deeply" in r.json()["message"]
     assert put(server, {"prompts": ["ok"], "tokens_to_generate": 1}).status_code == 200
 
 

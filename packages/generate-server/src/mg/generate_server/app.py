@@ -235,6 +235,8 @@ def create_app(
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError("request body is nested too deeply to be a request") from None
         req = parse_megatron_request(body)
         jobs = build_jobs(req, tokenizer, settings.limits)
         if not req.no_log:

@@ -153,6 +153,11 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--port must be within 0..65535")
     if args.num_threads is not None and args.num_threads < 1:
         parser.error("--num-threads must be >= 1")
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error(
+            "--api-key (or $MG_SERVE_API_KEY) is empty: give a token, or leave both unset "
+            "for a server without authentication"
+        )
     if args.kv_cache_memory is not None:
         try:
             parse_memory(args.kv_cache_memory)
