@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from mg.core.help_format import DefaultsHelpFormatter
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.parallel_flags import add_model_parallel_flags, check_single_shard
 
@@ -43,7 +44,7 @@ def add_finetune_tasks(sub: argparse._SubParsersAction) -> None:
             help=help_text,
             description=help_text.capitalize() + ", as Megatron-LM's tasks/main.py does. "
             "Defaults are Megatron's example recipe for the task.",
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+            formatter_class=DefaultsHelpFormatter,
         )
         g = p.add_argument_group("model and data")
         g.add_argument(

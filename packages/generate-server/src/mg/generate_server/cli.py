@@ -22,8 +22,9 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 
-from mg.generate_server.loading import ServeSetupError
-from mg.generate_server.resources import parse_memory
+from mg.core.help_format import DefaultsHelpFormatter
+from mg.generate_server.errors import ServeSetupError
+from mg.generate_server.memory_size import parse_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a checkpoint: Megatron's PUT /api, OpenAI-compatible /v1/completions "
         "(and /v1/chat/completions with a chat template), /health, /metrics, /docs. "
         "`mg-serve cli HOST:PORT` is the interactive client.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--load", required=True, help="checkpoint folder (mg-train/mg-convert)")
     parser.add_argument("--iteration", default=None, help="iteration to load (default: latest)")

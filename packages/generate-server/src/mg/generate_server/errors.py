@@ -1,4 +1,4 @@
-"""The one error type the API layers raise for a request the server refuses."""
+"""The server's two error types: a request it refuses, and a start it cannot make."""
 
 from __future__ import annotations
 
@@ -11,3 +11,7 @@ class ApiError(Exception):
         self.message = message
         self.status = status
         self.param = param
+
+
+class ServeSetupError(Exception):
+    """The server cannot start; the message says what to change."""

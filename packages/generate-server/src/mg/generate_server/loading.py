@@ -14,10 +14,7 @@ from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.tensor_parallel import TensorParallelError
 from mg.core.tokenizers import BaseTokenizer, TokenizerConfig, build_tokenizer
-
-
-class ServeSetupError(Exception):
-    """The server cannot start; the message says what to change."""
+from mg.generate_server.errors import ServeSetupError
 
 
 @dataclass

@@ -38,7 +38,7 @@ from mg.core.models.paged_kv_cache import PagedSegment, decode_segments, encode_
 from mg.core.parallel import watchdog
 from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
 from mg.core.parallel.mesh import ParallelLayoutError
-from mg.generate_server.loading import ServeSetupError
+from mg.generate_server.errors import ServeSetupError
 from mg.generate_server.runner import DEFAULT_BLOCK_SIZE, ModelRunner
 
 log = logging.getLogger("mg.generate_server")

@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
+from mg.core.help_format import DefaultsHelpFormatter
 from mg.trainer.arguments_mamba import MambaArgs, add_mamba_flags, check_mamba_flags
 from mg.trainer.arguments_moe import MoEArgs, add_moe_flags, check_moe_flags
-from mg.trainer.help_format import DefaultsHelpFormatter
 
 FAMILIES = ("gpt", "bert", "t5", "mamba")
 

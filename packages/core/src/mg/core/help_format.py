@@ -1,4 +1,4 @@
-"""`mg-train --help`: show a flag's default only where it says something.
+"""Every command's `--help`: show a flag's default only where it says something.
 
 argparse's ArgumentDefaultsHelpFormatter appends "(default: X)" to every flag,
 which prints "(default: None)" for flags whose default is derived from others
