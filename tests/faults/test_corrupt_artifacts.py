@@ -36,6 +36,7 @@ HOW = ("truncated", "empty", "html", "scrambled")
 ITERATION_FLAG = {
     "mg-train": "latest_checkpointed_iteration.txt",
     "mg-eval": "--ckpt-step",
+    "mg-serve": "--iteration",
     "mg-convert inspect": "--iteration",
     "mg-convert export-hf": "--iteration",
 }

@@ -9,6 +9,7 @@ import torch
 
 from mg.core.checkpoint import CheckpointError, load_model
 from mg.core.checkpoint.model_part import load_model_part
+from mg.core.checkpoint.reader_guard import user_message
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
 from mg.core.parallel.layout import ParallelLayout
@@ -53,7 +54,7 @@ def load_for_serving(
                 model = model.to(torch_dtype)
             model = model.to(device).eval()
     except CheckpointError as exc:
-        raise ServeSetupError(str(exc)) from None
+        raise ServeSetupError(user_message(exc, "--iteration N")) from None
     except TensorParallelError as err:
         raise ServeSetupError(f"cannot serve with tensor parallelism: {err}") from None
     if tokenizer_config is None:
