@@ -158,3 +158,47 @@ def test_same_seed_same_tokens_while_batched(loaded) -> None:
         assert alone == batched
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/api", {"prompts": ["Hello"], "tokens_to_generate": 8}),
+        ("/v1/completions", {"model": "m", "prompt": "Hello", "max_tokens": 8}),
+    ],
+)
+def test_a_client_that_hangs_up_cancels_its_request(
+    loaded, start_server, monkeypatch, path, body
+) -> None:
+    """Non-streaming requests of both APIs: when the client closes the connection before the
+    answer, the server cancels the generation (its sequences leave the engine)."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from mg.generate_server import app as app_module
+    from mg.generate_server import openai_api
+
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def never_done(*args, **kwargs):
+        started.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    monkeypatch.setattr(app_module, "complete", never_done)
+    monkeypatch.setattr(openai_api, "complete", never_done)
+    with start_server(loaded) as running:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.request(
+                "PUT" if path == "/api" else "POST",
+                running.url + path,
+                json=body,
+                timeout=httpx.Timeout(10, read=1.0),
+            )
+        assert started.is_set()
+        assert cancelled.wait(10), "the generation kept running after the client hung up"

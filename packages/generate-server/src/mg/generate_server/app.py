@@ -26,7 +26,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mg.core.tokenizers import BaseTokenizer
 from mg.generate_server import __version__
-from mg.generate_server.async_bridge import GenerationFailed, GenerationTimeout, complete
+from mg.generate_server.async_bridge import (
+    ClientGone,
+    GenerationFailed,
+    GenerationTimeout,
+    complete,
+    unless_disconnected,
+)
 from mg.generate_server.chat import ChatTemplate
 from mg.generate_server.engine import EngineFullError, GenerationEngine
 from mg.generate_server.errors import ApiError
@@ -93,6 +99,9 @@ def _error(path: str, status: int, message: str, param: str | None = None) -> JS
     return JSONResponse(body, status_code=status)
 
 
+CLIENT_GONE = "mg.client_gone"  # scope key: an asyncio.Event set when the client hangs up
+
+
 class _BodyTooLarge(Exception):
     pass
 
@@ -118,14 +127,31 @@ class BodyLimitMiddleware:
             return
         seen = 0
         started = False
+        # Once the body is read, one task owns `receive` and waits for the disconnect: it
+        # sets scope[CLIENT_GONE] (non-streaming handlers poll it) and answers the app's
+        # later receives (a streaming response's disconnect listener) with that message.
+        gone = scope.setdefault(CLIENT_GONE, asyncio.Event())
+        watcher: asyncio.Task[Message] | None = None
+
+        async def watch() -> Message:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            return message
 
         async def counted_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, watcher
+            if watcher is not None:
+                return await asyncio.shield(watcher)
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     raise _BodyTooLarge
+                if not message.get("more_body", False):
+                    watcher = asyncio.ensure_future(watch())
+            elif message["type"] == "http.disconnect":
+                gone.set()
             return message
 
         async def tracked_send(message: Message) -> None:
@@ -138,6 +164,9 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             if not started:
                 await too_large(scope, receive, send)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
 
 
 def create_app(
@@ -213,6 +242,10 @@ def create_app(
             f"({settings.request_timeout} s)",
         )
 
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
     @app.exception_handler(GenerationFailed)
     async def on_failed(request: Request, exc: GenerationFailed) -> JSONResponse:
         return _error(request.url.path, 500, f"generation failed: {exc}")
@@ -247,36 +280,30 @@ def create_app(
                 len(req.prompts),
                 req.tokens_to_generate,
             )
-        tasks = [
-            asyncio.ensure_future(complete(engine, prompt, params, settings.request_timeout))
-            for prompt, params in jobs
-        ]
-        try:
-            completions = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
+        timeout = settings.request_timeout
+        runs = [complete(engine, prompt, params, timeout) for prompt, params in jobs]
+        completions = await unless_disconnected(request, asyncio.gather(*runs))
         return megatron_response(list(completions), tokenizer, req.logprobs)
 
     @app.post("/v1/completions", summary="OpenAI-compatible text completion")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         jobs = openai.completion_jobs(req)
         if req.stream:
             return StreamingResponse(
                 openai.stream_completions(req, jobs), media_type="text/event-stream"
             )
-        return await openai.completions(req, jobs)
+        return await unless_disconnected(request, openai.completions(req, jobs))
 
     if chat_template is not None:
 
         @app.post("/v1/chat/completions", summary="OpenAI-compatible chat completion")
-        async def chat_completions(req: ChatCompletionRequest) -> Any:
+        async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
             jobs = openai.chat_jobs(req)
             if req.stream:
                 return StreamingResponse(
                     openai.stream_chat(req, jobs), media_type="text/event-stream"
                 )
-            return await openai.chat(req, jobs)
+            return await unless_disconnected(request, openai.chat(req, jobs))
 
     @app.get("/v1/models", summary="The served model")
     async def models() -> dict[str, Any]:

@@ -11,11 +11,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from mg.generate_server.engine import GenerationEngine, TokenEvent
 from mg.generate_server.sampling import SamplingParams
+
+T = TypeVar("T")
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its (non-streaming) answer was ready."""
+
+
+async def unless_disconnected(request: Any, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientGone once the client has hung up: a non-streaming request
+    is cancelled then (its sequences leave the engine and free their blocks), as a
+    stream is when its reader goes away. `request`: Starlette's; the app's body-limit
+    middleware puts the hang-up event in its scope ("mg.client_gone")."""
+    task = asyncio.ensure_future(work)
+    gone = request.scope.get("mg.client_gone")
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+            if done:
+                return task.result()
+            if gone is not None and gone.is_set():
+                raise ClientGone
+    finally:
+        task.cancel()
 
 
 class GenerationTimeout(Exception):
