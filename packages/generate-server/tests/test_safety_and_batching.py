@@ -202,3 +202,20 @@ def test_a_client_that_hangs_up_cancels_its_request(
             )
         assert started.is_set()
         assert cancelled.wait(10), "the generation kept running after the client hung up"
+
+
+def test_a_slow_body_times_out_with_408(loaded, start_server) -> None:
+    """A client that announces a body and sends it too slowly holds no worker for long."""
+    import socket
+    from urllib.parse import urlparse
+
+    with start_server(loaded, request_body_timeout=1.0) as running:
+        url = urlparse(running.url)
+        with socket.create_connection((url.hostname, url.port), timeout=20) as sock:
+            sock.sendall(
+                b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n" + b'{"prompts": '
+            )
+            reply = sock.recv(4096).decode()
+        assert reply.startswith("HTTP/1.1 408"), reply
+        assert "request body not received within 1 s" in reply

@@ -53,6 +53,8 @@ log = logging.getLogger("mg.generate_server")
 class ServerSettings:
     limits: Limits
     max_request_bytes: int = 1 << 20
+    request_body_timeout: float = 30.0
+    """Seconds to receive a request's whole body; a client that sends slower gets a 408."""
     request_timeout: float | None = 300.0
     api_key: str | None = None
 
@@ -106,12 +108,19 @@ class _BodyTooLarge(Exception):
     pass
 
 
-class BodyLimitMiddleware:
-    """413 for bodies over the limit, whether or not Content-Length says so up front."""
+class _BodyTooSlow(Exception):
+    pass
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, whether or not Content-Length says so up front; 408
+    for a body that does not arrive within `body_timeout` seconds (a slow client holds
+    a connection and a worker otherwise)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -122,6 +131,10 @@ class BodyLimitMiddleware:
         too_large = _error(
             scope["path"], 413, f"request body is larger than {self.max_bytes} bytes"
         )
+        too_slow = _error(
+            scope["path"], 408, f"request body not received within {self.body_timeout:g} s"
+        )
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await too_large(scope, receive, send)
             return
@@ -143,7 +156,11 @@ class BodyLimitMiddleware:
             nonlocal seen, watcher
             if watcher is not None:
                 return await asyncio.shield(watcher)
-            message = await receive()
+            remaining = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(remaining, 0.0))
+            except asyncio.TimeoutError:
+                raise _BodyTooSlow from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
@@ -164,6 +181,9 @@ class BodyLimitMiddleware:
         except _BodyTooLarge:
             if not started:
                 await too_large(scope, receive, send)
+        except _BodyTooSlow:
+            if not started:
+                await too_slow(scope, receive, send)
         finally:
             if watcher is not None:
                 watcher.cancel()
@@ -187,7 +207,11 @@ def create_app(
         engine, tokenizer, settings.limits, model_name, settings.request_timeout, chat_template
     )
     app.state.engine = engine
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_request_bytes,
+        body_timeout=settings.request_body_timeout,
+    )
     open_paths = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
     @app.middleware("http")

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-bytes", type=int, default=1 << 20, help="largest request body"
     )
     parser.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to receive a request body; a slower client gets a 408",
+    )
+    parser.add_argument(
         "--max-waiting-requests", type=int, default=256, help="queue length before 503s"
     )
     parser.add_argument(
@@ -148,6 +154,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--max-tokens-to-generate must be >= 0")
     if args.request_timeout <= 0:
         parser.error("--request-timeout must be > 0 seconds")
+    if args.request_body_timeout <= 0:
+        parser.error("--request-body-timeout must be > 0 seconds")
     if args.distributed_timeout_minutes <= 0:
         parser.error("--distributed-timeout-minutes must be > 0")
     if not 0 <= args.port <= 65535:
@@ -244,6 +252,7 @@ def _serve_http(args: argparse.Namespace, loaded, runner, max_length: int, tp: i
         settings = ServerSettings(
             limits=Limits(max_length, args.max_tokens_to_oom, args.max_tokens_to_generate),
             max_request_bytes=args.max_request_bytes,
+            request_body_timeout=args.request_body_timeout,
             request_timeout=args.request_timeout,
             api_key=args.api_key,
         )
