@@ -236,26 +236,9 @@ class Int4WeightOnlyLinear(QuantizedLinear):
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
-class Int8DynamicLinear(QuantizedLinear):
-    """W8A8: int8 per-channel weights, int8 per-token activations quantized on the fly."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__(in_features, out_features, bias)
-        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("weight_scale", torch.empty(out_features))
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, weight: Tensor | None = None) -> Int8DynamicLinear:
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None)
-        module.qweight, module.weight_scale = P.quantize_int8_per_channel(
-            linear.weight if weight is None else weight
-        )
-        if linear.bias is not None:
-            module.bias = nn.Parameter(linear.bias.detach().clone())
-        return module
-
-    def dequantized_weight(self) -> Tensor:
-        return P.dequantize_int8(self.qweight, self.weight_scale)
+class Int8DynamicLinear(Int8WeightOnlyLinear):
+    """W8A8: int8 per-channel weights (stored as int8_wo's), int8 per-token activations
+    quantized on the fly."""
 
     def matmul(self, x: Tensor) -> Tensor:
         xq, xs = P.quantize_int8_per_token(x)
