@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mg.trainer.arguments import ArgumentError, parse_args
-from mg.trainer.arguments_moe import parse_moe_layer_freq
+from mg.trainer.arguments.moe import parse_moe_layer_freq
 from mg.trainer.families import gpt_config
 from mg.trainer.moe_step import logged_losses
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mg.trainer.arguments import Args, ArgumentError
-from mg.trainer.arguments_moe import moe_config_fields
+from mg.trainer.arguments.moe import moe_config_fields
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Its own family (as Megatron has its own entry point) rather than `gpt` with a
 pattern: the checkpoint then records a `MambaConfig`, and a GPT run can never
-pick up a hybrid flag by accident (`arguments_mamba.check_mamba_flags` refuses
+pick up a hybrid flag by accident (`arguments.mamba.check_mamba_flags` refuses
 Mamba flags for other families). Data, loss, logging, checkpoints, data
 parallelism and the distributed optimizer are GPT's; tensor, pipeline and
 context parallelism are refused for now with a message naming the flag

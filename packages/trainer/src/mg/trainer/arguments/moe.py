@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import ast
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from mg.trainer.arguments.errors import fail
+
+if TYPE_CHECKING:
+    from mg.trainer.arguments.args import Args
 
 
 @dataclass
@@ -229,3 +234,29 @@ def check_moe_flags(
             "not supported yet; use data and pipeline parallelism"
         )
     return None
+
+
+def check_moe(args: Args) -> None:
+    """`check_moe_flags` on a parsed run: the flags that would shard the training state."""
+    d = args.distributed
+    error = check_moe_flags(
+        args.family,
+        args.moe,
+        world_size=d.world_size,
+        tp=d.tensor_model_parallel_size,
+        pp=d.pipeline_model_parallel_size,
+        cp=d.context_parallel_size,
+        dry_run=args.training.dry_run,
+        sharded_state=tuple(
+            flag
+            for flag, given in (
+                ("--save", args.checkpoint.save),
+                ("--load", args.checkpoint.load),
+                ("--use-distributed-optimizer", d.use_distributed_optimizer),
+                ("--overlap-grad-reduce", d.overlap_grad_reduce),
+            )
+            if given
+        ),
+    )
+    if error:
+        fail(error)

@@ -14,6 +14,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from mg.trainer.arguments.errors import fail
+
+if TYPE_CHECKING:
+    from mg.trainer.arguments.args import Args
 
 MAMBA_SPECS = (
     ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"),
@@ -116,3 +122,9 @@ def check_mamba_flags(family: str, mamba: MambaArgs) -> str | None:
             "`--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec` or drop it"
         )
     return None
+
+
+def check_mamba(args: Args) -> None:
+    error = check_mamba_flags(args.family, args.mamba)
+    if error:
+        fail(error)

@@ -1,0 +1,100 @@
+"""Megatron's checkpointing flags: saving and resuming."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mg.trainer.arguments.errors import fail
+
+if TYPE_CHECKING:
+    from mg.trainer.arguments.args import Args
+
+
+@dataclass
+class CheckpointArgs:
+    """Saving and resuming (`torch_dist` by default, as in Megatron; `torch` on request)."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    finetune: bool = False
+    use_checkpoint_args: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    ckpt_format: str = "torch_dist"
+    async_save: bool = False
+    perform_initialization: bool = True
+    overwrite_checkpoints: bool = False
+
+
+def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--save", help="Checkpoint folder to write.")
+    p.add_argument("--load", help="Checkpoint folder to resume from (latest iteration).")
+    p.add_argument("--save-interval", type=int, help="Save every N iterations.")
+    p.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="Let this run's saves overwrite newer checkpoints already in --save (refused "
+        "otherwise, e.g. when --load finds nothing but --save holds checkpoints).",
+    )
+    p.add_argument(
+        "--finetune", action="store_true", help="Load the model only; restart at iteration 0."
+    )
+    p.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Take the model config (and the tokenizer, unless tokenizer flags are given) from "
+        "the checkpoint in --load; model-shape flags become optional and must agree with it.",
+    )
+    p.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
+    p.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
+    p.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer state.")
+    p.add_argument("--no-save-rng", action="store_true", help="Do not save RNG states.")
+    p.add_argument(
+        "--ckpt-format",
+        default="torch_dist",
+        choices=["torch", "torch_dist"],
+        help="Checkpoint format: torch_dist (the default, as in Megatron: "
+        "torch.distributed.checkpoint, saved in parallel and loadable into any TP/PP/DP "
+        "layout) or torch (one mp_rank_TT[_PPP]/model_optim_rng.pt file per model-parallel "
+        "rank). --load reads either, whatever --ckpt-format says.",
+    )
+    p.add_argument(
+        "--no-initialization",
+        action="store_false",
+        dest="perform_initialization",
+        help="Allocate the model without drawing initial weights (faster start-up when "
+        "--load certainly holds a checkpoint; gpt).",
+    )
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="torch_dist: write the checkpoint in the background while training goes on.",
+    )
+
+
+def check_async_save(args: Args) -> None:
+    c = args.checkpoint
+    if c.async_save and c.ckpt_format != "torch_dist":
+        fail("--async-save needs --ckpt-format torch_dist")
+
+
+def check_initialization(args: Args) -> None:
+    c = args.checkpoint
+    if not c.perform_initialization and (args.family != "gpt" or not c.load):
+        fail(
+            "--no-initialization leaves the weights unset until a checkpoint fills them: it "
+            "needs --load (and the gpt family); drop the flag to initialise them"
+        )
+
+
+def check_checkpointing(args: Args) -> None:
+    c = args.checkpoint
+    if c.save_interval is not None and c.save is None:
+        fail("--save-interval needs --save")
+    if c.save_interval is not None and c.save_interval <= 0:
+        fail(f"--save-interval {c.save_interval}: must be at least 1 (iterations between saves)")

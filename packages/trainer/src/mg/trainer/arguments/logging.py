@@ -1,0 +1,38 @@
+"""Megatron's logging flags: what is printed and where metrics go."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mg.trainer.arguments.errors import fail
+
+if TYPE_CHECKING:
+    from mg.trainer.arguments.args import Args
+
+
+@dataclass
+class LoggingArgs:
+    """What is printed and where metrics go."""
+
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+
+
+def add_logging_flags(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--log-interval", type=int, default=100, help="Print every N iterations.")
+    p.add_argument("--tensorboard-dir", help="Write tensorboard scalars here.")
+    p.add_argument("--wandb-project", help="Log to Weights & Biases (needs wandb installed).")
+    p.add_argument("--wandb-exp-name", help="wandb run name.")
+    p.add_argument("--wandb-save-dir", help="wandb local folder.")
+
+
+def check_logging(args: Args) -> None:
+    """Metric sinks whose package is missing are refused up front, not at the first log."""
+    if args.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        fail("--wandb-project needs the wandb package: pip install wandb (or drop the flag)")

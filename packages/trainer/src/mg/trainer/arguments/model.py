@@ -1,0 +1,188 @@
+"""Megatron's network-size, regularisation and recompute flags: the model's shape.
+
+The fields map one to one onto core's `TransformerConfig` (see `families.py`);
+`check_model` refuses shapes that cannot be built before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mg.trainer.arguments.errors import fail
+
+if TYPE_CHECKING:
+    from mg.trainer.arguments.args import Args
+
+
+@dataclass
+class ModelArgs:
+    """The network's shape (`--num-layers` ...), mapped one to one onto TransformerConfig."""
+
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    group_query_attention: bool = False
+    num_query_groups: int = 1
+    kv_channels: int | None = None
+    seq_length: int | None = None
+    encoder_seq_length: int | None = None
+    decoder_seq_length: int | None = None
+    bert_binary_head: bool = True
+    max_position_embeddings: int | None = None
+    position_embedding_type: str = "learned_absolute"
+    add_position_embedding: bool = True
+    masked_softmax_fusion: bool = True
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    disable_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = 0.02
+    attention_dropout: float = 0.1
+    hidden_dropout: float = 0.1
+    make_vocab_size_divisible_by: int = 128
+    recompute_activations: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+
+
+def add_model_flags(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--num-layers", type=int, help="Number of transformer layers.")
+    p.add_argument("--hidden-size", type=int, help="Transformer hidden size.")
+    p.add_argument(
+        "--ffn-hidden-size", type=int, help="MLP width; default 4*hidden (SwiGLU: Megatron's 8/3)."
+    )
+    p.add_argument("--num-attention-heads", type=int, help="Number of attention heads.")
+    p.add_argument(
+        "--group-query-attention", action="store_true", help="Use --num-query-groups K/V heads."
+    )
+    p.add_argument(
+        "--num-query-groups", type=int, default=1, help="K/V heads with --group-query-attention."
+    )
+    p.add_argument("--kv-channels", type=int, help="Channels per head; default hidden/heads.")
+    p.add_argument("--seq-length", type=int, help="Tokens per sample.")
+    p.add_argument(
+        "--encoder-seq-length", type=int, help="T5/BERT encoder tokens; sets --seq-length."
+    )
+    p.add_argument("--decoder-seq-length", type=int, help="T5 decoder tokens per sample.")
+    p.add_argument(
+        "--bert-no-binary-head",
+        dest="bert_binary_head",
+        action="store_false",
+        help="BERT without the sentence-order (binary) head and its loss.",
+    )
+    p.add_argument(
+        "--max-position-embeddings", type=int, help="Longest supported sequence; default seq."
+    )
+    p.add_argument(
+        "--position-embedding-type",
+        default="learned_absolute",
+        choices=["learned_absolute", "rope", "none"],
+        help="Learned absolute positions (GPT-2) or rotary (Llama).",
+    )
+    p.add_argument(
+        "--no-position-embedding",
+        dest="add_position_embedding",
+        action="store_false",
+        help="Megatron's: no learned absolute positions (position type none unless rope).",
+    )
+    p.add_argument(
+        "--no-masked-softmax-fusion",
+        dest="masked_softmax_fusion",
+        action="store_false",
+        help="Accepted for Megatron scripts; mg's attention (SDPA) has no masked-softmax kernel.",
+    )
+    p.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base (theta).")
+    p.add_argument(
+        "--rotary-percent", type=float, default=1.0, help="Fraction of head channels rotated."
+    )
+    p.add_argument(
+        "--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="Norm."
+    )
+    p.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
+    p.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (Llama) instead of GeLU.")
+    p.add_argument("--disable-bias-linear", action="store_true", help="No biases in linear layers.")
+    p.add_argument("--add-qkv-bias", action="store_true", help="Bias on QKV only (Qwen).")
+    p.add_argument(
+        "--qk-layernorm",
+        action="store_true",
+        help="Norm each head's queries and keys before RoPE (Qwen3, OLMo 2).",
+    )
+    p.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="Separate output layer instead of reusing the word embeddings.",
+    )
+    p.add_argument("--init-method-std", type=float, default=0.02, help="Init std (Megatron).")
+    p.add_argument("--attention-dropout", type=float, default=0.1, help="Attention dropout.")
+    p.add_argument("--hidden-dropout", type=float, default=0.1, help="Hidden dropout.")
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the embedding table to a multiple of this (times TP).",
+    )
+    p.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Selective recompute of the attention core (saves its activations).",
+    )
+    p.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        help="Recompute whole layers (full) or only the attention core (selective).",
+    )
+    p.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        help="With full recompute: checkpoint chunks of N layers (uniform) or the first N (block).",
+    )
+    p.add_argument("--recompute-num-layers", type=int, help="N for --recompute-method.")
+
+
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+def finalize_model(args: Args) -> None:
+    """Megatron's derived values: seq from the encoder's, max positions, recompute shortcut."""
+    m = args.model
+    if m.seq_length is None:
+        m.seq_length = m.encoder_seq_length
+    if m.recompute_activations:
+        m.recompute_granularity = "selective"
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
+        m.position_embedding_type = "none"  # Megatron: --no-position-embedding without rope
+
+
+def check_model(args: Args) -> None:
+    """Head, query-group, position and recompute rules (Megatron's validate_args)."""
+    m = args.model
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
+        fail(
+            f"hidden size ({m.hidden_size}) is not divisible by the number of attention heads "
+            f"({m.num_attention_heads}); change one of them or set --kv-channels"
+        )
+    if m.group_query_attention and m.num_attention_heads % m.num_query_groups != 0:
+        fail(
+            f"number of attention heads ({m.num_attention_heads}) must be a multiple of "
+            f"--num-query-groups ({m.num_query_groups})"
+        )
+    if m.seq_length > m.max_position_embeddings:
+        fail(
+            f"sequence length ({m.seq_length}) is longer than --max-position-embeddings "
+            f"({m.max_position_embeddings})"
+        )
+    if m.recompute_granularity == "full" and (
+        m.recompute_method is None or m.recompute_num_layers is None
+    ):
+        fail("--recompute-granularity full needs --recompute-method and --recompute-num-layers")

@@ -1,0 +1,185 @@
+"""Megatron's training flags: how long, in what batches, at which precision."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mg.trainer.arguments.errors import fail
+
+if TYPE_CHECKING:
+    from mg.trainer.arguments.args import Args
+
+
+@dataclass
+class TrainingArgs:
+    """How long, in what batches, at which precision."""
+
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+    rampup_batch_size: list[int] | None = None
+    train_iters: int | None = None
+    train_samples: int | None = None
+    seed: int = 1234
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
+    deterministic_mode: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    torch_compile: bool = False
+    cross_entropy_loss_fusion: bool = False
+    dry_run: bool = False
+    use_cpu_initialization: bool = False
+    init_model_with_meta_device: bool = False
+
+
+def add_training_flags(p: argparse._ArgumentGroup) -> None:
+    p.add_argument("--micro-batch-size", type=int, help="Samples per forward/backward.")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        help="Samples per optimizer step; micro-batches accumulate GBS/(MBS*DP). Default MBS*DP.",
+    )
+    p.add_argument(
+        "--rampup-batch-size",
+        nargs=3,
+        type=int,
+        metavar=("START", "INCR", "SAMPLES"),
+        help="Grow the global batch from START by INCR evenly over SAMPLES samples.",
+    )
+    p.add_argument("--train-iters", type=int, help="Optimizer steps to train for.")
+    p.add_argument(
+        "--train-samples", type=int, help="Samples to train on (instead of --train-iters)."
+    )
+    p.add_argument("--seed", type=int, default=1234, help="Seed of init, dropout and data.")
+    p.add_argument("--eval-interval", type=int, default=1000, help="Validate every N iterations.")
+    p.add_argument(
+        "--eval-iters", type=int, default=100, help="Global batches per validation (0: none)."
+    )
+    p.add_argument("--exit-interval", type=int, help="Save and exit at iterations divisible by N.")
+    p.add_argument(
+        "--exit-duration-in-mins", type=float, help="Save and exit after this many minutes."
+    )
+    p.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="On SIGTERM, save at the end of the current iteration and exit "
+        "(mg-train always does this when --save is set; the flag is accepted for Megatron).",
+    )
+    p.add_argument(
+        "--deterministic-mode",
+        action="store_true",
+        help="Deterministic algorithms only: the same run twice gives identical losses.",
+    )
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast with fp32 weights/grads.")
+    p.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling.")
+    p.add_argument(
+        "--cross-entropy-loss-fusion",
+        action="store_true",
+        help="Fuse the output layer and the cross-entropy, a few tokens at a time: no fp32 "
+        "logits of the whole batch in memory, and faster (gpt, without tensor parallelism).",
+    )
+    p.add_argument(
+        "--torch-compile",
+        action="store_true",
+        help="Compile each transformer layer with torch.compile (inductor fuses the "
+        "elementwise work between matmuls; the first step pays the compilation).",
+    )
+    p.add_argument(
+        "--use-cpu-initialization",
+        action="store_true",
+        help="Draw the initial weights on the CPU (always so without a GPU): the same values "
+        "on any accelerator and at any parallel layout. Without it a GPU run draws them on "
+        "its GPU (faster; equal at every layout of GPU runs).",
+    )
+    p.add_argument(
+        "--init-model-with-meta-device",
+        action="store_true",
+        help="Accepted for Megatron: mg-train always builds GPT models on the meta device and "
+        "gives each rank storage for its own shards only.",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Print parameters, FLOPs per iteration and per-GPU memory for these flags and "
+        "exit, without building the model (WORLD_SIZE sets the planned world size).",
+    )
+
+
+REQUIRED = ("micro_batch_size",)
+
+
+def finalize_training(args: Args) -> None:
+    """Megatron's default global batch: one micro-batch per data-parallel rank."""
+    t = args.training
+    if t.global_batch_size is None and t.micro_batch_size is not None:
+        t.global_batch_size = t.micro_batch_size * args.data_parallel_size
+
+
+def check_training_length(args: Args) -> None:
+    t = args.training
+    if (t.train_iters is None) == (t.train_samples is None):
+        fail("expected exactly one of --train-iters and --train-samples")
+    for flag, value in (("--train-iters", t.train_iters), ("--train-samples", t.train_samples)):
+        if value is not None and value < 1:
+            fail(f"{flag} {value}: nothing to train; give the number of steps (at least 1)")
+
+
+def check_fusion_and_compile(args: Args) -> None:
+    """The fused loss needs full logits; torch.compile needs a working CPU compiler off GPU."""
+    if args.training.cross_entropy_loss_fusion and (
+        args.family != "gpt" or args.distributed.tensor_model_parallel_size > 1
+    ):
+        fail(
+            "--cross-entropy-loss-fusion is supported for gpt without tensor parallelism "
+            "(with --tensor-model-parallel-size > 1 the loss is already vocab-parallel, "
+            "without full logits); drop the flag"
+        )
+    if not args.training.torch_compile:
+        return
+    import torch
+
+    from mg.core.models.compile import CompileUnavailableError, check_cpu_compiler
+
+    if not torch.cuda.is_available():
+        try:
+            check_cpu_compiler()
+        except CompileUnavailableError as err:
+            fail(f"--torch-compile: {err}")
+
+
+def check_training(args: Args) -> None:
+    """Batch sizes, rampup, precision and evaluation (Megatron's validate_args)."""
+    t = args.training
+    dp = args.data_parallel_size
+    if t.micro_batch_size <= 0:
+        fail(f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    if t.global_batch_size <= 0 or t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        fail(
+            f"global batch size ({t.global_batch_size}) is not divisible by micro batch size "
+            f"({t.micro_batch_size}) times data parallel size ({dp})"
+        )
+    if t.rampup_batch_size is not None:
+        start, incr, samples = t.rampup_batch_size
+        if t.train_samples is None:
+            fail("expected no batch-size rampup for iteration-based training; use --train-samples")
+        if start <= 0 or incr <= 0 or samples < 0:
+            fail(f"--rampup-batch-size values must be positive, got {t.rampup_batch_size}")
+        if (t.global_batch_size - start) % incr != 0:
+            fail(
+                f"expected global batch size interval ({t.global_batch_size - start}) to be "
+                f"divisible by global batch size increment ({incr})"
+            )
+        if start % (t.micro_batch_size * dp) != 0 or incr % (t.micro_batch_size * dp) != 0:
+            fail(
+                f"--rampup-batch-size start ({start}) and increment ({incr}) must be divisible by "
+                f"micro batch size ({t.micro_batch_size}) times data parallel size ({dp})"
+            )
+    if t.fp16 and t.bf16:
+        fail("--fp16 and --bf16 cannot both be set")
+    if t.eval_interval <= 0 or t.eval_iters < 0:
+        fail("--eval-interval must be positive and --eval-iters non-negative")
