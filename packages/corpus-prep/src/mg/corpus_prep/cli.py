@@ -4,6 +4,9 @@ Each subcommand lives in its own module exposing ``register(subparsers)``,
 which adds its parser and sets ``func`` (called with the parsed namespace,
 returning the exit status). Modules are imported lazily so that
 ``mg-prep inspect`` does not pay for the tokenizer stack.
+
+With no subcommand, ``mg-prep`` is ``mg-prep tokenize``: the argument list of
+a ``python tools/preprocess_data.py ...`` line works as ``mg-prep ...``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
+# What `mg-prep FLAGS...` (no subcommand) runs: Megatron's preprocess_data.py.
+DEFAULT_SUBCOMMAND = "tokenize"
+
+
 class UserError(Exception):
     """A problem with the user's input; printed as ``mg-prep: error: ...`` without a traceback."""
 
@@ -33,7 +40,9 @@ class UserError(Exception):
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mg-prep",
-        description="Turn loose JSON corpora into Megatron .bin/.idx indexed datasets.",
+        description="Turn loose JSON corpora into Megatron .bin/.idx indexed datasets. "
+        "With no COMMAND, the flags are those of `mg-prep tokenize` (Megatron's "
+        "tools/preprocess_data.py command line, unchanged).",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in SUBCOMMANDS.items():
@@ -45,8 +54,20 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def with_subcommand(argv: list[str]) -> list[str]:
+    """`argv` with `tokenize` put in front when it starts with a flag other than --help.
+
+    `mg-prep --input c.jsonl --output-prefix p ...` is then preprocess_data.py's
+    command line as it is; `mg-prep`, `mg-prep --help` and `mg-prep -h` still
+    list the subcommands.
+    """
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        return [DEFAULT_SUBCOMMAND, *argv]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = with_subcommand(sys.argv[1:] if argv is None else argv)
     # Import only the module of the chosen subcommand; `mg-prep --help` imports all.
     chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     interrupts.install()  # SIGINT and SIGTERM alike, from start-up on

@@ -147,6 +147,19 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         help="accepted for Megatron compatibility: input order is always kept",
     )
     group.add_argument(
+        "--chunk-size",
+        type=int,
+        metavar="N",
+        help="accepted for compatibility with older preprocess_data.py lines (its "
+        "multiprocessing chunk size): workers here take whole batches, the output is the same",
+    )
+    group.add_argument(
+        "--dataset-impl",
+        choices=("mmap",),
+        help="accepted for compatibility with older preprocess_data.py lines: the output is "
+        "always Megatron's mmap format",
+    )
+    group.add_argument(
         "--no-progress-bar",
         dest="progress_bar",
         action="store_false",
