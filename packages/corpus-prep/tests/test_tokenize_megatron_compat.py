@@ -11,8 +11,10 @@ no code with `mg.corpus_prep`:
   characters, `json.dumps` of the sentence lists, read back by the encode
   pass); NLTK's own `PunktTokenizer("english")` (punkt_tab, NLTK >= 3.9's
   replacement of the `nltk.load("tokenizers/punkt/english.pickle")` that
-  Megatron calls), and with --keep-newlines a `PunktSentenceTokenizer` built
-  on its parameters with Megatron's `CustomLanguageVars`, copied here;
+  Megatron calls) with nltk 3.9.3's language rules (Megatron core_v0.16.1's
+  lock; the two rules nltk 3.10 changed are restated here), and with
+  --keep-newlines a `PunktSentenceTokenizer` built on its parameters with
+  Megatron's `CustomLanguageVars`, copied here;
 - tokenizers as Megatron's classic (--legacy-tokenizer) ones behave:
   GPT-2 = a re-statement of OpenAI's encoder.py that Megatron's
   gpt2_tokenization.py is (regex + byte-level BPE, no special tokens),
@@ -154,10 +156,29 @@ class GoogleBertWordPiece:
         return [self.vocab[p] for p in pieces]
 
 
-def _custom_language_vars():
+def _nltk_393_language_vars():
+    """nltk 3.9.3's PunktLanguageVars (Megatron core_v0.16.1's lock) on whatever nltk is here.
+
+    nltk 3.10 changed two of its rules, adding the curly quotes and guillemets
+    to the closing punctuation; these are 3.9.3's two, as its punkt.py has them.
+    """
+    import re
+
     from nltk.tokenize.punkt import PunktLanguageVars
 
-    class CustomLanguageVars(PunktLanguageVars):  # Megatron's, verbatim
+    class Nltk393LanguageVars(PunktLanguageVars):
+        re_boundary_realignment = re.compile(r'["\')\]}]+?(?:\s+|(?=--)|$)', re.MULTILINE)
+
+        @property
+        def _re_non_word_chars(self):
+            other_ends = re.escape("".join(set(self.sent_end_chars) - {"."}))
+            return r"(?:[)\";}\]\*:@\'\({\[" + other_ends + "])"
+
+    return Nltk393LanguageVars
+
+
+def _custom_language_vars():
+    class CustomLanguageVars(_nltk_393_language_vars()):  # Megatron's, verbatim
         _period_context_fmt = r"""
             \S*                          # some word material
             %(SentEndChars)s             # a potential sentence ending
@@ -190,6 +211,7 @@ def megatron_preprocess(
         if str(nltk_data) not in nltk.data.path:
             nltk.data.path.insert(0, str(nltk_data))
         splitter = PunktTokenizer("english")
+        splitter._lang_vars = _nltk_393_language_vars()()
         if keep_newlines:
             splitter = PunktSentenceTokenizer(
                 train_text=splitter._params, lang_vars=_custom_language_vars()

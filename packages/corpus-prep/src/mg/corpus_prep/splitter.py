@@ -3,7 +3,9 @@
 Megatron splits with NLTK punkt: the stock English model, and with
 `--keep-newlines` a `PunktSentenceTokenizer` built from the same parameters
 with its `CustomLanguageVars` (which keeps the whitespace, newlines included,
-at the end of each sentence). It cuts the text into pieces of 1,000,000
+at the end of each sentence). Punkt's language rules come from
+`punkt_rules` (`--punkt-rules`), not from the installed nltk, so the split
+does not change with nltk's version. It cuts the text into pieces of 1,000,000
 characters first and splits each piece on its own; we do the same, so that
 long documents split the same way.
 
@@ -22,15 +24,16 @@ and handed to the workers as a small picklable `SplitterSpec`:
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from mg.corpus_prep.punkt_rules import DEFAULT_PUNKT_RULES, language_vars
+
 if TYPE_CHECKING:  # importing nltk takes seconds (it pulls in scipy): only when splitting
-    from nltk.tokenize.punkt import PunktLanguageVars, PunktParameters
+    from nltk.tokenize.punkt import PunktParameters
 
 # Megatron's piece size: text is split in pieces of this many characters.
 MEGATRON_SPLIT_PIECE = 1_000_000
@@ -65,30 +68,6 @@ class SplitterError(Exception):
     """The requested splitter cannot be set up (bad language, spaCy missing, ...)."""
 
 
-@functools.cache
-def custom_language_vars() -> type[PunktLanguageVars]:
-    """Megatron's `CustomLanguageVars` class for `--keep-newlines` (built on first use).
-
-    Identical to Megatron's: `\\s*` instead of `\\s+` after the sentence end,
-    and the next token as `\\S+`, so the whitespace after a sentence (newlines
-    included) stays in that sentence instead of being dropped.
-    """
-    from nltk.tokenize.punkt import PunktLanguageVars
-
-    class CustomLanguageVars(PunktLanguageVars):
-        _period_context_fmt = r"""
-        \S*                          # some word material
-        %(SentEndChars)s             # a potential sentence ending
-        \s*                       #  <-- THIS is what I changed
-        (?=(?P<after_tok>
-            %(NonWord)s              # either other punctuation
-            |
-            (?P<next_tok>\S+)     #  <-- Normally you would have \s+ here
-        ))"""
-
-    return CustomLanguageVars
-
-
 class SentenceSplitter(Protocol):
     def split(self, text: str) -> list[str]: ...
 
@@ -97,7 +76,8 @@ class SentenceSplitter(Protocol):
 class SplitterSpec:
     """What the workers build: `kind` is "none", "nltk" or "spacy".
 
-    nltk: `punkt_dir` (a punkt_tab language folder) or `punkt_params` (trained).
+    nltk: `punkt_dir` (a punkt_tab language folder) or `punkt_params` (trained),
+    and `punkt_rules` (the nltk release whose language rules to apply).
     spacy: `spacy_pipeline` to load, or None for `spacy.blank(spacy_lang)`.
     """
 
@@ -105,6 +85,7 @@ class SplitterSpec:
     keep_newlines: bool = False
     punkt_dir: str | None = None
     punkt_params: PunktParameters | None = None
+    punkt_rules: str = DEFAULT_PUNKT_RULES
     spacy_pipeline: str | None = None
     spacy_lang: str = "en"
 
@@ -124,14 +105,13 @@ class NoSplitter:
 class PunktSplitter:
     """NLTK punkt with Megatron's setup (see the module docstring)."""
 
-    def __init__(self, params: PunktParameters, keep_newlines: bool) -> None:
+    def __init__(
+        self, params: PunktParameters, keep_newlines: bool, rules: str = DEFAULT_PUNKT_RULES
+    ) -> None:
         from nltk.tokenize.punkt import PunktSentenceTokenizer
 
-        if keep_newlines:
-            lang_vars = custom_language_vars()()
-            self._tokenizer = PunktSentenceTokenizer(params, lang_vars=lang_vars)
-        else:
-            self._tokenizer = PunktSentenceTokenizer(params)
+        lang_vars = language_vars(rules, keep_newlines)
+        self._tokenizer = PunktSentenceTokenizer(params, lang_vars=lang_vars)
 
     def split(self, text: str) -> list[str]:
         return [s for piece in megatron_pieces(text) for s in self._tokenizer.tokenize(piece)]
@@ -180,7 +160,7 @@ def build_splitter(spec: SplitterSpec) -> SentenceSplitter:
         if params is None:
             assert spec.punkt_dir is not None
             params = load_punkt_tab(spec.punkt_dir)
-        return PunktSplitter(params, spec.keep_newlines)
+        return PunktSplitter(params, spec.keep_newlines, spec.punkt_rules)
     if spec.kind == "spacy":
         return SpacySplitter(spec.spacy_pipeline, spec.spacy_lang, spec.keep_newlines)
     raise ValueError(f"unknown splitter kind {spec.kind!r}")
@@ -261,6 +241,7 @@ def resolve_splitter(
     keep_newlines: bool,
     corpus_sample: Callable[[int], str],
     warn: Callable[[str], None],
+    punkt_rules: str = DEFAULT_PUNKT_RULES,
 ) -> SplitterSpec:
     """Decide, once, which splitter the workers use for `--sentence-splitter choice`.
 
@@ -268,7 +249,8 @@ def resolve_splitter(
     called when a Punkt model has to be trained. `warn` reports fallbacks.
     """
     if choice == "nltk":
-        return _resolve_punkt(lang, keep_newlines, corpus_sample, warn)
+        spec = _resolve_punkt(lang, keep_newlines, corpus_sample, warn)
+        return replace(spec, punkt_rules=punkt_rules)
     if choice.startswith("spacy"):
         _, _, pipeline = choice.partition(":")
         return _resolve_spacy(pipeline or None, lang, keep_newlines, warn)

@@ -24,6 +24,7 @@ from mg.corpus_prep import interrupts
 from mg.corpus_prep.cli import UserError
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
 from mg.corpus_prep.progress import Progress, format_summary, info, warn
+from mg.corpus_prep.punkt_rules import DEFAULT_PUNKT_RULES, PUNKT_RULES
 from mg.corpus_prep.reader import (
     InputError,
     Segment,
@@ -98,6 +99,14 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         metavar="nltk|spacy:PIPELINE",
         help="with --split-sentences: NLTK punkt (default, as Megatron) or a spaCy pipeline, "
         "e.g. spacy:en_core_web_sm (falls back to spacy.blank + sentencizer if not installed)",
+    )
+    group.add_argument(
+        "--punkt-rules",
+        choices=PUNKT_RULES,
+        default=DEFAULT_PUNKT_RULES,
+        help="with --split-sentences and NLTK: whose punkt language rules to split by, "
+        "whatever nltk is installed: nltk-3.9 (default; Megatron core_v0.16.1 locks nltk "
+        "3.9.3) or nltk-3.10 (curly quotes and guillemets close a sentence like \" and ')",
     )
     add_tokenizer_args(parser)
     group = parser.add_argument_group("tokenization process")
@@ -223,6 +232,8 @@ def _splitter_spec(args: argparse.Namespace, segments: list[Segment]) -> Splitte
     if not args.split_sentences:
         if args.sentence_splitter != "nltk":
             warn("--sentence-splitter has no effect without --split-sentences")
+        if args.punkt_rules != DEFAULT_PUNKT_RULES:
+            warn("--punkt-rules has no effect without --split-sentences")
         return SplitterSpec("none")
     try:
         return resolve_splitter(
@@ -231,6 +242,7 @@ def _splitter_spec(args: argparse.Namespace, segments: list[Segment]) -> Splitte
             args.keep_newlines,
             _corpus_sample(segments, args.json_keys[0]),
             warn,
+            args.punkt_rules,
         )
     except SplitterError as err:
         raise UserError(str(err)) from err
