@@ -145,12 +145,11 @@ def test_bf16_forward_and_backward():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("backend", ["flash", "te"])
-def test_gpu_backends_say_what_is_missing(backend):
-    try:
-        GPTModel(presets.tiny_llama(attention_backend=backend))
-    except BackendUnavailableError as err:
-        assert "sdpa" in str(err)
-        assert ("flash-attn" in str(err)) or ("transformer-engine" in str(err)) or "GPU" in str(err)
-    else:  # a GPU machine with the package installed
-        assert torch.cuda.is_available()
+def test_gpu_backends_say_what_is_missing():
+    """On a machine without CUDA the CUDA kernels are refused by flag name at the first
+    forward (mg.core.models.attention_backend; its tests cover the rest)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    model = GPTModel(presets.tiny_llama(attention_backend="flash"))
+    with pytest.raises(BackendUnavailableError, match="--attention-backend flash"):
+        model(_ids(model.config))

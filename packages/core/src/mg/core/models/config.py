@@ -18,7 +18,8 @@ from typing import Any, Literal
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 Activation = Literal["gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu"]
-AttentionBackend = Literal["sdpa", "flash", "te"]
+AttentionBackend = Literal["auto", "flash", "fused", "unfused", "local"]
+TransformerImpl = Literal["local", "transformer_engine"]
 LayerOrder = Literal["pre_ln", "post_ln"]
 MoEScoreFunction = Literal["softmax", "sigmoid"]
 MoERouterDtype = Literal["fp32", "fp64"]
@@ -30,7 +31,8 @@ POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
-ATTENTION_BACKENDS = ("sdpa", "flash", "te")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 LAYER_ORDERS = ("pre_ln", "post_ln")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_ROUTER_DTYPES = ("fp32", "fp64")
@@ -137,7 +139,14 @@ class TransformerConfig:
     """Sliding-window attention as (left, right), flash-attn's convention: query i
     sees keys i-left .. i+right. A decoder needs right == 0. HF Mistral's
     `sliding_window = W` is (W - 1, 0)."""
-    attention_backend: AttentionBackend = "sdpa"
+    attention_backend: AttentionBackend = "auto"
+    """Megatron's `--attention-backend` (its AttnBackend names): which attention kernel
+    runs; see `mg.core.models.attention_backend`. It does not change the weights."""
+    transformer_impl: TransformerImpl = "local"
+    """Megatron's `--transformer-impl`, i.e. which layer spec names the weights: "local"
+    keeps the norms as modules (`input_layernorm.weight`), "transformer_engine" fuses
+    them into the next linear (`linear_qkv.layer_norm_weight`), as TE's
+    LayerNormLinear does; see `mg.core.models.te_spec`. GPTModel only."""
 
     init_method_std: float = 0.02
     attention_dropout: float = 0.1
@@ -202,6 +211,11 @@ class TransformerConfig:
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.window_size is not None:
             self.window_size = tuple(self.window_size)  # JSON gives a list
+        # configs recorded before Megatron's names: "sdpa" was auto, "te" the TE spec
+        if self.attention_backend == "sdpa":
+            self.attention_backend = "auto"
+        elif self.attention_backend == "te":
+            self.attention_backend, self.transformer_impl = "auto", "transformer_engine"
         self.validate()
 
     # Derived quantities, named as Megatron's code names them.
@@ -312,6 +326,11 @@ class TransformerConfig:
             fail(
                 "attention_backend",
                 f"{self.attention_backend!r} is not one of {ATTENTION_BACKENDS}",
+            )
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            fail(
+                "transformer_impl",
+                f"{self.transformer_impl!r} is not one of {TRANSFORMER_IMPLS}",
             )
         if self.window_size is not None:
             if len(self.window_size) != 2:

@@ -13,26 +13,33 @@ attention, where the key length may differ from the query length). An
 `attention_mask` follows Megatron's convention: True marks a position that may
 NOT be attended; it is applied on top of the causal mask.
 
-"sdpa" (default) runs everywhere; "flash" and "te" import their GPU libraries
-lazily and say what to install when they are missing.
+`config.attention_backend` takes Megatron's names (auto, flash, fused, unfused,
+local; see `mg.core.models.attention_backend`): all but "flash" with flash-attn
+installed run `SDPAttention` with the SDPA kernels the name allows; Transformer
+Engine's DotProductAttention comes in with the rest of TE's modules
+(`mg.core.models.te_spec.apply_transformer_engine`).
 """
 
 from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import sdpa_kernel
 
+from mg.core.models.attention_backend import (
+    BackendUnavailableError,
+    check_attention_backend,
+    flash_attn_installed,
+    sdpa_kernels,
+)
 from mg.core.models.config import TransformerConfig
 
-
-class BackendUnavailableError(RuntimeError):
-    """The chosen attention backend needs a package or a GPU this machine lacks."""
+__all__ = ["BackendUnavailableError", "SDPAttention", "build_core_attention", "causal_mask"]
 
 
 def causal_mask(seq_length: int, window_size: tuple[int, int] | None, device) -> Tensor:
@@ -51,7 +58,8 @@ class SDPAttention(nn.Module):
 
     The plain causal case uses `is_causal=True` so PyTorch can pick its flash or
     memory-efficient kernel; a sliding window or a user mask becomes an
-    explicit boolean mask.
+    explicit boolean mask. `backend` (Megatron's name) restricts the kernels SDPA
+    may pick; a CUDA-only one is refused on CPU tensors.
     """
 
     def __init__(
@@ -64,9 +72,31 @@ class SDPAttention(nn.Module):
         self.window_size = config.window_size if causal else None
         self.dropout = config.attention_dropout
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.backend = config.attention_backend
+        self._kernels = sdpa_kernels(self.backend)
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None
+    ) -> Tensor:
+        if self._kernels is None:
+            return self._attend(query, key, value, attention_mask)
+        check_attention_backend(self.backend, query.device)
+        try:
+            with sdpa_kernel(list(self._kernels)):
+                return self._attend(query, key, value, attention_mask)
+        except RuntimeError as err:
+            if "No available kernel" not in str(err):
+                raise
+            raise BackendUnavailableError(
+                f"--attention-backend {self.backend}: PyTorch has no such kernel for these "
+                f"inputs ({query.dtype}, head dim {query.shape[-1]}, "
+                f"{'a mask' if attention_mask is not None or self.window_size else 'no mask'})"
+                "; flash/fused kernels need bf16 or fp16 (--bf16) and no explicit mask; "
+                "use --attention-backend auto"
+            ) from err
+
+    def _attend(
+        self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None
     ) -> Tensor:
         b, s = query.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, heads, s, d]
@@ -90,20 +120,17 @@ class SDPAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, s, -1)
 
 
-def _require(module: str, pip_name: str, backend: str) -> ModuleType:
+def require_gpu_package(module: str, pip_name: str, flag: str) -> ModuleType:
+    """Import a GPU-only package, or say in one line which extra installs it."""
     try:
         imported = importlib.import_module(module)
     except ImportError as err:
         raise BackendUnavailableError(
-            f"attention_backend={backend!r} needs the {pip_name} package, which is not "
-            f"installed ({err}). Install the GPU extra (`uv sync --extra gpu`, or "
-            f"`pip install 'mg-core[gpu]'`), or use attention_backend='sdpa'."
+            f"{flag} needs the {pip_name} package, which is not installed ({err}); install "
+            "the gpu extra: pip install 'mg-core[gpu]' (see the core README)"
         ) from err
     if not torch.cuda.is_available():
-        raise BackendUnavailableError(
-            f"attention_backend={backend!r} needs a CUDA GPU and none is visible; "
-            "use attention_backend='sdpa' on this machine."
-        )
+        raise BackendUnavailableError(f"{flag} needs a CUDA GPU and none is visible")
     return imported
 
 
@@ -114,7 +141,8 @@ class FlashAttention(nn.Module):
         self, config: TransformerConfig, layer_number: int = 1, causal: bool = True
     ) -> None:
         super().__init__()
-        self._flash_attn_func = _require("flash_attn", "flash-attn", "flash").flash_attn_func
+        flash_attn = require_gpu_package("flash_attn", "flash-attn", "--attention-backend flash")
+        self._flash_attn_func = flash_attn.flash_attn_func
         self.causal = causal
         self.window_size = (config.window_size if causal else None) or (-1, -1)
         self.dropout = config.attention_dropout
@@ -125,9 +153,8 @@ class FlashAttention(nn.Module):
     ) -> Tensor:
         if attention_mask is not None:
             raise ValueError(
-                "attention_backend='flash' takes no attention_mask (causal/windowed or "
-                "unmasked only); "
-                "use attention_backend='sdpa' for custom masks"
+                "flash-attn takes no attention_mask (causal/windowed or unmasked only); "
+                "use --attention-backend auto for custom masks"
             )
         out = self._flash_attn_func(
             query,
@@ -141,11 +168,19 @@ class FlashAttention(nn.Module):
         return out.reshape(*query.shape[:2], -1)
 
 
-def _build_te(config: TransformerConfig, layer_number: int = 1, causal: bool = True) -> nn.Module:
+def build_te_core_attention(
+    config: TransformerConfig, layer_number: int = 1, causal: bool = True
+) -> nn.Module:
     """Transformer Engine's DotProductAttention, used as the module itself so its
     `_extra_state` sits at `...core_attention._extra_state`, where Megatron's TE
-    spec keeps it. Its forward matches the contract above (bshd, causal)."""
-    te = _require("transformer_engine.pytorch", "transformer-engine", "te")
+    spec keeps it. Its forward matches the contract above (bshd, causal); the
+    kernel follows `config.attention_backend` through TE's NVTE_* variables."""
+    from mg.core.models.attention_backend import set_nvte_environment
+
+    te = require_gpu_package(
+        "transformer_engine.pytorch", "transformer-engine", "--transformer-impl transformer_engine"
+    )
+    set_nvte_environment(config.attention_backend)
     return te.DotProductAttention(
         num_attention_heads=config.num_attention_heads,
         kv_channels=config.kv_channels,
@@ -155,27 +190,15 @@ def _build_te(config: TransformerConfig, layer_number: int = 1, causal: bool = T
         attn_mask_type="causal" if causal else "no_mask",
         window_size=config.window_size if causal else None,
         layer_number=layer_number,
+        softmax_scale=1.0 / math.sqrt(config.kv_channels),
     )
-
-
-CORE_ATTENTION_BACKENDS: dict[str, Callable[..., nn.Module]] = {
-    "sdpa": SDPAttention,
-    "flash": FlashAttention,
-    "te": _build_te,
-}
 
 
 def build_core_attention(
     config: TransformerConfig, layer_number: int = 1, causal: bool = True
 ) -> nn.Module:
-    """The core-attention module for `config.attention_backend` (layer_number is 1-based)."""
-    try:
-        builder = CORE_ATTENTION_BACKENDS[config.attention_backend]
-    except KeyError:
-        raise ValueError(
-            f"unknown attention_backend {config.attention_backend!r}; "
-            f"known: {sorted(CORE_ATTENTION_BACKENDS)}"
-        ) from None
-    if causal:  # keep the two-argument call for backends registered by others
-        return builder(config, layer_number)
-    return builder(config, layer_number, causal=False)
+    """The core-attention module for `config.attention_backend` (layer_number is 1-based):
+    flash-attn for "flash" where it is installed and CUDA is there, SDPA otherwise."""
+    if config.attention_backend == "flash" and flash_attn_installed() and torch.cuda.is_available():
+        return FlashAttention(config, layer_number, causal=causal)
+    return SDPAttention(config, layer_number, causal=causal)

@@ -15,8 +15,10 @@ layer spec (`get_gpt_layer_local_spec`): the norms are separate modules
 `linear_qkv.layer_norm_weight` the way the Transformer Engine spec names them.
 So a state dict of this model is a state dict of Megatron's (minus the
 `_extra_state` entries TE/Megatron add), which keeps checkpoint conversion a
-matter of layout only. Activations are [batch, seq, hidden] (Megatron uses
-[seq, batch, hidden] internally; that never shows in the weights).
+matter of layout only. With `transformer_impl="transformer_engine"` the layers
+take Megatron's TE-spec names instead (`mg.core.models.te_spec`). Activations
+are [batch, seq, hidden] (Megatron uses [seq, batch, hidden] internally; that
+never shows in the weights).
 
 Plain PyTorch: no process groups, no parallelism. Tensor/sequence/pipeline
 parallelism, recompute and compile are applied to a built model from outside
@@ -41,6 +43,7 @@ from mg.core.models.core_attention import build_core_attention
 from mg.core.models.kv_cache import KVCache
 from mg.core.models.moe import MoELayer
 from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
+from mg.core.models.te_spec import input_linear, uses_te_spec
 from mg.core.models.vocab_mask import logits_or_loss
 
 
@@ -70,6 +73,8 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
     nn.init.normal_(linear.weight, mean=0.0, std=std)
     if linear.bias is not None:
         nn.init.zeros_(linear.bias)
+    if hasattr(linear, "reset_layer_norm"):  # the TE spec's norm inside the linear
+        linear.reset_layer_norm()
 
 
 def language_model_init_units(
@@ -136,15 +141,26 @@ class SelfAttention(nn.Module):
     interleaves instead of stacking [all q; all k; all v].
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, causal: bool = True) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        causal: bool = True,
+        fused_norm: bool = False,
+    ) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.num_heads = config.num_attention_heads
         self.num_groups = config.num_query_groups
         self.head_dim = config.kv_channels
         qkv_size = config.query_projection_size + 2 * config.kv_projection_size
-        self.linear_qkv = nn.Linear(
-            config.hidden_size, qkv_size, bias=config.add_bias_linear or config.add_qkv_bias
+        # fused_norm (the TE spec): the layer's input norm lives inside linear_qkv
+        self.linear_qkv = input_linear(
+            config,
+            config.hidden_size,
+            qkv_size,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            fused_norm=fused_norm,
         )
         self.core_attention = build_core_attention(config, layer_number, causal=causal)
         self.linear_proj = nn.Linear(
@@ -211,11 +227,13 @@ class MLP(nn.Module):
     the MLP computes act(gate) * up. HF Llama keeps them as gate_proj / up_proj.
     """
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, fused_norm: bool = False) -> None:
         super().__init__()
         self.gated = config.gated_linear_unit
         fc1_size = config.ffn_hidden_size * (2 if self.gated else 1)
-        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_size, bias=config.add_bias_linear)
+        self.linear_fc1 = input_linear(
+            config, config.hidden_size, fc1_size, config.add_bias_linear, fused_norm
+        )
         self.activation = _ACTIVATIONS[config.activation]
         self.linear_fc2 = nn.Linear(
             config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear
@@ -243,17 +261,21 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: TransformerConfig, layer_number: int, causal: bool = True) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number, causal=causal)
-        self.pre_mlp_layernorm = build_norm(config)
-        # an MoE layer (router + experts) where moe_layer_freq says so, else the dense MLP
+        # the TE spec fuses each norm into the linear after it (an MoE layer keeps its
+        # pre-MLP norm): the norms here are then weightless identities, as in Megatron
+        te = uses_te_spec(config)
         is_moe = config.moe_layer_pattern[layer_number - 1]
-        self.mlp = MoELayer(config, layer_number) if is_moe else MLP(config)
+        self.input_layernorm = nn.Identity() if te else build_norm(config)
+        self.self_attention = SelfAttention(config, layer_number, causal=causal, fused_norm=te)
+        self.pre_mlp_layernorm = nn.Identity() if te and not is_moe else build_norm(config)
+        # an MoE layer (router + experts) where moe_layer_freq says so, else the dense MLP
+        self.mlp = MoELayer(config, layer_number) if is_moe else MLP(config, fused_norm=te)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def init_weights(self, std: float, output_std: float) -> None:
-        self.input_layernorm.reset_parameters()
-        self.pre_mlp_layernorm.reset_parameters()
+        for norm in (self.input_layernorm, self.pre_mlp_layernorm):
+            if not isinstance(norm, nn.Identity):
+                norm.reset_parameters()
         self.self_attention.init_weights(std, output_std)
         self.mlp.init_weights(std, output_std)
 

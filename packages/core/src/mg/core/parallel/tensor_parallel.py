@@ -138,10 +138,10 @@ def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
                 f"{name} ({value}) is not divisible by --tensor-model-parallel-size ({tp}); "
                 f"change {flag} or the tensor-parallel size"
             )
-    if config.attention_backend == "te":
+    if config.transformer_impl == "transformer_engine":
         raise TensorParallelError(
-            "tensor parallelism with --transformer-impl transformer_engine is not supported; "
-            "use the local implementation (attention_backend 'sdpa' or 'flash')"
+            "tensor parallelism with --transformer-impl transformer_engine is not supported "
+            "yet; use --transformer-impl local (any --attention-backend)"
         )
 
 

@@ -1,0 +1,297 @@
+"""Megatron's Transformer Engine layer spec: the norms fused into the linears after them.
+
+`get_gpt_layer_with_transformer_engine_spec` builds each GPT layer from TE's
+modules: `self_attention.linear_qkv` and `mlp.linear_fc1` are `LayerNormLinear`s
+(the layer's input norm and pre-MLP norm live inside them as
+`layer_norm_weight`/`layer_norm_bias`), `linear_proj`/`linear_fc2` are TE
+`Linear`s, `core_attention` is TE's `DotProductAttention`, and `input_layernorm`
+/ `pre_mlp_layernorm` are identities with no weights. An MoE layer keeps its
+pre-MLP norm as a module, as Megatron's spec does.
+
+`TransformerConfig.transformer_impl = "transformer_engine"` builds our GPTModel
+in that shape with plain PyTorch modules of the same names (`LayerNormLinear`
+below; TE's `Linear` is named as `nn.Linear` is), so its state dict *is* a
+Megatron TE-spec state dict (minus TE's `_extra_state` entries, which hold FP8
+scaling state and no weights) and it runs anywhere. `apply_transformer_engine`
+then swaps in TE's own modules on a GPU, one technique applied from outside as
+tensor parallelism is; the state-dict names do not change, and TE adds its
+`_extra_state` entries at Megatron's places. FP8 runs TE's modules under
+`fp8_autocast` with Megatron's recipe choices (`fp8_recipe`, `fp8_autocast`).
+
+Transformer Engine is the `gpu` extra, imported lazily: a missing package is
+one line naming the extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mg.core.models.config import TransformerConfig
+
+TE_FLAG = "--transformer-impl transformer_engine"
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+
+
+def uses_te_spec(config: TransformerConfig) -> bool:
+    """Whether `config` names its weights as Megatron's TE spec does."""
+    return config.transformer_impl == "transformer_engine"
+
+
+class LayerNormLinear(nn.Module):
+    """norm(x) @ weightᵀ + bias, one module with TE `LayerNormLinear`'s parameter names.
+
+    The same computation as `nn.LayerNorm`/`nn.RMSNorm` followed by `nn.Linear`
+    (and numerically identical to them: the same functional ops), so a local-spec
+    model and a TE-spec model with renamed weights give the same outputs.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        normalization: str,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.normalization, self.eps = normalization, eps
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.layer_norm_weight = nn.Parameter(torch.empty(in_features))
+        self.layer_norm_bias = (
+            nn.Parameter(torch.empty(in_features)) if normalization == "LayerNorm" else None
+        )
+
+    def reset_layer_norm(self) -> None:
+        """The norm's init (weight 1, bias 0), as nn.LayerNorm.reset_parameters does."""
+        nn.init.ones_(self.layer_norm_weight)
+        if self.layer_norm_bias is not None:
+            nn.init.zeros_(self.layer_norm_bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        shape = (self.in_features,)
+        if self.normalization == "RMSNorm":
+            normed = F.rms_norm(hidden, shape, self.layer_norm_weight, self.eps)
+        else:
+            normed = F.layer_norm(
+                hidden, shape, self.layer_norm_weight, self.layer_norm_bias, self.eps
+            )
+        return F.linear(normed, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, normalization={self.normalization}"
+        )
+
+
+def input_linear(
+    config: TransformerConfig, in_features: int, out_features: int, bias: bool, fused_norm: bool
+) -> nn.Module:
+    """The linear after a norm (linear_qkv, linear_fc1): with the norm inside it when
+    `fused_norm` (the TE spec), a plain `nn.Linear` otherwise."""
+    if not fused_norm:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return LayerNormLinear(
+        in_features,
+        out_features,
+        bias=bias,
+        normalization=config.normalization,
+        eps=config.layernorm_epsilon,
+    )
+
+
+# --- names ---------------------------------------------------------------------------
+
+
+def te_spec_names(state_dict: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
+    """A local-spec state dict under the TE spec's names: each layer's norm becomes the
+    `layer_norm_*` of the linear after it (Megatron's own local-spec key map,
+    `mg.core.checkpoint.megatron_sharded_keys`); an MoE layer's pre-MLP norm stays."""
+    # Megatron's local-spec key map: the TE spec's names of the local spec's norms
+    from mg.core.checkpoint.megatron_sharded_keys import _FUSED_NORMS as TE_FUSED_NORMS
+
+    moe = config.moe_layer_pattern
+    out = {}
+    for key, value in state_dict.items():
+        parts = key.split(".", 3)
+        if key.startswith("decoder.layers.") and len(parts) == 4:
+            layer, rest = int(parts[2]), parts[3]
+            for ours, theirs in TE_FUSED_NORMS:
+                if rest.startswith(ours) and not (moe[layer] and ours == "pre_mlp_layernorm."):
+                    key = f"decoder.layers.{layer}.{theirs}{rest[len(ours) :]}"
+                    break
+        out[key] = value
+    return out
+
+
+def local_spec_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of `te_spec_names`, dropping TE's `_extra_state` entries (FP8 scaling
+    state, no weights)."""
+    # Megatron's local-spec key map: the TE spec's names of the local spec's norms
+    from mg.core.checkpoint.megatron_sharded_keys import _FUSED_NORMS as TE_FUSED_NORMS
+
+    out = {}
+    for key, value in state_dict.items():
+        if key.endswith("_extra_state"):
+            continue
+        for ours, theirs in TE_FUSED_NORMS:
+            if f".{theirs}" in key:
+                key = key.replace(f".{theirs}", f".{ours}", 1)
+                break
+        out[key] = value
+    return out
+
+
+# --- Transformer Engine's own modules -------------------------------------------------
+
+
+def transformer_engine_installed() -> bool:
+    """Whether transformer_engine can be imported (without importing it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def import_transformer_engine(flag: str = TE_FLAG) -> Any:
+    """`transformer_engine.pytorch`, or a one-line error naming the extra to install."""
+    from mg.core.models.core_attention import require_gpu_package
+
+    return require_gpu_package("transformer_engine.pytorch", "transformer-engine", flag)
+
+
+def _copy_parameters(target: nn.Module, source: nn.Module, names: tuple[str, ...]) -> None:
+    with torch.no_grad():
+        for name in names:
+            mine = getattr(source, name, None)
+            if mine is None:
+                continue
+            getattr(target, name).copy_(mine)
+
+
+def _te_layer_norm_linear(te: Any, old: LayerNormLinear) -> nn.Module:
+    new = te.LayerNormLinear(
+        old.in_features,
+        old.out_features,
+        eps=old.eps,
+        bias=old.bias is not None,
+        normalization=old.normalization,
+        params_dtype=old.weight.dtype,
+        device=old.weight.device,
+    )
+    _copy_parameters(new, old, ("weight", "bias", "layer_norm_weight", "layer_norm_bias"))
+    return new
+
+
+def _te_linear(te: Any, old: nn.Linear) -> nn.Module:
+    new = te.Linear(
+        old.in_features,
+        old.out_features,
+        bias=old.bias is not None,
+        params_dtype=old.weight.dtype,
+        device=old.weight.device,
+    )
+    _copy_parameters(new, old, ("weight", "bias"))
+    return new
+
+
+def apply_transformer_engine(model: nn.Module, fp8: FP8Options | None = None) -> nn.Module:
+    """Swap a TE-spec model's layers for Transformer Engine's modules in place, keeping
+    the weights (and their names). Run it after the model holds its weights on the GPU
+    and before data parallelism wraps it. With `fp8.param` (`--fp8-param-gather`) the
+    linears are built under `fp8_model_init` and keep FP8 weights, as Megatron's
+    `--fp8-param-gather` does."""
+    from mg.core.models.core_attention import build_te_core_attention
+    from mg.core.models.gpt import MLP
+
+    config: TransformerConfig = model.config
+    if not uses_te_spec(config):
+        raise ValueError(
+            "apply_transformer_engine needs a model built with "
+            "transformer_impl='transformer_engine' (the TE spec's parameter names)"
+        )
+    te = import_transformer_engine()
+    init = (
+        te.fp8_model_init(enabled=True, recipe=fp8_recipe(fp8))
+        if fp8 is not None and fp8.param
+        else contextlib.nullcontext()
+    )
+    with init:
+        for layer in model.modules():
+            attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
+            if attention is None or mlp is None:
+                continue
+            attention.linear_qkv = _te_layer_norm_linear(te, attention.linear_qkv)
+            attention.linear_proj = _te_linear(te, attention.linear_proj)
+            attention.core_attention = build_te_core_attention(
+                config, layer.layer_number, causal=getattr(attention.core_attention, "causal", True)
+            )
+            if isinstance(mlp, MLP):  # an MoE layer's experts stay PyTorch modules
+                mlp.linear_fc1 = _te_layer_norm_linear(te, mlp.linear_fc1)
+                mlp.linear_fc2 = _te_linear(te, mlp.linear_fc2)
+    return model
+
+
+# --- FP8 --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FP8Options:
+    """Megatron's FP8 settings (`--fp8-format`, `--fp8-recipe`, `--fp8-margin`, ...)."""
+
+    format: str = "hybrid"
+    recipe: str = "delayed"
+    margin: int = 0
+    amax_history_len: int = 1
+    amax_compute_algo: str = "most_recent"
+    wgrad: bool = True
+    param: bool = False
+
+
+def fp8_recipe(options: FP8Options) -> Any:
+    """TE's recipe object for `options`, chosen as megatron.core.fp8_utils.get_fp8_recipe
+    does: delayed → DelayedScaling (margin, amax history, wgrad in higher precision with
+    --no-fp8-wgrad), tensorwise → Float8CurrentScaling, blockwise → Float8BlockScaling,
+    mxfp8 → MXFP8BlockScaling; e4m3 or hybrid (e4m3 forward, e5m2 gradients)."""
+    import_transformer_engine("--fp8-format")
+    from transformer_engine.common import recipe
+
+    fmt = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}[options.format]
+    if options.recipe == "delayed":
+        return recipe.DelayedScaling(
+            margin=options.margin,
+            fp8_format=fmt,
+            amax_history_len=options.amax_history_len,
+            amax_compute_algo=options.amax_compute_algo,
+            override_linear_precision=(False, False, not options.wgrad),
+        )
+    if options.recipe == "tensorwise":
+        return recipe.Float8CurrentScaling(fp8_format=fmt)
+    if options.recipe == "blockwise":
+        return recipe.Float8BlockScaling(fp8_format=fmt)
+    if options.recipe == "mxfp8":
+        return recipe.MXFP8BlockScaling(fp8_format=fmt)
+    raise ValueError(f"--fp8-recipe {options.recipe!r} is not one of {FP8_RECIPES}")
+
+
+@contextlib.contextmanager
+def fp8_autocast(options: FP8Options | None, group: Any = None) -> Iterator[None]:
+    """TE's `fp8_autocast` for a forward pass (nothing without FP8). `group`: the ranks
+    whose amax histories are reduced together (Megatron's amax-reduction group; None:
+    all ranks)."""
+    if options is None:
+        yield
+        return
+    te = import_transformer_engine("--fp8-format")
+    with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe(options), fp8_group=group):
+        yield

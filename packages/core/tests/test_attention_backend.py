@@ -1,0 +1,155 @@
+"""--attention-backend: Megatron's names, the portable kernels' numerics against the
+unfused math, CPU refusals, Megatron's NVTE_* switches, and (on a GPU) the CUDA
+kernels against the unfused path."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+from mg.core.models import GPTModel, TransformerConfig, presets
+from mg.core.models.attention_backend import (
+    BackendUnavailableError,
+    choices,
+    nvte_environment,
+    set_attention_backend,
+    set_nvte_environment,
+)
+from mg.core.models.config import ATTENTION_BACKENDS
+from mg.core.models.core_attention import SDPAttention
+
+CUDA = torch.cuda.is_available()
+
+
+def _ids(config: TransformerConfig, b: int = 2, s: int = 16) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+
+
+def _reference_attention(q, k, v, causal: bool, window=None, mask=None):
+    """softmax(q kᵀ/√d + mask) v written out, in float64: the unfused path by hand."""
+    b, s, h, d = q.shape
+    g = k.shape[2]
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    k, v = (t.repeat_interleave(h // g, dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    allowed = torch.ones(s, s, dtype=torch.bool)
+    if causal:
+        allowed &= j <= i
+        if window is not None:
+            allowed &= j >= i - window[0]
+    if mask is not None:
+        allowed = allowed & ~mask
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, h * d)
+
+
+def test_names_are_megatron_cores() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.transformer.enums import AttnBackend
+    assert sorted(choices()) == sorted(b.name for b in AttnBackend)
+    assert sorted(ATTENTION_BACKENDS) == sorted(choices())
+    assert TransformerConfig(2, 64, 4, 128).attention_backend == "auto"  # Megatron's default
+
+
+@pytest.mark.parametrize("backend", ["auto", "unfused", "local"])
+@pytest.mark.parametrize(
+    "case", ["causal_gqa", "window", "mask", "encoder"], ids=lambda c: c.replace("_", "-")
+)
+def test_portable_backends_match_the_unfused_math(backend: str, case: str) -> None:
+    config = presets.tiny_llama(
+        attention_backend=backend,
+        attention_dropout=0.0,
+        window_size=(3, 0) if case == "window" else None,
+    )
+    causal = case != "encoder"
+    attention = SDPAttention(config, causal=causal).eval()
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 8, 4, 16, generator=g)
+    k, v = (torch.randn(2, 8, 2, 16, generator=g) for _ in range(2))
+    mask = None
+    if case in ("mask", "encoder"):
+        mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+        mask[0, :, :, 5:] = True  # the first row's last keys are padding
+        mask[:, :, :, 0] = False
+    out = attention(q, k, v, attention_mask=mask)
+    ref = _reference_attention(q, k, v, causal, config.window_size, mask)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_whole_model_is_the_same_under_each_portable_backend() -> None:
+    torch.manual_seed(0)
+    model = GPTModel(presets.tiny_llama(attention_backend="unfused")).eval()
+    ids = _ids(model.config)
+    unfused = model(ids)
+    for backend in ("auto", "local"):
+        set_attention_backend(model, backend)
+        assert model.config.attention_backend == backend
+        torch.testing.assert_close(model(ids), unfused, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("backend", ["flash", "fused"])
+def test_cuda_kernels_are_refused_by_flag_name_without_cuda(backend: str) -> None:
+    model = GPTModel(presets.tiny_gpt2(attention_backend=backend))
+    with pytest.raises(BackendUnavailableError) as err:
+        model(_ids(model.config))
+    message = str(err.value)
+    assert f"--attention-backend {backend}" in message and "\n" not in message
+
+
+def test_configs_recorded_with_the_old_names_still_load() -> None:
+    old = presets.tiny_gpt2().to_dict()
+    assert TransformerConfig.from_dict({**old, "attention_backend": "sdpa"}).attention_backend == (
+        "auto"
+    )
+    te = TransformerConfig.from_dict({**old, "attention_backend": "te"})
+    assert (te.attention_backend, te.transformer_impl) == ("auto", "transformer_engine")
+
+
+def test_nvte_switches_are_the_ones_megatron_sets(monkeypatch) -> None:
+    """megatron-core's LanguageModule._set_attention_backend, run on a stub, sets the same
+    NVTE_FLASH_ATTN / NVTE_FUSED_ATTN / NVTE_UNFUSED_ATTN values as ours."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+        from megatron.core.transformer.enums import AttnBackend
+
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    for backend in choices():
+        for name in names:
+            monkeypatch.delenv(name, raising=False)
+        stub = type("Stub", (), {})()
+        stub.config = type("Config", (), {"attention_backend": AttnBackend[backend]})()
+        LanguageModule._set_attention_backend(stub)
+        theirs = {name: os.environ[name] for name in names}
+        assert nvte_environment(backend) == theirs, backend
+        set_nvte_environment(backend)  # agrees with what is set: no error
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "1")
+    with pytest.raises(BackendUnavailableError, match="NVTE_FLASH_ATTN=1"):
+        set_nvte_environment("fused")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["flash", "fused", "auto"])
+def test_cuda_kernels_match_the_unfused_path(backend: str) -> None:
+    """bf16 on the GPU: each CUDA kernel against the math kernel on the same inputs."""
+
+    def attention(name: str) -> SDPAttention:
+        config = presets.tiny_llama(attention_backend=name, attention_dropout=0.0, kv_channels=64)
+        return SDPAttention(config).eval()
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (
+        torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        for _ in range(2)
+    )
+    out = attention(backend)(q, k, v)
+    reference = attention("unfused")(q, k, v)
+    torch.testing.assert_close(out.float(), reference.float(), rtol=2e-2, atol=2e-2)
