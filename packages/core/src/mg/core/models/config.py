@@ -114,6 +114,9 @@ class TransformerConfig:
 
     normalization: Normalization = "LayerNorm"
     layernorm_epsilon: float = 1e-5
+    layernorm_zero_centered_gamma: bool = False
+    """Megatron's `--apply-layernorm-1p`: the norms compute with 1 + weight and their
+    weights start at 0 (`mg.core.models.norms`). GPTModel only."""
     activation: Activation = "gelu"
     """MLP activation. "gelu" is the exact (erf) GELU, Megatron's `F.gelu`;
     "gelu_tanh" is the tanh approximation GPT-2 was trained with (HF "gelu_new")

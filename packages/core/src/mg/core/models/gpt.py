@@ -51,6 +51,10 @@ def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
     """LayerNorm (weight and bias) or RMSNorm (weight only), as Megatron's spec picks,
     over `size` channels (default: the hidden size)."""
     size = size or config.hidden_size
+    if config.layernorm_zero_centered_gamma:
+        from mg.core.models.norms import build_norm_1p
+
+        return build_norm_1p(config.normalization, size, config.layernorm_epsilon)
     if config.normalization == "RMSNorm":
         return nn.RMSNorm(size, eps=config.layernorm_epsilon)
     return nn.LayerNorm(size, eps=config.layernorm_epsilon)
