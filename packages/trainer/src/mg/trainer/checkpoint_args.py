@@ -50,6 +50,7 @@ _SHAPE: dict[str, Any] = {
     "rotary_percent": lambda c: c.rotary_percent,
     "normalization": lambda c: c.normalization,
     "norm_epsilon": lambda c: c.layernorm_epsilon,
+    "apply_layernorm_1p": lambda c: c.layernorm_zero_centered_gamma,
     "swiglu": lambda c: c.activation == "swiglu",
     "disable_bias_linear": lambda c: not c.add_bias_linear,
     "add_qkv_bias": lambda c: c.add_qkv_bias,

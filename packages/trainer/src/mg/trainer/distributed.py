@@ -74,8 +74,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def wrap_model(model: nn.Module, overlap: bool, bucket_size: int | None) -> nn.Module:
-    """DDP when overlapping gradient reduction with backward, else the model itself."""
+def wrap_model(
+    model: nn.Module, overlap: bool, bucket_size: int | None, reduce_in_bf16: bool = False
+) -> nn.Module:
+    """DDP when overlapping gradient reduction with backward, else the model itself;
+    `reduce_in_bf16` (--grad-reduce-in-bf16): DDP's buckets travel in bf16."""
     if not (overlap and is_distributed()):
         return model
     kwargs = {}
@@ -83,17 +86,26 @@ def wrap_model(model: nn.Module, overlap: bool, bucket_size: int | None) -> nn.M
         # DDP sizes buckets in MiB; Megatron's flag is in elements (fp32 here).
         kwargs["bucket_cap_mb"] = bucket_size * 4 / 2**20
     device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    if reduce_in_bf16:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
-def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+def allreduce_gradients(
+    model: nn.Module, group: dist.ProcessGroup | None = None, reduce_in_bf16: bool = False
+) -> None:
     """Average gradients over data-parallel ranks after backward (the no-overlap path).
 
-    `group` is the data-parallel (× context-parallel) group; the whole world by default."""
+    `group` is the data-parallel (× context-parallel) group; the whole world by default.
+    `reduce_in_bf16` (--grad-reduce-in-bf16): as Megatron, the gradients are divided by
+    the group size first and summed in bf16."""
     if not is_distributed() or isinstance(model, nn.parallel.DistributedDataParallel):
         return
     if group is not None and dist.get_world_size(group) == 1:
@@ -107,8 +119,14 @@ def allreduce_gradients(model: nn.Module, group: dist.ProcessGroup | None = None
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
+    if reduce_in_bf16:
+        flat /= dist.get_world_size(group)
+        reduced = flat.to(torch.bfloat16)
+        dist.all_reduce(reduced, group=group)
+        flat = reduced.to(flat.dtype)
+    else:
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -35,6 +35,7 @@ def _vocab_size(args: Args) -> int:
         tokenizer_model=d.tokenizer_model,
         vocab_size=d.vocab_size,
         vocab_extra_ids=d.vocab_extra_ids,
+        tiktoken_pattern=d.tiktoken_pattern,
     )
     return vocab_size_with_padding(
         build_tokenizer(config).vocab_size,

@@ -48,8 +48,11 @@ def gpt_config(args: Args, vocab_size: int):
     from mg.core.models import TransformerConfig
 
     if args.checkpoint_model_config is not None:
-        # --use-checkpoint-args: the checkpoint's config, whole (see checkpoint_args.py).
-        return TransformerConfig.from_dict(dict(args.checkpoint_model_config))
+        # --use-checkpoint-args: the checkpoint's config, whole (see checkpoint_args.py),
+        # but this run's attention kernel (it does not change the weights)
+        recorded = dict(args.checkpoint_model_config)
+        recorded["attention_backend"] = args.transformer_engine.attention_backend
+        return TransformerConfig.from_dict(recorded)
     m = args.model
     activation = "swiglu" if m.swiglu else "gelu"
     return TransformerConfig(
@@ -67,6 +70,7 @@ def gpt_config(args: Args, vocab_size: int):
         rotary_percent=m.rotary_percent,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
+        layernorm_zero_centered_gamma=m.apply_layernorm_1p,
         activation=activation,
         add_bias_linear=not m.disable_bias_linear,
         add_qkv_bias=m.add_qkv_bias,
@@ -75,6 +79,8 @@ def gpt_config(args: Args, vocab_size: int):
         init_method_std=m.init_method_std,
         attention_dropout=m.attention_dropout,
         hidden_dropout=m.hidden_dropout,
+        attention_backend=args.transformer_engine.attention_backend,
+        transformer_impl=args.transformer_engine.transformer_impl,
         **moe_config_fields(args.moe),
     )
 
@@ -106,6 +112,7 @@ def gpt_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
         reset_attention_mask=d.reset_attention_mask,
         eod_mask_loss=d.eod_mask_loss,
         create_attention_mask=d.reset_attention_mask,
+        mmap_bin_files=d.mmap_bin_files,
     )
     if d.mock_data:
         return build_mock_gpt_datasets(list(num_samples), config, tokenizer.vocab_size - 1)

@@ -58,10 +58,12 @@ class OptimizerParamScheduler:
         self.num_steps = 0
         self.step(0)
 
-    def get_lr(self) -> float:
+    def get_lr(self, group: dict[str, Any] | None = None) -> float:
         """The learning rate at `self.num_steps` samples."""
         n = self.num_steps
-        max_lr, min_lr = self.max_lr, self.min_lr
+        # a parameter group's own peak and floor (--decoupled-lr), as Megatron's get_lr
+        group = group or {}
+        max_lr, min_lr = group.get("max_lr", self.max_lr), group.get("min_lr", self.min_lr)
         if self.lr_warmup_steps > 0 and n <= self.lr_warmup_steps:
             return self.init_lr + (max_lr - self.init_lr) * float(n) / float(self.lr_warmup_steps)
         if self.lr_decay_style == "constant":
@@ -103,7 +105,7 @@ class OptimizerParamScheduler:
         lr = self.get_lr()
         if self.optimizer is not None:
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = self.get_lr(group)
         return lr
 
     def state_dict(self) -> dict[str, Any]:

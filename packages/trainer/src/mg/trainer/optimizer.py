@@ -3,7 +3,10 @@
 Megatron's "adam" is Adam with decoupled weight decay (apex FusedAdam in
 adam_w_mode), i.e. `torch.optim.AdamW`. Biases and every 1-D parameter (norm
 weights) get no weight decay; embeddings and matrices do, as in Megatron's
-`_get_param_groups`.
+`_get_param_groups`. With `--decoupled-lr` the input embedding and the output
+layer (Megatron's `is_embedding_or_output_parameter`: `word_embeddings.weight`
+and `output_layer.weight`) get groups of their own whose `max_lr`/`min_lr` the
+schedule reads instead of `--lr`/`--min-lr`.
 
 `--use-distributed-optimizer` wraps the same torch optimizer in
 `mg.core.parallel.distributed_optimizer.DistributedOptimizer`: each
@@ -24,22 +27,42 @@ from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.grad_norm import clip_grad_norm as parallel_clip_grad_norm
 from mg.trainer.arguments import DistributedArgs, OptimizerArgs
 
+EMBEDDING_OR_OUTPUT = ("embedding.word_embeddings.weight", "output_layer.weight")
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed matrices/embeddings, and undecayed biases and norm weights."""
-    decay, no_decay = [], []
+
+def is_embedding_or_output(name: str) -> bool:
+    """Megatron's `is_embedding_or_output_parameter`: the word embeddings and output layer."""
+    return any(name == n or name.endswith("." + n) for n in EMBEDDING_OR_OUTPUT)
+
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    decoupled_lr: float | None = None,
+    decoupled_min_lr: float | None = None,
+) -> list[dict]:
+    """Decayed matrices/embeddings and undecayed biases and norm weights; with
+    `decoupled_lr`, the embedding/output parameters in groups of their own (listed
+    last, so group 0 keeps the base learning rate the log line prints)."""
+    buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if name.endswith(".bias") or param.dim() == 1:
-            no_decay.append(param)
-        else:
-            decay.append(param)
+        decayed = not (name.endswith(".bias") or param.dim() == 1)
+        decoupled = decoupled_lr is not None and is_embedding_or_output(name)
+        buckets.setdefault((decoupled, decayed), []).append(param)
     groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+    for decoupled in (False, True):
+        for decayed in (True, False):
+            params = buckets.get((decoupled, decayed))
+            if not params:
+                continue
+            group = {"params": params, "weight_decay": weight_decay if decayed else 0.0}
+            if decoupled:
+                group["max_lr"] = decoupled_lr
+                if decoupled_min_lr is not None:
+                    group["min_lr"] = decoupled_min_lr
+            groups.append(group)
     return groups
 
 
@@ -53,7 +76,7 @@ def build_optimizer(
     """AdamW (`--optimizer adam`) or SGD with momentum (`--optimizer sgd`), sharded over
     `dp_group` (default: the world) with `--use-distributed-optimizer`; `pipeline`: a
     pipeline stage's groups and tied weight for it (`pipeline_optimizer_options`)."""
-    groups = param_groups(model, args.weight_decay)
+    groups = param_groups(model, args.weight_decay, args.decoupled_lr, args.decoupled_min_lr)
     if dist_args is not None and dist_args.use_distributed_optimizer:
         return DistributedOptimizer(
             groups,

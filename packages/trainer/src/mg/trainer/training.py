@@ -8,6 +8,12 @@ whole global batch. The *reported* `lm loss` is, as in Megatron, the token-
 weighted mean: loss sums and token counts are added over micro-batches and
 ranks and divided once. With equal token counts per micro-batch (no masking)
 both are the same number.
+
+With `--calculate-per-token-loss` (Megatron's option) the gradient is instead
+that of sum(loss * mask) over the whole global batch divided by its token count
+(all micro-batches and data-parallel ranks): each micro-batch backpropagates
+its loss sum times world / (tokens counted over the world), which the gradient
+average over data-parallel ranks turns into exactly that.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from mg.core.checkpoint.dist_format import PendingSave
 from mg.core.models import apply_activation_recompute, num_floating_point_operations
 from mg.core.models.compile import compile_layers
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
+from mg.core.models.te_spec import FP8Options, apply_transformer_engine, fp8_autocast
 from mg.core.parallel.pipeline import (
     allreduce_shared_embedding_grad,
     clip_grad_norm_across_stages,
@@ -36,10 +43,12 @@ from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with
 from mg.indexed_dataset import samples_per_split
 from mg.trainer import checkpointing, checkpointing_dist, distributed, model_parallel, moe_step
 from mg.trainer.arguments import Args
+from mg.trainer.arguments.transformer_engine import fp8_options
 from mg.trainer.batch_schedule import BatchSchedule, train_iterations
 from mg.trainer.checkpointing import TrainState
 from mg.trainer.deterministic import enable_deterministic_mode, set_seed
 from mg.trainer.families import collate, get_family
+from mg.trainer.housekeeping import Housekeeping
 from mg.trainer.logging_utils import (
     MetricsWriter,
     device_peak_tflops,
@@ -88,27 +97,60 @@ class _SigtermFlag:
             signal.signal(signal.SIGTERM, self._previous)
 
 
+def _samples(items: list[Any]) -> list[Any]:
+    """The data loader's collate: keep the micro-batch's samples as they are."""
+    return items
+
+
 def _batches(
     dataset: Any,
     consumed: int,
     mbs: int,
     env: distributed.DistEnv,
     layout: model_parallel.ParallelLayout,
+    num_workers: int = 0,
 ) -> Iterator:
-    """This data-parallel rank's micro-batches (every pp/cp/tp rank of it reads the same)."""
+    """This data-parallel rank's micro-batches (every pp/cp/tp rank of it reads the same).
+
+    `num_workers` > 0 (--num-workers): worker processes read the samples ahead of the
+    step (a torch DataLoader over Megatron's sampler), as Megatron's loader does."""
     sampler = distributed.MegatronPretrainingSampler(
         len(dataset), consumed, mbs, layout.dp_rank, layout.dp
     )
-    for indices in sampler:
-        yield model_parallel.shard_for_context(
-            collate([dataset[i] for i in indices], env.device), layout
+    if num_workers > 0:
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=_samples,
+            persistent_workers=True,
         )
+        micro_batches: Iterator[list[Any]] = iter(loader)
+    else:
+        micro_batches = ([dataset[i] for i in indices] for indices in sampler)
+    for samples in micro_batches:
+        yield model_parallel.shard_for_context(collate(samples, env.device), layout)
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+def per_token_loss_scale(batches: list[dict[str, torch.Tensor]], world_size: int) -> float:
+    """world / (loss tokens of the global batch): the factor on each micro-batch's loss sum.
+
+    Every tensor/pipeline rank of a data-parallel replica reads the same batches, so
+    the world-wide sum counts each token tp x pp times; world / that sum is dp x cp /
+    tokens, and the gradient average over the dp x cp ranks leaves 1 / tokens."""
+    local = sum(float(b["loss_mask"].float().sum()) for b in batches)
+    total = float(distributed.all_reduce_sum(torch.tensor([local], dtype=torch.float64))[0])
+    return world_size / max(total, 1.0)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None, fp8: FP8Options | None = None):
+    """The forward's number formats: torch autocast in `dtype`, and TE's FP8 inside it."""
+    stack = contextlib.ExitStack()
+    if dtype is not None:
+        stack.enter_context(torch.autocast(device_type=device.type, dtype=dtype))
+    if fp8 is not None:
+        stack.enter_context(fp8_autocast(fp8))
+    return stack
 
 
 class Trainer:
@@ -147,6 +189,7 @@ class Trainer:
             tokenizer_model=d.tokenizer_model,
             vocab_size=d.vocab_size,
             vocab_extra_ids=d.vocab_extra_ids,
+            tiktoken_pattern=d.tiktoken_pattern,
         )
         self.tokenizer = build_tokenizer(self.tokenizer_config)
         self.saved_tokenizer_config = self.tokenizer_config.to_dict()
@@ -190,6 +233,9 @@ class Trainer:
             init_device=device if device.type != "cpu" and not t.use_cpu_initialization else None,
             perform_initialization=args.checkpoint.perform_initialization,
         )
+        self.fp8 = fp8_options(args)
+        if self.model_config.transformer_impl == "transformer_engine":  # TE's modules, same names
+            apply_transformer_engine(model, self.fp8, config=self.model_config)
         # Megatron's per-stage seed for everything after init (dropout): seed + 100 * pp_rank
         set_seed(self.layout.stage_seed(t.seed))
         if t.torch_compile:
@@ -250,10 +296,12 @@ class Trainer:
             model,
             args.distributed.overlap_grad_reduce and not self.distributed_optimizer,
             args.distributed.ddp_bucket_size,
+            reduce_in_bf16=args.distributed.grad_reduce_in_bf16,
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dtype = autocast_dtype(t.bf16, t.fp16)
         self._build_data()
+        self.housekeeping = Housekeeping(args, self.env.rank)
         self.peak = device_peak_tflops(self.env.device)
         if self.env.device.type == "cpu" and self.is_log_rank and self.peak:
             from mg.trainer.cpu_peak import estimate_cpu_peak  # what MFU is measured against
@@ -279,13 +327,24 @@ class Trainer:
             train_samples=t.train_samples,
         )
         train, valid, _ = self.family.build_datasets(self.args, self.tokenizer, num_samples)
+        workers = self.args.data.num_workers
         self.train_data = _batches(
-            train, self.state.consumed_train_samples, t.micro_batch_size, self.env, self.layout
+            train,
+            self.state.consumed_train_samples,
+            t.micro_batch_size,
+            self.env,
+            self.layout,
+            workers,
         )
         self.valid_dataset = valid
         self.valid_data = (
             _batches(
-                valid, self.state.consumed_valid_samples, t.micro_batch_size, self.env, self.layout
+                valid,
+                self.state.consumed_valid_samples,
+                t.micro_batch_size,
+                self.env,
+                self.layout,
+                workers,
             )
             if valid is not None and len(valid) > 0 and t.eval_iters > 0
             else None
@@ -310,15 +369,20 @@ class Trainer:
                 [next(data) for _ in range(num_micro)],
                 hidden_size=self.model_config.hidden_size,
                 loss_scale=self.scaler.scale,
-                autocast=lambda: _autocast(self.env.device, self.dtype),
+                autocast=lambda: _autocast(self.env.device, self.dtype, self.fp8),
                 backward=backward,
                 device=self.env.device,
                 no_sync=self.optimizer.no_sync if self.distributed_optimizer else None,
                 dtype=self.dtype or torch.float32,
             )
             num_micro = 0  # the schedule ran them all
+        per_token = backward and self.args.training.calculate_per_token_loss
+        prefetched = [next(data) for _ in range(num_micro)] if per_token else None
+        scale_per_token = (
+            per_token_loss_scale(prefetched, self.env.world_size) if prefetched else None
+        )
         for i in range(num_micro):
-            batch = next(data)
+            batch = prefetched[i] if prefetched else next(data)
             sync = contextlib.nullcontext()
             if backward and i < num_micro - 1:
                 if isinstance(self.model, nn.parallel.DistributedDataParallel):
@@ -326,15 +390,18 @@ class Trainer:
                 elif self.distributed_optimizer:
                     sync = self.optimizer.no_sync()
             with sync:
-                with _autocast(self.env.device, self.dtype):
+                with _autocast(self.env.device, self.dtype, self.fp8):
                     terms = self.family.loss_terms(self.model, batch)
                 micro_sum, micro_tokens = terms[0], terms[1]
                 extra = terms[2] if len(terms) > 2 else {}
                 if backward:
-                    loss = model_parallel.micro_batch_loss(micro_sum, micro_tokens, self.layout)
+                    if scale_per_token is not None:
+                        loss = micro_sum * scale_per_token
+                    else:
+                        loss = model_parallel.micro_batch_loss(micro_sum, micro_tokens, self.layout)
+                        loss = loss / num_micro
                     for value in extra.values():
-                        loss = loss + value
-                    loss = loss / num_micro
+                        loss = loss + value / num_micro
                     (loss * self.scaler.scale).backward()
             loss_sum += micro_sum.detach().double()
             tokens += micro_tokens.detach().double()
@@ -358,6 +425,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         moe_step.begin_step(num_micro, self.scaler.scale)  # aux-loss gradient scale
         loss_sum, tokens = self._forward_backward(num_micro, backward=True)
+        self.housekeeping.after_forward_backward()
         # MoE: expert-bias update, balancing losses for the log line (dense: nothing)
         self.extra_losses |= moe_step.finish_step(
             self.model, self.model_config, self.layout.dp_cp_group
@@ -367,7 +435,11 @@ class Trainer:
         if self.distributed_optimizer:  # reduce-scatter: each rank its shard's average,
             self.optimizer.finish_grad_sync()  # the tied embedding's summed over stages
         else:
-            distributed.allreduce_gradients(self.model, self.layout.dp_cp_group)
+            distributed.allreduce_gradients(
+                self.model,
+                self.layout.dp_cp_group,
+                reduce_in_bf16=self.args.distributed.grad_reduce_in_bf16,
+            )
             moe_step.allreduce_expert_gradients(self.model, self.layout)  # EP > 1 only
             if isinstance(self.model, model_parallel.PipelineModel):
                 allreduce_shared_embedding_grad(self.model.chunks, self.layout.embedding_group)
@@ -389,6 +461,7 @@ class Trainer:
             else:
                 self.optimizer.step()
                 self.scheduler.step(gbs)
+        self.housekeeping.after_optimizer_step()
         self.state.consumed_train_samples += gbs
         return loss_sum / max(tokens, 1.0), grad_norm, found_inf, gbs
 
@@ -488,14 +561,22 @@ class Trainer:
 
     def train(self, on_iteration: Callable[[Trainer], None] | None = None) -> TrainResult:
         """Train to `train_iters` or until an exit condition; returns the run's numbers."""
+        self.housekeeping.start()
+        try:
+            return self._loop(on_iteration)
+        finally:
+            self.housekeeping.close()
+
+    def _loop(self, on_iteration: Callable[[Trainer], None] | None) -> TrainResult:
         args, t, c = self.args, self.args.training, self.args.checkpoint
         result = TrainResult(state=self.state)
         start = time.time()
+        saved_at = -1
         interval_time, interval_losses, interval_iters, interval_nan = time.time(), [], 0, 0
         interval_extra: dict[str, list[float]] = {}
-        saved_at = -1
         with _SigtermFlag() as sigterm:
             while self.state.iteration < self.train_iters:
+                self.housekeeping.before_iteration()
                 loss, grad_norm, skipped, gbs = self.train_step()
                 self.state.iteration += 1
                 st = self.state
@@ -565,6 +646,7 @@ class Trainer:
                     interval_extra = {}
                 if self.valid_data is not None and st.iteration % t.eval_interval == 0:
                     self._validate_and_log(f"iteration {st.iteration}", result)
+                self.housekeeping.after_iteration(st.iteration)
                 if on_iteration is not None:
                     on_iteration(self)
                 if c.save and c.save_interval and st.iteration % c.save_interval == 0:

@@ -33,6 +33,9 @@ class DataArgs:
     vocab_extra_ids: int = 0
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
+    tiktoken_pattern: str | None = None
+    num_workers: int = 0
+    mmap_bin_files: bool = True
 
 
 def add_data_flags(p: argparse._ArgumentGroup) -> None:
@@ -65,6 +68,24 @@ def add_data_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--short-seq-prob", type=float, default=0.1, help="BERT/T5: share of short samples."
     )
+    p.add_argument(
+        "--tiktoken-pattern",
+        choices=["v1", "v2"],
+        help="TikTokenizer's pre-tokenisation regex (default v2); ignored by other tokenizers.",
+    )
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=0,
+        help="Data-loader worker processes per rank (0: samples are read in the training "
+        "process; Megatron's default is 2).",
+    )
+    p.add_argument(
+        "--no-mmap-bin-files",
+        dest="mmap_bin_files",
+        action="store_false",
+        help="Read the .bin files with file reads instead of memory-mapping them (gpt).",
+    )
 
 
 def finalize_data(args: Args) -> None:
@@ -81,6 +102,10 @@ def finalize_data(args: Args) -> None:
 def check_data(args: Args) -> None:
     """One data source, a tokenizer, and files that exist (before any index is built)."""
     d = args.data
+    if d.num_workers < 0:
+        fail(f"--num-workers must be >= 0, got {d.num_workers}")
+    if not d.mmap_bin_files and args.family in ("bert", "t5"):
+        fail(f"--no-mmap-bin-files is supported for gpt and mamba, not {args.family}")
     if d.mock_data and (d.data_path or d.data_args_path):
         fail("--mock-data and --data-path/--data-args-path are exclusive")
     if not d.mock_data and not d.data_path and not d.data_args_path:

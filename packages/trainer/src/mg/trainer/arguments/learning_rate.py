@@ -24,6 +24,8 @@ class OptimizerArgs:
     optimizer: str = "adam"
     lr: float | None = None
     min_lr: float = 0.0
+    decoupled_lr: float | None = None
+    decoupled_min_lr: float | None = None
     lr_decay_style: str = "linear"
     lr_decay_iters: int | None = None
     lr_decay_samples: int | None = None
@@ -51,6 +53,17 @@ def add_learning_rate_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--optimizer", default="adam", choices=["adam", "sgd"], help="adam is AdamW.")
     p.add_argument("--lr", type=float, help="Peak learning rate.")
     p.add_argument("--min-lr", type=float, default=0.0, help="Learning rate floor after decay.")
+    p.add_argument(
+        "--decoupled-lr",
+        type=float,
+        help="Peak learning rate of the input embedding and the output layer (their own "
+        "optimizer group, on the same schedule).",
+    )
+    p.add_argument(
+        "--decoupled-min-lr",
+        type=float,
+        help="Learning rate floor of the --decoupled-lr group; default --min-lr.",
+    )
     p.add_argument(
         "--lr-decay-style",
         default="linear",
@@ -96,6 +109,12 @@ def check_learning_rate(args: Args) -> None:
     o, t = args.optimizer, args.training
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         fail(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
+    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
+        fail("--decoupled-min-lr needs --decoupled-lr")
+    if o.decoupled_lr is not None:
+        floor = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
+        if o.decoupled_lr < 0 or floor < 0 or floor > o.decoupled_lr:
+            fail(f"need 0 <= --decoupled-min-lr ({floor}) <= --decoupled-lr ({o.decoupled_lr})")
     if o.lr_decay_style == "WSD" and (
         o.lr_wsd_decay_iters is None and o.lr_wsd_decay_samples is None
     ):

@@ -22,6 +22,7 @@ class LoggingArgs:
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
+    log_throughput: bool = False
 
 
 def add_logging_flags(p: argparse._ArgumentGroup) -> None:
@@ -30,6 +31,12 @@ def add_logging_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--wandb-project", help="Log to Weights & Biases (needs wandb installed).")
     p.add_argument("--wandb-exp-name", help="wandb run name.")
     p.add_argument("--wandb-save-dir", help="wandb local folder.")
+    p.add_argument(
+        "--log-throughput",
+        action="store_true",
+        help="Megatron prints TFLOP/s per GPU only with this flag; mg-train always prints it "
+        "(and MFU) on the log line and to tensorboard/wandb.",
+    )
 
 
 def check_logging(args: Args) -> None:

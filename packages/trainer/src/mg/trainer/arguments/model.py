@@ -21,6 +21,8 @@ class ModelArgs:
     """The network's shape (`--num-layers` ...), mapped one to one onto TransformerConfig."""
 
     num_layers: int | None = None
+    encoder_num_layers: int | None = None
+    decoder_num_layers: int | None = None
     hidden_size: int | None = None
     ffn_hidden_size: int | None = None
     num_attention_heads: int | None = None
@@ -39,6 +41,7 @@ class ModelArgs:
     rotary_percent: float = 1.0
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
+    apply_layernorm_1p: bool = False
     swiglu: bool = False
     disable_bias_linear: bool = False
     add_qkv_bias: bool = False
@@ -56,6 +59,14 @@ class ModelArgs:
 
 def add_model_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--num-layers", type=int, help="Number of transformer layers.")
+    p.add_argument(
+        "--encoder-num-layers", type=int, help="Megatron's name of --num-layers for encoders (T5)."
+    )
+    p.add_argument(
+        "--decoder-num-layers",
+        type=int,
+        help="T5 decoder layers; mg's T5 has as many as the encoder (the default).",
+    )
     p.add_argument("--hidden-size", type=int, help="Transformer hidden size.")
     p.add_argument(
         "--ffn-hidden-size", type=int, help="MLP width; default 4*hidden (SwiGLU: Megatron's 8/3)."
@@ -98,7 +109,8 @@ def add_model_flags(p: argparse._ArgumentGroup) -> None:
         "--no-masked-softmax-fusion",
         dest="masked_softmax_fusion",
         action="store_false",
-        help="Accepted for Megatron scripts; mg's attention (SDPA) has no masked-softmax kernel.",
+        help="No-op (Megatron's CUDA kernel choice): mg's attention is SDPA, whose masked "
+        "softmax matches the unfused path Megatron falls back to.",
     )
     p.add_argument("--rotary-base", type=float, default=10000.0, help="RoPE base (theta).")
     p.add_argument(
@@ -108,6 +120,12 @@ def add_model_flags(p: argparse._ArgumentGroup) -> None:
         "--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="Norm."
     )
     p.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
+    p.add_argument(
+        "--apply-layernorm-1p",
+        action="store_true",
+        help="Zero-centred norm weights: the norms compute with 1 + weight, weights start at "
+        "0 (Megatron's layernorm_zero_centered_gamma; gpt).",
+    )
     p.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (Llama) instead of GeLU.")
     p.add_argument("--disable-bias-linear", action="store_true", help="No biases in linear layers.")
     p.add_argument("--add-qkv-bias", action="store_true", help="Bias on QKV only (Qwen).")
@@ -154,6 +172,10 @@ REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
 def finalize_model(args: Args) -> None:
     """Megatron's derived values: seq from the encoder's, max positions, recompute shortcut."""
     m = args.model
+    if m.num_layers is None:
+        m.num_layers = m.encoder_num_layers
+    if args.family == "t5" and m.decoder_num_layers is None:
+        m.decoder_num_layers = m.num_layers
     if m.seq_length is None:
         m.seq_length = m.encoder_seq_length
     if m.recompute_activations:
@@ -167,6 +189,17 @@ def finalize_model(args: Args) -> None:
 def check_model(args: Args) -> None:
     """Head, query-group, position and recompute rules (Megatron's validate_args)."""
     m = args.model
+    if m.encoder_num_layers is not None and m.encoder_num_layers != m.num_layers:
+        fail("cannot have both --num-layers and --encoder-num-layers specified")
+    if m.decoder_num_layers is not None and args.family != "t5":
+        fail(f"--decoder-num-layers is a T5 flag (mg-train t5), not {args.family}")
+    if m.decoder_num_layers is not None and m.decoder_num_layers != m.num_layers:
+        fail(
+            f"--decoder-num-layers {m.decoder_num_layers}: mg's T5 has as many decoder layers as "
+            f"encoder layers ({m.num_layers}); drop the flag or make them equal"
+        )
+    if m.apply_layernorm_1p and args.family not in ("gpt",):
+        fail(f"--apply-layernorm-1p is supported for gpt, not {args.family}")
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
         fail(
             f"hidden size ({m.hidden_size}) is not divisible by the number of attention heads "

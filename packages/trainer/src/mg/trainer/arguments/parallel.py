@@ -30,6 +30,7 @@ class DistributedArgs:
     overlap_param_gather: bool = False
     distributed_backend: str | None = None
     ddp_bucket_size: int | None = None
+    grad_reduce_in_bf16: bool = False
     # Filled from the torchrun environment, not from flags.
     world_size: int = 1
 
@@ -96,6 +97,12 @@ def add_parallel_flags(p: argparse._ArgumentGroup) -> None:
         help="Default: nccl on GPU, gloo on CPU.",
     )
     p.add_argument("--ddp-bucket-size", type=int, help="Elements per DDP bucket (with overlap).")
+    p.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="All-reduce gradients over data-parallel ranks in bf16 (half the bytes; "
+        "accumulation over micro-batches stays fp32).",
+    )
 
 
 def check_dry_run_layout(args: Args) -> None:
@@ -140,8 +147,6 @@ def check_tensor_parallel(args: Args) -> None:
             f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by "
             f"--tensor-model-parallel-size ({tp})"
         )
-    if args.training.fp16:
-        fail("--fp16 with --tensor-model-parallel-size > 1 is not supported yet; use --bf16")
 
 
 def check_pipeline_and_context(args: Args) -> None:
@@ -207,5 +212,10 @@ def check_pipeline_and_context(args: Args) -> None:
 
 def check_distributed_optimizer(args: Args) -> None:
     d = args.distributed
+    if d.grad_reduce_in_bf16 and d.use_distributed_optimizer and not args.training.dry_run:
+        fail(
+            "--grad-reduce-in-bf16 with --use-distributed-optimizer is not supported yet (its "
+            "reduce-scatter runs in fp32); drop one of them"
+        )
     if d.overlap_param_gather and not d.use_distributed_optimizer:
         fail("--overlap-param-gather only works with --use-distributed-optimizer")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mg.trainer.arguments.errors import fail
@@ -35,6 +35,15 @@ class TrainingArgs:
     dry_run: bool = False
     use_cpu_initialization: bool = False
     init_model_with_meta_device: bool = False
+    calculate_per_token_loss: bool = False
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
+    empty_unused_memory_level: int = 0
+    profile: bool = False
+    use_pytorch_profiler: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
 
 
 def add_training_flags(p: argparse._ArgumentGroup) -> None:
@@ -101,6 +110,52 @@ def add_training_flags(p: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="Accepted for Megatron: mg-train always builds GPT models on the meta device and "
         "gives each rank storage for its own shards only.",
+    )
+    p.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="Megatron's per-token loss: the gradient is that of the sum of token losses over "
+        "the whole global batch divided by its token count (all micro-batches and "
+        "data-parallel ranks), instead of the mean of per-micro-batch means.",
+    )
+    p.add_argument(
+        "--manual-gc",
+        action="store_true",
+        help="Turn Python's automatic garbage collector off during training and collect every "
+        "--manual-gc-interval iterations instead (the same moment on every rank).",
+    )
+    p.add_argument(
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="Iterations between collections with --manual-gc (0: only at the start).",
+    )
+    p.add_argument(
+        "--empty-unused-memory-level",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="Return cached GPU memory to the driver: 1 after forward/backward, 2 also after "
+        "the optimizer step (torch.cuda.empty_cache; nothing to do on CPU).",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="Profile iterations --profile-step-start to --profile-step-end with the torch "
+        "profiler; the trace goes to --tensorboard-dir (Megatron's --use-pytorch-profiler; "
+        "mg-train has no nsys mode).",
+    )
+    p.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="Accepted for Megatron scripts: --profile always uses the torch profiler.",
+    )
+    p.add_argument("--profile-step-start", type=int, default=10, help="First profiled iteration.")
+    p.add_argument(
+        "--profile-step-end", type=int, default=12, help="Iteration the profile stops at."
+    )
+    p.add_argument(
+        "--profile-ranks", type=int, nargs="+", default=[0], help="Global ranks that profile."
     )
     p.add_argument(
         "--dry-run",
@@ -183,3 +238,19 @@ def check_training(args: Args) -> None:
         fail("--fp16 and --bf16 cannot both be set")
     if t.eval_interval <= 0 or t.eval_iters < 0:
         fail("--eval-interval must be positive and --eval-iters non-negative")
+    if t.manual_gc_interval < 0:
+        fail(f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}")
+    if t.profile:
+        if not 0 <= t.profile_step_start < t.profile_step_end:
+            fail(
+                f"--profile-step-start ({t.profile_step_start}) must be >= 0 and before "
+                f"--profile-step-end ({t.profile_step_end})"
+            )
+        if args.logging.tensorboard_dir is None:
+            fail("--profile writes its trace to --tensorboard-dir: give one")
+    pp = args.distributed.pipeline_model_parallel_size
+    if t.calculate_per_token_loss and pp > 1 and not t.dry_run:
+        fail(
+            "--calculate-per-token-loss with --pipeline-model-parallel-size > 1 is not "
+            "supported yet; drop one of them"
+        )

@@ -1,7 +1,28 @@
-"""GPU kernel selection: Transformer Engine layers, flash attention (and FP8, with TE).
+"""Megatron's "transformer-engine" flags: layer implementation, attention kernels, FP8, CUDA graphs.
 
-Megatron spreads these over its "training" and "transformer-engine" groups; they
-live together here because they pick kernels, not what the model computes.
+Megatron spreads these over its TransformerConfig-generated group and its
+"Transformer-Engine" group; they live together here because they pick kernels
+and number formats, not the model's shape.
+
+- `--transformer-impl transformer_engine` names the weights as Megatron's TE spec
+  does and runs Transformer Engine's LayerNormLinear / Linear / DotProductAttention
+  (`mg.core.models.te_spec`). Megatron's default is transformer_engine; ours is
+  local, because TE is an optional GPU extra. Without TE or a GPU it is refused.
+- `--attention-backend` / `--use-flash-attn` pick the attention kernel by
+  Megatron's names (`mg.core.models.attention_backend`); `--use-flash-attn` is
+  `--attention-backend flash`.
+- `--fp8-format` (with `--fp8-recipe`, `--fp8-margin`, `--fp8-amax-history-len`,
+  `--fp8-amax-compute-algo`, `--no-fp8-wgrad`, `--fp8-param-gather`,
+  `--first-last-layers-bf16`) trains through TE's `fp8_autocast` with the recipe
+  megatron.core.fp8_utils builds.
+- Documented no-ops: `--fp8-interval` (TE 2 has no interval; Megatron passes it only
+  to TE 1), `--te-rng-tracker` (our dropout streams already differ per rank and TE
+  has no tensor parallelism here), `--tp-only-amax-red` (amax reduction over TP
+  only: TE runs without TP here).
+- Refused by name: CUDA graphs (`--enable-cuda-graph`, `--external-cuda-graph`,
+  `--cuda-graph-impl local|transformer_engine`), `--fp8-dot-product-attention`,
+  `--fp8-multi-head-attention`, `--fp8-recipe custom`,
+  `--transformer-impl inference_optimized`.
 """
 
 from __future__ import annotations
@@ -13,36 +34,226 @@ from typing import TYPE_CHECKING
 from mg.trainer.arguments.errors import fail
 
 if TYPE_CHECKING:
+    from mg.core.models.te_spec import FP8Options
     from mg.trainer.arguments.args import Args
+
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")  # Megatron's AttnBackend
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
 
 
 @dataclass
 class TransformerEngineArgs:
-    """Which layer implementation and attention kernels run the model."""
+    """Which layer implementation, attention kernels and number formats run the model."""
 
-    use_flash_attn: bool = False
     transformer_impl: str = "local"
+    attention_backend: str = "auto"
+    use_flash_attn: bool = False
+    fp8: str | None = None
+    """--fp8-format (Megatron's args name for it is `fp8`)."""
+    fp8_recipe: str = "delayed"
+    fp8_margin: int = 0
+    fp8_interval: int = 1
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_wgrad: bool = True
+    fp8_param_gather: bool = False
+    fp8_dot_product_attention: bool = False
+    fp8_multi_head_attention: bool = False
+    tp_only_amax_red: bool = False
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    te_rng_tracker: bool = False
+    enable_cuda_graph: bool = False
+    external_cuda_graph: bool = False
+    cuda_graph_impl: str = "none"
+    cuda_graph_scope: list[str] | None = None
+    cuda_graph_warmup_steps: int = 3
 
 
 def add_transformer_engine_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
-        "--use-flash-attn", action="store_true", help="flash-attn kernels (GPU, if installed)."
-    )
-    p.add_argument(
         "--transformer-impl",
         default="local",
-        choices=["local", "transformer_engine"],
-        help="Layer implementation: plain PyTorch or Transformer Engine (GPU, if installed).",
+        choices=["local", "transformer_engine", "inference_optimized"],
+        help="Layer implementation: local (PyTorch, the default here) or transformer_engine "
+        "(TE's modules under Megatron's TE-spec weight names; needs the gpu extra and a GPU).",
     )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="Attention kernel, Megatron's names: flash, fused (cuDNN/memory-efficient), "
+        "unfused and local (math), auto (PyTorch or TE chooses). flash/fused need CUDA.",
+    )
+    p.add_argument(
+        "--use-flash-attn",
+        action="store_true",
+        help="FlashAttention: the same as --attention-backend flash (flash-attn if installed).",
+    )
+    p.add_argument(
+        "--fp8-format",
+        dest="fp8",
+        choices=["e4m3", "hybrid"],
+        help="Train in FP8 through Transformer Engine: e4m3 everywhere, or hybrid "
+        "(e4m3 forward, e5m2 gradients). Needs --transformer-impl transformer_engine.",
+    )
+    p.add_argument("--fp8-recipe", default="delayed", choices=FP8_RECIPES, help="FP8 scaling.")
+    p.add_argument("--fp8-margin", type=int, default=0, help="Delayed scaling: scale margin.")
+    p.add_argument(
+        "--fp8-interval", type=int, default=1, help="Accepted; TE 2 has no interval (no-op)."
+    )
+    p.add_argument(
+        "--fp8-amax-history-len", type=int, default=1, help="Delayed scaling: amax history."
+    )
+    p.add_argument(
+        "--fp8-amax-compute-algo",
+        default="most_recent",
+        choices=["most_recent", "max"],
+        help="Delayed scaling: amax from the history's latest value or its max.",
+    )
+    p.add_argument(
+        "--no-fp8-wgrad",
+        "--disable-fp8-wgrad",
+        dest="fp8_wgrad",
+        action="store_false",
+        help="Compute the weight gradients in higher precision (delayed scaling).",
+    )
+    p.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="Keep the weights in FP8 (TE's fp8_model_init); needs the distributed optimizer.",
+    )
+    for flag in ("--fp8-dot-product-attention", "--fp8-multi-head-attention"):
+        p.add_argument(flag, action="store_true", help="Refused: not supported yet.")
+    p.add_argument(
+        "--tp-only-amax-red", action="store_true", help="Accepted; no TP with TE here (no-op)."
+    )
+    p.add_argument(
+        "--first-last-layers-bf16",
+        action="store_true",
+        help="Run the first and last layers outside FP8 (counts below).",
+    )
+    p.add_argument("--num-layers-at-start-in-bf16", type=int, default=1, help="With the above.")
+    p.add_argument("--num-layers-at-end-in-bf16", type=int, default=1, help="With the above.")
+    p.add_argument(
+        "--te-rng-tracker", action="store_true", help="Accepted; dropout streams as is (no-op)."
+    )
+    p.add_argument("--enable-cuda-graph", action="store_true", help="Refused: no CUDA graphs yet.")
+    p.add_argument(
+        "--external-cuda-graph", action="store_true", help="Refused: no CUDA graphs yet."
+    )
+    p.add_argument(
+        "--cuda-graph-impl",
+        default="none",
+        choices=["none", "local", "transformer_engine"],
+        help="CUDA graphs: only none for now (others refused).",
+    )
+    p.add_argument("--cuda-graph-scope", nargs="+", help="With --cuda-graph-impl (refused).")
+    p.add_argument("--cuda-graph-warmup-steps", type=int, default=3, help="With CUDA graphs.")
+
+
+def _refusals(te: TransformerEngineArgs) -> None:
+    """Flags recognised but not implemented: one line each, naming the flag."""
+    if te.transformer_impl == "inference_optimized":
+        fail("--transformer-impl inference_optimized is not supported; use transformer_engine")
+    for flag, on in (
+        ("--enable-cuda-graph", te.enable_cuda_graph),
+        ("--external-cuda-graph", te.external_cuda_graph),
+        (f"--cuda-graph-impl {te.cuda_graph_impl}", te.cuda_graph_impl != "none"),
+        ("--fp8-dot-product-attention", te.fp8_dot_product_attention),
+        ("--fp8-multi-head-attention", te.fp8_multi_head_attention),
+        ("--fp8-recipe custom", te.fp8_recipe == "custom"),
+    ):
+        if on:
+            fail(f"{flag} is not supported by mg-train yet")
 
 
 def check_transformer_engine(args: Args) -> None:
-    """Kernels this build cannot run (a dry run plans them without running them)."""
+    """Megatron's checks, then what this machine can run (a dry run plans without running)."""
     te = args.transformer_engine
-    if not args.training.dry_run and (te.use_flash_attn or te.transformer_impl != "local"):
-        fail(
-            "--use-flash-attn and --transformer-impl transformer_engine are not supported by "
-            "mg-train yet; use the default PyTorch SDPA attention"
-        )
-    if args.training.deterministic_mode and te.use_flash_attn:
+    if te.use_flash_attn:
+        if te.attention_backend not in ("auto", "flash"):
+            fail(f"--use-flash-attn contradicts --attention-backend {te.attention_backend}")
+        te.attention_backend = "flash"
+    if args.training.deterministic_mode and te.attention_backend == "flash":
         fail("--deterministic-mode is not compatible with --use-flash-attn")
+    _refusals(te)
+    if te.fp8 is not None and te.transformer_impl != "transformer_engine":
+        fail("--fp8-format needs --transformer-impl transformer_engine (FP8 runs in TE's layers)")
+    if te.fp8_param_gather:
+        if te.fp8 is None:
+            fail("--fp8-param-gather needs --fp8-format")
+        if not args.distributed.use_distributed_optimizer:
+            fail("--fp8-param-gather needs --use-distributed-optimizer (as in Megatron)")
+    for flag, value in (
+        ("--fp8-amax-history-len", te.fp8_amax_history_len),
+        ("--fp8-interval", te.fp8_interval),
+    ):
+        if value < 1:
+            fail(f"{flag} must be >= 1, got {value}")
+    if te.transformer_impl == "transformer_engine":
+        _check_te_layout(args)
+    if not args.training.dry_run:
+        _check_machine(te)
+
+
+def _check_te_layout(args: Args) -> None:
+    if args.family != "gpt":
+        fail(f"--transformer-impl transformer_engine is for gpt here, not {args.family}")
+    d = args.distributed
+    for flag, size in (
+        ("--tensor-model-parallel-size", d.tensor_model_parallel_size),
+        ("--context-parallel-size", d.context_parallel_size),
+    ):
+        if size > 1:
+            fail(f"--transformer-impl transformer_engine with {flag} > 1 is not supported yet")
+
+
+def _check_machine(te: TransformerEngineArgs) -> None:
+    """The packages and device the chosen kernels need, one line naming the flag."""
+    import torch
+
+    from mg.core.models.te_spec import transformer_engine_installed
+
+    cuda = torch.cuda.is_available()
+    if te.attention_backend in ("flash", "fused") and not cuda:
+        flag = f"--attention-backend {te.attention_backend}"
+        if te.use_flash_attn:
+            flag = "--use-flash-attn"
+        fail(
+            f"{flag} selects a CUDA kernel and this machine has no CUDA device; "
+            "use --attention-backend auto"
+        )
+    if te.transformer_impl == "transformer_engine":
+        if not transformer_engine_installed():
+            fail(
+                "--transformer-impl transformer_engine needs Transformer Engine, which is not "
+                "installed; install the gpu extra: pip install 'mg-core[gpu]'"
+            )
+        if not cuda:
+            fail("--transformer-impl transformer_engine needs a CUDA GPU and none is visible")
+
+
+def fp8_options(args: Args) -> FP8Options | None:
+    """The FP8 settings of the run, None without `--fp8-format`."""
+    te = args.transformer_engine
+    if te.fp8 is None:
+        return None
+    from mg.core.models.te_spec import FP8Options
+
+    layers = args.model.num_layers or 0
+    bf16_layers: tuple[int, ...] = ()
+    if te.first_last_layers_bf16:
+        start, end = te.num_layers_at_start_in_bf16, te.num_layers_at_end_in_bf16
+        bf16_layers = tuple(i for i in range(layers) if i < start or i >= layers - end)
+    return FP8Options(
+        format=te.fp8,
+        recipe=te.fp8_recipe,
+        margin=te.fp8_margin,
+        amax_history_len=te.fp8_amax_history_len,
+        amax_compute_algo=te.fp8_amax_compute_algo,
+        wgrad=te.fp8_wgrad,
+        param=te.fp8_param_gather,
+        bf16_layers=bf16_layers,
+    )
