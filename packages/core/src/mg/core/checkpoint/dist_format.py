@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -52,7 +52,6 @@ from mg.core.checkpoint.layout import (
 )
 from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
 from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
-from mg.core.parallel.dtensor_layout import shard_like
 
 COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = "metadata.json"
@@ -67,7 +66,7 @@ TORCH_DIST_METADATA = {
 
 
 @contextlib.contextmanager
-def _single_process_is_intended() -> Any:
+def single_process_is_intended() -> Any:
     """DCP warns on every save/load without a process group; one process is our intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
@@ -87,51 +86,61 @@ def is_torch_dist(folder: str | Path) -> bool:
         return False
 
 
-# --------------------------------------------------------------------------- strided shards
+# --------------------------------------------------------------------------- shards
 
 
-def _strided_chunks(tensor: DTensor) -> DTensor:
-    """A `_StridedShard` DTensor (a gated MLP's [gate; up] rows) as DCP-readable chunks.
-
-    DCP describes a rank's part of a tensor as offset + size chunks; a strided
-    shard is several such chunks (rank r of n holds chunks r, r+n, … of
-    split_factor·n), which LocalShardsWrapper lists. Views, so a load writes
-    into the parameter itself.
-    """
+def _strided_pieces(tensor: DTensor) -> list[tuple[Tensor, tuple[int, ...]]]:
+    """A `_StridedShard` DTensor's (a gated MLP's [gate; up] rows) local pieces at their
+    global offsets: rank r of n holds chunks r, r+n, … of split_factor·n. Views, so a
+    load writes into the parameter itself."""
     (placement,) = tensor.placements
     mesh = tensor.device_mesh
     n, r = mesh.size(), mesh.get_local_rank()
-    local = tensor.to_local()
     dim, factor = placement.dim, placement.split_factor
-    pieces = local.chunk(factor, dim=dim)
+    pieces = tensor.to_local().chunk(factor, dim=dim)
     piece_len = tensor.shape[dim] // (factor * n)
-    shards, offsets = [], []
+    out = []
     for j, piece in enumerate(pieces):
         offset = [0] * tensor.dim()
         offset[dim] = (j * n + r) * piece_len
-        shards.append(piece)
-        offsets.append(tuple(offset))
-    wrapper = LocalShardsWrapper(shards, offsets)
-    return DTensor.from_local(
-        wrapper, mesh, [Shard(dim)], run_check=False, shape=tensor.shape, stride=tensor.stride()
+        out.append((own_storage(piece), tuple(offset)))
+    return out
+
+
+def dtensor_pieces(tensor: DTensor) -> list[tuple[Tensor, tuple[int, ...]]]:
+    """A DTensor's local data as pieces of its global tensor, each at its global offsets."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = tensor._local_tensor
+    if isinstance(local, LocalShardsWrapper):  # pieces that already know their offsets
+        offsets = local.local_offsets()
+        return [
+            (own_storage(t), tuple(o)) for t, o in zip(local.local_shards(), offsets, strict=True)
+        ]
+    if any(isinstance(p, _StridedShard) for p in tensor.placements):
+        if tensor.device_mesh.ndim != 1:
+            raise NotImplementedError("strided shards are supported on a 1-D mesh only")
+        return _strided_pieces(tensor)
+    _, offsets = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
     )
+    return [(own_storage(local), tuple(offsets))]
 
 
 def dcp_ready(state: Any) -> Any:
     """A copy of a nested state dict in which every tensor is something DCP can chunk,
-    over storage of its own size (`own_storage`)."""
+    over storage of its own size (`own_storage`): DTensors become the `GlobalChunks` of
+    their local pieces, so every rank says where its data sits in the global tensor."""
+    from mg.core.checkpoint.megatron_dist import GlobalChunks
+
     if isinstance(state, Mapping):
         return {k: dcp_ready(v) for k, v in state.items()}
     if isinstance(state, list):
         return [dcp_ready(v) for v in state]
+    if isinstance(state, GlobalChunks):
+        return state
     if isinstance(state, DTensor):
-        if any(isinstance(p, _StridedShard) for p in state.placements):
-            if state.device_mesh.ndim != 1:
-                raise NotImplementedError("strided shards are supported on a 1-D mesh only")
-            state = _strided_chunks(state)
-        local = state._local_tensor
-        exact = own_storage(local)
-        return state if exact is local else shard_like(exact, state)
+        return GlobalChunks(state.shape, dtensor_pieces(state))
     if isinstance(state, Tensor):
         return own_storage(state)
     return state
@@ -208,6 +217,32 @@ class PendingSave:
         return self.path
 
 
+class _HostCopyStager:
+    """DCP's async stager for our states: plain tensors and `GlobalChunks` pieces copied
+    to host memory (DCP's default stager does not know `GlobalChunks`)."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state: Any) -> Any:
+        from mg.core.checkpoint.megatron_dist import GlobalChunks
+
+        if isinstance(state, Mapping):
+            return {k: self.stage(v) for k, v in state.items()}
+        if isinstance(state, list):
+            return [self.stage(v) for v in state]
+        if isinstance(state, GlobalChunks):
+            return state.host_copy()
+        if isinstance(state, Tensor):
+            return state.detach().to("cpu", copy=True)
+        return state
+
+    def synchronize_staging(self) -> None:
+        """Staging is synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
 _ASYNC_GROUP: list[dist.ProcessGroup] = []
 
 
@@ -255,17 +290,18 @@ def save_dist_checkpoint(
     no_dist = not dist.is_initialized()
     common_state = {**(common or {}), "iteration": 0 if iteration == RELEASE else iteration}
     if not async_save:
-        with _single_process_is_intended():
+        with single_process_is_intended():
             dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist)
         if is_main:
             _commit(save_dir, final, staging, common_state)
         _barrier(process_group)
         return PendingSave(None, final)
-    with _single_process_is_intended():
+    with single_process_is_intended():
         response = dcp.async_save(
             state,
             checkpoint_id=staging,
             process_group=process_group or _async_save_group(),
+            async_stager=_HostCopyStager(),
             no_dist=no_dist,
         )
     future: Future = getattr(response, "upload_completion", response)
@@ -330,7 +366,7 @@ def load_dist_checkpoint(
             "load without the optimizer (--no-load-optim)"
         )
     ready = dcp_ready(sharded)
-    with _single_process_is_intended(), guard_dcp_load(folder):
+    with single_process_is_intended(), guard_dcp_load(folder):
         dcp.load(
             ready,
             storage_reader=reader,
@@ -394,7 +430,7 @@ def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Ten
     nested: dict[str, Any] = {}
     for key, tensor in flat.items():
         _set_nested(nested, key, tensor)
-    with _single_process_is_intended(), guard_dcp_load(folder):
+    with single_process_is_intended(), guard_dcp_load(folder):
         dcp.load(nested, storage_reader=reader, no_dist=True)
     return {key[len(prefix) :]: tensor for key, tensor in flat.items()}
 
