@@ -206,6 +206,26 @@ class BertModel(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
+    def output_bias(self) -> Tensor:
+        return self.output_layer.bias
+
+    def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        """The LM head's output [b, s, h] → logits [b, s, vocab], or with labels the
+        per-token fp32 cross-entropy [b, s]. Tensor parallelism replaces it on the
+        instance with the vocab-parallel version (mg.core.parallel.tensor_parallel)."""
+        logits = F.linear(hidden, self.output_weight(), self.output_bias())
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        ).view(labels.shape)
+
+    def binary_logits(self, hidden: Tensor) -> Tensor | None:
+        """The sentence-order logits [b, 2] from the encoder output (None without the head)."""
+        if self.binary_head is None:
+            return None
+        return self.binary_head(self.pooler(hidden))
+
     def encode(
         self,
         input_ids: Tensor,
@@ -232,17 +252,7 @@ class BertModel(nn.Module):
         (None without the binary head). The trainer applies the loss mask.
         """
         hidden = self.encode(input_ids, attention_mask, tokentype_ids)
-        binary_logits = None
-        if self.binary_head is not None:
-            binary_logits = self.binary_head(self.pooler(hidden))
-        logits = F.linear(self.lm_head(hidden), self.output_weight(), self.output_layer.bias)
-        if lm_labels is None:
-            return logits, binary_logits
-        b, s = input_ids.shape
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1), lm_labels.flatten(), reduction="none"
-        ).view(b, s)
-        return loss, binary_logits
+        return self.output_and_loss(self.lm_head(hidden), lm_labels), self.binary_logits(hidden)
 
 
 def bert_from_state_dict(weights: dict[str, Tensor], config: TransformerConfig) -> BertModel:

@@ -188,6 +188,20 @@ class T5Model(nn.Module):
         out = self.lm_head.output_layer
         return out.weight if isinstance(out, nn.Linear) else self.embedding.word_embeddings.weight
 
+    def output_bias(self) -> Tensor | None:
+        return self.lm_head.output_layer.bias
+
+    def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        """The decoder output [b, s, h] → logits [b, s, vocab], or with labels the per-token
+        fp32 cross-entropy [b, s]. Tensor parallelism replaces it on the instance with
+        the vocab-parallel version (mg.core.parallel.tensor_parallel)."""
+        logits = F.linear(hidden, self.output_weight(), self.output_bias())
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        ).view(labels.shape)
+
     def _embed(self, ids: Tensor) -> Tensor:
         b, s = ids.shape
         return self.embedding(ids, torch.arange(s, device=ids.device).expand(b, s))
@@ -219,10 +233,4 @@ class T5Model(nn.Module):
             attention_mask_from(decoder_attn_mask),
             attention_mask_from(encoder_decoder_attn_mask),
         )
-        logits = F.linear(hidden, self.output_weight(), self.lm_head.output_layer.bias)
-        if lm_labels is None:
-            return logits
-        b, s = decoder_input_ids.shape
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), lm_labels.flatten(), reduction="none"
-        ).view(b, s)
+        return self.output_and_loss(hidden, lm_labels)

@@ -85,16 +85,20 @@ def vocab_parallel_output(
     labels: Tensor | None,
     tp_mesh: DeviceMesh,
     real_vocab_size: int | None = None,
+    bias: DTensor | None = None,
 ) -> Tensor:
     """logits [b, s, vocab] (gathered only when no labels are given) or the
-    per-token fp32 cross-entropy [b, s], from a vocab-sharded output weight;
-    rows >= real_vocab_size (the padding) at -inf when it is given."""
+    per-token fp32 cross-entropy [b, s], from a vocab-sharded output weight
+    (and bias: BERT's and T5's output layers have one); rows >= real_vocab_size
+    (the padding) at -inf when it is given."""
     if weight.placements != (Shard(0),):
         raise ValueError(f"output weight must be vocab-sharded (Shard(0)), got {weight.placements}")
     full_hidden = replicate_for_tensor_parallel(hidden, tp_mesh)
     local_weight = weight.to_local()
+    local_bias = None if bias is None else bias.to_local()
     vocab_start = tp_mesh.get_local_rank() * local_weight.shape[0]
-    logits = mask_padded_vocab(F.linear(full_hidden, local_weight), real_vocab_size, vocab_start)
+    logits = F.linear(full_hidden, local_weight, local_bias)
+    logits = mask_padded_vocab(logits, real_vocab_size, vocab_start)
     if labels is None:
         return DTensor.from_local(logits, tp_mesh, [Shard(-1)], run_check=False).full_tensor()
     b, s = labels.shape

@@ -1,4 +1,4 @@
-"""Tensor (and sequence) parallelism for a built GPTModel, with DTensor parallel styles.
+"""Tensor (and sequence) parallelism for a built GPT, BERT or T5 model, with DTensor styles.
 
 `apply_tensor_parallel(model, tp_mesh, sequence_parallel)` turns the
 parameters into DTensors on the tensor-parallel mesh and installs the
@@ -14,6 +14,16 @@ communication at module boundaries, Megatron's layout:
 With `sequence_parallel` the norms and dropouts between those regions work on
 sequence shards: activations are [b, s/tp, h] there, all-gathered before a
 column-parallel layer and reduce-scattered after a row-parallel one.
+
+BERT and T5 use the same layers, so the same plan: BERT's encoder layers
+(pre-LN, or post-LN for imported HF weights), T5's encoder layers and its
+decoder layers, whose cross-attention is sharded like self-attention
+(linear_q and linear_kv column-parallel by heads, linear_proj row-parallel;
+with sequence parallelism the encoder output is all-gathered before it, as
+Megatron's linear_kv does). Their output layers have a bias, sharded with the
+vocabulary. BERT's LM head, pooler and binary head are replicated, as in
+Megatron (plain linears there too); with sequence parallelism the encoder
+output is gathered for them.
 
 Layout notes:
 - linear_qkv rows are grouped per query group (see SelfAttention), so a plain
@@ -52,9 +62,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from mg.core.models.bert import BertModel
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
 from mg.core.models.rng_stream import RNGStream, set_model_parallel_stream
+from mg.core.models.t5 import T5Model
 from mg.core.parallel.loss_parallel import vocab_parallel_output
 
 
@@ -146,7 +158,8 @@ def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
 
 
 def _fork_tensor_parallel_dropout(
-    model: GPTModel,
+    model: nn.Module,
+    layers: list[nn.Module],
     tp_mesh: DeviceMesh,
     sequence_parallel: bool,
     seed: int | None,
@@ -158,10 +171,13 @@ def _fork_tensor_parallel_dropout(
         device = next(model.parameters()).device
     stream = RNGStream(base + 2718 + tp_mesh.get_local_rank(), device)
     set_model_parallel_stream(stream)
-    config, layers = model.config, model.decoder.layers
+    config = model.config
     modules: list[nn.Module] = []
     if config.attention_dropout > 0:
-        modules += [layer.self_attention.core_attention for layer in layers]
+        for layer in layers:
+            modules.append(layer.self_attention.core_attention)
+            if hasattr(layer, "cross_attention"):
+                modules.append(layer.cross_attention.core_attention)
     if sequence_parallel and config.hidden_dropout > 0:
         modules += [layer.hidden_dropout for layer in layers]
     for module in modules:
@@ -175,7 +191,7 @@ def _fork_tensor_parallel_dropout(
 
 
 def apply_tensor_parallel(
-    model: GPTModel,
+    model: GPTModel | BertModel | T5Model,
     tp_mesh: DeviceMesh,
     sequence_parallel: bool,
     seed: int | None = None,
@@ -191,9 +207,16 @@ def apply_tensor_parallel(
     sequence) draws from a per-rank stream seeded `seed + 2718 + tp_rank` as in
     Megatron (`seed`: torch's initial seed if None; see mg.core.models.rng_stream).
     """
-    if not isinstance(model, GPTModel):
+    if isinstance(model, GPTModel):
+        blocks = [model.decoder]
+    elif isinstance(model, BertModel):
+        blocks = [model.encoder]
+    elif isinstance(model, T5Model):
+        blocks = [model.encoder, model.decoder]
+    else:
         raise TypeError(
-            f"tensor parallelism is implemented for GPTModel, not {type(model).__name__}"
+            "tensor parallelism is implemented for GPTModel, BertModel and T5Model, not "
+            f"{type(model).__name__}"
         )
     tp = tp_mesh.size()
     check_tensor_parallel_sizes(model.config, tp)
@@ -215,53 +238,107 @@ def apply_tensor_parallel(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
             ),
         )
-    _fork_tensor_parallel_dropout(model, tp_mesh, sequence_parallel, seed, device)
-    for layer in model.decoder.layers:
-        plan: dict[str, object] = {
-            "self_attention": PrepareModuleInput(
-                input_layouts=(activations, None, None),
-                desired_input_layouts=(Replicate(), None, None),
-            ),
-            "self_attention.linear_qkv": ColwiseParallel(),
-            "self_attention.linear_proj": RowParallelLinear(output_layouts=activations),
-            "mlp": PrepareModuleInput(
-                input_layouts=(activations,), desired_input_layouts=(Replicate(),)
-            ),
-            "mlp.linear_fc1": GatedColwiseParallel() if layer.mlp.gated else ColwiseParallel(),
-            "mlp.linear_fc2": RowParallelLinear(output_layouts=activations),
-        }
-        if sequence_parallel:
-            plan["input_layernorm"] = SequenceParallel()
-            plan["pre_mlp_layernorm"] = SequenceParallel()
-        if layer.self_attention.q_layernorm is not None:
-            # replicated weights over this rank's heads ([b, s, heads, d], dim 2): their
-            # gradients are partial sums, all-reduced like sequence-parallel norms'
-            for name in ("self_attention.q_layernorm", "self_attention.k_layernorm"):
-                plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
-        _use_local_head_counts(layer.self_attention, tp)
-    if sequence_parallel:
+    layers = [layer for block in blocks for layer in block.layers]
+    _fork_tensor_parallel_dropout(model, layers, tp_mesh, sequence_parallel, seed, device)
+    for layer in layers:
+        _parallelize_layer(layer, tp_mesh, activations, sequence_parallel)
+    for block in blocks:
+        final_norm = getattr(block, "final_layernorm", None)
+        if sequence_parallel and final_norm is not None:
+            parallelize_module(final_norm, tp_mesh, SequenceParallel(), src_data_rank=None)
+    if isinstance(model, BertModel) and sequence_parallel:
+        # the LM head, pooler and binary head are replicated: they see the whole sequence
         parallelize_module(
-            model.decoder.final_layernorm, tp_mesh, SequenceParallel(), src_data_rank=None
+            model.encoder,
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+            ),
         )
-    if model.output_layer is not None:
-        # Only its weight is used (GPTModel.output_and_loss), sharded by vocab rows.
-        parallelize_module(model.output_layer, tp_mesh, ColwiseParallel(), src_data_rank=None)
+    output_layer = getattr(model, "output_layer", None)
+    if isinstance(model, T5Model):
+        output_layer = model.lm_head.output_layer
+    if isinstance(output_layer, nn.Linear):
+        # Only its weight (and bias) is used (output_and_loss), sharded by vocab rows.
+        parallelize_module(output_layer, tp_mesh, ColwiseParallel(), src_data_rank=None)
+    elif output_layer is not None:  # tied weight: the output layer holds only its bias
+        bias = output_layer.bias
+        output_layer.bias = nn.Parameter(
+            distribute_tensor(bias.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
+            requires_grad=bias.requires_grad,
+        )
 
-    def output_and_loss(self: GPTModel, hidden: Tensor, labels: Tensor | None) -> Tensor:
-        weight = self.output_weight()
-        return vocab_parallel_output(hidden, weight, labels, tp_mesh, self.real_vocab_size)
+    def output_and_loss(self: nn.Module, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        output_bias = getattr(self, "output_bias", None)
+        return vocab_parallel_output(
+            hidden,
+            self.output_weight(),
+            labels,
+            tp_mesh,
+            getattr(self, "real_vocab_size", None),
+            bias=output_bias() if output_bias is not None else None,
+        )
 
     model.output_and_loss = types.MethodType(output_and_loss, model)
     model.tensor_parallel_size = tp
     model.sequence_parallel = sequence_parallel
 
 
+def _parallelize_layer(
+    layer: nn.Module, tp_mesh: DeviceMesh, activations: Shard | Replicate, sequence_parallel: bool
+) -> None:
+    """Megatron's layout for one transformer layer (GPT's, BERT's pre- or post-LN, T5's
+    decoder layer with cross-attention), whatever norms it has."""
+    tp = tp_mesh.size()
+    plan: dict[str, object] = {
+        "self_attention": PrepareModuleInput(
+            input_layouts=(activations, None, None),
+            desired_input_layouts=(Replicate(), None, None),
+        ),
+        "self_attention.linear_qkv": ColwiseParallel(),
+        "self_attention.linear_proj": RowParallelLinear(output_layouts=activations),
+        "mlp": PrepareModuleInput(
+            input_layouts=(activations,), desired_input_layouts=(Replicate(),)
+        ),
+        "mlp.linear_fc1": GatedColwiseParallel() if layer.mlp.gated else ColwiseParallel(),
+        "mlp.linear_fc2": RowParallelLinear(output_layouts=activations),
+    }
+    if hasattr(layer, "cross_attention"):
+        plan["cross_attention"] = PrepareModuleInput(
+            input_layouts=(activations, activations, None),
+            desired_input_layouts=(Replicate(), Replicate(), None),
+        )
+        plan["cross_attention.linear_q"] = ColwiseParallel()
+        plan["cross_attention.linear_kv"] = ColwiseParallel()  # rows grouped per head
+        plan["cross_attention.linear_proj"] = RowParallelLinear(output_layouts=activations)
+    if sequence_parallel:
+        for name in ("input_layernorm", "pre_cross_attn_layernorm", "pre_mlp_layernorm"):
+            if hasattr(layer, name):
+                plan[name] = SequenceParallel()
+        # post-LN norms feed the residual stream itself: local shards, like the sums
+        for name in ("post_attention_layernorm", "post_mlp_layernorm"):
+            if isinstance(getattr(layer, name, None), nn.Module):
+                plan[name] = SequenceParallel(use_local_output=True)
+    if getattr(layer.self_attention, "q_layernorm", None) is not None:
+        # replicated weights over this rank's heads ([b, s, heads, d], dim 2): their
+        # gradients are partial sums, all-reduced like sequence-parallel norms'
+        for name in ("self_attention.q_layernorm", "self_attention.k_layernorm"):
+            plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
+    _use_local_head_counts(layer.self_attention, tp)
+    if hasattr(layer, "cross_attention"):
+        layer.cross_attention.num_heads //= tp
+        _use_local_head_counts_of_core(layer.cross_attention.core_attention, tp)
+
+
 def _use_local_head_counts(attention: nn.Module, tp: int) -> None:
     """SelfAttention reshapes its local QKV output with these counts."""
     attention.num_heads //= tp
     attention.num_groups //= tp
-    core = attention.core_attention
+    _use_local_head_counts_of_core(attention.core_attention, tp)
+
+
+def _use_local_head_counts_of_core(core: nn.Module, tp: int) -> None:
     for attr in ("num_heads", "num_groups"):
         if hasattr(core, attr):
             setattr(core, attr, getattr(core, attr) // tp)
