@@ -205,16 +205,19 @@ def _te_linear(te: Any, old: nn.Linear) -> nn.Module:
     return new
 
 
-def apply_transformer_engine(model: nn.Module, fp8: FP8Options | None = None) -> nn.Module:
+def apply_transformer_engine(
+    model: nn.Module, fp8: FP8Options | None = None, config: TransformerConfig | None = None
+) -> nn.Module:
     """Swap a TE-spec model's layers for Transformer Engine's modules in place, keeping
     the weights (and their names). Run it after the model holds its weights on the GPU
     and before data parallelism wraps it. With `fp8.param` (`--fp8-param-gather`) the
     linears are built under `fp8_model_init` and keep FP8 weights, as Megatron's
-    `--fp8-param-gather` does."""
+    `--fp8-param-gather` does. `config`: the model's (default `model.config`; a
+    pipeline stage's parts share it)."""
     from mg.core.models.core_attention import build_te_core_attention
     from mg.core.models.gpt import MLP
 
-    config: TransformerConfig = model.config
+    config = config if config is not None else model.config
     if not uses_te_spec(config):
         raise ValueError(
             "apply_transformer_engine needs a model built with "
@@ -239,7 +242,21 @@ def apply_transformer_engine(model: nn.Module, fp8: FP8Options | None = None) ->
             if isinstance(mlp, MLP):  # an MoE layer's experts stay PyTorch modules
                 mlp.linear_fc1 = _te_layer_norm_linear(te, mlp.linear_fc1)
                 mlp.linear_fc2 = _te_linear(te, mlp.linear_fc2)
+            if fp8 is not None and layer.layer_number - 1 in fp8.bf16_layers:
+                _outside_fp8(te, layer)
     return model
+
+
+def _outside_fp8(te: Any, layer: nn.Module) -> None:
+    """Run `layer` with FP8 off inside an FP8 forward, as Megatron's get_fp8_context
+    does for the layers `--first-last-layers-bf16` keeps in bf16."""
+    forward = layer.forward
+
+    def in_bf16(*args: Any, **kwargs: Any) -> Any:
+        with te.fp8_autocast(enabled=False):
+            return forward(*args, **kwargs)
+
+    layer.forward = in_bf16
 
 
 # --- FP8 --------------------------------------------------------------------------------
@@ -256,6 +273,8 @@ class FP8Options:
     amax_compute_algo: str = "most_recent"
     wgrad: bool = True
     param: bool = False
+    bf16_layers: tuple[int, ...] = ()
+    """0-based layers that run outside FP8 (`--first-last-layers-bf16`)."""
 
 
 def fp8_recipe(options: FP8Options) -> Any:

@@ -1,0 +1,173 @@
+"""Megatron's transformer-engine flags: recognised, mapped onto the model config and TE's FP8
+recipe, refused by name where this machine or build cannot run them; the attention kernel
+choice trains the same model; --fp16 with tensor parallelism matches one process."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from mg.core.models.te_spec import transformer_engine_installed
+from mg.trainer.arguments import ArgumentError, parse_args
+from mg.trainer.arguments.transformer_engine import fp8_options
+from mg.trainer.families import gpt_config
+
+BASE = [
+    "gpt",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "1e-3",
+    "--train-iters",
+    "10",
+    "--mock-data",
+]
+TE = ["--transformer-impl", "transformer_engine"]
+CUDA = torch.cuda.is_available()
+TE_READY = CUDA and transformer_engine_installed()
+
+# The FP8 flags of Megatron's examples/llama/train_llama3_8b_h100_fp8.sh (core_v0.16.1).
+LLAMA3_FP8 = [
+    "--fp8-format",
+    "hybrid",
+    "--fp8-amax-history-len",
+    "1024",
+    "--fp8-amax-compute-algo",
+    "max",
+    "--fp8-param-gather",
+    "--use-distributed-optimizer",
+    "--attention-backend",
+    "fused",
+    "--transformer-impl",
+    "transformer_engine",
+]
+
+
+def _error(argv: list[str], world_size: int = 1) -> str:
+    with pytest.raises(ArgumentError) as err:
+        parse_args(argv, world_size=world_size)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_and_config_fields() -> None:
+    args = parse_args(BASE)
+    te = args.transformer_engine
+    assert (te.transformer_impl, te.attention_backend, te.fp8) == ("local", "auto", None)
+    assert fp8_options(args) is None
+    config = gpt_config(parse_args([*BASE, "--attention-backend", "unfused"]), 128)
+    assert (config.attention_backend, config.transformer_impl) == ("unfused", "local")
+
+
+def test_megatron_fp8_example_flags_plan_in_a_dry_run() -> None:
+    args = parse_args([*BASE, *LLAMA3_FP8, "--dry-run", "--first-last-layers-bf16"])
+    options = fp8_options(args)
+    assert (options.format, options.recipe) == ("hybrid", "delayed")
+    assert (options.amax_history_len, options.amax_compute_algo) == (1024, "max")
+    assert options.param and options.wgrad and options.bf16_layers == (0, 3)
+    config = gpt_config(args, 128)
+    assert (config.attention_backend, config.transformer_impl) == ("fused", "transformer_engine")
+    no_wgrad = parse_args([*BASE, *TE, "--fp8-format", "e4m3", "--no-fp8-wgrad", "--dry-run"])
+    assert not fp8_options(no_wgrad).wgrad
+
+
+def test_use_flash_attn_is_attention_backend_flash() -> None:
+    args = parse_args([*BASE, "--use-flash-attn", "--dry-run"])
+    assert args.transformer_engine.attention_backend == "flash"
+    assert "contradicts --attention-backend unfused" in _error(
+        [*BASE, "--use-flash-attn", "--attention-backend", "unfused", "--dry-run"]
+    )
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusals on a machine without CUDA")
+def test_cuda_kernels_are_refused_by_name_without_cuda() -> None:
+    assert "--use-flash-attn selects a CUDA kernel" in _error([*BASE, "--use-flash-attn"])
+    message = _error([*BASE, "--attention-backend", "fused"])
+    assert message.startswith("--attention-backend fused selects a CUDA kernel")
+
+
+@pytest.mark.skipif(TE_READY, reason="checks the message where TE or CUDA is missing")
+def test_transformer_engine_missing_is_one_line_naming_the_extra() -> None:
+    message = _error([*BASE, *TE])
+    assert message.startswith("--transformer-impl transformer_engine needs")
+    if not transformer_engine_installed():
+        assert "pip install 'mg-core[gpu]'" in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--enable-cuda-graph"], "--enable-cuda-graph is not supported"),
+        (["--external-cuda-graph"], "--external-cuda-graph is not supported"),
+        (["--cuda-graph-impl", "local"], "--cuda-graph-impl local is not supported"),
+        ([*TE, "--fp8-format", "hybrid", "--fp8-dot-product-attention"], "--fp8-dot-product"),
+        ([*TE, "--fp8-format", "hybrid", "--fp8-multi-head-attention"], "--fp8-multi-head"),
+        ([*TE, "--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-recipe custom"),
+        (["--transformer-impl", "inference_optimized"], "inference_optimized is not supported"),
+        (["--fp8-format", "hybrid"], "--fp8-format needs --transformer-impl transformer_engine"),
+        ([*TE, "--fp8-format", "hybrid", "--fp8-param-gather"], "--use-distributed-optimizer"),
+        ([*TE, "--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
+        ([*TE, "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
+        ([*TE, "--fp8-format", "e4m3", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
+    ],
+)
+def test_refusals_name_their_flag(extra: list[str], expected: str) -> None:
+    world = 2 if "--tensor-model-parallel-size" in extra else 1
+    assert expected in _error([*BASE, *extra, "--dry-run"], world)
+
+
+def test_documented_no_ops_are_accepted() -> None:
+    args = parse_args(
+        [*BASE, *TE, "--fp8-format", "hybrid", "--fp8-interval", "1", "--tp-only-amax-red"]
+        + ["--te-rng-tracker", "--cuda-graph-impl", "none", "--dry-run"]
+    )
+    assert args.transformer_engine.te_rng_tracker and args.transformer_engine.tp_only_amax_red
+
+
+def test_bert_takes_no_transformer_engine_spec() -> None:
+    argv = ["bert", *BASE[1:], *TE]
+    assert "for gpt here, not bert" in _error(argv)
+
+
+def test_attention_backends_train_the_same_model(tmp_path, mock_argv, train) -> None:
+    """auto (SDPA's choice on this CPU) and unfused (the math kernel) give the same losses."""
+    argv = mock_argv(tmp_path, "--attention-dropout", "0", "--hidden-dropout", "0", iters=4)
+    auto = train(argv).losses
+    unfused = train([*argv, "--attention-backend", "unfused"]).losses
+    assert unfused == pytest.approx(auto, rel=1e-5)
+
+
+def _sibling(name: str):
+    spec = importlib.util.spec_from_file_location(f"_te_{name}", Path(__file__).with_name(name))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fp16_with_tensor_parallelism_matches_one_process(tmp_path, mock_argv, train) -> None:
+    """--fp16 at TP=2 (2 gloo ranks): dynamic loss scaling from 2^16 with hysteresis 1, so
+    the first steps overflow and are skipped alike on both ranks (the found-inf flag is
+    reduced over them), then the losses follow the single-process fp16 run. fp16 sums
+    split over two ranks round differently: 2e-3 relative."""
+    fp16 = ["--fp16", "--initial-loss-scale", str(2.0**16), "--hysteresis", "1"]
+    argv = mock_argv(
+        tmp_path, "--attention-dropout", "0", "--hidden-dropout", "0", *fp16, mbs=2, gbs=4, iters=8
+    )
+    tp2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
+    run_ranks = _sibling("test_ddp.py").run_ranks
+    two = run_ranks([[*argv, *tp2]], 2, tmp_path / "two.json")[0]
+    one = train([*argv, "--make-vocab-size-divisible-by", "128"])
+    assert two["losses"] == pytest.approx(one.losses, rel=2e-3)
+    assert one.losses[-1] < one.losses[0]
