@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class ConstantLossScaler:
@@ -97,17 +98,21 @@ def build_loss_scaler(
 
 
 def unscale_and_check(params: list[torch.nn.Parameter], scale: float) -> bool:
-    """Divide gradients by `scale` in place; True if any gradient is inf/NaN."""
-    found_inf = False
+    """Divide gradients by `scale` in place; True if any of this rank's is inf/NaN.
+
+    A tensor-parallel gradient (a DTensor) is checked on this rank's shard, with no
+    collective per parameter: the caller reduces the flag over all ranks once, so
+    every rank skips the step alike (Megatron all-reduces found_inf the same way)."""
+    nonfinite = []  # one flag per gradient, read back once (one device sync)
     inv = 1.0 / scale
     for p in params:
         if p.grad is None:
             continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         if scale != 1.0:
-            p.grad.mul_(inv)
-        if not torch.isfinite(p.grad).all():
-            found_inf = True
-    return found_inf
+            grad.mul_(inv)
+        nonfinite.append(~torch.isfinite(grad).all())
+    return bool(torch.stack(nonfinite).any()) if nonfinite else False
 
 
 def autocast_dtype(bf16: bool, fp16: bool) -> torch.dtype | None:
