@@ -6,6 +6,8 @@ Checked before any process group exists, from the world size torchrun gives.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,6 +105,20 @@ def add_parallel_flags(p: argparse._ArgumentGroup) -> None:
         help="All-reduce gradients over data-parallel ranks in bf16 (half the bytes; "
         "accumulation over micro-batches stays fp32).",
     )
+
+
+def finalize_parallel(args: Args) -> None:
+    """Megatron's: sequence parallelism without tensor parallelism is switched off (it would
+    only change numerics), with a warning."""
+    d = args.distributed
+    if d.sequence_parallel and d.tensor_model_parallel_size == 1:
+        d.sequence_parallel = False
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                " WARNING: Disabling sequence parallelism because tensor model parallelism is "
+                "disabled (--sequence-parallel with --tensor-model-parallel-size 1)",
+                file=sys.stderr,
+            )
 
 
 def check_dry_run_layout(args: Args) -> None:

@@ -130,6 +130,7 @@ def _given_flags(
 def finalize(args: Args) -> None:
     """Fill the values Megatron derives from others (GBS default, recompute shortcut)."""
     model.finalize_model(args)
+    parallel.finalize_parallel(args)
     training.finalize_training(args)
     data.finalize_data(args)
 

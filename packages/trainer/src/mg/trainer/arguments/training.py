@@ -221,7 +221,11 @@ def check_training(args: Args) -> None:
     if t.rampup_batch_size is not None:
         start, incr, samples = t.rampup_batch_size
         if t.train_samples is None:
-            fail("expected no batch-size rampup for iteration-based training; use --train-samples")
+            fail(
+                "--rampup-batch-size needs --train-samples: no batch-size rampup for "
+                "iteration-based training (Megatron's rule); give --train-samples instead of "
+                "--train-iters"
+            )
         if start <= 0 or incr <= 0 or samples < 0:
             fail(f"--rampup-batch-size values must be positive, got {t.rampup_batch_size}")
         if (t.global_batch_size - start) % incr != 0:
