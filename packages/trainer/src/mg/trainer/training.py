@@ -34,7 +34,6 @@ from mg.core.models import apply_activation_recompute, num_floating_point_operat
 from mg.core.models.compile import compile_layers
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
 from mg.core.models.te_spec import FP8Options, apply_transformer_engine, fp8_autocast
-from mg.core.models.te_spec import FP8Options, apply_transformer_engine, fp8_autocast
 from mg.core.parallel.pipeline import (
     allreduce_shared_embedding_grad,
     clip_grad_norm_across_stages,
@@ -44,7 +43,6 @@ from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with
 from mg.indexed_dataset import samples_per_split
 from mg.trainer import checkpointing, checkpointing_dist, distributed, model_parallel, moe_step
 from mg.trainer.arguments import Args
-from mg.trainer.arguments.transformer_engine import fp8_options
 from mg.trainer.arguments.transformer_engine import fp8_options
 from mg.trainer.batch_schedule import BatchSchedule, train_iterations
 from mg.trainer.checkpointing import TrainState
@@ -235,9 +233,6 @@ class Trainer:
             init_device=device if device.type != "cpu" and not t.use_cpu_initialization else None,
             perform_initialization=args.checkpoint.perform_initialization,
         )
-        self.fp8 = fp8_options(args)
-        if self.model_config.transformer_impl == "transformer_engine":  # TE's modules, same names
-            apply_transformer_engine(model, self.fp8, config=self.model_config)
         self.fp8 = fp8_options(args)
         if self.model_config.transformer_impl == "transformer_engine":  # TE's modules, same names
             apply_transformer_engine(model, self.fp8, config=self.model_config)
