@@ -177,6 +177,22 @@ def test_same_outputs_and_gradients_as_the_local_spec(shape: str) -> None:
         torch.testing.assert_close(param.grad, grads[name], rtol=0, atol=0)
 
 
+def test_zero_centred_gamma_matches_the_local_spec() -> None:
+    """--apply-layernorm-1p: the fused norm computes with 1 + weight, as TE's
+    zero_centered_gamma does, and starts at 0."""
+    config = dataclasses.replace(tiny_config("gpt2"), layernorm_zero_centered_gamma=True)
+    local = GPTModel(config).eval()
+    te = GPTModel(dataclasses.replace(config, transformer_impl="transformer_engine")).eval()
+    qkv = te.decoder.layers[0].self_attention.linear_qkv
+    assert qkv.zero_centered_gamma and not qkv.layer_norm_weight.any()
+    with torch.no_grad():
+        for p in local.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    te.load_state_dict(te_spec_names(local.state_dict(), local.config))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(te(ids), local(ids))
+
+
 def test_moe_layers_keep_their_pre_mlp_norm() -> None:
     config = presets.tiny_llama(
         transformer_impl="transformer_engine", num_moe_experts=4, moe_layer_freq=[0, 1]

@@ -63,10 +63,12 @@ class LayerNormLinear(nn.Module):
         bias: bool,
         normalization: str,
         eps: float,
+        zero_centered_gamma: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.normalization, self.eps = normalization, eps
+        self.zero_centered_gamma = zero_centered_gamma  # --apply-layernorm-1p: 1 + weight
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features))
@@ -75,19 +77,22 @@ class LayerNormLinear(nn.Module):
         )
 
     def reset_layer_norm(self) -> None:
-        """The norm's init (weight 1, bias 0), as nn.LayerNorm.reset_parameters does."""
-        nn.init.ones_(self.layer_norm_weight)
+        """The norm's init (weight 1, bias 0, as nn.LayerNorm.reset_parameters does;
+        weight 0 when zero-centred)."""
+        if self.zero_centered_gamma:
+            nn.init.zeros_(self.layer_norm_weight)
+        else:
+            nn.init.ones_(self.layer_norm_weight)
         if self.layer_norm_bias is not None:
             nn.init.zeros_(self.layer_norm_bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
         shape = (self.in_features,)
+        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
         if self.normalization == "RMSNorm":
-            normed = F.rms_norm(hidden, shape, self.layer_norm_weight, self.eps)
+            normed = F.rms_norm(hidden, shape, gamma, self.eps)
         else:
-            normed = F.layer_norm(
-                hidden, shape, self.layer_norm_weight, self.layer_norm_bias, self.eps
-            )
+            normed = F.layer_norm(hidden, shape, gamma, self.layer_norm_bias, self.eps)
         return F.linear(normed, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -110,6 +115,7 @@ def input_linear(
         bias=bias,
         normalization=config.normalization,
         eps=config.layernorm_epsilon,
+        zero_centered_gamma=config.layernorm_zero_centered_gamma,
     )
 
 
@@ -186,6 +192,7 @@ def _te_layer_norm_linear(te: Any, old: LayerNormLinear) -> nn.Module:
         eps=old.eps,
         bias=old.bias is not None,
         normalization=old.normalization,
+        zero_centered_gamma=old.zero_centered_gamma,
         params_dtype=old.weight.dtype,
         device=old.weight.device,
     )
