@@ -148,7 +148,12 @@ def test_checkpoint_is_self_describing(tmp_path, mock_argv, train) -> None:
 def test_default_checkpoint_is_torch_dist_and_self_describing(tmp_path, mock_argv, train) -> None:
     """Megatron's default format: DCP shards + common.pt, metadata.json last."""
     from mg.core.checkpoint import describe
-    from mg.core.checkpoint.dist_format import is_torch_dist, load_common, stored_tensors
+    from mg.core.checkpoint.dist_format import (
+        is_torch_dist,
+        load_common,
+        stored_keys,
+        stored_tensors,
+    )
 
     ckpt = tmp_path / "ckpt"
     train(mock_argv(tmp_path, "--save", str(ckpt), iters=3))
@@ -156,11 +161,18 @@ def test_default_checkpoint_is_torch_dist_and_self_describing(tmp_path, mock_arg
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert is_torch_dist(folder) and not list(folder.glob("mp_rank_*"))
     common = load_common(folder)
-    assert {"args", "opt_param_scheduler", "rng_state", "mg"} <= set(common)
+    assert {"args", "opt_param_scheduler", "content_metadata", "mg"} <= set(common)
     assert common["args"].consumed_train_samples == 24
     tensors = stored_tensors(folder)
-    assert any(k.startswith("model.") for k in tensors)
+    # Megatron-Core's keys: layers stacked along a leading axis, no `model.` prefix
+    layers = common["mg"]["model_config"]["num_layers"]
+    assert tensors["decoder.layers.self_attention.linear_qkv.weight"].shape[0] == layers
+    assert "embedding.word_embeddings.weight" in tensors
+    assert not any(k.startswith("model.") for k in tensors)
     assert any(k.startswith("optimizer.") for k in tensors)
+    objects = stored_keys(folder)
+    assert "rng_state/shard_0.0_1.1" in objects
+    assert f"decoder.layers.mlp.linear_fc1._extra_state/shard_0_{layers}" in objects
     info = describe(ckpt)
     assert info.model_config["hidden_size"] == 32
     assert info.tokenizer_config["tokenizer_type"] == "NullTokenizer"

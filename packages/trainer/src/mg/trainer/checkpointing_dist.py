@@ -1,22 +1,30 @@
 """Training checkpoints in Megatron's `torch_dist` format (`--ckpt-format torch_dist`).
 
-The tensors — the model's and the optimizer's, keyed by parameter name — go
-through `mg.core.checkpoint.dist_format` (torch.distributed.checkpoint), every
-rank writing its own shards, so the checkpoint loads into any tensor-,
-pipeline- or data-parallel layout. With the distributed optimizer a rank's
-shards are its fragments of the flat state (`DistributedOptimizer.
-sharded_state`), stored as chunks of each parameter's global tensor: no rank
-gathers, and a load reads only the regions the rank owns in its own layout.
+The tensors go through `mg.core.checkpoint.dist_format` (torch.distributed.checkpoint),
+every rank writing its own shards, so the checkpoint loads into any tensor-,
+pipeline- or data-parallel layout. A GPT's model is stored as Megatron-Core stores
+it (`mg.core.checkpoint.megatron_dist`: its `sharded_state_dict` keys, layers stacked
+along a leading axis, `_extra_state` objects), so Megatron-LM loads mg's weights
+and mg loads Megatron-LM's; other models (MoE, Mamba, BERT, T5) keep mg's earlier
+per-parameter keys (`model.<name>`), which are still read, as are GPT checkpoints
+saved that way before.
 
-Each (tensor, pipeline) position's generators are stored under
-`rng.tp<T>_pp<P>.`: its tensor-parallel dropout streams as tensors and its
-default generators (which differ per pipeline stage) as one object,
-`rng_state`; a resume in the same layout restores them. Everything else is the
-`torch` format's content in `common.pt`: `args` (with the consumed-sample
-counters), `iteration`, `opt_param_scheduler`, `grad_scaler`, `rng_state`
-(rank 0's generators, Megatron's place: what a resume in another layout, or
-from an older checkpoint, restores), `num_floating_point_operations_so_far`
-and the `mg` configs.
+What carries over between mg and Megatron-LM, both ways: the weights, the iteration,
+the consumed-sample counters (in `args`) and, in the same TP × PP layout, the random
+generators (Megatron's `rng_state` ShardedObject, `rng_state/shard_<pp>.<tp>_<PP>.<TP>`,
+one per (pipeline, tensor) position, the same dicts as `mg.core.checkpoint.rng`).
+The optimizer does not: mg stores its state by our parameter names
+(`optimizer.state.<name>.exp_avg`; with the distributed optimizer each rank's
+fragments, as chunks of each parameter's global tensor), Megatron-Core by flat
+buffer ranges of its distributed optimizer. So `mg-train --load` of a Megatron-LM
+checkpoint needs `--no-load-optim` (or `--finetune`), and Megatron-LM loads mg's with
+`--no-load-optim`; the learning-rate schedule then restarts from the flags.
+
+Everything else is the `torch` format's content in `common.pt`: `args` (with the
+consumed-sample counters), `iteration`, `opt_param_scheduler`, `grad_scaler`,
+`num_floating_point_operations_so_far`, the `mg` configs and Megatron's
+`content_metadata`. Checkpoints in mg's earlier layout keep their generators under
+`rng.tp<T>_pp<P>.` and rank 0's in `common.pt`.
 
 `--async-save` returns as soon as the state is copied to host memory; the
 trainer waits for the previous save before the next one and before exiting.
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +57,20 @@ from mg.core.checkpoint import (
 from mg.core.checkpoint.dist_format import (
     PendingSave,
     is_torch_dist,
+    load_common,
     load_dist_checkpoint,
     save_dist_checkpoint,
     stored_keys,
     stored_tensors,
 )
+from mg.core.checkpoint.layout import CheckpointError
+from mg.core.checkpoint.megatron_dist import (
+    checkpoint_is_megatron_layout,
+    megatron_model_state,
+    sharded_object,
+    supports_megatron_layout,
+)
+from mg.core.models.config import TransformerConfig
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.trainer import distributed
@@ -69,6 +87,16 @@ def _named_globally(model: nn.Module) -> nn.Module:
 
 
 _PLACEHOLDER = "<read from the checkpoint>"
+
+
+def _model_config(model: nn.Module) -> TransformerConfig:
+    """The GPT's config (a pipeline rank's chunks carry the whole model's)."""
+    config = getattr(model, "config", None)
+    if config is None and isinstance(model, nn.ModuleList) and len(model):
+        config = getattr(model[0], "config", None)
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(f"{type(model).__name__} has no TransformerConfig")
+    return config
 
 
 def _names(model: nn.Module, optimizer: DistributedOptimizer) -> list[str]:
@@ -167,7 +195,15 @@ def save(
     model = _named_globally(distributed.unwrap(model))
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.finish_param_sync()  # the model's weights are complete only after this
-    sharded: dict[str, Any] = {"model": model.state_dict()}
+    named = model.state_dict()
+    megatron = supports_megatron_layout(named)
+    if megatron:
+        layers = int(model_config["num_layers"])
+        tied = not model_config.get("untie_embeddings_and_output_weights", False)
+        model_state = megatron_model_state(named, layers, tied=tied, extra_state=True)
+        sharded: dict[str, Any] = {**model_state.tensors, **model_state.objects}
+    else:
+        sharded = {"model": named}
     if save_optim:
         sharded["optimizer"] = _optimizer_state(model, optimizer)
     common = {
@@ -185,7 +221,14 @@ def save(
     if save_optim:
         common["opt_param_scheduler"] = scheduler.state_dict()
         common["grad_scaler"] = loss_scaler.state_dict()
-    if save_rng:
+    if megatron:
+        common["content_metadata"] = {"singleton_local_shards": False}
+    if save_rng and megatron and rng_shard is not None:
+        # Megatron's: one object per (pipeline, tensor) position, shared by its DP ranks.
+        sizes = (int(parallel.get("pp", 1)), int(parallel.get("tp", 1)))
+        key = rng_state_key(_position(rng_shard), sizes)
+        sharded[key] = sharded_object(get_rng_state(tracker_states()))
+    elif save_rng:
         # Rank 0's, where Megatron keeps it: what a resume in another layout restores.
         common["rng_state"] = [get_rng_state()]
         if rng_shard is not None:
@@ -194,6 +237,36 @@ def save(
 
 
 _RNG_STATE = "rng_state"  # beside the tracker streams under rng.tp<T>_pp<P>.
+_POSITION = re.compile(r"^tp(\d+)_pp(\d+)$")
+
+
+def _position(rng_shard: str) -> tuple[int, int]:
+    """(pipeline rank, tensor rank) of a `tp<T>_pp<P>` position name."""
+    match = _POSITION.match(rng_shard)
+    if match is None:
+        raise ValueError(f"not a tp<T>_pp<P> position: {rng_shard!r}")
+    return int(match.group(2)), int(match.group(1))
+
+
+def rng_state_key(position: tuple[int, int], sizes: tuple[int, int]) -> str:
+    """Megatron-LM's DCP key of a (pipeline, tensor) position's `rng_state` ShardedObject
+    (`get_rng_state`: shape (PP, TP), offset (pp, tp))."""
+    (pp, tp), (pp_size, tp_size) = position, sizes
+    return f"rng_state/shard_{pp}.{tp}_{pp_size}.{tp_size}"
+
+
+def _megatron_rng_request(folder: Path, rng_shard: str) -> tuple[str | None, bool]:
+    """The stored `rng_state` object to read and whether it is this rank's position's
+    (else the first position's, whose default generators a resume in another layout
+    takes, as it takes rank 0's from an older checkpoint); None when none is stored."""
+    pp, tp = _position(rng_shard)
+    stored = sorted(stored_keys(folder, "rng_state/shard_"))
+    own = [k for k in stored if k.split("_")[2] == f"{pp}.{tp}"] if stored else []
+    sizes = {k.rsplit("_", 1)[1] for k in stored}
+    if own and len(sizes) == 1:
+        return own[0], True
+    first = [k for k in stored if k.split("_")[2] == "0.0"]
+    return (first[0], False) if first else (None, False)
 
 
 def _position_rng() -> dict[str, Any]:
@@ -246,18 +319,43 @@ def resume(
 ) -> TrainState:
     """Load the latest torch_dist checkpoint into this rank's (possibly sharded) objects
     (`rng_shard`: as for `save`; a stream saved in another layout is not restored)."""
-    model = _named_globally(distributed.unwrap(model))
+    unwrapped = distributed.unwrap(model)
+    model = _named_globally(unwrapped)
     iteration = read_latest_iteration(load_dir)
     folder = Path(checkpoint_dir(load_dir, iteration))
     # A `release` checkpoint (converted weights) loads like --finetune, as in Megatron.
     finetune = finetune or iteration == RELEASE
     want_optim = load_optim and not finetune
-    sharded: dict[str, Any] = {"model": model.state_dict()}
+    foreign = "mg" not in load_common(folder)  # saved by Megatron-LM
+    if foreign and want_optim:
+        raise CheckpointError(
+            f"{folder} was saved by Megatron-LM, whose optimizer state (its distributed "
+            "optimizer's buffers) mg does not read; load it with --no-load-optim (weights, "
+            "iteration and consumed samples carry over) or --finetune"
+        )
+    megatron = checkpoint_is_megatron_layout(folder)
+    named = model.state_dict()
+    model_state = None
+    if megatron:
+        config = _model_config(unwrapped)
+        tied = not config.untie_embeddings_and_output_weights
+        model_state = megatron_model_state(named, config.num_layers, tied=tied)
+        sharded: dict[str, Any] = dict(model_state.tensors)
+    else:
+        sharded = {"model": named}
     if want_optim:
         sharded["optimizer"] = _optimizer_request(folder, model, optimizer)
+    rng_key, own_rng = None, False
     if load_rng and not finetune and rng_shard is not None:
-        sharded["rng"] = {rng_shard: _position_rng_request(folder, rng_shard)}
+        if megatron:
+            rng_key, own_rng = _megatron_rng_request(folder, rng_shard)
+            if rng_key is not None:
+                sharded[rng_key] = b""  # an object: replaced by the stored one
+        else:
+            sharded["rng"] = {rng_shard: _position_rng_request(folder, rng_shard)}
     common = load_dist_checkpoint(folder, sharded)
+    if model_state is not None:
+        model_state.finish_load()
     if want_optim:
         _load_optimizer(model, optimizer, sharded["optimizer"], load_dir)
         scheduler.load_state_dict(common["opt_param_scheduler"])
@@ -267,7 +365,11 @@ def resume(
         optimizer.reload_model_params()  # its main copies must follow the loaded weights
     if finetune:
         return TrainState()
-    if load_rng:
+    if load_rng and rng_key is not None:
+        tracker = set_rng_state(sharded[rng_key])
+        if own_rng:  # the tensor-parallel streams of this very position
+            restore_tracker_states(tracker)
+    elif load_rng:
         if "rng_state" not in common:
             raise ValueError(f"{load_dir}: the checkpoint has no RNG state; use --no-load-rng")
         _restore_rng(common["rng_state"], sharded.get("rng", {}).get(rng_shard, {}))

@@ -24,6 +24,7 @@ a process killed during an async save leaves only a `.tmp` folder, never read.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
@@ -217,6 +219,17 @@ class PendingSave:
         return self.path
 
 
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's planner, but an `io.BytesIO` value is stored as the bytes it holds: Megatron's
+    ShardedObjects (`rng_state`, `_extra_state`) are `torch.save([data])` under their key,
+    which DCP would otherwise pickle a second time (or flatten, for a list of dicts)."""
+
+    def transform_object(self, write_item: Any, object: Any) -> Any:
+        if isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
+
+
 class _HostCopyStager:
     """DCP's async stager for our states: plain tensors and `GlobalChunks` pieces copied
     to host memory (DCP's default stager does not know `GlobalChunks`)."""
@@ -291,7 +304,13 @@ def save_dist_checkpoint(
     common_state = {**(common or {}), "iteration": 0 if iteration == RELEASE else iteration}
     if not async_save:
         with single_process_is_intended():
-            dcp.save(state, checkpoint_id=staging, process_group=process_group, no_dist=no_dist)
+            dcp.save(
+                state,
+                checkpoint_id=staging,
+                process_group=process_group,
+                planner=_SavePlanner(),
+                no_dist=no_dist,
+            )
         if is_main:
             _commit(save_dir, final, staging, common_state)
         _barrier(process_group)
@@ -301,6 +320,7 @@ def save_dist_checkpoint(
             state,
             checkpoint_id=staging,
             process_group=process_group or _async_save_group(),
+            planner=_SavePlanner(),
             async_stager=_HostCopyStager(),
             no_dist=no_dist,
         )
@@ -423,8 +443,22 @@ def stored_keys(folder: str | Path, prefix: str = "") -> set[str]:
 
 
 def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Tensor]:
-    """Every tensor under `prefix`, whole (unsharded), on one process without a process group."""
+    """Every tensor under `prefix`, whole (unsharded), on one process without a process group.
+
+    With the default prefix, the model's tensors by our parameter names, whichever
+    layout stores them (Megatron-Core's layer-stacked keys or mg's earlier `model.<name>`)."""
+    from mg.core.checkpoint.megatron_dist import (
+        is_megatron_layout,
+        read_parameters,
+        stored_parameters,
+    )
+
     folder = Path(folder)
+    _check_complete(folder)
+    metadata = read_dcp_metadata(folder)
+    if prefix == "model." and is_megatron_layout(metadata):  # Megatron-Core's keys
+        stored = stored_parameters(metadata)
+        return read_parameters(folder, stored, stored)
     flat = stored_tensors(folder, prefix)
     reader = dcp.FileSystemReader(folder)
     nested: dict[str, Any] = {}

@@ -21,6 +21,7 @@ mg's earlier `torch_dist` checkpoints stored one tensor per parameter under
 
 from __future__ import annotations
 
+import io
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -173,7 +174,7 @@ class ModelState:
     to make after a load (a tied output layer held beside the embedding it shares)."""
 
     tensors: dict[str, GlobalChunks]
-    objects: dict[str, list[Any]] = field(default_factory=dict)
+    objects: dict[str, io.BytesIO] = field(default_factory=dict)
     copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
     def finish_load(self) -> None:
@@ -213,10 +214,18 @@ def megatron_model_state(
     return state
 
 
-def extra_state_objects(names: Iterable[str], num_layers: int) -> dict[str, list[Any]]:
+def sharded_object(data: Any) -> io.BytesIO:
+    """A Megatron-Core ShardedObject's stored bytes: `torch.save([data])` (a load gives the
+    list back). dist_format saves an `io.BytesIO` as it is."""
+    buffer = io.BytesIO()
+    torch.save([data], buffer)
+    return buffer
+
+
+def extra_state_objects(names: Iterable[str], num_layers: int) -> dict[str, io.BytesIO]:
     """Megatron-Core's `_extra_state` ShardedObjects of the layers in `names`, keyed by
-    their DCP key (`<key>/shard_<layer>_<num_layers>`), each holding `[None]`."""
-    out: dict[str, list[Any]] = {}
+    their DCP key (`<key>/shard_<layer>_<num_layers>`), each holding None."""
+    out: dict[str, io.BytesIO] = {}
     for name in names:
         match = _LAYER_LINEAR.match(name)
         if not match:
@@ -227,7 +236,9 @@ def extra_state_objects(names: Iterable[str], num_layers: int) -> dict[str, list
             modules.append("self_attention.core_attention")
         for m in modules:
             if m in _EXTRA_STATE_MODULES:
-                out[f"decoder.layers.{m}.{EXTRA_STATE}/shard_{layer}_{num_layers}"] = [None]
+                out[f"decoder.layers.{m}.{EXTRA_STATE}/shard_{layer}_{num_layers}"] = (
+                    sharded_object(None)
+                )
     return out
 
 
@@ -296,3 +307,30 @@ def read_parameters(
     with single_process_is_intended(), guard_dcp_load(Path(folder)):
         dcp.load(request, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
     return out
+
+
+def checkpoint_is_megatron_layout(folder: str | Path) -> bool:
+    """Whether the torch_dist iteration folder stores its model in Megatron-Core's layout."""
+    from mg.core.checkpoint.reader_guard import read_dcp_metadata
+
+    return is_megatron_layout(read_dcp_metadata(folder))
+
+
+def load_model_tensors(
+    folder: str | Path,
+    named: Mapping[str, Tensor],
+    num_layers: int,
+    *,
+    tied: bool,
+    process_group: Any = None,
+) -> dict[str, Any]:
+    """Fill `named` (our global names → this rank's tensors or DTensors) from a torch_dist
+    checkpoint of either layout, collectively; returns common.pt."""
+    from mg.core.checkpoint.dist_format import load_dist_checkpoint
+
+    if not checkpoint_is_megatron_layout(folder):
+        return load_dist_checkpoint(folder, {"model": dict(named)}, process_group=process_group)
+    state = megatron_model_state(named, num_layers, tied=tied)
+    common = load_dist_checkpoint(folder, dict(state.tensors), process_group=process_group)
+    state.finish_load()
+    return common

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_dist_checkpoint
+from mg.core.checkpoint.dist_format import is_torch_dist, load_common
 from mg.core.checkpoint.layout import CheckpointError, Iteration
+from mg.core.checkpoint.megatron_dist import load_model_tensors
 from mg.core.checkpoint.model_io import ModelInfo, model_chunks, model_configs
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.serialization import load_file
@@ -104,7 +105,7 @@ def load_model_part(
     owned = owned_tensors(parts)
     with torch.no_grad():
         if dist_format:
-            _read_dist(folder, owned)
+            _read_dist(folder, owned, config)
         else:
             _read_torch_format(load_dir, folder, iteration, config, owned, layout)
     for part in parts:
@@ -116,10 +117,11 @@ def load_model_part(
     return ModelPart(parts, config, tokenizer_config, info)
 
 
-def _read_dist(folder: Path, owned: Mapping[str, list[Tensor]]) -> None:
+def _read_dist(folder: Path, owned: Mapping[str, list[Tensor]], config: TransformerConfig) -> None:
     """DCP reads each owned tensor's region; copies (the tied one) take the first's values."""
     request = {name: tensors[0] for name, tensors in owned.items()}
-    load_dist_checkpoint(folder, {"model": request})
+    tied = not config.untie_embeddings_and_output_weights
+    load_model_tensors(folder, request, config.num_layers, tied=tied)
     for tensors in owned.values():
         for copy in tensors[1:]:
             _local(copy).copy_(_local(tensors[0]))
