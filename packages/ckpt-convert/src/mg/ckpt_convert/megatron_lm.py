@@ -4,7 +4,8 @@ The weights already have Megatron-Core names (our GPTModel uses them), so the
 work is the config and the layout. Megatron-LM records its flags as an
 `argparse.Namespace` under ``args``; we read the model-shaping ones into a
 `TransformerConfig` and, on export, write a Namespace back with the same names
-(and ``transformer_impl="local"``, whose layer spec names match ours).
+(and ``transformer_impl``: "local", whose layer spec names match ours, or
+"transformer_engine" for a model built with the TE spec's names).
 
 Any TP × PP layout, both ways, through the code that reshards our own
 checkpoints (:mod:`.checkpoint_source`, :mod:`.reshard`): the layouts are the
@@ -206,7 +207,9 @@ def megatron_args_from_config(
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
         expert_model_parallel_size=1,
-        transformer_impl="local",
+        # the spec whose names the weights carry: ours are the local spec's, or with
+        # transformer_impl="transformer_engine" the TE spec's (norms fused into linears)
+        transformer_impl=c.transformer_impl,
         model_type="GPT",
     )
     if tokenizer is not None:
