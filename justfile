@@ -124,3 +124,8 @@ eval *args: setup
 finetune load save data *args: setup
     uv run --frozen mg-train gpt --use-checkpoint-args --finetune --load {{load}} --save {{save}} --data-path {{data}} \
         --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 1e-4 {{args}}
+
+# GPU benchmark: Megatron's 1.3B GPT on mock data with bf16 (and FP8 with Transformer Engine) on every GPU here,
+# MFU per iteration -> bench/results/gpu-<device>.md; exits 0 with a message without CUDA (--device cpu: smoke run)
+bench-gpu *args: setup
+    uv run --frozen python bench/bench_gpu.py {{args}}
