@@ -22,7 +22,7 @@ The launch takes minutes on a small shared machine: the module's tests have a
 longer timeout than the default.
 
 A second, 2-rank test: PP=2 with dropout, 5 + save + load + 5 iterations equal
-10 straight (the per-position generators stored under rng.tp<T>_pp<P>.).
+10 straight (the per-position generators stored as Megatron's rng_state objects).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
+from mg.core.checkpoint.megatron_sharded_keys import megatron_sharded_key
 from mg.core.testing.launch import launch_workers
 
 PROBE_WORKER = Path(__file__).with_name("torch_dist_probe_worker.py")
@@ -133,26 +134,30 @@ def test_tied_embedding_checkpoint_resumes_at_tp2_dp2(four, train) -> None:
 
 
 def test_state_is_stored_by_name_in_global_shapes_and_chunked(four) -> None:
-    """Keys stay `optimizer.state.<global name>.<key>` with the parameter's global shape
-    (what the plain optimizer and mg-convert read); a DP=2 save wrote them in pieces."""
+    """The model under Megatron-Core's keys (layers stacked along a leading axis); the
+    optimizer's state stays `optimizer.state.<global name>.<key>` with the parameter's
+    global shape (what the plain optimizer and mg-convert read); a DP=2 save wrote it in
+    pieces; each pipeline stage's generators are Megatron's `rng_state` objects."""
     folder = Path(four["ckpt"]["pp2dp2"], f"iter_{SAVED_AT:07d}")
     keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    num_layers = keys["decoder.layers.mlp.linear_fc1.weight"].size[0]
     for name in (
         "decoder.layers.1.mlp.linear_fc1.weight",
         "decoder.layers.0.self_attention.linear_qkv.weight",
         "output_layer.weight",
         "decoder.final_layernorm.weight",
     ):
-        model = keys[f"model.{name}"]
+        sharded = megatron_sharded_key(name, num_layers)
+        model = keys[sharded.key].size[sharded.prepend_axis_num :]
         for moment in ("exp_avg", "exp_avg_sq"):
             stored = keys[f"optimizer.state.{name}.{moment}"]
-            assert stored.size == model.size, name
+            assert stored.size == model, name
             covered = sum(c.sizes.numel() for c in stored.chunks)
-            assert covered == model.size.numel(), name  # every element once
+            assert covered == model.numel(), name  # every element once
         assert f"optimizer.state.{name}.step" in keys
     fc1 = keys["optimizer.state.decoder.layers.1.mlp.linear_fc1.weight.exp_avg"]
     assert len(fc1.chunks) > 1  # the data-parallel ranks' fragments, not one gathered tensor
-    assert "rng.tp0_pp0.rng_state" in keys and "rng.tp0_pp1.rng_state" in keys
+    assert "rng_state/shard_0.0_2.1" in keys and "rng_state/shard_1.0_2.1" in keys
 
 
 def test_no_rank_gathers_and_the_save_stays_within_its_state(four) -> None:

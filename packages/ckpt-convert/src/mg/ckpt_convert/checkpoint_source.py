@@ -36,6 +36,7 @@ from mg.ckpt_convert.tensor_readers import (
 from mg.core.checkpoint import MODEL_FILENAME, find_rank_file, saved_layout
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common
 from mg.core.checkpoint.layout import Iteration
+from mg.core.checkpoint.megatron_dist import is_megatron_layout, stored_parameters
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.reader_guard import read_dcp_metadata
 from mg.core.checkpoint.serialization import load_file
@@ -160,29 +161,59 @@ def _other_entries(state: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]
 
 
 def _open_torch_dist(load_dir: Path, folder: Path, iteration: Iteration) -> CheckpointSource:
-    common = load_common(folder)
-    config = recorded_config(common, folder)
-    parallel = (common.get("mg") or {}).get("parallel") or {}
-    index = read_dcp_metadata(folder).state_dict_metadata
-    metas = {
-        key[len(MODEL_PREFIX) :]: torch.empty(meta.size, dtype=meta.properties.dtype, device="meta")
-        for key, meta in index.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
-    }
+    """A torch_dist folder of either key layout, written by mg or by Megatron-LM (whose
+    model config comes from its args, as for import-megatron)."""
+    common = load_common(folder, allow_pickle=True)  # Megatron-LM's args: see import-megatron
+    metadata = read_dcp_metadata(folder)
+    index = metadata.state_dict_metadata
+    stored = None
+    if is_megatron_layout(metadata):
+        stored = stored_parameters(metadata)
+        metas = {
+            name: torch.empty(where.shape, dtype=where.dtype, device="meta")
+            for name, where in stored.items()
+        }
+    else:
+        metas = {
+            key[len(MODEL_PREFIX) :]: torch.empty(
+                meta.size, dtype=meta.properties.dtype, device="meta"
+            )
+            for key, meta in index.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
+        }
     state, dropped = _other_entries(common)
+    dropped += [k for k in _stored_layout_bound(index) if k not in dropped]
+    if (common.get("mg") or {}).get("model_config"):
+        config = recorded_config(common, folder)
+        parallel = (common.get("mg") or {}).get("parallel") or {}
+        tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
+    else:  # Megatron-LM's: its args say what the model is
+        from mg.ckpt_convert.megatron_lm import megatron_source_state
+
+        config, state, tp, pp = megatron_source_state(common, folder)
     return CheckpointSource(
         load_dir,
         folder,
         iteration,
         "torch_dist",
-        int(parallel.get("tp", 1)),
-        int(parallel.get("pp", 1)),
+        tp,
+        pp,
         config,
         state,
         dropped,
         {name: [meta] for name, meta in metas.items()},
-        DistReader(folder, metas),
+        DistReader(folder, metas, stored),
     )
+
+
+def _stored_layout_bound(index: Mapping[str, Any]) -> list[str]:
+    """The layout-bound entries a torch_dist index holds (optimizer state, generators)."""
+    found = []
+    if any(k.startswith("optimizer.") for k in index):
+        found.append("optimizer")
+    if any(k.startswith(("rng_state", "rng.")) for k in index):
+        found.append("rng_state")
+    return found
 
 
 def open_torch_files(

@@ -68,6 +68,10 @@ def guess_architecture(config: TransformerConfig, names: list[str] | tuple[str, 
         if config.add_qkv_bias or config.moe_shared_expert_intermediate_size:
             return "qwen2_moe"
         return "qwen3_moe" if config.qk_layernorm else "mixtral"
+    if config.qk_layernorm:  # Qwen3's attention (Megatron-LM trains it with --qk-layernorm)
+        return "qwen3"
+    if config.add_qkv_bias and not config.add_bias_linear:  # Qwen2's (--add-qkv-bias)
+        return "qwen2"
     return "mistral" if config.window_size is not None else "llama"
 
 

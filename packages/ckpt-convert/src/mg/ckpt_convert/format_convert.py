@@ -1,9 +1,10 @@
 """`mg-convert format --to torch|torch_dist`: one checkpoint format to the other.
 
 `torch` → `torch_dist`: the whole tensors (TP shards joined, pipeline stages'
-local layer numbers mapped to the whole model's) are saved by name through
-torch.distributed.checkpoint, so the result loads into any TP/PP/DP layout;
-the other entries go to common.pt. `torch_dist` → `torch`: the tensors are
+local layer numbers mapped to the whole model's) are saved through
+torch.distributed.checkpoint in Megatron-Core's layout (a GPT's; others by name),
+one layer at a time, so the result loads into any TP/PP/DP layout, in mg and in
+Megatron-LM; the other entries go to common.pt. `torch_dist` → `torch`: the tensors are
 split into the target layout (default: the sizes the source records) exactly
 as `reshard` writes them. Both keep the iteration, args (with the recorded
 sizes), model and tokenizer configs; optimizer and RNG state are dropped with a
@@ -21,23 +22,48 @@ from mg.ckpt_convert.checkpoint_source import (
     copy_tokenizer_files,
     open_checkpoint,
 )
+from mg.ckpt_convert.export_hf import group_megatron
 from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensors
 from mg.ckpt_convert.reshard import write_torch
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint.dist_format import save_dist_checkpoint
+from mg.core.checkpoint.dist_stream import StreamingDistWriter
 from mg.core.checkpoint.layout import Iteration
+from mg.core.checkpoint.megatron_dist import megatron_model_state, supports_megatron_layout
 
 FORMATS = ("torch", "torch_dist")
 
 
 def write_torch_dist(
-    save_dir: Path, source: CheckpointSource, target: TargetLayout, iteration: Iteration
+    save_dir: Path,
+    source: CheckpointSource,
+    target: TargetLayout,
+    iteration: Iteration,
+    common: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``source`` as a `torch_dist` checkpoint (one process); the iteration folder."""
-    weights = target_tensors(source, target, source.names)
-    pending = save_dist_checkpoint(
-        save_dir, iteration, {"model": weights}, target_state(source, target)
-    )
+    """Write ``source`` as a `torch_dist` checkpoint (one process); the iteration folder.
+
+    A GPT goes in Megatron-Core's layout, one layer at a time (`StreamingDistWriter`:
+    no more than a layer is held); other models in mg's per-parameter layout, whole.
+    ``common`` (common.pt) defaults to the source's entries updated to the target."""
+    if common is None:
+        common = target_state(source, target)
+    if not supports_megatron_layout(source.names):
+        weights = target_tensors(source, target, source.names)
+        pending = save_dist_checkpoint(save_dir, iteration, {"model": weights}, common)
+        copy_tokenizer_files(source, save_dir)
+        return pending.wait()
+    config = target.config
+    tied = not config.untie_embeddings_and_output_weights
+    writer = StreamingDistWriter(save_dir, iteration)
+    for group in group_megatron(source.names):
+        if not group:
+            continue
+        tensors = target_tensors(source, target, group)
+        state = megatron_model_state(tensors, config.num_layers, tied=tied, extra_state=True)
+        writer.add({**state.tensors, **state.objects})
+        source.release()  # what this layer read leaves memory with it
+    pending = writer.finish({**common, "content_metadata": {"singleton_local_shards": False}})
     copy_tokenizer_files(source, save_dir)
     return pending.wait()
 

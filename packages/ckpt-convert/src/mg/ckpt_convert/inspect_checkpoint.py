@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from mg.ckpt_convert.inspect_dist import summarize_torch_dist
+from mg.ckpt_convert.inspect_dist import SHOWN_ARGS, summarize_torch_dist
 from mg.core.checkpoint import describe, load_checkpoint
 from mg.core.checkpoint.dist_format import is_torch_dist
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
@@ -64,8 +64,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"size on disk {summary['size_on_disk_bytes'] / 1e6:.1f} MB "
         f"in {len(summary['files'])} files",
         f"tokenizer    {json.dumps(summary['tokenizer_config'])}",
-        "model config:" if config else "model config: (none recorded)",
     ]
+    if "saved_by" in summary:  # torch_dist
+        lines.insert(3, f"saved by     {summary['saved_by']}; keys: {summary['keys']}")
+    args = summary.get("args") or {}
+    if summary.get("saved_by") == "Megatron-LM" and args:
+        lines.append("megatron args:")
+        lines += [f"  {k} = {args[k]}" for k in SHOWN_ARGS if args.get(k) is not None]
+    lines.append("model config:" if config else "model config: (none recorded)")
     lines += [f"  {k} = {v}" for k, v in config.items() if v is not None and _shown(k, config)]
     for key in ("hf_model_type", "hf_vocab_size"):
         if key in extra:

@@ -42,7 +42,7 @@ from mg.ckpt_convert.layout_plan import DEFAULT_DIVISIBLE_BY, plan_target
 from mg.ckpt_convert.reshard import write_torch
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint import CHECKPOINT_VERSION, mg_metadata
-from mg.core.checkpoint.dist_format import is_torch_dist
+from mg.core.checkpoint.dist_format import is_torch_dist, load_common
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
@@ -113,6 +113,7 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
             activation=activation,
             add_bias_linear=bool(get("add_bias_linear", True)),
             add_qkv_bias=bool(get("add_qkv_bias", False)),
+            qk_layernorm=bool(get("qk_layernorm", False)),
             untie_embeddings_and_output_weights=bool(
                 get("untie_embeddings_and_output_weights", False)
             ),
@@ -194,6 +195,7 @@ def megatron_args_from_config(
         openai_gelu=c.activation == "gelu_tanh",
         add_bias_linear=c.add_bias_linear,
         add_qkv_bias=c.add_qkv_bias or c.add_bias_linear,
+        qk_layernorm=c.qk_layernorm,
         untie_embeddings_and_output_weights=c.untie_embeddings_and_output_weights,
         padded_vocab_size=c.vocab_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by or DEFAULT_DIVISIBLE_BY,
@@ -252,8 +254,46 @@ def _config_of_megatron(state: Mapping[str, Any], where: Path) -> TransformerCon
     return config_from_megatron_args(args)
 
 
+def _mg_state(
+    args: Mapping[str, Any],
+    config: TransformerConfig,
+    tp: int,
+    pp: int,
+    iteration: Any,
+    converted_by: str = "mg-convert import-megatron",
+) -> dict[str, Any]:
+    """What an mg checkpoint records, from Megatron-LM's args: plain-data args, the
+    iteration, ``mg`` with the model and tokenizer configs."""
+    tokenizer = TokenizerConfig.from_dict(dict(args)) if args.get("tokenizer_type") else None
+    plain_args = {k: v for k, v in args.items() if isinstance(v, _PLAIN)}
+    plain_args["converted_by"] = converted_by
+    return {
+        "args": plain_args,
+        "iteration": iteration,
+        "mg": mg_metadata(
+            config.to_dict(), tokenizer.to_dict() if tokenizer else None, tp=tp, pp=pp
+        ),
+    }
+
+
+def megatron_source_state(
+    common: Mapping[str, Any], folder: Path
+) -> tuple[TransformerConfig, dict[str, Any], int, int]:
+    """A Megatron-LM torch_dist checkpoint's common.pt → its model config, the state an mg
+    checkpoint records, and the TP × PP it was saved with (its args')."""
+    config = _config_of_megatron(common, folder)
+    args = _namespace_args(common, folder)
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    state = _mg_state(
+        args, config, tp, pp, common.get("iteration", 0), "mg-convert (Megatron-LM torch_dist)"
+    )
+    return config, state, tp, pp
+
+
 def open_megatron(load: str | Path, iteration: Iteration | None = None) -> CheckpointSource:
-    """A Megatron-LM `torch` checkpoint of any TP × PP layout as one whole model (lazily read).
+    """A Megatron-LM checkpoint of any TP × PP layout as one whole model (lazily read):
+    `torch` (``mp_rank_TT[_PPP]`` files) or `torch_dist` (Megatron-Core's sharded keys).
 
     The model config comes from its args; the state is what an mg checkpoint records
     (plain-data args, ``mg`` with the model and tokenizer configs), so the result can
@@ -263,11 +303,14 @@ def open_megatron(load: str | Path, iteration: Iteration | None = None) -> Check
     iteration = resolve_iteration(load_dir, iteration)
     folder = iteration_dir(load_dir, iteration)
     if is_torch_dist(folder):
-        raise ConvertError(
-            f"{folder} is a torch_dist checkpoint; import-megatron reads Megatron-LM's `torch` "
-            "format (save with --ckpt-format torch, or convert it with Megatron-LM's "
-            "tools/checkpoint/convert.py)"
-        )
+        if (load_common(folder, allow_pickle=True).get("mg") or {}).get("model_config"):
+            raise ConvertError(
+                f"{folder} is an mg torch_dist checkpoint already; mg tools load it as it "
+                "is, and mg-convert format --to torch writes it in a given layout"
+            )
+        source = open_checkpoint(load_dir, iteration, check_gpt=False)
+        _check_shapes(source, folder)
+        return source
     source = open_torch_files(
         load_dir,
         folder,
@@ -290,19 +333,7 @@ def open_megatron(load: str | Path, iteration: Iteration | None = None) -> Check
     if not config.untie_embeddings_and_output_weights:
         source.shards.pop("output_layer.weight", None)  # a tied copy, when saved at all
     _check_shapes(source, folder)
-    tokenizer = TokenizerConfig.from_dict(args) if args.get("tokenizer_type") else None
-    plain_args = {k: v for k, v in args.items() if isinstance(v, _PLAIN)}
-    plain_args["converted_by"] = "mg-convert import-megatron"
-    source.state = {
-        "args": plain_args,
-        "iteration": source.state.get("iteration", 0),
-        "mg": mg_metadata(
-            config.to_dict(),
-            tokenizer.to_dict() if tokenizer else None,
-            tp=source.tp,
-            pp=source.pp,
-        ),
-    }
+    source.state = _mg_state(args, config, source.tp, source.pp, source.state.get("iteration", 0))
     return source
 
 

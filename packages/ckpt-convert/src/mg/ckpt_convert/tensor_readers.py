@@ -12,7 +12,8 @@ readers make sure that what it has read does not stay in memory behind it.
 - `DistReader`, `torch_dist`: ``read(names)`` asks torch.distributed.checkpoint
   for just those tensors, whole, in one process without a process group, into
   tensors allocated for them; DCP reads their byte ranges from the ``.distcp``
-  files and nothing else.
+  files and nothing else. In Megatron-Core's layout a layer's tensor is one slice
+  of a layer-stacked key, and only that slice is read.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
 from mg.ckpt_convert.errors import ConvertError
+from mg.core.checkpoint.megatron_dist import StoredParameter, read_parameters
 from mg.core.checkpoint.reader_guard import guard_dcp_load
 from mg.core.checkpoint.serialization import load_file
 
@@ -98,13 +100,23 @@ def _one_process() -> Iterator[None]:
 
 
 class DistReader:
-    """A torch_dist checkpoint's model tensors, read by name through DCP."""
+    """A torch_dist checkpoint's model tensors, read by name through DCP (`stored`: where
+    each name lives in Megatron-Core's layout; None for mg's earlier `model.<name>`)."""
 
-    def __init__(self, folder: Path, metas: Mapping[str, Tensor]) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        metas: Mapping[str, Tensor],
+        stored: Mapping[str, StoredParameter] | None = None,
+    ) -> None:
         self.folder = folder
         self.metas = dict(metas)  # name -> meta tensor of the stored (whole) shape and dtype
+        self.stored = stored
 
     def read(self, names: Sequence[str]) -> dict[str, list[Tensor]]:
+        if self.stored is not None:
+            read = read_parameters(self.folder, self.stored, names)
+            return {name: [read[name]] for name in names}
         wanted = {name: torch.empty_like(self.metas[name], device="cpu") for name in names}
         if wanted:
             # DCP flattens nested dicts with dots: {"model": {name: t}} is model.<name>.

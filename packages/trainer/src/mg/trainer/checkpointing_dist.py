@@ -326,7 +326,9 @@ def resume(
     # A `release` checkpoint (converted weights) loads like --finetune, as in Megatron.
     finetune = finetune or iteration == RELEASE
     want_optim = load_optim and not finetune
-    foreign = "mg" not in load_common(folder)  # saved by Megatron-LM
+    # DCP unpickles the folder's objects (rng_state) anyway: its common.pt is read alike
+    # (Megatron-LM pickles enums in its args)
+    foreign = "mg" not in load_common(folder, allow_pickle=True)  # saved by Megatron-LM
     if foreign and want_optim:
         raise CheckpointError(
             f"{folder} was saved by Megatron-LM, whose optimizer state (its distributed "
@@ -353,7 +355,7 @@ def resume(
                 sharded[rng_key] = b""  # an object: replaced by the stored one
         else:
             sharded["rng"] = {rng_shard: _position_rng_request(folder, rng_shard)}
-    common = load_dist_checkpoint(folder, sharded)
+    common = load_dist_checkpoint(folder, sharded, allow_pickle=True)
     if model_state is not None:
         model_state.finish_load()
     if want_optim:

@@ -174,9 +174,26 @@ def own_storage(tensor: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- save
 
 
-def _staging(save_dir: Path, iteration: Iteration) -> tuple[Path, Path]:
+def staging_dirs(save_dir: Path, iteration: Iteration) -> tuple[Path, Path]:
+    """The iteration folder and the staging folder a save writes before renaming it."""
     final = checkpoint_dir(save_dir, iteration)
     return final, final.with_name(final.name + STAGING_SUFFIX)
+
+
+_staging = staging_dirs
+
+
+def commit_staged(
+    save_dir: Path,
+    final: Path,
+    staging: Path,
+    iteration: Iteration,
+    common: Mapping[str, Any] | None,
+) -> None:
+    """One process's commit of a staged save: common.pt (with the iteration, 0 for a
+    release), metadata.json, rename into place, latest pointer."""
+    common_state = {**(common or {}), "iteration": 0 if iteration == RELEASE else iteration}
+    _commit(save_dir, final, staging, common_state)
 
 
 def _commit(save_dir: Path, final: Path, staging: Path, common: Mapping[str, Any]) -> None:
@@ -228,6 +245,11 @@ class _SavePlanner(DefaultSavePlanner):
         if isinstance(object, io.BytesIO):
             return object
         return super().transform_object(write_item, object)
+
+
+def save_planner() -> DefaultSavePlanner:
+    """The planner every torch_dist save uses (ShardedObjects' bytes stored as they are)."""
+    return _SavePlanner()
 
 
 class _HostCopyStager:
@@ -355,11 +377,13 @@ def _check_complete(folder: Path) -> None:
         )
 
 
-def load_common(folder: str | Path) -> dict[str, Any]:
-    """The non-sharded state (common.pt) of a torch_dist iteration folder."""
+def load_common(folder: str | Path, *, allow_pickle: bool = False) -> dict[str, Any]:
+    """The non-sharded state (common.pt) of a torch_dist iteration folder. Megatron-LM's
+    pickles its args Namespace with enums in it: `allow_pickle` reads those (DCP unpickles
+    the checkpoint's objects, `rng_state` among them, in any case)."""
     folder = Path(folder)
     _check_complete(folder)
-    return load_file(folder / COMMON_FILENAME)
+    return load_file(folder / COMMON_FILENAME, allow_pickle=allow_pickle)
 
 
 def load_dist_checkpoint(
@@ -367,13 +391,14 @@ def load_dist_checkpoint(
     sharded: dict[str, Any],
     *,
     process_group: dist.ProcessGroup | None = None,
+    allow_pickle: bool = False,
 ) -> dict[str, Any]:
     """Fill `sharded` (this rank's tensors/DTensors, any layout) in place; returns common.pt.
 
     Keys absent from the checkpoint raise a CheckpointError naming them.
     """
     folder = Path(folder)
-    common = load_common(folder)
+    common = load_common(folder, allow_pickle=allow_pickle)
     reader = dcp.FileSystemReader(folder)
     stored = set(read_dcp_metadata(folder).state_dict_metadata)
     wanted = set(_flat_keys(sharded))
