@@ -61,6 +61,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--report", metavar="FILE.jsonl", help="append the results as one JSON line to this file"
     )
     add_model_parallel_flags(parser)
+    k = parser.add_argument_group("kernels", "attention kernel (Megatron's flag names)")
+    k.add_argument(
+        "--attention-backend",
+        choices=("flash", "fused", "unfused", "local", "auto"),
+        default="auto",
+        help="flash, fused (cuDNN/memory-efficient), unfused/local (math), auto (PyTorch "
+        "chooses); flash and fused need CUDA. Whatever the checkpoint was trained with.",
+    )
+    k.add_argument("--use-flash-attn", action="store_true", help="--attention-backend flash")
     t = parser.add_argument_group(
         "tokenizer", "override the tokenizer recorded in the checkpoint (Megatron's flag names)"
     )
@@ -150,9 +159,28 @@ class _Prepared:
     seq_length: int
 
 
+def attention_backend_of(args: argparse.Namespace) -> str:
+    """--attention-backend (or --use-flash-attn), refused in one line where it cannot run."""
+    import torch
+
+    from mg.core.models.attention_backend import BackendUnavailableError, check_attention_backend
+
+    backend = "flash" if args.use_flash_attn else args.attention_backend
+    if args.use_flash_attn and args.attention_backend not in ("auto", "flash"):
+        raise EvalInputError(
+            f"--use-flash-attn contradicts --attention-backend {args.attention_backend}"
+        )
+    try:
+        check_attention_backend(backend, "cuda" if torch.cuda.is_available() else "cpu")
+    except BackendUnavailableError as err:
+        raise EvalInputError(str(err)) from None
+    return backend
+
+
 def _load(args: argparse.Namespace) -> _Prepared:
     import torch
 
+    from mg.core.models.attention_backend import set_attention_backend
     from mg.evaluate import distributed
     from mg.evaluate.model_loading import TOKENIZER_FIELDS, load_for_eval, load_part_for_eval
     from mg.evaluate.model_parallel import EvalModel, build_eval_layout
@@ -163,12 +191,14 @@ def _load(args: argparse.Namespace) -> _Prepared:
         args.pipeline_model_parallel_size,
         "cuda" if torch.cuda.is_available() else "cpu",
     )
+    backend = attention_backend_of(args)
     overrides = {name: getattr(args, name) for name in TOKENIZER_FIELDS}
     if layout.tp * layout.pp > 1:  # read only this rank's shards / stage
         loaded = load_part_for_eval(args.load, layout, args.ckpt_step, overrides)
     else:
         loaded = load_for_eval(args.load, args.ckpt_step, overrides)
     config = loaded.config
+    set_attention_backend(loaded.model, backend, config)
     seq_length = args.seq_length or config.seq_length
     if seq_length < 1 or args.micro_batch_size < 1:
         raise EvalInputError("--seq-length and --micro-batch-size must be >= 1")

@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend
 
+from mg.core.models.config import TransformerConfig
+
 ATTENTION_BACKEND_FLAG = "--attention-backend"
 
 # SDPA kernels each name allows (None: no restriction, SDPA chooses).
@@ -100,14 +102,17 @@ def set_nvte_environment(backend: str) -> None:
         os.environ[name] = value
 
 
-def set_attention_backend(model: nn.Module, backend: str) -> nn.Module:
+def set_attention_backend(
+    model: nn.Module, backend: str, config: TransformerConfig | None = None
+) -> nn.Module:
     """Rebuild every core-attention module of `model` for `backend` in place.
 
     Core attention holds no weights, so a reader (mg-eval, mg-serve) can pick the
-    kernel of the machine it runs on whatever the checkpoint was trained with."""
+    kernel of the machine it runs on whatever the checkpoint was trained with.
+    `config`: the model's (default `model.config`; a pipeline stage shares it)."""
     from mg.core.models.core_attention import build_core_attention
 
-    config = model.config
+    config = config if config is not None else model.config
     config.attention_backend = backend
     config.validate()
     for module in model.modules():
