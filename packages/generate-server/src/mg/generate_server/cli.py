@@ -120,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu, cuda, cuda:1 (default: cuda if any; under torchrun cuda:LOCAL_RANK or cpu)",
     )
     parser.add_argument(
+        "--attention-backend",
+        choices=("flash", "fused", "unfused", "local", "auto"),
+        default="auto",
+        help="attention kernel, Megatron's names: flash (steps with a cache mask take the "
+        "memory-efficient kernel), fused (cuDNN/memory-efficient), unfused/local (math), auto "
+        "(PyTorch chooses); flash and fused need CUDA",
+    )
+    parser.add_argument(
+        "--use-flash-attn", action="store_true", help="the same as --attention-backend flash"
+    )
+    parser.add_argument(
         "--tensor-model-parallel-size",
         type=int,
         default=None,
@@ -174,11 +185,28 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(f"--kv-cache-memory: {err}")
 
 
+def _attention_backend(args: argparse.Namespace, device) -> str:
+    """--attention-backend (or --use-flash-attn), refused in one line where it cannot run."""
+    from mg.core.models.attention_backend import BackendUnavailableError, check_attention_backend
+
+    if args.use_flash_attn and args.attention_backend not in ("auto", "flash"):
+        raise ServeSetupError(
+            f"--use-flash-attn contradicts --attention-backend {args.attention_backend}"
+        )
+    backend = "flash" if args.use_flash_attn else args.attention_backend
+    try:
+        check_attention_backend(backend, device)
+    except BackendUnavailableError as err:
+        raise ServeSetupError(str(err)) from None
+    return backend
+
+
 def serve(args: argparse.Namespace) -> None:
     """One process, or one rank of `torchrun --nproc-per-node T` (rank 0 serves HTTP)."""
     import torch
     import torch.distributed as dist
 
+    from mg.core.models.attention_backend import set_attention_backend
     from mg.generate_server.loading import load_for_serving
     from mg.generate_server.resources import check_cpu_bf16, pool_blocks, set_threads
     from mg.generate_server.runner import ModelRunner
@@ -195,11 +223,13 @@ def serve(args: argparse.Namespace) -> None:
     threads = set_threads(args.num_threads, device)
     if args.bf16 and device.type == "cpu":
         check_cpu_bf16()
+    backend = _attention_backend(args, device)
     env = init_tensor_parallel(tp, device, args.distributed_timeout_minutes)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
     loaded = load_for_serving(
         args.load, device=str(device), dtype=dtype, iteration=args.iteration, layout=env.layout
     )
+    set_attention_backend(loaded.model, backend, loaded.config)
     positions = loaded.config.max_position_embeddings
     max_length = min(args.inference_max_seq_length or positions, positions)
     num_blocks = pool_blocks(
@@ -222,6 +252,7 @@ def serve(args: argparse.Namespace) -> None:
             loaded.model, args.inference_max_requests, max_length, env, *pool
         )
     runner.num_threads = threads
+    runner.attention_backend = backend
     if env.is_driver:
         _serve_http(args, loaded, runner, max_length, tp)
     else:

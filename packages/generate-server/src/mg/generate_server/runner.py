@@ -17,8 +17,10 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.attention import sdpa_kernel
 
 from mg.core.models import GPTModel
+from mg.core.models.attention_backend import serving_kernels
 from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
 
 log = logging.getLogger("mg.generate_server")
@@ -55,6 +57,8 @@ class ModelRunner:
         self.num_threads = torch.get_num_threads()
         self.heartbeat_seconds: float | None = None
         """When set, the engine calls `heartbeat` after this long idle."""
+        self.attention_backend = "auto"
+        """`--attention-backend`: the SDPA kernels the cache's attention may use."""
 
     @torch.inference_mode()
     def forward(
@@ -65,6 +69,19 @@ class ModelRunner:
         logit_rows: Sequence[int],
     ) -> Tensor:
         """Run the packed step; fp32 logits [len(logit_rows), vocab] of those rows, on the CPU."""
+        kernels = serving_kernels(self.attention_backend)
+        if kernels is None:
+            return self._forward(segments, input_ids, positions, logit_rows)
+        with sdpa_kernel(list(kernels)):
+            return self._forward(segments, input_ids, positions, logit_rows)
+
+    def _forward(
+        self,
+        segments: Sequence[PagedSegment],
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        logit_rows: Sequence[int],
+    ) -> Tensor:
         model = self.model
         self.cache.bind(segments)
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)

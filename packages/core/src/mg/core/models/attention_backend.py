@@ -65,6 +65,15 @@ def sdpa_kernels(backend: str) -> tuple[SDPBackend, ...] | None:
     return _SDPA_KERNELS[backend]
 
 
+def serving_kernels(backend: str) -> tuple[SDPBackend, ...] | None:
+    """The kernels of `backend` for attention over a paged KV cache, whose steps mostly
+    carry a mask (which the flash kernel does not take): flash there means flash where
+    a step is plain causal and the memory-efficient kernel elsewhere."""
+    if backend == "flash":
+        return (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    return sdpa_kernels(backend)
+
+
 def flash_attn_installed() -> bool:
     """Whether the flash-attn package can be imported (without importing it)."""
     return importlib.util.find_spec("flash_attn") is not None
