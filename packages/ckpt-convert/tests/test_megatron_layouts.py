@@ -239,7 +239,7 @@ def test_refusals(tmp_path, capsys):
 
     save_source(tmp_path / "ours", model)
     convert_format(tmp_path / "ours", tmp_path / "dist", "torch_dist", **QUIET)
-    with pytest.raises(ConvertError, match="is a torch_dist checkpoint; import-megatron reads"):
+    with pytest.raises(ConvertError, match="is an mg torch_dist checkpoint already"):
         import_megatron(tmp_path / "dist", tmp_path / "x", **QUIET)
     with pytest.raises(ConvertError, match="is an mg checkpoint already"):
         import_megatron(tmp_path / "ours", tmp_path / "x", **QUIET)

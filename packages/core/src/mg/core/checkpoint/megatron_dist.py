@@ -263,8 +263,11 @@ def _is_model_tensor(key: str) -> bool:
 
 def stored_parameters(metadata: Metadata) -> dict[str, StoredParameter]:
     """Our parameter names (whole model, layers numbered from 0) of a Megatron-layout
-    checkpoint's model tensors, with where each lives."""
-    out: dict[str, StoredParameter] = {}
+    checkpoint's model tensors, with where each lives; in the model's order (embeddings,
+    layer by layer, then the final norm and output layer)."""
+    first: dict[str, StoredParameter] = {}
+    last: dict[str, StoredParameter] = {}
+    layers: dict[int, dict[str, StoredParameter]] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if not isinstance(meta, TensorStorageMetadata) or not _is_model_tensor(key):
             continue
@@ -273,9 +276,15 @@ def stored_parameters(metadata: Metadata) -> dict[str, StoredParameter]:
             rest = key[len("decoder.layers.") :]
             for layer in range(meta.size[0]):
                 name = f"decoder.layers.{layer}.{our_layer_name(rest)}"
-                out[name] = StoredParameter(key, layer, torch.Size(meta.size[1:]), dtype)
+                where = StoredParameter(key, layer, torch.Size(meta.size[1:]), dtype)
+                layers.setdefault(layer, {})[name] = where
         else:
-            out[key] = StoredParameter(key, None, torch.Size(meta.size), dtype)
+            where = StoredParameter(key, None, torch.Size(meta.size), dtype)
+            (first if key.startswith("embedding.") else last)[key] = where
+    out = dict(first)
+    for layer in sorted(layers):
+        out.update(layers[layer])
+    out.update(last)
     return out
 
 
