@@ -86,6 +86,7 @@ def build_optimizer(
             overlap_grad_reduce=dist_args.overlap_grad_reduce,
             overlap_param_gather=dist_args.overlap_param_gather,
             model=model,
+            grad_reduce_dtype=torch.bfloat16 if dist_args.grad_reduce_in_bf16 else None,
             **pipeline,
         )
     return _torch_optimizer(groups, args)

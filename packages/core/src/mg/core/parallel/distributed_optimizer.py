@@ -117,6 +117,9 @@ class _Bucket:
     grad_handle: Any = None
     gather_handle: Any = None
     ready: set[int] = field(default_factory=set)
+    # grad_reduce_dtype: the gradients as sent and this rank's reduced shard, until waited
+    reduce_send: Tensor | None = None
+    reduce_shard: Tensor | None = None
 
     @property
     def param_shard(self) -> Tensor:
@@ -166,8 +169,11 @@ class DistributedOptimizer:
         pipeline_group: dist.ProcessGroup | None = None,
         tied_weight: Tensor | None = None,
         tied_group: dist.ProcessGroup | None = None,
+        grad_reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.group = dp_group
+        # Megatron's --grad-reduce-in-bf16: reduce-scatter in this dtype (pre-divided by d)
+        self._reduce_dtype = grad_reduce_dtype
         self._pipeline_group = pipeline_group
         self._tied = (tied_weight, tied_group) if tied_weight is not None and tied_group else None
         initialized = dist.is_available() and dist.is_initialized()
@@ -345,11 +351,14 @@ class DistributedOptimizer:
         if self.dp_size == 1:
             bucket.grad_handle = _Done()
             return
+        send, shard = bucket.grad_data, bucket.grad_shard
+        if self._reduce_dtype is not None and send.dtype != self._reduce_dtype:
+            # as Megatron's DDP: scale by 1/d first, then sum in the reduce dtype
+            send = (send / self.dp_size).to(self._reduce_dtype)
+            shard = torch.empty(bucket.shard_size, dtype=send.dtype, device=send.device)
+            bucket.reduce_send, bucket.reduce_shard = send, shard
         bucket.grad_handle = (
-            dist.reduce_scatter_tensor(
-                bucket.grad_shard, bucket.grad_data, group=self.group, async_op=async_op
-            )
-            or _Done()
+            dist.reduce_scatter_tensor(shard, send, group=self.group, async_op=async_op) or _Done()
         )
 
     def finish_grad_sync(self) -> None:
@@ -361,7 +370,10 @@ class DistributedOptimizer:
             bucket.grad_handle.wait()
             bucket.grad_handle = None
             bucket.ready.clear()
-            if self.dp_size > 1:
+            if bucket.reduce_shard is not None:  # reduced in grad_reduce_dtype, pre-divided
+                bucket.grad_shard.copy_(bucket.reduce_shard)
+                bucket.reduce_send = bucket.reduce_shard = None
+            elif self.dp_size > 1:
                 bucket.grad_shard.div_(self.dp_size)
             if bucket.grad_data.dtype != torch.float32:  # fp16 grads: fp32 main grads
                 bucket.main_grad_shard = bucket.grad_shard.float()

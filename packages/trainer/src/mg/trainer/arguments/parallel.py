@@ -102,8 +102,9 @@ def add_parallel_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--grad-reduce-in-bf16",
         action="store_true",
-        help="All-reduce gradients over data-parallel ranks in bf16 (half the bytes; "
-        "accumulation over micro-batches stays fp32).",
+        help="All-reduce (with --use-distributed-optimizer: reduce-scatter) gradients over "
+        "data-parallel ranks in bf16, half the bytes; accumulation over micro-batches "
+        "stays fp32.",
     )
 
 
@@ -124,8 +125,8 @@ def finalize_parallel(args: Args) -> None:
 def check_dry_run_layout(args: Args) -> None:
     """A dry run plans layouts mg-train may not run yet; only the shape must split."""
     d = args.distributed
-    if args.family not in ("gpt", "mamba"):
-        fail(f"--dry-run supports gpt and mamba only, not {args.family}")
+    if args.family not in ("gpt", "mamba", "bert", "t5"):
+        fail(f"--dry-run supports gpt, bert, t5 and mamba, not {args.family}")
     model_parallel = (
         d.tensor_model_parallel_size * d.pipeline_model_parallel_size * d.context_parallel_size
     )
@@ -146,8 +147,10 @@ def check_tensor_parallel(args: Args) -> None:
         fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if tp == 1:
         return
-    if args.family != "gpt":
-        fail(f"--tensor-model-parallel-size > 1 is supported for gpt, not {args.family}")
+    if args.family not in ("gpt", "bert", "t5"):
+        fail(
+            f"--tensor-model-parallel-size > 1 is supported for gpt, bert and t5, not {args.family}"
+        )
     if d.overlap_grad_reduce and not d.use_distributed_optimizer:
         fail(
             "--overlap-grad-reduce with --tensor-model-parallel-size > 1 needs "
@@ -181,11 +184,12 @@ def check_pipeline_and_context(args: Args) -> None:
             f"({d.tensor_model_parallel_size}) x pipeline ({pp}) x context ({cp}) parallel "
             f"sizes; launch a multiple of {model_parallel} processes"
         )
-    if (pp > 1 or cp > 1) and args.family != "gpt":
-        fail(
-            f"--pipeline-model-parallel-size and --context-parallel-size are supported for gpt, "
-            f"not {args.family}"
-        )
+    if pp > 1 and args.family == "t5":  # Megatron core_v0.16.1's pretrain_t5.py refuses it too
+        fail("--pipeline-model-parallel-size > 1 is not supported for t5 (as in Megatron)")
+    if pp > 1 and args.family not in ("gpt", "bert"):
+        fail(f"--pipeline-model-parallel-size > 1 is supported for gpt and bert, not {args.family}")
+    if cp > 1 and args.family != "gpt":
+        fail(f"--context-parallel-size > 1 is supported for gpt, not {args.family}")
     if pp > 1 or d.num_layers_per_virtual_pipeline_stage is not None:
         from mg.core.parallel.pipeline import PipelineConfigError, virtual_size_from_layers
 
@@ -228,10 +232,5 @@ def check_pipeline_and_context(args: Args) -> None:
 
 def check_distributed_optimizer(args: Args) -> None:
     d = args.distributed
-    if d.grad_reduce_in_bf16 and d.use_distributed_optimizer and not args.training.dry_run:
-        fail(
-            "--grad-reduce-in-bf16 with --use-distributed-optimizer is not supported yet (its "
-            "reduce-scatter runs in fp32); drop one of them"
-        )
     if d.overlap_param_gather and not d.use_distributed_optimizer:
         fail("--overlap-param-gather only works with --use-distributed-optimizer")
