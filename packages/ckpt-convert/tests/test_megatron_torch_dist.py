@@ -101,3 +101,35 @@ def test_megatron_torch_dist_to_hf_mg_and_back(megatron, tmp_path, shape) -> Non
     fresh = megatron_gpt_model(config)
     load_into_megatron(tmp_path / "dist" / "iter_0000010", fresh)
     assert torch.equal(_megatron_logits(fresh, ids), theirs)
+
+
+def test_export_megatron_torch_dist_and_reshard_of_megatron_torch_dist(megatron, tmp_path) -> None:
+    """export-megatron --ckpt-format torch_dist: megatron-core loads it (Megatron-LM's args
+    with the target sizes); reshard of a Megatron-LM torch_dist writes the torch format."""
+    from mg.ckpt_convert.cli import main
+    from mg.core.checkpoint import save_checkpoint_shards
+    from mg.core.checkpoint.dist_format import load_common
+
+    config = tiny_config("llama")
+    model = _perturbed(config)
+    ids = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    theirs = _megatron_logits(model, ids)
+    args = megatron_args_from_config(config, None)
+    save_like_megatron_lm(tmp_path / "meg", model, args, 10)
+    main(["reshard", "--load", str(tmp_path / "meg"), "--save", str(tmp_path / "tp2"),
+          "--target-tensor-parallel-size", "2"])  # fmt: skip
+    assert (tmp_path / "tp2" / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt").is_file()
+    ours, _, _, _ = load_model(tmp_path / "tp2")
+    with torch.no_grad():
+        assert (ours(ids) - theirs).abs().max() <= TOL
+
+    save_checkpoint_shards(tmp_path / "mg", 10, {(0, 0): {"model": ours.state_dict(), "mg": {
+        "model_config": config.to_dict()}, "args": {}}})  # fmt: skip
+    main(["export-megatron", "--load", str(tmp_path / "mg"), "--save", str(tmp_path / "out"),
+          "--ckpt-format", "torch_dist", "--target-pipeline-parallel-size", "2"])  # fmt: skip
+    folder = tmp_path / "out" / "iter_0000010"
+    saved = load_common(folder, allow_pickle=True)["args"]
+    assert (saved.pipeline_model_parallel_size, saved.ckpt_format) == (2, "torch_dist")
+    fresh = megatron_gpt_model(config)
+    load_into_megatron(folder, fresh)
+    assert (_megatron_logits(fresh, ids) - theirs).abs().max() <= TOL

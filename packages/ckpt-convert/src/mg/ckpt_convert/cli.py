@@ -22,6 +22,7 @@ EPILOG = """examples:
   mg-convert import-megatron --load megatron_ckpt --save ckpt/from-megatron
   mg-convert export-megatron --load ckpt/llama --save megatron_ckpt \\
       --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
+  mg-convert export-megatron --load ckpt/llama --save megatron_dist --ckpt-format torch_dist
   mg-convert reshard --load ckpt/llama --save ckpt/llama-tp2pp2 \\
       --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
   mg-convert format --to torch_dist --load ckpt/llama-tp2pp2 --save ckpt/llama-dist
@@ -59,6 +60,7 @@ def _megatron(args: argparse.Namespace) -> None:
     from mg.ckpt_convert.megatron_lm import export_megatron, import_megatron
 
     convert = import_megatron if args.command == "import-megatron" else export_megatron
+    extra = {"ckpt_format": args.ckpt_format} if args.command == "export-megatron" else {}
     path = convert(
         args.load,
         args.save,
@@ -66,6 +68,7 @@ def _megatron(args: argparse.Namespace) -> None:
         args.target_tensor_parallel_size,
         args.target_pipeline_parallel_size,
         args.make_vocab_size_divisible_by,
+        **extra,
     )
     print(f"wrote {path}")
 
@@ -190,27 +193,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_inspect)
 
     for name, direction in (
-        ("import-megatron", "Megatron-LM torch-format GPT checkpoint → mg checkpoint"),
-        ("export-megatron", "mg checkpoint → Megatron-LM torch-format GPT checkpoint"),
+        ("import-megatron", "Megatron-LM GPT checkpoint (torch or torch_dist) → mg checkpoint"),
+        ("export-megatron", "mg checkpoint → Megatron-LM GPT checkpoint (torch or torch_dist)"),
     ):
         p = sub.add_parser(
             name,
             help=direction,
             description=direction + ". Any tensor- and pipeline-parallel layout "
-            "(mp_rank_TT[_PPP]) in, the --target-* layout out (default: the source's). "
-            "Optimizer and RNG state are not carried over. Megatron-LM's args Namespace is "
-            "read with pickle, so only load checkpoints you trust.",
+            "(mp_rank_TT[_PPP], or torch_dist in Megatron-Core's sharded keys) in, the "
+            "--target-* layout out (default: the source's). Optimizer and RNG state are not "
+            "carried over. Megatron-LM's args Namespace is read with pickle, so only load "
+            "checkpoints you trust.",
         )
         _layout_flags(p)
+        if name == "export-megatron":
+            p.add_argument(
+                "--ckpt-format",
+                choices=("torch", "torch_dist"),
+                default="torch",
+                help="torch: mp_rank_TT[_PPP] files (default); torch_dist: Megatron-Core's "
+                "dist checkpoint, which Megatron-LM loads at any TP/PP",
+            )
         p.set_defaults(run=_megatron)
 
     p = sub.add_parser(
         "reshard",
         help="`torch` checkpoint → the same model in another TP × PP layout",
-        description="Rewrite a `torch`-format checkpoint for another tensor- and "
-        "pipeline-parallel size (Megatron's convert.py --target-*-parallel-size), one "
-        "pipeline stage at a time. Keeps iteration, args, model and tokenizer configs; "
-        "drops optimizer and RNG state (their layout depends on the parallel layout).",
+        description="Rewrite a `torch`-format checkpoint (or a Megatron-LM `torch_dist` "
+        "one) as a `torch` checkpoint for another tensor- and pipeline-parallel size "
+        "(Megatron's convert.py --target-*-parallel-size), one pipeline stage at a time. "
+        "Keeps iteration, args, model and tokenizer configs; drops optimizer and RNG state "
+        "(their layout depends on the parallel layout).",
     )
     _layout_flags(p)
     p.set_defaults(run=_reshard)

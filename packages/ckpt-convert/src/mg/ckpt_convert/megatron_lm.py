@@ -388,9 +388,14 @@ def export_megatron(
     pp: int | None = None,
     divisible_by: int | None = None,
     report: Any = print,
+    ckpt_format: str = "torch",
 ) -> Path:
-    """mg checkpoint (either format, any layout) → Megatron-LM `torch` checkpoint with
-    local layer spec names, in the layout ``tp`` × ``pp`` (None: the source's)."""
+    """mg checkpoint (either format, any layout) → Megatron-LM checkpoint: `torch` with
+    local layer spec names, in the layout ``tp`` × ``pp`` (None: the source's), or
+    `torch_dist` in Megatron-Core's layout (loads at any layout; its args record ``tp`` ×
+    ``pp``), written one layer at a time."""
+    if ckpt_format not in ("torch", "torch_dist"):
+        raise ConvertError(f"--ckpt-format {ckpt_format!r}: expected torch or torch_dist")
     check_target(save)
     source = open_checkpoint(load, iteration)
     if isinstance(source.config, MambaConfig):
@@ -412,6 +417,7 @@ def export_megatron(
         make_vocab_size_divisible_by=divisible_by
         or source.args.get("make_vocab_size_divisible_by"),
     )
+    args.ckpt_format = ckpt_format
     common = {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -419,10 +425,15 @@ def export_megatron(
         "mg": mg_metadata(target.config.to_dict(), tokenizer_config, tp=target.tp, pp=target.pp),
     }
     with staged_dir(save) as staging:
-        write_torch(staging, source, target, source.iteration, common=common)
+        if ckpt_format == "torch_dist":
+            from mg.ckpt_convert.format_convert import write_torch_dist
+
+            write_torch_dist(staging, source, target, source.iteration, common=common)
+        else:
+            write_torch(staging, source, target, source.iteration, common=common)
     report(
         f"exported iteration {source.iteration}: {source.format} (TP={source.tp}, "
-        f"PP={source.pp}) → Megatron-LM TP={target.tp}, PP={target.pp}"
+        f"PP={source.pp}) → Megatron-LM {ckpt_format} TP={target.tp}, PP={target.pp}"
     )
     for note in target.notes:
         report(f"note: {note}")

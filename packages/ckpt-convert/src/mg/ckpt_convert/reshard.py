@@ -28,6 +28,7 @@ from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensors
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint import save_checkpoint_shards
+from mg.core.checkpoint.dist_format import load_common
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.pp_split import stage_key_map
 from mg.core.checkpoint.tp_split import split_tensor_parallel
@@ -104,10 +105,11 @@ def reshard(
     divisible_by: int | None = None,
     report: Any = print,
 ) -> Path:
-    """``load`` (a `torch` checkpoint) → ``save`` with TP ``tp`` and PP ``pp`` (None: keep)."""
+    """``load`` (a `torch` checkpoint, or a Megatron-LM `torch_dist` one) → ``save`` with TP
+    ``tp`` and PP ``pp`` (None: keep) in the `torch` format."""
     check_target(save)
     source = open_checkpoint(load, iteration)
-    if source.format != "torch":
+    if source.format != "torch" and "mg" in load_common(source.folder, allow_pickle=True):
         raise ConvertError(
             f"{source.folder} is a torch_dist checkpoint, which loads into any layout already; "
             "to get a `torch` checkpoint of a given layout use: mg-convert format --to torch "

@@ -68,8 +68,12 @@ def save_like_megatron_lm(
 
 def load_into_megatron(folder: Path, model: torch.nn.Module) -> None:
     """megatron-core's `dist_checkpointing.load` of the model (its default strictness, as
-    Megatron-LM's `load_checkpoint`), then a strict `load_state_dict`."""
+    Megatron-LM's `load_checkpoint`), then a strict `load_state_dict`. Megatron-LM
+    registers its safe globals (the args Namespace among them) at start-up: so here."""
     from megatron.core import dist_checkpointing
+    from megatron.core.safe_globals import register_safe_globals
+
+    register_safe_globals()
 
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))
     model.load_state_dict(loaded["model"], strict=True)
