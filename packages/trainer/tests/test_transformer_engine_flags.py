@@ -120,6 +120,7 @@ def test_transformer_engine_missing_is_one_line_naming_the_extra() -> None:
         ([*TE, "--fp8-format", "hybrid", "--fp8-param-gather"], "--use-distributed-optimizer"),
         ([*TE, "--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
         ([*TE, "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
+        ([*TE, "--reset-attention-mask"], "--reset-attention-mask needs --transformer-impl local"),
         ([*TE, "--fp8-format", "e4m3", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
     ],
 )

@@ -181,7 +181,20 @@ def build_te_core_attention(
         "transformer_engine.pytorch", "transformer-engine", "--transformer-impl transformer_engine"
     )
     set_nvte_environment(config.attention_backend)
-    return te.DotProductAttention(
+
+    class TEDotProductAttention(te.DotProductAttention):
+        """TE's module (same state), taking our q, k, v views: TE's kernels want
+        contiguous tensors, and a split of the fused QKV output is a strided view."""
+
+        def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None):
+            if attention_mask is not None:
+                raise ValueError(
+                    "Transformer Engine attention here is causal or unmasked only; "
+                    "--reset-attention-mask needs --transformer-impl local"
+                )
+            return super().forward(query.contiguous(), key.contiguous(), value.contiguous())
+
+    return TEDotProductAttention(
         num_attention_heads=config.num_attention_heads,
         kv_channels=config.kv_channels,
         num_gqa_groups=config.num_query_groups,

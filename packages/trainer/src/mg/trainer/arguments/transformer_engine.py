@@ -12,9 +12,11 @@ and number formats, not the model's shape.
   Megatron's names (`mg.core.models.attention_backend`); `--use-flash-attn` is
   `--attention-backend flash`.
 - `--fp8-format` (with `--fp8-recipe`, `--fp8-margin`, `--fp8-amax-history-len`,
-  `--fp8-amax-compute-algo`, `--no-fp8-wgrad`, `--fp8-param-gather`,
-  `--first-last-layers-bf16`) trains through TE's `fp8_autocast` with the recipe
-  megatron.core.fp8_utils builds.
+  `--fp8-amax-compute-algo`, `--no-fp8-wgrad`, `--first-last-layers-bf16`) trains
+  through TE's `fp8_autocast` with the recipe megatron.core.fp8_utils builds.
+  `--fp8-param-gather` is checked as Megatron checks it and planned by `--dry-run`,
+  but a run is refused: FP8 weights need an optimizer that keeps their fp32 masters
+  (mg.core.models.te_spec.apply_transformer_engine can build them).
 - Documented no-ops: `--fp8-interval` (TE 2 has no interval; Megatron passes it only
   to TE 1), `--te-rng-tracker` (our dropout streams already differ per rank and TE
   has no tensor parallelism here), `--tp-only-amax-red` (amax reduction over TP
@@ -122,7 +124,8 @@ def add_transformer_engine_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--fp8-param-gather",
         action="store_true",
-        help="Keep the weights in FP8 (TE's fp8_model_init); needs the distributed optimizer.",
+        help="FP8 weights (TE's fp8_model_init): checked and planned by --dry-run; a run is "
+        "refused (not supported yet).",
     )
     for flag in ("--fp8-dot-product-attention", "--fp8-multi-head-attention"):
         p.add_argument(flag, action="store_true", help="Refused: not supported yet.")
@@ -196,11 +199,18 @@ def check_transformer_engine(args: Args) -> None:
         _check_te_layout(args)
     if not args.training.dry_run:
         _check_machine(te)
+        if te.fp8_param_gather:  # planned by --dry-run; FP8 weights need an FP8-aware optimizer
+            fail(
+                "--fp8-param-gather is not supported by mg-train yet (its distributed optimizer "
+                "keeps fp32 copies of plain weights); FP8 compute runs without it"
+            )
 
 
 def _check_te_layout(args: Args) -> None:
     if args.family != "gpt":
         fail(f"--transformer-impl transformer_engine is for gpt here, not {args.family}")
+    if args.data.reset_attention_mask:
+        fail("--reset-attention-mask needs --transformer-impl local (TE attention here is causal)")
     d = args.distributed
     for flag, size in (
         ("--tensor-model-parallel-size", d.tensor_model_parallel_size),
