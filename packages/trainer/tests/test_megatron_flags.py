@@ -84,7 +84,8 @@ def test_two_ranks_match_one_with_per_token_loss_and_bf16_reduction(
     """DP 2 x 2 micro-batches against one process with 4, on masks that differ per sample:
     --calculate-per-token-loss gives the same steps (the token count is the global
     batch's, over both ranks); --grad-reduce-in-bf16 (the all-reduce, and the
-    distributed optimizer's reduce-scatter) changes the gradients by bf16 rounding only. SGD without clipping, so any factor on the gradient shows."""
+    distributed optimizer's reduce-scatter) changes the gradients by bf16 rounding only.
+    SGD without clipping, so any factor on the gradient shows."""
     from mg.core.testing.launch import launch_workers
 
     base = [
