@@ -85,3 +85,19 @@ def test_export_of_a_te_spec_model_says_transformer_engine(tmp_path) -> None:
         ["import-megatron", "--load", str(tmp_path / "megatron"), "--save", str(tmp_path / "back")]
     )
     assert torch.equal(logits(tmp_path / "back", IDS), logits(tmp_path / "ours", IDS))
+
+
+def test_export_hf_of_a_te_spec_checkpoint(tmp_path) -> None:
+    """The fused norms go to HF's input_layernorm / post_attention_layernorm: the same HF
+    tensors as the local-spec model with the same weights."""
+    from mg.core.models.hf_mapping import megatron_to_hf
+    from mg.core.models.te_spec import te_spec_names
+
+    local = build(CONFIGS["llama"])
+    config = dataclasses.replace(CONFIGS["llama"], transformer_impl="transformer_engine")
+    te_state = te_spec_names(local.state_dict(), config)
+    ours = megatron_to_hf(te_state, config, "llama")
+    reference = megatron_to_hf(local.state_dict(), CONFIGS["llama"], "llama")
+    assert set(ours) == set(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(ours[name], tensor), name

@@ -436,11 +436,17 @@ def megatron_to_hf(
     megatron_state: Mapping[str, Tensor], config: TransformerConfig, arch: HFArchitecture | str
 ) -> dict[str, Tensor]:
     """Megatron-Core / `GPTModel` state dict → HF state dict, as `save_pretrained`
-    writes it (with tied embeddings, no separate lm_head.weight)."""
+    writes it (with tied embeddings, no separate lm_head.weight). The norms may carry
+    the Transformer Engine spec's fused names (`linear_qkv.layer_norm_weight`)."""
+    from mg.core.models.te_spec import te_spec_name
+
     arch = get_architecture(arch)
     out: dict[str, Tensor] = {}
     used: set[str] = set()
-    for megatron_name, hf_names, rule in _expanded_rules(arch, config):
+    for local_name, hf_names, rule in _expanded_rules(arch, config):
+        megatron_name = local_name
+        if local_name not in megatron_state:
+            megatron_name = te_spec_name(local_name)
         if megatron_name not in megatron_state:
             continue
         parts = _to_hf(rule, megatron_state[megatron_name], config)

@@ -143,6 +143,17 @@ def te_spec_names(state_dict: dict[str, Tensor], config: TransformerConfig) -> d
     return out
 
 
+def te_spec_name(name: str) -> str:
+    """One local-spec name under the TE spec's fused-norm name (others unchanged)."""
+    # Megatron's local-spec key map: the TE spec's names of the local spec's norms
+    from mg.core.checkpoint.megatron_sharded_keys import _FUSED_NORMS as TE_FUSED_NORMS
+
+    for ours, theirs in TE_FUSED_NORMS:
+        if f".{ours}" in name and name.startswith("decoder.layers."):
+            return name.replace(f".{ours}", f".{theirs}", 1)
+    return name
+
+
 def local_spec_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """Inverse of `te_spec_names`, dropping TE's `_extra_state` entries (FP8 scaling
     state, no weights)."""
