@@ -10,6 +10,10 @@ even built:
   older `--load`), the run is refused with both folders and the flags to
   choose: `--load` the existing folder, a new `--save`, or
   `--overwrite-checkpoints` to overwrite on purpose;
+- when `--load` and `--save` are the same folder, its tracker is what counts:
+  an `iter_XXXXXXX` folder newer than the tracker is a save that was killed
+  before the tracker moved (the resumed run saves that iteration again), and
+  a tracker set back by hand is Megatron's way to roll back;
 - `--save` must be a folder this process can create and write (checked with a
   probe file).
 
@@ -93,13 +97,15 @@ def check_save_target(
     """Refuse a run whose saves would overwrite newer checkpoints in `--save`."""
     if not save or overwrite:
         return
+    same = load is not None and Path(load).resolve() == Path(save).resolve()
     saved = highest_saved(save)
+    if same and isinstance(tracked := latest_iteration(save), int):
+        saved = tracked  # newer folders: an interrupted save (see the module's docstring)
     if saved is None:
         return
     start, why = start_iteration(load, finetune)
     if start >= saved:
         return
-    same = load is not None and Path(load).resolve() == Path(save).resolve()
     reason = why or f"--load {load} is at iteration {start}"
     choices = [] if same else [f"resume from it with --load {save}"]
     choices += [
