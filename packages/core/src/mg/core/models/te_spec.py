@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -177,7 +178,10 @@ def local_spec_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def transformer_engine_installed() -> bool:
     """Whether transformer_engine can be imported (without importing it)."""
-    return importlib.util.find_spec("transformer_engine") is not None
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except ValueError:  # imported already, without a spec (a stand-in module)
+        return "transformer_engine" in sys.modules
 
 
 def import_transformer_engine(flag: str = TE_FLAG) -> Any:
