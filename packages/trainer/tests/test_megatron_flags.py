@@ -351,3 +351,91 @@ def test_tiktoken_pattern_reaches_the_tokenizer(tmp_path: Path, mock_argv) -> No
         assert trainer.tokenizer_config.tiktoken_pattern == pattern
         tokens[pattern] = trainer.tokenizer.tokenize("iPhone iPad")
     assert tokens["v1"] != tokens["v2"]  # v2 splits "iPhone" at the case change, v1 does not
+
+
+# --- flags of the docs' recipes (llama_mistral.md, parallelism-guide.md) ----------------------
+
+
+def test_rope_flags_match_megatron_core(tmp_path: Path, mock_argv) -> None:
+    """--use-rotary-position-embeddings is rope; --use-rope-scaling's frequencies are
+    megatron-core's RotaryEmbedding(rope_scaling=True) ones."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from mg.core.models.rope import rope_inv_freq
+    from mg.trainer.families import get_family
+
+    flags = ["--use-rotary-position-embeddings", "--rotary-base", "500000"]
+    flags += ["--use-rope-scaling", "--rope-scaling-factor", "16"]
+    config = get_family("gpt").build_config(parse_args(mock_argv(tmp_path, *flags)), 128)
+    assert config.position_embedding_type == "rope" and config.rope_scaling.factor == 16
+    theirs = RotaryEmbedding(
+        kv_channels=8,
+        rotary_percent=1.0,
+        rotary_base=500000,
+        rope_scaling=True,
+        rope_scaling_factor=16.0,
+        use_cpu_initialization=True,
+    ).inv_freq
+    torch.testing.assert_close(rope_inv_freq(config).float(), theirs.float(), rtol=1e-6, atol=0)
+    with pytest.raises(ArgumentError, match="^--use-rope-scaling needs --position-embedding"):
+        parse_args(mock_argv(tmp_path, "--use-rope-scaling"))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--use-legacy-models"],
+        ["--use-megatron-fsdp"],
+        ["--data-parallel-sharding-strategy", "optim_grads_params"],
+        ["--cp-comm-type", "a2a"],
+        ["--tp-comm-overlap"],
+    ],
+)
+def test_refused_by_name(tmp_path: Path, mock_argv, flags: list[str]) -> None:
+    with pytest.raises(ArgumentError, match=f"^{flags[0]}"):
+        parse_args(mock_argv(tmp_path, *flags))
+
+
+def test_accepted_recipe_values_change_nothing(tmp_path: Path, mock_argv) -> None:
+    from mg.trainer.families import get_family
+
+    def config(*flags: str):
+        return get_family("gpt").build_config(parse_args(mock_argv(tmp_path, *flags)), 128)
+
+    same = ["--data-parallel-sharding-strategy", "no_shard", "--cp-comm-type", "p2p"]
+    assert config(*same, "--no-gradient-accumulation-fusion") == config()
+
+
+def test_exit_on_missing_checkpoint(tmp_path: Path, mock_argv, capsys) -> None:
+    from mg.trainer.cli import main
+
+    empty = tmp_path / "nothing_here"
+    empty.mkdir()
+    argv = mock_argv(tmp_path, "--load", str(empty), "--exit-on-missing-checkpoint", iters=4)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"mg-train: error: --exit-on-missing-checkpoint: no checkpoint in {empty} "
+        "(no latest_checkpointed_iteration.txt)"
+    ]
+
+
+def test_attention_softmax_is_fp32_already() -> None:
+    """--attention-softmax-in-fp32 is a documented no-op: in bf16, SDPA (what mg-train's
+    attention runs) is at least as close to the fp32 attention as Megatron's unfused
+    path with the flag (bf16 scores, softmax upcast to fp32)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32) * 3 for _ in range(3))
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+
+    def megatron_unfused(q, k, v, softmax_dtype):
+        scores = (q @ k.transpose(-1, -2) / 32**0.5).masked_fill(~causal, float("-inf"))
+        return torch.softmax(scores.to(softmax_dtype), -1).to(q.dtype) @ v
+
+    exact = megatron_unfused(q, k, v, torch.float32)
+    bf16 = [t.bfloat16() for t in (q, k, v)]
+    sdpa = F.scaled_dot_product_attention(*bf16, is_causal=True).float()
+    with_flag = megatron_unfused(*bf16, torch.float32).float()
+    assert (sdpa - exact).abs().max() <= (with_flag - exact).abs().max()

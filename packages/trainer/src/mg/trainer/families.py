@@ -46,6 +46,7 @@ class ModelFamily:
 def gpt_config(args: Args, vocab_size: int):
     """Megatron's GPT flags onto `TransformerConfig`."""
     from mg.core.models import TransformerConfig
+    from mg.core.models.config import RopeScaling
 
     if args.checkpoint_model_config is not None:
         # --use-checkpoint-args: the checkpoint's config, whole (see checkpoint_args.py),
@@ -68,6 +69,7 @@ def gpt_config(args: Args, vocab_size: int):
         position_embedding_type=m.position_embedding_type,
         rotary_base=m.rotary_base,
         rotary_percent=m.rotary_percent,
+        rope_scaling=RopeScaling(factor=m.rope_scaling_factor) if m.use_rope_scaling else None,
         normalization=m.normalization,
         layernorm_epsilon=m.norm_epsilon,
         layernorm_zero_centered_gamma=m.apply_layernorm_1p,

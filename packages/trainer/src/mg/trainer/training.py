@@ -284,6 +284,13 @@ class Trainer:
                 resumed = checkpointing.resume(c.load, **what, layout=self.layout)
             if resumed is not None:
                 self.state = resumed
+            elif c.exit_on_missing_checkpoint:  # Megatron exits instead of starting afresh
+                from mg.core.checkpoint import CheckpointError
+
+                raise CheckpointError(
+                    f"--exit-on-missing-checkpoint: no checkpoint in {c.load} "
+                    "(no latest_checkpointed_iteration.txt)"
+                )
             if self.env.is_main:
                 print(
                     f" loaded checkpoint from {c.load} at iteration {resumed.iteration}"

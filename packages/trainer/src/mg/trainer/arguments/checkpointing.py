@@ -29,12 +29,19 @@ class CheckpointArgs:
     async_save: bool = False
     perform_initialization: bool = True
     overwrite_checkpoints: bool = False
+    exit_on_missing_checkpoint: bool = False
 
 
 def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--save", help="Checkpoint folder to write.")
     p.add_argument("--load", help="Checkpoint folder to resume from (latest iteration).")
     p.add_argument("--save-interval", type=int, help="Save every N iterations.")
+    p.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="With --load: stop with an error when it holds no checkpoint, instead of "
+        "training from scratch.",
+    )
     p.add_argument(
         "--overwrite-checkpoints",
         action="store_true",
@@ -94,6 +101,8 @@ def check_initialization(args: Args) -> None:
 
 def check_checkpointing(args: Args) -> None:
     c = args.checkpoint
+    if c.exit_on_missing_checkpoint and not c.load:
+        fail("--exit-on-missing-checkpoint needs --load")
     if c.save_interval is not None and c.save is None:
         fail("--save-interval needs --save")
     if c.save_interval is not None and c.save_interval <= 0:

@@ -39,6 +39,10 @@ class ModelArgs:
     masked_softmax_fusion: bool = True
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
+    use_rotary_position_embeddings: bool = False
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    use_legacy_models: bool = False
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     apply_layernorm_1p: bool = False
@@ -117,6 +121,25 @@ def add_model_flags(p: argparse._ArgumentGroup) -> None:
         "--rotary-percent", type=float, default=1.0, help="Fraction of head channels rotated."
     )
     p.add_argument(
+        "--use-rotary-position-embeddings",
+        action="store_true",
+        help="Megatron's older spelling of --position-embedding-type rope.",
+    )
+    p.add_argument(
+        "--use-rope-scaling",
+        action="store_true",
+        help="Llama 3.1's RoPE frequency scaling (low/high frequency factors 1 and 4, "
+        "original context 8192, as Megatron hard-codes them).",
+    )
+    p.add_argument(
+        "--rope-scaling-factor", type=float, default=8.0, help="Factor of --use-rope-scaling."
+    )
+    p.add_argument(
+        "--use-legacy-models",
+        action="store_true",
+        help="Refused: mg builds Megatron-Core models only (Megatron's legacy classes are gone).",
+    )
+    p.add_argument(
         "--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"], help="Norm."
     )
     p.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the norms.")
@@ -180,6 +203,8 @@ def finalize_model(args: Args) -> None:
         m.seq_length = m.encoder_seq_length
     if m.recompute_activations:
         m.recompute_granularity = "selective"
+    if m.use_rotary_position_embeddings:
+        m.position_embedding_type = "rope"  # Megatron's validate_args does the same
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
@@ -189,6 +214,12 @@ def finalize_model(args: Args) -> None:
 def check_model(args: Args) -> None:
     """Head, query-group, position and recompute rules (Megatron's validate_args)."""
     m = args.model
+    if m.use_legacy_models:
+        fail("--use-legacy-models: mg builds Megatron-Core models only; drop the flag")
+    if m.use_rope_scaling and m.position_embedding_type != "rope":
+        fail("--use-rope-scaling needs --position-embedding-type rope")
+    if m.use_rope_scaling and args.family != "gpt":
+        fail(f"--use-rope-scaling is supported for gpt, not {args.family}")
     if m.encoder_num_layers is not None and m.encoder_num_layers != m.num_layers:
         fail("cannot have both --num-layers and --encoder-num-layers specified")
     if m.decoder_num_layers is not None and args.family != "t5":

@@ -35,6 +35,8 @@ class TrainingArgs:
     dry_run: bool = False
     use_cpu_initialization: bool = False
     init_model_with_meta_device: bool = False
+    gradient_accumulation_fusion: bool = True
+    attention_softmax_in_fp32: bool = False
     calculate_per_token_loss: bool = False
     manual_gc: bool = False
     manual_gc_interval: int = 0
@@ -87,6 +89,12 @@ def add_training_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--bf16", action="store_true", help="bf16 autocast with fp32 weights/grads.")
     p.add_argument("--fp16", action="store_true", help="fp16 autocast with dynamic loss scaling.")
     p.add_argument(
+        "--attention-softmax-in-fp32",
+        action="store_true",
+        help="No-op: mg's attention (SDPA and flash kernels) already computes the scores' "
+        "softmax in fp32 under --bf16/--fp16.",
+    )
+    p.add_argument(
         "--cross-entropy-loss-fusion",
         action="store_true",
         help="Fuse the output layer and the cross-entropy, a few tokens at a time: no fp32 "
@@ -110,6 +118,13 @@ def add_training_flags(p: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="Accepted for Megatron: mg-train always builds GPT models on the meta device and "
         "gives each rank storage for its own shards only.",
+    )
+    p.add_argument(
+        "--no-gradient-accumulation-fusion",
+        dest="gradient_accumulation_fusion",
+        action="store_false",
+        help="No-op (Megatron's CUDA kernel choice): mg-train accumulates weight gradients "
+        "in fp32 as the unfused path does.",
     )
     p.add_argument(
         "--calculate-per-token-loss",
