@@ -227,7 +227,7 @@ def save(
         # Megatron's: one object per (pipeline, tensor) position, shared by its DP ranks.
         sizes = (int(parallel.get("pp", 1)), int(parallel.get("tp", 1)))
         key = rng_state_key(_position(rng_shard), sizes)
-        sharded[key] = sharded_object(get_rng_state(tracker_states()))
+        sharded[key] = sharded_object([get_rng_state(tracker_states())])  # rng_state_list
     elif save_rng:
         # Rank 0's, where Megatron keeps it: what a resume in another layout restores.
         common["rng_state"] = [get_rng_state()]
@@ -368,7 +368,8 @@ def resume(
     if finetune:
         return TrainState()
     if load_rng and rng_key is not None:
-        tracker = set_rng_state(sharded[rng_key])
+        (data,) = sharded[rng_key]  # the ShardedObject's data: Megatron's rng_state_list
+        tracker = set_rng_state(data)
         if own_rng:  # the tensor-parallel streams of this very position
             restore_tracker_states(tracker)
     elif load_rng:
