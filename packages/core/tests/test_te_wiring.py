@@ -6,144 +6,23 @@ megatron.core.fp8_utils builds them. The GPU tests in test_te_spec.py run the re
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import math
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from mg.core.models import GPTModel
 from mg.core.models.te_spec import FP8Options, apply_transformer_engine, fp8_autocast, fp8_recipe
+from mg.core.testing import te_standin
 from mg.core.testing.megatron_reference import TINY_SHAPES, tiny_config
-
-
-class _Extra:
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        pass
-
-
-class LayerNormLinear(_Extra, nn.Module):
-    def __init__(
-        self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
-        zero_centered_gamma=False, params_dtype=None, device="cuda",
-    ):  # fmt: skip
-        super().__init__()
-        kw = dict(dtype=params_dtype, device=device)
-        self.eps, self.normalization, self.zero = eps, normalization, zero_centered_gamma
-        self.weight = nn.Parameter(torch.randn(out_features, in_features, **kw))
-        self.bias = nn.Parameter(torch.randn(out_features, **kw)) if bias else None
-        self.layer_norm_weight = nn.Parameter(torch.randn(in_features, **kw))
-        self.layer_norm_bias = (
-            nn.Parameter(torch.randn(in_features, **kw)) if normalization == "LayerNorm" else None
-        )
-        FAKE.built.append(("LayerNormLinear", FAKE.model_init))
-
-    def forward(self, x):
-        g = self.layer_norm_weight + 1 if self.zero else self.layer_norm_weight
-        if self.normalization == "RMSNorm":
-            x = F.rms_norm(x, x.shape[-1:], g, self.eps)
-        else:
-            x = F.layer_norm(x, x.shape[-1:], g, self.layer_norm_bias, self.eps)
-        return F.linear(x, self.weight, self.bias)
-
-
-class Linear(_Extra, nn.Module):
-    def __init__(
-        self, in_features, out_features, bias=True, params_dtype=None, device="cuda"
-    ):  # fmt: skip
-        super().__init__()
-        kw = dict(dtype=params_dtype, device=device)
-        self.weight = nn.Parameter(torch.randn(out_features, in_features, **kw))
-        self.bias = nn.Parameter(torch.randn(out_features, **kw)) if bias else None
-        FAKE.built.append(("Linear", FAKE.model_init))
-
-    def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
-
-
-class DotProductAttention(_Extra, nn.Module):
-    def __init__(self, **kwargs):
-        super().__init__()
-        self.kwargs = kwargs
-
-    def forward(self, q, k, v, attention_mask=None):
-        assert q.is_contiguous() and attention_mask is None
-        h, g = self.kwargs["num_attention_heads"], self.kwargs["num_gqa_groups"]
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.kwargs["attn_mask_type"] == "causal",
-            scale=self.kwargs["softmax_scale"], enable_gqa=g != h,
-        )  # fmt: skip
-        return out.transpose(1, 2).flatten(2)
-
-
-class Recipe:
-    def __init__(self, **kwargs):
-        self.kind, self.kwargs = type(self).__name__, kwargs
-
-
-class _Fake:
-    built: list = []
-    autocasts: list = []
-    model_init = False
-
-
-FAKE = _Fake()
-
-
-@contextlib.contextmanager
-def _fp8_autocast(enabled=True, fp8_recipe=None, fp8_group=None):
-    FAKE.autocasts.append((enabled, fp8_recipe))
-    yield
-
-
-@contextlib.contextmanager
-def _fp8_model_init(enabled=True, recipe=None):
-    FAKE.model_init = enabled
-    try:
-        yield
-    finally:
-        FAKE.model_init = False
 
 
 @pytest.fixture
 def fake_te(monkeypatch):
-    """`transformer_engine` (and .pytorch, .common.recipe) as the stand-in, CUDA 'present'."""
-    FAKE.built, FAKE.autocasts = [], []
-    recipe = types.ModuleType("transformer_engine.common.recipe")
-    recipe.Format = types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID")
-    for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"):
-        setattr(recipe, name, type(name, (Recipe,), {}))
-    recipe.MXFP8BlockScaling = type("MXFP8BlockScaling", (Recipe,), {})
-    pytorch = types.ModuleType("transformer_engine.pytorch")
-    pytorch.LayerNormLinear, pytorch.Linear = LayerNormLinear, Linear
-    pytorch.DotProductAttention = DotProductAttention
-    pytorch.fp8_autocast, pytorch.fp8_model_init = _fp8_autocast, _fp8_model_init
-    common = types.ModuleType("transformer_engine.common")
-    common.recipe = recipe
-    root = types.ModuleType("transformer_engine")
-    root.pytorch, root.common = pytorch, common
-    for name, module in (
-        ("transformer_engine", root),
-        ("transformer_engine.pytorch", pytorch),
-        ("transformer_engine.common", common),
-        ("transformer_engine.common.recipe", recipe),
-    ):
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        monkeypatch.delenv(name, raising=False)
-    return FAKE
+    return te_standin.install(monkeypatch)
 
 
 def _sibling(name: str):

@@ -150,6 +150,34 @@ def test_attention_backends_train_the_same_model(tmp_path, mock_argv, train) -> 
     assert unfused == pytest.approx(auto, rel=1e-5)
 
 
+def test_te_spec_and_fp8_train_through_transformer_engines_api(
+    tmp_path, mock_argv, train, monkeypatch
+) -> None:
+    """With a stand-in TE (mg.core.testing.te_standin: TE's API in plain PyTorch) on CPU:
+    TE's modules are swapped in, every micro-batch's forward runs under fp8_autocast with
+    Megatron's delayed recipe, the losses are the local spec's (the same math), and the
+    checkpoint (with TE's _extra_state) loads for mg-eval under Megatron's TE-spec names."""
+    from mg.core.checkpoint import load_model
+    from mg.core.testing import te_standin
+
+    recorder = te_standin.install(monkeypatch)
+    common = ["--bf16", "--distributed-backend", "gloo", "--attention-dropout", "0"]
+    common += ["--hidden-dropout", "0"]
+    ckpt = tmp_path / "ckpt"
+    fp8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16"]
+    save = ["--save", str(ckpt), "--save-interval", "4"]  # torch_dist, the default
+    te = train(mock_argv(tmp_path, *common, *TE, *fp8, *save, mbs=2, gbs=4, iters=4))
+    assert len(recorder.built) == 2 * 2 * 2  # (LayerNormLinear + Linear) x 2 per layer
+    assert len(recorder.autocasts) == 4 * 2 and all(on for on, _ in recorder.autocasts)
+    recipe = recorder.autocasts[0][1]
+    assert recipe.kind == "DelayedScaling" and recipe.kwargs["amax_history_len"] == 16
+    local = train(mock_argv(tmp_path, *common, mbs=2, gbs=4, iters=4))
+    assert te.losses == pytest.approx(local.losses, rel=1e-5)
+    model, config, _, _ = load_model(ckpt)
+    assert config.transformer_impl == "transformer_engine"
+    assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in model.state_dict()
+
+
 def _sibling(name: str):
     spec = importlib.util.spec_from_file_location(f"_te_{name}", Path(__file__).with_name(name))
     module = importlib.util.module_from_spec(spec)

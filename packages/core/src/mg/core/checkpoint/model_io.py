@@ -93,7 +93,8 @@ def load_model(
     else:
         state, path, weights_of = _load_torch_format(load_dir, folder, iteration, map_location)
     config, tokenizer_config = model_configs(state, path, load_dir)
-    weights = weights_of(config)
+    # TE's `_extra_state` (FP8 scaling state, no weights) is for TE's modules only
+    weights = {k: v for k, v in weights_of(config).items() if not k.endswith("_extra_state")}
     with torch.device("meta"):  # a GPTModel, or a MambaModel for a recorded MambaConfig
         model = decoder_model(config)
     quantization = recorded_quantization(state)

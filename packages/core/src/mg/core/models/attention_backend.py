@@ -60,6 +60,12 @@ class BackendUnavailableError(RuntimeError):
     """The chosen attention backend needs a package or a GPU this machine lacks."""
 
 
+def cuda_available() -> bool:
+    """Whether CUDA kernels can run here: the one question the GPU-only paths ask (a
+    test's stand-in GPU packages answer it without patching torch)."""
+    return torch.cuda.is_available()
+
+
 def sdpa_kernels(backend: str) -> tuple[SDPBackend, ...] | None:
     """The SDPA kernels `backend` may use (None: any)."""
     return _SDPA_KERNELS[backend]
@@ -84,7 +90,7 @@ def check_attention_backend(backend: str, device: torch.device | str | None = No
     (`device` None: ask whether this machine has CUDA at all)."""
     if backend not in CUDA_ONLY:
         return
-    on_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    on_cuda = cuda_available() if device is None else torch.device(device).type == "cuda"
     if not on_cuda:
         raise BackendUnavailableError(
             f"{ATTENTION_BACKEND_FLAG} {backend} selects a CUDA kernel and this run has no "

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import sdpa_kernel
 
+from mg.core.models import attention_backend
 from mg.core.models.attention_backend import (
     BackendUnavailableError,
     check_attention_backend,
@@ -129,7 +130,7 @@ def require_gpu_package(module: str, pip_name: str, flag: str) -> ModuleType:
             f"{flag} needs the {pip_name} package, which is not installed ({err}); install "
             "the gpu extra: pip install 'mg-core[gpu]' (see the core README)"
         ) from err
-    if not torch.cuda.is_available():
+    if not attention_backend.cuda_available():
         raise BackendUnavailableError(f"{flag} needs a CUDA GPU and none is visible")
     return imported
 

@@ -222,11 +222,10 @@ def _check_te_layout(args: Args) -> None:
 
 def _check_machine(te: TransformerEngineArgs) -> None:
     """The packages and device the chosen kernels need, one line naming the flag."""
-    import torch
-
+    from mg.core.models import attention_backend
     from mg.core.models.te_spec import transformer_engine_installed
 
-    cuda = torch.cuda.is_available()
+    cuda = attention_backend.cuda_available()
     if te.attention_backend in ("flash", "fused") and not cuda:
         flag = f"--attention-backend {te.attention_backend}"
         if te.use_flash_attn:
