@@ -178,6 +178,24 @@ def test_te_spec_and_fp8_train_through_transformer_engines_api(
     assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in model.state_dict()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_te_fp8_training_resumes_bitwise(tmp_path, mock_argv, train, monkeypatch, fmt) -> None:
+    """3 + 3 iterations through a checkpoint (TE's _extra_state saved and restored) equal
+    6 in one go, with the stand-in TE."""
+    from mg.core.testing import te_standin
+
+    te_standin.install(monkeypatch)
+    common = [*TE, "--fp8-format", "hybrid", "--bf16", "--distributed-backend", "gloo"]
+    common += ["--attention-dropout", "0", "--hidden-dropout", "0", "--ckpt-format", fmt]
+    ckpt = str(tmp_path / "ckpt")
+    whole = train(mock_argv(tmp_path, *common, iters=6)).losses
+    save = ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]
+    first = train(mock_argv(tmp_path, *common, *save, iters=6)).losses
+    second = train(mock_argv(tmp_path, *common, "--save", ckpt, "--load", ckpt, iters=6)).losses
+    assert first + second == whole
+
+
 def _sibling(name: str):
     spec = importlib.util.spec_from_file_location(f"_te_{name}", Path(__file__).with_name(name))
     module = importlib.util.module_from_spec(spec)
