@@ -178,7 +178,6 @@ def test_te_spec_and_fp8_train_through_transformer_engines_api(
     assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in model.state_dict()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_te_fp8_training_resumes_bitwise(tmp_path, mock_argv, train, monkeypatch, fmt) -> None:
     """3 + 3 iterations through a checkpoint (TE's _extra_state saved and restored) equal
