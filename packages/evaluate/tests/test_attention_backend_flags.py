@@ -39,3 +39,31 @@ def test_cuda_kernels_are_refused_by_name(trained, wikitext_file, tmp_path, caps
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and named in lines[0] and "CUDA" in lines[0]
+
+
+def test_harness_model_takes_the_kernel(trained) -> None:
+    """lm-eval's mg model (`harness` task, `--model mg --model_args attention_backend=...`):
+    the math kernel gives SDPA's own choice's log-likelihoods."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from mg.evaluate.lm_eval_adapter import MgLM
+
+    _, ckpt = trained
+    requests = [
+        Instance(
+            "loglikelihood", doc={}, arguments=("I had been teaching", " at the school"), idx=0
+        )
+    ]
+    auto = MgLM(load=str(ckpt), batch_size=1).loglikelihood(requests)
+    unfused = MgLM(load=str(ckpt), batch_size=1, attention_backend="unfused")
+    assert unfused.model.config.attention_backend == "unfused"
+    assert unfused.loglikelihood(requests)[0][0] == pytest.approx(auto[0][0], rel=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_harness_refuses_cuda_kernels_by_name(trained, capsys) -> None:
+    _, ckpt = trained
+    argv = ["harness", "--load", str(ckpt), "--tasks", "x", "--attention-backend", "flash"]
+    assert main(argv) == 2
+    assert "--attention-backend flash selects a CUDA kernel" in capsys.readouterr().err

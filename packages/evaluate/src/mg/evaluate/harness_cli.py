@@ -39,6 +39,13 @@ def add_harness_task(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--report", metavar="FILE.jsonl", help="append the results as a JSON line")
     for flag in ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-model"):
         p.add_argument(flag, help="override the checkpoint's tokenizer")
+    p.add_argument(
+        "--attention-backend",
+        choices=("flash", "fused", "unfused", "local", "auto"),
+        default="auto",
+        help="attention kernel (Megatron's names; flash and fused need CUDA)",
+    )
+    p.add_argument("--use-flash-attn", action="store_true", help="--attention-backend flash")
     p.set_defaults(run=run_harness, print_result=_table)
 
 
@@ -59,8 +66,10 @@ def run_harness(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from mg.evaluate.cli import attention_backend_of
     from mg.evaluate.lm_eval_adapter import MgLM
 
+    backend = attention_backend_of(args)
     if args.micro_batch_size < 1 or args.max_gen_toks < 1:
         raise EvalInputError("--micro-batch-size and --max-gen-toks must be >= 1")
     tasks = [t for item in args.tasks for t in item.split(",") if t]
@@ -82,6 +91,7 @@ def run_harness(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
         vocab_file=args.vocab_file,
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
+        attention_backend=backend,
     )
     out = lm_eval.simple_evaluate(
         model=model,

@@ -24,6 +24,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from mg.core.models.attention_backend import set_attention_backend
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.model_loading import load_for_eval
 from mg.evaluate.scoring import Scored, score_sequences
@@ -56,6 +57,7 @@ class MgLM(TemplateLM):
         vocab_file: str | None = None,
         merge_file: str | None = None,
         tokenizer_model: str | None = None,
+        attention_backend: str = "auto",
         **_harness_extras: Any,  # device, max_batch_size: set by simple_evaluate
     ) -> None:
         super().__init__()
@@ -70,6 +72,7 @@ class MgLM(TemplateLM):
             tokenizer_model=tokenizer_model,
         )
         loaded = load_for_eval(load, step, overrides)
+        set_attention_backend(loaded.model, attention_backend, loaded.config)
         self.model = loaded.model
         self.mg_tokenizer = loaded.tokenizer
         self.config = loaded.config
