@@ -7,7 +7,8 @@
 It trains the 1.3B shape of Megatron's GPT tables (24 layers, hidden 2048, 16
 heads, sequence 2048, GPT-2's 50,257-token vocabulary padded to 50,304) with
 `mg-train` itself (the Trainer, on mock data, no dropout, Adam), under `torchrun`
-on all visible GPUs, in these runs:
+on all visible GPUs (with `--cross-entropy-loss-fusion`, and `--overlap-grad-reduce`
+on several GPUs), in these runs:
 
     bf16            --bf16 (PyTorch SDPA, flash kernel where it applies)
     bf16 + compile  --bf16 --torch-compile (inductor fuses each layer's elementwise ops)
@@ -75,6 +76,9 @@ SHAPE_SMOKE = [
 TE = ["--transformer-impl", "transformer_engine"]
 FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"]
 FP8 += ["--fp8-amax-compute-algo", "max"]
+# Every GPU run: the fused output layer + cross-entropy (no fp32 logits tensor), as
+# Megatron's GPT recipes use it; with several GPUs, gradients reduced during backward.
+COMMON = ["--cross-entropy-loss-fusion"]
 VARIANTS: dict[str, list[str]] = {
     "bf16": ["--bf16"],
     "bf16 + compile": ["--bf16", "--torch-compile"],
@@ -313,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     records, errors = {}, {}
     with tempfile.TemporaryDirectory() as work:
         for name in names:
-            train = train_argv(SHAPE_1P3B, mbs, gbs, opts.iters, VARIANTS[name])
+            extra = [*COMMON, *(["--overlap-grad-reduce"] if gpus > 1 else []), *VARIANTS[name]]
+            train = train_argv(SHAPE_1P3B, mbs, gbs, opts.iters, extra)
             print(f"bench_gpu: {name} on {gpus} GPU(s), MBS {mbs}, GBS {gbs}", flush=True)
             try:
                 records[name] = launch(train, gpus, Path(work))
