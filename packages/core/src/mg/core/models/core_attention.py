@@ -184,8 +184,8 @@ def build_te_core_attention(
     set_nvte_environment(config.attention_backend)
 
     class TEDotProductAttention(te.DotProductAttention):
-        """TE's module (same state), taking our q, k, v views: TE's kernels want
-        contiguous tensors, and a split of the fused QKV output is a strided view."""
+        """TE's module (same state), taking our q, k, v: TE's kernels want contiguous
+        tensors of one dtype, and a split of the fused QKV output is a strided view."""
 
         def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None):
             if attention_mask is not None:
@@ -193,7 +193,13 @@ def build_te_core_attention(
                     "Transformer Engine attention here is causal or unmasked only; "
                     "--reset-attention-mask needs --transformer-impl local"
                 )
-            return super().forward(query.contiguous(), key.contiguous(), value.contiguous())
+            # one dtype, as TE's kernels need: the autocast dtype (a query/key norm runs in
+            # fp32 under autocast), else the value's
+            dtype = value.dtype
+            if torch.is_autocast_enabled("cuda"):
+                dtype = torch.get_autocast_dtype("cuda")
+            q, k, v = (t.to(dtype).contiguous() for t in (query, key, value))
+            return super().forward(q, k, v)
 
     return TEDotProductAttention(
         num_attention_heads=config.num_attention_heads,
