@@ -157,6 +157,12 @@ class FlashAttention(nn.Module):
                 "flash-attn takes no attention_mask (causal/windowed or unmasked only); "
                 "use --attention-backend auto for custom masks"
             )
+        # flash-attn takes fp16/bf16 of one dtype: the autocast dtype (a query/key norm
+        # runs in fp32 under autocast), else the value's
+        dtype = value.dtype
+        if torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+        query, key, value = (t.to(dtype) for t in (query, key, value))
         out = self._flash_attn_func(
             query,
             key,
