@@ -28,6 +28,7 @@ if __name__ == "__main__":
                 "losses": result.losses,
                 "grad_norms": result.grad_norms,
                 "validation": result.validation,
+                "extra_losses": result.extra_losses,
                 "seeds": seeds,
             }
         )

@@ -126,7 +126,7 @@ def test_data_parallel_distributed_optimizer_matches_one_process(tmp_path, train
         (["--hybrid-override-pattern", "M*M"], "has 3 layers, --num-layers is 4"),
         (["--spec", "local"], "--spec local: mg-train mamba builds"),
         (["--mamba-num-groups", "3"], "do not divide into 3 groups"),
-        (["--tensor-model-parallel-size", "2"], "supported for gpt, not mamba"),
+        (["--tensor-model-parallel-size", "2"], "supported for gpt, bert and t5, not mamba"),
         (["--mamba-ssm-kernels"], "--mamba-ssm-kernels: the mamba_ssm package is not installed"),
     ],
 )

@@ -38,6 +38,9 @@ class ModelFamily:
     builds_on_meta: bool = False
     """`build_model` works on the meta device and the model has `init_units()`: each rank
     then materialises only its own shards (mg.core.parallel.materialize)."""
+    pipeline_steps: Any = None
+    """How a micro-batch goes through pipeline stages (`model_parallel.PipelineSteps`);
+    None: GPT's."""
 
 
 # --- GPT -------------------------------------------------------------------------------------
@@ -135,6 +138,7 @@ def gpt_loss_terms(model: nn.Module, batch: dict[str, torch.Tensor]):
 
 
 from mg.trainer.family_bert import (  # noqa: E402  (they use gpt_config from here)
+    BERT_PIPELINE_STEPS,
     bert_config,
     bert_datasets,
     bert_loss_terms,
@@ -147,7 +151,14 @@ FAMILIES: dict[str, ModelFamily] = {
     "gpt": ModelFamily(
         "gpt", gpt_config, gpt_model, gpt_datasets, gpt_loss_terms, builds_on_meta=True
     ),
-    "bert": ModelFamily("bert", bert_config, bert_model, bert_datasets, bert_loss_terms),
+    "bert": ModelFamily(
+        "bert",
+        bert_config,
+        bert_model,
+        bert_datasets,
+        bert_loss_terms,
+        pipeline_steps=BERT_PIPELINE_STEPS,
+    ),
     "t5": ModelFamily("t5", t5_config, t5_model, t5_datasets, t5_loss_terms),
     "mamba": ModelFamily("mamba", mamba_config, mamba_model, gpt_datasets, gpt_loss_terms),
 }

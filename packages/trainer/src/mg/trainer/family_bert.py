@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mg.trainer.arguments import Args, ArgumentError
+from mg.trainer.model_parallel import PipelineSteps
 
 
 def masked_lm_config(args: Args, vocab_size: int, **extra: Any):
@@ -31,6 +32,16 @@ def masked_lm_config(args: Args, vocab_size: int, **extra: Any):
             f"mg-train {args.family} needs --data-path of a sentence-split dataset "
             "(mg-prep tokenize --split-sentences); --mock-data is GPT only"
         )
+    tp = args.distributed.tensor_model_parallel_size
+    if args.distributed.sequence_parallel:
+        lengths = [("--seq-length", args.model.seq_length)]
+        lengths.append(("--decoder-seq-length", extra.get("decoder_seq_length")))
+        for flag, length in lengths:
+            if length and length % tp:
+                raise ArgumentError(
+                    f"--sequence-parallel: {flag} ({length}) is not divisible by "
+                    f"--tensor-model-parallel-size ({tp})"
+                )
     config = gpt_config(args, vocab_size)
     if args.checkpoint_model_config is not None or not extra:
         return config
@@ -125,14 +136,39 @@ def bert_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
 
 def bert_loss_terms(model: nn.Module, batch: dict[str, torch.Tensor]):
     """(masked LM loss sum, masked tokens, {"sop loss": mean CE}) of one micro-batch."""
-    mask = batch["loss_mask"].float()
-    losses, binary_logits = model(
+    output = model(
         batch["text"],
         attention_mask=batch["padding_mask"],
         tokentype_ids=batch["types"],
         lm_labels=batch["labels"].clamp(min=0),  # -1 where not masked; the mask drops them
     )
+    return bert_output_loss_terms(output, batch)
+
+
+def bert_output_loss_terms(output: tuple, batch: dict[str, torch.Tensor]):
+    """The loss terms of the model's (or last pipeline stage's) (per-token loss, binary logits)."""
+    losses, binary_logits = output
+    mask = batch["loss_mask"].float()
     extra: dict[str, torch.Tensor] = {}
     if binary_logits is not None:
         extra["sop loss"] = F.cross_entropy(binary_logits.float(), batch["is_random"].long())
     return (losses.float() * mask).sum(), mask.sum(), extra
+
+
+def bert_stage_forward(chunk: nn.Module, received: torch.Tensor | None, batch: dict):
+    """A BERT pipeline chunk's forward: every stage masks padding, the last one scores."""
+    return chunk(
+        received if received is not None else batch["text"],
+        batch["padding_mask"],
+        batch["types"],
+        batch["labels"].clamp(min=0) if chunk.is_last else None,
+    )
+
+
+def bert_extra_losses(args: Args) -> tuple[str, ...]:
+    return ("sop loss",) if args.model.bert_binary_head else ()
+
+
+BERT_PIPELINE_STEPS = PipelineSteps(
+    "text", bert_stage_forward, bert_output_loss_terms, bert_extra_losses
+)

@@ -10,7 +10,9 @@
   the model was built on the meta device, and applies activation recompute
   per chunk.
 - `pipeline_forward_backward` feeds a global batch's micro-batches through
-  Megatron's 1F1B / interleaved schedule.
+  Megatron's 1F1B / interleaved schedule; a family's `PipelineSteps` say how
+  a micro-batch enters a chunk and how the last stage's output becomes its
+  loss (GPT's by default; BERT's carry token types and the sentence-order loss).
 
 Context-parallel loss, as in Megatron: each cp rank's micro-batch loss is its
 masked sum over the micro-batch's tokens on *all* cp ranks, times cp, and the
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +34,7 @@ from torch import Tensor, nn
 from mg.core.parallel.context_parallel import apply_context_parallel, shard_batch
 from mg.core.parallel.expert_parallel import apply_expert_parallel
 from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
-from mg.core.parallel.materialize import materialize
+from mg.core.parallel.materialize import materialize, to_keeping_marks
 from mg.core.parallel.pipeline import (
     PipelineChunk,
     shared_embedding_weight,
@@ -114,9 +118,9 @@ def parallelize(
             init_device=init_device,
             perform_initialization=perform_initialization,
         )
-    else:
+    else:  # keeping the tied copy's mark (DTensor parameters become new objects)
         for part in parts:
-            part.to(device)
+            to_keeping_marks(part, device)
     if layout.ep > 1:  # keep this rank's experts, route tokens over the EP group
         apply_expert_parallel(model, layout.ep_group, model.config.moe_token_dispatcher_type)
     for part in parts:
@@ -152,6 +156,44 @@ def micro_batch_loss(loss_sum: Tensor, tokens: Tensor, layout: ParallelLayout) -
     return loss_sum / total.clamp(min=1) * layout.cp
 
 
+def gpt_stage_forward(chunk: nn.Module, inp: Tensor | None, batch: dict[str, Tensor]) -> Tensor:
+    """A GPT chunk's forward: token ids on the first stage, labels on the last."""
+    return chunk(
+        inp if inp is not None else batch["tokens"],
+        batch["position_ids"],
+        batch.get("attention_mask"),
+        batch["labels"] if chunk.is_last else None,
+    )
+
+
+def gpt_stage_loss_terms(per_token: Tensor, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """(sum of the per-token loss x loss mask, tokens) of the last stage's output."""
+    mask = batch["loss_mask"].float()
+    return (per_token.float() * mask).sum(), mask.sum()
+
+
+def no_extra_losses(args: Args) -> tuple[str, ...]:
+    return ()
+
+
+@dataclass(frozen=True)
+class PipelineSteps:
+    """How a family's micro-batch goes through pipeline chunks.
+
+    `input_key`: the batch entry the first stage reads ([b, s] token ids; its
+    shape is the activations' between stages). `forward(chunk, received, batch)`
+    runs one chunk (`received` is None on the first stage). `loss_terms(output,
+    batch)` turns the last stage's output into (loss sum, tokens) and, for BERT,
+    a dict of extra losses, each a mean over the micro-batch (as `loss_terms` of
+    `ModelFamily`). `extra_losses(args)` names those extra losses, so that every
+    stage, not only the last, reduces the same values."""
+
+    input_key: str = "tokens"
+    forward: Callable[[nn.Module, Tensor | None, dict[str, Tensor]], Any] = gpt_stage_forward
+    loss_terms: Callable[[Any, dict[str, Tensor]], tuple] = gpt_stage_loss_terms
+    extra_losses: Callable[[Args], tuple[str, ...]] = no_extra_losses
+
+
 def pipeline_forward_backward(
     model: PipelineModel,
     layout: ParallelLayout,
@@ -164,7 +206,9 @@ def pipeline_forward_backward(
     device: torch.device,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
     dtype: torch.dtype = torch.float32,
-) -> tuple[Tensor, Tensor]:
+    steps: PipelineSteps = PipelineSteps(),
+    extra_names: Sequence[str] = (),
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Run one global batch's micro-batches through the schedule.
 
     `no_sync` (the distributed optimizer's, with --overlap-grad-reduce) holds
@@ -172,30 +216,31 @@ def pipeline_forward_backward(
     backward starts the buckets' reduce-scatters as their gradients complete.
     `dtype` is the autocast dtype (bf16/fp16, fp32 without): the one
     activations and gradients cross stages in. Returns this rank's (sum of
-    loss × mask, tokens) — zero except on the last stage — for the caller's
-    all-reduce."""
+    loss × mask, tokens, {extra loss: sum over micro-batches}) — zero except on
+    the last stage; `extra_names` (`steps.extra_losses(args)`) on every stage —
+    for the caller's all-reduce."""
     num_micro = len(batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = torch.zeros((), dtype=torch.float64, device=device)
+    extra_sums = {n: torch.zeros((), dtype=torch.float64, device=device) for n in extra_names}
 
-    def forward_step(chunk: PipelineChunk, inp: Tensor | None, batch: dict[str, Tensor]):
+    def forward_step(chunk: nn.Module, inp: Tensor | None, batch: dict[str, Tensor]):
         with autocast():
-            return chunk(
-                inp if inp is not None else batch["tokens"],
-                batch["position_ids"],
-                batch.get("attention_mask"),
-                batch["labels"] if chunk.is_last else None,
-            )
+            return steps.forward(chunk, inp, batch)
 
-    def loss_func(per_token: Tensor, batch: dict[str, Tensor]):
+    def loss_func(output: Any, batch: dict[str, Tensor]):
         nonlocal loss_sum, tokens
-        mask = batch["loss_mask"].float()
-        micro_sum, micro_tokens = (per_token.float() * mask).sum(), mask.sum()
+        terms = steps.loss_terms(output, batch)
+        micro_sum, micro_tokens = terms[0], terms[1]
         loss_sum = loss_sum + micro_sum.detach().double()
         tokens = tokens + micro_tokens.detach().double()
-        return micro_batch_loss(micro_sum, micro_tokens, layout) / num_micro * loss_scale, None
+        loss = micro_batch_loss(micro_sum, micro_tokens, layout) / num_micro
+        for name, value in (terms[2] if len(terms) > 2 else {}).items():
+            extra_sums[name] = extra_sums[name] + value.detach().double()
+            loss = loss + value / num_micro
+        return loss * loss_scale, None
 
-    mbs, seq = batches[0]["tokens"].shape  # seq: this cp rank's tokens
+    mbs, seq = batches[0][steps.input_key].shape  # seq: this cp rank's tokens
     if layout.sequence_parallel:  # between layers activations are split over tp ranks
         seq //= layout.tp
     actions = build_schedule(num_micro, layout.pp_rank, layout.pp, len(model))
@@ -218,4 +263,4 @@ def pipeline_forward_backward(
         backward=backward,
         backward_context=backward_context,
     )
-    return loss_sum, tokens
+    return loss_sum, tokens, extra_sums

@@ -368,9 +368,11 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.env.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.env.device)
         extra_sums: dict[str, torch.Tensor] = {}
+        extra_micro = num_micro
         data = self.train_data if backward else self.valid_data
         if isinstance(self.model, model_parallel.PipelineModel):
-            loss_sum, tokens = model_parallel.pipeline_forward_backward(
+            steps = self.family.pipeline_steps or model_parallel.PipelineSteps()
+            loss_sum, tokens, extra_sums = model_parallel.pipeline_forward_backward(
                 self.model,
                 self.layout,
                 [next(data) for _ in range(num_micro)],
@@ -381,7 +383,10 @@ class Trainer:
                 device=self.env.device,
                 no_sync=self.optimizer.no_sync if self.distributed_optimizer else None,
                 dtype=self.dtype or torch.float32,
+                steps=steps,
+                extra_names=steps.extra_losses(self.args),
             )
+            extra_micro = num_micro  # the extra losses' sums are over these
             num_micro = 0  # the schedule ran them all
         per_token = backward and self.args.training.calculate_per_token_loss
         prefetched = [next(data) for _ in range(num_micro)] if per_token else None
@@ -418,9 +423,11 @@ class Trainer:
         totals = distributed.all_reduce_sum(
             torch.stack([loss_sum, tokens, *(extra_sums[n] for n in names)]).cpu()
         )
-        ranks = self.args.data_parallel_size
+        # every rank that computes the loss adds its means: tensor-parallel ranks equal
+        # copies of their replica's, and with pipeline parallelism the last stage only
+        ranks = self.env.world_size // self.layout.pp
         self.extra_losses = {
-            n: float(totals[2 + i]) / (max(num_micro, 1) * ranks) for i, n in enumerate(names)
+            n: float(totals[2 + i]) / (max(extra_micro, 1) * ranks) for i, n in enumerate(names)
         }
         return float(totals[0]), float(totals[1])
 

@@ -102,6 +102,15 @@ def _to_empty_keeping_marks(module: nn.Module, device: torch.device) -> None:
         param.__dict__.update(marks.get(name, {}))
 
 
+def to_keeping_marks(module: nn.Module, device: torch.device) -> None:
+    """`module.to(device)`, keeping the attributes set on its parameters: DTensor
+    parameters are swapped for new objects on the way, even on the same device."""
+    marks = {name: dict(p.__dict__) for name, p in module.named_parameters()}
+    module.to(device)
+    for name, param in module.named_parameters():
+        param.__dict__.update(marks.get(name, {}))
+
+
 def copy_shard(target: Tensor, full: Tensor) -> None:
     """Copy this rank's slice of the whole tensor `full` into `target` (a DTensor
     parameter's local shard, or a plain tensor)."""

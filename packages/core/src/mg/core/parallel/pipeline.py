@@ -175,13 +175,18 @@ class PipelineChunk(nn.Module):
 
 
 def split_model(
-    model: GPTModel, pipeline_rank: int, pipeline_size: int, virtual_size: int = 1
-) -> list[PipelineChunk]:
-    """This pipeline rank's model chunks (one, or v with the interleaved schedule)."""
+    model: nn.Module, pipeline_rank: int, pipeline_size: int, virtual_size: int = 1
+) -> list[nn.Module]:
+    """This pipeline rank's model chunks (one, or v with the interleaved schedule):
+    `PipelineChunk`s of a GPTModel, `BertPipelineChunk`s of a BertModel."""
+    from mg.core.models.bert import BertModel
+    from mg.core.parallel.pipeline_bert import BertPipelineChunk
+
+    chunk_class = BertPipelineChunk if isinstance(model, BertModel) else PipelineChunk
     ranges = layer_ranges(model.config.num_layers, pipeline_size, virtual_size)[pipeline_rank]
     last_chunk = virtual_size - 1
     return [
-        PipelineChunk(
+        chunk_class(
             model,
             start,
             end,
@@ -229,7 +234,7 @@ def allreduce_shared_embedding_grad(
     dist.all_reduce(local, group=embedding_group)
 
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")  # GPT's decoder, BERT's encoder
 
 
 def global_parameter_name(chunk: PipelineChunk, local_name: str) -> str | None:
@@ -238,8 +243,8 @@ def global_parameter_name(chunk: PipelineChunk, local_name: str) -> str | None:
         return None
     match = _LAYER.match(local_name)
     if match:
-        index = int(match.group(1)) + chunk.layer_offset
-        return f"decoder.layers.{index}." + local_name[match.end() :]
+        index = int(match.group(2)) + chunk.layer_offset
+        return f"{match.group(1)}.layers.{index}." + local_name[match.end() :]
     return local_name
 
 

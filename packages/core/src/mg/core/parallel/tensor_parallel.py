@@ -23,7 +23,7 @@ with sequence parallelism the encoder output is all-gathered before it, as
 Megatron's linear_kv does). Their output layers have a bias, sharded with the
 vocabulary. BERT's LM head, pooler and binary head are replicated, as in
 Megatron (plain linears there too); with sequence parallelism the encoder
-output is gathered for them.
+output is gathered at their inputs.
 
 Layout notes:
 - linear_qkv rows are grouped per query group (see SelfAttention), so a plain
@@ -247,14 +247,19 @@ def apply_tensor_parallel(
         if sequence_parallel and final_norm is not None:
             parallelize_module(final_norm, tp_mesh, SequenceParallel(), src_data_rank=None)
     if isinstance(model, BertModel) and sequence_parallel:
-        # the LM head, pooler and binary head are replicated: they see the whole sequence
-        parallelize_module(
-            model.encoder,
-            tp_mesh,
-            PrepareModuleOutput(
-                output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
-            ),
-        )
+        # The LM head and the pooler are replicated: they see the whole sequence (their
+        # inputs are gathered, wherever they run: the whole model or its last stage).
+        for head in (model.lm_head, model.pooler):
+            if head is not None:
+                parallelize_module(
+                    head,
+                    tp_mesh,
+                    PrepareModuleInput(
+                        input_layouts=(Shard(1),),
+                        desired_input_layouts=(Replicate(),),
+                        use_local_output=True,
+                    ),
+                )
     output_layer = getattr(model, "output_layer", None)
     if isinstance(model, T5Model):
         output_layer = model.lm_head.output_layer
