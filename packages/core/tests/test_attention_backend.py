@@ -153,3 +153,43 @@ def test_cuda_kernels_match_the_unfused_path(backend: str) -> None:
     out = attention(backend)(q, k, v)
     reference = attention("unfused")(q, k, v)
     torch.testing.assert_close(out.float(), reference.float(), rtol=2e-2, atol=2e-2)
+
+
+def _flash_attn_func(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1)
+):
+    """flash-attn 2's `flash_attn_func` contract written out (bshd, GQA, window (left, right)
+    with -1 for unbounded, bottom-right aligned causal mask)."""
+    window = None if window_size == (-1, -1) else window_size
+    assert dropout_p == 0.0 and softmax_scale == pytest.approx(1 / math.sqrt(q.shape[-1]))
+    b, s, h, d = q.shape
+    return _reference_attention(q, k, v, causal, window).view(b, s, h, d).to(q.dtype)
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_flash_attn_package_is_called_as_its_contract_says(monkeypatch, window) -> None:
+    """With flash-attn installed and CUDA present, --attention-backend flash runs
+    `flash_attn_func` (a stand-in of its contract here, on the CPU) with Megatron's
+    scale, causal flag and window; the result is the unfused math."""
+    import sys
+    import types
+
+    from mg.core.models import attention_backend
+    from mg.core.models.core_attention import FlashAttention, build_core_attention
+
+    stand_in = types.ModuleType("flash_attn")
+    stand_in.flash_attn_func = _flash_attn_func
+    monkeypatch.setitem(sys.modules, "flash_attn", stand_in)
+    monkeypatch.setattr(attention_backend, "cuda_available", lambda: True)
+    config = presets.tiny_llama(
+        attention_backend="flash", attention_dropout=0.0, window_size=window
+    )
+    attention = build_core_attention(config).eval()
+    assert isinstance(attention, FlashAttention)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 8, 4, 16, generator=g)
+    k, v = (torch.randn(2, 8, 2, 16, generator=g) for _ in range(2))
+    expected = _reference_attention(q, k, v, True, window)
+    torch.testing.assert_close(attention(q, k, v).double(), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="use --attention-backend auto for custom masks"):
+        attention(q, k, v, attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool))

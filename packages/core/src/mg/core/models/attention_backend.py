@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -82,7 +83,10 @@ def serving_kernels(backend: str) -> tuple[SDPBackend, ...] | None:
 
 def flash_attn_installed() -> bool:
     """Whether the flash-attn package can be imported (without importing it)."""
-    return importlib.util.find_spec("flash_attn") is not None
+    try:
+        return importlib.util.find_spec("flash_attn") is not None
+    except ValueError:  # imported already, without a spec (a stand-in module)
+        return "flash_attn" in sys.modules
 
 
 def check_attention_backend(backend: str, device: torch.device | str | None = None) -> None:

@@ -225,6 +225,10 @@ def build_core_attention(
 ) -> nn.Module:
     """The core-attention module for `config.attention_backend` (layer_number is 1-based):
     flash-attn for "flash" where it is installed and CUDA is there, SDPA otherwise."""
-    if config.attention_backend == "flash" and flash_attn_installed() and torch.cuda.is_available():
+    if (
+        config.attention_backend == "flash"
+        and flash_attn_installed()
+        and attention_backend.cuda_available()
+    ):
         return FlashAttention(config, layer_number, causal=causal)
     return SDPAttention(config, layer_number, causal=causal)
