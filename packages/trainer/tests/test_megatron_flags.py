@@ -83,9 +83,10 @@ def test_two_ranks_match_one_with_per_token_loss_and_bf16_reduction(
 ) -> None:
     """DP 2 x 2 micro-batches against one process with 4, on masks that differ per sample:
     --calculate-per-token-loss gives the same steps (the token count is the global
-    batch's, over both ranks); --grad-reduce-in-bf16 (the all-reduce, and the
-    distributed optimizer's reduce-scatter) changes the gradients by bf16 rounding only.
-    SGD without clipping, so any factor on the gradient shows."""
+    batch's, over both ranks), and so do two pipeline stages; --grad-reduce-in-bf16
+    (the all-reduce, and the distributed optimizer's reduce-scatter) changes the
+    gradients by bf16 rounding only. SGD without clipping, so any factor on the
+    gradient shows."""
     from mg.core.testing.launch import launch_workers
 
     base = [
@@ -103,13 +104,15 @@ def test_two_ranks_match_one_with_per_token_loss_and_bf16_reduction(
     bf16_dist_opt = [*bf16, "--use-distributed-optimizer"]
     one_per_token, one_plain = train(per_token), train(base)
     out = tmp_path / "two.json"
-    argvs = [per_token, bf16, bf16_dist_opt]
+    pipeline = [*per_token, "--pipeline-model-parallel-size", "2"]
+    argvs = [per_token, pipeline, bf16, bf16_dist_opt]
     launch_workers(str(Path(__file__).with_name("ddp_worker.py")), 2, [str(out), json.dumps(argvs)])
-    two_per_token, two_bf16, two_bf16_dist_opt = json.loads(out.read_text())
-    for a, b in zip(one_per_token.grad_norms, two_per_token["grad_norms"], strict=True):
-        assert abs(a - b) / a <= 1e-5, (one_per_token.grad_norms, two_per_token["grad_norms"])
-    for a, b in zip(one_per_token.losses, two_per_token["losses"], strict=True):
-        assert abs(a - b) / a <= 1e-5
+    two_per_token, two_stages, two_bf16, two_bf16_dist_opt = json.loads(out.read_text())
+    for two in (two_per_token, two_stages):
+        for a, b in zip(one_per_token.grad_norms, two["grad_norms"], strict=True):
+            assert abs(a - b) / a <= 1e-5, (one_per_token.grad_norms, two["grad_norms"])
+        for a, b in zip(one_per_token.losses, two["losses"], strict=True):
+            assert abs(a - b) / a <= 1e-5
     # the flag matters on these masks: Megatron's default reduction steps differently
     assert (
         abs(one_per_token.grad_norms[0] - one_plain.grad_norms[0]) / one_plain.grad_norms[0] > 1e-3
@@ -117,12 +120,6 @@ def test_two_ranks_match_one_with_per_token_loss_and_bf16_reduction(
     for two in (two_bf16, two_bf16_dist_opt):  # all-reduce, and the optimizer's reduce-scatter
         gap = [abs(a - b) / a for a, b in zip(one_plain.grad_norms, two["grad_norms"], strict=True)]
         assert 0 < max(gap) < 1e-2, gap  # bf16 rounding of the reduction, no more
-
-
-def test_per_token_loss_with_pipeline_is_refused(mock_argv, tmp_path: Path) -> None:
-    argv = mock_argv(tmp_path, "--calculate-per-token-loss", "--pipeline-model-parallel-size", "2")
-    with pytest.raises(ArgumentError, match="^--calculate-per-token-loss with --pipeline"):
-        parse_args(argv, world_size=2)
 
 
 # --- --decoupled-lr / --decoupled-min-lr -------------------------------------------------------

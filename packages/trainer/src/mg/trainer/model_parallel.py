@@ -208,6 +208,7 @@ def pipeline_forward_backward(
     dtype: torch.dtype = torch.float32,
     steps: PipelineSteps = PipelineSteps(),
     extra_names: Sequence[str] = (),
+    per_token_scale: float | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """Run one global batch's micro-batches through the schedule.
 
@@ -218,7 +219,9 @@ def pipeline_forward_backward(
     activations and gradients cross stages in. Returns this rank's (sum of
     loss × mask, tokens, {extra loss: sum over micro-batches}) — zero except on
     the last stage; `extra_names` (`steps.extra_losses(args)`) on every stage —
-    for the caller's all-reduce."""
+    for the caller's all-reduce. `per_token_scale` (--calculate-per-token-loss):
+    each micro-batch backpropagates its loss sum times this factor instead of
+    its masked mean / num_micro."""
     num_micro = len(batches)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = torch.zeros((), dtype=torch.float64, device=device)
@@ -234,7 +237,10 @@ def pipeline_forward_backward(
         micro_sum, micro_tokens = terms[0], terms[1]
         loss_sum = loss_sum + micro_sum.detach().double()
         tokens = tokens + micro_tokens.detach().double()
-        loss = micro_batch_loss(micro_sum, micro_tokens, layout) / num_micro
+        if per_token_scale is not None:
+            loss = micro_sum * per_token_scale
+        else:
+            loss = micro_batch_loss(micro_sum, micro_tokens, layout) / num_micro
         for name, value in (terms[2] if len(terms) > 2 else {}).items():
             extra_sums[name] = extra_sums[name] + value.detach().double()
             loss = loss + value / num_micro

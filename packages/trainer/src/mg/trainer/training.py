@@ -372,10 +372,16 @@ class Trainer:
         data = self.train_data if backward else self.valid_data
         if isinstance(self.model, model_parallel.PipelineModel):
             steps = self.family.pipeline_steps or model_parallel.PipelineSteps()
+            batches = [next(data) for _ in range(num_micro)]
+            per_token_scale = (
+                per_token_loss_scale(batches, self.env.world_size)
+                if backward and self.args.training.calculate_per_token_loss
+                else None
+            )
             loss_sum, tokens, extra_sums = model_parallel.pipeline_forward_backward(
                 self.model,
                 self.layout,
-                [next(data) for _ in range(num_micro)],
+                batches,
                 hidden_size=self.model_config.hidden_size,
                 loss_scale=self.scaler.scale,
                 autocast=lambda: _autocast(self.env.device, self.dtype, self.fp8),
@@ -385,6 +391,7 @@ class Trainer:
                 dtype=self.dtype or torch.float32,
                 steps=steps,
                 extra_names=steps.extra_losses(self.args),
+                per_token_scale=per_token_scale,
             )
             extra_micro = num_micro  # the extra losses' sums are over these
             num_micro = 0  # the schedule ran them all

@@ -267,9 +267,3 @@ def check_training(args: Args) -> None:
             )
         if args.logging.tensorboard_dir is None:
             fail("--profile writes its trace to --tensorboard-dir: give one")
-    pp = args.distributed.pipeline_model_parallel_size
-    if t.calculate_per_token_loss and pp > 1 and not t.dry_run:
-        fail(
-            "--calculate-per-token-loss with --pipeline-model-parallel-size > 1 is not "
-            "supported yet; drop one of them"
-        )
