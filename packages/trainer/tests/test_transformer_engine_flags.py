@@ -203,10 +203,10 @@ def _sibling(name: str):
 
 
 def test_fp16_with_tensor_parallelism_matches_one_process(tmp_path, mock_argv, train) -> None:
-    """--fp16 at TP=2 (2 gloo ranks): dynamic loss scaling from 2^16 with hysteresis 1, so
-    the first steps overflow and are skipped alike on both ranks (the found-inf flag is
-    reduced over them), then the losses follow the single-process fp16 run. fp16 sums
-    split over two ranks round differently: 2e-3 relative."""
+    """--fp16 at TP=2 (2 gloo ranks): dynamic loss scaling (from 2^16, hysteresis 1), the
+    found-inf flag reduced over both ranks so they skip alike; the losses follow the
+    single-process fp16 run (measured 1.8e-6 relative over 8 steps; fp16 sums split over
+    two ranks round differently, hence 1e-4)."""
     fp16 = ["--fp16", "--initial-loss-scale", str(2.0**16), "--hysteresis", "1"]
     argv = mock_argv(
         tmp_path, "--attention-dropout", "0", "--hidden-dropout", "0", *fp16, mbs=2, gbs=4, iters=8
@@ -215,5 +215,5 @@ def test_fp16_with_tensor_parallelism_matches_one_process(tmp_path, mock_argv, t
     run_ranks = _sibling("test_ddp.py").run_ranks
     two = run_ranks([[*argv, *tp2]], 2, tmp_path / "two.json")[0]
     one = train([*argv, "--make-vocab-size-divisible-by", "128"])
-    assert two["losses"] == pytest.approx(one.losses, rel=2e-3)
+    assert two["losses"] == pytest.approx(one.losses, rel=1e-4)
     assert one.losses[-1] < one.losses[0]
