@@ -139,6 +139,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
+@pytest.mark.slow  # ~50 s; mg-train's test_bert_t5_parallel covers TP + SP end to end
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_sharded_bert_and_t5_match_one_process(reports, scenario: str) -> None:
     for rank in range(WORLD):
@@ -149,6 +150,7 @@ def test_sharded_bert_and_t5_match_one_process(reports, scenario: str) -> None:
         assert r["norm"][0] == pytest.approx(r["norm"][1], rel=RTOL)
 
 
+@pytest.mark.slow
 def test_what_is_sharded(reports) -> None:
     """Megatron's layout: vocab-parallel embedding and output (bias included), column/row-
     parallel attention (T5's cross-attention too) and MLP; heads and norms replicated."""

@@ -59,13 +59,20 @@ def _layout(tp: int = 1, pp: int = 1, sp: bool = False) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def argv(tmp_path_factory: pytest.TempPathFactory):
+    """`argv(family, *layout)`: the flags of a run on the sentence-split corpus."""
     tmp = tmp_path_factory.mktemp("bert_t5_parallel")
     corpus = build_sentence_corpus(tmp)
 
     def argv(family: str, *layout: str) -> list[str]:
         return [*fill(template_argv(family), corpus, str(tmp / "cache")), *QUIET, *layout]
 
+    return argv
+
+
+@pytest.fixture(scope="module")
+def runs(argv, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("bert_t5_parallel_runs")
     argvs = {
         "bert_tp2_sp": argv("bert", *_layout(tp=2, sp=True)),
         "bert_pp2": argv("bert", *_layout(pp=2)),
@@ -74,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
     four = run_ranks(list(argvs.values()), 4, tmp / "four.json")
     one = {family: _helpers._train(argv(family, *_layout())) for family in ("bert", "t5")}
-    return {"four": dict(zip(argvs, four, strict=True)), "one": one, "argv": argv}
+    return {"four": dict(zip(argvs, four, strict=True)), "one": one}
 
 
 def _close(a: list[float], b: list[float], rel: float = RTOL) -> None:
@@ -98,7 +105,45 @@ def test_parallel_layouts_match_one_process(runs, run: str) -> None:
         assert it == it_one and value == pytest.approx(value_one, rel=RTOL)
 
 
-def test_t5_pipeline_parallel_is_refused_by_name(runs) -> None:
-    argv = runs["argv"]("t5", *_layout(pp=2))
+def test_t5_pipeline_parallel_is_refused_by_name(argv) -> None:
     with pytest.raises(ArgumentError, match=r"^--pipeline-model-parallel-size > 1 is not "):
-        parse_args(argv, world_size=2)
+        parse_args(argv("t5", *_layout(pp=2)), world_size=2)
+
+
+def test_dry_run_counts_each_gpu_s_share_of_bert() -> None:
+    """TP=2 x PP=2 of a 2-layer BERT, counted by hand: the first stage holds the embedding
+    (words split by vocabulary) and layer 0, the last layer 1, the final norm, the heads,
+    the output bias (split) and its copy of the tied word embeddings (split)."""
+    import torch
+
+    from mg.core.models import BertModel, TransformerConfig
+    from mg.trainer.family_bert import parameters_per_gpu
+
+    h, v, s = 32, 256, 64
+    config = TransformerConfig(
+        num_layers=2, hidden_size=h, num_attention_heads=4, vocab_size=v, seq_length=s
+    )
+    with torch.device("meta"):
+        model = BertModel(config)
+    sharded_layer = (3 * h * h + 3 * h + 4 * h * h + 4 * h + h * h + 4 * h * h) / 2
+    layer = sharded_layer + h + h + 4 * h  # row-parallel biases and two norms: replicated
+    first = v * h / 2 + s * h + 2 * h + layer
+    heads = (h * h + h + 2 * h) + (h * h + h) + (2 * h + 2)  # LM head, pooler, binary head
+    last = layer + 2 * h + heads + v / 2 + v * h / 2
+    assert parameters_per_gpu(model, tp=2, pp=2) == [first, last]
+    assert parameters_per_gpu(model, tp=1, pp=1) == [sum(p.numel() for p in model.parameters())]
+
+
+def test_bert_and_t5_dry_runs(argv, capsys, monkeypatch) -> None:
+    from mg.trainer.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert main([*argv("bert", *_layout(tp=2, pp=2, sp=True)), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mg-train dry run: bert, 2 layers")
+    assert "world 8 = TP 2 x PP 2 x DP 2, sequence parallel on" in out
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main([*argv("t5", *_layout(tp=2)), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("mg-train dry run: t5, 2 layers (encoder and decoder each)")
+    assert "world 4 = TP 2 x PP 1 x DP 2" in out

@@ -120,8 +120,12 @@ def report(args: Args) -> str:
         from mg.trainer.family_mamba import dry_run_report
 
         return dry_run_report(args)
+    if args.family in ("bert", "t5"):
+        from mg.trainer.family_bert import encoder_dry_run_report
+
+        return encoder_dry_run_report(args, args.family)
     if args.family != "gpt":
-        raise ArgumentError(f"--dry-run supports gpt only, not {args.family}")
+        raise ArgumentError(f"--dry-run supports gpt, bert, t5 and mamba, not {args.family}")
     from mg.trainer.families import get_family
 
     config = get_family("gpt").build_config(args, _vocab_size(args))
