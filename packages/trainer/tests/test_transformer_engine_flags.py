@@ -98,6 +98,14 @@ def test_cuda_kernels_are_refused_by_name_without_cuda() -> None:
     assert message.startswith("--attention-backend fused selects a CUDA kernel")
 
 
+def test_flash_needs_16_bit_where_cuda_is(monkeypatch) -> None:
+    from mg.core.models import attention_backend
+
+    monkeypatch.setattr(attention_backend, "cuda_available", lambda: True)
+    assert "--use-flash-attn needs --bf16 or --fp16" in _error([*BASE, "--use-flash-attn"])
+    assert parse_args([*BASE, "--use-flash-attn", "--bf16"]).transformer_engine.use_flash_attn
+
+
 @pytest.mark.skipif(TE_READY, reason="checks the message where TE or CUDA is missing")
 def test_transformer_engine_missing_is_one_line_naming_the_extra() -> None:
     message = _error([*BASE, *TE])

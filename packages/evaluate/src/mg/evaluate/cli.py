@@ -174,6 +174,12 @@ def attention_backend_of(args: argparse.Namespace) -> str:
         check_attention_backend(backend, "cuda" if torch.cuda.is_available() else "cpu")
     except BackendUnavailableError as err:
         raise EvalInputError(str(err)) from None
+    if backend == "flash":  # the flash kernel is 16-bit only
+        flag = "--use-flash-attn" if args.use_flash_attn else "--attention-backend flash"
+        raise EvalInputError(
+            f"{flag}: mg-eval scores in fp32 and FlashAttention runs in 16-bit only; "
+            "use --attention-backend fused (or auto) for the fused kernels"
+        )
     return backend
 
 

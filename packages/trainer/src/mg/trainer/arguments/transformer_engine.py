@@ -181,6 +181,7 @@ def check_transformer_engine(args: Args) -> None:
         te.attention_backend = "flash"
     if args.training.deterministic_mode and te.attention_backend == "flash":
         fail("--deterministic-mode is not compatible with --use-flash-attn")
+
     _refusals(te)
     if te.fp8 is not None and te.transformer_impl != "transformer_engine":
         fail("--fp8-format needs --transformer-impl transformer_engine (FP8 runs in TE's layers)")
@@ -199,6 +200,10 @@ def check_transformer_engine(args: Args) -> None:
         _check_te_layout(args)
     if not args.training.dry_run:
         _check_machine(te)
+        t = args.training
+        if te.attention_backend == "flash" and not (t.bf16 or t.fp16):
+            flag = "--use-flash-attn" if te.use_flash_attn else "--attention-backend flash"
+            fail(f"{flag} needs --bf16 or --fp16 (FlashAttention runs in 16-bit only)")
         if te.fp8_param_gather:  # planned by --dry-run; FP8 weights need an FP8-aware optimizer
             fail(
                 "--fp8-param-gather is not supported by mg-train yet (its distributed optimizer "
