@@ -141,3 +141,45 @@ def test_zero_document_dataset_is_a_clean_error(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"mg-train: error: --data-path {prefix}: the split has 0 documents")
     assert "Traceback" not in err
+
+
+def _disk_with(monkeypatch, free: int) -> None:
+    """--save's disk as shutil.disk_usage reports it (a full disk cannot be made here)."""
+    import shutil as real
+    from collections import namedtuple
+
+    from mg.trainer import save_guard
+
+    usage = namedtuple("usage", "total used free")
+    fake = type("shutil", (), {"disk_usage": staticmethod(lambda path: usage(free, 0, free))})
+    monkeypatch.setattr(save_guard, "shutil", fake)
+    assert real.disk_usage  # the module itself is untouched
+
+
+def test_save_on_a_full_disk_is_refused_before_training(tmp_path, monkeypatch, capsys) -> None:
+    """One checkpoint of the tiny model is ~12 bytes x ~17k parameters: 100 KB free is short."""
+    from mg.trainer.save_guard import checkpoint_bytes
+
+    _disk_with(monkeypatch, 100_000)
+    save = tmp_path / "ckpt"
+    assert run(tmp_path, "--save", str(save)) == 2
+    captured = capsys.readouterr()
+    assert f"--save {save}: its disk has 100.0 KB free, one checkpoint needs about" in captured.err
+    assert "iteration" not in captured.out
+    assert not list(save.iterdir())  # nothing written
+    assert checkpoint_bytes(1000) == 12_000 and checkpoint_bytes(1000, save_optim=False) == 4000
+
+
+def test_save_without_room_for_every_checkpoint_warns(tmp_path, monkeypatch, capsys) -> None:
+    from mg.trainer.save_guard import planned_saves
+
+    save = tmp_path / "ckpt"
+    from mg.trainer.arguments import parse_args
+
+    args = parse_args(train_argv(tmp_path / "cache", "--save", str(save), "--save-interval", "1"))
+    size, saves = planned_saves(args)
+    assert saves == 3 and size > 0
+    _disk_with(monkeypatch, int(size * 1.5))
+    assert run(tmp_path, "--save", str(save), "--save-interval", "1") == 0
+    err = capsys.readouterr().err
+    assert f"WARNING: --save {save}: its disk has" in err and "room for 1 of the 3" in err, err

@@ -13,7 +13,13 @@ import os
 import sys
 
 from mg.trainer.arguments import ArgumentError, parse_args
-from mg.trainer.save_guard import SaveGuardError, check_save_target, check_writable
+from mg.trainer.save_guard import (
+    SaveGuardError,
+    check_free_space,
+    check_save_target,
+    check_writable,
+    planned_saves,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         c = args.checkpoint
         check_save_target(c.save, c.load, finetune=c.finetune, overwrite=c.overwrite_checkpoints)
         check_writable(c.save)
+        if warning := check_free_space(c.save, *planned_saves(args)):
+            print(warning, file=sys.stderr, flush=True)
     except (ArgumentError, SaveGuardError) as error:
         print(f"mg-train: error: {error}", file=sys.stderr)
         return 2

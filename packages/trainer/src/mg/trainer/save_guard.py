@@ -15,17 +15,20 @@ even built:
   before the tracker moved (the resumed run saves that iteration again), and
   a tracker set back by hand is Megatron's way to roll back;
 - `--save` must be a folder this process can create and write (checked with a
-  probe file).
+  probe file), on a disk with room for a checkpoint (refused) and for all the
+  saves of the run (a warning); the size is estimated from the parameters.
 
-Reads only the tracker file and folder names (no torch), so it runs before
-anything heavy.
+The checks of the folder read only the tracker file and folder names (no
+torch), so they run before anything heavy.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
+from typing import Any
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -147,3 +150,63 @@ def check_writable(save: str | None) -> None:
         ) from None
     finally:
         probe.unlink(missing_ok=True)
+
+
+# fp32 weights plus Adam's two fp32 moments: what one `torch` or `torch_dist` save holds
+BYTES_PER_PARAMETER = {True: 12, False: 4}  # with / without the optimizer state
+
+
+def checkpoint_bytes(num_parameters: int, save_optim: bool = True) -> int:
+    """About one checkpoint's size (the RNG and scheduler states are negligible)."""
+    return num_parameters * BYTES_PER_PARAMETER[save_optim]
+
+
+def planned_saves(args: Any) -> tuple[int, int]:
+    """(bytes of one checkpoint, how many saves) of a gpt run; (0, 0) when not estimated
+    (other families, or a tokenizer that does not load: that error comes later, named)."""
+    c, t = args.checkpoint, args.training
+    if not c.save or args.family != "gpt":
+        return 0, 0
+    try:
+        from mg.core.models.flops import num_parameters
+        from mg.trainer.dry_run import _vocab_size
+        from mg.trainer.families import get_family
+
+        config = get_family("gpt").build_config(args, _vocab_size(args))
+        size = checkpoint_bytes(num_parameters(config), save_optim=not c.no_save_optim)
+    except Exception:  # an estimate only
+        return 0, 0
+    iterations = t.train_iters or 0
+    return size, 1 + (iterations // c.save_interval if c.save_interval else 0)
+
+
+def check_free_space(save: str | None, needed: int, saves: int = 1) -> str | None:
+    """Refuse a `--save` whose disk cannot take one checkpoint; warn (the returned line)
+    when it cannot take all `saves` this run will write (Megatron keeps every one)."""
+    if not save or needed <= 0:
+        return None
+    try:
+        free = shutil.disk_usage(save).free
+    except OSError:
+        return None  # check_writable has already named what is wrong with the folder
+    if free < needed:
+        raise SaveGuardError(
+            f"--save {save}: its disk has {_size(free)} free, one checkpoint needs about "
+            f"{_size(needed)}; free some space or choose another --save (checked before "
+            "training, so no work is lost)"
+        )
+    if free < needed * saves:
+        return (
+            f"WARNING: --save {save}: its disk has {_size(free)} free, room for "
+            f"{free // needed} of the {saves} checkpoints of about {_size(needed)} this run "
+            "writes; raise --save-interval or free some space"
+        )
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:,.0f} {unit}" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
