@@ -10,7 +10,7 @@ from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.norms import LayerNorm1P, RMSNorm1P
 
 
-def _config(norm: str, zero_centered: bool) -> TransformerConfig:
+def _config(norm: str, zero_centered: bool, **llama: object) -> TransformerConfig:
     return TransformerConfig(
         num_layers=2,
         hidden_size=32,
@@ -21,6 +21,7 @@ def _config(norm: str, zero_centered: bool) -> TransformerConfig:
         layernorm_zero_centered_gamma=zero_centered,
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        **llama,
     )
 
 
@@ -68,3 +69,28 @@ def test_1p_model_starts_as_the_plain_model(norm: str) -> None:
     out_1p.float().square().mean().backward()
     for name in plain:
         torch.testing.assert_close(one_p[name].grad, plain[name].grad, rtol=1e-6, atol=1e-7)
+
+
+def test_hf_export_of_a_1p_model_is_the_plain_models() -> None:
+    """HF norms scale by their weight: a zero-centred model exports gamma = 1 + weight,
+    the same HF tensors as the plain model it equals."""
+    from mg.core.models.hf_mapping import megatron_to_hf
+
+    llama = {
+        "position_embedding_type": "rope",
+        "activation": "swiglu",
+        "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": True,
+    }
+    torch.manual_seed(3)
+    plain = GPTModel(_config("RMSNorm", False, **llama))
+    for p in plain.parameters():  # norms away from 1, so a missing +1 shows
+        p.data.add_(torch.randn_like(p) * 0.1)
+    one_p_state = {
+        n: t - 1 if n.endswith("layernorm.weight") else t for n, t in plain.state_dict().items()
+    }
+    ours = megatron_to_hf(one_p_state, _config("RMSNorm", True, **llama), "llama")
+    expected = megatron_to_hf(plain.state_dict(), _config("RMSNorm", False, **llama), "llama")
+    assert ours.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-7)

@@ -449,7 +449,10 @@ def megatron_to_hf(
             megatron_name = te_spec_name(local_name)
         if megatron_name not in megatron_state:
             continue
-        parts = _to_hf(rule, megatron_state[megatron_name], config)
+        tensor = megatron_state[megatron_name]
+        if config.layernorm_zero_centered_gamma and local_name.endswith("layernorm.weight"):
+            tensor = tensor + 1  # --apply-layernorm-1p stores gamma - 1; HF norms take gamma
+        parts = _to_hf(rule, tensor, config)
         out.update(zip(hf_names, parts, strict=True))
         used.add(megatron_name)
     leftover = sorted(
