@@ -23,7 +23,13 @@ def smoothing_factors(act_absmax: Tensor, weight: Tensor, alpha: float) -> Tenso
 @torch.no_grad()
 def fold_into_norm(norm: nn.Module, linear: nn.Linear, scales: Tensor) -> None:
     """norm(x) / s feeds linear with weight W·diag(s): the same output, smoothed."""
-    norm.weight.div_(scales.to(norm.weight.dtype))
+    from mg.core.models.norms import LayerNorm1P, RMSNorm1P
+
+    s = scales.to(norm.weight.dtype)
+    if isinstance(norm, (LayerNorm1P, RMSNorm1P)):  # gamma = 1 + weight (--apply-layernorm-1p)
+        norm.weight.add_(1).div_(s).sub_(1)
+    else:
+        norm.weight.div_(s)
     if getattr(norm, "bias", None) is not None:
         norm.bias.div_(scales.to(norm.bias.dtype))
     linear.weight.mul_(scales.to(linear.weight.dtype)[None, :])
