@@ -68,6 +68,15 @@ def _encode_linear(module: nn.Module, gguf_type: str) -> tuple[str, np.ndarray]:
     return _encode_float(weight, gguf_type)
 
 
+def norm_gamma(norm: nn.Module) -> Tensor:
+    """The scale a norm multiplies by: its weight, or 1 + weight for a zero-centred norm
+    (--apply-layernorm-1p), which llama.cpp's norms do not know."""
+    from mg.core.models.norms import LayerNorm1P, RMSNorm1P
+
+    weight = norm.weight.detach()
+    return weight + 1 if isinstance(norm, (LayerNorm1P, RMSNorm1P)) else weight
+
+
 def _encode_float(t: Tensor, gguf_type: str) -> tuple[str, np.ndarray]:
     t = t.detach().float()
     if gguf_type == "BF16":
@@ -210,7 +219,7 @@ def write_gguf(
             writer.add_tensor(name, np.ascontiguousarray(data))
 
     def norm(prefix: str, module: nn.Module) -> None:
-        put(f"{prefix}.weight", *_encode_float(module.weight, "F32"))
+        put(f"{prefix}.weight", *_encode_float(norm_gamma(module), "F32"))
         if getattr(module, "bias", None) is not None:
             put(f"{prefix}.bias", *_encode_float(module.bias, "F32"))
 
