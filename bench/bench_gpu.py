@@ -106,7 +106,7 @@ def train_argv(shape: list[str], mbs: int, gbs: int, iters: int, extra: list[str
         "--lr-decay-style",
         "cosine",
         "--lr-warmup-iters",
-        "2",
+        str(min(2, iters - 1)),
         "--attention-dropout",
         "0",
         "--hidden-dropout",
@@ -179,7 +179,6 @@ def launch(argv: list[str], gpus: int, workdir: Path) -> dict[str, Any]:
         __file__,
         "--worker",
         str(out),
-        "--",
         *argv,
     ]
     done = subprocess.run(command, text=True, capture_output=True)
@@ -285,8 +284,8 @@ def report(
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:  # a torchrun worker: --worker OUT -- <mg-train argv>
-        run_training(argv[3:], Path(argv[1]))
+    if argv[:1] == ["--worker"]:  # a torchrun worker: --worker OUT <mg-train argv>
+        run_training(argv[2:], Path(argv[1]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

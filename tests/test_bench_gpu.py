@@ -72,6 +72,15 @@ def test_cpu_smoke_run_reports_megatrons_mfu(tmp_path) -> None:
     assert "| fp32 (cpu smoke) | 1 | 2 | 4 |" in text
 
 
+def test_runs_go_through_torchrun(tmp_path) -> None:
+    """The launch path of the GPU runs (torchrun, one worker writing the record), on CPU."""
+    bench = _bench()
+    argv = bench.train_argv(bench.SHAPE_SMOKE, 2, 2, 2, [])
+    record = bench.launch(argv, 1, tmp_path)
+    assert record["world_size"] == 1 and len(record["seconds"]) == 2
+    assert record["config"]["num_layers"] == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_short_gpu_run(tmp_path) -> None:
     bench = _bench()
