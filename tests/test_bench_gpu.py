@@ -72,6 +72,7 @@ def test_cpu_smoke_run_reports_megatrons_mfu(tmp_path) -> None:
     assert "| fp32 (cpu smoke) | 1 | 2 | 4 |" in text
 
 
+@pytest.mark.slow
 def test_runs_go_through_torchrun(tmp_path) -> None:
     """The launch path of the GPU runs (torchrun, one worker writing the record), on CPU."""
     bench = _bench()
