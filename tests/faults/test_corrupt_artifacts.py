@@ -34,7 +34,7 @@ ARTIFACTS = [
 ]
 HOW = ("truncated", "empty", "html", "scrambled")
 ITERATION_FLAG = {
-    "mg-train": "latest_checkpointed_iteration.txt",
+    "mg-train": "--ckpt-step",
     "mg-eval": "--ckpt-step",
     "mg-serve": "--iteration",
     "mg-convert inspect": "--iteration",

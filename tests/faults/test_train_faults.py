@@ -183,3 +183,37 @@ def test_save_without_room_for_every_checkpoint_warns(tmp_path, monkeypatch, cap
     assert run(tmp_path, "--save", str(save), "--save-interval", "1") == 0
     err = capsys.readouterr().err
     assert f"WARNING: --save {save}: its disk has" in err and "room for 1 of the 3" in err, err
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_ckpt_step_loads_an_older_iteration(tmp_path, capsys, fmt) -> None:
+    """--ckpt-step N (Megatron's flag) resumes from iter_000000N, not the tracker's: the
+    losses after it are the original run's; into the same --save it is a roll-back, refused
+    without --overwrite-checkpoints; a missing N is one line naming the flag."""
+    import re
+
+    loss = re.compile(r"iteration +(\d+)/ *\d+ \|.* lm loss: ([\d.E+-]+) \|")
+    ckpt, fork = tmp_path / "ckpt", tmp_path / "fork"
+    flags = ("--ckpt-format", fmt, "--log-interval", "1", "--lr-decay-iters", "8")
+    assert run(tmp_path, "--save", str(ckpt), "--save-interval", "2", *flags, iters=4) == 0
+    original = dict(loss.findall(capsys.readouterr().out))
+    assert sorted(original) == ["1", "2", "3", "4"]
+    before = tree_digest(ckpt)
+
+    step = ("--load", str(ckpt), "--ckpt-step", "2")
+    assert run(tmp_path, *step, "--save", str(fork), *flags, iters=4) == 0
+    out = capsys.readouterr().out
+    assert f"loaded checkpoint from {ckpt} at iteration 2" in out
+    assert dict(loss.findall(out)) == {"3": original["3"], "4": original["4"]}
+
+    assert run(tmp_path, *step, "--save", str(ckpt), *flags, iters=4) == 2
+    err = capsys.readouterr().err
+    assert "--ckpt-step 2 loads iteration 2" in err and "--overwrite-checkpoints" in err, err
+
+    assert run(tmp_path, "--load", str(ckpt), "--ckpt-step", "3", *flags, iters=4) == 2
+    err = capsys.readouterr().err
+    assert "iter_0000003" in err and "--ckpt-step N" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert run(tmp_path, "--ckpt-step", "2", iters=4) == 2
+    assert "--ckpt-step needs --load" in capsys.readouterr().err
+    assert tree_digest(ckpt) == before

@@ -257,17 +257,22 @@ def resume(
     load_optim: bool = True,
     load_rng: bool = True,
     layout: Any = None,
+    iteration: int | None = None,
 ) -> TrainState | None:
-    """Load `load_dir`'s latest checkpoint into the objects; None if there is none.
+    """Load `load_dir`'s latest checkpoint (or `iteration`: `--ckpt-step`) into the
+    objects; None if there is none.
 
     `--finetune`, or a `release` checkpoint (converted weights), loads the weights only
     and starts at iteration 0, as Megatron does.
     """
-    if read_latest_iteration(load_dir) is None:
+    if iteration is None and read_latest_iteration(load_dir) is None:
         return None
     position = _shard_position(layout)
     ckpt, iteration = load_checkpoint(
-        load_dir, tp_rank=position.get("tp_rank", 0), pp_rank=position.get("pp_rank", 0)
+        load_dir,
+        iteration,
+        tp_rank=position.get("tp_rank", 0),
+        pp_rank=position.get("pp_rank", 0),
     )
     saved = (ckpt.get("mg") or {}).get("parallel") or {}
     wanted = position.get("pp_size", 1)

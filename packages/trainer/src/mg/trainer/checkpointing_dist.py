@@ -297,9 +297,9 @@ def _restore_rng(common_state: Any, position: dict[str, Any]) -> None:
     restore_tracker_states({k: v for k, v in position.items() if k != _RNG_STATE})
 
 
-def latest_is_torch_dist(load_dir: str) -> bool:
-    """Whether `load_dir`'s latest checkpoint is a torch_dist one (the format is detected)."""
-    iteration = read_latest_iteration(load_dir)
+def latest_is_torch_dist(load_dir: str, iteration: int | None = None) -> bool:
+    """Whether `load_dir`'s latest checkpoint (or `iteration`) is a torch_dist one."""
+    iteration = read_latest_iteration(load_dir) if iteration is None else iteration
     if iteration is None:
         return False
     return is_torch_dist(checkpoint_dir(load_dir, iteration))
@@ -316,12 +316,13 @@ def resume(
     load_optim: bool = True,
     load_rng: bool = True,
     rng_shard: str | None = None,
+    iteration: int | None = None,
 ) -> TrainState:
     """Load the latest torch_dist checkpoint into this rank's (possibly sharded) objects
     (`rng_shard`: as for `save`; a stream saved in another layout is not restored)."""
     unwrapped = distributed.unwrap(model)
     model = _named_globally(unwrapped)
-    iteration = read_latest_iteration(load_dir)
+    iteration = read_latest_iteration(load_dir) if iteration is None else iteration
     folder = Path(checkpoint_dir(load_dir, iteration))
     # A `release` checkpoint (converted weights) loads like --finetune, as in Megatron.
     finetune = finetune or iteration == RELEASE

@@ -37,7 +37,13 @@ def main(argv: list[str] | None = None) -> int:
             print(report(args), flush=True)
             return 0
         c = args.checkpoint
-        check_save_target(c.save, c.load, finetune=c.finetune, overwrite=c.overwrite_checkpoints)
+        check_save_target(
+            c.save,
+            c.load,
+            finetune=c.finetune,
+            overwrite=c.overwrite_checkpoints,
+            ckpt_step=c.ckpt_step,
+        )
         check_writable(c.save)
         if warning := check_free_space(c.save, *planned_saves(args)):
             print(warning, file=sys.stderr, flush=True)
@@ -87,10 +93,10 @@ def _one_line(error: BaseException) -> str:
     from mg.core.checkpoint.reader_guard import CorruptFileError
 
     text = str(error) or type(error).__name__
+    # the core reader's advice in mg-train's words
+    text = text.replace("pass iteration=N to load one of them", "load one with --ckpt-step N")
     if isinstance(error, CorruptFileError):
-        text = text.rstrip(".") + (
-            " (point latest_checkpointed_iteration.txt in --load at an earlier iteration)."
-        )
+        text = text.rstrip(".") + (" (load an earlier iteration of --load with --ckpt-step N).")
     return text
 
 

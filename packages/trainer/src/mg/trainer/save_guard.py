@@ -78,10 +78,14 @@ def highest_saved(folder: str | Path) -> int | None:
     return max(candidates) if candidates else None
 
 
-def start_iteration(load: str | None, finetune: bool) -> tuple[int, str | None]:
-    """Where this run starts and, when `--load` holds no checkpoint, why (for the message)."""
+def start_iteration(
+    load: str | None, finetune: bool, ckpt_step: int | None = None
+) -> tuple[int, str | None]:
+    """Where this run starts and, when not at `--load`'s latest checkpoint, why."""
     if not load:
         return 0, "no --load was given"
+    if ckpt_step is not None and not finetune:
+        return ckpt_step, f"--ckpt-step {ckpt_step} loads iteration {ckpt_step} of --load {load}"
     latest = latest_iteration(load)
     if latest is None:
         if not Path(load).exists():
@@ -95,7 +99,12 @@ def start_iteration(load: str | None, finetune: bool) -> tuple[int, str | None]:
 
 
 def check_save_target(
-    save: str | None, load: str | None, *, finetune: bool = False, overwrite: bool = False
+    save: str | None,
+    load: str | None,
+    *,
+    finetune: bool = False,
+    overwrite: bool = False,
+    ckpt_step: int | None = None,
 ) -> None:
     """Refuse a run whose saves would overwrite newer checkpoints in `--save`."""
     if not save or overwrite:
@@ -106,7 +115,7 @@ def check_save_target(
         saved = tracked  # newer folders: an interrupted save (see the module's docstring)
     if saved is None:
         return
-    start, why = start_iteration(load, finetune)
+    start, why = start_iteration(load, finetune, ckpt_step)
     if start >= saved:
         return
     reason = why or f"--load {load} is at iteration {start}"

@@ -275,8 +275,10 @@ class Trainer:
                 "finetune": c.finetune,
                 "load_optim": not c.no_load_optim,
                 "load_rng": not c.no_load_rng,
+                "iteration": c.ckpt_step,
             }
-            if checkpointing_dist.latest_is_torch_dist(c.load):  # the format is detected
+            # the format is detected
+            if checkpointing_dist.latest_is_torch_dist(c.load, c.ckpt_step):
                 resumed = checkpointing_dist.resume(
                     c.load, **what, rng_shard=self.layout.shard_name
                 )

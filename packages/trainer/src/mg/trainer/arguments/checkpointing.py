@@ -18,6 +18,7 @@ class CheckpointArgs:
 
     save: str | None = None
     load: str | None = None
+    ckpt_step: int | None = None
     save_interval: int | None = None
     finetune: bool = False
     use_checkpoint_args: bool = False
@@ -35,6 +36,13 @@ class CheckpointArgs:
 def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--save", help="Checkpoint folder to write.")
     p.add_argument("--load", help="Checkpoint folder to resume from (latest iteration).")
+    p.add_argument(
+        "--ckpt-step",
+        type=int,
+        metavar="N",
+        help="Load iteration N of --load (iter_000000N) instead of the one "
+        "latest_checkpointed_iteration.txt names.",
+    )
     p.add_argument("--save-interval", type=int, help="Save every N iterations.")
     p.add_argument(
         "--exit-on-missing-checkpoint",
@@ -101,6 +109,10 @@ def check_initialization(args: Args) -> None:
 
 def check_checkpointing(args: Args) -> None:
     c = args.checkpoint
+    if c.ckpt_step is not None and not c.load:
+        fail("--ckpt-step needs --load (the folder whose iteration it picks)")
+    if c.ckpt_step is not None and c.ckpt_step <= 0:
+        fail(f"--ckpt-step {c.ckpt_step}: must be an iteration of --load (at least 1)")
     if c.exit_on_missing_checkpoint and not c.load:
         fail("--exit-on-missing-checkpoint needs --load")
     if c.save_interval is not None and c.save is None:
