@@ -6,13 +6,16 @@
     <save>/iter_0000200/common.pt            non-sharded state (args, iteration, scheduler, rng, mg)
     <save>/iter_0000200/metadata.json        written last: its presence marks a complete checkpoint
 
-Tensor keys are global names without ranks
-(`model.decoder.layers.0.self_attention.linear_qkv.weight`,
-`optimizer.state.<same name>.exp_avg`), each stored once with its global shape
-whatever the layout that wrote it; a tensor-parallel shard is a chunk of it.
-So loading into another tensor- or data-parallel layout is DCP reading the
-chunks that overlap the new shards (resharding), and one process can read the
-whole model (`load_full_state`).
+Tensor keys are global names without ranks, each stored once with its global
+shape whatever the layout that wrote it; a tensor-parallel shard is a chunk of
+it. A GPT's model is keyed as Megatron-Core keys it
+(`decoder.layers.self_attention.linear_qkv.weight`, layers stacked along a leading
+axis: `megatron_dist`), other models and mg's earlier GPT saves by parameter name
+(`model.decoder.layers.0.self_attention.linear_qkv.weight`); optimizer state by
+parameter name (`optimizer.state.<name>.exp_avg`). So loading into another tensor-
+or data-parallel layout is DCP reading the chunks that overlap the new shards
+(resharding), and one process can read the whole model (`load_full_state`). This
+module is the DCP writer and reader; which keys go in is the caller's.
 
 Saves are atomic: every rank writes into `iter_XXXXXXX.tmp/`, then rank 0
 writes common.pt and metadata.json, renames the folder into place and
