@@ -121,6 +121,8 @@ def test_nvte_switches_are_the_ones_megatron_sets(monkeypatch) -> None:
         from megatron.core.transformer.enums import AttnBackend
 
     names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    for name in names:  # recorded, so what the code under test sets is undone afterwards
+        monkeypatch.setenv(name, "")
     for backend in choices():
         for name in names:
             monkeypatch.delenv(name, raising=False)

@@ -144,5 +144,7 @@ def install(monkeypatch: Any) -> Recorder:
     # CUDA 'present' for mg's checks only: torch itself still sees none
     monkeypatch.setattr(attention_backend, "cuda_available", lambda: True)
     for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        monkeypatch.delenv(name, raising=False)
+        # recorded first, so what mg's code sets is undone with the rest
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return RECORDER
