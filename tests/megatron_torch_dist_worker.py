@@ -41,6 +41,16 @@ shared = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(shared)  # model_parallel, perturb, forward: the layouts' helpers
 
 
+def _megatron_rng_state(folder: Path, position: tuple[int, int], sizes: tuple[int, int]) -> list:
+    """What Megatron-LM's `load_checkpoint` reads of `rng_state` for this rank (the
+    ShardedObject `get_rng_state` describes), before taking entry [0] of the list."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    request = {"rng_state": ShardedObject("rng_state", None, sizes, position, replica_id=0)}
+    return dist_checkpointing.load(request, str(folder))["rng_state"]
+
+
 def main() -> None:
     work = Path(sys.argv[1])
     recorded = json.loads((work / "configs.json").read_text())
@@ -78,6 +88,9 @@ def main() -> None:
                     if written is not None:
                         torch.save(written, out / f"{layout}-megatron-tp{tp_rank}.pt")
                         torch.save(loaded, out / f"{layout}-mg-train-tp{tp_rank}.pt")
+                    if name == "gpt2" and layout == "pp2":  # mg-train's layout: its generators
+                        rng = _megatron_rng_state(trained, (pp_rank, tp_rank), (pp, tp))
+                        torch.save(rng, out / f"rng-pp{pp_rank}-tp{tp_rank}.pt")
     finally:
         dist.destroy_process_group()
         patches.undo()

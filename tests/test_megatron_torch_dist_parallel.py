@@ -115,6 +115,23 @@ def test_megatron_core_loads_mg_train_torch_dist(work, shape) -> None:
         assert diff <= TOL, (layout, diff)
 
 
+def test_megatron_core_reads_mg_train_generators(work) -> None:
+    """(b) continued: each pipeline stage's `rng_state` of mg-train's PP=2 save, read by
+    megatron-core as Megatron-LM's load_checkpoint reads it: its `get_rng_state` list,
+    the stages' own generators (Megatron seeds them seed + 100 · stage)."""
+    stages = [torch.load(work / "gpt2" / f"rng-pp{p}-tp0.pt", weights_only=False) for p in (0, 1)]
+    for rng_state in stages:
+        (state,) = rng_state
+        assert set(state) == {
+            "random_rng_state",
+            "np_rng_state",
+            "torch_rng_state",
+            "cuda_rng_state",
+            "rng_tracker_states",
+        }
+    assert not torch.equal(stages[0][0]["torch_rng_state"], stages[1][0]["torch_rng_state"])
+
+
 def test_mg_train_resumes_from_megatron_core_save(work, tmp_path) -> None:
     """(c): the Llama shape Megatron saved at TP=2, resumed by mg-train on one process."""
     from mg.trainer.arguments import parse_args
