@@ -239,3 +239,51 @@ def test_moe_resume_is_bitwise_identical(tmp_path, mock_argv, train, ckpt_format
     first = train(mock_argv(tmp_path, *flags, "--save", ckpt, "--exit-interval", "4", iters=8))
     second = train(mock_argv(tmp_path, *flags, "--load", ckpt, iters=8))
     assert first.losses + second.losses == straight.losses  # bitwise
+
+
+def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, train):
+    """EP = 2 × DP = 2 on two gloo ranks saves at iteration 4 in both formats: `torch` writes
+    Megatron's per-expert-rank files (`mp_rank_00_000`, `mp_rank_00_001`, each rank's
+    experts as local_experts.0..), `torch_dist` each expert under its global number. Resumed
+    at EP = 2 the next iterations equal the straight run's bitwise (both formats); the
+    torch_dist one resumed at EP = 1 (each rank every expert) equals it to fp32 rounding,
+    and the torch one at EP = 1 is refused naming the size."""
+    import json
+    from pathlib import Path
+
+    from mg.core.testing.launch import launch_workers
+
+    flags = [*MOE, "--moe-grouped-gemm", "--moe-router-score-function", "sigmoid"]
+    flags += ["--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.3"]
+    ep2 = ["--expert-model-parallel-size", "2"]
+    base = mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=8)
+    saves = {fmt: str(tmp_path / f"ckpt-{fmt}") for fmt in ("torch", "torch_dist")}
+    runs = [[*base, *ep2]]
+    for fmt, path in saves.items():
+        runs.append([*base, *ep2, "--ckpt-format", fmt, "--save", path, "--exit-interval", "4"])
+        runs.append([*base, *ep2, "--ckpt-format", fmt, "--load", path])
+    runs.append([*base, "--load", saves["torch_dist"]])  # EP = 1
+    out = tmp_path / "ep_ckpt.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=300)
+    straight, torch_first, torch_resumed, dist_first, dist_resumed, at_ep1 = (
+        r["losses"] for r in json.loads(out.read_text())
+    )
+    assert torch_first == dist_first == straight[:4]
+    assert torch_resumed == dist_resumed == straight[4:]  # bitwise
+    assert at_ep1 == pytest.approx(straight[4:], rel=1e-5)
+    iteration = Path(saves["torch"]) / "iter_0000004"
+    assert sorted(p.name for p in iteration.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    import torch
+
+    ranks = [
+        torch.load(iteration / f"mp_rank_00_00{e}" / "model_optim_rng.pt", weights_only=False)
+        for e in range(2)
+    ]
+    key = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+    assert {f"{key}0", f"{key}1"} <= set(ranks[0]["model"]) and f"{key}2" not in ranks[0]["model"]
+    assert not torch.equal(ranks[0]["model"][f"{key}0"], ranks[1]["model"][f"{key}0"])
+    with pytest.raises(
+        ValueError, match="saved with expert-model-parallel-size 2, this run uses 1"
+    ):
+        train(mock_argv(tmp_path, *flags, "--load", saves["torch"], mbs=2, gbs=8, iters=8))

@@ -202,7 +202,11 @@ def _load_optimizer(
         return
     folder = checkpoint_dir(load_dir, iteration)
     rank_file, _ = find_rank_file(
-        folder, position.get("tp_rank", 0), position.get("pp_rank", 0), position.get("pp_size")
+        folder,
+        position.get("tp_rank", 0),
+        position.get("pp_rank", 0),
+        position.get("pp_size"),
+        position.get("ep_rank", 0),
     )
     path = rank_file.parent / DISTRIB_OPTIM_FILENAME
     if not path.is_file():
@@ -232,7 +236,13 @@ def _load_optimizer(
 def _parallel_sizes(layout: Any) -> dict[str, int]:
     if layout is None:
         return {}
-    return {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp, "vp": layout.virtual}
+    return {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "cp": layout.cp,
+        "vp": layout.virtual,
+        "ep": layout.ep,
+    }
 
 
 def _shard_position(layout: Any) -> dict[str, int]:
@@ -243,6 +253,9 @@ def _shard_position(layout: Any) -> dict[str, int]:
         "tp_size": layout.tp,
         "pp_rank": layout.pp_rank,
         "pp_size": layout.pp,
+        # Megatron's `mp_rank_TT[_PPP]_EEE`: one file per expert-parallel rank
+        "ep_rank": layout.ep_rank,
+        "ep_size": layout.ep,
     }
 
 
@@ -273,8 +286,15 @@ def resume(
         iteration,
         tp_rank=position.get("tp_rank", 0),
         pp_rank=position.get("pp_rank", 0),
+        ep_rank=position.get("ep_rank", 0),
     )
     saved = (ckpt.get("mg") or {}).get("parallel") or {}
+    if saved.get("ep", 1) != position.get("ep_size", 1):
+        raise ValueError(
+            f"{load_dir}: the torch-format checkpoint was saved with expert-model-parallel-size "
+            f"{saved.get('ep', 1)}, this run uses {position.get('ep_size', 1)}; use the same "
+            "size, or save with --ckpt-format torch_dist, which loads at any expert-parallel size"
+        )
     wanted = position.get("pp_size", 1)
     if saved.get("pp", 1) != wanted:
         raise ValueError(

@@ -71,6 +71,12 @@ from mg.core.checkpoint.megatron_dist import (
     supports_megatron_layout,
 )
 from mg.core.models.config import TransformerConfig
+from mg.core.models.moe.expert_names import (
+    global_expert_names,
+    inverse,
+    rename_keys,
+    rename_optimizer_state,
+)
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.trainer import distributed
@@ -196,6 +202,7 @@ def save(
     if isinstance(optimizer, DistributedOptimizer):
         optimizer.finish_param_sync()  # the model's weights are complete only after this
     named = model.state_dict()
+    experts = global_expert_names(model)  # expert parallelism: experts by global number
     megatron = supports_megatron_layout(named)
     if megatron:
         layers = int(model_config["num_layers"])
@@ -203,9 +210,9 @@ def save(
         model_state = megatron_model_state(named, layers, tied=tied, extra_state=True)
         sharded: dict[str, Any] = {**model_state.tensors, **model_state.objects}
     else:
-        sharded = {"model": named}
+        sharded = {"model": rename_keys(named, experts)}
     if save_optim:
-        sharded["optimizer"] = _optimizer_state(model, optimizer)
+        sharded["optimizer"] = rename_optimizer_state(_optimizer_state(model, optimizer), experts)
     common = {
         "args": argparse.Namespace(
             **args_flat,
@@ -338,6 +345,7 @@ def resume(
         )
     megatron = checkpoint_is_megatron_layout(folder)
     named = model.state_dict()
+    experts = global_expert_names(model)  # expert parallelism: experts by global number
     model_state = None
     if megatron:
         config = _model_config(unwrapped)
@@ -345,9 +353,10 @@ def resume(
         model_state = megatron_model_state(named, config.num_layers, tied=tied)
         sharded: dict[str, Any] = dict(model_state.tensors)
     else:
-        sharded = {"model": named}
+        sharded = {"model": rename_keys(named, experts)}
     if want_optim:
-        sharded["optimizer"] = _optimizer_request(folder, model, optimizer)
+        request = _optimizer_request(folder, model, optimizer)
+        sharded["optimizer"] = rename_optimizer_state(request, experts)
     rng_key, own_rng = None, False
     if load_rng and not finetune and rng_shard is not None:
         if megatron:
@@ -360,7 +369,8 @@ def resume(
     if model_state is not None:
         model_state.finish_load()
     if want_optim:
-        _load_optimizer(model, optimizer, sharded["optimizer"], load_dir)
+        loaded = rename_optimizer_state(sharded["optimizer"], inverse(experts))
+        _load_optimizer(model, optimizer, loaded, load_dir)
         scheduler.load_state_dict(common["opt_param_scheduler"])
         if "grad_scaler" in common:
             loss_scaler.load_state_dict(common["grad_scaler"])

@@ -97,6 +97,7 @@ def apply_expert_parallel(
             continue
         local = num_experts // ep
         layer.experts.keep_experts(range(ep_rank * local, (ep_rank + 1) * local))
+        layer.experts.expert_offset = ep_rank * local  # its experts' global numbers (checkpoints)
         if dispatcher == "alltoall":
             layer.token_dispatcher = AllToAllDispatcher(num_experts, ep_group)
         elif dispatcher == "allgather":

@@ -82,7 +82,11 @@ class ParallelLayout:
 
     @property
     def writes_checkpoint(self) -> bool:
-        """One rank per (tp, pp) shard writes it: data- and context-parallel rank 0."""
+        """One rank per (tp, pp) shard writes it: data- and context-parallel rank 0; with
+        expert parallelism one per (tp, pp, ep) shard (Megatron's `mp_rank_TT_PPP_EEE`): the
+        expert-data-parallel rank 0 of each expert-parallel rank."""
+        if self.ep > 1:
+            return self.expert_dp_rank == 0 and self.cp_rank == 0
         return self.dp_rank == 0 and self.cp_rank == 0
 
     @property

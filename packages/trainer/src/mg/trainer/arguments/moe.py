@@ -165,9 +165,9 @@ def check_moe_flags(
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None.
 
-    `sharded_state`: the flags given that would save, load or shard the training
-    state (--save, --load, --use-distributed-optimizer, --overlap-grad-reduce), which
-    expert parallelism does not support yet."""
+    `sharded_state`: the flags given that would shard the training state
+    (--use-distributed-optimizer, --overlap-grad-reduce), which expert parallelism does
+    not support yet."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -225,8 +225,8 @@ def check_moe_flags(
         blocker = f"--pipeline-model-parallel-size {pp}" if pp > 1 else sharded_state[0]
         return (
             f"--expert-model-parallel-size {ep} with {blocker}: expert-parallel training runs "
-            "with data parallelism only so far (its checkpoints, the distributed optimizer, "
-            "DDP overlap and pipeline stages do not shard experts yet); use 1 or --dry-run"
+            "with data parallelism only so far (the distributed optimizer, DDP overlap and "
+            "pipeline stages do not shard experts yet); use 1 or --dry-run"
         )
     if tp > 1 or cp > 1:
         return (
@@ -250,8 +250,6 @@ def check_moe(args: Args) -> None:
         sharded_state=tuple(
             flag
             for flag, given in (
-                ("--save", args.checkpoint.save),
-                ("--load", args.checkpoint.load),
                 ("--use-distributed-optimizer", d.use_distributed_optimizer),
                 ("--overlap-grad-reduce", d.overlap_grad_reduce),
             )
