@@ -247,7 +247,8 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     experts as local_experts.0..), `torch_dist` each expert under its global number. Resumed
     at EP = 2 the next iterations equal the straight run's bitwise (both formats); the
     torch_dist one resumed at EP = 1 (each rank every expert) equals it to fp32 rounding,
-    and the torch one at EP = 1 is refused naming the size."""
+    and the torch one at EP = 1 is refused naming the size. --overlap-grad-reduce at EP = 2
+    equals the run without."""
     import json
     from pathlib import Path
 
@@ -263,12 +264,15 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
         runs.append([*base, *ep2, "--ckpt-format", fmt, "--save", path, "--exit-interval", "4"])
         runs.append([*base, *ep2, "--ckpt-format", fmt, "--load", path])
     runs.append([*base, "--load", saves["torch_dist"]])  # EP = 1
+    runs.append([*base, *ep2, "--overlap-grad-reduce", "--ddp-bucket-size", "2000"])
     out = tmp_path / "ep_ckpt.json"
     worker = Path(__file__).with_name("ddp_worker.py")
     launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=300)
-    straight, torch_first, torch_resumed, dist_first, dist_resumed, at_ep1 = (
+    straight, torch_first, torch_resumed, dist_first, dist_resumed, at_ep1, overlap = (
         r["losses"] for r in json.loads(out.read_text())
     )
+    # DDP's overlapped buckets for the dense weights, the experts over their own group
+    assert overlap == pytest.approx(straight, rel=1e-6)
     assert torch_first == dist_first == straight[:4]
     assert torch_resumed == dist_resumed == straight[4:]  # bitwise
     assert at_ep1 == pytest.approx(straight[4:], rel=1e-5)

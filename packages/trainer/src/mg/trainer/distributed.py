@@ -86,6 +86,13 @@ def wrap_model(
         # DDP sizes buckets in MiB; Megatron's flag is in elements (fp32 here).
         kwargs["bucket_cap_mb"] = bucket_size * 4 / 2**20
     device_ids = [torch.cuda.current_device()] if next(model.parameters()).is_cuda else None
+    # Expert-parallel experts (allreduce=False) differ between the data-parallel ranks: DDP
+    # leaves them alone, they are reduced over their expert-data-parallel group (moe_step).
+    experts = [n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
+    if experts:
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, experts
+        )
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
     if reduce_in_bf16:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

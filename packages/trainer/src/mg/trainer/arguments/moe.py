@@ -166,8 +166,7 @@ def check_moe_flags(
     """The one-line message for MoE flags that cannot apply, or None.
 
     `sharded_state`: the flags given that would shard the training state
-    (--use-distributed-optimizer, --overlap-grad-reduce), which expert parallelism does
-    not support yet."""
+    (--use-distributed-optimizer), which expert parallelism does not support yet."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -225,8 +224,8 @@ def check_moe_flags(
         blocker = f"--pipeline-model-parallel-size {pp}" if pp > 1 else sharded_state[0]
         return (
             f"--expert-model-parallel-size {ep} with {blocker}: expert-parallel training runs "
-            "with data parallelism only so far (the distributed optimizer, DDP overlap and "
-            "pipeline stages do not shard experts yet); use 1 or --dry-run"
+            "with data parallelism only so far (the distributed optimizer and pipeline stages "
+            "do not shard experts yet); use 1 or --dry-run"
         )
     if tp > 1 or cp > 1:
         return (
@@ -251,7 +250,6 @@ def check_moe(args: Args) -> None:
             flag
             for flag, given in (
                 ("--use-distributed-optimizer", d.use_distributed_optimizer),
-                ("--overlap-grad-reduce", d.overlap_grad_reduce),
             )
             if given
         ),
