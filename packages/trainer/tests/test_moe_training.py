@@ -172,8 +172,8 @@ def test_megatron_mixtral_script_dry_run_on_64_gpus(tmp_path):
     assert "EP 8 x expert TP 1 x expert DP 2, 1 experts per GPU" in text
     assert "number of parameters active per token: 12.88" in text
     assert "number of parameters: 46.70" in text and "!" not in text  # meta model agrees
-    # without --dry-run the same flags are refused in one line: experts are not sharded yet
-    with pytest.raises(ArgumentError, match="pipeline-model-parallel-size 4: expert-parallel"):
+    # without --dry-run the same flags are refused in one line: the distributed optimizer
+    with pytest.raises(ArgumentError, match="size 8 with --use-distributed-optimizer"):
         parse_args(argv[:1] + argv[2:], world_size=64)
 
 
@@ -291,3 +291,29 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
         ValueError, match="saved with expert-model-parallel-size 2, this run uses 1"
     ):
         train(mock_argv(tmp_path, *flags, "--load", saves["torch"], mbs=2, gbs=8, iters=8))
+
+
+@pytest.mark.slow  # four trainer ranks on 2 shared cores
+def test_expert_parallel_with_pipeline_matches_one_process(tmp_path, mock_argv, train):
+    """PP = 2 × EP = 2 × DP = 2 on four gloo ranks (each stage's experts split over its two
+    ranks) vs one process: same losses, validation and clipped grad norms (the norm sums
+    each stage's dense squares and its EP group's experts, then the stages)."""
+    import json
+    from pathlib import Path
+
+    from mg.core.testing.launch import launch_workers
+
+    flags = [*MOE, "--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0.05"]
+    flags += ["--eval-interval", "3", "--eval-iters", "1"]
+    argv = mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=6)
+    one = train(argv)
+    run = [*argv, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+    out = tmp_path / "pp_ep.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    launch_workers(str(worker), 4, [str(out), json.dumps([run])], timeout=500)
+    (four,) = json.loads(out.read_text())
+    assert four["losses"] == pytest.approx(one.losses, rel=1e-5)
+    assert four["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
+    assert max(one.grad_norms) > 0.05  # clipping happened
+    for (i, a), (j, b) in zip(one.validation, four["validation"], strict=True):
+        assert i == j and b == pytest.approx(a, rel=1e-5)

@@ -23,6 +23,7 @@ from mg.core.models import TransformerConfig
 from mg.core.models.moe import AuxLossBackward, TopKRouter
 from mg.core.parallel.expert_parallel import is_expert_parameter
 from mg.core.parallel.layout import ParallelLayout
+from mg.core.parallel.pipeline import is_shared_copy
 
 _AUX_NAMES = {
     "aux_loss": "load_balancing_loss",
@@ -101,14 +102,23 @@ def clip_grad_norm_expert_parallel(
     params: list[nn.Parameter], clip_grad: float, layout: ParallelLayout
 ) -> float:
     """The global L2 norm with expert parallelism: the dense gradients (the same on every
-    rank) plus every rank's own experts, summed over the EP group; clipped if clip > 0."""
+    rank of a stage) plus every rank's own experts, summed over the EP group, then over
+    the pipeline stages (the tied embedding's last-stage copy counted once); clipped if
+    clip > 0, every rank by the same coefficient (Megatron's `clip_grad_norm_fp32`)."""
     grads = [p for p in params if p.grad is not None]
-    dense = [p.grad.float().square().sum() for p in grads if not is_expert_parameter(p)]
+    dense = [
+        p.grad.float().square().sum()
+        for p in grads
+        if not is_expert_parameter(p) and not is_shared_copy(p)
+    ]
     experts = [p.grad.float().square().sum() for p in grads if is_expert_parameter(p)]
     zero = torch.zeros((), device=grads[0].grad.device)
     expert_sq = torch.stack(experts).sum() if experts else zero
     dist.all_reduce(expert_sq, group=layout.ep_group)
-    total = float(((torch.stack(dense).sum() if dense else zero) + expert_sq).sqrt())
+    total_sq = (torch.stack(dense).sum() if dense else zero) + expert_sq
+    if layout.pp > 1:  # each stage its own layers
+        dist.all_reduce(total_sq, group=layout.pp_group)
+    total = float(total_sq.sqrt())
     if not math.isfinite(total):
         return float("nan")
     if clip_grad > 0 and total > clip_grad:

@@ -493,10 +493,10 @@ class Trainer:
         clip = self.args.optimizer.clip_grad
         if self.distributed_optimizer:  # over data, tensor and pipeline ranks
             return self.optimizer.clip_grad_norm(clip)
-        if isinstance(self.model, model_parallel.PipelineModel):
-            return clip_grad_norm_across_stages(self.params, clip, self.layout.pp_group)
         if self.layout.ep > 1:  # each rank holds other experts: their squares summed over EP
             return moe_step.clip_grad_norm_expert_parallel(self.params, clip, self.layout)
+        if isinstance(self.model, model_parallel.PipelineModel):
+            return clip_grad_norm_across_stages(self.params, clip, self.layout.pp_group)
         return clip_grad_norm(self.model, clip)
 
     @torch.no_grad()

@@ -220,12 +220,10 @@ def check_moe_flags(
             f"--expert-tensor-parallel-size {etp}: experts follow "
             f"--tensor-model-parallel-size ({tp}) in mg-train; drop the flag"
         )
-    if ep > 1 and (pp > 1 or sharded_state):
-        blocker = f"--pipeline-model-parallel-size {pp}" if pp > 1 else sharded_state[0]
+    if ep > 1 and sharded_state:
         return (
-            f"--expert-model-parallel-size {ep} with {blocker}: expert-parallel training runs "
-            "with data parallelism only so far (the distributed optimizer and pipeline stages "
-            "do not shard experts yet); use 1 or --dry-run"
+            f"--expert-model-parallel-size {ep} with {sharded_state[0]}: the distributed "
+            "optimizer does not shard experts yet; use 1, the plain optimizer or --dry-run"
         )
     if tp > 1 or cp > 1:
         return (
@@ -248,9 +246,7 @@ def check_moe(args: Args) -> None:
         dry_run=args.training.dry_run,
         sharded_state=tuple(
             flag
-            for flag, given in (
-                ("--use-distributed-optimizer", d.use_distributed_optimizer),
-            )
+            for flag, given in (("--use-distributed-optimizer", d.use_distributed_optimizer),)
             if given
         ),
     )
