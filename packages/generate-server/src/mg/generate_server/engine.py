@@ -21,6 +21,12 @@ tokens it already produced (preemption by recompute), so its output is what it
 would have been. A sequence whose chunk reaches its last token samples its
 next token from that row's logits.
 
+A model with Mamba layers (`runner.recurrent_state`) keeps each running
+sequence's recurrent state in a slot of its own, taken at admission and given
+back when it finishes or is preempted; prefix caching is off for it, since a
+state cannot be restored from cached blocks (a preempted sequence is
+recomputed from its first token, as any other).
+
 A slow consumer never stalls the loop: callbacks only enqueue. Errors in a
 step fail the requests of that step, not the engine.
 """
@@ -83,6 +89,8 @@ class _Sequence:
     """Prefix-cache names of its leading full blocks."""
     computed: int = 0
     """Leading tokens whose keys/values are in the cache."""
+    slot: int = -1
+    """Its recurrent-state slot while running (models with Mamba layers)."""
     prompt_logprobs: list[float] | None = None
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
@@ -161,10 +169,19 @@ class GenerationEngine:
         vocab_size: int,
         max_waiting: int = 256,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        prefix_caching: bool = True,
+        prefix_caching: bool | None = None,
     ) -> None:
+        """`prefix_caching` None: on, unless the model has a recurrent state."""
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        recurrent = getattr(runner, "recurrent_state", False)
+        if prefix_caching and recurrent:
+            raise ValueError(
+                "prefix caching: this model's Mamba layers keep a recurrent state that cached "
+                "blocks cannot restore; serve it without prefix caching"
+            )
+        if prefix_caching is None:
+            prefix_caching = not recurrent
         self.runner = runner
         self.detokenize = detokenize
         self.vocab_size = vocab_size
@@ -174,6 +191,7 @@ class GenerationEngine:
         self.max_running = runner.num_slots
         self.max_length = runner.max_length
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching)
+        self._free_slots = list(range(runner.num_slots - 1, -1, -1))
         self.stats = EngineStats()
         self.observe_latency: Callable[[str, float], None] | None = None
         """Called with ("ttft", seconds) for a request's first token and ("itl", seconds)
@@ -287,6 +305,7 @@ class GenerationEngine:
     def _finish(self, sequence: _Sequence, event: TokenEvent) -> None:
         if sequence in self._running:
             self._running.remove(sequence)
+            self._free_slots.append(sequence.slot)
         self.blocks.release(sequence.blocks)
         sequence.blocks, sequence.block_names = [], []
         self.stats.finished += 1
@@ -309,6 +328,7 @@ class GenerationEngine:
         """Release its blocks and queue it first again; it is recomputed when readmitted
         (its full blocks stay named, so the recomputation may find them still cached)."""
         self._running.remove(sequence)
+        self._free_slots.append(sequence.slot)
         self.blocks.release(sequence.blocks)
         sequence.blocks, sequence.block_names, sequence.computed = [], [], 0
         if sequence.collects_prompt_logprobs:
@@ -370,6 +390,7 @@ class GenerationEngine:
                 self._waiting.popleft()
             if not sequence.generated:
                 self.stats.cached_prompt_tokens += sequence.computed
+            sequence.slot = self._free_slots.pop()
             self._running.append(sequence)
             plan.append((sequence, count))
             budget -= count
@@ -384,7 +405,7 @@ class GenerationEngine:
         spans: list[tuple[int, int]] = []  # each sequence's rows among the logits
         for sequence, count in plan:
             start, first = len(ids), sequence.computed
-            segments.append(PagedSegment(start, count, first, list(sequence.blocks)))
+            segments.append(PagedSegment(start, count, first, list(sequence.blocks), sequence.slot))
             ids += sequence.tokens[first : first + count]
             positions += range(first, first + count)
             row = len(rows)

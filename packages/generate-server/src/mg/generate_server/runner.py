@@ -5,7 +5,13 @@ positions, in which cache blocks); the runner runs it. A step is one row of
 tokens, every sequence's new tokens end to end (`PagedSegment`s say where),
 and only the rows whose logits are needed go through the output layer (the
 last token of each sequence that samples; every prompt token when prompt
-log-probabilities are asked for). `tensor_parallel.TensorParallelRunner` is
+log-probabilities are asked for).
+
+The cache follows the model: a GPTModel (dense or MoE) keeps keys/values in
+the paged pool; a MambaModel (Mamba-2 or hybrid) keeps each running sequence's
+recurrent state in a slot (`PagedSegment.slot`) and its attention layers'
+keys/values in the pool (`PagedHybridCache`). An MoE model is routed dropless
+(`moe_routing`). `tensor_parallel.TensorParallelRunner` is
 the runner for a TP-sharded model: it broadcasts each step from rank 0 so that
 every rank runs the same forward on its shard of the heads.
 """
@@ -21,7 +27,9 @@ from torch.nn.attention import sdpa_kernel
 
 from mg.core.models import GPTModel
 from mg.core.models.attention_backend import serving_kernels
+from mg.core.models.mamba import MambaModel, PagedHybridCache
 from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
+from mg.generate_server.moe_routing import route_dropless
 
 log = logging.getLogger("mg.generate_server")
 
@@ -29,7 +37,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class ModelRunner:
-    """A GPTModel and the paged KV cache it decodes with.
+    """A GPTModel or MambaModel and the paged cache it decodes with.
 
     `num_slots` is how many sequences run at once; `max_length` the positions
     one sequence may use. The pool holds `num_blocks` blocks of `block_size`
@@ -39,7 +47,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: GPTModel,
+        model: GPTModel | MambaModel,
         num_slots: int,
         max_length: int,
         num_blocks: int | None = None,
@@ -52,7 +60,14 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = num_slots * -(-max_length // block_size)
         self.num_blocks = num_blocks
-        self.cache = PagedKVCache.for_model(model, num_blocks=num_blocks, block_size=block_size)
+        self.recurrent_state = isinstance(model, MambaModel)
+        """Mamba layers: a state slot per running sequence, no prefix caching (a recurrent
+        state cannot be restored from cached blocks)."""
+        if self.recurrent_state:
+            self.cache = PagedHybridCache.for_model(model, num_slots, num_blocks, block_size)
+        else:
+            self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.capacity_factor = route_dropless(model)
         self.device = next(model.parameters()).device
         self.num_threads = torch.get_num_threads()
         self.heartbeat_seconds: float | None = None

@@ -24,9 +24,9 @@ SDPA over their gathered blocks, and each prefill chunk by its own SDPA with a
 causal mask offset by its cached prefix (chunked prefill).
 
 `attend(layer, query, key, value) -> context` is the whole interface a model
-layer sees (`KVCache` has it too); a layer with a recurrent state instead of
-keys/values (Mamba) would ask the same cache object for its per-sequence state
-by layer index.
+layer sees (`KVCache` has it too). A layer with a recurrent state instead of
+keys/values (Mamba) keeps it in a per-sequence slot, not in blocks: a segment
+names its sequence's `slot` (`mg.core.models.mamba.cache.PagedHybridCache`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class PagedSegment:
     """Positions already cached before this step; its first new token is at this position."""
     blocks: Sequence[int]
     """Its block table, covering at least context_start + query_length positions."""
+    slot: int = 0
+    """Its recurrent-state slot (models with Mamba layers; attention ignores it)."""
 
     @property
     def context_length(self) -> int:
@@ -63,7 +65,8 @@ def encode_segments(segments: Sequence[PagedSegment]) -> list[int]:
     """The segments as a flat list of ints (to broadcast a step to tensor-parallel ranks)."""
     flat = [len(segments)]
     for s in segments:
-        flat += [s.query_start, s.query_length, s.context_start, len(s.blocks), *s.blocks]
+        flat += [s.query_start, s.query_length, s.context_start, s.slot, len(s.blocks)]
+        flat += s.blocks
     return flat
 
 
@@ -71,9 +74,10 @@ def decode_segments(flat: Sequence[int]) -> list[PagedSegment]:
     """Inverse of `encode_segments`."""
     segments, i = [], 1
     for _ in range(flat[0]):
-        start, length, context, n = flat[i : i + 4]
-        segments.append(PagedSegment(start, length, context, list(flat[i + 4 : i + 4 + n])))
-        i += 4 + n
+        start, length, context, slot, n = flat[i : i + 5]
+        blocks = list(flat[i + 5 : i + 5 + n])
+        segments.append(PagedSegment(start, length, context, blocks, slot))
+        i += 5 + n
     return segments
 
 
@@ -127,12 +131,14 @@ class PagedKVCache:
 
     @staticmethod
     def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
-        """Bytes one block takes for every layer of `model` (keys and values)."""
-        attention = model.decoder.layers[0].self_attention
+        """Bytes one block takes for every attention layer of `model` (keys and values);
+        0 for a model without attention (Mamba layers keep no blocks)."""
+        layers = [x.self_attention for x in model.decoder.layers if hasattr(x, "self_attention")]
+        if not layers:
+            return 0
         dtype = dtype or next(model.parameters()).dtype
         item = torch.empty((), dtype=dtype).element_size()
-        layers = len(model.decoder.layers)
-        return 2 * layers * block_size * attention.num_groups * attention.head_dim * item
+        return 2 * len(layers) * block_size * layers[0].num_groups * layers[0].head_dim * item
 
     @classmethod
     def for_model(cls, model: nn.Module, num_blocks: int, block_size: int) -> PagedKVCache:

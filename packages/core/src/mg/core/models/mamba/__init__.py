@@ -11,7 +11,7 @@ Modules, one job each: `ssd` (the chunked state-space scan and its recurrence),
 `config`, `hybrid` (layers, stack, model), `cache` (the decoding state).
 """
 
-from mg.core.models.mamba.cache import HybridCache
+from mg.core.models.mamba.cache import HybridCache, PagedHybridCache
 from mg.core.models.mamba.config import MambaConfig, decoder_config_from_dict
 from mg.core.models.mamba.hybrid import (
     AttentionLayer,
@@ -37,6 +37,7 @@ __all__ = [
     "MambaMixer",
     "MambaModel",
     "MambaStack",
+    "PagedHybridCache",
     "allocate_layers",
     "decoder_config_from_dict",
     "decoder_model",

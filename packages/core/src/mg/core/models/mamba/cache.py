@@ -21,15 +21,21 @@ after each row's last real token.
 Attention layers get a `KVCache` with one layer per attention layer; `attend`
 maps the model's layer index onto it, so `SelfAttention` uses this object as
 it uses a plain KVCache.
+
+`PagedHybridCache` is the serving engine's version: packed steps of many
+sequences, keys/values in a paged pool, each sequence's recurrent state in a slot.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from mg.core.models.kv_cache import KVCache
 from mg.core.models.mamba.pattern import ATTENTION, MAMBA
+from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
 
 
 class HybridCache:
@@ -154,3 +160,134 @@ class HybridCache:
 def _index_of(pattern: str, letter: str) -> dict[int, int]:
     """Model layer index → index among the layers of one type."""
     return {layer: i for i, layer in enumerate(j for j, c in enumerate(pattern) if c == letter)}
+
+
+class PagedHybridCache:
+    """A hybrid model's state for a serving engine's packed steps (`PagedSegment`s):
+    the attention layers' keys/values in a `PagedKVCache`, each Mamba layer's
+    convolution window and SSM state in the sequence's slot (`PagedSegment.slot`).
+
+    A packed step lays every sequence's new tokens end to end in one row; a
+    recurrence must not run across them, so `mix` runs the mixer on the decoding
+    sequences together (one token each, [n, 1, h]) and on each prefill chunk
+    alone ([1, length, h]), each from its own slot's state. A segment starting
+    at position 0 begins a new sequence: its slot is zeroed by `bind`; a later
+    chunk of the same prompt continues from the state the previous chunk left
+    (chunked prefill). The state after a block of tokens is not kept, so a
+    cached block prefix cannot restore it: an engine serving this cache runs
+    without prefix caching and recomputes a preempted sequence from position 0.
+    """
+
+    def __init__(
+        self,
+        layer_pattern: str,
+        num_slots: int,
+        conv_shape: tuple[int, ...],
+        ssm_shape: tuple[int, ...],
+        kv: PagedKVCache | None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.layer_pattern = layer_pattern
+        self.num_slots = num_slots
+        self.kv = kv
+        self._mamba_index = _index_of(layer_pattern, MAMBA)
+        self._attention_index = _index_of(layer_pattern, ATTENTION)
+        num_mamba = len(self._mamba_index)
+        self.conv_states = torch.zeros(
+            (num_mamba, num_slots, *conv_shape), dtype=dtype, device=device
+        )
+        self.ssm_states = torch.zeros(  # fp32 at least, as HybridCache carries it
+            (num_mamba, num_slots, *ssm_shape),
+            dtype=torch.promote_types(dtype, torch.float32),
+            device=device,
+        )
+        self._groups: list[tuple[Tensor | slice, Tensor]] = []
+        self._slots: Tensor | None = None
+
+    @classmethod
+    def for_model(
+        cls, model: nn.Module, num_slots: int, num_blocks: int, block_size: int
+    ) -> PagedHybridCache:
+        """Shaped for `model` (a MambaModel): `num_slots` recurrent states, and a pool of
+        `num_blocks` blocks for its attention layers (none without attention)."""
+        layers = model.decoder.layers
+        weight = next(model.parameters())
+        mixer = next(layer.mixer for layer in layers if hasattr(layer, "mixer"))
+        attention = next(
+            (layer.self_attention for layer in layers if hasattr(layer, "self_attention")), None
+        )
+        kv = None
+        if attention is not None:
+            kv = PagedKVCache(
+                num_layers=sum(hasattr(layer, "self_attention") for layer in layers),
+                num_blocks=num_blocks,
+                block_size=block_size,
+                num_groups=attention.num_groups,
+                head_dim=attention.head_dim,
+                num_heads=attention.num_heads,
+                dtype=weight.dtype,
+                device=weight.device,
+                window_size=model.config.window_size,
+            )
+        conv_shape, ssm_shape = mixer.state_shapes()
+        return cls(
+            model.decoder.layer_pattern,
+            num_slots,
+            conv_shape,
+            ssm_shape,
+            kv,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    def bind(self, segments: Sequence[PagedSegment]) -> None:
+        """Describe the next packed step (see `PagedKVCache.bind`); zero the slots of the
+        sequences that start at position 0."""
+        device = self.conv_states.device
+        fresh = [s.slot for s in segments if s.context_start == 0]
+        if fresh:
+            self.conv_states[:, fresh] = 0
+            self.ssm_states[:, fresh] = 0
+        decodes = [s for s in segments if s.query_length == 1]
+        self._groups = []
+        if decodes:
+            rows = torch.tensor([s.query_start for s in decodes], device=device)
+            slots = torch.tensor([s.slot for s in decodes], device=device)
+            self._groups.append((rows, slots))
+        for s in segments:
+            if s.query_length > 1:
+                rows = slice(s.query_start, s.query_start + s.query_length)
+                self._groups.append((rows, torch.tensor([s.slot], device=device)))
+        if self.kv is not None:
+            self.kv.bind(segments)
+
+    def mix(self, mixer: nn.Module, hidden: Tensor) -> Tensor:
+        """The Mamba mixer over a packed row [1, T, h], each sequence from its own state."""
+        out = torch.empty_like(hidden)
+        for rows, slots in self._groups:
+            self._slots = slots
+            if isinstance(rows, slice):  # one prefill chunk: [1, length, h]
+                out[:, rows] = mixer(hidden[:, rows], inference_cache=self)
+            else:  # the decoding sequences, one token each: [n, 1, h]
+                out[0, rows] = mixer(hidden[0, rows][:, None], inference_cache=self)[:, 0]
+        self._slots = None
+        return out
+
+    def lengths(self, batch: int, seq: int) -> Tensor:
+        """Every row of a group is all real tokens (no padding in a packed step)."""
+        return torch.full((batch,), seq, dtype=torch.long, device=self.conv_states.device)
+
+    def mamba_state(self, layer_index: int) -> tuple[Tensor, Tensor]:
+        """The current group's (conv window, SSM state) of the model's layer `layer_index`."""
+        i = self._mamba_index[layer_index]
+        return self.conv_states[i, self._slots], self.ssm_states[i, self._slots]
+
+    def store_mamba_state(self, layer_index: int, conv: Tensor, ssm: Tensor) -> None:
+        i = self._mamba_index[layer_index]
+        self.conv_states[i, self._slots] = conv.to(self.conv_states.dtype)
+        self.ssm_states[i, self._slots] = ssm.to(self.ssm_states.dtype)
+
+    def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """`PagedKVCache.attend` for an attention layer, by the model's layer index."""
+        return self.kv.attend(self._attention_index[layer_index], query, key, value)

@@ -65,7 +65,12 @@ class MambaLayer(nn.Module):
         self.mixer.init_weights(std, output_std)
 
     def forward(self, hidden, rotary=None, attention_mask=None, inference_cache=None) -> Tensor:
-        mixed = self.mixer(self.norm(hidden), inference_cache=inference_cache)
+        normed = self.norm(hidden)
+        packed = getattr(inference_cache, "mix", None)  # a serving engine's packed step
+        if packed is not None:
+            mixed = packed(self.mixer, normed)
+        else:
+            mixed = self.mixer(normed, inference_cache=inference_cache)
         return hidden + self.hidden_dropout(mixed)
 
 

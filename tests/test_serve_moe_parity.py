@@ -1,0 +1,171 @@
+"""mg-serve's engine serves mixture-of-experts models: greedy tokens equal transformers'
+`generate()` for Mixtral, Qwen3-MoE and Qwen2-MoE (tiny random models imported with
+mg-convert import-hf), prompts of mixed lengths decoded in one continuous batch, under
+chunked prefill and preemption. Each expected sequence is generated alone, so equal
+tokens also mean that routing in a packed step does not leak between sequences; a
+checkpoint with a capacity factor (which would let the other requests of a step push a
+token out of its expert) is served dropless and says so by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from mg.core.checkpoint.model_io import load_model, save_model
+from mg.generate_server.engine import GenerationEngine
+from mg.generate_server.runner import ModelRunner
+from mg.generate_server.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+convert = pytest.importorskip("mg.ckpt_convert.cli").main
+
+VOCAB = 128
+NEW_TOKENS = 12
+LENGTHS = (3, 1, 17, 9, 30)
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(
+        **TINY, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _qwen3_moe():
+    config = transformers.Qwen3MoeConfig(
+        **TINY,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],  # a dense first layer
+    )
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def _qwen2_moe():
+    config = transformers.Qwen2MoeConfig(
+        **TINY,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,  # a gated shared expert beside the routed ones
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+    )
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+FAMILIES = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe}
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+def _imported(family: str, folder: Path) -> tuple[Path, list[list[int]]]:
+    """The HF model imported as an mg checkpoint, and transformers' greedy tokens per prompt."""
+    torch.manual_seed(0)
+    hf = FAMILIES[family]()
+    with torch.no_grad():  # decisive logits and routers: no near-ties for argmax to flip on
+        for name, p in hf.named_parameters():
+            p.add_(torch.randn_like(p) * (0.5 if name.endswith("gate.weight") else 0.3))
+    hf.eval().save_pretrained(folder / "hf")
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    expected = []
+    for ids in _prompts():
+        prompt = torch.tensor([ids])
+        with torch.no_grad():
+            out = hf.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),  # token 0 is a real token here
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+        expected.append(out[0, len(ids) :].tolist())
+    convert(["import-hf", str(folder / "hf"), "--save", str(folder / "ckpt")])
+    return folder / "ckpt", expected
+
+
+def _generate(engine: GenerationEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """All prompts submitted at once (one batch); each one's greedy tokens."""
+    results: list[list[int]] = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
+    for i, prompt in enumerate(prompts):
+
+        def emit(event, i=i) -> None:
+            if event.choice is not None:
+                results[i].append(event.choice.token)
+            if event.finish_reason is not None:
+                assert event.finish_reason == "length", event.error
+                done.release()
+
+        engine.submit(prompt, params, emit)
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    return results
+
+
+def _serve(model, **options) -> list[list[int]]:
+    """The prompts' greedy tokens from one engine over `model` (options: the engine's,
+    and the pool's num_blocks and block_size; a small pool must preempt)."""
+    small_pool = "num_blocks" in options
+    runner = ModelRunner(
+        model,
+        num_slots=4,
+        max_length=64,
+        num_blocks=options.pop("num_blocks", None),
+        block_size=options.pop("block_size", 16),
+    )
+    engine = GenerationEngine(runner, lambda ids: "", VOCAB, **options)
+    try:
+        tokens = _generate(engine, _prompts())
+        if small_pool:
+            assert engine.stats.preemptions > 0 and engine.stats.recomputed_tokens > 0
+        assert engine.blocks.num_used == 0
+        return tokens
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_moe_greedy_equals_transformers_generate(family: str, tmp_path: Path) -> None:
+    ckpt, expected = _imported(family, tmp_path)
+    model, config, _, _ = load_model(ckpt)
+    assert config.num_moe_experts == 4 and config.moe_expert_capacity_factor is None
+    assert _serve(model.eval()) == expected
+    if family == "mixtral":  # the scheduler's other paths, on one family
+        assert _serve(model, max_num_batched_tokens=7) == expected  # chunked prefill
+        assert _serve(model, num_blocks=14, block_size=4) == expected  # preemption
+
+
+def test_capacity_factor_checkpoint_is_served_dropless(tmp_path: Path, caplog) -> None:
+    """A capacity of 0.5 would drop tokens in every step of a batch; served, each sequence
+    still gets transformers' (dropless) tokens, and the log names the factor."""
+    ckpt, expected = _imported("mixtral", tmp_path)
+    model, config, tokenizer, _ = load_model(ckpt)
+    capped = dataclasses.replace(config, moe_expert_capacity_factor=0.5)
+    save_model(tmp_path / "capped", model, capped, tokenizer)
+    model, config, _, _ = load_model(tmp_path / "capped")
+    assert config.moe_expert_capacity_factor == 0.5
+    with caplog.at_level(logging.WARNING, logger="mg.generate_server"):
+        assert _serve(model.eval()) == expected
+    assert "moe_expert_capacity_factor 0.5" in caplog.text
