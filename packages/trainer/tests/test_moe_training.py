@@ -69,9 +69,16 @@ def test_moe_layer_freq_forms():
         ([*MOE, "--expert-model-parallel-size", "3"], 1, "not divisible by"),
         ([*MOE, "--expert-model-parallel-size", "2"], 1, "must divide the 1 ranks"),
         (
-            [*MOE, "--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+            [
+                *MOE,
+                "--expert-model-parallel-size",
+                "2",
+                "--use-distributed-optimizer",
+                "--save",
+                "x",
+            ],
             2,
-            "with --use-distributed-optimizer",
+            "with --use-distributed-optimizer and --save",
         ),
         ([*MOE, "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
         ([*MOE, "--tensor-model-parallel-size", "2"], 2, "not supported yet"),
@@ -173,7 +180,7 @@ def test_megatron_mixtral_script_dry_run_on_64_gpus(tmp_path):
     assert "number of parameters active per token: 12.88" in text
     assert "number of parameters: 46.70" in text and "!" not in text  # meta model agrees
     # without --dry-run the same flags are refused in one line: the distributed optimizer
-    with pytest.raises(ArgumentError, match="size 8 with --use-distributed-optimizer"):
+    with pytest.raises(ArgumentError, match="size 8 with --use-distributed-optimizer and --save"):
         parse_args(argv[:1] + argv[2:], world_size=64)
 
 
@@ -265,12 +272,20 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
         runs.append([*base, *ep2, "--ckpt-format", fmt, "--load", path])
     runs.append([*base, "--load", saves["torch_dist"]])  # EP = 1
     runs.append([*base, *ep2, "--overlap-grad-reduce", "--ddp-bucket-size", "2000"])
+    clipped = [*base, *ep2, "--clip-grad", "0.05"]
+    runs += [clipped, [*clipped, "--use-distributed-optimizer", "--overlap-grad-reduce"]]
     out = tmp_path / "ep_ckpt.json"
     worker = Path(__file__).with_name("ddp_worker.py")
     launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=300)
+    results = json.loads(out.read_text())
     straight, torch_first, torch_resumed, dist_first, dist_resumed, at_ep1, overlap = (
-        r["losses"] for r in json.loads(out.read_text())
+        r["losses"] for r in results[:7]
     )
+    plain, sharded = results[7:]
+    # the distributed optimizer: dense weights sharded over DP, experts over expert DP
+    assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    assert sharded["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-5)
+    assert max(plain["grad_norms"]) > 0.05  # clipped: the norm adds the other rank's experts
     # DDP's overlapped buckets for the dense weights, the experts over their own group
     assert overlap == pytest.approx(straight, rel=1e-6)
     assert torch_first == dist_first == straight[:4]

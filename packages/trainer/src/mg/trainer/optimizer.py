@@ -18,6 +18,7 @@ optimizer's, so checkpoints move freely between the two and between DP sizes.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -71,14 +72,26 @@ def build_optimizer(
     args: OptimizerArgs,
     dist_args: DistributedArgs | None = None,
     dp_group: torch.distributed.ProcessGroup | None = None,
+    expert_groups: tuple[Any, Any] | None = None,
     **pipeline: Any,
 ) -> torch.optim.Optimizer | DistributedOptimizer:
     """AdamW (`--optimizer adam`) or SGD with momentum (`--optimizer sgd`), sharded over
     `dp_group` (default: the world) with `--use-distributed-optimizer`; `pipeline`: a
-    pipeline stage's groups and tied weight for it (`pipeline_optimizer_options`)."""
+    pipeline stage's groups and tied weight for it (`pipeline_optimizer_options`);
+    `expert_groups`: (expert-data-parallel, expert-parallel) groups under expert
+    parallelism, whose experts the distributed optimizer shards apart."""
     groups = param_groups(model, args.weight_decay, args.decoupled_lr, args.decoupled_min_lr)
     if dist_args is not None and dist_args.use_distributed_optimizer:
-        return DistributedOptimizer(
+        kind: Any = DistributedOptimizer
+        if expert_groups is not None:
+            from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
+
+            kind = partial(
+                ExpertParallelDistributedOptimizer,
+                expert_dp_group=expert_groups[0],
+                ep_group=expert_groups[1],
+            )
+        return kind(
             groups,
             lambda inner: _torch_optimizer(inner, args),
             dp_group=dp_group,

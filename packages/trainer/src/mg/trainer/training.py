@@ -34,6 +34,7 @@ from mg.core.models import apply_activation_recompute, num_floating_point_operat
 from mg.core.models.compile import compile_layers
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
 from mg.core.models.te_spec import FP8Options, apply_transformer_engine, fp8_autocast
+from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.pipeline import (
     allreduce_shared_embedding_grad,
     clip_grad_norm_across_stages,
@@ -249,9 +250,14 @@ class Trainer:
             args.optimizer,
             args.distributed,
             self.layout.dp_cp_group,
+            expert_groups=(
+                (self.layout.expert_dp_group, self.layout.ep_group) if self.layout.ep > 1 else None
+            ),
             **model_parallel.pipeline_optimizer_options(model, self.layout),
         )
-        self.distributed_optimizer = isinstance(self.optimizer, DistributedOptimizer)
+        self.distributed_optimizer = isinstance(
+            self.optimizer, DistributedOptimizer | ExpertParallelDistributedOptimizer
+        )
         self.scheduler = build_scheduler(args, self.optimizer, self.train_iters)
         o = args.optimizer
         self.scaler = build_loss_scaler(

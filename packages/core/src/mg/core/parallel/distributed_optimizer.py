@@ -170,6 +170,7 @@ class DistributedOptimizer:
         tied_weight: Tensor | None = None,
         tied_group: dist.ProcessGroup | None = None,
         grad_reduce_dtype: torch.dtype | None = None,
+        grad_divisor: int | None = None,
     ) -> None:
         self.group = dp_group
         # Megatron's --grad-reduce-in-bf16: reduce-scatter in this dtype (pre-divided by d)
@@ -179,6 +180,10 @@ class DistributedOptimizer:
         initialized = dist.is_available() and dist.is_initialized()
         self.dp_size = dist.get_world_size(dp_group) if initialized else 1
         self.dp_rank = dist.get_rank(dp_group) if initialized else 0
+        # what the summed gradients are divided by: the group's size, or for expert-parallel
+        # experts (sharded over the expert-data-parallel group) the data-parallel size
+        # (Megatron's expert_gradient_scaling_factor)
+        self._divisor = grad_divisor or self.dp_size
         self.overlap_grad_reduce = overlap_grad_reduce
         self._requested_bucket_size = bucket_size
         self.overlap_param_gather = overlap_param_gather
@@ -354,7 +359,7 @@ class DistributedOptimizer:
         send, shard = bucket.grad_data, bucket.grad_shard
         if self._reduce_dtype is not None and send.dtype != self._reduce_dtype:
             # as Megatron's DDP: scale by 1/d first, then sum in the reduce dtype
-            send = (send / self.dp_size).to(self._reduce_dtype)
+            send = (send / self._divisor).to(self._reduce_dtype)
             shard = torch.empty(bucket.shard_size, dtype=send.dtype, device=send.device)
             bucket.reduce_send, bucket.reduce_shard = send, shard
         bucket.grad_handle = (
@@ -373,8 +378,8 @@ class DistributedOptimizer:
             if bucket.reduce_shard is not None:  # reduced in grad_reduce_dtype, pre-divided
                 bucket.grad_shard.copy_(bucket.reduce_shard)
                 bucket.reduce_send = bucket.reduce_shard = None
-            elif self.dp_size > 1:
-                bucket.grad_shard.div_(self.dp_size)
+            elif self._divisor != 1:
+                bucket.grad_shard.div_(self._divisor)
             if bucket.grad_data.dtype != torch.float32:  # fp16 grads: fp32 main grads
                 bucket.main_grad_shard = bucket.grad_shard.float()
         if any(b.grad_data.dtype != torch.float32 for b in self._buckets):
@@ -413,6 +418,17 @@ class DistributedOptimizer:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of the averaged gradient (squared shard norms all-reduced), and
         `torch.nn.utils.clip_grad_norm_`'s scaling by max_norm / (norm + 1e-6) if > 0."""
+        norm = float(self.grad_norm_squares().sum().sqrt())
+        if not math.isfinite(norm):
+            return float("nan")
+        if max_norm > 0:
+            self.scale_grads(min(max_norm / (norm + 1e-6), 1.0))
+        return norm
+
+    def grad_norm_squares(self) -> Tensor:
+        """The squared norms [TP-sharded, replicated] of the averaged gradient, summed over
+        the data-, tensor- and pipeline-parallel ranks (a norm over several optimizers adds
+        these before the root)."""
         # [TP-sharded parameters' squares, replicated ones'] (the latter are equal on every
         # TP rank, so counted once; the former are summed over TP, as Megatron's norm is)
         squares = torch.zeros(2, dtype=torch.float32, device=self._buckets[0].grad_data.device)
@@ -427,15 +443,13 @@ class DistributedOptimizer:
             dist.all_reduce(squares[0:1], group=self._tp_group)
         if self._pipeline_group is not None:  # each stage's own parameters
             dist.all_reduce(squares, group=self._pipeline_group)
-        norm = float(squares.sum().sqrt())
-        if not math.isfinite(norm):
-            return float("nan")
-        if max_norm > 0:
-            coef = min(max_norm / (norm + 1e-6), 1.0)
-            if coef < 1.0:
-                for bucket in self._buckets:
-                    bucket.main_grad_shard.mul_(coef)
-        return norm
+        return squares
+
+    def scale_grads(self, coefficient: float) -> None:
+        """Multiply the shard's gradients (clipping), if the coefficient is below 1."""
+        if coefficient < 1.0:
+            for bucket in self._buckets:
+                bucket.main_grad_shard.mul_(coefficient)
 
     # --- step and parameters ------------------------------------------------------------------
 

@@ -165,8 +165,8 @@ def check_moe_flags(
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None.
 
-    `sharded_state`: the flags given that would shard the training state
-    (--use-distributed-optimizer), which expert parallelism does not support yet."""
+    `sharded_state`: the checkpoint flags given (--save, --load) when the distributed
+    optimizer is on, whose expert-parallel state is not checkpointed yet."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -222,8 +222,9 @@ def check_moe_flags(
         )
     if ep > 1 and sharded_state:
         return (
-            f"--expert-model-parallel-size {ep} with {sharded_state[0]}: the distributed "
-            "optimizer does not shard experts yet; use 1, the plain optimizer or --dry-run"
+            f"--expert-model-parallel-size {ep} with --use-distributed-optimizer and "
+            f"{sharded_state[0]}: the distributed optimizer's expert state is not checkpointed "
+            "yet; train without --save/--load, or use the plain optimizer"
         )
     if tp > 1 or cp > 1:
         return (
@@ -234,7 +235,7 @@ def check_moe_flags(
 
 
 def check_moe(args: Args) -> None:
-    """`check_moe_flags` on a parsed run: the flags that would shard the training state."""
+    """`check_moe_flags` on a parsed run."""
     d = args.distributed
     error = check_moe_flags(
         args.family,
@@ -246,8 +247,8 @@ def check_moe(args: Args) -> None:
         dry_run=args.training.dry_run,
         sharded_state=tuple(
             flag
-            for flag, given in (("--use-distributed-optimizer", d.use_distributed_optimizer),)
-            if given
+            for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))
+            if given and d.use_distributed_optimizer
         ),
     )
     if error:

@@ -1,0 +1,140 @@
+"""The distributed optimizer with expert parallelism: two shardings, one optimizer.
+
+A rank's routed experts (expert parallelism, `allreduce=False`) are replicated
+only over its expert-data-parallel group, the dense weights over the whole
+data-parallel group, so, as Megatron-Core builds separate expert buffers, the
+experts get a `DistributedOptimizer` of their own sharded over the
+expert-data-parallel group and the dense weights the usual one. Both average
+by the data-parallel size (Megatron's expert_gradient_scaling_factor: an
+expert's gradient already sums its EP group's tokens). The gradient norm adds
+the dense squares to the experts' summed over the EP group and the pipeline
+stages; an inf/NaN anywhere skips the step everywhere. The trainer drives it
+as it drives one `DistributedOptimizer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mg.core.parallel.distributed_optimizer import DistributedOptimizer
+from mg.core.parallel.expert_parallel import is_expert_parameter
+
+
+class ExpertParallelDistributedOptimizer:
+    """A dense `DistributedOptimizer` over `dp_group` and an expert one over
+    `expert_dp_group`; `param_groups` lists the dense groups, then the expert ones."""
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        make_optimizer: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+        *,
+        dp_group: dist.ProcessGroup | None,
+        expert_dp_group: dist.ProcessGroup | None,
+        ep_group: dist.ProcessGroup | None,
+        pipeline_group: dist.ProcessGroup | None = None,
+        **options: Any,
+    ) -> None:
+        def part(experts: bool) -> list[dict[str, Any]]:
+            return [
+                {**g, "params": [p for p in g["params"] if is_expert_parameter(p) == experts]}
+                for g in param_groups
+            ]
+
+        dp = dist.get_world_size(dp_group)
+        self.dense = DistributedOptimizer(
+            part(False), make_optimizer, dp_group=dp_group, pipeline_group=pipeline_group, **options
+        )
+        expert_groups = part(True)
+        self.experts = (
+            DistributedOptimizer(
+                expert_groups,
+                make_optimizer,
+                dp_group=expert_dp_group,
+                grad_divisor=dp,
+                **{k: v for k, v in options.items() if k not in ("tied_weight", "tied_group")},
+            )
+            if any(g["params"] for g in expert_groups)
+            else None  # a pipeline stage without MoE layers
+        )
+        self._ep_group = ep_group
+        self._pipeline_group = pipeline_group
+
+    @property
+    def _parts(self) -> list[DistributedOptimizer]:
+        return [self.dense] + ([self.experts] if self.experts is not None else [])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """Every inner group (the LR scheduler sets `lr` in each)."""
+        return [g for part in self._parts for g in part.param_groups]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in self._parts:
+                stack.enter_context(part.no_sync())
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self._parts:
+            part.zero_grad(set_to_none)
+
+    def finish_grad_sync(self) -> None:
+        for part in self._parts:
+            part.finish_grad_sync()
+
+    def unscale_and_check(self, scale: float) -> bool:
+        found = torch.tensor(
+            float(any([part.unscale_and_check(scale) for part in self._parts])),
+            device=self.dense.params[0].device,
+        )
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank skips alike
+        return bool(found > 0)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        dense = self.dense.grad_norm_squares().sum()
+        experts = (
+            self.experts.grad_norm_squares().sum()
+            if self.experts is not None
+            else torch.zeros_like(dense)
+        )
+        dist.all_reduce(experts, group=self._ep_group)  # this stage's experts
+        if self._pipeline_group is not None:
+            dist.all_reduce(experts, group=self._pipeline_group)
+        norm = float((dense + experts).sqrt())
+        if not math.isfinite(norm):
+            return float("nan")
+        if max_norm > 0:
+            for part in self._parts:
+                part.scale_grads(min(max_norm / (norm + 1e-6), 1.0))
+        return norm
+
+    def step(self) -> None:
+        for part in self._parts:
+            part.step()
+
+    def finish_param_sync(self) -> None:
+        for part in self._parts:
+            part.finish_param_sync()
+
+    def reload_model_params(self) -> None:
+        for part in self._parts:
+            part.reload_model_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            "--use-distributed-optimizer with --expert-model-parallel-size > 1 does not save "
+            "its state yet"
+        )
+
+
+def has_expert_parameters(model: nn.Module) -> bool:
+    return any(is_expert_parameter(p) for p in model.parameters())
