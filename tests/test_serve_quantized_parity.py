@@ -1,0 +1,114 @@
+"""mg-serve's engine serves mg-quantize checkpoints: the quantized model's greedy tokens,
+prompts of mixed lengths decoded in one continuous batch over the paged KV cache
+(chunked prefill and preemption included), equal the same quantized model's own
+unbatched generation (a full forward over the whole sequence for every token)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from mg.core.checkpoint import load_model, save_model
+from mg.core.fixtures import fixture_path
+from mg.core.models import GPTModel
+from mg.core.models.presets import tiny_llama
+from mg.core.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from mg.core.tokenizers import TokenizerConfig
+from mg.generate_server.engine import GenerationEngine
+from mg.generate_server.runner import ModelRunner
+from mg.generate_server.sampling import SamplingParams
+
+quantize = pytest.importorskip("mg.quantize_export.cli").main
+
+VOCAB = 50257
+NEW_TOKENS = 10
+LENGTHS = (4, 1, 19, 33)
+RECIPES = {
+    "int8_wo": ([], Int8WeightOnlyLinear),
+    "int4_wo": (["--group-size", "32"], Int4WeightOnlyLinear),
+}
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in LENGTHS]
+
+
+@torch.no_grad()
+def _unbatched(model, prompt: list[int]) -> list[int]:
+    """Greedy tokens of one sequence, every step a full forward without a cache."""
+    tokens = list(prompt)
+    for _ in range(NEW_TOKENS):
+        logits = model(torch.tensor([tokens]))[0, -1, :VOCAB]
+        tokens.append(int(logits.argmax()))
+    return tokens[len(prompt) :]
+
+
+def _generate(engine: GenerationEngine, prompts: list[list[int]]) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
+    for i, prompt in enumerate(prompts):
+
+        def emit(event, i=i) -> None:
+            if event.choice is not None:
+                results[i].append(event.choice.token)
+            if event.finish_reason is not None:
+                assert event.finish_reason == "length", event.error
+                done.release()
+
+        engine.submit(prompt, params, emit)
+    for _ in prompts:
+        assert done.acquire(timeout=120)
+    return results
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("quantized")
+    torch.manual_seed(0)
+    config = tiny_llama(
+        vocab_size=50304,
+        ffn_hidden_size=128,
+        max_position_embeddings=64,
+        seq_length=64,
+        init_method_std=0.3,  # decisive logits: no near-ties for argmax to flip on
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    tokenizer = TokenizerConfig(
+        "GPT2BPETokenizer",
+        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
+        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
+    )
+    save_model(folder / "float", GPTModel(config).eval(), config, tokenizer)
+    return folder / "float"
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_quantized_checkpoint_served_equals_unbatched(float_checkpoint, recipe, tmp_path):
+    extra, kind = RECIPES[recipe]
+    save = tmp_path / recipe
+    quantize(["--load", str(float_checkpoint), "--save", str(save), "--recipe", recipe, *extra])
+    model = load_model(save)[0].eval()
+    assert isinstance(model.decoder.layers[0].mlp.linear_fc1, kind)
+    prompts = _prompts()
+    expected = [_unbatched(model, p) for p in prompts]
+    for options in ({}, {"max_num_batched_tokens": 7}, {"num_blocks": 12, "block_size": 4}):
+        runner = ModelRunner(
+            model,
+            num_slots=4,
+            max_length=64,
+            num_blocks=options.pop("num_blocks", None),
+            block_size=options.pop("block_size", 16),
+        )
+        engine = GenerationEngine(runner, lambda ids: "", VOCAB, **options)
+        try:
+            assert _generate(engine, prompts) == expected, options
+            if runner.num_blocks == 12:
+                assert engine.stats.preemptions > 0
+        finally:
+            engine.shutdown()
