@@ -33,3 +33,14 @@ def test_both_layouts_resume_bitwise(tmp_path, mock_argv, train, monkeypatch, la
     second = train(mock_argv(tmp_path, *EVAL, "--hidden-dropout", "0.2", "--load", ckpt, iters=8))
     assert second.state.iteration == 8
     assert first.losses + second.losses == straight.losses  # bitwise: weights, Adam, RNG
+
+
+def test_another_model_is_named_not_called_corrupt(tmp_path, mock_argv, train) -> None:
+    from mg.core.checkpoint import CheckpointError
+
+    ckpt = str(tmp_path / "ckpt")
+    train(mock_argv(tmp_path, "--save", ckpt, iters=3))
+    deeper = mock_argv(tmp_path, "--load", ckpt, "--no-load-optim", iters=4)
+    deeper[deeper.index("--num-layers") + 1] = "3"
+    with pytest.raises(CheckpointError, match=r"stored with shape \(2, .*model's is \(3, "):
+        train(deeper)

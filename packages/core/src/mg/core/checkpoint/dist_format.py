@@ -403,7 +403,8 @@ def load_dist_checkpoint(
     folder = Path(folder)
     common = load_common(folder, allow_pickle=allow_pickle)
     reader = dcp.FileSystemReader(folder)
-    stored = set(read_dcp_metadata(folder).state_dict_metadata)
+    index = read_dcp_metadata(folder).state_dict_metadata
+    stored = set(index)
     wanted = set(_flat_keys(sharded))
     missing = sorted(wanted - stored)
     if missing:
@@ -414,6 +415,7 @@ def load_dist_checkpoint(
             "load without the optimizer (--no-load-optim)"
         )
     ready = dcp_ready(sharded)
+    _check_shapes(folder, index, ready)
     with single_process_is_intended(), guard_dcp_load(folder):
         dcp.load(
             ready,
@@ -438,6 +440,30 @@ def _copy_objects(loaded: Any, target: Any) -> None:
             _copy_objects(value, inner)
         elif not isinstance(value, Tensor):
             target[key] = value
+
+
+def _check_shapes(folder: Path, index: Mapping[str, Any], ready: Mapping[str, Any]) -> None:
+    """A stored tensor of another global shape than the one asked for is a different
+    model, not a corrupt file: say so before DCP fails on it."""
+    for key, tensor in _flat_tensors(ready):
+        meta = index.get(key)
+        if isinstance(meta, TensorStorageMetadata) and tuple(meta.size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{folder}: {key} is stored with shape {tuple(meta.size)}, this model's is "
+                f"{tuple(tensor.shape)}; it was saved from a different model (check "
+                "--num-layers, --hidden-size, --ffn-hidden-size, --num-query-groups, the "
+                "padded vocabulary)"
+            )
+
+
+def _flat_tensors(state: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Tensor]]:
+    out = []
+    for k, v in state.items():
+        if isinstance(v, Mapping):
+            out.extend(_flat_tensors(v, f"{prefix}{k}."))
+        elif isinstance(v, Tensor):
+            out.append((f"{prefix}{k}", v))
+    return out
 
 
 def _flat_keys(state: Mapping[str, Any], prefix: str = "") -> list[str]:
