@@ -76,6 +76,8 @@ def test_moe_layer_freq_forms():
                 "--use-distributed-optimizer",
                 "--save",
                 "x",
+                "--ckpt-format",
+                "torch",
             ],
             2,
             "with --use-distributed-optimizer and --save",
@@ -179,9 +181,11 @@ def test_megatron_mixtral_script_dry_run_on_64_gpus(tmp_path):
     assert "EP 8 x expert TP 1 x expert DP 2, 1 experts per GPU" in text
     assert "number of parameters active per token: 12.88" in text
     assert "number of parameters: 46.70" in text and "!" not in text  # meta model agrees
-    # without --dry-run the same flags are refused in one line: the distributed optimizer
+    # without --dry-run the same flags are a run (EP x PP, the distributed optimizer, torch_dist)
+    run = parse_args(argv[:1] + argv[2:], world_size=64)
+    assert run.moe.expert_model_parallel_size == 8 and not run.training.dry_run
     with pytest.raises(ArgumentError, match="size 8 with --use-distributed-optimizer and --save"):
-        parse_args(argv[:1] + argv[2:], world_size=64)
+        parse_args([*argv[:1], *argv[2:], "--ckpt-format", "torch"], world_size=64)
 
 
 @pytest.mark.slow  # two trainer ranks x two runs: ~40 s on 2 shared cores
@@ -273,7 +277,12 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     runs.append([*base, "--load", saves["torch_dist"]])  # EP = 1
     runs.append([*base, *ep2, "--overlap-grad-reduce", "--ddp-bucket-size", "2000"])
     clipped = [*base, *ep2, "--clip-grad", "0.05"]
-    runs += [clipped, [*clipped, "--use-distributed-optimizer", "--overlap-grad-reduce"]]
+    sharded = [*clipped, "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    runs += [clipped, sharded]
+    dist_opt = str(tmp_path / "ckpt-dist-opt")  # its state as the plain optimizer's tensors
+    runs.append([*sharded, "--save", dist_opt, "--exit-interval", "4"])
+    runs.append([*sharded, "--load", dist_opt])
+    runs.append([*base, "--clip-grad", "0.05", "--use-distributed-optimizer", "--load", dist_opt])
     out = tmp_path / "ep_ckpt.json"
     worker = Path(__file__).with_name("ddp_worker.py")
     launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=300)
@@ -281,11 +290,13 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     straight, torch_first, torch_resumed, dist_first, dist_resumed, at_ep1, overlap = (
         r["losses"] for r in results[:7]
     )
-    plain, sharded = results[7:]
+    plain, sharded, _, sharded_resumed, sharded_at_ep1 = results[7:]
     # the distributed optimizer: dense weights sharded over DP, experts over expert DP
     assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert sharded["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-5)
     assert max(plain["grad_norms"]) > 0.05  # clipped: the norm adds the other rank's experts
+    assert sharded_resumed["losses"] == sharded["losses"][4:]  # bitwise
+    assert sharded_at_ep1["losses"] == pytest.approx(sharded["losses"][4:], rel=1e-5)
     # DDP's overlapped buckets for the dense weights, the experts over their own group
     assert overlap == pytest.approx(straight, rel=1e-6)
     assert torch_first == dist_first == straight[:4]

@@ -79,6 +79,7 @@ from mg.core.models.moe.expert_names import (
 )
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
+from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.trainer import distributed
 from mg.trainer.checkpointing import TrainState
 
@@ -93,6 +94,8 @@ def _named_globally(model: nn.Module) -> nn.Module:
 
 
 _PLACEHOLDER = "<read from the checkpoint>"
+# the distributed optimizer, also as the pair expert parallelism builds
+_SHARDED = (DistributedOptimizer, ExpertParallelDistributedOptimizer)
 
 
 def _model_config(model: nn.Module) -> TransformerConfig:
@@ -119,7 +122,7 @@ def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     of each parameter's global tensor: the data-parallel ranks together write every
     tensor once, nothing is gathered, and the checkpoint holds the same global tensors
     as the plain optimizer's, so it loads at any layout and into either optimizer."""
-    if not isinstance(optimizer, DistributedOptimizer):
+    if not isinstance(optimizer, _SHARDED):
         return get_optimizer_state_dict(model, optimizer)
     return _by_name(optimizer.sharded_state(), _names(model, optimizer))
 
@@ -139,16 +142,19 @@ def _optimizer_request(folder: Path, model: nn.Module, optimizer: Any) -> dict[s
     the distributed optimizer the regions of its own fragments (`sharded_state_to_load`),
     of whichever stored entries exist (a checkpoint of the plain optimizer has no
     main_param; one saved before the first step has no state)."""
-    if not isinstance(optimizer, DistributedOptimizer):
+    if not isinstance(optimizer, _SHARDED):
         return get_optimizer_state_dict(model, optimizer)
-    names = _names(model, optimizer)
+    local = _names(model, optimizer)
+    experts = global_expert_names(model)  # the stored names of this rank's experts
+    names = [experts.get(name, name) for name in local]
     stored = stored_keys(folder, "optimizer.state.")
     request = optimizer.sharded_state_to_load(
         lambda i, key: f"optimizer.state.{names[i]}.{key}" in stored
     )
     # Non-tensor entries are read whole in place of these placeholders (None is skipped).
-    groups = [{k: _PLACEHOLDER for k in g} for g in optimizer.param_groups]
-    return {"state": _by_name(request, names)["state"], "param_groups": groups}
+    model_groups = optimizer.param_groups[: len(optimizer.group_members())]
+    groups = [{k: _PLACEHOLDER for k in g} for g in model_groups]
+    return {"state": _by_name(request, local)["state"], "param_groups": groups}
 
 
 def _with_members(groups: list[dict], members: list[list], load_dir: str) -> list[dict]:
@@ -165,7 +171,7 @@ def _with_members(groups: list[dict], members: list[list], load_dir: str) -> lis
 def _load_optimizer(
     model: nn.Module, optimizer: Any, loaded: dict[str, Any], load_dir: str
 ) -> None:
-    if not isinstance(optimizer, DistributedOptimizer):
+    if not isinstance(optimizer, _SHARDED):
         ours = [g["params"] for g in get_optimizer_state_dict(model, optimizer)["param_groups"]]
         loaded["param_groups"] = _with_members(loaded["param_groups"], ours, load_dir)
         set_optimizer_state_dict(model, optimizer, loaded)
@@ -199,7 +205,7 @@ def save(
     differ between those positions (the default ones per pipeline stage, the
     tensor-parallel dropout stream per tensor rank), are stored under it."""
     model = _named_globally(distributed.unwrap(model))
-    if isinstance(optimizer, DistributedOptimizer):
+    if isinstance(optimizer, _SHARDED):
         optimizer.finish_param_sync()  # the model's weights are complete only after this
     named = model.state_dict()
     experts = global_expert_names(model)  # expert parallelism: experts by global number
@@ -374,7 +380,7 @@ def resume(
         scheduler.load_state_dict(common["opt_param_scheduler"])
         if "grad_scaler" in common:
             loss_scaler.load_state_dict(common["grad_scaler"])
-    elif isinstance(optimizer, DistributedOptimizer):
+    elif isinstance(optimizer, _SHARDED):
         optimizer.reload_model_params()  # its main copies must follow the loaded weights
     if finetune:
         return TrainState()

@@ -129,11 +129,67 @@ class ExpertParallelDistributedOptimizer:
         for part in self._parts:
             part.reload_model_params()
 
+    # --- torch_dist checkpoints: one state, indexed dense parameters first, then experts
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self._parts for p in part.params]
+
+    def group_members(self) -> list[list[int]]:
+        """Per parameter group of the model, its members' indices (dense, then experts)."""
+        members = self.dense.group_members()
+        if self.experts is not None:
+            offset = len(self.dense.params)
+            for mine, theirs in zip(members, self.experts.group_members(), strict=True):
+                mine.extend(offset + i for i in theirs)
+        return members
+
+    def _joined(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        state, offset = {}, 0
+        for part, sharded in zip(self._parts, parts, strict=True):
+            state.update({offset + i: entry for i, entry in sharded["state"].items()})
+            offset += len(part.params)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": members}
+            for g, members in zip(parts[0]["param_groups"], self.group_members(), strict=True)
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def sharded_state(self) -> dict[str, Any]:
+        """`DistributedOptimizer.sharded_state` of both, as one model's (the same global
+        tensors as the plain optimizer's)."""
+        return self._joined([part.sharded_state() for part in self._parts])
+
+    def sharded_state_to_load(self, stored: Callable[[int, str], bool]) -> dict[str, Any]:
+        offset = len(self.dense.params)
+        requests = [self.dense.sharded_state_to_load(stored)]
+        if self.experts is not None:
+            requests.append(self.experts.sharded_state_to_load(lambda i, k: stored(offset + i, k)))
+        return self._joined(requests)
+
+    def load_sharded_state(self, state_dict: dict[str, Any]) -> None:
+        loaded, offset = state_dict.get("state", {}), 0
+        for part in self._parts:
+            count = len(part.params)
+            groups = [
+                {**g, "params": members}
+                for g, members in zip(state_dict["param_groups"], part.group_members(), strict=True)
+            ]
+            state = {i - offset: e for i, e in loaded.items() if offset <= i < offset + count}
+            part.load_sharded_state({"state": state, "param_groups": groups})
+            offset += count
+
     def state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(
-            "--use-distributed-optimizer with --expert-model-parallel-size > 1 does not save "
-            "its state yet"
-        )
+        raise NotImplementedError(_TORCH_FORMAT)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError(_TORCH_FORMAT)
+
+
+_TORCH_FORMAT = (
+    "--use-distributed-optimizer with --expert-model-parallel-size > 1 saves and loads its "
+    "state in --ckpt-format torch_dist only"
+)
 
 
 def has_expert_parameters(model: nn.Module) -> bool:

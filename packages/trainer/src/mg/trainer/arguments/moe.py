@@ -166,7 +166,8 @@ def check_moe_flags(
     """The one-line message for MoE flags that cannot apply, or None.
 
     `sharded_state`: the checkpoint flags given (--save, --load) when the distributed
-    optimizer is on, whose expert-parallel state is not checkpointed yet."""
+    optimizer is on with --ckpt-format torch, which does not hold its expert-parallel
+    state (torch_dist does)."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -223,8 +224,8 @@ def check_moe_flags(
     if ep > 1 and sharded_state:
         return (
             f"--expert-model-parallel-size {ep} with --use-distributed-optimizer and "
-            f"{sharded_state[0]}: the distributed optimizer's expert state is not checkpointed "
-            "yet; train without --save/--load, or use the plain optimizer"
+            f"{sharded_state[0]}: its expert-parallel state is checkpointed in "
+            "--ckpt-format torch_dist only"
         )
     if tp > 1 or cp > 1:
         return (
@@ -248,7 +249,7 @@ def check_moe(args: Args) -> None:
         sharded_state=tuple(
             flag
             for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))
-            if given and d.use_distributed_optimizer
+            if given and d.use_distributed_optimizer and args.checkpoint.ckpt_format == "torch"
         ),
     )
     if error:
