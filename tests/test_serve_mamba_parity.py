@@ -133,7 +133,7 @@ def test_prefix_caching_is_refused_by_name(mamba2) -> None:
 
 
 @torch.no_grad()
-def _alone(model: MambaModel, prompt: list[int]) -> list[int]:
+def _alone(model: MambaModel, prompt: list[int], vocab: int = VOCAB) -> list[int]:
     """mg's own decoding of one sequence (HybridCache, one slot): the reference."""
     cache = HybridCache.for_model(model, num_slots=1, max_length=64)
     n = len(prompt)
@@ -141,7 +141,7 @@ def _alone(model: MambaModel, prompt: list[int]) -> list[int]:
     logits = model(torch.tensor([prompt]), torch.arange(n)[None], inference_cache=cache)
     tokens = []
     for i in range(NEW_TOKENS):
-        tokens.append(int(logits[0, -1, :VOCAB].argmax()))
+        tokens.append(int(logits[0, -1, :vocab].argmax()))
         cache.bind(torch.tensor([0]), torch.tensor([n + i]))
         logits = model(torch.tensor([[tokens[-1]]]), torch.tensor([[n + i]]), inference_cache=cache)
     return tokens
@@ -191,3 +191,81 @@ def test_hybrid_greedy_equals_unbatched_decoding(schedule: str) -> None:
             assert engine.stats.preemptions > 0
     finally:
         engine.shutdown()
+
+
+def _hybrid_checkpoint(folder: Path) -> Path:
+    """A hybrid model (Mamba, attention, MLP) with a GPT-2 tokenizer, saved for mg-serve."""
+    from mg.core.checkpoint import save_model
+    from mg.core.fixtures import fixture_path
+    from mg.core.tokenizers import TokenizerConfig
+
+    torch.manual_seed(0)
+    config = MambaConfig(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=2,
+        vocab_size=50304,
+        seq_length=64,
+        max_position_embeddings=64,
+        mamba_head_dim=16,
+        mamba_num_groups=1,
+        mamba_state_dim=8,
+        mamba_chunk_size=8,
+        hybrid_override_pattern="M*-",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.3,
+    )
+    tokenizer = TokenizerConfig(
+        "GPT2BPETokenizer",
+        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
+        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
+    )
+    save_model(folder / "ckpt", MambaModel(config).eval(), config, tokenizer)
+    return folder / "ckpt"
+
+
+@pytest.mark.slow  # two mg-serve processes
+def test_mg_serve_command_serves_a_hybrid(tmp_path: Path) -> None:
+    """`mg-serve --load` on a hybrid checkpoint: PUT /api with top_k=1 gives mg's own greedy
+    decoding; --enable-prefix-caching is refused in one line naming it (exit 2)."""
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    from mg.generate_server.loading import load_for_serving
+
+    ckpt = _hybrid_checkpoint(tmp_path)
+    serve = [sys.executable, "-c", "from mg.generate_server.cli import main; main()"]
+    refused = subprocess.run(
+        [*serve, "--load", str(ckpt), "--enable-prefix-caching"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "--enable-prefix-caching: this model's Mamba layers" in refused.stderr
+    loaded = load_for_serving(ckpt)
+    prompts = ["The school master", "It was a fine day and the boys were out"]
+    proc = subprocess.Popen(
+        [*serve, "--load", str(ckpt), "--port", "0", "--num-threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"listening on (http://\S+)", line)
+        assert match, line + (proc.stdout.read() if proc.poll() is not None else "")
+        assert "Mamba state per sequence, no prefix caching" in line
+        body = {"prompts": prompts, "tokens_to_generate": NEW_TOKENS, "top_k": 1}
+        texts = httpx.put(match.group(1) + "/api", json=body, timeout=120).json()["text"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    tok = loaded.tokenizer
+    for prompt, text in zip(prompts, texts, strict=True):
+        ids = tok.tokenize(prompt)
+        assert text == tok.detokenize(ids + _alone(loaded.model, ids, vocab=tok.vocab_size))

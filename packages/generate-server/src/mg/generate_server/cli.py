@@ -66,8 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the cached blocks of a prompt prefix seen before (e.g. a system prompt)",
+        default=None,
+        help="reuse the cached blocks of a prompt prefix seen before (e.g. a system prompt). "
+        "Default: on, except for models with Mamba layers, whose recurrent state cached "
+        "blocks cannot restore (refused there)",
     )
     parser.add_argument(
         "--num-threads",
@@ -207,6 +209,7 @@ def serve(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from mg.core.models.attention_backend import set_attention_backend
+    from mg.core.models.mamba import MambaModel
     from mg.generate_server.loading import load_for_serving
     from mg.generate_server.resources import check_cpu_bf16, pool_blocks, set_threads
     from mg.generate_server.runner import ModelRunner
@@ -230,6 +233,11 @@ def serve(args: argparse.Namespace) -> None:
         args.load, device=str(device), dtype=dtype, iteration=args.iteration, layout=env.layout
     )
     set_attention_backend(loaded.model, backend, loaded.config)
+    if args.enable_prefix_caching and isinstance(loaded.model, MambaModel):
+        raise ServeSetupError(
+            "--enable-prefix-caching: this model's Mamba layers keep a recurrent state that "
+            "cached prompt blocks cannot restore; serve it without the flag (off for this model)"
+        )
     positions = loaded.config.max_position_embeddings
     max_length = min(args.inference_max_seq_length or positions, positions)
     num_blocks = pool_blocks(
@@ -293,6 +301,8 @@ def _serve_http(args: argparse.Namespace, loaded, runner, max_length: int, tp: i
         port = sock.getsockname()[1]
         endpoints = "PUT /api, POST /v1/completions" + (", /v1/chat/completions" if chat else "")
         layout = f"tensor-parallel {tp} x {runner.device.type}" if tp > 1 else runner.device.type
+        if runner.recurrent_state:
+            layout += ", Mamba state per sequence, no prefix caching"
         dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
         threads = f", {runner.num_threads} threads" if runner.device.type == "cpu" else ""
         pool = runner.num_blocks * runner.block_size

@@ -41,6 +41,8 @@ def pool_blocks(
     """How many KV-cache blocks to allocate (`--kv-cache-memory`, else the default in its help)."""
     block_bytes = PagedKVCache.block_bytes(model, block_size)
     per_sequence = -(-max_length // block_size)
+    if block_bytes == 0:  # no attention layers (Mamba-2): the blocks only count positions
+        return max_requests * per_sequence
     free = free_memory(device)
     if kv_cache_memory is None:
         blocks = min(max_requests * per_sequence, free // 2 // block_bytes)
