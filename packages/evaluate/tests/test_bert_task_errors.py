@@ -80,17 +80,20 @@ def test_gpt_checkpoint_and_flags_refused(bert_ckpt, trained, tmp_path, capsys) 
     assert "fewer than one global batch" in err
 
 
-def test_model_parallel_layout_not_supported(bert_ckpt, tmp_path, capsys) -> None:
-    """Megatron's layout flags parse for the BERT tasks but only 1 is accepted."""
+def test_pipeline_parallel_layout_not_supported(bert_ckpt, tmp_path, capsys) -> None:
+    """The BERT tasks run tensor parallel; --pipeline-model-parallel-size is refused by name,
+    and a tensor-parallel layout needs its ranks."""
     train = tmp_path / "t.tsv"
     write_mnli(train, 4, seed=0)
-    for task, flag in (
-        ("mnli", "--tensor-model-parallel-size"),
-        ("qqp", "--pipeline-model-parallel-size"),
-    ):
-        err = error(capsys, task, bert_ckpt, train, None, flag, "2")
-        assert f"{flag} 2" in err and f"not supported for {task}" in err, err
+    flag = "--pipeline-model-parallel-size"
+    err = error(capsys, "qqp", bert_ckpt, train, None, flag, "2")
+    assert f"{flag} 2: pipeline-parallel finetuning is not supported for qqp" in err, err
+    assert "use --tensor-model-parallel-size" in err
     race = tmp_path / "race"
     race.mkdir()
-    err = error(capsys, "race", bert_ckpt, race, None, "--tensor-model-parallel-size", "2")
+    err = error(capsys, "race", bert_ckpt, race, None, flag, "2")
     assert "not supported for race" in err and "wikitext, lambada and ppl" in err
+    err = error(capsys, "mnli", bert_ckpt, train, None, "--tensor-model-parallel-size", "2")
+    assert "needs 2 processes" in err, err
+    err = error(capsys, "race", bert_ckpt, race, None, "--tensor-model-parallel-size", "2")
+    assert "--tensor-model-parallel-size 2: tensor-parallel finetuning is supported" in err

@@ -8,7 +8,9 @@ clipping, the learning rate warmed up over ``--lr-warmup-fraction`` of the
 iterations and decayed (``--lr-decay-style``) to ``--min-lr`` at the end. After
 every epoch (and every ``--eval-interval`` iterations) the accuracy on each
 ``--valid-data`` set is printed in Megatron's words. Under torchrun the
-gradients are averaged over ranks and the accuracy counts summed.
+gradients are averaged over the data-parallel ranks and the accuracy counts
+summed; with tensor parallelism (``dp_group``) the ranks of one model split
+its layers and see the same examples.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DistributedSampler
 
 from mg.evaluate import distributed
@@ -106,21 +110,53 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 @torch.no_grad()
 def accuracy(
-    model: BertClassifier, samples: Sequence[FinetuneSample], micro_batch_size: int
+    model: BertClassifier,
+    samples: Sequence[FinetuneSample],
+    micro_batch_size: int,
+    dp_group: ProcessGroup | None = None,
 ) -> Accuracy:
-    """Greedy accuracy; under torchrun each rank scores a strided share, counts summed."""
+    """Greedy accuracy; under torchrun each data-parallel rank scores a strided share, the
+    counts summed over them."""
     was_training = model.training
     model.eval()
     device = model.head.weight.device
-    local = distributed.shard(samples)
+    local = distributed.shard(samples, dp_group)
     correct = 0
     for start in range(0, len(local), micro_batch_size):
         batch = local[start : start + micro_batch_size]
         ids, types, paddings, labels = _collate(batch, device, model.num_choices > 0)
         correct += int((model(ids, types, paddings).argmax(-1) == labels).sum())
     model.train(was_training)
-    total_correct, total = distributed.all_reduce_sum([correct, len(local)])
+    total_correct, total = distributed.all_reduce_sum([correct, len(local)], dp_group)
     return Accuracy(int(total_correct), int(total))
+
+
+def _average_gradients(
+    model: torch.nn.Module, params: Sequence[torch.Tensor], dp_group: ProcessGroup | None
+) -> None:
+    if dp_group is None:
+        distributed.average_gradients(params)
+        return
+    from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
+
+    # each gradient to its parameter's layout (a sharded embedding's may come back whole)
+    sync_tensor_parallel_grads(model)
+    world = distributed.rank_and_world(dp_group)[1]
+    if world == 1:
+        return
+    for p in params:  # a tensor-parallel shard is averaged with its peers of the same shard
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            torch.distributed.all_reduce(grad, group=dp_group)
+            grad.div_(world)
+
+
+def _clip(params: Sequence[torch.Tensor], clip_grad: float) -> None:
+    """Clip to the norm of the whole gradients (over tensor-parallel shards), summed in
+    float64: torch's fp32 norm of a 30k x h embedding gradient is off by ~1e-4."""
+    from mg.core.parallel.grad_norm import clip_grad_norm
+
+    clip_grad_norm(params, clip_grad)
 
 
 def finetune(
@@ -129,8 +165,10 @@ def finetune(
     valid: dict[str, Sequence[FinetuneSample]],
     config: FinetuneConfig,
     log: Callable[[str], None] = print,
+    dp_group: ProcessGroup | None = None,
 ) -> FinetuneResult:
-    rank, world = distributed.rank_and_world()
+    """`dp_group`: the data-parallel ranks when the model is tensor parallel (None: all)."""
+    rank, world = distributed.rank_and_world(dp_group)
     per_epoch = len(train) // (config.micro_batch_size * world)
     if per_epoch == 0:
         raise EvalInputError(
@@ -155,7 +193,7 @@ def finetune(
 
     def evaluate(epoch: int) -> None:
         for name, samples in valid.items():
-            acc = accuracy(model, samples, config.micro_batch_size)
+            acc = accuracy(model, samples, config.micro_batch_size, dp_group)
             result.accuracy[name] = acc
             result.history.append(
                 dict(epoch=epoch, iteration=step, name=name, correct=acc.correct, total=acc.total)
@@ -184,11 +222,11 @@ def finetune(
             loss = F.cross_entropy(model(ids, types, paddings).float(), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            distributed.average_gradients(params)
+            _average_gradients(model, params, dp_group)
             if config.clip_grad > 0:
-                torch.nn.utils.clip_grad_norm_(params, config.clip_grad)
+                _clip(params, config.clip_grad)
             optimizer.step()
-            (loss_value,) = distributed.all_reduce_sum([float(loss.detach())])
+            (loss_value,) = distributed.all_reduce_sum([float(loss.detach())], dp_group)
             loss_sum += loss_value / world
             loss_count += 1
             result.final_loss = loss_value / world

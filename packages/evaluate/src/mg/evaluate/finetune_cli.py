@@ -13,7 +13,7 @@ from typing import Any
 
 from mg.core.help_format import DefaultsHelpFormatter
 from mg.evaluate.errors import EvalInputError
-from mg.evaluate.parallel_flags import add_model_parallel_flags, check_single_shard
+from mg.evaluate.parallel_flags import add_model_parallel_flags, check_bert_task_layout
 
 # task: (help, defaults of the Megatron recipe)
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -88,7 +88,7 @@ def add_finetune_tasks(sub: argparse._SubParsersAction) -> None:
             help="also evaluate every N iterations (always after each epoch)",
         )
         p.add_argument("--report", metavar="FILE.jsonl", help="append the results as a JSON line")
-        add_model_parallel_flags(p, gpt_only=True)
+        add_model_parallel_flags(p, bert_task=True)
         t = p.add_argument_group("tokenizer", "override the checkpoint's tokenizer")
         t.add_argument("--tokenizer-type")
         t.add_argument("--vocab-file")
@@ -98,7 +98,7 @@ def add_finetune_tasks(sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    check_single_shard(
+    check_bert_task_layout(
         args.task, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     )
     for flag in ("epochs", "micro_batch_size", "log_interval"):
@@ -154,13 +154,14 @@ def run_finetune_task(args: argparse.Namespace) -> tuple[dict[str, Any], dict[st
         model = BertClassifier(loaded.model, num_classes=1, num_choices=NUM_CHOICES)
     else:
         model = BertClassifier(loaded.model, num_classes=task.num_classes)
+    dp_group = _shard_over_tensor_parallel(model, args.tensor_model_parallel_size, args.seed)
     fields = FinetuneConfig.__dataclass_fields__
     ft_config = FinetuneConfig(**{k: getattr(args, k) for k in fields})
     log = print if distributed.is_main() else (lambda _line: None)
     trimmed = sum(s.trimmed for s in train)
     if trimmed:
         log(f" > {trimmed} of {len(train)} training examples cut to --seq-length {seq_length}")
-    result = finetune(model, train, valid, ft_config, log)
+    result = finetune(model, train, valid, ft_config, log, dp_group=dp_group)
     correct = sum(a.correct for a in result.accuracy.values())
     total = sum(a.total for a in result.accuracy.values())
     metrics = dict(
@@ -184,3 +185,26 @@ def run_finetune_task(args: argparse.Namespace) -> tuple[dict[str, Any], dict[st
         history=result.history,
     )
     return metrics, dict(context, iteration=loaded.iteration)
+
+
+def _shard_over_tensor_parallel(model: Any, tp: int, seed: int) -> Any:
+    """With --tensor-model-parallel-size > 1: split the classifier's BERT over the TP ranks
+    (every rank loaded the whole checkpoint and keeps its shards; the pooler and the head
+    stay replicated, as Megatron's classification head). Returns the data-parallel group
+    (None: the whole world is data parallel)."""
+    if tp == 1:
+        return None
+    from mg.core.parallel.tensor_parallel import TensorParallelError, apply_tensor_parallel
+    from mg.evaluate.model_parallel import build_eval_layout
+
+    layout = build_eval_layout(tp, 1, model.head.weight.device.type)
+    try:
+        apply_tensor_parallel(
+            model.bert,
+            layout.tp_mesh,
+            sequence_parallel=False,
+            seed=layout.tensor_parallel_seed(seed),
+        )
+    except TensorParallelError as err:
+        raise EvalInputError(str(err)) from None
+    return layout.dp_group

@@ -8,19 +8,20 @@ import argparse
 from mg.evaluate.errors import EvalInputError
 
 
-def add_model_parallel_flags(parser: argparse.ArgumentParser, gpt_only: bool = False) -> None:
+def add_model_parallel_flags(parser: argparse.ArgumentParser, bert_task: bool = False) -> None:
     """Megatron's layout flags; the world size (torchrun) must be a multiple of TP x PP.
 
-    ``gpt_only``: the task accepts the flags (Megatron's command lines run) but
-    only at 1 (:func:`check_single_shard`)."""
+    ``bert_task``: BERT finetuning, tensor parallel only (:func:`check_bert_task_layout`)."""
     about = (
-        "not supported for this task (BERT finetuning runs single-shard): only 1 is accepted"
-        if gpt_only
+        "mnli/qqp: finetune with BERT's layers split over TP ranks under torchrun (Megatron's "
+        "layout; each rank keeps its shards), WORLD_SIZE / TP ranks data parallel; pipeline "
+        "parallelism is not supported for the BERT tasks, tensor parallelism not yet for race"
+        if bert_task
         else "evaluate in a tensor/pipeline-parallel layout under torchrun: each rank reads only "
         "its shard / stage of the checkpoint; WORLD_SIZE / (TP x PP) ranks are data parallel"
     )
     g = parser.add_argument_group("model parallelism", about)
-    default = "" if gpt_only else " (default 1)"  # the BERT tasks' formatter adds defaults
+    default = "" if bert_task else " (default 1)"  # the BERT tasks' formatter adds defaults
     g.add_argument(
         "--tensor-model-parallel-size",
         type=int,
@@ -37,12 +38,19 @@ def add_model_parallel_flags(parser: argparse.ArgumentParser, gpt_only: bool = F
     )
 
 
-def check_single_shard(task: str, tp: int, pp: int) -> None:
-    """BERT finetuning holds the whole model on every rank; refuse a model-parallel layout."""
-    if tp != 1 or pp != 1:
+def check_bert_task_layout(task: str, tp: int, pp: int) -> None:
+    """BERT finetuning runs tensor parallel (and data parallel), not pipeline parallel."""
+    if tp < 1:
+        raise EvalInputError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    if tp > 1 and task == "race":  # its TP run is not yet verified against one process
         raise EvalInputError(
-            f"--tensor-model-parallel-size {tp} / --pipeline-model-parallel-size {pp}: "
-            f"tensor/pipeline-parallel evaluation is not supported for {task} (BERT finetuning "
-            "runs single-shard; under torchrun extra ranks are data parallel). It is supported "
-            "for the GPT tasks wikitext, lambada and ppl"
+            f"--tensor-model-parallel-size {tp}: tensor-parallel finetuning is supported for "
+            "mnli and qqp, not yet for race; run race with extra torchrun ranks data parallel"
+        )
+    if pp != 1:
+        raise EvalInputError(
+            f"--pipeline-model-parallel-size {pp}: pipeline-parallel finetuning is not supported "
+            f"for {task}; use --tensor-model-parallel-size (extra torchrun ranks are data "
+            "parallel). Pipeline parallelism is supported for the GPT tasks wikitext, lambada "
+            "and ppl"
         )
