@@ -53,3 +53,24 @@ def test_help_imports_no_torch(module: str, argv: list[str]) -> None:
     assert verdict == "NO-TORCH", f"{module} {argv} imported torch before answering --help"
     # numpy/yaml only: well under a second on a quiet machine; generous for a loaded one
     assert float(seconds) < 3.0, (seconds, wall)
+
+
+@pytest.mark.parametrize(
+    ("family", "flag", "says"),
+    [
+        ("gpt", "--split", "969,30,1 (the default)"),
+        ("bert", "--bert-no-binary-head", "BERT without the sentence-order (binary) head"),
+    ],
+)
+def test_train_help_agrees_with_the_defaults(family, flag, says, capsys) -> None:
+    """--split's default is 969,30,1 (not None); --bert-no-binary-head turns the head off,
+    so no "(default: True)" may follow it; no flag's text shows two defaults."""
+    from mg.trainer.cli import main
+
+    with pytest.raises(SystemExit):
+        main([family, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    entry = text[text.index(f"{flag} ", text.index("options:")) :][:200]
+    assert says in entry, entry
+    assert "default: None" not in entry and "default: True" not in entry, entry
+    assert ") (default:" not in text  # a default stated twice
