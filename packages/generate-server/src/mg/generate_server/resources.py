@@ -37,9 +37,10 @@ def pool_blocks(
     block_size: int,
     max_requests: int,
     max_length: int,
+    fp8: bool = False,
 ) -> int:
     """How many KV-cache blocks to allocate (`--kv-cache-memory`, else the default in its help)."""
-    block_bytes = PagedKVCache.block_bytes(model, block_size)
+    block_bytes = PagedKVCache.block_bytes(model, block_size, fp8=fp8)
     per_sequence = -(-max_length // block_size)
     if block_bytes == 0:  # no attention layers (Mamba-2): the blocks only count positions
         return max_requests * per_sequence

@@ -52,6 +52,7 @@ class ModelRunner:
         max_length: int,
         num_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model.eval()
         self.num_slots = num_slots
@@ -60,13 +61,16 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = num_slots * -(-max_length // block_size)
         self.num_blocks = num_blocks
+        self.kv_cache_dtype = kv_cache_dtype
+        """"auto" (the model's dtype) or "fp8" (float8_e4m3 blocks with per-head scales)."""
+        fp8 = kv_cache_dtype == "fp8"
         self.recurrent_state = isinstance(model, MambaModel)
         """Mamba layers: a state slot per running sequence, no prefix caching (a recurrent
         state cannot be restored from cached blocks)."""
         if self.recurrent_state:
-            self.cache = PagedHybridCache.for_model(model, num_slots, num_blocks, block_size)
+            self.cache = PagedHybridCache.for_model(model, num_slots, num_blocks, block_size, fp8)
         else:
-            self.cache = PagedKVCache.for_model(model, num_blocks, block_size)
+            self.cache = PagedKVCache.for_model(model, num_blocks, block_size, fp8)
         self.capacity_factor = route_dropless(model)
         self.device = next(model.parameters()).device
         self.num_threads = torch.get_num_threads()

@@ -152,8 +152,9 @@ class TensorParallelRunner(ModelRunner):
         env: TensorParallelEnv,
         num_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_cache_dtype: str = "auto",
     ):
-        super().__init__(model, num_slots, max_length, num_blocks, block_size)
+        super().__init__(model, num_slots, max_length, num_blocks, block_size, kv_cache_dtype)
         self.env = env
         self.group = env.tp_mesh.get_group()
         self.heartbeat_seconds = min(30.0, env.timeout_minutes * 60.0 / 4.0)

@@ -23,6 +23,12 @@ queries of the sequences that decode one token are answered together by one
 SDPA over their gathered blocks, and each prefill chunk by its own SDPA with a
 causal mask offset by its cached prefix (chunked prefill).
 
+With `fp8=True` the pool stores keys and values as float8_e4m3 bit patterns
+(one byte an element; kept as uint8, since not every device indexes float8
+tensors) with one fp32 scale per position and key/value head (amax / 448, so no
+calibration is needed and an outlier token does not coarsen its block's other
+positions); blocks are dequantized as they are gathered.
+
 `attend(layer, query, key, value) -> context` is the whole interface a model
 layer sees (`KVCache` has it too). A layer with a recurrent state instead of
 keys/values (Mamba) keeps it in a per-sequence slot, not in blocks: a segment
@@ -93,6 +99,34 @@ class _Prefill:
     """None: a chunk from position 0 (plain causal attention, no window)."""
 
 
+FP8 = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0
+"""The largest finite float8_e4m3fn value."""
+
+
+class Fp8UnavailableError(RuntimeError):
+    """This torch cannot store float8_e4m3 on the device."""
+
+
+def check_fp8(device: torch.device | str) -> None:
+    """Raise Fp8UnavailableError unless float8_e4m3fn round-trips on `device`."""
+    try:
+        probe = torch.ones(2, device=device).to(FP8).view(torch.uint8).view(FP8).float()
+        if probe.tolist() != [1.0, 1.0]:
+            raise RuntimeError("float8_e4m3fn does not round-trip 1.0")
+    except (TypeError, RuntimeError, AttributeError) as err:
+        raise Fp8UnavailableError(
+            f"torch {torch.__version__} has no usable float8_e4m3fn on {device}: {err}"
+        ) from None
+
+
+def _to_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[T, groups, d] → float8_e4m3 bit patterns (uint8) and per-row scales [T, groups]."""
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    return (x / scale[..., None]).to(FP8).view(torch.uint8), scale
+
+
 def _zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """A zero tensor whose memory is touched only when written, on the CPU: anonymous mmap
     pages cost nothing until used, so a large pool holds only the blocks really filled."""
@@ -117,9 +151,16 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         window_size: tuple[int, int] | None = None,
+        fp8: bool = False,
     ) -> None:
         device = torch.device(device or "cpu")
         shape = (num_layers, num_blocks, block_size, num_groups, head_dim)
+        self.fp8 = fp8
+        if fp8:
+            check_fp8(device)
+            dtype = torch.uint8
+            self.key_scales = _zeroed_pool(shape[:-1], torch.float32, device)
+            self.value_scales = _zeroed_pool(shape[:-1], torch.float32, device)
         self.keys = _zeroed_pool(shape, dtype, device)
         self.values = _zeroed_pool(shape, dtype, device)
         self.num_blocks = num_blocks
@@ -130,18 +171,24 @@ class PagedKVCache:
         self._bound = False
 
     @staticmethod
-    def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype | None = None) -> int:
+    def block_bytes(
+        model: nn.Module, block_size: int, dtype: torch.dtype | None = None, fp8: bool = False
+    ) -> int:
         """Bytes one block takes for every attention layer of `model` (keys and values);
         0 for a model without attention (Mamba layers keep no blocks)."""
         layers = [x.self_attention for x in model.decoder.layers if hasattr(x, "self_attention")]
         if not layers:
             return 0
         dtype = dtype or next(model.parameters()).dtype
-        item = torch.empty((), dtype=dtype).element_size()
-        return 2 * len(layers) * block_size * layers[0].num_groups * layers[0].head_dim * item
+        head = layers[0].head_dim * torch.empty((), dtype=dtype).element_size()
+        if fp8:  # a byte an element and an fp32 scale per position and head
+            head = layers[0].head_dim + 4
+        return 2 * len(layers) * block_size * layers[0].num_groups * head
 
     @classmethod
-    def for_model(cls, model: nn.Module, num_blocks: int, block_size: int) -> PagedKVCache:
+    def for_model(
+        cls, model: nn.Module, num_blocks: int, block_size: int, fp8: bool = False
+    ) -> PagedKVCache:
         """A pool shaped for `model` (a GPTModel; its local heads under tensor parallelism)."""
         attention = model.decoder.layers[0].self_attention
         weight = next(model.parameters())
@@ -155,6 +202,7 @@ class PagedKVCache:
             dtype=weight.dtype,
             device=weight.device,
             window_size=model.config.window_size,
+            fp8=fp8,
         )
 
     def bind(self, segments: Sequence[PagedSegment]) -> None:
@@ -232,12 +280,8 @@ class PagedKVCache:
                 f"PagedKVCache is bound to a packed row of {self._num_tokens} tokens; "
                 f"the step has shape [{b}, {t}]"
             )
-        keys, values = self.keys[layer_index], self.values[layer_index]
-        groups = keys.shape[2]
-        flat_keys = keys.view(-1, groups, d)
-        flat_values = values.view(-1, groups, d)
-        flat_keys.index_copy_(0, self._slots, key[0].to(keys.dtype))
-        flat_values.index_copy_(0, self._slots, value[0].to(values.dtype))
+        groups = self.keys.shape[3]
+        self._store(layer_index, key[0], value[0])
         out = query.new_empty(t, heads, d)
         scale = 1.0 / math.sqrt(d)
         gqa = groups != heads
@@ -245,12 +289,13 @@ class PagedKVCache:
             rows = self._decode_rows
             n = self._decode_tables.shape[0]
             q = query[0, rows][:, :, None]  # [n, heads, 1, d]
-            k = keys[self._decode_tables].view(n, -1, groups, d).transpose(1, 2)
-            v = values[self._decode_tables].view(n, -1, groups, d).transpose(1, 2)
+            k, v = self._read(layer_index, self._decode_tables, q.dtype)
+            k = k.view(n, -1, groups, d).transpose(1, 2)
+            v = v.view(n, -1, groups, d).transpose(1, 2)
             context = F.scaled_dot_product_attention(
                 q,
-                k.to(q.dtype),
-                v.to(q.dtype),
+                k,
+                v,
                 attn_mask=self._decode_mask,
                 scale=scale,
                 enable_gqa=gqa,
@@ -259,13 +304,41 @@ class PagedKVCache:
         for p in self._prefills:
             length = p.context + p.length
             q = query[0, p.start : p.start + p.length].transpose(0, 1)[None]  # [1, heads, s, d]
-            k = keys[p.blocks].view(-1, groups, d)
-            v = values[p.blocks].view(-1, groups, d)
+            k, v = self._read(layer_index, p.blocks, q.dtype)
+            k, v = k.view(-1, groups, d), v.view(-1, groups, d)
             if p.mask is None:
                 k, v = k[:length], v[:length]
-            k, v = (x.transpose(0, 1)[None].to(q.dtype) for x in (k, v))
+            k, v = (x.transpose(0, 1)[None] for x in (k, v))
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
             )
             out[p.start : p.start + p.length] = context[0].transpose(0, 1)
         return out.view(1, t, heads * d)
+
+    def _store(self, layer_index: int, key: Tensor, value: Tensor) -> None:
+        """Write the step's keys/values [T, groups, d] of one layer into their slots."""
+        keys, values = self.keys[layer_index], self.values[layer_index]
+        groups, d = keys.shape[2], keys.shape[3]
+        if not self.fp8:
+            keys.view(-1, groups, d).index_copy_(0, self._slots, key.to(keys.dtype))
+            values.view(-1, groups, d).index_copy_(0, self._slots, value.to(values.dtype))
+            return
+        for pool, scales, x in (
+            (keys, self.key_scales[layer_index], key),
+            (values, self.value_scales[layer_index], value),
+        ):
+            bits, scale = _to_fp8(x)
+            pool.view(-1, groups, d).index_copy_(0, self._slots, bits)
+            scales.view(-1, groups).index_copy_(0, self._slots, scale)
+
+    def _read(self, layer_index: int, blocks: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Keys and values of `blocks` (any index shape) in `dtype`, [..., block_size,
+        groups, d]; fp8 blocks are dequantized here."""
+        keys, values = self.keys[layer_index][blocks], self.values[layer_index][blocks]
+        if not self.fp8:
+            return keys.to(dtype), values.to(dtype)
+        k_scale = self.key_scales[layer_index][blocks][..., None]
+        v_scale = self.value_scales[layer_index][blocks][..., None]
+        k = (keys.view(FP8).float() * k_scale).to(dtype)
+        v = (values.view(FP8).float() * v_scale).to(dtype)
+        return k, v

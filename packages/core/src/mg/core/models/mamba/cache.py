@@ -207,10 +207,11 @@ class PagedHybridCache:
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, num_slots: int, num_blocks: int, block_size: int
+        cls, model: nn.Module, num_slots: int, num_blocks: int, block_size: int, fp8: bool = False
     ) -> PagedHybridCache:
         """Shaped for `model` (a MambaModel): `num_slots` recurrent states, and a pool of
-        `num_blocks` blocks for its attention layers (none without attention)."""
+        `num_blocks` blocks for its attention layers (none without attention; `fp8`: see
+        `PagedKVCache`)."""
         layers = model.decoder.layers
         weight = next(model.parameters())
         mixer = next(layer.mixer for layer in layers if hasattr(layer, "mixer"))
@@ -229,6 +230,7 @@ class PagedHybridCache:
                 dtype=weight.dtype,
                 device=weight.device,
                 window_size=model.config.window_size,
+                fp8=fp8,
             )
         conv_shape, ssm_shape = mixer.state_shapes()
         return cls(
