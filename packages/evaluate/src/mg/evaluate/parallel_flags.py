@@ -13,9 +13,9 @@ def add_model_parallel_flags(parser: argparse.ArgumentParser, bert_task: bool = 
 
     ``bert_task``: BERT finetuning, tensor parallel only (:func:`check_bert_task_layout`)."""
     about = (
-        "mnli/qqp: finetune with BERT's layers split over TP ranks under torchrun (Megatron's "
-        "layout; each rank keeps its shards), WORLD_SIZE / TP ranks data parallel; pipeline "
-        "parallelism is not supported for the BERT tasks, tensor parallelism not yet for race"
+        "finetune with BERT's layers split over TP ranks under torchrun (Megatron's layout; "
+        "each rank keeps its shards), WORLD_SIZE / TP ranks data parallel; pipeline "
+        "parallelism is not supported for the BERT tasks"
         if bert_task
         else "evaluate in a tensor/pipeline-parallel layout under torchrun: each rank reads only "
         "its shard / stage of the checkpoint; WORLD_SIZE / (TP x PP) ranks are data parallel"
@@ -42,11 +42,6 @@ def check_bert_task_layout(task: str, tp: int, pp: int) -> None:
     """BERT finetuning runs tensor parallel (and data parallel), not pipeline parallel."""
     if tp < 1:
         raise EvalInputError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
-    if tp > 1 and task == "race":  # its TP run is not yet verified against one process
-        raise EvalInputError(
-            f"--tensor-model-parallel-size {tp}: tensor-parallel finetuning is supported for "
-            "mnli and qqp, not yet for race; run race with extra torchrun ranks data parallel"
-        )
     if pp != 1:
         raise EvalInputError(
             f"--pipeline-model-parallel-size {pp}: pipeline-parallel finetuning is not supported "
