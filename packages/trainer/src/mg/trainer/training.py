@@ -34,6 +34,7 @@ from mg.core.models import apply_activation_recompute, num_floating_point_operat
 from mg.core.models.compile import compile_layers
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
 from mg.core.models.te_spec import FP8Options, apply_transformer_engine, fp8_autocast
+from mg.core.models.vocab_mask import set_real_vocab_size
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.pipeline import (
     allreduce_shared_embedding_grad,
@@ -212,6 +213,8 @@ class Trainer:
         with torch.device("meta") if self.family.builds_on_meta else contextlib.nullcontext():
             model = self.family.build_model(self.model_config, args)
         m = args.model
+        if m.mask_padded_vocab:  # the loss's softmax over the tokenizer's rows only
+            set_real_vocab_size(model, self.tokenizer.vocab_size)
 
         def recompute(module: nn.Module) -> None:
             if m.recompute_granularity is not None:

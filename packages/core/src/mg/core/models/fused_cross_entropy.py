@@ -21,6 +21,8 @@ import types
 import torch
 from torch import Tensor, nn
 
+from mg.core.models.vocab_mask import mask_padded_vocab
+
 DEFAULT_CHUNK_TOKENS = 128
 """Tokens per chunk: their fp32 logits (128 x vocab) stay in cache on CPU, big enough
 that each matmul is still efficient."""
@@ -35,7 +37,9 @@ def _compute_dtype(tensor: Tensor) -> torch.dtype:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int) -> Tensor:
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int, real_vocab: int | None
+    ) -> Tensor:
         dtype = _compute_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(dtype)
@@ -46,7 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, tokens, chunk):
                 end = min(tokens, start + chunk)
                 target = labels[start:end].unsqueeze(1)
-                logits = (h[start:end] @ w.t()).float()
+                logits = mask_padded_vocab((h[start:end] @ w.t()).float(), real_vocab)
                 lse = torch.logsumexp(logits, dim=-1, keepdim=True)
                 loss[start:end] = (lse - logits.gather(1, target)).squeeze(1)
                 probs = logits.sub_(lse).exp_()
@@ -63,27 +67,35 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scaled = grad_logits * grad_loss.to(grad_logits.dtype).unsqueeze(1)
         grad_hidden = (scaled @ w).to(hidden_dtype)
         grad_weight = (scaled.t() @ h).to(weight_dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    real_vocab_size: int | None = None,
 ) -> Tensor:
-    """Per-token cross-entropy (fp32, shaped like `labels`) of `hidden @ weight.T`."""
-    vocab = weight.shape[0]
+    """Per-token cross-entropy (fp32, shaped like `labels`) of `hidden @ weight.T`; the
+    rows >= real_vocab_size (the padding) take no probability when it is given."""
+    vocab = weight.shape[0] if real_vocab_size is None else min(weight.shape[0], real_vocab_size)
     flat_labels = labels.reshape(-1)
     if flat_labels.numel() and (flat_labels.min() < 0 or flat_labels.max() >= vocab):
         raise ValueError(f"labels must be token ids in [0, {vocab}); got values outside it")
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    loss = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, chunk_tokens)
+    loss = _LinearCrossEntropy.apply(
+        flat_hidden, weight, flat_labels, chunk_tokens, real_vocab_size
+    )
     return loss.view(labels.shape)
 
 
 def _fused_output_and_loss(self: nn.Module, hidden: Tensor, labels: Tensor | None) -> Tensor:
     weight = self.output_weight()
+    real_vocab_size = getattr(self, "real_vocab_size", None)
     if labels is None:
-        return torch.nn.functional.linear(hidden, weight)
-    return linear_cross_entropy(hidden, weight, labels)
+        return mask_padded_vocab(torch.nn.functional.linear(hidden, weight), real_vocab_size)
+    return linear_cross_entropy(hidden, weight, labels, real_vocab_size=real_vocab_size)
 
 
 def apply_cross_entropy_fusion(model: nn.Module) -> nn.Module:

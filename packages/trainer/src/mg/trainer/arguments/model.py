@@ -55,6 +55,7 @@ class ModelArgs:
     attention_dropout: float = 0.1
     hidden_dropout: float = 0.1
     make_vocab_size_divisible_by: int = 128
+    mask_padded_vocab: bool = False
     recompute_activations: bool = False
     recompute_granularity: str | None = None
     recompute_method: str | None = None
@@ -172,6 +173,13 @@ def add_model_flags(p: argparse._ArgumentGroup) -> None:
         help="Pad the embedding table to a multiple of this (times TP).",
     )
     p.add_argument(
+        "--mask-padded-vocab",
+        action="store_true",
+        help="The output layer's padding rows (beyond the tokenizer's vocabulary) take no "
+        "probability in the training loss, as they take none in mg-eval and mg-serve. Off by "
+        "default: Megatron's loss keeps them in the softmax (gpt, mamba).",
+    )
+    p.add_argument(
         "--recompute-activations",
         action="store_true",
         help="Selective recompute of the attention core (saves its activations).",
@@ -231,6 +239,8 @@ def check_model(args: Args) -> None:
         )
     if m.apply_layernorm_1p and args.family not in ("gpt",):
         fail(f"--apply-layernorm-1p is supported for gpt, not {args.family}")
+    if m.mask_padded_vocab and args.family not in ("gpt", "mamba"):
+        fail(f"--mask-padded-vocab is supported for gpt and mamba, not {args.family}")
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
         fail(
             f"hidden size ({m.hidden_size}) is not divisible by the number of attention heads "
