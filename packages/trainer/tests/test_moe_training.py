@@ -83,7 +83,12 @@ def test_moe_layer_freq_forms():
             "with --use-distributed-optimizer and --save",
         ),
         ([*MOE, "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
-        ([*MOE, "--tensor-model-parallel-size", "2"], 2, "not supported yet"),
+        (
+            [*MOE, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+            4,
+            "not",
+        ),
+        ([MOE[0], *MOE[2:], "--tensor-model-parallel-size", "2"], 2, "needs --disable-bias-linear"),
     ],
 )
 def test_bad_moe_flags_are_refused_in_one_line(tmp_path, mock_argv, extra, world, message):
@@ -343,3 +348,38 @@ def test_expert_parallel_with_pipeline_matches_one_process(tmp_path, mock_argv, 
     assert max(one.grad_norms) > 0.05  # clipping happened
     for (i, a), (j, b) in zip(one.validation, four["validation"], strict=True):
         assert i == j and b == pytest.approx(a, rel=1e-5)
+
+
+@pytest.mark.slow  # two trainer ranks, two runs, and their one-process references
+def test_moe_tensor_parallel_matches_one_process(tmp_path, mock_argv, train):
+    """TP = 2 on two gloo ranks (experts and shared experts sharded as Megatron's MLP, the
+    router replicated): with sequence parallelism (sequential experts) and without
+    (grouped GEMM, a gated shared expert), losses, validation and clipped grad norms equal
+    one process's; aux and z-loss on."""
+    import json
+    from pathlib import Path
+
+    from mg.core.testing.launch import launch_workers
+
+    flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--attention-dropout", "0", "--hidden-dropout"]
+    flags += ["0", "--eval-interval", "3", "--eval-iters", "1", "--clip-grad", "0.05"]
+    flags += ["--make-vocab-size-divisible-by", "64"]  # 128 rows at TP 1 and 2 alike
+    shared = ["--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate"]
+    variants = [
+        ["--sequence-parallel"],
+        ["--moe-grouped-gemm", *shared],
+    ]
+    ones = [train(mock_argv(tmp_path, *flags, *v, mbs=2, gbs=8, iters=6)) for v in variants]
+    runs = [
+        mock_argv(tmp_path, *flags, *v, "--tensor-model-parallel-size", "2", mbs=2, gbs=8, iters=6)
+        for v in variants
+    ]
+    out = tmp_path / "tp.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=400)
+    for one, two in zip(ones, json.loads(out.read_text()), strict=True):
+        assert two["losses"] == pytest.approx(one.losses, rel=1e-5)
+        assert two["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
+        assert max(one.grad_norms) > 0.05  # clipped
+        for (i, a), (j, b) in zip(one.validation, two["validation"], strict=True):
+            assert i == j and b == pytest.approx(a, rel=1e-5)

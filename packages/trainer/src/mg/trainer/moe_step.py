@@ -45,8 +45,10 @@ def logged_losses(config: TransformerConfig) -> list[str]:
     return names
 
 
-def begin_step(num_micro: int, loss_scale: float) -> None:
-    AuxLossBackward.scale = loss_scale / max(num_micro, 1)
+def begin_step(num_micro: int, loss_scale: float, tp: int = 1) -> None:
+    """`tp`: under tensor parallelism every TP rank computes the same balancing losses and
+    their input gradients are summed over TP (mg.core.models.moe.tensor_parallel): 1/tp each."""
+    AuxLossBackward.scale = loss_scale / max(num_micro, 1) / tp
 
 
 def finish_step(

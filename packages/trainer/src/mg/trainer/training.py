@@ -455,7 +455,7 @@ class Trainer:
         num_micro = self.batches.num_micro_batches(self.state.consumed_train_samples)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        moe_step.begin_step(num_micro, self.scaler.scale)  # aux-loss gradient scale
+        moe_step.begin_step(num_micro, self.scaler.scale, self.layout.tp)  # aux-loss grad scale
         loss_sum, tokens = self._forward_backward(num_micro, backward=True)
         self.housekeeping.after_forward_backward()
         # MoE: expert-bias update, balancing losses for the log line (dense: nothing)

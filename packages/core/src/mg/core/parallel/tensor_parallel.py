@@ -9,6 +9,7 @@ communication at module boundaries, Megatron's layout:
     self_attention.linear_proj  row-parallel (output all-reduced / reduce-scattered)
     mlp.linear_fc1              column-parallel; gated: gate and up halves each sharded
     mlp.linear_fc2              row-parallel
+    MoE mlp                     experts as the MLP, router replicated (moe.tensor_parallel)
     output layer + loss         vocab-parallel logits and cross-entropy (loss_parallel)
 
 With `sequence_parallel` the norms and dropouts between those regions work on
@@ -65,6 +66,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from mg.core.models.bert import BertModel
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
+from mg.core.models.moe import MoELayer
+from mg.core.models.moe.tensor_parallel import shard_moe_layer
 from mg.core.models.rng_stream import RNGStream, set_model_parallel_stream
 from mg.core.models.t5 import T5Model
 from mg.core.parallel.loss_parallel import vocab_parallel_output
@@ -144,6 +147,13 @@ def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
         ("ffn_hidden_size", config.ffn_hidden_size, "--ffn-hidden-size"),
         ("vocab_size (padded)", config.vocab_size, "--make-vocab-size-divisible-by"),
     ]
+    if config.num_moe_experts:  # the experts' slices (expert-tensor-parallel = TP)
+        checks.append(
+            ("moe_ffn_hidden_size", config.moe_ffn_hidden_size or 0, "--moe-ffn-hidden-size")
+        )
+        shared = config.moe_shared_expert_intermediate_size or 0
+        flag = "--moe-shared-expert-intermediate-size"
+        checks.append(("moe_shared_expert_intermediate_size", shared, flag))
     for name, value, flag in checks:
         if value % tp:
             raise TensorParallelError(
@@ -302,12 +312,20 @@ def _parallelize_layer(
         ),
         "self_attention.linear_qkv": ColwiseParallel(),
         "self_attention.linear_proj": RowParallelLinear(output_layouts=activations),
-        "mlp": PrepareModuleInput(
-            input_layouts=(activations,), desired_input_layouts=(Replicate(),)
-        ),
-        "mlp.linear_fc1": GatedColwiseParallel() if layer.mlp.gated else ColwiseParallel(),
-        "mlp.linear_fc2": RowParallelLinear(output_layouts=activations),
     }
+    moe = isinstance(layer.mlp, MoELayer)
+    if moe:  # it gathers and scatters the sequence itself (mg.core.models.moe.tensor_parallel)
+        plan["mlp"] = PrepareModuleInput(
+            input_layouts=(activations,),
+            desired_input_layouts=(activations,),
+            use_local_output=True,
+        )
+    else:
+        plan["mlp"] = PrepareModuleInput(
+            input_layouts=(activations,), desired_input_layouts=(Replicate(),)
+        )
+        plan["mlp.linear_fc1"] = GatedColwiseParallel() if layer.mlp.gated else ColwiseParallel()
+        plan["mlp.linear_fc2"] = RowParallelLinear(output_layouts=activations)
     if hasattr(layer, "cross_attention"):
         plan["cross_attention"] = PrepareModuleInput(
             input_layouts=(activations, activations, None),
@@ -330,6 +348,8 @@ def _parallelize_layer(
         for name in ("self_attention.q_layernorm", "self_attention.k_layernorm"):
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
+    if moe:
+        shard_moe_layer(layer.mlp, tp_mesh, sequence_parallel)
     _use_local_head_counts(layer.self_attention, tp)
     if hasattr(layer, "cross_attention"):
         layer.cross_attention.num_heads //= tp

@@ -162,12 +162,15 @@ def check_moe_flags(
     cp: int,
     dry_run: bool,
     sharded_state: tuple[str, ...] = (),
+    add_bias_linear: bool = False,
+    tp_untested: tuple[str, ...] = (),
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None.
 
     `sharded_state`: the checkpoint flags given (--save, --load) when the distributed
     optimizer is on with --ckpt-format torch, which does not hold its expert-parallel
-    state (torch_dist does)."""
+    state (torch_dist does). `add_bias_linear`: the linears have biases.
+    `tp_untested`: the flags given that MoE under tensor parallelism does not take yet."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -227,10 +230,25 @@ def check_moe_flags(
             f"{sharded_state[0]}: its expert-parallel state is checkpointed in "
             "--ckpt-format torch_dist only"
         )
-    if tp > 1 or cp > 1:
+    if cp > 1:
         return (
-            "--num-experts with --tensor-model-parallel-size or --context-parallel-size > 1 is "
-            "not supported yet; use data and pipeline parallelism"
+            "--num-experts with --context-parallel-size > 1 is not supported yet; use data, "
+            "tensor, pipeline and expert parallelism"
+        )
+    if tp > 1 and ep > 1:
+        return (
+            f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} is not "
+            "supported yet; use one of them for the experts"
+        )
+    if tp > 1 and tp_untested:
+        return (
+            f"--num-experts with --tensor-model-parallel-size {tp} and {tp_untested[0]} is not "
+            "supported yet; train MoE with tensor parallelism without it"
+        )
+    if tp > 1 and add_bias_linear:
+        return (
+            "--num-experts with --tensor-model-parallel-size needs --disable-bias-linear "
+            "(the experts' tensor-parallel slices have no biases)"
         )
     return None
 
@@ -246,6 +264,16 @@ def check_moe(args: Args) -> None:
         pp=d.pipeline_model_parallel_size,
         cp=d.context_parallel_size,
         dry_run=args.training.dry_run,
+        add_bias_linear=not args.model.disable_bias_linear,
+        tp_untested=tuple(
+            flag
+            for flag, given in (
+                ("--save", args.checkpoint.save),
+                ("--load", args.checkpoint.load),
+                ("--use-distributed-optimizer", d.use_distributed_optimizer),
+            )
+            if given
+        ),
         sharded_state=tuple(
             flag
             for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
+from mg.core.models.moe.tensor_parallel import local
 
 EXPERT_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,
@@ -63,11 +64,13 @@ class ExpertMLP(nn.Module):
                 nn.init.zeros_(linear.bias)
 
     def forward(self, hidden: Tensor, probs: Tensor | None = None) -> Tensor:
-        hidden = _activate(self.linear_fc1(hidden), self.config)
+        # local(): a tensor-parallel rank's slices (mg.core.models.moe.tensor_parallel)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        hidden = _activate(F.linear(hidden, local(fc1.weight), fc1.bias), self.config)
         if probs is None:
-            return self.linear_fc2(hidden)
+            return F.linear(hidden, local(fc2.weight), fc2.bias)
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
-        out = F.linear(hidden, self.linear_fc2.weight)
+        out = F.linear(hidden, local(fc2.weight))
         if self.linear_fc2.bias is not None:
             out = out + self.linear_fc2.bias.unsqueeze(0) * probs.unsqueeze(-1)
         return out
@@ -159,22 +162,26 @@ class GroupedLinear(nn.Module):
                 self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features)))
         self.has_bias = bias
 
-    def weights(self) -> list[Tensor]:
+    def params(self) -> list[nn.Parameter]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def weights(self) -> list[Tensor]:
+        """The GEMMs' weights (a tensor-parallel rank's slices)."""
+        return [local(getattr(self, f"weight{i}")) for i in range(self.num_gemms)]
 
     def biases(self) -> list[Tensor]:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.has_bias else []
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
-        for w in self.weights():
+        for w in self.params():
             nn.init.normal_(w, mean=0.0, std=std)
         for b in self.biases():
             nn.init.zeros_(b)
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep these GEMMs only, renumbered weight0.. (expert parallelism)."""
-        weights, biases = self.weights(), self.biases()
+        weights, biases = self.params(), self.biases()
         for i in range(self.num_gemms):
             delattr(self, f"weight{i}")
             if self.has_bias:
@@ -253,5 +260,5 @@ class SharedExpertMLP(ExpertMLP):
     def forward(self, hidden: Tensor, probs: Tensor | None = None) -> Tensor:
         out = super().forward(hidden)
         if self.gate_weight is not None:
-            out = out * torch.sigmoid(F.linear(hidden, self.gate_weight))
+            out = out * torch.sigmoid(F.linear(hidden, local(self.gate_weight)))
         return out

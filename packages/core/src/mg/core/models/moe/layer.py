@@ -19,12 +19,14 @@ a dispatcher with the expert-parallel group.
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.moe.dispatcher import AllGatherDispatcher
 from mg.core.models.moe.experts import GroupedMLP, SequentialMLP, SharedExpertMLP
 from mg.core.models.moe.router import TopKRouter
+from mg.core.models.moe.tensor_parallel import enter_region, leave_region
 
 
 class MoELayer(nn.Module):
@@ -41,6 +43,8 @@ class MoELayer(nn.Module):
             SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size else None
         )
         self.token_dispatcher = AllGatherDispatcher(config.num_moe_experts)
+        self.tp_group: dist.ProcessGroup | None = None  # set by shard_moe_layer
+        self.sequence_parallel = False
 
     def init_weights(self, std: float, output_std: float) -> None:
         """Router, then the experts in order, then the shared experts (Megatron's build order)."""
@@ -50,6 +54,8 @@ class MoELayer(nn.Module):
             self.shared_experts.init_weights(std, output_std)
 
     def forward(self, hidden: Tensor) -> Tensor:
+        if self.tp_group is not None:  # each TP rank: the whole sequence, its expert slices
+            hidden = enter_region(hidden, self.tp_group, self.sequence_parallel)
         b, s, h = hidden.shape
         tokens = hidden.transpose(0, 1).reshape(s * b, h)
         shared = self.shared_experts(tokens) if self.shared_experts is not None else None
@@ -61,4 +67,7 @@ class MoELayer(nn.Module):
         out = self.token_dispatcher.combine(out, handle).to(hidden.dtype)
         if shared is not None:
             out = out + shared
-        return out.view(s, b, h).transpose(0, 1)
+        out = out.view(s, b, h).transpose(0, 1)
+        if self.tp_group is not None:
+            out = leave_region(out, self.tp_group, self.sequence_parallel)
+        return out

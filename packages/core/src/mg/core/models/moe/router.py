@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
+from mg.core.models.moe.tensor_parallel import local
 
 
 class AuxLossBackward(torch.autograd.Function):
@@ -260,8 +261,8 @@ class TopKRouter(nn.Module):
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
             self.config.moe_router_dtype, tokens.dtype
         )
-        bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(tokens.to(dtype), self.weight.to(dtype), bias)
+        bias = None if self.bias is None else local(self.bias).to(dtype)
+        return F.linear(tokens.to(dtype), local(self.weight).to(dtype), bias)
 
     def forward(self, tokens: Tensor, seq_length: int) -> tuple[Tensor, Tensor]:
         """tokens [T, h] in [s, b] order → (probs [T, E], routing_map [T, E])."""

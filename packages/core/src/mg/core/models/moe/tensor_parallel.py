@@ -1,0 +1,163 @@
+"""An MoE layer under tensor parallelism: experts sharded as Megatron's MLP, router replicated.
+
+Megatron's expert-tensor-parallel = TP layout: each expert's (and the shared
+experts') linear_fc1 is column-parallel (a gated one by halves, as the dense
+MLP's) and linear_fc2 row-parallel; the router and the shared-expert gate are
+replicated. `shard_moe_layer` makes those weights DTensors on the TP mesh and
+gives the layer its TP group; the layer then works on the whole sequence:
+
+    x_full = all-gather over TP (sequence parallelism) | x
+    every TP rank routes x_full alike, dispatches it over its own EP group and
+    runs its slice of every expert: a partial sum of the output
+    out = reduce-scatter over TP (sequence parallelism) | all-reduce
+
+so each rank's gradients of everything before the slices (router, shared
+gate, input) are partial sums: the replicated weights' local views hand their
+gradients on as Partial (all-reduced over TP with the sequence-parallel
+norms'), and the balancing losses, the same on every TP rank, have their
+gradient divided by TP (`moe_step.begin_step`). Biases in the experts are not
+supported (Megatron's MoE recipes use --disable-bias-linear).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+def local(tensor: Tensor) -> Tensor:
+    """A parameter's local tensor: a sharded DTensor's shard, a replicated one's copy whose
+    gradient is this rank's partial sum (see the module docstring); a tensor itself."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if all(p.is_replicate() for p in tensor.placements):
+        return tensor.to_local(grad_placements=[Partial()] * len(tensor.placements))
+    return tensor.to_local()
+
+
+def _seq_first(x: Tensor) -> Tensor:
+    return x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]: gathers along dim 0
+
+
+def _all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    size = dist.get_world_size(group)
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    size = dist.get_world_size(group)
+    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[b, s/tp, h] -> [b, s, h]; backward: the partial gradients reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _all_gather(_seq_first(x), group).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return _reduce_scatter(_seq_first(grad), ctx.group).transpose(0, 1), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Partial [b, s, h] -> summed [b, s/tp, h]; backward: the gradient all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _reduce_scatter(_seq_first(x), group).transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return _all_gather(_seq_first(grad), ctx.group).transpose(0, 1), None
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Identity; backward: the partial gradients all-reduced (Megatron's copy_to_tp)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Partial sums all-reduced; backward: identity (Megatron's reduce_from_tp)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def enter_region(x: Tensor, group: dist.ProcessGroup, sequence_parallel: bool) -> Tensor:
+    """The layer's input [b, s(/tp), h] as the whole sequence on every TP rank."""
+    return _GatherSequence.apply(x, group) if sequence_parallel else _CopyToRegion.apply(x, group)
+
+
+def leave_region(x: Tensor, group: dist.ProcessGroup, sequence_parallel: bool) -> Tensor:
+    """Every TP rank's partial output summed: its sequence slice, or the whole."""
+    if sequence_parallel:
+        return _ScatterSequence.apply(x, group)
+    return _ReduceFromRegion.apply(x, group)
+
+
+def _shard(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+    param = getattr(module, name)
+    dtensor = distribute_tensor(param.detach(), mesh, [placement], src_data_rank=None)
+    new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    for mark, value in vars(param).items():  # expert parallelism's allreduce=False, etc.
+        setattr(new, mark, value)
+    module.register_parameter(name, new)
+
+
+def shard_moe_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron's TP layout for one `MoELayer` (see the module docstring); in place."""
+    from mg.core.models.moe.experts import ExpertMLP, GroupedLinear, GroupedMLP
+
+    if layer.config.add_bias_linear:
+        raise ValueError(
+            "an MoE layer under tensor parallelism has no linear biases: use --disable-bias-linear"
+        )
+    gated = layer.config.gated_linear_unit
+    column = _StridedShard(0, split_factor=2) if gated else Shard(0)
+    for name, _ in list(layer.router.named_parameters(recurse=False)):
+        _shard(layer.router, name, tp_mesh, Replicate())
+    mlps = [m for m in layer.modules() if isinstance(m, ExpertMLP)]
+    for mlp in mlps:
+        _shard(mlp.linear_fc1, "weight", tp_mesh, column)
+        _shard(mlp.linear_fc2, "weight", tp_mesh, Shard(1))
+        if getattr(mlp, "gate_weight", None) is not None:
+            _shard(mlp, "gate_weight", tp_mesh, Replicate())
+    if isinstance(layer.experts, GroupedMLP):
+        for linear, placement in (
+            (layer.experts.linear_fc1, column),
+            (layer.experts.linear_fc2, Shard(1)),
+        ):
+            assert isinstance(linear, GroupedLinear)
+            for i in range(linear.num_gemms):
+                _shard(linear, f"weight{i}", tp_mesh, placement)
+    layer.tp_group = tp_mesh.get_group()
+    layer.sequence_parallel = sequence_parallel
