@@ -11,6 +11,7 @@ from mg.core.checkpoint import CheckpointError, load_model
 from mg.core.checkpoint.model_part import load_model_part
 from mg.core.checkpoint.reader_guard import user_message
 from mg.core.models import GPTModel, TransformerConfig
+from mg.core.models.mamba import MambaModel
 from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.tensor_parallel import TensorParallelError
@@ -20,7 +21,7 @@ from mg.generate_server.errors import ServeSetupError
 
 @dataclass
 class LoadedModel:
-    model: GPTModel
+    model: GPTModel | MambaModel
     config: TransformerConfig
     tokenizer: BaseTokenizer
     tokenizer_config: TokenizerConfig
