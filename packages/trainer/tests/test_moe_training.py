@@ -383,3 +383,38 @@ def test_moe_tensor_parallel_matches_one_process(tmp_path, mock_argv, train):
         assert max(one.grad_norms) > 0.05  # clipped
         for (i, a), (j, b) in zip(one.validation, two["validation"], strict=True):
             assert i == j and b == pytest.approx(a, rel=1e-5)
+
+
+@pytest.mark.slow  # nine two-rank runs
+def test_moe_tensor_parallel_checkpoints_and_distributed_optimizer(tmp_path, mock_argv):
+    """MoE at TP = 2 + SP on two gloo ranks: the distributed optimizer equals the plain one;
+    saved at iteration 4 (torch, torch_dist, and torch_dist with the distributed optimizer)
+    it resumes bitwise, and the torch_dist checkpoint resumes at TP = 1 × DP = 2 (1e-5)."""
+    import json
+    from pathlib import Path
+
+    from mg.core.testing.launch import launch_workers
+
+    flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--make-vocab-size-divisible-by", "64"]
+    flags += ["--moe-grouped-gemm", "--attention-dropout", "0", "--hidden-dropout", "0"]
+    one = mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=8)
+    tp = [*one, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    dist_opt = [*tp, "--use-distributed-optimizer"]
+    saves = {name: str(tmp_path / name) for name in ("torch", "torch_dist", "dist_opt")}
+    runs = [tp, dist_opt]
+    for name, argv in (("torch", tp), ("torch_dist", tp), ("dist_opt", dist_opt)):
+        fmt = "torch" if name == "torch" else "torch_dist"
+        runs.append([*argv, "--ckpt-format", fmt, "--save", saves[name], "--exit-interval", "4"])
+        runs.append([*argv, "--ckpt-format", fmt, "--load", saves[name]])
+    runs.append([*one, "--load", saves["torch_dist"]])  # TP = 1, DP = 2
+    out = tmp_path / "tp_ckpt.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=500)
+    losses = [r["losses"] for r in json.loads(out.read_text())]
+    straight, sharded = losses[:2]
+    assert sharded == pytest.approx(straight, rel=1e-5)
+    for first, resumed, reference in zip(
+        losses[2:8:2], losses[3:8:2], [straight, straight, sharded], strict=True
+    ):
+        assert first == reference[:4] and resumed == reference[4:]  # bitwise
+    assert losses[8] == pytest.approx(straight[4:], rel=1e-5)

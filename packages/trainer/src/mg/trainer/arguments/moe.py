@@ -163,14 +163,12 @@ def check_moe_flags(
     dry_run: bool,
     sharded_state: tuple[str, ...] = (),
     add_bias_linear: bool = False,
-    tp_untested: tuple[str, ...] = (),
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None.
 
     `sharded_state`: the checkpoint flags given (--save, --load) when the distributed
     optimizer is on with --ckpt-format torch, which does not hold its expert-parallel
-    state (torch_dist does). `add_bias_linear`: the linears have biases.
-    `tp_untested`: the flags given that MoE under tensor parallelism does not take yet."""
+    state (torch_dist does). `add_bias_linear`: the linears have biases."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -240,11 +238,6 @@ def check_moe_flags(
             f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} is not "
             "supported yet; use one of them for the experts"
         )
-    if tp > 1 and tp_untested:
-        return (
-            f"--num-experts with --tensor-model-parallel-size {tp} and {tp_untested[0]} is not "
-            "supported yet; train MoE with tensor parallelism without it"
-        )
     if tp > 1 and add_bias_linear:
         return (
             "--num-experts with --tensor-model-parallel-size needs --disable-bias-linear "
@@ -265,15 +258,6 @@ def check_moe(args: Args) -> None:
         cp=d.context_parallel_size,
         dry_run=args.training.dry_run,
         add_bias_linear=not args.model.disable_bias_linear,
-        tp_untested=tuple(
-            flag
-            for flag, given in (
-                ("--save", args.checkpoint.save),
-                ("--load", args.checkpoint.load),
-                ("--use-distributed-optimizer", d.use_distributed_optimizer),
-            )
-            if given
-        ),
         sharded_state=tuple(
             flag
             for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))
