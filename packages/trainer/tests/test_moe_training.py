@@ -83,11 +83,6 @@ def test_moe_layer_freq_forms():
             "with --use-distributed-optimizer and --save",
         ),
         ([*MOE, "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
-        (
-            [*MOE, "--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
-            4,
-            "not",
-        ),
         ([MOE[0], *MOE[2:], "--tensor-model-parallel-size", "2"], 2, "needs --disable-bias-linear"),
     ],
 )
@@ -418,3 +413,32 @@ def test_moe_tensor_parallel_checkpoints_and_distributed_optimizer(tmp_path, moc
     ):
         assert first == reference[:4] and resumed == reference[4:]  # bitwise
     assert losses[8] == pytest.approx(straight[4:], rel=1e-5)
+
+
+@pytest.mark.slow  # four trainer ranks on 2 shared cores
+def test_moe_tensor_and_expert_parallel_match_one_process(tmp_path, mock_argv, train):
+    """TP = 2 (+SP) × EP = 2 on four gloo ranks (each TP rank's EP group carries the whole
+    sequence, its experts' slices) vs one process: losses, validation and clipped grad
+    norms, with the plain and the distributed optimizer."""
+    import json
+    from pathlib import Path
+
+    from mg.core.testing.launch import launch_workers
+
+    flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--make-vocab-size-divisible-by", "64"]
+    flags += ["--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0.05"]
+    flags += ["--eval-interval", "3", "--eval-iters", "1"]
+    argv = mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=6)
+    one = train(argv)
+    run = [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    run += ["--expert-model-parallel-size", "2"]
+    out = tmp_path / "tp_ep.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    runs = [run, [*run, "--use-distributed-optimizer"]]
+    launch_workers(str(worker), 4, [str(out), json.dumps(runs)], timeout=500)
+    for four in json.loads(out.read_text()):
+        assert four["losses"] == pytest.approx(one.losses, rel=1e-5)
+        assert four["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
+        for (i, a), (j, b) in zip(one.validation, four["validation"], strict=True):
+            assert i == j and b == pytest.approx(a, rel=1e-5)
+    assert max(one.grad_norms) > 0.05  # clipped

@@ -18,10 +18,12 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mg.core.models import TransformerConfig
 from mg.core.models.moe import AuxLossBackward, TopKRouter
 from mg.core.parallel.expert_parallel import is_expert_parameter
+from mg.core.parallel.grad_norm import global_grad_norm
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.pipeline import is_shared_copy
 
@@ -87,7 +89,11 @@ def allreduce_expert_gradients(model: nn.Module, layout: ParallelLayout) -> None
     experts already hold the gradient of every token its EP group routed to them."""
     if layout.ep == 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None and is_expert_parameter(p)]
+    grads = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # TP: this rank's slices
+        for p in model.parameters()
+        if p.grad is not None and is_expert_parameter(p)
+    ]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -108,16 +114,15 @@ def clip_grad_norm_expert_parallel(
     the pipeline stages (the tied embedding's last-stage copy counted once); clipped if
     clip > 0, every rank by the same coefficient (Megatron's `clip_grad_norm_fp32`)."""
     grads = [p for p in params if p.grad is not None]
-    dense = [
-        p.grad.float().square().sum()
-        for p in grads
-        if not is_expert_parameter(p) and not is_shared_copy(p)
-    ]
-    experts = [p.grad.float().square().sum() for p in grads if is_expert_parameter(p)]
-    zero = torch.zeros((), device=grads[0].grad.device)
-    expert_sq = torch.stack(experts).sum() if experts else zero
+    dense = [p.grad for p in grads if not is_expert_parameter(p) and not is_shared_copy(p)]
+    experts = [p.grad for p in grads if is_expert_parameter(p)]
+    local = grads[0].grad.to_local() if isinstance(grads[0].grad, DTensor) else grads[0].grad
+    # tensor-parallel slices summed over TP (global_grad_norm), then the EP group's experts
+    expert_sq = torch.tensor(
+        global_grad_norm(experts) ** 2, dtype=torch.float64, device=local.device
+    )
     dist.all_reduce(expert_sq, group=layout.ep_group)
-    total_sq = (torch.stack(dense).sum() if dense else zero) + expert_sq
+    total_sq = global_grad_norm(dense) ** 2 + expert_sq
     if layout.pp > 1:  # each stage its own layers
         dist.all_reduce(total_sq, group=layout.pp_group)
     total = float(total_sq.sqrt())

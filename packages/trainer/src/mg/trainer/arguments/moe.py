@@ -233,11 +233,6 @@ def check_moe_flags(
             "--num-experts with --context-parallel-size > 1 is not supported yet; use data, "
             "tensor, pipeline and expert parallelism"
         )
-    if tp > 1 and ep > 1:
-        return (
-            f"--expert-model-parallel-size {ep} with --tensor-model-parallel-size {tp} is not "
-            "supported yet; use one of them for the experts"
-        )
     if tp > 1 and add_bias_linear:
         return (
             "--num-experts with --tensor-model-parallel-size needs --disable-bias-linear "
