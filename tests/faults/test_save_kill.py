@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,16 +75,22 @@ def reference(cache) -> dict[int, str]:
 
 
 @pytest.fixture(scope="module")
-def at_two(cache, tmp_path_factory) -> dict[str, Path]:
-    """Per format, a checkpoint folder saved at iteration 2 of the 5-iteration schedule."""
+def at_two(cache, tmp_path_factory) -> Callable[[str], Path]:
+    """A format's checkpoint folder saved at iteration 2 of the 5-iteration schedule
+    (built on first use: the cheap case needs one format)."""
     root = tmp_path_factory.mktemp("kill-base")
-    folders = {}
-    for name, flags in FORMATS.items():
-        folders[name] = root / name
-        code, _ = train(cache, "--save", str(folders[name]), "--exit-interval", "2", *flags)
-        assert code == 0
-        assert (folders[name] / TRACKER).read_text() == "2"
-    return folders
+    built: dict[str, Path] = {}
+
+    def folder(fmt: str) -> Path:
+        if fmt not in built:
+            path = root / fmt
+            code, _ = train(cache, "--save", str(path), "--exit-interval", "2", *FORMATS[fmt])
+            assert code == 0
+            assert (path / TRACKER).read_text() == "2"
+            built[fmt] = path
+        return built[fmt]
+
+    return folder
 
 
 def killed_run(cache: Path, ckpt: Path, fmt: str, spec: str) -> subprocess.CompletedProcess:
@@ -153,7 +160,7 @@ def test_kill_before_the_tracker_of_a_torch_dist_save(cache, at_two, reference, 
     """The cheap case: -9 right before the tracker moves to the new, complete iteration."""
     step = f"replace {TRACKER}.tmp-PID {TRACKER}"
     check_kill_and_resume(
-        cache, at_two["torch_dist"], "torch_dist", step, "SIGKILL", reference, tmp_path
+        cache, at_two("torch_dist"), "torch_dist", step, "SIGKILL", reference, tmp_path
     )
 
 
@@ -164,7 +171,7 @@ MAX_STEPS = 24  # more steps than any save takes (checked below: 17 for torch_di
 def recorded(cache, at_two, tmp_path_factory) -> dict[str, list[str]]:
     """Per format, the file-system steps of the save of iteration 3 (recorded once)."""
     return {
-        fmt: save_steps(cache, at_two[fmt], fmt, tmp_path_factory.mktemp(f"steps-{fmt}"))
+        fmt: save_steps(cache, at_two(fmt), fmt, tmp_path_factory.mktemp(f"steps-{fmt}"))
         for fmt in FORMATS
     }
 
@@ -182,4 +189,4 @@ def test_every_step_has_a_case(recorded) -> None:
 def test_kill_at_every_step_of_a_save(cache, at_two, reference, recorded, tmp_path, fmt, how, step):
     if step >= len(recorded[fmt]):
         pytest.skip(f"a {fmt} save has {len(recorded[fmt])} steps")
-    check_kill_and_resume(cache, at_two[fmt], fmt, step, how, reference, tmp_path)
+    check_kill_and_resume(cache, at_two(fmt), fmt, step, how, reference, tmp_path)
