@@ -83,7 +83,6 @@ def test_moe_layer_freq_forms():
             "with --use-distributed-optimizer and --save",
         ),
         ([*MOE, "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
-        ([MOE[0], *MOE[2:], "--tensor-model-parallel-size", "2"], 2, "needs --disable-bias-linear"),
     ],
 )
 def test_bad_moe_flags_are_refused_in_one_line(tmp_path, mock_argv, extra, world, message):
@@ -348,9 +347,9 @@ def test_expert_parallel_with_pipeline_matches_one_process(tmp_path, mock_argv, 
 @pytest.mark.slow  # two trainer ranks, two runs, and their one-process references
 def test_moe_tensor_parallel_matches_one_process(tmp_path, mock_argv, train):
     """TP = 2 on two gloo ranks (experts and shared experts sharded as Megatron's MLP, the
-    router replicated): with sequence parallelism (sequential experts) and without
-    (grouped GEMM, a gated shared expert), losses, validation and clipped grad norms equal
-    one process's; aux and z-loss on."""
+    router replicated): with sequence parallelism (sequential experts), without (grouped
+    GEMM, a gated shared expert) and with biases (grouped, shared expert, SP), losses,
+    validation and clipped grad norms equal one process's; aux and z-loss on."""
     import json
     from pathlib import Path
 
@@ -363,11 +362,17 @@ def test_moe_tensor_parallel_matches_one_process(tmp_path, mock_argv, train):
     variants = [
         ["--sequence-parallel"],
         ["--moe-grouped-gemm", *shared],
+        ["--moe-grouped-gemm", "--sequence-parallel", *shared[:2], "biases"],
     ]
-    ones = [train(mock_argv(tmp_path, *flags, *v, mbs=2, gbs=8, iters=6)) for v in variants]
-    runs = [
-        mock_argv(tmp_path, *flags, *v, "--tensor-model-parallel-size", "2", mbs=2, gbs=8, iters=6)
+    flags_of = [
+        [f for f in flags if not ("biases" in v and f == "--disable-bias-linear")]
+        + [f for f in v if f != "biases"]
         for v in variants
+    ]
+    ones = [train(mock_argv(tmp_path, *f, mbs=2, gbs=8, iters=6)) for f in flags_of]
+    runs = [
+        mock_argv(tmp_path, *f, "--tensor-model-parallel-size", "2", mbs=2, gbs=8, iters=6)
+        for f in flags_of
     ]
     out = tmp_path / "tp.json"
     worker = Path(__file__).with_name("ddp_worker.py")

@@ -162,13 +162,12 @@ def check_moe_flags(
     cp: int,
     dry_run: bool,
     sharded_state: tuple[str, ...] = (),
-    add_bias_linear: bool = False,
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None.
 
     `sharded_state`: the checkpoint flags given (--save, --load) when the distributed
     optimizer is on with --ckpt-format torch, which does not hold its expert-parallel
-    state (torch_dist does). `add_bias_linear`: the linears have biases."""
+    state (torch_dist does)."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -233,11 +232,6 @@ def check_moe_flags(
             "--num-experts with --context-parallel-size > 1 is not supported yet; use data, "
             "tensor, pipeline and expert parallelism"
         )
-    if tp > 1 and add_bias_linear:
-        return (
-            "--num-experts with --tensor-model-parallel-size needs --disable-bias-linear "
-            "(the experts' tensor-parallel slices have no biases)"
-        )
     return None
 
 
@@ -252,7 +246,6 @@ def check_moe(args: Args) -> None:
         pp=d.pipeline_model_parallel_size,
         cp=d.context_parallel_size,
         dry_run=args.training.dry_run,
-        add_bias_linear=not args.model.disable_bias_linear,
         sharded_state=tuple(
             flag
             for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))

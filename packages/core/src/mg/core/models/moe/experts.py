@@ -49,6 +49,10 @@ def _activate(hidden: Tensor, config: TransformerConfig) -> Tensor:
 class ExpertMLP(nn.Module):
     """One expert (or the shared experts): linear_fc1 → act → linear_fc2, width `ffn`."""
 
+    fc2_bias_scale = 1.0
+    """1/tp under tensor parallelism: each TP rank adds its share of the bias to its
+    partial output (mg.core.models.moe.tensor_parallel)."""
+
     def __init__(self, config: TransformerConfig, ffn: int) -> None:
         super().__init__()
         self.config = config
@@ -66,13 +70,15 @@ class ExpertMLP(nn.Module):
     def forward(self, hidden: Tensor, probs: Tensor | None = None) -> Tensor:
         # local(): a tensor-parallel rank's slices (mg.core.models.moe.tensor_parallel)
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        hidden = _activate(F.linear(hidden, local(fc1.weight), fc1.bias), self.config)
+        bias1 = None if fc1.bias is None else local(fc1.bias)
+        bias2 = None if fc2.bias is None else local(fc2.bias) * self.fc2_bias_scale
+        hidden = _activate(F.linear(hidden, local(fc1.weight), bias1), self.config)
         if probs is None:
-            return F.linear(hidden, local(fc2.weight), fc2.bias)
+            return F.linear(hidden, local(fc2.weight), bias2)
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
         out = F.linear(hidden, local(fc2.weight))
-        if self.linear_fc2.bias is not None:
-            out = out + self.linear_fc2.bias.unsqueeze(0) * probs.unsqueeze(-1)
+        if bias2 is not None:
+            out = out + bias2.unsqueeze(0) * probs.unsqueeze(-1)
         return out
 
 
@@ -151,6 +157,8 @@ def grouped_linear(x: Tensor, weights: Sequence[Tensor], tokens_per_expert: list
 class GroupedLinear(nn.Module):
     """E linears of the same shape as parameters `weight{i}` (and `bias{i}`), TE's names."""
 
+    bias_scale = 1.0  # 1/tp for a row-parallel one's biases (see ExpertMLP.fc2_bias_scale)
+
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.num_gemms = num_gemms
@@ -169,19 +177,23 @@ class GroupedLinear(nn.Module):
         """The GEMMs' weights (a tensor-parallel rank's slices)."""
         return [local(getattr(self, f"weight{i}")) for i in range(self.num_gemms)]
 
-    def biases(self) -> list[Tensor]:
+    def bias_params(self) -> list[nn.Parameter]:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.has_bias else []
+
+    def biases(self) -> list[Tensor]:
+        """The GEMMs' biases (a tensor-parallel rank's slices, or its share: `bias_scale`)."""
+        return [local(b) * self.bias_scale for b in self.bias_params()]
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
         for w in self.params():
             nn.init.normal_(w, mean=0.0, std=std)
-        for b in self.biases():
+        for b in self.bias_params():
             nn.init.zeros_(b)
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep these GEMMs only, renumbered weight0.. (expert parallelism)."""
-        weights, biases = self.params(), self.biases()
+        weights, biases = self.params(), self.bias_params()
         for i in range(self.num_gemms):
             delattr(self, f"weight{i}")
             if self.has_bias:

@@ -15,8 +15,9 @@ so each rank's gradients of everything before the slices (router, shared
 gate, input) are partial sums: the replicated weights' local views hand their
 gradients on as Partial (all-reduced over TP with the sequence-parallel
 norms'), and the balancing losses, the same on every TP rank, have their
-gradient divided by TP (`moe_step.begin_step`). Biases in the experts are not
-supported (Megatron's MoE recipes use --disable-bias-linear).
+gradient divided by TP (`moe_step.begin_step`). A linear_fc1 bias is sharded
+with its rows; a linear_fc2 bias, replicated, is added by every TP rank times
+1/tp (its gradient is then a partial sum too).
 """
 
 from __future__ import annotations
@@ -137,10 +138,7 @@ def shard_moe_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
     """Megatron's TP layout for one `MoELayer` (see the module docstring); in place."""
     from mg.core.models.moe.experts import ExpertMLP, GroupedLinear, GroupedMLP
 
-    if layer.config.add_bias_linear:
-        raise ValueError(
-            "an MoE layer under tensor parallelism has no linear biases: use --disable-bias-linear"
-        )
+    tp = tp_mesh.size()
     gated = layer.config.gated_linear_unit
     column = _StridedShard(0, split_factor=2) if gated else Shard(0)
     for name, _ in list(layer.router.named_parameters(recurse=False)):
@@ -149,6 +147,10 @@ def shard_moe_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
     for mlp in mlps:
         _shard(mlp.linear_fc1, "weight", tp_mesh, column)
         _shard(mlp.linear_fc2, "weight", tp_mesh, Shard(1))
+        if mlp.linear_fc1.bias is not None:
+            _shard(mlp.linear_fc1, "bias", tp_mesh, column)
+            _shard(mlp.linear_fc2, "bias", tp_mesh, Replicate())
+            mlp.fc2_bias_scale = 1.0 / tp
         if getattr(mlp, "gate_weight", None) is not None:
             _shard(mlp, "gate_weight", tp_mesh, Replicate())
     if isinstance(layer.experts, GroupedMLP):
@@ -159,5 +161,9 @@ def shard_moe_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
             assert isinstance(linear, GroupedLinear)
             for i in range(linear.num_gemms):
                 _shard(linear, f"weight{i}", tp_mesh, placement)
+                if linear.has_bias:
+                    bias = column if linear is layer.experts.linear_fc1 else Replicate()
+                    _shard(linear, f"bias{i}", tp_mesh, bias)
+        layer.experts.linear_fc2.bias_scale = 1.0 / tp
     layer.tp_group = tp_mesh.get_group()
     layer.sequence_parallel = sequence_parallel
