@@ -312,6 +312,12 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     key = "decoder.layers.0.mlp.experts.linear_fc1.weight"
     assert {f"{key}0", f"{key}1"} <= set(ranks[0]["model"]) and f"{key}2" not in ranks[0]["model"]
     assert not torch.equal(ranks[0]["model"][f"{key}0"], ranks[1]["model"][f"{key}0"])
+    # mg-eval / mg-serve's reader: the torch files' experts merged, as the torch_dist ones
+    from mg.core.checkpoint import load_model
+
+    merged, from_dist = (load_model(saves[f])[0].state_dict() for f in ("torch", "torch_dist"))
+    assert merged.keys() == from_dist.keys() and f"{key}3" in merged
+    assert all(torch.equal(merged[k], from_dist[k]) for k in merged)
     with pytest.raises(
         ValueError, match="saved with expert-model-parallel-size 2, this run uses 1"
     ):

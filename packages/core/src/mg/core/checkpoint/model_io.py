@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_full_state
+from mg.core.checkpoint.ep_merge import merge_expert_parallel
 from mg.core.checkpoint.layout import RELEASE, CheckpointError, Iteration
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.torch_format import (
@@ -136,36 +137,45 @@ def _load_torch_format(
     """Rank 0's state, its path, and a reader of the whole weights (pipeline stages and
     TP shards merged)."""
     path, layout = find_rank_file(folder)
-    if layout.ep != 1:
-        raise CheckpointError(
-            f"{load_dir} was saved with {layout}; load_model reads expert-unsplit `torch` "
-            "checkpoints. Merge it first: mg-convert reshard, or save with --ckpt-format torch_dist"
-        )
-    # states[tp][pp]: every rank file of the iteration.
+    # states[ep][tp][pp]: every rank file of the iteration.
     states = [
         [
-            load_checkpoint(
-                load_dir,
-                iteration,
-                tp_rank=tp,
-                pp_rank=pp,
-                pp_size=layout.pp,
-                map_location=map_location,
-            )[0]
-            for pp in range(layout.pp)
+            [
+                load_checkpoint(
+                    load_dir,
+                    iteration,
+                    tp_rank=tp,
+                    pp_rank=pp,
+                    pp_size=layout.pp,
+                    ep_rank=ep,
+                    map_location=map_location,
+                )[0]
+                for pp in range(layout.pp)
+            ]
+            for tp in range(layout.tp)
         ]
-        for tp in range(layout.tp)
+        for ep in range(layout.ep)
     ]
+
+    def chunks(tp: int, pp: int, config: TransformerConfig) -> list[dict[str, Tensor]]:
+        """A (tp, pp) position's model chunks, the expert-parallel ranks' experts merged."""
+        per_ep = [model_chunks(states[ep][tp][pp], path) for ep in range(layout.ep)]
+        if layout.ep == 1:
+            return per_ep[0]
+        merged = zip(*per_ep, strict=True)
+        return [merge_expert_parallel(parts, config.num_moe_experts) for parts in merged]
 
     def weights(config: TransformerConfig) -> dict[str, Tensor]:
         tied = not config.untie_embeddings_and_output_weights
         shards = [
-            merge_pipeline([model_chunks(s, path) for s in stages], config.num_layers, tied=tied)
-            for stages in states
+            merge_pipeline(
+                [chunks(tp, pp, config) for pp in range(layout.pp)], config.num_layers, tied=tied
+            )
+            for tp in range(layout.tp)
         ]
         return merge_tensor_parallel(shards, config.gated_linear_unit)
 
-    return states[0][0], path, weights
+    return states[0][0][0], path, weights
 
 
 def model_chunks(state: Mapping[str, Any], path: Path) -> list[dict[str, Tensor]]:
