@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from mg.core.checkpoint.model_io import load_model, save_model
+from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.sampling import SamplingParams
@@ -106,22 +106,10 @@ def _imported(family: str, folder: Path) -> tuple[Path, list[list[int]]]:
 
 def _generate(engine: GenerationEngine, prompts: list[list[int]]) -> list[list[int]]:
     """All prompts submitted at once (one batch); each one's greedy tokens."""
-    results: list[list[int]] = [[] for _ in prompts]
-    done = threading.Semaphore(0)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
-    for i, prompt in enumerate(prompts):
-
-        def emit(event, i=i) -> None:
-            if event.choice is not None:
-                results[i].append(event.choice.token)
-            if event.finish_reason is not None:
-                assert event.finish_reason == "length", event.error
-                done.release()
-
-        engine.submit(prompt, params, emit)
-    for _ in prompts:
-        assert done.acquire(timeout=120)
-    return results
+    results = generate_batch(engine, prompts, params)
+    assert all(r.finish_reason == "length" for r in results), [r.error for r in results]
+    return [r.tokens for r in results]
 
 
 def _serve(model, **options) -> list[list[int]]:

@@ -5,8 +5,6 @@ budget, and preemption by recompute when the KV-cache pool runs out."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ from mg.core.checkpoint import save_model
 from mg.core.fixtures import fixture_path
 from mg.core.models import GPTModel, presets
 from mg.core.tokenizers import TokenizerConfig
+from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.loading import LoadedModel, load_for_serving
 from mg.generate_server.runner import ModelRunner
@@ -72,22 +71,10 @@ def served(tmp_path_factory) -> tuple[LoadedModel, list[list[int]], list[list[in
 
 def _generate(engine: GenerationEngine, prompts: list[list[int]]) -> list[list[int]]:
     """All prompts submitted at once (one batch); each one's greedy tokens."""
-    results: list[list[int]] = [[] for _ in prompts]
-    done = threading.Semaphore(0)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
-    for i, prompt in enumerate(prompts):
-
-        def emit(event, i=i) -> None:
-            if event.choice is not None:
-                results[i].append(event.choice.token)
-            if event.finish_reason is not None:
-                assert event.finish_reason == "length", event.error
-                done.release()
-
-        engine.submit(prompt, params, emit)
-    for _ in prompts:
-        assert done.acquire(timeout=120)
-    return results
+    results = generate_batch(engine, prompts, params)
+    assert all(r.finish_reason == "length" for r in results), [r.error for r in results]
+    return [r.tokens for r in results]
 
 
 SCHEDULES = {

@@ -5,7 +5,6 @@ unbatched generation (a full forward over the whole sequence for every token).""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from mg.core.models import GPTModel
 from mg.core.models.presets import tiny_llama
 from mg.core.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from mg.core.tokenizers import TokenizerConfig
+from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.sampling import SamplingParams
@@ -48,22 +48,11 @@ def _unbatched(model, prompt: list[int]) -> list[int]:
 
 
 def _generate(engine: GenerationEngine, prompts: list[list[int]]) -> list[list[int]]:
-    results: list[list[int]] = [[] for _ in prompts]
-    done = threading.Semaphore(0)
+    """All prompts submitted at once (one batch); each one's greedy tokens."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
-    for i, prompt in enumerate(prompts):
-
-        def emit(event, i=i) -> None:
-            if event.choice is not None:
-                results[i].append(event.choice.token)
-            if event.finish_reason is not None:
-                assert event.finish_reason == "length", event.error
-                done.release()
-
-        engine.submit(prompt, params, emit)
-    for _ in prompts:
-        assert done.acquire(timeout=120)
-    return results
+    results = generate_batch(engine, prompts, params)
+    assert all(r.finish_reason == "length" for r in results), [r.error for r in results]
+    return [r.tokens for r in results]
 
 
 @pytest.fixture(scope="module")
