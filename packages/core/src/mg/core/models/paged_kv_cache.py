@@ -189,11 +189,13 @@ class PagedKVCache:
     def for_model(
         cls, model: nn.Module, num_blocks: int, block_size: int, fp8: bool = False
     ) -> PagedKVCache:
-        """A pool shaped for `model` (a GPTModel; its local heads under tensor parallelism)."""
-        attention = model.decoder.layers[0].self_attention
+        """A pool shaped for `model`'s attention layers (a GPTModel's every layer, a hybrid's
+        attention layers; their local heads under tensor parallelism)."""
+        layers = [layer for layer in model.decoder.layers if hasattr(layer, "self_attention")]
+        attention = layers[0].self_attention
         weight = next(model.parameters())
         return cls(
-            num_layers=len(model.decoder.layers),
+            num_layers=len(layers),
             num_blocks=num_blocks,
             block_size=block_size,
             num_groups=attention.num_groups,

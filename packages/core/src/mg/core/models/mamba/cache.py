@@ -38,7 +38,54 @@ from mg.core.models.mamba.pattern import ATTENTION, MAMBA
 from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
 
 
-class HybridCache:
+class _SlotStates:
+    """Each Mamba layer's convolution window and SSM state per slot, and the layer-index
+    maps both caches share; `_slots` (the rows being run) is set by the subclass."""
+
+    def __init__(
+        self,
+        layer_pattern: str,
+        num_slots: int,
+        conv_shape: tuple[int, ...],
+        ssm_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+    ) -> None:
+        self.layer_pattern = layer_pattern
+        self.num_slots = num_slots
+        self._mamba_index = _index_of(layer_pattern, MAMBA)
+        self._attention_index = _index_of(layer_pattern, ATTENTION)
+        num_mamba = len(self._mamba_index)
+        self.conv_states = torch.zeros(
+            (num_mamba, num_slots, *conv_shape), dtype=dtype, device=device
+        )
+        # the SSM state is carried in fp32 at least, as mamba_ssm's kernels carry it
+        self.ssm_states = torch.zeros(
+            (num_mamba, num_slots, *ssm_shape),
+            dtype=torch.promote_types(dtype, torch.float32),
+            device=device,
+        )
+        self.kv: KVCache | PagedKVCache | None = None
+        self._slots: Tensor | None = None
+
+    def mamba_state(self, layer_index: int) -> tuple[Tensor, Tensor]:
+        """The running rows' (conv window [b, conv_dim, d_conv-1], SSM state [b, heads, P, N])
+        of the model's layer `layer_index`."""
+        i = self._mamba_index[layer_index]
+        return self.conv_states[i, self._slots], self.ssm_states[i, self._slots]
+
+    def store_mamba_state(self, layer_index: int, conv: Tensor, ssm: Tensor) -> None:
+        """Write the running rows' new states back to their slots."""
+        i = self._mamba_index[layer_index]
+        self.conv_states[i, self._slots] = conv.to(self.conv_states.dtype)
+        self.ssm_states[i, self._slots] = ssm.to(self.ssm_states.dtype)
+
+    def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        """The KV cache's `attend` for an attention layer, by the model's layer index."""
+        return self.kv.attend(self._attention_index[layer_index], query, key, value)
+
+
+class HybridCache(_SlotStates):
     """Recurrent states for the Mamba layers, keys/values for the attention layers."""
 
     def __init__(
@@ -54,21 +101,8 @@ class HybridCache:
         device: torch.device | str | None = None,
         window_size: tuple[int, int] | None = None,
     ) -> None:
-        self.layer_pattern = layer_pattern
-        self.num_slots = num_slots
+        super().__init__(layer_pattern, num_slots, conv_shape, ssm_shape, dtype, device)
         self.max_length = max_length
-        self._mamba_index = _index_of(layer_pattern, MAMBA)
-        self._attention_index = _index_of(layer_pattern, ATTENTION)
-        num_mamba = len(self._mamba_index)
-        self.conv_states = torch.zeros(
-            (num_mamba, num_slots, *conv_shape), dtype=dtype, device=device
-        )
-        # the SSM state is carried in fp32, as mamba_ssm's kernels carry it
-        self.ssm_states = torch.zeros(
-            (num_mamba, num_slots, *ssm_shape),
-            dtype=torch.promote_types(dtype, torch.float32),
-            device=device,
-        )
         self.kv = (
             KVCache(
                 len(self._attention_index),
@@ -83,7 +117,6 @@ class HybridCache:
             if self._attention_index
             else None
         )
-        self._slots: Tensor | None = None
         self._starts: Tensor | None = None
         self._lengths: Tensor | None = None
 
@@ -95,10 +128,10 @@ class HybridCache:
         pattern = model.decoder.layer_pattern
         weight = next(model.parameters())
         mixer = next((layer.mixer for layer in layers if hasattr(layer, "mixer")), None)
+        conv_shape, ssm_shape = mixer.state_shapes() if mixer is not None else ((0,), (0,))
         attention = next(
             (layer.self_attention for layer in layers if hasattr(layer, "self_attention")), None
         )
-        conv_shape, ssm_shape = mixer.state_shapes() if mixer is not None else ((0,), (0,))
         return cls(
             pattern,
             num_slots,
@@ -133,21 +166,6 @@ class HybridCache:
             return torch.full((batch,), seq, dtype=torch.long, device=self.conv_states.device)
         return self._lengths
 
-    def mamba_state(self, layer_index: int) -> tuple[Tensor, Tensor]:
-        """The bound rows' (conv window [b, conv_dim, d_conv-1], SSM state [b, heads, P, N])."""
-        i = self._mamba_index[layer_index]
-        return self.conv_states[i, self._slots], self.ssm_states[i, self._slots]
-
-    def store_mamba_state(self, layer_index: int, conv: Tensor, ssm: Tensor) -> None:
-        """Write the bound rows' new states back to their slots."""
-        i = self._mamba_index[layer_index]
-        self.conv_states[i, self._slots] = conv.to(self.conv_states.dtype)
-        self.ssm_states[i, self._slots] = ssm.to(self.ssm_states.dtype)
-
-    def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """`KVCache.attend` for an attention layer, by the model's layer index."""
-        return self.kv.attend(self._attention_index[layer_index], query, key, value)
-
     def _check_bound(self, batch: int) -> None:
         if self._slots is None:
             raise RuntimeError("HybridCache.bind(slots, starts) must be called before a forward")
@@ -162,7 +180,7 @@ def _index_of(pattern: str, letter: str) -> dict[int, int]:
     return {layer: i for i, layer in enumerate(j for j, c in enumerate(pattern) if c == letter)}
 
 
-class PagedHybridCache:
+class PagedHybridCache(_SlotStates):
     """A hybrid model's state for a serving engine's packed steps (`PagedSegment`s):
     the attention layers' keys/values in a `PagedKVCache`, each Mamba layer's
     convolution window and SSM state in the sequence's slot (`PagedSegment.slot`).
@@ -188,22 +206,9 @@ class PagedHybridCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        self.layer_pattern = layer_pattern
-        self.num_slots = num_slots
+        super().__init__(layer_pattern, num_slots, conv_shape, ssm_shape, dtype, device)
         self.kv = kv
-        self._mamba_index = _index_of(layer_pattern, MAMBA)
-        self._attention_index = _index_of(layer_pattern, ATTENTION)
-        num_mamba = len(self._mamba_index)
-        self.conv_states = torch.zeros(
-            (num_mamba, num_slots, *conv_shape), dtype=dtype, device=device
-        )
-        self.ssm_states = torch.zeros(  # fp32 at least, as HybridCache carries it
-            (num_mamba, num_slots, *ssm_shape),
-            dtype=torch.promote_types(dtype, torch.float32),
-            device=device,
-        )
         self._groups: list[tuple[Tensor | slice, Tensor]] = []
-        self._slots: Tensor | None = None
 
     @classmethod
     def for_model(
@@ -215,23 +220,9 @@ class PagedHybridCache:
         layers = model.decoder.layers
         weight = next(model.parameters())
         mixer = next(layer.mixer for layer in layers if hasattr(layer, "mixer"))
-        attention = next(
-            (layer.self_attention for layer in layers if hasattr(layer, "self_attention")), None
-        )
         kv = None
-        if attention is not None:
-            kv = PagedKVCache(
-                num_layers=sum(hasattr(layer, "self_attention") for layer in layers),
-                num_blocks=num_blocks,
-                block_size=block_size,
-                num_groups=attention.num_groups,
-                head_dim=attention.head_dim,
-                num_heads=attention.num_heads,
-                dtype=weight.dtype,
-                device=weight.device,
-                window_size=model.config.window_size,
-                fp8=fp8,
-            )
+        if any(hasattr(layer, "self_attention") for layer in layers):
+            kv = PagedKVCache.for_model(model, num_blocks, block_size, fp8=fp8)
         conv_shape, ssm_shape = mixer.state_shapes()
         return cls(
             model.decoder.layer_pattern,
@@ -279,17 +270,3 @@ class PagedHybridCache:
     def lengths(self, batch: int, seq: int) -> Tensor:
         """Every row of a group is all real tokens (no padding in a packed step)."""
         return torch.full((batch,), seq, dtype=torch.long, device=self.conv_states.device)
-
-    def mamba_state(self, layer_index: int) -> tuple[Tensor, Tensor]:
-        """The current group's (conv window, SSM state) of the model's layer `layer_index`."""
-        i = self._mamba_index[layer_index]
-        return self.conv_states[i, self._slots], self.ssm_states[i, self._slots]
-
-    def store_mamba_state(self, layer_index: int, conv: Tensor, ssm: Tensor) -> None:
-        i = self._mamba_index[layer_index]
-        self.conv_states[i, self._slots] = conv.to(self.conv_states.dtype)
-        self.ssm_states[i, self._slots] = ssm.to(self.ssm_states.dtype)
-
-    def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        """`PagedKVCache.attend` for an attention layer, by the model's layer index."""
-        return self.kv.attend(self._attention_index[layer_index], query, key, value)
