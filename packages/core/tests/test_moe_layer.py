@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from mg.core.models import TransformerConfig
 from mg.core.models.gpt import GPTModel
-from mg.core.models.moe import MoELayer
+from mg.core.models.moe import AuxLossBackward, MoELayer
 
 BASE = dict(num_layers=2, hidden_size=16, num_attention_heads=4, vocab_size=64, ffn_hidden_size=32)
 
@@ -99,6 +99,15 @@ def test_capacity_padding_keeps_outputs_of_kept_tokens():
 
 
 # megatron-core 0.16.1's MoELayer on CPU ------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _unit_aux_loss_scale():
+    """The balancing losses' gradient at scale 1, as megatron-core's is by default (a
+    training step elsewhere in the session leaves its loss scale / micro-batches)."""
+    AuxLossBackward.scale = 1.0
+    yield
+    AuxLossBackward.scale = 1.0
 
 
 @pytest.fixture(scope="module")
