@@ -9,6 +9,7 @@ token out of its expert) is served dropless and says so by name."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from mg.core.checkpoint.model_io import load_model, save_model
+from mg.core.testing.hf_moe import HF_MOE_MODELS
 from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.runner import ModelRunner
@@ -38,40 +40,7 @@ TINY = dict(
 )
 
 
-def _mixtral():
-    config = transformers.MixtralConfig(
-        **TINY, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
-    )
-    return transformers.MixtralForCausalLM(config)
-
-
-def _qwen3_moe():
-    config = transformers.Qwen3MoeConfig(
-        **TINY,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],  # a dense first layer
-    )
-    return transformers.Qwen3MoeForCausalLM(config)
-
-
-def _qwen2_moe():
-    config = transformers.Qwen2MoeConfig(
-        **TINY,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,  # a gated shared expert beside the routed ones
-        norm_topk_prob=False,
-        tie_word_embeddings=False,
-    )
-    return transformers.Qwen2MoeForCausalLM(config)
-
-
-FAMILIES = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe}
+FAMILIES = {family: functools.partial(build, **TINY) for family, build in HF_MOE_MODELS.items()}
 
 
 def _prompts() -> list[list[int]]:

@@ -10,6 +10,7 @@ top-k choice is a near tie.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from mg.core.models.hf_mapping import (  # noqa: E402
     hf_to_megatron,
     megatron_to_hf,
 )
+from mg.core.testing.hf_moe import HF_MOE_MODELS  # noqa: E402
 
 pytestmark = pytest.mark.compat
 
@@ -38,40 +40,7 @@ TINY = dict(
 )
 
 
-def _mixtral():
-    config = transformers.MixtralConfig(
-        **TINY, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0
-    )
-    return transformers.MixtralForCausalLM(config)
-
-
-def _qwen3_moe():
-    config = transformers.Qwen3MoeConfig(
-        **TINY,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        norm_topk_prob=True,
-        mlp_only_layers=[0],  # a dense first layer
-    )
-    return transformers.Qwen3MoeForCausalLM(config)
-
-
-def _qwen2_moe():
-    config = transformers.Qwen2MoeConfig(
-        **TINY,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=24,
-        norm_topk_prob=False,
-        tie_word_embeddings=False,
-    )
-    return transformers.Qwen2MoeForCausalLM(config)
-
-
-MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "qwen2_moe": _qwen2_moe}
+MODELS = {family: functools.partial(build, **TINY) for family, build in HF_MOE_MODELS.items()}
 
 
 def _saved_state(model) -> dict[str, torch.Tensor]:
@@ -141,7 +110,7 @@ def test_config_round_trip_builds_the_same_hf_model(family):
 
 
 def test_routing_hf_cannot_run_is_refused_on_export():
-    config = config_from_hf(_mixtral().config)
+    config = config_from_hf(MODELS["mixtral"]().config)
     for change in (
         dict(moe_router_score_function="sigmoid"),
         dict(moe_router_topk_scaling_factor=2.0),
