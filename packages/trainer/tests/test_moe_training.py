@@ -83,6 +83,7 @@ def test_moe_layer_freq_forms():
             "with --use-distributed-optimizer and --save",
         ),
         ([*MOE, "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
+        ([*MOE, "--moe-router-enable-expert-bias"], 1, "^--moe-router-enable-expert-bias"),
     ],
 )
 def test_bad_moe_flags_are_refused_in_one_line(tmp_path, mock_argv, extra, world, message):

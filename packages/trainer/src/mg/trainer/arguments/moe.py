@@ -209,6 +209,11 @@ def check_moe_flags(
             "--moe-expert-capacity-factor works with aux_loss, seq_aux_loss, global_aux_loss "
             "or none load balancing, not sinkhorn"
         )
+    if moe.moe_router_enable_expert_bias and moe.moe_router_score_function != "sigmoid":
+        return (
+            "--moe-router-enable-expert-bias (aux-loss-free balancing) needs "
+            "--moe-router-score-function sigmoid, as in Megatron"
+        )
     if moe.moe_pad_expert_input_to_capacity and moe.moe_expert_capacity_factor is None:
         return (
             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
