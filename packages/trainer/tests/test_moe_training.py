@@ -454,3 +454,16 @@ def test_moe_tensor_and_expert_parallel_match_one_process(tmp_path, mock_argv, t
         for (i, a), (j, b) in zip(one.validation, four["validation"], strict=True):
             assert i == j and b == pytest.approx(a, rel=1e-5)
     assert max(one.grad_norms) > 0.05  # clipped
+
+
+def test_torch_format_optimizer_state_is_refused_for_the_expert_parallel_optimizer() -> None:
+    """A --load folder holding a torch-format save: the expert-parallel distributed optimizer
+    reads torch_dist only, which the flags cannot see before the folder is read."""
+    from mg.core.checkpoint import CheckpointError
+    from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
+    from mg.trainer.checkpointing import _load_optimizer
+
+    optimizer = ExpertParallelDistributedOptimizer.__new__(ExpertParallelDistributedOptimizer)
+    with pytest.raises(CheckpointError, match="--no-load-optim") as info:
+        _load_optimizer(optimizer, {"state": {}}, None, "ckpt", 10, {})
+    assert "\n" not in str(info.value)

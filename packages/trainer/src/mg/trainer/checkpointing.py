@@ -38,6 +38,7 @@ from mg.core.checkpoint.serialization import load_file
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.dtensor_layout import shard_like
+from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.megatron_buffers import megatron_buffers, torch_optimizer_state
 from mg.core.parallel.pipeline import shared_embedding_weight
 from mg.trainer import distributed
@@ -197,6 +198,12 @@ def _load_optimizer(
     `model_optim_rng.pt` (a plain optimizer's), or Megatron's distributed-optimizer pair
     (groups there, parameter state in `distrib_optim.pt`, memory-mapped: each rank reads
     only its own fragments)."""
+    if isinstance(optimizer, ExpertParallelDistributedOptimizer):
+        raise CheckpointError(
+            f"{load_dir}: a --ckpt-format torch checkpoint; --use-distributed-optimizer with "
+            "--expert-model-parallel-size > 1 loads its state from torch_dist only (resume "
+            "with --no-load-optim, or from a torch_dist save)"
+        )
     if "state" in state:
         optimizer.load_state_dict(state)
         return
