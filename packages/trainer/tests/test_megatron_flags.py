@@ -436,3 +436,17 @@ def test_attention_softmax_is_fp32_already() -> None:
     sdpa = F.scaled_dot_product_attention(*bf16, is_causal=True).float()
     with_flag = megatron_unfused(*bf16, torch.float32).float()
     assert (sdpa - exact).abs().max() <= (with_flag - exact).abs().max()
+
+
+def test_decoupled_lr_on_one_side_of_a_resume_is_one_line(tmp_path: Path, mock_argv, train, capsys):
+    """--decoupled-lr adds parameter groups: a torch-format resume without it is refused
+    naming the flag and --no-load-optim, not with torch's own message."""
+    from mg.trainer.cli import main
+
+    save = ["--ckpt-format", "torch", "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    train(mock_argv(tmp_path, *save, "--decoupled-lr", "1e-2", iters=4))
+    argv = mock_argv(tmp_path, *save, "--load", str(tmp_path / "ckpt"), iters=6)
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--decoupled-lr" in error and "--no-load-optim" in error
+    assert main([*argv, "--no-load-optim"]) == 0

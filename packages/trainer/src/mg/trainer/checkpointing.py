@@ -186,6 +186,18 @@ def _load_model_states(model: nn.Module, ckpt: dict[str, Any], path: str) -> Non
         chunk.load_state_dict(ckpt[key])
 
 
+def _check_group_count(groups: list[Any], optimizer: Any, load_dir: str) -> None:
+    """Parameter groups come from the model and the flags that split it (weight decay,
+    --decoupled-lr): a different count means a different model or different flags."""
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{load_dir}: the optimizer state has {len(groups)} parameter groups, this run's "
+            f"optimizer has {len(optimizer.param_groups)} (a different model, or "
+            "--decoupled-lr given on one side only); resume with the saved run's flags, or "
+            "with --no-load-optim"
+        )
+
+
 def _load_optimizer(
     optimizer: Any,
     state: dict[str, Any],
@@ -205,6 +217,7 @@ def _load_optimizer(
             "with --no-load-optim, or from a torch_dist save)"
         )
     if "state" in state:
+        _check_group_count(state.get("param_groups") or [], optimizer, load_dir)
         optimizer.load_state_dict(state)
         return
     folder = checkpoint_dir(load_dir, iteration)
@@ -228,11 +241,7 @@ def _load_optimizer(
         optimizer.load_parameter_state(param_state, buffers, step, str(path))
         return
     groups = (state.get("optimizer") or {}).get("param_groups") or []
-    if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"{load_dir}: the optimizer state has {len(groups)} parameter groups, this "
-            f"optimizer has {len(optimizer.param_groups)}; was it saved for a different model?"
-        )
+    _check_group_count(groups, optimizer, load_dir)
     tied = _tied_embedding(model)
     buffers = megatron_buffers(_chunk_list(model), shared_embedding=lambda p: p is tied)
     optimizer.load_state_dict(
