@@ -695,12 +695,16 @@ class Trainer:
                     self.finish_saves()
                     self.writer.close()
                     return result
-        if self.valid_data is not None and self.state.iteration % t.eval_interval != 0:
-            self._validate_and_log(f"iteration {self.state.iteration} on validation set", result)
-        if c.save and saved_at != self.state.iteration and result.losses:
-            self.save()
-        self.finish_saves()
-        self.writer.close()
+            # still under the SIGTERM flag: a SIGTERM during the last save, or while an
+            # async save finishes, lets it finish instead of killing the process
+            if self.valid_data is not None and self.state.iteration % t.eval_interval != 0:
+                self._validate_and_log(
+                    f"iteration {self.state.iteration} on validation set", result
+                )
+            if c.save and saved_at != self.state.iteration and result.losses:
+                self.save()
+            self.finish_saves()
+            self.writer.close()
         return result
 
     def _exit_reason(self, start: float, sigterm: bool) -> str | None:
