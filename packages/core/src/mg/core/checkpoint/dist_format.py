@@ -48,6 +48,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mg.core.checkpoint.layout import (
+    DISPLACED_SUFFIX,
     RELEASE,
     STAGING_SUFFIX,
     CheckpointError,
@@ -207,13 +208,15 @@ def _commit(save_dir: Path, final: Path, staging: Path, common: Mapping[str, Any
         lambda handle: handle.write(json.dumps(TORCH_DIST_METADATA)),
         binary=False,
     )
+    # A re-saved iteration: the old copy is removed only once the new one is in place, so
+    # a kill in between leaves one of them under the name (or `.old`), never neither.
+    displaced = final.with_name(final.name + DISPLACED_SUFFIX)
     if final.exists():
-        displaced = final.with_name(final.name + ".old")
         shutil.rmtree(displaced, ignore_errors=True)
         os.rename(final, displaced)
-        shutil.rmtree(displaced, ignore_errors=True)
     os.rename(staging, final)
     fsync_dir(save_dir)
+    shutil.rmtree(displaced, ignore_errors=True)
     iteration = RELEASE if final.name == RELEASE else common.get("iteration", final.name)
     atomic_write(tracker_file(save_dir), lambda h: h.write(str(iteration)), binary=False)
 
