@@ -48,6 +48,11 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         ["--split-sentences"],
         "sentence",
     ),
+    "bert_lowercase_sentence_nltk310": (
+        ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "{minilm-bert}/vocab.txt"],
+        ["--split-sentences", "--punkt-rules", "nltk-3.10"],
+        "sentence",
+    ),
 }
 
 
