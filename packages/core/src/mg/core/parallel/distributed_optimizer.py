@@ -949,4 +949,14 @@ def _register_param_wait_hooks(
                 buckets.append(bucket)
         if buckets:
             hooks.append(module.register_forward_pre_hook(lambda m, a, b=buckets: wait(b)))
+        # The output layer's weight (or the last stage's tied embedding copy) is read by
+        # `output_and_loss` without calling its module: the model waits for it up front.
+        output_weight = getattr(module, "output_weight", None)
+        if callable(output_weight):
+            try:
+                bucket = bucket_of.get(id(output_weight()))
+            except (AttributeError, TypeError):  # a middle stage: no output weight
+                bucket = None
+            if bucket is not None:
+                hooks.append(module.register_forward_pre_hook(lambda m, a, b=[bucket]: wait(b)))
     return hooks
