@@ -52,10 +52,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
         ctx.group = group
-        size = dist.get_world_size(group)
-        out = x.new_empty(x.shape[0] * size, *x.shape[1:])
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        return _all_gather(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
@@ -72,10 +69,7 @@ class _ReduceScatterRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        size = dist.get_world_size(ctx.group)
-        out = grad.new_empty(grad.shape[0] * size, *grad.shape[1:])
-        dist.all_gather_into_tensor(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return _all_gather(grad, ctx.group), None
 
 
 def _reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -83,6 +77,23 @@ def _reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     out = x.new_empty(x.shape[0] // size, *x.shape[1:])
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out
+
+
+def _all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    size = dist.get_world_size(group)
+    out = x.new_empty(x.shape[0] * size, *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def gather_rows(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """All-gather along dim 0 over `group`; the gradient is reduce-scattered back."""
+    return _GatherRows.apply(x, group)
+
+
+def reduce_scatter_rows(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Sum over `group`, keep this rank's block of rows; the gradient is all-gathered."""
+    return _ReduceScatterRows.apply(x, group)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from mg.core.models.moe.dispatcher import gather_rows, reduce_scatter_rows
+
 
 def local(tensor: Tensor) -> Tensor:
     """A parameter's local tensor: a sharded DTensor's shard, a replicated one's copy whose
@@ -42,46 +44,6 @@ def local(tensor: Tensor) -> Tensor:
 
 def _seq_first(x: Tensor) -> Tensor:
     return x.transpose(0, 1).contiguous()  # [b, s, h] -> [s, b, h]: gathers along dim 0
-
-
-def _all_gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    size = dist.get_world_size(group)
-    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
-
-
-def _reduce_scatter(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    size = dist.get_world_size(group)
-    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
-
-
-class _GatherSequence(torch.autograd.Function):
-    """[b, s/tp, h] -> [b, s, h]; backward: the partial gradients reduce-scattered."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _all_gather(_seq_first(x), group).transpose(0, 1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return _reduce_scatter(_seq_first(grad), ctx.group).transpose(0, 1), None
-
-
-class _ScatterSequence(torch.autograd.Function):
-    """Partial [b, s, h] -> summed [b, s/tp, h]; backward: the gradient all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _reduce_scatter(_seq_first(x), group).transpose(0, 1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return _all_gather(_seq_first(grad), ctx.group).transpose(0, 1), None
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -115,13 +77,15 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 def enter_region(x: Tensor, group: dist.ProcessGroup, sequence_parallel: bool) -> Tensor:
     """The layer's input [b, s(/tp), h] as the whole sequence on every TP rank."""
-    return _GatherSequence.apply(x, group) if sequence_parallel else _CopyToRegion.apply(x, group)
+    if sequence_parallel:
+        return gather_rows(_seq_first(x), group).transpose(0, 1)
+    return _CopyToRegion.apply(x, group)
 
 
 def leave_region(x: Tensor, group: dist.ProcessGroup, sequence_parallel: bool) -> Tensor:
     """Every TP rank's partial output summed: its sequence slice, or the whole."""
     if sequence_parallel:
-        return _ScatterSequence.apply(x, group)
+        return reduce_scatter_rows(_seq_first(x), group).transpose(0, 1)
     return _ReduceFromRegion.apply(x, group)
 
 
