@@ -128,3 +128,84 @@ def test_prefix_cache_hit_gives_the_same_tokens(served) -> None:
         assert engine.stats.prompt_tokens - computed == total - engine.stats.cached_prompt_tokens
     finally:
         engine.shutdown()
+
+
+def _draft_model(target: GPTModel, kind: str) -> GPTModel:
+    """The target itself (every guess right), the target with noisy weights (some right),
+    or an unrelated one-layer model (almost none right)."""
+    import copy
+
+    torch.manual_seed(1)
+    if kind == "unrelated":
+        config = presets.tiny_llama(
+            num_layers=1, vocab_size=50304, max_position_embeddings=128, seq_length=128
+        )
+        return GPTModel(config).eval()
+    draft = copy.deepcopy(target)
+    if kind == "noisy":
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.add_(torch.randn_like(p) * 0.1 * p.std())
+    return draft.eval()
+
+
+DRAFT_SCHEDULES = {
+    "self": {},
+    "noisy": {},
+    "noisy-chunked-prefill": {"max_num_batched_tokens": 7},
+    "noisy-preemption": {"num_blocks": 14, "block_size": 4},
+    "unrelated": {"prefix_caching": False},
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(DRAFT_SCHEDULES))
+def test_speculative_decoding_gives_the_target_tokens(served, schedule: str) -> None:
+    """With a draft model proposing 3 tokens a step, every greedy sequence's tokens are still
+    transformers' (speculative decoding changes the speed, never the output), and a seeded
+    sampled request in the same batch draws what it draws without a draft."""
+    from mg.generate_server.speculative import Drafter
+
+    loaded, prompts, expected = served
+    options = dict(DRAFT_SCHEDULES[schedule])
+    pool = {
+        "num_blocks": options.pop("num_blocks", None),
+        "block_size": options.pop("block_size", 16),
+    }
+    runner = ModelRunner(loaded.model, num_slots=4, max_length=128, **pool)
+    draft = ModelRunner(_draft_model(loaded.model, schedule.split("-")[0]), 4, 128, **pool)
+    drafter = Drafter(draft, num_tokens=3, vocab_size=50257, catch_up_tokens=64)
+    engine = GenerationEngine(
+        runner, loaded.tokenizer.detokenize, 50257, drafter=drafter, **options
+    )
+    sampled = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=5, seed=7)
+    try:
+        results: list = [None]
+        thread = __import__("threading").Thread(
+            target=lambda: results.__setitem__(0, generate_batch(engine, prompts[:1], sampled))
+        )
+        thread.start()
+        assert _generate(engine, prompts) == expected
+        thread.join(timeout=120)
+        stats = engine.stats
+        if schedule == "self":
+            assert stats.accepted_draft_tokens == stats.draft_tokens > 0
+            # 3 guesses + the target's token per step: far fewer steps than tokens
+            assert stats.steps < stats.generated_tokens // 2
+        elif schedule == "unrelated":
+            assert stats.accepted_draft_tokens < stats.draft_tokens / 4
+        else:
+            assert 0 < stats.accepted_draft_tokens < stats.draft_tokens
+        if schedule.endswith("preemption"):
+            assert stats.preemptions > 0
+        assert engine.blocks.num_used == 0
+    finally:
+        engine.shutdown()
+    plain = GenerationEngine(
+        ModelRunner(loaded.model, num_slots=4, max_length=128), loaded.tokenizer.detokenize, 50257
+    )
+    try:
+        assert [r.tokens for r in results[0]] == [
+            r.tokens for r in generate_batch(plain, prompts[:1], sampled)
+        ]
+    finally:
+        plain.shutdown()

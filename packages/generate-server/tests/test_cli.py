@@ -52,6 +52,54 @@ def test_serve_command_end_to_end(checkpoint) -> None:
         proc.wait(timeout=30)
 
 
+def test_serve_with_a_draft_model(checkpoint, server) -> None:
+    """--draft-load with the served checkpoint itself: every draft token is accepted, the
+    greedy completion is the one a server without a draft gives, /metrics counts them."""
+    proc = subprocess.Popen(
+        [
+            *SERVE,
+            *("--load", str(checkpoint), "--port", "0", "--log-level", "warning"),
+            *("--draft-load", str(checkpoint), "--num-speculative-tokens", "3"),
+            *("--num-threads", "1"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    request = {"prompt": "The school", "max_tokens": 12, "temperature": 0}
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"listening on (http://\S+)", line)
+        assert match, line + proc.stdout.read() if proc.poll() is not None else line
+        assert f"draft {checkpoint.name} x 3 tokens" in line
+        url = match.group(1)
+        text = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
+        alone = httpx.post(server.url + "/v1/completions", json=request, timeout=60).json()
+        assert text["choices"][0]["text"] == alone["choices"][0]["text"]
+        metrics = httpx.get(url + "/metrics").text
+        drafted = re.search(r"^mg_serve_spec_decode_draft_tokens_total (\S+)", metrics, re.M)
+        accepted = re.search(r"^mg_serve_spec_decode_accepted_tokens_total (\S+)", metrics, re.M)
+        assert float(drafted.group(1)) == float(accepted.group(1)) > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_draft_model_refusals(checkpoint, tmp_path, capsys) -> None:
+    from mg.core.checkpoint import load_model, save_model
+    from mg.core.models import GPTModel
+    from mg.core.models.presets import tiny_gpt2
+
+    tokenizer = load_model(checkpoint)[2]
+    short = tiny_gpt2(vocab_size=50304, seq_length=32, max_position_embeddings=32)
+    save_model(tmp_path / "short", GPTModel(short), short, tokenizer)
+    error = _fails("--load", str(checkpoint), "--draft-load", str(tmp_path / "short"))
+    assert "it has 32 positions, fewer than the 64 served" in error
+    with pytest.raises(SystemExit):
+        main(["--load", str(checkpoint), "--num-speculative-tokens", "2"])
+    assert "--num-speculative-tokens needs --draft-load" in capsys.readouterr().err
+
+
 def _fails(*args: str, env: dict | None = None) -> str:
     result = subprocess.run(
         [*SERVE, *args],

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from mg.core.help_format import DefaultsHelpFormatter
 from mg.generate_server.errors import ServeSetupError
@@ -78,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="reuse the cached blocks of a prompt prefix seen before (e.g. a system prompt). "
         "Default: on, except for models with Mamba layers, whose recurrent state cached "
         "blocks cannot restore (refused there)",
+    )
+    parser.add_argument(
+        "--draft-load",
+        default=None,
+        help="speculative decoding: a smaller checkpoint with the same tokenizer proposes "
+        "tokens that the served model checks in one step; greedy requests only, their output "
+        "unchanged (not with tensor parallelism or Mamba layers)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="draft tokens checked per step with --draft-load (default 4)",
     )
     parser.add_argument(
         "--num-threads",
@@ -181,6 +195,11 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--distributed-timeout-minutes must be > 0")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be within 0..65535")
+    if args.num_speculative_tokens is not None:
+        if args.draft_load is None:
+            parser.error("--num-speculative-tokens needs --draft-load (the draft model)")
+        if args.num_speculative_tokens < 1:
+            parser.error("--num-speculative-tokens must be >= 1")
     if args.num_threads is not None and args.num_threads < 1:
         parser.error("--num-threads must be >= 1")
     if args.api_key is not None and not args.api_key.strip():
@@ -283,15 +302,73 @@ def serve(args: argparse.Namespace) -> None:
         )
     runner.num_threads = threads
     runner.attention_backend = backend
+    drafter = None
+    if args.draft_load is not None:
+        drafter = _drafter(args, loaded, runner, device, dtype, tp)
     if env.is_driver:
-        _serve_http(args, loaded, runner, max_length, tp)
+        _serve_http(args, loaded, runner, max_length, tp, drafter)
     else:
         run_worker(runner)
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _serve_http(args: argparse.Namespace, loaded, runner, max_length: int, tp: int) -> None:
+def _drafter(args: argparse.Namespace, loaded, runner, device, dtype: str | None, tp: int):
+    """--draft-load: the draft model over a pool of the target's blocks, checked to share
+    its tokenizer, to reach its positions and to be able to roll back."""
+    from mg.core.models.mamba import MambaModel
+    from mg.generate_server.loading import load_for_serving
+    from mg.generate_server.runner import ModelRunner
+    from mg.generate_server.speculative import Drafter
+
+    if tp > 1:
+        raise ServeSetupError("--draft-load does not work with tensor parallelism yet")
+    if runner.recurrent_state:
+        raise ServeSetupError(
+            "--draft-load: the served model's Mamba layers cannot roll back rejected draft "
+            "tokens; serve it without a draft model"
+        )
+    draft = load_for_serving(args.draft_load, device=str(device), dtype=dtype)
+    if isinstance(draft.model, MambaModel):
+        raise ServeSetupError(
+            f"--draft-load {args.draft_load}: a draft model with Mamba layers cannot roll back "
+            "rejected tokens; use a GPT-family draft"
+        )
+    probe = "The quick brown fox jumps over the lazy dog. 0123456789"
+    if draft.tokenizer.vocab_size != loaded.tokenizer.vocab_size or draft.tokenizer.tokenize(
+        probe
+    ) != loaded.tokenizer.tokenize(probe):
+        raise ServeSetupError(
+            f"--draft-load {args.draft_load}: its tokenizer differs from the served model's "
+            f"({draft.tokenizer.vocab_size} vs {loaded.tokenizer.vocab_size} tokens); a draft "
+            "model must share the tokenizer"
+        )
+    if draft.config.max_position_embeddings < runner.max_length:
+        raise ServeSetupError(
+            f"--draft-load {args.draft_load}: it has {draft.config.max_position_embeddings} "
+            f"positions, fewer than the {runner.max_length} served; lower "
+            "--inference-max-seq-length"
+        )
+    draft_runner = ModelRunner(
+        draft.model,
+        runner.num_slots,
+        runner.max_length,
+        runner.num_blocks,
+        runner.block_size,
+        runner.kv_cache_dtype,
+    )
+    draft_runner.attention_backend = runner.attention_backend
+    return Drafter(
+        draft_runner,
+        num_tokens=args.num_speculative_tokens or 4,
+        vocab_size=min(loaded.tokenizer.vocab_size, loaded.config.vocab_size),
+        catch_up_tokens=args.max_num_batched_tokens,
+    )
+
+
+def _serve_http(
+    args: argparse.Namespace, loaded, runner, max_length: int, tp: int, drafter=None
+) -> None:
     """Rank 0: the engine over `runner`, the app, and uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
@@ -309,6 +386,7 @@ def _serve_http(args: argparse.Namespace, loaded, runner, max_length: int, tp: i
             max_waiting=args.max_waiting_requests,
             max_num_batched_tokens=args.max_num_batched_tokens,
             prefix_caching=args.enable_prefix_caching,
+            drafter=drafter,
         )
         settings = ServerSettings(
             limits=Limits(max_length, args.max_tokens_to_oom, args.max_tokens_to_generate),
@@ -329,6 +407,8 @@ def _serve_http(args: argparse.Namespace, loaded, runner, max_length: int, tp: i
         threads = f", {runner.num_threads} threads" if runner.device.type == "cpu" else ""
         pool = runner.num_blocks * runner.block_size
         kv_dtype = ", fp8" if runner.kv_cache_dtype == "fp8" else ""
+        if drafter is not None:
+            kv_dtype += f", draft {Path(args.draft_load).name} x {drafter.num_tokens} tokens"
         print(
             f"mg-serve: {loaded.name} ({layout}, {dtype}{threads}, {max_length} positions, "
             f"{args.inference_max_requests} sequences, KV cache {runner.num_blocks} blocks x "

@@ -27,6 +27,11 @@ back when it finishes or is preempted; prefix caching is off for it, since a
 state cannot be restored from cached blocks (a preempted sequence is
 recomputed from its first token, as any other).
 
+With a draft model (`speculative.Drafter`), each greedy sequence that decodes
+gets up to k draft tokens checked in the same step (speculative decoding): its
+segment is its last token and the guesses, every row's logits come back, and
+the guesses the target agrees with are kept with the target's next token.
+
 A slow consumer never stalls the loop: callbacks only enqueue. Errors in a
 step fail the requests of that step, not the engine.
 """
@@ -53,6 +58,7 @@ from mg.generate_server.sampling import (
     make_generator,
     next_top_p,
 )
+from mg.generate_server.speculative import Drafter
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
@@ -91,6 +97,12 @@ class _Sequence:
     """Leading tokens whose keys/values are in the cache."""
     slot: int = -1
     """Its recurrent-state slot while running (models with Mamba layers)."""
+    lookahead: int = 0
+    """Draft tokens planned for this step (speculative decoding)."""
+    draft: list[int] = field(default_factory=list)
+    """This step's draft tokens."""
+    draft_computed: int = 0
+    """Leading tokens whose keys/values are in the draft model's pool."""
     prompt_logprobs: list[float] | None = None
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
@@ -145,6 +157,10 @@ class EngineStats:
     finished: int = 0
     steps: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0
+    """Draft tokens checked by the target (speculative decoding)."""
+    accepted_draft_tokens: int = 0
+    """Of those, the ones the target agreed with."""
     recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
     """(time, tokens generated) per step, for the recent tokens/s."""
 
@@ -170,8 +186,10 @@ class GenerationEngine:
         max_waiting: int = 256,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         prefix_caching: bool | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
-        """`prefix_caching` None: on, unless the model has a recurrent state."""
+        """`prefix_caching` None: on, unless the model has a recurrent state. `drafter`:
+        speculative decoding of greedy requests with its draft model."""
         if max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         recurrent = getattr(runner, "recurrent_state", False)
@@ -182,6 +200,14 @@ class GenerationEngine:
             )
         if prefix_caching is None:
             prefix_caching = not recurrent
+        if drafter is not None and recurrent:
+            raise ValueError(
+                "speculative decoding: this model's Mamba layers cannot roll back rejected "
+                "draft tokens; serve it without a draft model"
+            )
+        if drafter is not None and drafter.runner.num_blocks < runner.num_blocks:
+            raise ValueError("the draft model's KV-cache pool must have the target's blocks")
+        self.drafter = drafter
         self.runner = runner
         self.detokenize = detokenize
         self.vocab_size = vocab_size
@@ -331,6 +357,7 @@ class GenerationEngine:
         self._free_slots.append(sequence.slot)
         self.blocks.release(sequence.blocks)
         sequence.blocks, sequence.block_names, sequence.computed = [], [], 0
+        sequence.draft_computed = 0
         if sequence.collects_prompt_logprobs:
             sequence.prompt_logprobs = []
         self.stats.preemptions += 1
@@ -350,7 +377,8 @@ class GenerationEngine:
             if sequence not in self._running:  # preempted for an earlier one
                 continue
             count = min(sequence.remaining, budget)
-            while not self._grow(sequence, sequence.computed + count):
+            sequence.lookahead = self._lookahead(sequence, budget - count)
+            while not self._grow(sequence, sequence.computed + count + sequence.lookahead):
                 victims = [s for s in self._running if s.request_id not in planned]
                 victim = victims[-1]  # the latest admitted; `sequence` itself at worst
                 self._preempt(victim)
@@ -360,9 +388,20 @@ class GenerationEngine:
             if count:
                 plan.append((sequence, count))
                 planned.add(sequence.request_id)
-                budget -= count
+                budget -= count + sequence.lookahead
         self._admit(plan, budget)
         return plan
+
+    def _lookahead(self, sequence: _Sequence, budget: int) -> int:
+        """Draft tokens to check for a decoding greedy sequence this step (0: plain decode),
+        within the budget, its tokens still to generate and the positions it may use."""
+        if self.drafter is None or sequence.remaining != 1 or not sequence.generated:
+            return 0
+        if not sequence.params.is_greedy:
+            return 0
+        left = sequence.params.max_new_tokens - len(sequence.generated) - 1
+        room = self.max_length - sequence.length
+        return max(0, min(self.drafter.num_tokens, budget, left, room))
 
     def _admit(self, plan: list[tuple[_Sequence, int]], budget: int) -> None:
         """Move waiting requests into the batch while the budget, the running limit and the
@@ -391,6 +430,7 @@ class GenerationEngine:
             if not sequence.generated:
                 self.stats.cached_prompt_tokens += sequence.computed
             sequence.slot = self._free_slots.pop()
+            sequence.lookahead = 0
             self._running.append(sequence)
             plan.append((sequence, count))
             budget -= count
@@ -398,23 +438,26 @@ class GenerationEngine:
     # --- running a step ------------------------------------------------------
 
     def _run_step(self, plan: list[tuple[_Sequence, int]]) -> None:
-        segments: list[PagedSegment] = []
-        ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        spans: list[tuple[int, int]] = []  # each sequence's rows among the logits
-        for sequence, count in plan:
-            start, first = len(ids), sequence.computed
-            segments.append(PagedSegment(start, count, first, list(sequence.blocks), sequence.slot))
-            ids += sequence.tokens[first : first + count]
-            positions += range(first, first + count)
-            row = len(rows)
-            if sequence.collects_prompt_logprobs:
-                rows += range(start, start + count)
-            elif first + count == sequence.length:
-                rows.append(start + count - 1)
-            spans.append((row, len(rows)))
         try:
+            self._draft(plan)
+            segments: list[PagedSegment] = []
+            ids: list[int] = []
+            positions: list[int] = []
+            rows: list[int] = []
+            spans: list[tuple[int, int]] = []  # each sequence's rows among the logits
+            for sequence, count in plan:
+                start, first = len(ids), sequence.computed
+                new = sequence.tokens[first : first + count] + sequence.draft
+                blocks = list(sequence.blocks)
+                segments.append(PagedSegment(start, len(new), first, blocks, sequence.slot))
+                ids += new
+                positions += range(first, first + len(new))
+                row = len(rows)
+                if sequence.collects_prompt_logprobs or sequence.draft:
+                    rows += range(start, start + len(new))
+                elif first + count == sequence.length:
+                    rows.append(start + count - 1)
+                spans.append((row, len(rows)))
             logits = self.runner.forward(segments, ids, positions, rows)[:, : self.vocab_size]
             logprobs = torch.log_softmax(logits, dim=-1)
         except Exception as exc:  # a failed step fails its requests, never the engine
@@ -427,6 +470,9 @@ class GenerationEngine:
         self.stats.steps += 1
         generated_before = self.stats.generated_tokens
         for (sequence, count), (row, end) in zip(plan, spans, strict=True):
+            if sequence.draft:
+                self._verify(sequence, logits[row:end], logprobs[row:end])
+                continue
             first = sequence.computed
             self._account(sequence, first, count)
             sequence.computed += count
@@ -447,6 +493,47 @@ class GenerationEngine:
                 continue
             self._advance(sequence, logits[end - 1], logprobs[end - 1], prompt_logprobs)
         self.stats.recent.append((time.monotonic(), self.stats.generated_tokens - generated_before))
+
+    def _draft(self, plan: list[tuple[_Sequence, int]]) -> None:
+        """The draft model's guesses for this step's speculating sequences."""
+        for sequence, _ in plan:
+            sequence.draft = []
+        work = [(s, s.lookahead) for s, _ in plan if s.lookahead]
+        if work and self.drafter is not None:
+            self.drafter.propose(work)
+
+    def _verify(self, sequence: _Sequence, logits: Tensor, logprobs: Tensor) -> None:
+        """Keep the draft tokens the target would have chosen, then the target's own next
+        token: rows i = 0..k of `logits` follow the sequence's last token and guesses 1..i."""
+        params, draft = sequence.params, sequence.draft
+        previous, history = sequence.tokens[-1], list(sequence.generated)
+        choices: list[TokenChoice] = []
+        for i in range(len(draft) + 1):
+            choice = choose_token(
+                logits[i],
+                logprobs[i],
+                params,
+                sequence.top_p,
+                sequence.generator,
+                previous,
+                history,
+            )
+            choices.append(choice)
+            if i == len(draft) or choice.token != draft[i]:
+                break
+            previous = choice.token
+            history.append(choice.token)
+        accepted = len(choices) - 1
+        length_before = sequence.length
+        self.stats.draft_tokens += len(draft)
+        self.stats.accepted_draft_tokens += accepted
+        sequence.computed += 1 + accepted
+        Drafter.rejected(sequence, length_before, accepted)
+        for choice in choices:
+            self._emit(sequence, choice, None)
+            if sequence not in self._running:
+                return  # finished
+        self._name_full_blocks(sequence)
 
     def _account(self, sequence: _Sequence, first: int, count: int) -> None:
         if not sequence.generated:
@@ -473,18 +560,22 @@ class GenerationEngine:
         prompt_logprobs: list[float] | None,
     ) -> None:
         """Sample one token for `sequence`, emit it, and finish the sequence if it is done."""
-        params = sequence.params
-        previous = sequence.tokens[-1]
         choice = choose_token(
             logits,
             logprobs,
-            params,
+            sequence.params,
             sequence.top_p,
             sequence.generator,
-            previous,
+            sequence.tokens[-1],
             sequence.generated,
         )
-        sequence.top_p = next_top_p(sequence.top_p, params)
+        self._emit(sequence, choice, prompt_logprobs)
+
+    def _emit(
+        self, sequence: _Sequence, choice: TokenChoice, prompt_logprobs: list[float] | None
+    ) -> None:
+        """Append the chosen token, emit it, and finish the sequence if it is done."""
+        sequence.top_p = next_top_p(sequence.top_p, sequence.params)
         sequence.tokens.append(choice.token)
         self.stats.generated_tokens += 1
         now = time.monotonic()

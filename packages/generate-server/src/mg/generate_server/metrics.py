@@ -50,6 +50,16 @@ class _EngineCollector(Collector):
                 "Sequences preempted (blocks released, recomputed later) for lack of KV cache.",
                 stats.preemptions,
             ),
+            (
+                "mg_serve_spec_decode_draft_tokens",
+                "Draft-model tokens checked by the served model (speculative decoding).",
+                stats.draft_tokens,
+            ),
+            (
+                "mg_serve_spec_decode_accepted_tokens",
+                "Draft-model tokens the served model agreed with and kept.",
+                stats.accepted_draft_tokens,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         blocks = engine.blocks
