@@ -209,3 +209,24 @@ def test_speculative_decoding_gives_the_target_tokens(served, schedule: str) -> 
         ]
     finally:
         plain.shutdown()
+
+
+def test_static_decode_steps_for_cuda_graphs_give_the_same_tokens(served) -> None:
+    """The CUDA-graph runner's static path (decode steps padded to batch buckets, inputs
+    copied into fixed tensors, padding rows in a scratch block), run without recording a
+    graph on the CPU: transformers' tokens, with the engine's pool one block short of
+    the runner's (the scratch block)."""
+    from mg.generate_server.cuda_graphs import CudaGraphRunner, batch_buckets
+
+    assert batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(6) == [1, 2, 4, 6]
+    loaded, prompts, expected = served
+    runner = CudaGraphRunner(loaded.model, 4, 128, block_size=8, capture=False)
+    assert runner.num_blocks == 4 * 16 and runner.cache.num_blocks == 4 * 16 + 1
+    engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257)
+    try:
+        # three prompts: decode steps of 3 sequences run padded to the bucket of 4
+        assert _generate(engine, prompts[:3]) == expected[:3]
+        assert _generate(engine, prompts) == expected
+        assert runner.graph_steps >= NEW_TOKENS and set(runner._steps) <= {1, 2, 4}
+    finally:
+        engine.shutdown()

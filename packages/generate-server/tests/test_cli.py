@@ -85,7 +85,7 @@ def test_serve_with_a_draft_model(checkpoint, server) -> None:
         proc.wait(timeout=30)
 
 
-def test_draft_model_refusals(checkpoint, tmp_path, capsys) -> None:
+def test_draft_and_cuda_graph_refusals(checkpoint, tmp_path, capsys) -> None:
     from mg.core.checkpoint import load_model, save_model
     from mg.core.models import GPTModel
     from mg.core.models.presets import tiny_gpt2
@@ -95,6 +95,8 @@ def test_draft_model_refusals(checkpoint, tmp_path, capsys) -> None:
     save_model(tmp_path / "short", GPTModel(short), short, tokenizer)
     error = _fails("--load", str(checkpoint), "--draft-load", str(tmp_path / "short"))
     assert "it has 32 positions, fewer than the 64 served" in error
+    error = _fails("--load", str(checkpoint), "--enable-cuda-graph", "--device", "cpu")
+    assert "--enable-cuda-graph needs a CUDA device; this one is cpu" in error
     with pytest.raises(SystemExit):
         main(["--load", str(checkpoint), "--num-speculative-tokens", "2"])
     assert "--num-speculative-tokens needs --draft-load" in capsys.readouterr().err

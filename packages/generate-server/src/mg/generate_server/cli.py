@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         "blocks cannot restore (refused there)",
     )
     parser.add_argument(
+        "--enable-cuda-graph",
+        action="store_true",
+        help="replay decode steps as CUDA graphs, one per batch-size bucket (GPU, dense "
+        "GPT-family models, one process); steps with prompt chunks run eagerly",
+    )
+    parser.add_argument(
         "--draft-load",
         default=None,
         help="speculative decoding: a smaller checkpoint with the same tokenizer proposes "
@@ -294,7 +300,9 @@ def serve(args: argparse.Namespace) -> None:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         num_blocks = int(agreed)
     pool = (num_blocks, args.kv_cache_block_size, kv_cache_dtype)
-    if env.tp_mesh is None:
+    if args.enable_cuda_graph:
+        runner = _graph_runner(args, loaded, device, tp, max_length, pool)
+    elif env.tp_mesh is None:
         runner = ModelRunner(loaded.model, args.inference_max_requests, max_length, *pool)
     else:
         runner = TensorParallelRunner(
@@ -311,6 +319,20 @@ def serve(args: argparse.Namespace) -> None:
         run_worker(runner)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _graph_runner(args: argparse.Namespace, loaded, device, tp: int, max_length: int, pool):
+    """--enable-cuda-graph: the runner that replays decode steps, where it can."""
+    from mg.generate_server.cuda_graphs import CudaGraphRunner
+
+    if device.type != "cuda":
+        raise ServeSetupError("--enable-cuda-graph needs a CUDA device; this one is " + device.type)
+    if tp > 1:
+        raise ServeSetupError("--enable-cuda-graph does not work with tensor parallelism yet")
+    try:
+        return CudaGraphRunner(loaded.model, args.inference_max_requests, max_length, *pool)
+    except ValueError as err:
+        raise ServeSetupError(f"--enable-cuda-graph: {err}") from None
 
 
 def _drafter(args: argparse.Namespace, loaded, runner, device, dtype: str | None, tp: int):

@@ -255,6 +255,37 @@ class PagedKVCache:
             self._decode_mask = self._mask(decodes, 1, width * bs, chunk=False)
         self._bound = True
 
+    def bind_static(
+        self, segments: Sequence[PagedSegment], rows: int, width: int, pad_block: int
+    ) -> None:
+        """Bind a decode-only step (one new token per sequence) padded to `rows` sequences of
+        `width` blocks, into the tensors of the last static bind of that many rows: the same
+        storage every step, so a CUDA graph captured over one step replays the next.
+        Padding rows write to and read position 0 of `pad_block`, a block no sequence holds.
+        Attention then covers `width` blocks for every row (masked past each one's length)."""
+        n, bs = len(segments), self.block_size
+        if n > rows or any(
+            s.query_length != 1 or s.query_start != i for i, s in enumerate(segments)
+        ):
+            raise ValueError(f"PagedKVCache.bind_static: a decode-only row of at most {rows}")
+        if any(s.context_length > width * bs for s in segments):
+            raise ValueError(f"PagedKVCache.bind_static: a sequence longer than {width} blocks")
+        padded = list(segments) + [PagedSegment(i, 1, 0, [pad_block]) for i in range(n, rows)]
+        slots = [s.blocks[s.context_start // bs] * bs + s.context_start % bs for s in padded]
+        tables = [list(s.blocks[:width]) + [pad_block] * (width - len(s.blocks)) for s in padded]
+        mask = self._mask(padded, 1, width * bs, chunk=False)
+        fresh = (torch.tensor(slots), torch.tensor(tables), mask)
+        static = getattr(self, "_static", {})
+        self._static = static
+        if rows not in static or static[rows][1].shape[1] != width:
+            static[rows] = tuple(x.to(self.device) for x in fresh)
+        else:
+            for into, value in zip(static[rows], fresh, strict=True):
+                into.copy_(value, non_blocking=True)
+        self._slots, self._decode_tables, self._decode_mask = static[rows]
+        self._num_tokens, self._prefills, self._decode_rows = rows, [], slice(0, rows)
+        self._bound = True
+
     def _mask(
         self, segments: list[PagedSegment], queries: int, keys: int, chunk: bool
     ) -> Tensor | None:
