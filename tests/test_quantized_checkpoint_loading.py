@@ -54,3 +54,31 @@ def test_eval_and_serve_load_quantized_checkpoints(tmp_path) -> None:
         scale = float(reference.abs().max())
         assert torch.allclose(a, reference, atol=0.1 * scale)
         assert torch.allclose(served.model(ids).float()[..., :real], a, atol=0.1 * scale)
+
+
+def test_tensor_and_pipeline_parallel_loads_are_refused_by_name(tmp_path) -> None:
+    """A TP/PP layout on an mg-quantize checkpoint is a one-line error naming the recipe and
+    the flags, from core's load_model_part and from mg-eval's and mg-serve's loaders."""
+    import pytest
+
+    from mg.core.checkpoint import CheckpointError
+    from mg.core.checkpoint.model_part import load_model_part
+    from mg.core.parallel.layout import ParallelLayout
+    from mg.evaluate.model_loading import load_part_for_eval
+    from mg.generate_server.errors import ServeSetupError
+    from mg.generate_server.loading import load_for_serving
+
+    _model, save = _quantized_checkpoint(tmp_path, "int4_wo", ["--group-size", "32"])
+    expected = (
+        f"{save} is quantized by mg-quantize (int4_wo): quantized checkpoints load whole on "
+        "one process; run without --tensor-model-parallel-size and "
+        "--pipeline-model-parallel-size (asked for TP={tp}, PP={pp})"
+    )
+    for load, error, tp, pp in (
+        (load_model_part, CheckpointError, 2, 1),
+        (load_part_for_eval, CheckpointError, 1, 2),
+        (lambda s, layout: load_for_serving(s, layout=layout), ServeSetupError, 2, 1),
+    ):
+        with pytest.raises(error) as caught:
+            load(save, ParallelLayout(tp=tp, pp=pp))
+        assert str(caught.value) == expected.format(tp=tp, pp=pp)

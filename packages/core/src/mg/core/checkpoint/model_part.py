@@ -1,4 +1,4 @@
-"""A checkpoint read into one rank's part of a GPT: its pipeline stage, its TP shards.
+"""A checkpoint read into one rank's part of a GPT or a hybrid: its pipeline stage, its TP shards.
 
 Evaluation and serving under torchrun hold the model as the trainer does: each
 rank builds the model on the meta device, applies tensor parallelism and keeps
@@ -40,11 +40,11 @@ from mg.core.checkpoint.torch_format import (
 )
 from mg.core.checkpoint.tp_merge import merge_tensor_parallel, partition_dim
 from mg.core.models.config import TransformerConfig
-from mg.core.models.gpt import GPTModel
+from mg.core.models.mamba import decoder_model
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.materialize import copy_shard, materialize, owned_tensors
 from mg.core.parallel.pipeline import split_model
-from mg.core.quantization.apply import recorded_quantization
+from mg.core.quantization.apply import parallel_load_refusal, recorded_quantization
 from mg.core.tokenizers.config import TokenizerConfig
 
 
@@ -89,13 +89,11 @@ def load_model_part(
         path, _ = find_rank_file(folder)
         state = load_file(path, mmap=True)
     config, tokenizer_config = model_configs(state, path, load_dir)
-    if recorded_quantization(state) is not None:
-        raise CheckpointError(
-            f"{load_dir} is quantized (mg-quantize); quantized checkpoints load whole on one "
-            "process (no tensor/pipeline parallelism)"
-        )
+    quantization = recorded_quantization(state)
+    if quantization is not None:
+        raise CheckpointError(parallel_load_refusal(load_dir, quantization, layout.tp, layout.pp))
     with torch.device("meta"):
-        model = GPTModel(config)
+        model = decoder_model(config)  # a GPTModel, or a hybrid MambaModel
     if layout.tp > 1:
         apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=False, device=device)
     parts: list[nn.Module] = [model]
@@ -156,18 +154,23 @@ def _read_torch_format(
         if name not in by_tp[0]:
             raise CheckpointError(f"{folder}: the checkpoint has no tensor {name!r}")
         for target in tensors:
-            _fill(target, name, by_tp, layout, config.gated_linear_unit)
+            _fill(target, name, by_tp, layout, config)
 
 
 def _fill(
-    target: Tensor, name: str, by_tp: list[dict[str, Tensor]], layout: ParallelLayout, gated: bool
+    target: Tensor,
+    name: str,
+    by_tp: list[dict[str, Tensor]],
+    layout: ParallelLayout,
+    config: TransformerConfig,
 ) -> None:
     same_split = isinstance(target, DTensor) and len(by_tp) == layout.tp
     if same_split and partition_dim(name) is not None:
         # Megatron's shard of TP rank r is DTensor's local shard r (strided gate/up included)
         _local(target).copy_(by_tp[layout.tp_rank][name])
         return
-    full = merge_tensor_parallel([{name: shard[name]} for shard in by_tp], gated)[name]
+    shards = [{name: shard[name]} for shard in by_tp]
+    full = merge_tensor_parallel(shards, config.gated_linear_unit, config)[name]
     copy_shard(target, full)
 
 

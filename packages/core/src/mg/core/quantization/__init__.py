@@ -9,6 +9,7 @@ mg-serve load them through core's `load_model` (which calls
 
 from mg.core.quantization.apply import (
     empty_quantized_linear,
+    parallel_load_refusal,
     quantize_layout,
     recorded_quantization,
     set_submodule,
@@ -36,6 +37,7 @@ __all__ = [
     "QuantizedLinear",
     "empty_quantized_linear",
     "kernel_paths",
+    "parallel_load_refusal",
     "quantize_layout",
     "recorded_quantization",
     "set_submodule",

@@ -58,3 +58,17 @@ def recorded_quantization(state: Mapping[str, Any]) -> QuantizationConfig | None
     """The quantization a checkpoint's state records, or None for a float checkpoint."""
     data = (state.get("mg") or {}).get("quantization")
     return QuantizationConfig.from_dict(dict(data)) if data else None
+
+
+def parallel_load_refusal(load_dir: object, config: QuantizationConfig, tp: int, pp: int) -> str:
+    """The one-line answer to a tensor/pipeline-parallel load of a quantized checkpoint.
+
+    Quantized linears are not split: a column- or row-parallel shard of packed int4
+    rows, group scales or a per-tensor fp8 scale is not what the TP layer code
+    shards, and a quantized model is small enough to be read whole by each process.
+    """
+    return (
+        f"{load_dir} is quantized by mg-quantize ({config.recipe}): quantized checkpoints "
+        f"load whole on one process; run without --tensor-model-parallel-size and "
+        f"--pipeline-model-parallel-size (asked for TP={tp}, PP={pp})"
+    )
