@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mg.core.quantization.primitives import dequantize_int4, quantize_int4
-from mg.quantize_export.awq import search_awq_scales
+from mg.quantize_export.awq import apply_awq_clip, search_awq_clip, search_awq_scales
 from mg.quantize_export.gptq import HessianAccumulator, gptq_quantize
 from mg.quantize_export.smoothquant import fold_into_norm, smoothing_factors
 
@@ -84,6 +84,26 @@ def test_awq_hand_worked_scale_search() -> None:
     scales, alpha = search_awq_scales(w, x, group_size=2, n_grid=2)
     assert alpha == 0.5
     assert scales.tolist() == pytest.approx([2**0.5, 2**-0.5])
+
+
+def test_awq_hand_worked_clip_search() -> None:
+    # One token x = [0, 1, 1, 1], one group of 4 per row, grid of 20, shrink up to half
+    # (max |w| times 1, .95, ..., .55). Symmetric int4: scale = max / 7.5.
+    # Row 0, w = [3.75, .3, .3, .3]: unclipped, scale .5 rounds each .3 to .5 (output 1.5
+    #   against .9). Clipped to 3.75 * .6 = 2.25, scale .3 holds .3 exactly: error 0 (the
+    #   clipped 3.75 meets x = 0). Neighbours: .65 -> scale .325, .55 -> .275, both off.
+    # Row 1, w = [.3] * 4: unclipped .3 / .04 = 7.5 rounds to 8, clamps to 7: .28 each
+    #   (output .84 against .9); clipping to m gives 7 * m / 7.5 < .28: worse, so no clip.
+    x = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    w = torch.tensor([[3.75, 0.3, 0.3, 0.3], [0.3, 0.3, 0.3, 0.3]])
+    max_val = search_awq_clip(w, x, group_size=4)
+    assert max_val.shape == (2, 1)
+    assert max_val[:, 0].tolist() == pytest.approx([2.25, 0.3])
+    clipped = w.clone()
+    apply_awq_clip(clipped, max_val)
+    assert clipped.flatten().tolist() == pytest.approx([2.25, 0.3, 0.3, 0.3] + [0.3] * 4)
+    # an output-row batch smaller than the rows gives the same answer
+    assert torch.equal(search_awq_clip(w, x, group_size=4, rows_per_batch=1), max_val)
 
 
 def test_smoothquant_factors_and_fold_preserve_the_function() -> None:

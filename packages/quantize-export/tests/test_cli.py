@@ -62,6 +62,7 @@ def test_help_lists_every_recipe_without_importing_torch() -> None:
         ("fp8", ["--calib", "--fp8-per-channel"]),
         ("int4_gptq", ["--group-size", "32", "--act-order", "--calib"]),
         ("int4_awq", ["--group-size", "32", "--calib"]),
+        ("int4_awq", ["--group-size", "32", "--awq-clip", "--calib"]),
     ],
 )
 def test_recipe_round_trip(recipe, extra, trained_llama, datasets, tmp_path, capsys) -> None:
@@ -113,6 +114,8 @@ def test_bad_input_is_one_line_status_2(trained_llama, datasets, tmp_path, capsy
     calib, _ = datasets
     base = ["--load", str(ckpt), "--save", str(tmp_path / "q")]
     assert "'int3'" in _fails(capsys, *base, "--recipe", "int3")
+    err = _fails(capsys, *base, "--recipe", "int4_wo", "--awq-clip")
+    assert "--awq-clip applies to --recipe int4_awq only" in err
     assert "--group-size 48" in _fails(capsys, *base, "--recipe", "int4_wo", "--group-size", "48")
     # 128 is a valid group size, but not for this model's 64 hidden features
     err = _fails(capsys, *base, "--recipe", "int4_wo", "--group-size", "128")

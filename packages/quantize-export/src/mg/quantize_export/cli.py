@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--asymmetric", action="store_true", help="int4: with zero points")
     q.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ percdamp")
     q.add_argument("--act-order", action="store_true", help="GPTQ: columns by diag(H)")
+    q.add_argument(
+        "--awq-clip", action="store_true",
+        help="int4_awq: also search each group's clipping range (AutoAWQ's apply_clip)",
+    )  # fmt: skip
     q.add_argument("--smoothquant-alpha", type=float, default=0.5, help="int8_sq: migration")
     q.add_argument("--fp8-per-channel", action="store_true", help="fp8: per-channel scales")
     q.add_argument(
@@ -93,6 +97,8 @@ def check_args(args: argparse.Namespace) -> None:
         parser_error(f"--group-size {args.group_size}: int4 recipes take 32, 64 or 128")
     if args.asymmetric and args.recipe not in INT4:
         parser_error("--asymmetric applies to the int4 recipes only")
+    if args.awq_clip and args.recipe != "int4_awq":
+        parser_error("--awq-clip applies to --recipe int4_awq only")
     if not 0 <= args.gptq_damp < 1:
         parser_error("--gptq-damp is a fraction of mean(diag H) in [0, 1)")
     if not 0 <= args.smoothquant_alpha <= 1:
@@ -171,6 +177,7 @@ def run(args: argparse.Namespace) -> dict:
         symmetric=not args.asymmetric,
         gptq_damp=args.gptq_damp,
         act_order=args.act_order,
+        awq_clip=args.awq_clip,
         sq_alpha=args.smoothquant_alpha,
         fp8_per_channel=args.fp8_per_channel,
         exclude=list(args.exclude),

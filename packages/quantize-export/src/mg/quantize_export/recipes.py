@@ -58,6 +58,7 @@ class RecipeOptions:
     sq_alpha: float = 0.5
     fp8_per_channel: bool = False
     awq_grid: int = 20
+    awq_clip: bool = False
     exclude: list[str] = field(default_factory=list)
     progress: bool = True
 
@@ -133,8 +134,10 @@ def quantize_model(
         for group in _layer_groups(names):
             observers = {n: RowSample() for n in group}
             stats = _observe(model, samples, observers, f"AWQ {_label(group)}", options)
-            for name in group:
-                _apply_awq(model, name, stats[name].value(), options)
+            scales = {n: _apply_awq(model, n, stats[n].value(), options) for n in group}
+            if options.awq_clip:  # after every scale of the layer is folded, as AutoAWQ
+                for name in group:
+                    _clip_awq(model, name, stats[name].value(), scales[name], options)
             for name in group:
                 _replace(model, name, options, errors)
     else:
@@ -159,7 +162,7 @@ def _details(options: RecipeOptions, samples: Tensor | None) -> dict:
     if options.recipe == "int8_sq":
         details["smoothquant_alpha"] = options.sq_alpha
     if options.recipe == "int4_awq":
-        details["awq_grid"] = options.awq_grid
+        details.update(awq_grid=options.awq_grid, awq_clip=options.awq_clip)
     if options.exclude:
         details["exclude"] = list(options.exclude)
     return details
@@ -208,8 +211,11 @@ def _norm_before(model: nn.Module, name: str) -> nn.Module | None:
     return None
 
 
-def _apply_awq(model: nn.Module, name: str, inputs: Tensor, options: RecipeOptions) -> None:
-    """Search the scales and fold them where the producer of the input can absorb 1/s."""
+def _apply_awq(
+    model: nn.Module, name: str, inputs: Tensor, options: RecipeOptions
+) -> Tensor | None:
+    """Search the scales and fold them where the producer of the input can absorb 1/s;
+    the scales, or None where there is no such producer."""
     linear = model.get_submodule(name)
     norm = _norm_before(model, name)
     producer = None
@@ -219,7 +225,7 @@ def _apply_awq(model: nn.Module, name: str, inputs: Tensor, options: RecipeOptio
         if getattr(mlp, "gated", False) and isinstance(fc1, nn.Linear):
             producer = fc1  # act(gate) * up: scaling the up rows scales fc2's input
     if norm is None and producer is None:
-        return  # no place to fold 1/s (attention output, ungated MLP): plain int4
+        return None  # no place to fold 1/s (attention output, ungated MLP): plain int4
     scales, _alpha = awq.search_awq_scales(
         linear.weight, inputs, options.group_size, options.symmetric, options.awq_grid
     )
@@ -231,6 +237,20 @@ def _apply_awq(model: nn.Module, name: str, inputs: Tensor, options: RecipeOptio
         if producer.bias is not None:
             producer.bias[half:].div_(scales.to(producer.bias.dtype))
         linear.weight.mul_(scales[None, :].to(linear.weight.dtype))
+    return scales
+
+
+def _clip_awq(
+    model: nn.Module, name: str, inputs: Tensor, scales: Tensor | None, options: RecipeOptions
+) -> None:
+    """AWQ's clipping search on the (scaled) weight, with the inputs it now sees (x / s)."""
+    if name.endswith("linear_qkv"):
+        return  # AutoAWQ leaves q and k unclipped: clipping them moves the attention scores
+    linear = model.get_submodule(name)
+    if scales is not None:
+        inputs = inputs / scales.to(inputs.dtype)
+    max_val = awq.search_awq_clip(linear.weight, inputs, options.group_size, options.symmetric)
+    awq.apply_awq_clip(linear.weight.data, max_val)
 
 
 def _replace(
