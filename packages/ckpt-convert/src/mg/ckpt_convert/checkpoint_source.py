@@ -33,9 +33,10 @@ from mg.ckpt_convert.tensor_readers import (
     TorchFilesReader,
     model_chunks,
 )
-from mg.core.checkpoint import MODEL_FILENAME, find_rank_file, saved_layout
+from mg.core.checkpoint import MODEL_FILENAME, find_rank_file
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common
-from mg.core.checkpoint.layout import Iteration
+from mg.core.checkpoint.ep_merge import merge_expert_parallel
+from mg.core.checkpoint.layout import Iteration, Layout, detect_layout, scan_rank_dirs
 from mg.core.checkpoint.megatron_dist import is_megatron_layout, stored_parameters
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.reader_guard import read_dcp_metadata
@@ -72,6 +73,8 @@ class CheckpointSource:
     """Whole-model name → its tensor-parallel shards in rank order ([whole] if unsplit),
     on the meta device: shapes and dtypes, no data."""
     reader: TensorReader = field(repr=False)
+    ep: int = 1
+    """Expert-parallel ranks the `torch` files were saved with (their experts merged here)."""
 
     @property
     def names(self) -> list[str]:
@@ -96,7 +99,9 @@ class CheckpointSource:
     def _join(self, name: str, parts: list[Tensor]) -> Tensor:
         if len(parts) == 1:
             return parts[0]
-        merged = merge_tensor_parallel([{name: p} for p in parts], self.config.gated_linear_unit)
+        merged = merge_tensor_parallel(
+            [{name: p} for p in parts], self.config.gated_linear_unit, self.config
+        )
         return merged[name]
 
     @property
@@ -225,30 +230,50 @@ def open_torch_files(
     rename: Callable[[str], str] | None = None,
     allow_pickle: bool = False,
 ) -> CheckpointSource:
-    """A `torch`-format iteration folder of any TP × PP layout as a whole model.
+    """A `torch`-format iteration folder of any TP × PP × EP layout as a whole model.
 
     ``config_of(rank-0 state, its path)`` gives the model config (recorded by mg,
     or derived from Megatron-LM's args); ``rename`` maps a stored tensor name to the
     name the model uses (Transformer Engine's fused-norm names, for one).
     ``allow_pickle`` is for files that pickle more than plain data (Megatron-LM's).
+    Expert-parallel ranks (``mp_rank_TT[_PPP]_EEE``) hold the dense weights alike and
+    their own experts numbered from 0; their experts are renumbered to their place in
+    the layer (:func:`mg.core.checkpoint.ep_merge.merge_expert_parallel`).
     """
-    layout = saved_layout(folder)
-    if layout is None:
+    dirs = scan_rank_dirs(folder)
+    if not dirs:
         find_rank_file(folder)  # raises the format's own message
-    if layout.ep > 1:
-        raise ConvertError(f"{folder} was saved with {layout}; expert parallelism is not supported")
-    # stages[pp_rank][chunk][local name] -> [(ref, meta) of tp rank 0, 1, ...]
+    first_path = folder / dirs[0].name / MODEL_FILENAME  # TP, PP and EP rank 0
+    first_state: Mapping[str, Any] = load_file(first_path, mmap=True, allow_pickle=allow_pickle)
+    # mp_rank_TT_NNN is PP or EP: the rank-0 file says which (Megatron's args, or mg's)
+    layout = detect_layout(folder, _second_is_expert(first_state))
+    assert layout is not None
+    config = config_of(first_state, first_path)
+    experts = config.num_moe_experts
+    if layout.ep > 1 and (not experts or experts % layout.ep):
+        raise ConvertError(
+            f"{folder} was saved with {layout}, but its model has {experts or 'no'} experts "
+            "per MoE layer: the checkpoint is inconsistent"
+        )
+    # stages[pp_rank][chunk][name] -> [(ref, meta) of tp rank 0, 1, ...]
     stages: list[list[dict[str, list[tuple[ShardRef, Tensor]]]]] = []
-    first_state: Mapping[str, Any] = {}
-    first_path = folder / layout.rank_dirname(0) / MODEL_FILENAME
     for pp_rank in range(layout.pp):
         chunks: list[dict[str, list[tuple[ShardRef, Tensor]]]] | None = None
         for tp_rank in range(layout.tp):
-            path, _ = find_rank_file(folder, tp_rank, pp_rank, layout.pp)
-            state = load_file(path, mmap=True, allow_pickle=allow_pickle)
-            models = model_chunks(state, path)
-            if pp_rank == tp_rank == 0:
-                first_state, first_path = state, path
+            per_ep = [
+                _rank_tensors(folder, layout, (tp_rank, pp_rank, e), rename, allow_pickle)
+                for e in range(layout.ep)
+            ]
+            path = per_ep[0][0]
+            if any(len(models) != len(per_ep[0][1]) for _, models in per_ep):
+                raise ConvertError(
+                    f"{folder}: the expert-parallel ranks of {path.parent.name} hold different "
+                    "numbers of model chunks: the checkpoint is inconsistent"
+                )
+            models = [
+                merge_expert_parallel(parts, experts) if layout.ep > 1 else parts[0]
+                for parts in zip(*(m for _, m in per_ep), strict=True)
+            ]
             if chunks is None:
                 chunks = [{} for _ in models]
             if len(models) != len(chunks):
@@ -256,22 +281,15 @@ def open_torch_files(
                     f"{path} holds {len(models)} model chunks, tensor-parallel rank 0 of the "
                     f"same stage {len(chunks)}: the checkpoint is inconsistent"
                 )
-            for c, (chunk, model) in enumerate(zip(chunks, models, strict=True)):
-                tensors = {
-                    (rename(k) if rename else k): (k, v)
-                    for k, v in model.items()
-                    if not k.endswith("_extra_state") and isinstance(v, Tensor)
-                }
+            for chunk, tensors in zip(chunks, models, strict=True):
                 if tp_rank and set(chunk) != set(tensors):
                     raise ConvertError(
                         f"{path} holds other tensors than tensor-parallel rank 0 of the same "
                         "stage: the checkpoint is inconsistent"
                     )
-                for name, (key, tensor) in tensors.items():
-                    meta = torch.empty_like(tensor, device="meta")
-                    chunk.setdefault(name, []).append((ShardRef(path, c, key), meta))
+                for name, ref_meta in tensors.items():
+                    chunk.setdefault(name, []).append(ref_meta)
         stages.append(chunks or [])
-    config = config_of(first_state, first_path)
     state, dropped = _other_entries(first_state)
     del first_state  # its tensors point into the mapped file
     tied = not config.untie_embeddings_and_output_weights
@@ -294,7 +312,52 @@ def open_torch_files(
         dropped,
         {name: [meta for _, meta in parts] for name, parts in merged.items()},
         reader,
+        layout.ep,
     )
+
+
+def _second_is_expert(state: Mapping[str, Any]) -> bool | None:
+    """Whether an ``mp_rank_TT_NNN`` name counts expert-parallel ranks (PP = 1, EP > 1),
+    from what the rank-0 file records (mg's ``parallel``, or Megatron-LM's args)."""
+    parallel = (state.get("mg") or {}).get("parallel")
+    if not parallel:
+        raw = state.get("args")
+        args = vars(raw) if isinstance(raw, argparse.Namespace) else raw
+        if not isinstance(args, Mapping):
+            return None
+        parallel = {
+            "pp": args.get("pipeline_model_parallel_size") or 1,
+            "ep": args.get("expert_model_parallel_size") or 1,
+        }
+    return parallel.get("pp", 1) == 1 and parallel.get("ep", 1) > 1
+
+
+def _rank_tensors(
+    folder: Path,
+    layout: Layout,
+    rank: tuple[int, int, int],
+    rename: Callable[[str], str] | None,
+    allow_pickle: bool,
+) -> tuple[Path, list[dict[str, tuple[ShardRef, Tensor]]]]:
+    """One rank file's path and, per model chunk, {name: (where it is, its meta tensor)}."""
+    tp_rank, pp_rank, ep_rank = rank
+    path = folder / layout.rank_dirname(tp_rank, pp_rank, ep_rank) / MODEL_FILENAME
+    if not path.is_file():
+        find_rank_file(folder, tp_rank, pp_rank, layout.pp, ep_rank)  # names what is missing
+        raise ConvertError(f"{path} is missing: the checkpoint is incomplete")
+    state = load_file(path, mmap=True, allow_pickle=allow_pickle)
+    models = [
+        {
+            (rename(k) if rename else k): (
+                ShardRef(path, c, k),
+                torch.empty_like(v, device="meta"),
+            )
+            for k, v in model.items()
+            if not k.endswith("_extra_state") and isinstance(v, Tensor)
+        }
+        for c, model in enumerate(model_chunks(state, path))
+    ]
+    return path, models
 
 
 def _check_names(source: CheckpointSource) -> None:

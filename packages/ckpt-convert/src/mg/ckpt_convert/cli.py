@@ -23,6 +23,9 @@ EPILOG = """examples:
   mg-convert export-megatron --load ckpt/llama --save megatron_ckpt \\
       --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
   mg-convert export-megatron --load ckpt/llama --save megatron_dist --ckpt-format torch_dist
+  mg-convert import-megatron --load megatron_moe --save ckpt/moe --target-expert-parallel-size 1
+  mg-convert export-megatron --load ckpt/moe --save megatron_moe_ep4 \
+      --target-expert-parallel-size 4 --expert-layout sequential
   mg-convert reshard --load ckpt/llama --save ckpt/llama-tp2pp2 \\
       --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
   mg-convert format --to torch_dist --load ckpt/llama-tp2pp2 --save ckpt/llama-dist
@@ -68,6 +71,8 @@ def _megatron(args: argparse.Namespace) -> None:
         args.target_tensor_parallel_size,
         args.target_pipeline_parallel_size,
         args.make_vocab_size_divisible_by,
+        ep=args.target_expert_parallel_size,
+        expert_layout=args.expert_layout,
         **extra,
     )
     print(f"wrote {path}")
@@ -104,6 +109,28 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
 
 
+def _expert_flags(p: argparse.ArgumentParser, layout: bool) -> None:
+    """An MoE's expert-parallel size (Megatron's mp_rank_TT[_PPP]_EEE files) and layout."""
+    p.add_argument(
+        "--target-expert-parallel-size",
+        "--target-expert-model-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="MoE: expert-parallel ranks, each holding num_experts/N experts (default: keep)",
+    )
+    if layout:
+        p.add_argument(
+            "--expert-layout",
+            choices=("sequential", "grouped"),
+            default=None,
+            help="MoE: the routed experts as SequentialMLP (local_experts.N.linear_fc1.weight) "
+            "or grouped GEMM (linear_fc1.weightN). import default: the checkpoint's; export "
+            "default: grouped for a model with Transformer Engine names that uses it, else "
+            "sequential (Megatron-LM's local spec loads only that)",
+        )
+
+
 def _reshard(args: argparse.Namespace) -> None:
     from mg.ckpt_convert.reshard import reshard
 
@@ -114,6 +141,7 @@ def _reshard(args: argparse.Namespace) -> None:
         args.target_pipeline_parallel_size,
         args.iteration,
         args.make_vocab_size_divisible_by,
+        ep=args.target_expert_parallel_size,
     )
     print(f"wrote {path}")
 
@@ -199,13 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
             help=direction,
-            description=direction + ". Any tensor- and pipeline-parallel layout "
-            "(mp_rank_TT[_PPP], or torch_dist in Megatron-Core's sharded keys) in, the "
-            "--target-* layout out (default: the source's). Optimizer and RNG state are not "
-            "carried over. Megatron-LM's args Namespace is read with pickle, so only load "
-            "checkpoints you trust.",
+            description=direction + ". Any tensor-, pipeline- and expert-parallel layout "
+            "(mp_rank_TT[_PPP][_EEE], or torch_dist in Megatron-Core's sharded keys) in, the "
+            "--target-* layout out (default: the source's); MoE models (--num-experts) with "
+            "their moe_* args. Optimizer and RNG state are not carried over. Megatron-LM's "
+            "args Namespace is read with pickle, so only load checkpoints you trust.",
         )
         _layout_flags(p)
+        _expert_flags(p, layout=True)
         if name == "export-megatron":
             p.add_argument(
                 "--ckpt-format",
@@ -223,9 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
         "one) as a `torch` checkpoint for another tensor- and pipeline-parallel size "
         "(Megatron's convert.py --target-*-parallel-size), one pipeline stage at a time. "
         "Keeps iteration, args, model and tokenizer configs; drops optimizer and RNG state "
-        "(their layout depends on the parallel layout).",
+        "(their layout depends on the parallel layout). An MoE checkpoint's expert-parallel "
+        "files (mp_rank_TT[_PPP]_EEE) are read and written too.",
     )
     _layout_flags(p)
+    _expert_flags(p, layout=False)
     p.set_defaults(run=_reshard)
 
     p = sub.add_parser(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from mg.ckpt_convert.inspect_dist import SHOWN_ARGS, summarize_torch_dist
+from mg.ckpt_convert.inspect_dist import SHOWN_ARGS, plain_args, summarize_torch_dist
 from mg.core.checkpoint import describe, load_checkpoint
 from mg.core.checkpoint.dist_format import is_torch_dist
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
@@ -24,6 +25,9 @@ def summarize(load: str | Path, iteration: int | str | None = None) -> dict[str,
     model = state.get("model") or {}
     tensors = {k: v for k, v in model.items() if hasattr(v, "numel")}
     dtypes = Counter(str(t.dtype).removeprefix("torch.") for t in tensors.values())
+    megatron = {}
+    if not state.get("mg") and state.get("args") is not None:  # Megatron-LM's own
+        megatron = _megatron_summary(state, info.path)
     return {
         "path": str(info.path),
         "iteration": info.iteration,
@@ -36,6 +40,30 @@ def summarize(load: str | Path, iteration: int | str | None = None) -> dict[str,
         "model_config": info.model_config,
         "tokenizer_config": info.tokenizer_config,
         "parallel": info.parallel,
+        **megatron,
+    }
+
+
+def _megatron_summary(state: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A Megatron-LM `torch` checkpoint: its args, and the model config they describe."""
+    from mg.ckpt_convert.errors import ConvertError
+    from mg.ckpt_convert.megatron_lm import config_from_megatron_args
+
+    raw = state["args"]
+    args = vars(raw) if isinstance(raw, argparse.Namespace) else dict(raw)
+    try:
+        config = config_from_megatron_args(args).to_dict()
+    except ConvertError:
+        config = None
+    return {
+        "saved_by": "Megatron-LM",
+        "model_config": config,
+        "parallel": {
+            "tp": args.get("tensor_model_parallel_size") or 1,
+            "pp": args.get("pipeline_model_parallel_size") or 1,
+            "ep": args.get("expert_model_parallel_size") or 1,
+        },
+        "args": plain_args(args),
     }
 
 
@@ -65,8 +93,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"in {len(summary['files'])} files",
         f"tokenizer    {json.dumps(summary['tokenizer_config'])}",
     ]
-    if "saved_by" in summary:  # torch_dist
+    if "keys" in summary:  # torch_dist
         lines.insert(3, f"saved by     {summary['saved_by']}; keys: {summary['keys']}")
+    elif "saved_by" in summary:
+        lines.insert(3, f"saved by     {summary['saved_by']}")
     args = summary.get("args") or {}
     if summary.get("saved_by") == "Megatron-LM" and args:
         lines.append("megatron args:")

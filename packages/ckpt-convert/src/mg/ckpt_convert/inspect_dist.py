@@ -38,7 +38,27 @@ SHOWN_ARGS = (
     "ckpt_format",
     "transformer_impl",
     "use_distributed_optimizer",
+    # MoE
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_load_balancing_type",
+    "moe_shared_expert_intermediate_size",
+    "moe_grouped_gemm",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
 )
+
+
+def plain_args(args: dict[str, Any]) -> dict[str, Any]:
+    """The args that are plain data (and lists of it, such as a --moe-layer-freq pattern)."""
+    return {
+        k: v
+        for k, v in args.items()
+        if isinstance(v, _PLAIN) or (isinstance(v, list) and all(isinstance(x, _PLAIN) for x in v))
+    }
 
 
 def _model_tensor(key: str, megatron: bool) -> bool:
@@ -92,7 +112,7 @@ def summarize_torch_dist(folder: Path, iteration: Iteration) -> dict[str, Any]:
         "model_config": model_config,
         "tokenizer_config": meta.get("tokenizer_config"),
         "parallel": parallel or {"tp": tp, "pp": pp},
-        "args": {k: v for k, v in args.items() if isinstance(v, _PLAIN)},
+        "args": plain_args(args),
     }
 
 

@@ -19,6 +19,22 @@ grouped per query group ([q heads; k; v] of group 0, then group 1…), so a
 dim-0 split gives each rank whole groups, which is Megatron's GQA layout; a
 SwiGLU MLP-in is [gate; up], and each rank holds [gate_r; up_r].
 
+MoE checkpoints (``--num-experts``): Megatron-LM's MoE flags are Megatron-Core's
+``TransformerConfig`` fields, and so ours (``num_experts`` is ``num_moe_experts``,
+every ``moe_*`` flag the field of its name); export writes them back. With expert
+parallelism each ``mp_rank_TT[_PPP]_EEE`` file holds the dense weights and its own
+experts numbered from 0; import renumbers them to their place in the layer and
+export numbers them per rank again (``--target-expert-parallel-size``). Expert
+weights are split over TP as the MLP's are (expert tensor parallelism = TP,
+Megatron's default; another ``--expert-tensor-parallel-size`` is refused). The
+experts come in two layouts: ``sequential`` (SequentialMLP,
+``local_experts.N.linear_fc1.weight``) and ``grouped`` (grouped GEMM, TEGroupedMLP's
+``linear_fc1.weightN``); import keeps the checkpoint's (or ``--expert-layout``), and
+export writes ``grouped`` only for a model with Transformer Engine names, since
+Megatron-LM's local spec builds grouped GEMM as the legacy GroupedMLP
+(``weight1``/``weight2``, which mg does not read or write); otherwise
+``sequential`` with ``moe_grouped_gemm`` off in the args.
+
 Checkpoints written with the Transformer Engine spec fuse the norms into the
 next linear layer (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`);
 import renames those to the local spec's `input_layernorm` / `pre_mlp_layernorm`.
@@ -31,6 +47,8 @@ pickle to load, so only convert checkpoints you trust.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,7 +57,7 @@ from mg.ckpt_convert.checkpoint_source import CheckpointSource, open_checkpoint,
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.import_hf import expected_shapes
 from mg.ckpt_convert.layout_plan import DEFAULT_DIVISIBLE_BY, plan_target
-from mg.ckpt_convert.reshard import write_torch
+from mg.ckpt_convert.reshard import sizes, write_torch
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint import CHECKPOINT_VERSION, mg_metadata
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common
@@ -47,6 +65,7 @@ from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import ConfigError, RopeScaling, TransformerConfig
+from mg.core.models.config import MOE_DISPATCHERS
 from mg.core.models.mamba import MambaConfig
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -61,6 +80,17 @@ _TE_RENAMES = (
     (".mixer.in_proj.layer_norm_bias", ".norm.bias"),
 )
 _PLAIN = (str, int, float, bool, type(None))
+# Megatron-LM MoE flags whose values change the model or its outputs and that mg does not
+# build: a checkpoint saved with any of them on is refused rather than imported wrongly.
+_MOE_UNSUPPORTED = (
+    "moe_use_legacy_grouped_gemm",
+    "moe_apply_probs_on_input",
+    "moe_latent_size",
+    "moe_router_force_load_balancing",
+)
+_LEGACY_GROUPED = re.compile(r"\bmlp\.experts\.weight[12]$")
+_GROUPED_EXPERT = re.compile(r"\bmlp\.experts\.linear_fc[12]\.weight\d+$")
+_SEQUENTIAL_EXPERT = re.compile(r"\bmlp\.experts\.local_experts\.\d+\.")
 # Megatron-LM flags that move layers between pipeline stages unevenly.
 _UNEVEN_PIPELINE = (
     "decoder_first_pipeline_num_layers",
@@ -78,8 +108,6 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
         value = args.get(name, default)
         return default if value is None else value
 
-    if get("num_experts"):
-        raise ConvertError("MoE checkpoints (--num-experts) are not supported yet")
     if get("swiglu", False):
         activation = "swiglu"
     elif get("squared_relu", False):
@@ -127,7 +155,37 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
         raise ConvertError(f"Megatron-LM args lack {exc.args[0]!r}") from None
     except ConfigError as exc:
         raise ConvertError(f"Megatron-LM args describe an unsupported model: {exc}") from None
+    if get("num_experts"):
+        config = _moe_config(config, get)
     return _mamba_config(config, get) if _is_mamba(get) else config
+
+
+def _moe_config(config: TransformerConfig, get: Any) -> TransformerConfig:
+    """The MoE fields of Megatron-LM's args on top of the decoder's: `num_experts` is
+    `num_moe_experts`, every other one has its TransformerConfig field's name."""
+    unsupported = [name for name in _MOE_UNSUPPORTED if get(name, False)]
+    if unsupported:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unsupported)
+        raise ConvertError(f"Megatron-LM args: {flags} is not supported by mg's MoE layer")
+    tp = int(get("tensor_model_parallel_size", 1))
+    etp = get("expert_tensor_parallel_size")
+    if etp is not None and int(etp) != tp:
+        raise ConvertError(
+            f"Megatron-LM args: --expert-tensor-parallel-size {etp} differs from "
+            f"--tensor-model-parallel-size {tp}; import-megatron reads experts split as the "
+            "MLP is (expert tensor parallelism = TP). Re-save with Megatron-LM's "
+            "tools/checkpoint/convert.py at TP=1 first"
+        )
+    dispatcher = get("moe_token_dispatcher_type", "allgather")
+    fields = {f.name for f in dataclasses.fields(TransformerConfig) if f.name.startswith("moe_")}
+    moe = {name: get(name) for name in fields if get(name) is not None}
+    # how tokens travel to the experts does not change the model: flex (DeepEP) is all-to-all
+    moe["moe_token_dispatcher_type"] = dispatcher if dispatcher in MOE_DISPATCHERS else "alltoall"
+    moe["moe_grouped_gemm"] = bool(get("moe_grouped_gemm", False))
+    try:
+        return dataclasses.replace(config, num_moe_experts=int(get("num_experts")), **moe)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConvertError(f"Megatron-LM args describe an unsupported MoE model: {exc}") from None
 
 
 def _is_mamba(get: Any) -> bool:
@@ -171,8 +229,10 @@ def megatron_args_from_config(
     tp: int = 1,
     pp: int = 1,
     make_vocab_size_divisible_by: int | None = None,
+    ep: int = 1,
 ) -> argparse.Namespace:
-    """The inverse: the Namespace Megatron-LM's `load_checkpoint` and `convert.py` read."""
+    """The inverse: the Namespace Megatron-LM's `load_checkpoint` and `convert.py` read
+    (for an MoE, with its ``moe_*`` flags, so Megatron-LM builds the same layers)."""
     c = config
     args = argparse.Namespace(
         num_layers=c.num_layers,
@@ -210,12 +270,19 @@ def megatron_args_from_config(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=None,
         num_layers_per_virtual_pipeline_stage=None,
-        expert_model_parallel_size=1,
+        expert_model_parallel_size=ep,
         # the spec whose names the weights carry: ours are the local spec's, or with
         # transformer_impl="transformer_engine" the TE spec's (norms fused into linears)
         transformer_impl=c.transformer_impl,
         model_type="GPT",
     )
+    if c.num_moe_experts:
+        args.num_experts = c.num_moe_experts
+        args.expert_tensor_parallel_size = tp  # experts split over TP as the MLP is
+        for f in dataclasses.fields(c):
+            if f.name.startswith("moe_"):
+                value = getattr(c, f.name)
+                setattr(args, f.name, list(value) if isinstance(value, list) else value)
     if tokenizer is not None:
         for key, value in tokenizer.to_dict().items():
             setattr(args, key, value)
@@ -253,7 +320,40 @@ def _config_of_megatron(state: Mapping[str, Any], where: Path) -> TransformerCon
             "import-megatron reads layers spread evenly over the stages. Re-save it with "
             "Megatron-LM's tools/checkpoint/convert.py --target-pipeline-parallel-size 1 first"
         )
-    return config_from_megatron_args(args)
+    config = config_from_megatron_args(args)
+    if config.num_moe_experts:
+        config = _with_stored_expert_layout(config, state, where, args)
+    return config
+
+
+def _with_stored_expert_layout(
+    config: TransformerConfig, state: Mapping[str, Any], where: Path, args: Mapping[str, Any]
+) -> TransformerConfig:
+    """``moe_grouped_gemm`` as the rank-0 file's expert names say (grouped GEMM's
+    ``linear_fc1.weightN`` or SequentialMLP's ``local_experts.N``); where that file holds no
+    expert (a first stage of dense layers), as the args say: grouped GEMM under the
+    Transformer Engine spec is TEGroupedMLP, under the local spec the legacy GroupedMLP."""
+    names = [name for chunk in _model_entries(state) for name in chunk]
+    legacy = any(_LEGACY_GROUPED.search(name) for name in names)
+    if any(_GROUPED_EXPERT.search(name) for name in names) and not legacy:
+        grouped = True
+    elif any(_SEQUENTIAL_EXPERT.search(name) for name in names):
+        grouped = False
+    elif legacy or (config.moe_grouped_gemm and args.get("transformer_impl") == "local"):
+        raise ConvertError(
+            f"{where}: experts saved by Megatron-Core's legacy GroupedMLP (mlp.experts.weight1 "
+            "/ weight2: --moe-grouped-gemm with the local spec, or "
+            "--moe-use-legacy-grouped-gemm) are not supported; re-save without "
+            "--moe-grouped-gemm, or with --transformer-impl transformer_engine"
+        )
+    else:
+        grouped = config.moe_grouped_gemm
+    return dataclasses.replace(config, moe_grouped_gemm=grouped)
+
+
+def _model_entries(state: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The model chunks of one rank file (``model``, or ``model0``, ``model1``…)."""
+    return [v for k, v in state.items() if k.startswith("model") and isinstance(v, Mapping)]
 
 
 def _mg_state(
@@ -263,6 +363,7 @@ def _mg_state(
     pp: int,
     iteration: Any,
     converted_by: str = "mg-convert import-megatron",
+    ep: int = 1,
 ) -> dict[str, Any]:
     """What an mg checkpoint records, from Megatron-LM's args: plain-data args, the
     iteration, ``mg`` with the model and tokenizer configs."""
@@ -273,7 +374,7 @@ def _mg_state(
         "args": plain_args,
         "iteration": iteration,
         "mg": mg_metadata(
-            config.to_dict(), tokenizer.to_dict() if tokenizer else None, tp=tp, pp=pp
+            config.to_dict(), tokenizer.to_dict() if tokenizer else None, tp=tp, pp=pp, ep=ep
         ),
     }
 
@@ -325,18 +426,26 @@ def open_megatron(load: str | Path, iteration: Iteration | None = None) -> Check
     recorded = (
         int(args.get("tensor_model_parallel_size") or 1),
         int(args.get("pipeline_model_parallel_size") or 1),
+        int(args.get("expert_model_parallel_size") or 1),
     )
-    if recorded != (source.tp, source.pp):
+    if recorded != (source.tp, source.pp, source.ep):
         raise ConvertError(
-            f"{folder}: the args say TP={recorded[0]} PP={recorded[1]}, the mp_rank_* folders "
-            f"TP={source.tp} PP={source.pp}; the checkpoint is incomplete or inconsistent"
+            f"{folder}: the args say {_sizes(*recorded)}, the mp_rank_* folders "
+            f"{_sizes(source.tp, source.pp, source.ep)}; the checkpoint is incomplete or "
+            "inconsistent"
         )
     config = source.config
     if not config.untie_embeddings_and_output_weights:
         source.shards.pop("output_layer.weight", None)  # a tied copy, when saved at all
     _check_shapes(source, folder)
-    source.state = _mg_state(args, config, source.tp, source.pp, source.state.get("iteration", 0))
+    source.state = _mg_state(
+        args, config, source.tp, source.pp, source.state.get("iteration", 0), ep=source.ep
+    )
     return source
+
+
+def _sizes(tp: int, pp: int, ep: int) -> str:
+    return f"TP={tp} PP={pp}" + (f" EP={ep}" if ep > 1 else "")
 
 
 def _check_shapes(source: CheckpointSource, where: Path) -> None:
@@ -365,17 +474,20 @@ def import_megatron(
     pp: int | None = None,
     divisible_by: int | None = None,
     report: Any = print,
+    ep: int | None = None,
+    expert_layout: str | None = None,
 ) -> Path:
-    """Megatron-LM checkpoint (any TP × PP) → mg `torch` checkpoint with the same iteration,
-    in the layout ``tp`` × ``pp`` (None: the source's)."""
+    """Megatron-LM checkpoint (any TP × PP × EP) → mg `torch` checkpoint with the same
+    iteration, in the layout ``tp`` × ``pp`` × ``ep`` (None: the source's), an MoE's experts
+    in ``expert_layout`` ("sequential" or "grouped"; None: the source's)."""
     check_target(save)
     source = open_megatron(load, iteration)
-    target = plan_target(source, tp, pp, divisible_by)
+    target = plan_target(source, tp, pp, divisible_by, ep, expert_layout)
     with staged_dir(save) as staging:
         write_torch(staging, source, target, source.iteration)
     report(
-        f"imported iteration {source.iteration}: Megatron-LM TP={source.tp}, PP={source.pp} "
-        f"→ mg TP={target.tp}, PP={target.pp}"
+        f"imported iteration {source.iteration}: Megatron-LM "
+        f"{sizes(source.tp, source.pp, source.ep)} → mg {sizes(target.tp, target.pp, target.ep)}"
     )
     for note in target.notes:
         report(f"note: {note}")
@@ -391,11 +503,15 @@ def export_megatron(
     divisible_by: int | None = None,
     report: Any = print,
     ckpt_format: str = "torch",
+    ep: int | None = None,
+    expert_layout: str | None = None,
 ) -> Path:
     """mg checkpoint (either format, any layout) → Megatron-LM checkpoint: `torch` with
-    local layer spec names, in the layout ``tp`` × ``pp`` (None: the source's), or
+    local layer spec names, in the layout ``tp`` × ``pp`` × ``ep`` (None: the source's), or
     `torch_dist` in Megatron-Core's layout (loads at any layout; its args record ``tp`` ×
-    ``pp``), written one layer at a time."""
+    ``pp``), written one layer at a time. An MoE's experts go in ``expert_layout``
+    (None: grouped GEMM for a model with Transformer Engine names that has it, sequential
+    otherwise; see the module docstring)."""
     if ckpt_format not in ("torch", "torch_dist"):
         raise ConvertError(f"--ckpt-format {ckpt_format!r}: expected torch or torch_dist")
     check_target(save)
@@ -406,7 +522,15 @@ def export_megatron(
             "(Megatron-LM loads them with its Transformer Engine spec's names and args); "
             "mg-train, mg-eval and export-hf (Mamba2ForCausalLM) read this checkpoint as it is"
         )
-    target = plan_target(source, tp, pp, divisible_by)
+    if source.config.num_moe_experts and ckpt_format == "torch_dist":
+        raise ConvertError(
+            "--ckpt-format torch_dist: export-megatron writes MoE models in the torch format "
+            "only (mp_rank_TT[_PPP]_EEE files); Megatron-LM's own converter turns those into "
+            "torch_dist"
+        )
+    target = plan_target(
+        source, tp, pp, divisible_by, ep, _megatron_expert_layout(source.config, expert_layout)
+    )
     tokenizer_config = (source.state.get("mg") or {}).get("tokenizer_config")
     tokenizer = None
     if tokenizer_config:
@@ -418,13 +542,16 @@ def export_megatron(
         pp=target.pp,
         make_vocab_size_divisible_by=divisible_by
         or source.args.get("make_vocab_size_divisible_by"),
+        ep=target.ep,
     )
     args.ckpt_format = ckpt_format
     common = {
         "args": args,
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": source.iteration if isinstance(source.iteration, int) else 0,
-        "mg": mg_metadata(target.config.to_dict(), tokenizer_config, tp=target.tp, pp=target.pp),
+        "mg": mg_metadata(
+            target.config.to_dict(), tokenizer_config, tp=target.tp, pp=target.pp, ep=target.ep
+        ),
     }
     with staged_dir(save) as staging:
         if ckpt_format == "torch_dist":
@@ -434,9 +561,28 @@ def export_megatron(
         else:
             write_torch(staging, source, target, source.iteration, common=common)
     report(
-        f"exported iteration {source.iteration}: {source.format} (TP={source.tp}, "
-        f"PP={source.pp}) → Megatron-LM {ckpt_format} TP={target.tp}, PP={target.pp}"
+        f"exported iteration {source.iteration}: {source.format} "
+        f"({sizes(source.tp, source.pp, source.ep)}) → Megatron-LM {ckpt_format} "
+        f"{sizes(target.tp, target.pp, target.ep)}"
     )
     for note in target.notes:
         report(f"note: {note}")
     return Path(save)
+
+
+def _megatron_expert_layout(config: TransformerConfig, asked: str | None) -> str | None:
+    """The experts layout Megatron-LM loads for this model: grouped GEMM's weightN names
+    are TEGroupedMLP's, built only with the Transformer Engine spec (the local spec's
+    grouped GEMM is the legacy GroupedMLP, weight1/weight2); sequential otherwise."""
+    if not config.num_moe_experts:
+        return asked  # plan_target refuses a layout for a dense model
+    te = config.transformer_impl == "transformer_engine"
+    if asked == "grouped" and not te:
+        raise ConvertError(
+            "--expert-layout grouped: Megatron-LM builds grouped-GEMM experts with these "
+            "names (TEGroupedMLP's linear_fc1.weightN) only with --transformer-impl "
+            "transformer_engine, and this model has the local spec's names; use sequential"
+        )
+    if asked is not None:
+        return asked
+    return "grouped" if config.moe_grouped_gemm and te else "sequential"

@@ -25,44 +25,54 @@ from mg.ckpt_convert.checkpoint_source import (
     open_checkpoint,
 )
 from mg.ckpt_convert.errors import ConvertError
-from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensors
+from mg.ckpt_convert.layout_plan import (
+    TargetLayout,
+    expert_layout_name,
+    plan_target,
+    target_state,
+    target_tensors,
+)
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint import save_checkpoint_shards
 from mg.core.checkpoint.dist_format import load_common
+from mg.core.checkpoint.ep_merge import split_expert_parallel
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.pp_split import stage_key_map
 from mg.core.checkpoint.tp_split import split_tensor_parallel
 
 
-class _StageShards(Mapping[tuple[int, int], dict[str, Any]]):
+class _StageShards(Mapping[tuple[int, int, int], dict[str, Any]]):
     """The target's rank states, built one pipeline stage at a time as they are read.
 
-    Keys run stage by stage, TP rank within stage, so `save_checkpoint_shards`
-    (which reads the values in key order and writes each before the next)
-    holds one stage's tensors at a time.
+    Keys ``(tp, pp, ep)`` run stage by stage, then TP rank, then expert-parallel rank,
+    so `save_checkpoint_shards` (which reads the values in key order and writes each
+    before the next) holds one stage's tensors at a time.
     """
 
     def __init__(self, source: CheckpointSource, target: TargetLayout, common: dict[str, Any]):
         self.source, self.target, self.common = source, target, common
-        self._keys = [(t, p) for p in range(target.pp) for t in range(target.tp)]
+        self._keys = [
+            (t, p, e) for p in range(target.pp) for t in range(target.tp) for e in range(target.ep)
+        ]
         self._stage: int | None = None
-        self._shards: list[dict[str, Tensor]] = []
+        self._shards: list[list[dict[str, Tensor]]] = []
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
         return iter(self._keys)
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
-        tp_rank, pp_rank = key
+    def __getitem__(self, key: tuple[int, int, int]) -> dict[str, Any]:
+        tp_rank, pp_rank, ep_rank = key
         if self._stage != pp_rank:
             self._shards = []  # free the previous stage before building this one
             self._shards = self._build(pp_rank)
             self._stage = pp_rank
-        return {**self.common, "model": self._shards[tp_rank]}
+        return {**self.common, "model": self._shards[ep_rank][tp_rank]}
 
-    def _build(self, pp_rank: int) -> list[dict[str, Tensor]]:
+    def _build(self, pp_rank: int) -> list[list[dict[str, Tensor]]]:
+        """[ep rank][tp rank] → that rank file's model state for this stage."""
         config = self.target.config
         names = stage_key_map(
             self.source.names,
@@ -73,8 +83,22 @@ class _StageShards(Mapping[tuple[int, int], dict[str, Any]]):
         )
         self.source.release()  # the previous stage's files
         tensors = target_tensors(self.source, self.target, list(dict.fromkeys(names.values())))
+        grouped = config.moe_grouped_gemm
+        if grouped != self.source.config.moe_grouped_gemm:  # the other experts layout
+            names = {expert_layout_name(local, grouped): name for local, name in names.items()}
         whole = {local: tensors[name] for local, name in names.items()}
-        return split_tensor_parallel(whole, self.target.tp, config.gated_linear_unit)
+        per_ep = (
+            split_expert_parallel(whole, config.num_moe_experts, self.target.ep)
+            if self.target.ep > 1
+            else [whole]
+        )
+        gated = config.gated_linear_unit
+        return [split_tensor_parallel(part, self.target.tp, gated, config) for part in per_ep]
+
+
+def sizes(tp: int, pp: int, ep: int = 1) -> str:
+    """ "TP=2, PP=1" (and ", EP=4" for an expert-parallel layout)."""
+    return f"TP={tp}, PP={pp}" + (f", EP={ep}" if ep > 1 else "")
 
 
 def write_torch(
@@ -91,7 +115,9 @@ def write_torch(
     if common is None:
         common = target_state(source, target)
     shards = _StageShards(source, target, common)
-    path = save_checkpoint_shards(save_dir, iteration, shards, tp_size=target.tp, pp_size=target.pp)
+    path = save_checkpoint_shards(
+        save_dir, iteration, shards, tp_size=target.tp, pp_size=target.pp, ep_size=target.ep
+    )
     copy_tokenizer_files(source, save_dir)
     return path
 
@@ -104,9 +130,10 @@ def reshard(
     iteration: Iteration | None = None,
     divisible_by: int | None = None,
     report: Any = print,
+    ep: int | None = None,
 ) -> Path:
     """``load`` (a `torch` checkpoint, or a Megatron-LM `torch_dist` one) → ``save`` with TP
-    ``tp`` and PP ``pp`` (None: keep) in the `torch` format."""
+    ``tp``, PP ``pp`` and, for an MoE, EP ``ep`` (None: keep) in the `torch` format."""
     check_target(save)
     source = open_checkpoint(load, iteration)
     if source.format != "torch" and "mg" in load_common(source.folder, allow_pickle=True):
@@ -115,12 +142,12 @@ def reshard(
             "to get a `torch` checkpoint of a given layout use: mg-convert format --to torch "
             "--target-tensor-parallel-size T --target-pipeline-parallel-size P"
         )
-    target = plan_target(source, tp, pp, divisible_by)
+    target = plan_target(source, tp, pp, divisible_by, ep)
     with staged_dir(save) as staging:
         write_torch(staging, source, target, source.iteration)
     report(
-        f"resharded iteration {source.iteration}: TP={source.tp}, PP={source.pp} → "
-        f"TP={target.tp}, PP={target.pp}"
+        f"resharded iteration {source.iteration}: {sizes(source.tp, source.pp, source.ep)} → "
+        f"{sizes(target.tp, target.pp, target.ep)}"
     )
     for note in target.notes:
         report(f"note: {note}")

@@ -1,17 +1,21 @@
-"""Merge the expert-parallel rank files of a `torch` checkpoint into one model's weights.
+"""The expert-parallel rank files of a `torch` checkpoint ↔ one model's weights.
 
 Megatron's `torch` format writes one `mp_rank_TT[_PPP]_EEE` file per expert-parallel
 rank, each with the dense weights and its own experts numbered from 0
 (`mlp.experts.local_experts.0.…`, or `mlp.experts.linear_fc1.weight0` for grouped
 GEMM). Rank e's expert i is expert e·E/ep + i of the layer.
+
+Values are passed through untouched (tensors, or anything a converter maps by
+name, such as lazy references into the files), as in :mod:`.pp_split`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
-from torch import Tensor
+T = TypeVar("T")
 
 _EXPERT = re.compile(
     r"^(?P<head>.*\bmlp\.experts\.)"
@@ -19,23 +23,50 @@ _EXPERT = re.compile(
 )
 
 
-def merge_expert_parallel(
-    parts: Sequence[Mapping[str, Tensor]], num_experts: int
-) -> dict[str, Tensor]:
+def _renumbered(key: str, offset: int) -> tuple[str, int] | None:
+    """A routed expert's key with its number moved by `offset`, and the new number;
+    None for any other key."""
+    match = _EXPERT.match(key)
+    if match is None:
+        return None
+    if match["seq"] is not None:
+        index = int(match["seq"]) + offset
+        return f"{match['head']}local_experts.{index}{match['rest']}", index
+    index = int(match["num"]) + offset
+    return f"{match['head']}{match['gemm']}{index}", index
+
+
+def merge_expert_parallel(parts: Sequence[Mapping[str, T]], num_experts: int) -> dict[str, T]:
     """One state from each expert-parallel rank's (in rank order): experts renumbered to
     their place in the layer, everything else from rank 0 (the ranks hold equal copies)."""
     local = num_experts // len(parts)
-    merged: dict[str, Tensor] = {}
+    merged: dict[str, T] = {}
     for rank, part in enumerate(parts):
         for key, value in part.items():
-            match = _EXPERT.match(key)
-            if match is None:
-                if rank == 0:
-                    merged[key] = value
-            elif match["seq"] is not None:
-                index = int(match["seq"]) + rank * local
-                merged[f"{match['head']}local_experts.{index}{match['rest']}"] = value
-            else:
-                index = int(match["num"]) + rank * local
-                merged[f"{match['head']}{match['gemm']}{index}"] = value
+            renamed = _renumbered(key, rank * local)
+            if renamed is not None:
+                merged[renamed[0]] = value
+            elif rank == 0:
+                merged[key] = value
     return merged
+
+
+def split_expert_parallel(
+    weights: Mapping[str, T], num_experts: int, ep: int
+) -> list[dict[str, T]]:
+    """The inverse: each expert-parallel rank's state, its experts numbered from 0 and
+    every other entry shared (the same object in each)."""
+    local = num_experts // ep
+    parts: list[dict[str, T]] = [{} for _ in range(ep)]
+    for key, value in weights.items():
+        match = _EXPERT.match(key)
+        if match is None:
+            for part in parts:
+                part[key] = value
+            continue
+        index = int(match["seq"] if match["seq"] is not None else match["num"])
+        rank = index // local
+        renamed = _renumbered(key, -rank * local)
+        assert renamed is not None
+        parts[rank][renamed[0]] = value
+    return parts

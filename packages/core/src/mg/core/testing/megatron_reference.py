@@ -6,7 +6,8 @@ tracker. `megatron_cpu_patches` patches exactly those (multi-rank workers use it
 directly); `megatron_on_cpu` applies them for a test session and sets up a 1-rank
 gloo group with TP = PP = 1; `megatron_gpt_model`
 builds the Megatron-Core `GPTModel` (local layer spec) matching one of our
-`TransformerConfig`s.
+`TransformerConfig`s, MoE ones included (its MoE layers from
+`get_gpt_decoder_block_spec`, which follows `moe_layer_freq`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def megatron_cpu_patches() -> Any:
     )
     patches.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoRngTracker())
     patches.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    try:  # 0.16.1's MoE utilities read this name unguarded when Transformer Engine is absent
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+    except ImportError:
+        pass
+    else:
+        patches.setattr(moe_utils, "te_general_gemm", None, raising=False)
     return patches
 
 
@@ -128,15 +135,31 @@ def megatron_on_cpu(scratch: Path) -> Iterator[None]:
         patches.undo()
 
 
-def megatron_gpt_model(ours: TransformerConfig) -> Any:
-    """Megatron-Core's GPTModel (local spec, no dropout, eval mode) with our config's shapes."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def megatron_gpt_model(ours: TransformerConfig, **parallel: Any) -> Any:
+    """Megatron-Core's GPTModel (local spec, no dropout, eval mode) with our config's shapes.
+
+    ``parallel``: more Megatron TransformerConfig fields (``expert_model_parallel_size``,
+    ``sequence_parallel``…) for a rank of a parallel layout."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.models.gpt.gpt_model import GPTModel as MegatronGPTModel
     from megatron.core.transformer.transformer_config import (
         TransformerConfig as MegatronTransformerConfig,
     )
 
     gated = ours.gated_linear_unit
+    moe: dict[str, Any] = {}
+    if ours.num_moe_experts:  # the MoE fields have Megatron-Core's names
+        moe = {
+            f.name: getattr(ours, f.name)
+            for f in dataclasses.fields(ours)
+            if f.name.startswith("moe_")
+        }
+        moe["num_moe_experts"] = ours.num_moe_experts
     config = MegatronTransformerConfig(
         num_layers=ours.num_layers,
         hidden_size=ours.hidden_size,
@@ -156,10 +179,20 @@ def megatron_gpt_model(ours: TransformerConfig) -> Any:
         init_method_std=ours.init_method_std,
         use_cpu_initialization=True,
         transformer_impl="local",
+        **moe,
+        **parallel,
     )
+    if ours.num_moe_experts:
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization=ours.normalization
+        )
+    else:
+        spec = get_gpt_layer_local_spec(
+            normalization=ours.normalization, qk_layernorm=ours.qk_layernorm
+        )
     return MegatronGPTModel(
         config,
-        get_gpt_layer_local_spec(normalization=ours.normalization, qk_layernorm=ours.qk_layernorm),
+        spec,
         vocab_size=ours.vocab_size,
         max_sequence_length=ours.max_position_embeddings,
         position_embedding_type=ours.position_embedding_type,
