@@ -84,6 +84,18 @@ def test_moe_layer_freq_forms():
         ),
         ([*MOE, "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
         ([*MOE, "--moe-router-enable-expert-bias"], 1, "^--moe-router-enable-expert-bias"),
+        ([*MOE, "--expert-tensor-parallel-size", "2"], 2, "splits experts over"),
+        (
+            [*MOE, "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+            2,
+            "needs --sequence-parallel",
+        ),
+        (
+            [*MOE, "--moe-layer-recompute", "--recompute-granularity", "full"]
+            + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
+            1,
+            "already recomputes the MoE layers",
+        ),
     ],
 )
 def test_bad_moe_flags_are_refused_in_one_line(tmp_path, mock_argv, extra, world, message):
@@ -467,3 +479,70 @@ def test_torch_format_optimizer_state_is_refused_for_the_expert_parallel_optimiz
     with pytest.raises(CheckpointError, match="--no-load-optim") as info:
         _load_optimizer(optimizer, {"state": {}}, None, "ckpt", 10, {})
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow  # four trainer ranks, three runs on 2 shared cores
+@pytest.mark.timeout(1500)
+def test_moe_expert_tensor_parallel_one_under_tp_matches_one_process(tmp_path, mock_argv, train):
+    """EP = 2 × TP = 2 (+SP) with --expert-tensor-parallel-size 1 on four gloo ranks (DP = 2):
+    attention split over TP, the routed experts whole, each TP rank routing its own
+    sequence slice over the EP group (the TP ranks), the gated shared expert split as the
+    dense MLP; the experts' gradients averaged over expert DP (the DP replicas). 20
+    iterations in fp32 equal one process's: losses (1e-5), clipped grad norms (1e-4, the
+    experts' squares summed over EP), validation and the logged aux and z-losses (1e-5);
+    the distributed optimizer saved at 10 in torch_dist and resumed to 20 equals it too."""
+    import json
+    from pathlib import Path
+
+    from mg.core.testing.launch import launch_workers
+
+    flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--make-vocab-size-divisible-by", "64"]
+    flags += ["--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0.05"]
+    flags += ["--eval-interval", "10", "--eval-iters", "1", "--moe-shared-expert-gate"]
+    flags += ["--moe-shared-expert-intermediate-size", "16"]
+    argv = mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=20)
+    one = train(argv)
+    run = [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    run += ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    sharded = [*run, "--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
+    ckpt = str(tmp_path / "ckpt")
+    runs = [run, [*sharded, "--save", ckpt, "--exit-interval", "10"], [*sharded, "--load", ckpt]]
+    out = tmp_path / "etp1.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    launch_workers(str(worker), 4, [str(out), json.dumps(runs)], timeout=1400)
+    plain, first, resumed = json.loads(out.read_text())
+    assert plain["losses"] == pytest.approx(one.losses, rel=1e-5)
+    assert plain["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
+    for (i, a), (j, b) in zip(one.validation, plain["validation"], strict=True):
+        assert i == j and b == pytest.approx(a, rel=1e-5)
+    for name, values in one.extra_losses.items():
+        assert plain["extra_losses"][name] == pytest.approx(values, rel=1e-5)
+    assert max(one.grad_norms) > 0.05  # clipped
+    assert first["losses"] + resumed["losses"] == pytest.approx(one.losses, rel=1e-5)
+    assert first["grad_norms"] + resumed["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
+
+
+def test_moe_layer_recompute_and_per_layer_logging(tmp_path, mock_argv, train):
+    """--moe-layer-recompute trains as without it (the global aux loss's counts, which
+    change every micro-batch, replayed for the recomputation; fp32, losses 1e-6, grad
+    norms 1e-5), and --moe-per-layer-logging writes each MoE layer's balancing losses to
+    tensorboard under Megatron's names, their mean the logged value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--moe-router-load-balancing-type"]
+    flags += ["global_aux_loss", "--attention-dropout", "0", "--hidden-dropout", "0"]
+    plain = train(mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=3))
+    tb = tmp_path / "tb"
+    flags += ["--moe-layer-recompute", "--moe-per-layer-logging", "--tensorboard-dir", str(tb)]
+    recomputed = train(mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=3))
+    assert recomputed.losses == pytest.approx(plain.losses, rel=1e-6)
+    assert recomputed.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
+    for name, values in plain.extra_losses.items():
+        assert recomputed.extra_losses[name] == pytest.approx(values, rel=1e-6)
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    for name in ("global_load_balancing_loss", "z_loss"):
+        layers = [[e.value for e in events.Scalars(f"moe/{name}_layer_{i}")] for i in (0, 1)]
+        means = [(a + b) / 2 for a, b in zip(*layers, strict=True)]
+        assert means == pytest.approx(recomputed.extra_losses[name], rel=1e-5)
+        assert layers[0] != layers[1]

@@ -104,6 +104,7 @@ def parallelize(
             layout.sequence_parallel,
             seed=layout.tensor_parallel_seed(seed),
             device=device,
+            expert_tensor_parallel=layout.etp == layout.tp,
         )
     if layout.cp > 1:
         apply_context_parallel(model, layout.cp_group)
@@ -121,8 +122,10 @@ def parallelize(
     else:  # keeping the tied copy's mark (DTensor parameters become new objects)
         for part in parts:
             to_keeping_marks(part, device)
-    if layout.ep > 1:  # keep this rank's experts, route tokens over the EP group
-        apply_expert_parallel(model, layout.ep_group, model.config.moe_token_dispatcher_type)
+    if layout.experts_apart:  # keep this rank's experts, route tokens over the EP group
+        apply_expert_parallel(
+            model, layout.ep_group, model.config.moe_token_dispatcher_type, experts_apart=True
+        )
     for part in parts:
         recompute(part)
     return model if layout.pp == 1 else PipelineModel(parts)

@@ -6,7 +6,9 @@
   summed over data-parallel ranks, the global aux loss's averaging window
   restarts, and each balancing loss (averaged over micro-batches and MoE
   layers, then over ranks) goes to the log line and tensorboard under
-  Megatron's names (`load_balancing_loss`, `z_loss`, ...).
+  Megatron's names (`load_balancing_loss`, `z_loss`, ...); with
+  --moe-per-layer-logging each layer's also to tensorboard
+  (`moe/load_balancing_loss_layer_3`).
 
 A dense model makes every function here a no-op.
 """
@@ -47,23 +49,34 @@ def logged_losses(config: TransformerConfig) -> list[str]:
     return names
 
 
-def begin_step(num_micro: int, loss_scale: float, tp: int = 1) -> None:
-    """`tp`: under tensor parallelism every TP rank computes the same balancing losses and
-    their input gradients are summed over TP (mg.core.models.moe.tensor_parallel): 1/tp each."""
+def begin_step(num_micro: int, loss_scale: float, layout: ParallelLayout | None = None) -> None:
+    """Under tensor parallelism with experts split over TP every TP rank computes the same
+    balancing losses and their input gradients are summed over TP
+    (mg.core.models.moe.tensor_parallel): 1/tp each. With expert-tensor-parallel size 1
+    each TP rank's losses are its own tokens' part: no division."""
+    tp = 1 if layout is None or layout.etp != layout.tp else layout.tp
     AuxLossBackward.scale = loss_scale / max(num_micro, 1) / tp
 
 
 def finish_step(
-    model: nn.Module, config: TransformerConfig, dp_group: dist.ProcessGroup | None
-) -> dict[str, float]:
-    """Expert-bias update and window reset; returns the step's balancing losses.
+    model: nn.Module,
+    config: TransformerConfig,
+    dp_group: dist.ProcessGroup | None,
+    per_layer: bool = False,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Expert-bias update and window reset; returns the step's balancing losses, and with
+    `per_layer` (--moe-per-layer-logging) each MoE layer's under Megatron's tensorboard
+    name `moe/{loss}_layer_{i}` (i: the layer's 0-based number in the model).
 
-    Every rank takes part in the reduction, also a pipeline stage without MoE layers."""
+    `dp_group`: the ranks whose token counts the expert bias sums (data × context, or every
+    rank of the stage when each tensor-parallel rank routes its own tokens). Every rank
+    takes part in the reduction, also a pipeline stage without MoE layers."""
     if config.num_moe_experts is None:
-        return {}
+        return {}, {}
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     names = logged_losses(config)
-    totals = torch.zeros(2 * len(names), dtype=torch.float64)
+    # per loss: [sum, count] over all layers, then [sum, count] of each layer
+    totals = torch.zeros(len(names), 1 + config.num_layers, 2, dtype=torch.float64)
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     for router in routers:
         router.update_expert_bias(dp_group if distributed else None)
@@ -71,23 +84,32 @@ def finish_step(
         losses = router.pop_losses()
         for i, name in enumerate(names):
             if name in losses:
-                totals[2 * i] += float(losses[name])
-                totals[2 * i + 1] += 1
+                value = float(losses[name])
+                totals[i, 0] += torch.tensor([value, 1.0], dtype=torch.float64)
+                totals[i, router.layer_number] += torch.tensor([value, 1.0], dtype=torch.float64)
     if not names:
-        return {}
-    if distributed:  # per loss: sum over layers and their count, over every rank
+        return {}, {}
+    if distributed:  # sums and counts over every rank
         device = next(model.parameters()).device
         moved = totals.to(device)
         dist.all_reduce(moved)
         totals = moved.cpu()
-    return {n: float(totals[2 * i] / totals[2 * i + 1].clamp(min=1)) for i, n in enumerate(names)}
+    mean = totals[..., 0] / totals[..., 1].clamp(min=1)
+    losses = {name: float(mean[i, 0]) for i, name in enumerate(names)}
+    layers: dict[str, float] = {}
+    if per_layer:
+        for i, name in enumerate(names):
+            for number in range(1, config.num_layers + 1):
+                if totals[i, number, 1] > 0:
+                    layers[f"moe/{name}_layer_{number - 1}"] = float(mean[i, number])
+    return losses, layers
 
 
 def allreduce_expert_gradients(model: nn.Module, layout: ParallelLayout) -> None:
     """Expert-parallel experts' gradients summed over their replicas (expert-DP group) and
     scaled 1/dp like the dense ones (Megatron's expert_gradient_scaling_factor): a rank's
     experts already hold the gradient of every token its EP group routed to them."""
-    if layout.ep == 1:
+    if not layout.experts_apart:
         return
     grads = [
         p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # TP: this rank's slices

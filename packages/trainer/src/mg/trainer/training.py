@@ -33,6 +33,7 @@ from mg.core.checkpoint.dist_format import PendingSave
 from mg.core.models import apply_activation_recompute, num_floating_point_operations
 from mg.core.models.compile import compile_layers
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
+from mg.core.models.recompute import apply_moe_layer_recompute
 from mg.core.models.te_spec import FP8Options, apply_transformer_engine, fp8_autocast
 from mg.core.models.vocab_mask import set_real_vocab_size
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
@@ -224,6 +225,8 @@ class Trainer:
                     m.recompute_method or "uniform",
                     m.recompute_num_layers or 1,
                 )
+            if args.moe.moe_layer_recompute:
+                apply_moe_layer_recompute(module)
 
         if t.cross_entropy_loss_fusion:  # before the pipeline split: the last chunk takes it
             apply_cross_entropy_fusion(model)
@@ -254,7 +257,9 @@ class Trainer:
             args.distributed,
             self.layout.dp_cp_group,
             expert_groups=(
-                (self.layout.expert_dp_group, self.layout.ep_group) if self.layout.ep > 1 else None
+                (self.layout.expert_dp_group, self.layout.ep_group)
+                if self.layout.experts_apart
+                else None
             ),
             **model_parallel.pipeline_optimizer_options(model, self.layout),
         )
@@ -273,6 +278,7 @@ class Trainer:
         )
         self.state = TrainState()
         self.extra_losses: dict[str, float] = {}  # the last step's, e.g. {"sop loss": ...}
+        self.moe_layer_losses: dict[str, float] = {}  # --moe-per-layer-logging (tensorboard)
         c = args.checkpoint
         self._pending_save: PendingSave | None = None  # an --async-save in flight
         if c.load:
@@ -455,13 +461,17 @@ class Trainer:
         num_micro = self.batches.num_micro_batches(self.state.consumed_train_samples)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        moe_step.begin_step(num_micro, self.scaler.scale, self.layout.tp)  # aux-loss grad scale
+        moe_step.begin_step(num_micro, self.scaler.scale, self.layout)  # aux-loss grad scale
         loss_sum, tokens = self._forward_backward(num_micro, backward=True)
         self.housekeeping.after_forward_backward()
         # MoE: expert-bias update, balancing losses for the log line (dense: nothing)
-        self.extra_losses |= moe_step.finish_step(
-            self.model, self.model_config, self.layout.dp_cp_group
+        moe_losses, self.moe_layer_losses = moe_step.finish_step(
+            self.model,
+            self.model_config,
+            self.layout.stage_group or self.layout.dp_cp_group,
+            per_layer=self.args.moe.moe_per_layer_logging,
         )
+        self.extra_losses |= moe_losses
         if self.layout.tp > 1:  # sequence-parallel norms' partial grads, summed over TP
             sync_tensor_parallel_grads(self.model)
         if self.distributed_optimizer:  # reduce-scatter: each rank its shard's average,
@@ -502,7 +512,7 @@ class Trainer:
         clip = self.args.optimizer.clip_grad
         if self.distributed_optimizer:  # over data, tensor and pipeline ranks
             return self.optimizer.clip_grad_norm(clip)
-        if self.layout.ep > 1:  # each rank holds other experts: their squares summed over EP
+        if self.layout.experts_apart:  # other experts on each rank: squares summed over EP
             return moe_step.clip_grad_norm_expert_parallel(self.params, clip, self.layout)
         if isinstance(self.model, model_parallel.PipelineModel):
             return clip_grad_norm_across_stages(self.params, clip, self.layout.pp_group)
@@ -634,6 +644,7 @@ class Trainer:
                     "batch-size": gbs,
                     "lm loss": loss,
                     **self.extra_losses,
+                    **self.moe_layer_losses,
                     "loss-scale": self.scaler.scale,
                 }
                 if grad_norm is not None:

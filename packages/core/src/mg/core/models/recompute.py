@@ -15,15 +15,26 @@ full, uniform: the layers are cut into consecutive chunks of N and each chunk
 full, block: the first N layers each store only their input; the rest are
     not recomputed (trading memory for speed on a pipeline stage).
 
+--moe-layer-recompute (`apply_moe_layer_recompute`): each MoE layer (router,
+    dispatch, experts) stores only its input, as Megatron's MoELayer does
+    under `recompute_modules=["moe"]`.
+
 Instead of wrapping modules (which would add a path component to every
 parameter name and break Megatron's checkpoint names), the `forward` of the
 chosen module instances is replaced with a checkpointed call of the original.
+
+A recomputation is not a new forward: `recomputing()` is True while one runs,
+so that state a forward accumulates (the MoE router's token counts for the
+expert bias, its logged losses) is counted once, and `checkpointed_forward()`
+while the original forward of a checkpointed region runs, so that a value it
+computed from such state can be handed to its recomputation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from torch import Tensor, nn
@@ -32,13 +43,42 @@ from torch.utils.checkpoint import checkpoint
 from mg.core.models.rng_stream import checkpoint_context
 
 _MARK = "_mg_recompute"
+_MOE_MARK = "_mg_moe_recompute"
+_depth = {"forward": 0, "recompute": 0}
+
+
+def recomputing() -> bool:
+    """True while a checkpointed region is recomputed in the backward pass."""
+    return _depth["recompute"] > 0
+
+
+def checkpointed_forward() -> bool:
+    """True while the original forward of a checkpointed region runs (not its recompute)."""
+    return _depth["forward"] > 0 and _depth["recompute"] == 0
+
+
+@contextlib.contextmanager
+def _within(kind: str, inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    _depth[kind] += 1
+    try:
+        with inner:
+            yield
+    finally:
+        _depth[kind] -= 1
+
+
+def recompute_context() -> tuple[contextlib.AbstractContextManager, ...]:
+    """`context_fn` for torch.utils.checkpoint: the model-parallel RNG replayed
+    (`checkpoint_context`) and `recomputing()` / `checkpointed_forward()` kept."""
+    forward, recompute = checkpoint_context()
+    return _within("forward", forward), _within("recompute", recompute)
 
 
 def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(
-            forward, *args, use_reentrant=False, context_fn=checkpoint_context, **kwargs
+            forward, *args, use_reentrant=False, context_fn=recompute_context, **kwargs
         )
 
     return run
@@ -66,7 +106,7 @@ def _uniform_decoder_forward(decoder: nn.Module, chunk: int) -> Callable[..., Te
                 hidden,
                 *args,
                 use_reentrant=False,
-                context_fn=checkpoint_context,
+                context_fn=recompute_context,
             )
         return decoder.final_layernorm(hidden)
 
@@ -104,4 +144,18 @@ def apply_activation_recompute(
             _patch(layer, _checkpointed(layer.forward))
     else:
         raise ValueError(f"method must be 'uniform' or 'block', got {method!r}")
+    return model
+
+
+def apply_moe_layer_recompute(model: nn.Module) -> nn.Module:
+    """Checkpoint every MoE layer's forward (Megatron's --moe-layer-recompute); in place.
+
+    Its collectives (expert-parallel dispatch, the balancing losses' counts) run
+    again in the backward pass, on every rank alike."""
+    from mg.core.models.moe import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer) and not getattr(module, _MOE_MARK, False):
+            module.forward = _checkpointed(module.forward)
+            setattr(module, _MOE_MARK, True)
     return model

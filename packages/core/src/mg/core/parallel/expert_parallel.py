@@ -79,11 +79,16 @@ def apply_expert_parallel(
     model: nn.Module,
     ep_group: dist.ProcessGroup | None,
     dispatcher: str = "alltoall",
+    *,
+    experts_apart: bool = False,
 ) -> nn.Module:
     """Keep this rank's experts in every MoE layer and dispatch tokens over `ep_group`.
 
     A group of None or size 1 leaves the experts whole and installs the
-    dispatcher without communication."""
+    dispatcher without communication. `experts_apart` marks the experts'
+    parameters as expert-parallel ones at ep = 1 too (expert tensor-parallel
+    size 1 under TP: each TP rank's experts see other tokens, so their gradients
+    are reduced over the expert data-parallel group)."""
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
     for layer in moe_layers(model):
@@ -94,6 +99,9 @@ def apply_expert_parallel(
                 f"--expert-model-parallel-size ({ep})"
             )
         if ep == 1:
+            for param in layer.experts.parameters():
+                if experts_apart:
+                    param.allreduce = False
             continue
         local = num_experts // ep
         layer.experts.keep_experts(range(ep_rank * local, (ep_rank + 1) * local))

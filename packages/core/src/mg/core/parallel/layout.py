@@ -57,7 +57,7 @@ class ParallelLayout:
     cp_group: dist.ProcessGroup | None = None
     ep_group: dist.ProcessGroup | None = None
     etp: int = 1
-    """Expert tensor-parallel size (`--expert-tensor-parallel-size`)."""
+    """Expert tensor-parallel size (`--expert-tensor-parallel-size`; tp unless given)."""
     etp_rank: int = 0
     expert_dp: int = 1
     expert_dp_rank: int = 0
@@ -67,6 +67,16 @@ class ParallelLayout:
     embedding_group: dist.ProcessGroup | None = None
     """First and last pipeline stage, which hold the tied embedding's two copies."""
     tp_mesh: DeviceMesh | None = None
+    stage_group: dist.ProcessGroup | None = None
+    """Every tp × cp × dp rank of this pipeline stage, with etp ≠ tp only: the ranks whose
+    MoE layers each route a slice of the stage's tokens (expert-bias counts)."""
+
+    @property
+    def experts_apart(self) -> bool:
+        """The routed experts are laid out apart from the dense weights (expert parallelism,
+        or an expert tensor-parallel size other than tp): their gradients are reduced over
+        the expert data-parallel group, their norm over the expert-parallel group."""
+        return self.ep > 1 or self.etp != self.tp
 
     @property
     def world_size(self) -> int:
@@ -155,6 +165,7 @@ def build_parallel_layout(
         pp_group=mesh.group("pp"),
         cp_group=mesh.group("cp"),
         tp_mesh=mesh["tp"],
+        etp=tp,
     )
     if pp > 1 and tied_embedding:
         # new_group is collective over the world: create every pipeline's pair, keep ours
@@ -176,6 +187,13 @@ def _add_expert_groups(
     groups = expert_rank_groups(world_size, tp=layout.tp, pp=layout.pp, ep=ep, etp=etp)
     layout.ep, layout.etp = ep, etp
     layout.expert_dp = world_size // (layout.pp * ep * etp)
+    if etp != layout.tp:  # each rank routes its own tokens: expert-bias counts over the stage
+        per_stage = world_size // layout.pp
+        for stage in range(layout.pp):
+            ranks = list(range(stage * per_stage, (stage + 1) * per_stage))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                layout.stage_group = group
     for kind, attr in (("ep", "ep_group"), ("etp", "etp_group"), ("edp", "expert_dp_group")):
         for ranks in groups[kind]:
             group = dist.new_group(ranks)

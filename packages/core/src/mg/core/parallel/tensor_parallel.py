@@ -139,7 +139,9 @@ def _linear_without_bias(self: nn.Linear, hidden: Tensor) -> Tensor:
     return F.linear(hidden, self.weight)
 
 
-def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
+def check_tensor_parallel_sizes(
+    config: TransformerConfig, tp: int, expert_tensor_parallel: bool = True
+) -> None:
     """Megatron's divisibility rules, with the flag to change in the message."""
     checks = [
         ("num_attention_heads", config.num_attention_heads, "--num-attention-heads"),
@@ -148,9 +150,9 @@ def check_tensor_parallel_sizes(config: TransformerConfig, tp: int) -> None:
         ("vocab_size (padded)", config.vocab_size, "--make-vocab-size-divisible-by"),
     ]
     if config.num_moe_experts:  # the experts' slices (expert-tensor-parallel = TP)
-        checks.append(
-            ("moe_ffn_hidden_size", config.moe_ffn_hidden_size or 0, "--moe-ffn-hidden-size")
-        )
+        if expert_tensor_parallel:
+            ffn = config.moe_ffn_hidden_size or 0
+            checks.append(("moe_ffn_hidden_size", ffn, "--moe-ffn-hidden-size"))
         shared = config.moe_shared_expert_intermediate_size or 0
         flag = "--moe-shared-expert-intermediate-size"
         checks.append(("moe_shared_expert_intermediate_size", shared, flag))
@@ -206,8 +208,12 @@ def apply_tensor_parallel(
     sequence_parallel: bool,
     seed: int | None = None,
     device: torch.device | None = None,
+    expert_tensor_parallel: bool = True,
 ) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` (every TP rank calls this).
+
+    `expert_tensor_parallel=False`: MoE layers keep their routed experts whole
+    (Megatron's --expert-tensor-parallel-size 1; mg.core.models.moe.tensor_parallel).
 
     The model is either fully materialized and identical on the TP ranks
     (each keeps its slice, no communication), or on the meta device: then the
@@ -229,7 +235,7 @@ def apply_tensor_parallel(
             f"{type(model).__name__}"
         )
     tp = tp_mesh.size()
-    check_tensor_parallel_sizes(model.config, tp)
+    check_tensor_parallel_sizes(model.config, tp, expert_tensor_parallel)
     activations = Shard(1) if sequence_parallel else Replicate()  # [b, s, h]: dim 1 = sequence
 
     parallelize_module(
@@ -251,7 +257,7 @@ def apply_tensor_parallel(
     layers = [layer for block in blocks for layer in block.layers]
     _fork_tensor_parallel_dropout(model, layers, tp_mesh, sequence_parallel, seed, device)
     for layer in layers:
-        _parallelize_layer(layer, tp_mesh, activations, sequence_parallel)
+        _parallelize_layer(layer, tp_mesh, activations, sequence_parallel, expert_tensor_parallel)
     for block in blocks:
         final_norm = getattr(block, "final_layernorm", None)
         if sequence_parallel and final_norm is not None:
@@ -300,7 +306,11 @@ def apply_tensor_parallel(
 
 
 def _parallelize_layer(
-    layer: nn.Module, tp_mesh: DeviceMesh, activations: Shard | Replicate, sequence_parallel: bool
+    layer: nn.Module,
+    tp_mesh: DeviceMesh,
+    activations: Shard | Replicate,
+    sequence_parallel: bool,
+    expert_tensor_parallel: bool = True,
 ) -> None:
     """Megatron's layout for one transformer layer (GPT's, BERT's pre- or post-LN, T5's
     decoder layer with cross-attention), whatever norms it has."""
@@ -349,7 +359,7 @@ def _parallelize_layer(
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
     if moe:
-        shard_moe_layer(layer.mlp, tp_mesh, sequence_parallel)
+        shard_moe_layer(layer.mlp, tp_mesh, sequence_parallel, expert_tensor_parallel)
     _use_local_head_counts(layer.self_attention, tp)
     if hasattr(layer, "cross_attention"):
         layer.cross_attention.num_heads //= tp

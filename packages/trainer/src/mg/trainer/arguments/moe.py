@@ -47,6 +47,12 @@ class MoEArgs:
     moe_token_dispatcher_type: str = "allgather"
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None
+    moe_layer_recompute: bool = False
+    moe_per_layer_logging: bool = False
+
+
+TRAINING_ONLY = ("moe_layer_recompute", "moe_per_layer_logging")
+"""`--moe-*` flags of the run, not of the model (no `TransformerConfig` field)."""
 
 
 def parse_moe_layer_freq(text: str) -> int | list[int]:
@@ -139,7 +145,20 @@ def add_moe_flags(p: argparse._ArgumentGroup) -> None:
         "--expert-model-parallel-size", type=int, default=1, help="Expert parallelism (EP)."
     )
     p.add_argument(
-        "--expert-tensor-parallel-size", type=int, help="Tensor parallelism inside experts."
+        "--expert-tensor-parallel-size",
+        type=int,
+        help="Tensor parallelism inside experts: the TP size (default) or 1 (experts whole, "
+        "each TP rank routing its sequence slice; needs --sequence-parallel).",
+    )
+    p.add_argument(
+        "--moe-layer-recompute",
+        action="store_true",
+        help="Recompute each MoE layer's forward in the backward pass (stores its input only).",
+    )
+    p.add_argument(
+        "--moe-per-layer-logging",
+        action="store_true",
+        help="Tensorboard: each MoE layer's balancing losses (moe/load_balancing_loss_layer_N).",
     )
 
 
@@ -148,7 +167,11 @@ def moe_config_fields(moe: MoEArgs) -> dict[str, Any]:
     if moe.num_experts is None:
         return {}
     out = {"num_moe_experts": moe.num_experts}
-    out |= {f.name: getattr(moe, f.name) for f in fields(MoEArgs) if f.name.startswith("moe_")}
+    out |= {
+        f.name: getattr(moe, f.name)
+        for f in fields(MoEArgs)
+        if f.name.startswith("moe_") and f.name not in TRAINING_ONLY
+    }
     return out
 
 
@@ -162,6 +185,8 @@ def check_moe_flags(
     cp: int,
     dry_run: bool,
     sharded_state: tuple[str, ...] = (),
+    sequence_parallel: bool = False,
+    recompute_granularity: str | None = None,
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None.
 
@@ -219,12 +244,22 @@ def check_moe_flags(
             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
             "(dropless routing has no capacity to pad to)"
         )
+    if moe.moe_layer_recompute and recompute_granularity == "full":
+        return (
+            "--moe-layer-recompute with --recompute-granularity full: the full recompute "
+            "already recomputes the MoE layers; drop one of them"
+        )
     if dry_run:
         return None
-    if etp != tp:
+    if etp not in (1, tp):
         return (
-            f"--expert-tensor-parallel-size {etp}: experts follow "
-            f"--tensor-model-parallel-size ({tp}) in mg-train; drop the flag"
+            f"--expert-tensor-parallel-size {etp}: mg-train splits experts over "
+            f"--tensor-model-parallel-size ({tp}) or not at all (1)"
+        )
+    if etp != tp and not sequence_parallel:
+        return (
+            f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs "
+            "--sequence-parallel (as in Megatron: each TP rank routes its sequence slice)"
         )
     if ep > 1 and sharded_state:
         return (
@@ -251,6 +286,8 @@ def check_moe(args: Args) -> None:
         pp=d.pipeline_model_parallel_size,
         cp=d.context_parallel_size,
         dry_run=args.training.dry_run,
+        sequence_parallel=d.sequence_parallel,
+        recompute_granularity=args.model.recompute_granularity,
         sharded_state=tuple(
             flag
             for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))

@@ -44,6 +44,7 @@ class MoELayer(nn.Module):
         )
         self.token_dispatcher = AllGatherDispatcher(config.num_moe_experts)
         self.tp_group: dist.ProcessGroup | None = None  # set by shard_moe_layer
+        self.shared_experts_tp_group: dist.ProcessGroup | None = None  # ditto, etp = 1
         self.sequence_parallel = False
 
     def init_weights(self, std: float, output_std: float) -> None:
@@ -58,7 +59,11 @@ class MoELayer(nn.Module):
             hidden = enter_region(hidden, self.tp_group, self.sequence_parallel)
         b, s, h = hidden.shape
         tokens = hidden.transpose(0, 1).reshape(s * b, h)
-        shared = self.shared_experts(tokens) if self.shared_experts is not None else None
+        shared = None
+        if self.shared_experts_tp_group is not None:  # etp = 1: this rank's slice of theirs
+            shared = self._shared_experts_over_tp(hidden)
+        elif self.shared_experts is not None:
+            shared = self.shared_experts(tokens)
         probs, routing_map = self.router(tokens, seq_length=s)
         rows, tokens_per_expert, row_probs, handle = self.token_dispatcher.dispatch(
             tokens, probs, routing_map
@@ -71,3 +76,15 @@ class MoELayer(nn.Module):
         if self.tp_group is not None:
             out = leave_region(out, self.tp_group, self.sequence_parallel)
         return out
+
+    def _shared_experts_over_tp(self, hidden: Tensor) -> Tensor | None:
+        """The shared experts as Megatron's tensor-parallel MLP on the gathered sequence,
+        this rank's slice of their output as token rows [s/tp · b, h]."""
+        if self.shared_experts is None:
+            return None
+        group = self.shared_experts_tp_group
+        full = enter_region(hidden, group, self.sequence_parallel)
+        b, s, h = full.shape
+        out = self.shared_experts(full.transpose(0, 1).reshape(s * b, h))
+        out = leave_region(out.view(s, b, h).transpose(0, 1), group, self.sequence_parallel)
+        return out.transpose(0, 1).reshape(-1, h)

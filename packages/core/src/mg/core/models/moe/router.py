@@ -26,6 +26,7 @@ tensor/context-parallel ranks, `tp_dp_cp_group` those of the global aux loss.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.moe.tensor_parallel import local
+from mg.core.models.recompute import checkpointed_forward, recomputing
 
 
 class AuxLossBackward(torch.autograd.Function):
@@ -247,6 +249,9 @@ class TopKRouter(nn.Module):
         """The last forward's balancing losses, divided by their coefficient (for logging)."""
         self._loss_sums: dict[str, Tensor] = {}
         self._loss_counts: dict[str, int] = {}
+        self._replay: deque[Tensor] = deque()
+        """Global aux loss under recompute: the averaged counts each checkpointed forward
+        used, for its recomputation (micro-batches are recomputed in forward order)."""
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -256,6 +261,7 @@ class TopKRouter(nn.Module):
         if self.expert_bias is not None:
             self.expert_bias.zero_()
             self.local_tokens_per_expert.zero_()
+        self.reset_global_aux_loss_tracker()  # a model materialised from meta: empty memory
 
     def gating(self, tokens: Tensor) -> Tensor:
         dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
@@ -267,7 +273,8 @@ class TopKRouter(nn.Module):
     def forward(self, tokens: Tensor, seq_length: int) -> tuple[Tensor, Tensor]:
         """tokens [T, h] in [s, b] order → (probs [T, E], routing_map [T, E])."""
         c = self.config
-        self.losses = {}
+        replay = recomputing()  # a recomputation: the forward's statistics are counted
+        losses, self.losses = self.losses, {}
         logits = self.gating(tokens)
         training = self.training and torch.is_grad_enabled()
         if c.moe_z_loss_coeff is not None and training:
@@ -301,6 +308,9 @@ class TopKRouter(nn.Module):
         kind = c.moe_router_load_balancing_type
         if training and kind in _AUX_LOSS_NAMES and c.moe_aux_loss_coeff > 0:
             probs = self._attach_aux_loss(probs, logits, kind, seq_length)
+        if replay:  # counted by the forward this recomputes
+            self.losses = losses
+            return probs, routing_map
         if self.expert_bias is not None and torch.is_grad_enabled():
             self.local_tokens_per_expert += routing_map.sum(dim=0)
         for name, value in self.losses.items():
@@ -342,16 +352,22 @@ class TopKRouter(nn.Module):
         group = self.tp_dp_cp_group if kind == "global_aux_loss" else self.tp_cp_group
         tokens_per_expert = _summed_over(aux_map.sum(dim=0).to(scores.dtype), group)
         total_tokens = aux_map.shape[0] * _group_size(group)
-        if kind == "global_aux_loss":  # counts averaged over the steps since the last reset
+        if kind == "global_aux_loss" and recomputing():  # the counts its forward used
+            tokens_per_expert = self._replay.popleft()
+        elif kind == "global_aux_loss":  # counts averaged over the steps since the last reset
             self.global_tokens_per_expert += tokens_per_expert
             self.ga_steps += 1
             tokens_per_expert = self.global_tokens_per_expert / self.ga_steps
+            if checkpointed_forward():
+                self._replay.append(tokens_per_expert.clone())
         loss = switch_load_balancing_loss(
             scores, tokens_per_expert, total_tokens, self.topk, self.num_experts, coeff
         )
         if kind == "seq_aux_loss":
             loss = loss / batch
-        self.losses[_AUX_LOSS_NAMES[kind]] = loss.detach() / coeff
+        if not recomputing():  # a sequence split over TP/CP ranks: each its tokens' part
+            logged = _summed_over(loss.detach(), self.tp_cp_group) / coeff
+            self.losses[_AUX_LOSS_NAMES[kind]] = logged
         return AuxLossBackward.apply(probs, loss)
 
     @torch.no_grad()
@@ -367,6 +383,7 @@ class TopKRouter(nn.Module):
 
     def reset_global_aux_loss_tracker(self) -> None:
         """Start a new averaging window for the global aux loss (Megatron: every step)."""
+        self._replay.clear()  # recomputations not run (a forward without backward)
         if self.config.moe_router_load_balancing_type == "global_aux_loss":
             self.global_tokens_per_expert.zero_()
             self.ga_steps.zero_()

@@ -18,6 +18,17 @@ norms'), and the balancing losses, the same on every TP rank, have their
 gradient divided by TP (`moe_step.begin_step`). A linear_fc1 bias is sharded
 with its rows; a linear_fc2 bias, replicated, is added by every TP rank times
 1/tp (its gradient is then a partial sum too).
+
+Megatron's expert-tensor-parallel = 1 under TP (`experts=False`, sequence
+parallelism only, as Megatron requires): the routed experts stay whole and
+the tokens stay where sequence parallelism put them. Each TP rank routes its
+own slice of the sequence and dispatches it over the expert-parallel group,
+which with etp = 1 is drawn across the TP ranks (Megatron's tp_ep group); its
+output is its slice's, nothing is summed over TP. Only the shared experts,
+sharded as Megatron's dense MLP, gather the sequence and reduce-scatter their
+output. The router's gradients are partial sums again (other tokens on each
+rank), its balancing losses too: their token counts are summed over the TP
+group (`tp_cp_group`) and their gradient is not divided by TP.
 """
 
 from __future__ import annotations
@@ -98,16 +109,26 @@ def _shard(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
     module.register_parameter(name, new)
 
 
-def shard_moe_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Megatron's TP layout for one `MoELayer` (see the module docstring); in place."""
+def shard_moe_layer(
+    layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, experts: bool = True
+) -> None:
+    """Megatron's TP layout for one `MoELayer` (see the module docstring); in place.
+
+    `experts=False`: expert-tensor-parallel size 1, the routed experts left whole."""
     from mg.core.models.moe.experts import ExpertMLP, GroupedLinear, GroupedMLP
 
+    if not experts and not sequence_parallel:
+        raise ValueError(
+            "--expert-tensor-parallel-size 1 under --tensor-model-parallel-size > 1 needs "
+            "--sequence-parallel (as in Megatron)"
+        )
     tp = tp_mesh.size()
     gated = layer.config.gated_linear_unit
     column = _StridedShard(0, split_factor=2) if gated else Shard(0)
     for name, _ in list(layer.router.named_parameters(recurse=False)):
         _shard(layer.router, name, tp_mesh, Replicate())
-    mlps = [m for m in layer.modules() if isinstance(m, ExpertMLP)]
+    owner = layer if experts else layer.shared_experts
+    mlps = [m for m in owner.modules() if isinstance(m, ExpertMLP)] if owner is not None else []
     for mlp in mlps:
         _shard(mlp.linear_fc1, "weight", tp_mesh, column)
         _shard(mlp.linear_fc2, "weight", tp_mesh, Shard(1))
@@ -117,7 +138,7 @@ def shard_moe_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
             mlp.fc2_bias_scale = 1.0 / tp
         if getattr(mlp, "gate_weight", None) is not None:
             _shard(mlp, "gate_weight", tp_mesh, Replicate())
-    if isinstance(layer.experts, GroupedMLP):
+    if experts and isinstance(layer.experts, GroupedMLP):
         for linear, placement in (
             (layer.experts.linear_fc1, column),
             (layer.experts.linear_fc2, Shard(1)),
@@ -129,5 +150,11 @@ def shard_moe_layer(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bo
                     bias = column if linear is layer.experts.linear_fc1 else Replicate()
                     _shard(linear, f"bias{i}", tp_mesh, bias)
         layer.experts.linear_fc2.bias_scale = 1.0 / tp
-    layer.tp_group = tp_mesh.get_group()
     layer.sequence_parallel = sequence_parallel
+    if experts:
+        layer.tp_group = tp_mesh.get_group()
+    else:  # each rank's tokens: the balancing losses' counts summed over TP
+        layer.shared_experts_tp_group = tp_mesh.get_group()
+        layer.router.tp_cp_group = tp_mesh.get_group()
+        if layer.router.tp_dp_cp_group is None:
+            layer.router.tp_dp_cp_group = tp_mesh.get_group()
