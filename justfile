@@ -30,7 +30,7 @@ lint: setup
 fixtures *names: setup
     uv run --frozen python -m mg.core.fixtures fetch {{names}}
 
-# the whole workflow on a small real corpus: corpus -> tokenizer -> dataset -> tiny GPT -> evaluation -> Hugging Face export -> server
+# the whole workflow on a small real corpus: corpus -> tokenizer -> dataset -> tiny GPT -> evaluation -> int8 quantization -> Hugging Face export -> server
 demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
@@ -58,10 +58,17 @@ demo: setup
     uv run --frozen mg-eval ppl --load "$d/ckpt" \
         --data-path "$d/data/corpus_text_document" --split 98,2,0 \
         --eval-iters 8 --report "$d/report.jsonl"
-    echo "== 7. mg-convert export-hf: a Hugging Face folder transformers can load"
+    echo "== 7. mg-quantize int8_wo: int8 weights (no calibration), and mg-eval ppl on the same split"
+    rm -f "$d/report_int8.jsonl"
+    uv run --frozen mg-quantize --load "$d/ckpt" --save "$d/ckpt-int8" --recipe int8_wo \
+        --overwrite --no-progress --report "$d/quantize_int8.json"
+    uv run --frozen mg-eval ppl --load "$d/ckpt-int8" \
+        --data-path "$d/data/corpus_text_document" --split 98,2,0 \
+        --eval-iters 8 --report "$d/report_int8.jsonl"
+    echo "== 8. mg-convert export-hf: a Hugging Face folder transformers can load"
     rm -rf "$d/hf"
     uv run --frozen mg-convert export-hf --load "$d/ckpt" --save "$d/hf"
-    echo "== 8. mg-serve: serve the checkpoint, ask it through Megatron's PUT /api and the OpenAI API, stop it"
+    echo "== 9. mg-serve: serve the checkpoint, ask it through Megatron's PUT /api and the OpenAI API, stop it"
     log="$d/serve.log"
     uv run --frozen mg-serve --load "$d/ckpt" --port 0 > "$log" 2>&1 &
     server=$!
@@ -83,13 +90,14 @@ demo: setup
     echo
     kill "$server"
     wait "$server" || true
-    echo "== 9. summary: loss curves against the unigram level, throughput, answers"
+    echo "== 10. summary: loss curves against the unigram level, throughput, answers"
     uv run --frozen python workflows/demo/report.py --train-log "$d/train.log" \
         --data-prefix "$d/data/corpus_text_document" --seq-length 128 \
         --eval-report "$d/report.jsonl" --export "$d/hf" \
+        --quantized-report "$d/report_int8.jsonl" --quantize-report "$d/quantize_int8.json" \
         --served "$d/served_api.json" "$d/served_openai.json" \
         --output-dir "$d" --seconds "$((SECONDS - start))"
-    echo "== done in $((SECONDS - start)) s: loss plot $d/loss.png, summary $d/summary.md, checkpoint $d/ckpt, HF model $d/hf, eval report $d/report.jsonl, server log $d/serve.log"
+    echo "== done in $((SECONDS - start)) s: loss plot $d/loss.png, summary $d/summary.md, checkpoint $d/ckpt, int8 checkpoint $d/ckpt-int8, HF model $d/hf, eval report $d/report.jsonl, server log $d/serve.log"
 
 # serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
 serve load="demo-output/ckpt" *args: setup

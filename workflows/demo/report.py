@@ -3,13 +3,16 @@
     python workflows/demo/report.py --train-log demo-output/train.log \
         --data-prefix demo-output/data/corpus_text_document --seq-length 128 \
         --eval-report demo-output/report.jsonl --export demo-output/hf \
+        --quantized-report demo-output/report_int8.jsonl \
+        --quantize-report demo-output/quantize_int8.json \
         --served demo-output/served_api.json demo-output/served_openai.json \
         --output-dir demo-output
 
-reads mg-train's log lines (Megatron's format), the dataset, mg-eval's report and
-the server's answers, and writes `loss.png` (training and validation loss against
-the unigram level of the data: what a model that learned nothing but token
-frequencies scores) and `summary.md`, which it also prints.
+reads mg-train's log lines (Megatron's format), the dataset, mg-eval's reports (of
+the float checkpoint and of its int8 copy from mg-quantize) and the server's answers,
+and writes `loss.png` (training and validation loss against the unigram level of the
+data: what a model that learned nothing but token frequencies scores) and
+`summary.md`, which it also prints.
 """
 
 from __future__ import annotations
@@ -95,12 +98,35 @@ def served_text(path: Path) -> str:
     return data["text"][0] if isinstance(data.get("text"), list) else str(data)
 
 
+def last_metrics(path: Path) -> dict:
+    """The metrics of the last line of an mg-eval report (JSON lines)."""
+    return json.loads(path.read_text().splitlines()[-1])["metrics"]
+
+
+def quantized_row(float_ppl: float | None, report: Path, quantize: Path | None) -> str:
+    """mg-eval's perplexity of the quantized checkpoint beside the float one, and the sizes."""
+    ppl = last_metrics(report)["ppl"]
+    text = f"ppl {ppl:.4g}"
+    if float_ppl:
+        text += f" ({100 * (ppl / float_ppl - 1):+.2f}% against the float {float_ppl:.4g})"
+    if quantize is not None and quantize.is_file():
+        q = json.loads(quantize.read_text())
+        mib = 2**20
+        text += (
+            f"; {q['quantized_linears']} linears in int8, checkpoint weights "
+            f"{q['size_before_bytes'] / mib:.2f} → {q['size_after_bytes'] / mib:.2f} MiB"
+        )
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--train-log", type=Path, required=True)
     p.add_argument("--data-prefix", required=True)
     p.add_argument("--seq-length", type=int, required=True)
     p.add_argument("--eval-report", type=Path)
+    p.add_argument("--quantized-report", type=Path, help="mg-eval's report of mg-quantize's copy")
+    p.add_argument("--quantize-report", type=Path, help="mg-quantize's --report (sizes)")
     p.add_argument("--export")
     p.add_argument("--served", type=Path, nargs="*", default=[])
     p.add_argument("--output-dir", type=Path, required=True)
@@ -137,10 +163,15 @@ def main() -> None:
         ),
         ("perplexity", f"{math.exp(min(final, 20)):,.1f} (validation)"),
     ]
+    float_ppl = None
     if args.eval_report and args.eval_report.is_file():
-        metrics = json.loads(args.eval_report.read_text().splitlines()[-1])["metrics"]
+        metrics = last_metrics(args.eval_report)
+        float_ppl = metrics.get("ppl")
         shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float))
         rows.append(("mg-eval ppl", shown))
+    if args.quantized_report and args.quantized_report.is_file():
+        row = quantized_row(float_ppl, args.quantized_report, args.quantize_report)
+        rows.append(("mg-eval ppl, int8_wo", row))
     if args.export:
         rows.append(("export", args.export))
     for path in args.served:
