@@ -58,6 +58,7 @@ from mg.core.checkpoint.layout import (
 )
 from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
 from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
+from mg.core.parallel.row_blocks import row_blocks, row_runs
 
 COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = "metadata.json"
@@ -127,6 +128,12 @@ def dtensor_pieces(tensor: DTensor) -> list[tuple[Tensor, tuple[int, ...]]]:
         if tensor.device_mesh.ndim != 1:
             raise NotImplementedError("strided shards are supported on a 1-D mesh only")
         return _strided_pieces(tensor)
+    blocks = row_blocks(tensor)
+    if blocks is not None:  # a slice of each row block (mg.core.parallel.row_blocks)
+        mesh = tensor.device_mesh
+        runs = row_runs(blocks, mesh.size(), mesh.get_local_rank())
+        rest = (0,) * (tensor.dim() - 1)
+        return [(own_storage(local.narrow(0, a, n)), (g, *rest)) for a, n, g in runs]
     _, offsets = compute_local_shape_and_global_offset(
         tensor.shape, tensor.device_mesh, tensor.placements
     )

@@ -173,7 +173,7 @@ def _load_torch_format(
             )
             for tp in range(layout.tp)
         ]
-        return merge_tensor_parallel(shards, config.gated_linear_unit)
+        return merge_tensor_parallel(shards, config.gated_linear_unit, config)
 
     return states[0][0][0], path, weights
 

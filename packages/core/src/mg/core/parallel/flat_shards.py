@@ -42,6 +42,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from mg.core.parallel.row_blocks import row_blocks, row_runs
+
 
 @dataclass(frozen=True)
 class Box:
@@ -112,6 +114,9 @@ def axis_map_of(param: Tensor) -> AxisMap | None:
     mesh = param.device_mesh
     if mesh.ndim != 1:
         raise NotImplementedError("flat-range checkpoints support a 1-D tensor-parallel mesh")
+    blocks = row_blocks(param)
+    if blocks is not None:  # a slice of each row block (mg.core.parallel.row_blocks)
+        return AxisMap(0, tuple(row_runs(blocks, mesh.size(), mesh.get_local_rank())))
     (placement,) = param.placements
     return placement_axis_map(placement, tuple(param.shape), mesh.size(), mesh.get_local_rank())
 
@@ -198,6 +203,13 @@ def checkpoint_tensor(
         raise ValueError("no pieces: leave a tensor this rank holds nothing of out")
     if len(pieces) == 1 and tuple(pieces[0][0].shape) == global_shape:
         return pieces[0][0]
+    if len(global_shape) > 2:
+        # LocalShardsWrapper has no views beyond 2-D (a Mamba mixer's conv1d weight is
+        # [channels, 1, width]); DCP's checkpointable protocol takes the pieces as they are
+        from mg.core.checkpoint.dist_format import own_storage
+        from mg.core.checkpoint.megatron_dist import GlobalChunks
+
+        return GlobalChunks(global_shape, [(own_storage(p), o) for p, o in pieces])
     if mesh is None:
         raise ValueError(
             "a part of a tensor needs a device mesh (an initialized process group) to be "

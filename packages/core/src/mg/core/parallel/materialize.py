@@ -32,8 +32,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mg.core.models.config import TransformerConfig
-from mg.core.models.gpt import GPTModel
+from mg.core.models.mamba import decoder_model
 from mg.core.parallel.pipeline import PipelineChunk, global_parameter_name
+from mg.core.parallel.row_blocks import local_rows, row_blocks
 
 _TIED = "embedding.word_embeddings.weight"
 
@@ -77,7 +78,7 @@ def materialize(
     owned = owned_tensors(parts)
     init_device = init_device or torch.device("cpu")
     with torch.device("meta"):
-        reference = GPTModel(config)
+        reference = decoder_model(config)  # a GPTModel, or a MambaModel for a MambaConfig
     for unit in reference.init_units():
         unit.module.to_empty(device=init_device)
         unit.init(unit.module)
@@ -114,7 +115,12 @@ def to_keeping_marks(module: nn.Module, device: torch.device) -> None:
 def copy_shard(target: Tensor, full: Tensor) -> None:
     """Copy this rank's slice of the whole tensor `full` into `target` (a DTensor
     parameter's local shard, or a plain tensor)."""
-    if isinstance(target, DTensor):
+    blocks = row_blocks(target)
+    if blocks is not None:  # a slice of each row block (a Mamba mixer's in_proj, conv1d)
+        mesh = target.device_mesh
+        piece = local_rows(full.to(target.device), blocks, mesh.size(), mesh.get_local_rank())
+        target._local_tensor.copy_(piece)
+    elif isinstance(target, DTensor):
         piece = distribute_tensor(
             full.to(target.device), target.device_mesh, target.placements, src_data_rank=None
         ).to_local()

@@ -100,23 +100,33 @@ class StageBlock(nn.Module):
     """The chunk's layers, then the final norm on the last stage (Identity elsewhere).
 
     Named and shaped like `TransformerBlock` so `apply_activation_recompute`
-    works on a chunk exactly as on a whole model."""
+    works on a chunk exactly as on a whole model. The final norm keeps the
+    whole model's name: `final_layernorm` (TransformerBlock), `final_norm`
+    (a hybrid's MambaStack)."""
 
-    def __init__(self, layers: list[nn.Module], final_layernorm: nn.Module | None) -> None:
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        final_layernorm: nn.Module | None,
+        final_norm_name: str = "final_layernorm",
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.final_layernorm = final_layernorm if final_layernorm is not None else nn.Identity()
+        self.final_norm_name = final_norm_name
+        norm = final_layernorm if final_layernorm is not None else nn.Identity()
+        setattr(self, final_norm_name, norm)
 
     def forward(
         self, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None, attention_mask: Tensor | None
     ) -> Tensor:
         for layer in self.layers:
             hidden = layer(hidden, rotary, attention_mask)
-        return self.final_layernorm(hidden)
+        return getattr(self, self.final_norm_name)(hidden)
 
 
 class PipelineChunk(nn.Module):
-    """Layers [start, end) of a GPTModel, with the embedding if first, the head if last.
+    """Layers [start, end) of a GPTModel (or a hybrid MambaModel: the same embedding and
+    head around its pattern's layers), with the embedding if first, the head if last.
 
     forward(input, position_ids, attention_mask, labels): input is token ids
     [b, s] on the first stage and the hidden states [b, s, h] elsewhere; the
@@ -130,9 +140,11 @@ class PipelineChunk(nn.Module):
         self.is_first, self.is_last = first, last
         self.embedding = model.embedding if first else None
         self.rotary_pos_emb = model.rotary_pos_emb
+        norm_name = "final_layernorm" if hasattr(model.decoder, "final_layernorm") else "final_norm"
         self.decoder = StageBlock(
             list(model.decoder.layers[start:end]),
-            model.decoder.final_layernorm if last else None,
+            getattr(model.decoder, norm_name) if last else None,
+            norm_name,
         )
         self.output_layer = None
         if last:

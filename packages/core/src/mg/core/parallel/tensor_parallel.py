@@ -66,6 +66,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from mg.core.models.bert import BertModel
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
+from mg.core.models.mamba import MambaConfig, MambaLayer, MambaModel
 from mg.core.models.moe import MoELayer
 from mg.core.models.moe.tensor_parallel import shard_moe_layer
 from mg.core.models.rng_stream import RNGStream, set_model_parallel_stream
@@ -156,6 +157,9 @@ def check_tensor_parallel_sizes(
         shared = config.moe_shared_expert_intermediate_size or 0
         flag = "--moe-shared-expert-intermediate-size"
         checks.append(("moe_shared_expert_intermediate_size", shared, flag))
+    if isinstance(config, MambaConfig):  # Megatron's MambaMixer asserts both
+        checks.append(("mamba_num_heads", config.mamba_num_heads, "--mamba-num-heads"))
+        checks.append(("mamba_num_groups", config.mamba_num_groups, "--mamba-num-groups"))
     for name, value, flag in checks:
         if value % tp:
             raise TensorParallelError(
@@ -187,6 +191,8 @@ def _fork_tensor_parallel_dropout(
     modules: list[nn.Module] = []
     if config.attention_dropout > 0:
         for layer in layers:
+            if not hasattr(layer, "self_attention"):  # a hybrid's Mamba or MLP layer
+                continue
             modules.append(layer.self_attention.core_attention)
             if hasattr(layer, "cross_attention"):
                 modules.append(layer.cross_attention.core_attention)
@@ -203,7 +209,7 @@ def _fork_tensor_parallel_dropout(
 
 
 def apply_tensor_parallel(
-    model: GPTModel | BertModel | T5Model,
+    model: GPTModel | BertModel | T5Model | MambaModel,
     tp_mesh: DeviceMesh,
     sequence_parallel: bool,
     seed: int | None = None,
@@ -223,7 +229,7 @@ def apply_tensor_parallel(
     sequence) draws from a per-rank stream seeded `seed + 2718 + tp_rank` as in
     Megatron (`seed`: torch's initial seed if None; see mg.core.models.rng_stream).
     """
-    if isinstance(model, GPTModel):
+    if isinstance(model, GPTModel | MambaModel):
         blocks = [model.decoder]
     elif isinstance(model, BertModel):
         blocks = [model.encoder]
@@ -231,8 +237,8 @@ def apply_tensor_parallel(
         blocks = [model.encoder, model.decoder]
     else:
         raise TypeError(
-            "tensor parallelism is implemented for GPTModel, BertModel and T5Model, not "
-            f"{type(model).__name__}"
+            "tensor parallelism is implemented for GPTModel, BertModel, T5Model and "
+            f"MambaModel, not {type(model).__name__}"
         )
     tp = tp_mesh.size()
     check_tensor_parallel_sizes(model.config, tp, expert_tensor_parallel)
@@ -259,7 +265,7 @@ def apply_tensor_parallel(
     for layer in layers:
         _parallelize_layer(layer, tp_mesh, activations, sequence_parallel, expert_tensor_parallel)
     for block in blocks:
-        final_norm = getattr(block, "final_layernorm", None)
+        final_norm = getattr(block, "final_layernorm", None) or getattr(block, "final_norm", None)
         if sequence_parallel and final_norm is not None:
             parallelize_module(final_norm, tp_mesh, SequenceParallel(), src_data_rank=None)
     if isinstance(model, BertModel) and sequence_parallel:
@@ -313,24 +319,30 @@ def _parallelize_layer(
     expert_tensor_parallel: bool = True,
 ) -> None:
     """Megatron's layout for one transformer layer (GPT's, BERT's pre- or post-LN, T5's
-    decoder layer with cross-attention), whatever norms it has."""
+    decoder layer with cross-attention), whatever norms it has; a hybrid's layers have
+    attention or an MLP alone, or a Mamba mixer (tensor_parallel_mamba)."""
+    if isinstance(layer, MambaLayer):
+        from mg.core.parallel.tensor_parallel_mamba import parallelize_mamba_layer
+
+        parallelize_mamba_layer(layer, tp_mesh, activations, sequence_parallel)
+        return
     tp = tp_mesh.size()
-    plan: dict[str, object] = {
-        "self_attention": PrepareModuleInput(
+    plan: dict[str, object] = {}
+    if hasattr(layer, "self_attention"):
+        plan["self_attention"] = PrepareModuleInput(
             input_layouts=(activations, None, None),
             desired_input_layouts=(Replicate(), None, None),
-        ),
-        "self_attention.linear_qkv": ColwiseParallel(),
-        "self_attention.linear_proj": RowParallelLinear(output_layouts=activations),
-    }
-    moe = isinstance(layer.mlp, MoELayer)
+        )
+        plan["self_attention.linear_qkv"] = ColwiseParallel()
+        plan["self_attention.linear_proj"] = RowParallelLinear(output_layouts=activations)
+    moe = isinstance(getattr(layer, "mlp", None), MoELayer)
     if moe:  # it gathers and scatters the sequence itself (mg.core.models.moe.tensor_parallel)
         plan["mlp"] = PrepareModuleInput(
             input_layouts=(activations,),
             desired_input_layouts=(activations,),
             use_local_output=True,
         )
-    else:
+    elif hasattr(layer, "mlp"):
         plan["mlp"] = PrepareModuleInput(
             input_layouts=(activations,), desired_input_layouts=(Replicate(),)
         )
@@ -352,7 +364,7 @@ def _parallelize_layer(
         for name in ("post_attention_layernorm", "post_mlp_layernorm"):
             if isinstance(getattr(layer, name, None), nn.Module):
                 plan[name] = SequenceParallel(use_local_output=True)
-    if getattr(layer.self_attention, "q_layernorm", None) is not None:
+    if getattr(getattr(layer, "self_attention", None), "q_layernorm", None) is not None:
         # replicated weights over this rank's heads ([b, s, heads, d], dim 2): their
         # gradients are partial sums, all-reduced like sequence-parallel norms'
         for name in ("self_attention.q_layernorm", "self_attention.k_layernorm"):
@@ -360,7 +372,8 @@ def _parallelize_layer(
     parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
     if moe:
         shard_moe_layer(layer.mlp, tp_mesh, sequence_parallel, expert_tensor_parallel)
-    _use_local_head_counts(layer.self_attention, tp)
+    if hasattr(layer, "self_attention"):
+        _use_local_head_counts(layer.self_attention, tp)
     if hasattr(layer, "cross_attention"):
         layer.cross_attention.num_heads //= tp
         _use_local_head_counts_of_core(layer.cross_attention.core_attention, tp)

@@ -19,6 +19,10 @@ With an inference state the mixer continues each row's sequence from its
 stored convolution window and SSM state instead of from zeros, and leaves the
 state after the row's last real token behind (padding positions past a row's
 length have dt = 0, which leaves the state unchanged).
+
+Under tensor parallelism (applied from outside: mg.core.parallel.tensor_parallel_mamba)
+each rank runs this for its own heads and groups: the counts are set to the local ones,
+in_proj/out_proj communicate, and `local()` reads this rank's shard of the others.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch import Tensor, nn
 
 from mg.core.models.mamba.config import MambaConfig
 from mg.core.models.mamba.ssd import ssd_chunked_scan, ssd_step
+from mg.core.models.moe.tensor_parallel import local
 
 # MambaMixer's initialisation constants (megatron-core 0.16.1, also mamba_ssm's).
 DT_MIN, DT_MAX, DT_INIT_FLOOR = 0.001, 0.1, 1e-4
@@ -58,7 +63,7 @@ class GatedRMSNorm(nn.Module):
         y = y.float() * F.silu(z.float())
         grouped = y.unflatten(-1, (-1, self.group_size))
         grouped = grouped * torch.rsqrt(grouped.square().mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.flatten(-2).to(dtype)
+        return local(self.weight) * grouped.flatten(-2).to(dtype)
 
 
 class MambaMixer(nn.Module):
@@ -121,22 +126,29 @@ class MambaMixer(nn.Module):
     def forward(self, hidden: Tensor, inference_cache=None) -> Tensor:
         """hidden [b, s, h] → [b, s, h]. `inference_cache` (a bound `HybridCache`)
         continues each row from its stored state and stores the new one."""
-        b, s, _ = hidden.shape
-        z, xBC, dt = self.in_proj(hidden).split(
-            [self.d_inner, self.conv_dim, self.num_heads], dim=-1
-        )
-        dt = F.softplus(dt + self.dt_bias)
-        A = -torch.exp(self.A_log.float())
+        zxBCdt = self.in_proj(hidden)  # under sequence parallelism: the whole sequence
+        b, s, _ = zxBCdt.shape
+        z, xBC, dt = zxBCdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        # local(): a tensor-parallel rank's heads (mg.core.parallel.tensor_parallel_mamba)
+        dt = F.softplus(dt + local(self.dt_bias))
+        A = -torch.exp(local(self.A_log).float())
+        conv_weight, conv_bias = local(self.conv1d.weight), local(self.conv1d.bias)
 
         layer = self.layer_number - 1
         if inference_cache is None:
-            xBC = self.conv1d(xBC.transpose(1, 2))[..., :s]
+            xBC = F.conv1d(
+                xBC.transpose(1, 2),
+                conv_weight,
+                conv_bias,
+                padding=self.d_conv - 1,
+                groups=self.conv_dim,
+            )[..., :s]
             conv_state = ssm_state = None
         else:
             conv_state, ssm_state = inference_cache.mamba_state(layer)
             lengths = inference_cache.lengths(b, s)
             padded = torch.cat([conv_state.to(xBC.dtype), xBC.transpose(1, 2)], dim=-1)
-            xBC = F.conv1d(padded, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+            xBC = F.conv1d(padded, conv_weight, conv_bias, groups=self.conv_dim)
             # the window after each row's last real token: inputs lengths .. lengths + d_conv-2
             window = lengths[:, None] + torch.arange(self.d_conv - 1, device=hidden.device)
             conv_state = padded.gather(2, window[:, None, :].expand(b, self.conv_dim, -1))
@@ -155,12 +167,13 @@ class MambaMixer(nn.Module):
         B = B.unflatten(-1, (self.num_groups, self.state_dim))
         C = C.unflatten(-1, (self.num_groups, self.state_dim))
 
+        D = local(self.D)
         if ssm_state is not None and s == 1:  # a decoding step: the recurrence itself
-            y, ssm_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], self.D)
+            y, ssm_state = ssd_step(ssm_state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
             y = y[:, None]
         else:
             y, ssm_state = self.chunk_scan(
-                x, dt, A, B, C, self.chunk_size, D=self.D, initial_state=ssm_state
+                x, dt, A, B, C, self.chunk_size, D=D, initial_state=ssm_state
             )
         if inference_cache is not None:
             inference_cache.store_mamba_state(layer, conv_state, ssm_state)
