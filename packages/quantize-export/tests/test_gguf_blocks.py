@@ -1,5 +1,6 @@
-"""Our Q8_0 / Q4_0 / Q4_1 blocks are byte-identical to gguf.quants.quantize, and mg's
-int8 / int4 weights re-labelled as blocks dequantize (gguf.quants.dequantize) to mg's
+"""Our Q8_0 / Q4_0 / Q4_1 blocks are byte-identical to gguf.quants.quantize, our Q4_K /
+Q6_K super-blocks to llama.cpp's reference quantizer (recorded bytes), and mg's int8 /
+int4 weights re-labelled as blocks dequantize (gguf.quants.dequantize) to mg's
 dequantized weights."""
 
 from __future__ import annotations
@@ -57,3 +58,38 @@ def test_int4_relabelled_as_q4_dequantizes_to_ours(group: int, symmetric: bool) 
     s = scale.repeat_interleave(group, 1)
     bound = 2**-10 * (q.float() * s + zero.float().repeat_interleave(group, 1) * s)
     assert (np.abs(theirs - ours) <= bound.numpy() + 1e-8).all()
+
+
+def _k_weights() -> torch.Tensor:
+    """Exact float32 inputs (multiples of 1/256 and their cubes): no platform-dependent RNG."""
+    k = torch.arange(8 * 512)
+    w = ((k * 7919 % 1000 - 500) / 256.0).float().reshape(8, 512)
+    w = torch.cat([w, w * w * w / 8])
+    w[3, :256] = 0  # an all-zero super-block
+    w[5, 300] = 40.0  # an outlier
+    return w
+
+
+# sha256 of the bytes of llama.cpp's quantize_row_q6_K_ref / quantize_row_q4_K_ref
+# (ggml/src/ggml-quants.c of the llama.cpp vendored in llama-cpp-python 0.3.36, compiled
+# with gcc -O1 -ffp-contract=off and called through ctypes) on _k_weights().
+K_QUANT_REFERENCE = {
+    "Q6_K": "c839874217212949bde02bf18031e1d8b02f9f9fac09a00b0ddc0089906b4aa9",
+    "Q4_K": "86461b406e8b8ecb5f1182d5c2c40fc0fd6b865764942f0b322db7f3e1708bc0",
+}
+
+
+@pytest.mark.parametrize("name, bound", [("Q6_K", 0.03), ("Q4_K", 0.08)])
+def test_k_quants_match_llama_cpp_reference_bytes(name: str, bound: float) -> None:
+    import hashlib
+
+    w = _k_weights()
+    blocks = QUANTIZERS[name](w)
+    size = {"Q6_K": 210, "Q4_K": 144}[name]
+    assert blocks.shape == (16, 2 * size) and blocks.dtype == torch.uint8
+    assert hashlib.sha256(blocks.numpy().tobytes()).hexdigest() == K_QUANT_REFERENCE[name]
+    # and gguf's own reader of the format gives back the weights (the all-zero block exactly)
+    back = torch.from_numpy(dequantize(blocks.numpy(), GGMLQuantizationType[name]).copy())
+    assert back.shape == w.shape
+    assert torch.equal(back[3, :256], torch.zeros(256))
+    assert float((back - w).norm() / w.norm()) < bound

@@ -111,3 +111,45 @@ def test_gpt2_gguf_f16(tokenizer_config, tmp_path) -> None:
         torch.from_numpy(tensors["blk.0.attn_qkv.bias"].copy()), torch.cat([qb, kb, vb])[:, 0]
     )
     assert "position_embd.weight" in tensors and "output.weight" in tensors
+
+
+def test_k_quant_falls_back_to_q8_0_for_short_rows(trained_llama, tmp_path) -> None:
+    # the tiny model's rows hold 64 or 128 inputs, less than a K-quant super-block (256)
+    _, ckpt = trained_llama
+    save = tmp_path / "q"
+    cli.main(["--no-progress", "--load", str(ckpt), "--save", str(save), "--recipe", "int8_wo",
+              "--export-format", "gguf", "--gguf-type", "Q6_K"])  # fmt: skip
+    reader, _ = _tensors(save / "gguf" / "model-Q6_K.gguf")
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.ffn_down.weight"] == "Q8_0" and kinds["blk.1.attn_q.weight"] == "Q8_0"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, bound", [("Q6_K", 0.02), ("Q4_K", 0.08)])
+def test_llama_gguf_k_quants(kind, bound, tokenizer_config, tmp_path) -> None:
+    from mg.core.models.presets import tiny_llama
+
+    torch.manual_seed(0)
+    config = tiny_llama(
+        vocab_size=50304, hidden_size=256, num_layers=1, num_attention_heads=4,
+        num_query_groups=2, ffn_hidden_size=256,
+    )  # fmt: skip
+    save_model(tmp_path / "float", GPTModel(config).eval(), config, tokenizer_config)
+    save = tmp_path / "q"
+    cli.main(["--no-progress", "--load", str(tmp_path / "float"), "--save", str(save),
+              "--recipe", "int8_wo", "--export-format", "gguf", "--gguf-type", kind])  # fmt: skip
+    model, _, _, _ = load_model(save)
+    reader, tensors = _tensors(save / "gguf" / f"model-{kind}.gguf")
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    layer = model.decoder.layers[0]
+    fc1 = layer.mlp.linear_fc1.dequantized_weight()
+    ours = {
+        "blk.0.attn_output.weight": layer.self_attention.linear_proj.dequantized_weight(),
+        "blk.0.ffn_gate.weight": fc1[:256],
+        "blk.0.ffn_up.weight": fc1[256:],
+        "blk.0.ffn_down.weight": layer.mlp.linear_fc2.dequantized_weight(),
+    }
+    for name, expected in ours.items():
+        assert kinds[name] == kind, name
+        got = torch.from_numpy(tensors[name].copy())
+        assert float((got - expected).norm() / expected.norm()) < bound, name

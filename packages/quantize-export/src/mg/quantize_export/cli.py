@@ -36,7 +36,7 @@ RECIPES = {
 INT4 = ("int4_wo", "int4_awq", "int4_gptq")
 GROUP_SIZES = (32, 64, 128)
 EXPORTS = ("hf", "gguf", "trtllm")
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16", "BF16")
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "F16", "BF16")
 
 
 class _Parser(argparse.ArgumentParser):

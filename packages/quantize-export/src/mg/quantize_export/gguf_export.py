@@ -1,12 +1,14 @@
-"""GGUF for llama.cpp: the quantized model's linears as Q8_0 / Q4_0 / Q4_1 blocks (or
-F16 / BF16), norms in F32, embeddings in F16, with the hyper-parameters and tokenizer
-llama.cpp reads.
+"""GGUF for llama.cpp: the quantized model's linears as Q8_0 / Q4_0 / Q4_1 blocks, Q4_K /
+Q6_K super-blocks (or F16 / BF16), norms in F32, embeddings in F16, with the
+hyper-parameters and tokenizer llama.cpp reads.
 
 mg's own blocks are carried over exactly where the formats coincide: ``int8_wo`` is
 Q8_0 with every block of a row scaled by the row's scale; symmetric int4 (any group
 size that is a multiple of 32) is Q4_0, asymmetric int4 is Q4_1. Otherwise (fp8,
 int8_sq, or a ``--gguf-type`` other than the recipe's own) the dequantized weight is
-quantized by llama.cpp's own rules (:mod:`.gguf_blocks`).
+quantized by llama.cpp's own rules (:mod:`.gguf_blocks`). K-quants need rows of a
+multiple of 256 values; a linear with shorter rows is written as Q8_0 (llama.cpp falls
+back too).
 
 Architectures: ``llama`` (RMSNorm + RoPE + SwiGLU: Llama, Mistral) with q/k rows
 permuted as llama.cpp's converter does, and ``gpt2`` (LayerNorm, learned positions,
@@ -28,9 +30,10 @@ from mg.core.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, Qua
 from mg.core.quantization.primitives import unpack_int4
 from mg.core.tokenizers.config import TokenizerConfig
 from mg.quantize_export.errors import QuantizeInputError
-from mg.quantize_export.gguf_blocks import QUANTIZERS, q4_from_int4, q8_0_from_int8
+from mg.quantize_export.gguf_blocks import QK_K, QUANTIZERS, q4_from_int4, q8_0_from_int8
 
 DEFAULT_TYPE = {"int8_wo": "Q8_0", "int8_sq": "Q8_0", "fp8": "Q8_0"}
+K_QUANTS = ("Q4_K", "Q6_K")
 
 
 def default_gguf_type(recipe: str, symmetric: bool) -> str:
@@ -63,6 +66,8 @@ def _encode_linear(module: nn.Module, gguf_type: str) -> tuple[str, np.ndarray]:
     weight = (
         module.dequantized_weight() if isinstance(module, QuantizedLinear) else module.weight
     ).detach()
+    if gguf_type in K_QUANTS and weight.shape[1] % QK_K:
+        gguf_type = "Q8_0"  # rows shorter than a super-block: llama.cpp also falls back
     if gguf_type in QUANTIZERS:
         return gguf_type, QUANTIZERS[gguf_type](weight).numpy()
     return _encode_float(weight, gguf_type)
@@ -194,6 +199,8 @@ def write_gguf(
             "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
             "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
             "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+            "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,  # every linear Q4_K: llama.cpp's "S"
+            "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
             "F16": gguf.LlamaFileType.MOSTLY_F16,
             "BF16": gguf.LlamaFileType.MOSTLY_BF16,
         }[gguf_type]
@@ -213,7 +220,7 @@ def write_gguf(
     def put(name: str, kind: str, data: np.ndarray) -> None:
         tensor_types[name] = kind
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind in ("Q8_0", "Q4_0", "Q4_1", "BF16"):
+        if kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "BF16"):
             writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data))
