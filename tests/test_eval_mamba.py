@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mg.core.checkpoint import load_model, save_model
-from mg.core.fixtures import fixture_path
+from mg.core.fixtures import fixture_path, gpt2_bpe_tokenizer_config
 from mg.core.models.mamba import MambaConfig, MambaModel
-from mg.core.tokenizers import TokenizerConfig, build_tokenizer
+from mg.core.tokenizers import build_tokenizer
 from mg.evaluate.cli import main as mg_eval
 from mg.evaluate.detokenizer import wikitext_detokenize
 
@@ -37,13 +37,7 @@ TOKENIZER = [
 
 
 def _tokenizer():
-    return build_tokenizer(
-        TokenizerConfig(
-            "GPT2BPETokenizer",
-            vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
-            merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
-        )
-    )
+    return build_tokenizer(gpt2_bpe_tokenizer_config())
 
 
 def _disjoint_window_loss(logits_of, ids: list[int]) -> float:

@@ -9,20 +9,15 @@ from mg.core.checkpoint import save_model
 from mg.core.models import GPTModel
 from mg.core.models.presets import tiny_llama
 from mg.core.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from mg.core.tokenizers import TokenizerConfig
 
 
 def _quantized_checkpoint(tmp_path, recipe: str, extra: list[str]):
-    from mg.core.fixtures import fixture_path
+    from mg.core.fixtures import gpt2_bpe_tokenizer_config
     from mg.quantize_export import cli
 
     torch.manual_seed(0)
     config = tiny_llama(vocab_size=50304, ffn_hidden_size=128)
-    tokenizer = TokenizerConfig(
-        "GPT2BPETokenizer",
-        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
-        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
-    )
+    tokenizer = gpt2_bpe_tokenizer_config()
     model = GPTModel(config).eval()
     save_model(tmp_path / "float", model, config, tokenizer)
     save = tmp_path / recipe

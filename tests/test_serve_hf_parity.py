@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from mg.core.checkpoint import save_model
-from mg.core.fixtures import fixture_path
+from mg.core.fixtures import gpt2_bpe_tokenizer_config
 from mg.core.models import GPTModel, presets
-from mg.core.tokenizers import TokenizerConfig
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.loading import load_for_serving
 from mg.generate_server.runner import ModelRunner
@@ -47,11 +46,7 @@ def _checkpoint(shape: str, folder: Path) -> Path:
         attention_dropout=0.0,
     )
     model = GPTModel(config)
-    tokenizer = TokenizerConfig(
-        "GPT2BPETokenizer",
-        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
-        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
-    )
+    tokenizer = gpt2_bpe_tokenizer_config()
     save_model(folder / "ckpt", model, config, tokenizer)
     export_hf(folder / "ckpt", folder / "hf", progress=False)
     return folder

@@ -184,8 +184,7 @@ def test_hybrid_greedy_equals_unbatched_decoding(schedule: str) -> None:
 def _hybrid_checkpoint(folder: Path) -> Path:
     """A hybrid model (Mamba, attention, MLP) with a GPT-2 tokenizer, saved for mg-serve."""
     from mg.core.checkpoint import save_model
-    from mg.core.fixtures import fixture_path
-    from mg.core.tokenizers import TokenizerConfig
+    from mg.core.fixtures import gpt2_bpe_tokenizer_config
 
     torch.manual_seed(0)
     config = MambaConfig(
@@ -204,11 +203,7 @@ def _hybrid_checkpoint(folder: Path) -> Path:
         attention_dropout=0.0,
         init_method_std=0.3,
     )
-    tokenizer = TokenizerConfig(
-        "GPT2BPETokenizer",
-        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
-        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
-    )
+    tokenizer = gpt2_bpe_tokenizer_config()
     save_model(folder / "ckpt", MambaModel(config).eval(), config, tokenizer)
     return folder / "ckpt"
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from mg.core.checkpoint import save_model
-from mg.core.fixtures import fixture_path
+from mg.core.fixtures import gpt2_bpe_tokenizer_config
 from mg.core.models import GPTModel, presets
-from mg.core.tokenizers import TokenizerConfig
 from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.loading import LoadedModel, load_for_serving
@@ -49,11 +48,7 @@ def served(tmp_path_factory) -> tuple[LoadedModel, list[list[int]], list[list[in
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    tokenizer = TokenizerConfig(
-        "GPT2BPETokenizer",
-        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
-        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
-    )
+    tokenizer = gpt2_bpe_tokenizer_config()
     save_model(folder / "ckpt", GPTModel(config), config, tokenizer)
     export_hf(folder / "ckpt", folder / "hf", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval()

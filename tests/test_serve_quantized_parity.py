@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from mg.core.checkpoint import load_model, save_model
-from mg.core.fixtures import fixture_path
+from mg.core.fixtures import gpt2_bpe_tokenizer_config
 from mg.core.models import GPTModel
 from mg.core.models.presets import tiny_llama
 from mg.core.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from mg.core.tokenizers import TokenizerConfig
 from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.runner import ModelRunner
@@ -68,11 +67,7 @@ def float_checkpoint(tmp_path_factory) -> Path:
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
-    tokenizer = TokenizerConfig(
-        "GPT2BPETokenizer",
-        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
-        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
-    )
+    tokenizer = gpt2_bpe_tokenizer_config()
     save_model(folder / "float", GPTModel(config).eval(), config, tokenizer)
     return folder / "float"
 

@@ -281,6 +281,18 @@ def fixture_path(name: str, file: str) -> Path:
     return fixture_dir(name) / file
 
 
+def gpt2_bpe_tokenizer_config():
+    """The real GPT-2 BPE files (the `gpt2-bpe` fixture) as a `TokenizerConfig`, the
+    tokenizer most tests and benches save with their checkpoints."""
+    from mg.core.tokenizers import TokenizerConfig
+
+    return TokenizerConfig(
+        "GPT2BPETokenizer",
+        vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),
+        merge_file=str(fixture_path("gpt2-bpe", "merges.txt")),
+    )
+
+
 def _lookup(name: str) -> Fixture:
     try:
         return FIXTURES[name]
