@@ -1,8 +1,9 @@
-"""One rank of test_megatron_parallel_compat.py: megatron-core's GPTModel in the given
-layouts, one after the other, on CPU with gloo (launched by mg.core.testing.launch with
-as many ranks as the largest layout needs; tp2 and pp2 by default).
+"""One rank of test_megatron_parallel_compat.py (and test_megatron_moe.py's parallel
+cases): megatron-core's GPTModel in the given layouts, one after the other, on CPU with
+gloo (launched by mg.core.testing.launch with as many ranks as the largest layout needs;
+tp2 and pp2 by default; ep2 and tp2ep2 are expert-parallel layouts of MoE configs).
 
-    python megatron_parallel_worker.py WORK [tp2] [pp2] [tp2pp2]
+    python megatron_parallel_worker.py WORK [tp2] [pp2] [tp2pp2] [ep2] [tp2ep2]
 
 For each config in WORK/configs.json and each layout it
 
@@ -39,17 +40,34 @@ from mg.ckpt_convert.megatron_lm import megatron_args_from_config
 from mg.core.models import TransformerConfig
 from mg.core.testing.megatron_reference import megatron_cpu_patches, megatron_gpt_model
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+# name → (TP, PP, EP); expert tensor parallelism = TP (Megatron's default)
+LAYOUTS = {
+    "tp2": (2, 1, 1),
+    "pp2": (1, 2, 1),
+    "tp2pp2": (2, 2, 1),
+    "ep2": (1, 1, 2),
+    "tp2ep2": (2, 1, 2),
+}
 ITERATION = 10
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 @contextlib.contextmanager
-def model_parallel(tp: int, pp: int) -> Iterator[None]:
-    """parallel_state for TP x PP; core's megatron_gpt_model builds this rank's stage."""
-    parallel_state.initialize_model_parallel(tp, pp)
+def model_parallel(tp: int, pp: int, ep: int = 1) -> Iterator[None]:
+    """parallel_state for TP x PP (x EP); core's megatron_gpt_model builds this rank's part."""
+    parallel_state.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     patches = pytest.MonkeyPatch()
+    if ep > 1:
+        patches.setattr(
+            transformer_config,
+            "TransformerConfig",
+            functools.partial(
+                transformer_config.TransformerConfig,
+                expert_model_parallel_size=ep,
+                tensor_model_parallel_size=tp,  # (no sequence parallelism: torch norms)
+            ),
+        )
     if pp > 1:
         staged_config = functools.partial(
             transformer_config.TransformerConfig,
@@ -101,17 +119,21 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, hidden_size: int) -> torc
         return out
 
 
-def rank_dir(tp: int, pp: int) -> str:
+def rank_dir(tp: int, pp: int, ep: int = 1) -> str:
+    """Megatron-LM's mp_rank_TT[_PPP][_EEE] for this rank."""
     t = parallel_state.get_tensor_model_parallel_rank()
     p = parallel_state.get_pipeline_model_parallel_rank()
-    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+    e = parallel_state.get_expert_model_parallel_rank()
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
 
 
-def save_as_megatron(folder: Path, model: torch.nn.Module, config: TransformerConfig, tp, pp):
-    args = megatron_args_from_config(config, None, tp=tp, pp=pp)
+def save_as_megatron(
+    folder: Path, model: torch.nn.Module, config: TransformerConfig, tp, pp, ep=1
+) -> None:
+    args = megatron_args_from_config(config, None, tp=tp, pp=pp, ep=ep)
     args.lr, args.micro_batch_size = 3e-4, 4
-    path = folder / f"iter_{ITERATION:07d}" / rank_dir(tp, pp) / "model_optim_rng.pt"
-    path.parent.mkdir(parents=True)
+    path = folder / f"iter_{ITERATION:07d}" / rank_dir(tp, pp, ep) / "model_optim_rng.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)  # data-parallel replicas write it alike
     state = {
         "args": args,
         "checkpoint_version": 3.0,
@@ -126,9 +148,10 @@ def save_as_megatron(folder: Path, model: torch.nn.Module, config: TransformerCo
         (folder / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
-def load_exported(folder: Path, model: torch.nn.Module, tp: int, pp: int) -> None:
+def load_exported(folder: Path, model: torch.nn.Module, tp: int, pp: int, ep: int = 1) -> None:
     (iteration,) = [d for d in folder.iterdir() if d.name.startswith("iter_")]
-    state = torch.load(iteration / rank_dir(tp, pp) / "model_optim_rng.pt", weights_only=False)
+    path = iteration / rank_dir(tp, pp, ep) / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
     result = model.load_state_dict(state["model"], strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
     assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
@@ -144,20 +167,20 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         for layout in layouts:
-            tp, pp = LAYOUTS[layout]
-            with model_parallel(tp, pp):
+            tp, pp, ep = LAYOUTS[layout]
+            with model_parallel(tp, pp, ep):
                 tp_rank = parallel_state.get_tensor_model_parallel_rank()
                 for name, config in configs.items():
                     out = work / name
                     torch.manual_seed(0)
                     model = megatron_gpt_model(config)
                     perturb(model, config, pp)
-                    save_as_megatron(out / f"written-{layout}", model, config, tp, pp)
+                    save_as_megatron(out / f"written-{layout}", model, config, tp, pp, ep)
                     written = forward(model, ids, config.hidden_size)
                     fresh = megatron_gpt_model(config)
-                    load_exported(out / f"exported-{layout}", fresh, tp, pp)
+                    load_exported(out / f"exported-{layout}", fresh, tp, pp, ep)
                     exported = forward(fresh, ids, config.hidden_size)
-                    if written is not None:
+                    if written is not None and parallel_state.get_data_parallel_rank() == 0:
                         torch.save(written, out / f"{layout}-written-tp{tp_rank}.pt")
                         torch.save(exported, out / f"{layout}-exported-tp{tp_rank}.pt")
     finally:
