@@ -310,5 +310,22 @@ def test_expert_groups_are_megatrons_and_sizes_are_checked():
         expert_rank_groups(6, ep=4)
 
 
+@pytest.mark.parametrize(
+    ("world", "tp", "pp", "ep", "etp"),
+    [(8, 2, 1, 2, 2), (8, 2, 1, 2, 1), (8, 2, 2, 2, 1), (8, 4, 1, 2, 1), (8, 2, 1, 4, 1)],
+)
+def test_expert_groups_equal_megatron_rank_generator(world, tp, pp, ep, etp):
+    """Megatron-Core's expert RankGenerator (order tp-ep-dp-pp, expert TP in place of TP)
+    builds the same ep, etp, edp and tp×ep groups, expert TP equal to TP or not."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.parallel_state import RankGenerator
+
+    edp = world // (pp * ep * etp)
+    megatron = RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-ep-dp-pp")
+    ours = expert_rank_groups(world, tp=tp, pp=pp, ep=ep, etp=etp)
+    for name, token in (("ep", "ep"), ("etp", "tp"), ("edp", "dp"), ("etp_ep", "tp-ep")):
+        assert sorted(ours[name]) == sorted(megatron.get_ranks(token)), name
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])

@@ -91,6 +91,12 @@ def test_moe_layer_freq_forms():
             "needs --sequence-parallel",
         ),
         (
+            [*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--expert-tensor-parallel-size", "1", "--ckpt-format", "torch", "--save", "x"],
+            2,
+            "with --save: its checkpoints are written in --ckpt-format torch_dist only",
+        ),
+        (
             [*MOE, "--moe-layer-recompute", "--recompute-granularity", "full"]
             + ["--recompute-method", "uniform", "--recompute-num-layers", "1"],
             1,
@@ -546,3 +552,46 @@ def test_moe_layer_recompute_and_per_layer_logging(tmp_path, mock_argv, train):
         means = [(a + b) / 2 for a, b in zip(*layers, strict=True)]
         assert means == pytest.approx(recomputed.extra_losses[name], rel=1e-5)
         assert layers[0] != layers[1]
+
+
+@pytest.mark.slow  # four one-process references and one two-rank launch of four runs
+@pytest.mark.timeout(1200)
+def test_moe_context_parallel_and_interleaved_pipeline_match_one_process(
+    tmp_path, mock_argv, train
+):
+    """On two gloo ranks, each against one process (fp32, 6 iterations): CP = 2 with the
+    aux loss and with the sequence aux loss (counts summed over the CP ranks, the losses'
+    gradient times cp as the main loss's); the interleaved pipeline (PP = 2, one layer per
+    virtual stage) plain, and with the global aux loss and --moe-layer-recompute (each
+    micro-batch's recomputation replaying its counts). Losses and logged balancing losses
+    within 1e-5, clipped grad norms within 1e-4."""
+    import json
+    from pathlib import Path
+
+    from mg.core.testing.launch import launch_workers
+
+    flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--attention-dropout", "0", "--hidden-dropout"]
+    flags += ["0", "--clip-grad", "0.05"]
+    vpp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    cases = [
+        ([], ["--context-parallel-size", "2"]),
+        (["--moe-router-load-balancing-type", "seq_aux_loss"], ["--context-parallel-size", "2"]),
+        (["--num-layers", "4"], vpp),
+        (
+            ["--num-layers", "4", "--moe-router-load-balancing-type", "global_aux_loss"],
+            [*vpp, "--moe-layer-recompute"],
+        ),
+    ]
+    argvs = [mock_argv(tmp_path, *flags, *extra, mbs=2, gbs=8, iters=6) for extra, _ in cases]
+    ones = [train(argv) for argv in argvs]
+    runs = [[*argv, *par] for argv, (_, par) in zip(argvs, cases, strict=True)]
+    out = tmp_path / "cp_vpp.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=1100)
+    for one, two in zip(ones, json.loads(out.read_text()), strict=True):
+        assert two["losses"] == pytest.approx(one.losses, rel=1e-5)
+        assert two["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
+        assert one.extra_losses.keys() == two["extra_losses"].keys()
+        for name, values in one.extra_losses.items():
+            assert two["extra_losses"][name] == pytest.approx(values, rel=1e-5)
+    assert max(ones[0].grad_norms) > 0.05  # clipped

@@ -53,9 +53,12 @@ def begin_step(num_micro: int, loss_scale: float, layout: ParallelLayout | None 
     """Under tensor parallelism with experts split over TP every TP rank computes the same
     balancing losses and their input gradients are summed over TP
     (mg.core.models.moe.tensor_parallel): 1/tp each. With expert-tensor-parallel size 1
-    each TP rank's losses are its own tokens' part: no division."""
-    tp = 1 if layout is None or layout.etp != layout.tp else layout.tp
-    AuxLossBackward.scale = loss_scale / max(num_micro, 1) / tp
+    each TP rank's losses are its own tokens' part: no division. Under context parallelism
+    each rank's losses are its chunks' part and gradients are averaged over cp: times cp,
+    as the main loss (Megatron's `loss_scale * cp_group_size / num_microbatches`)."""
+    layout = layout or ParallelLayout()
+    tp = 1 if layout.etp != layout.tp else layout.tp
+    AuxLossBackward.scale = loss_scale * layout.cp / max(num_micro, 1) / tp
 
 
 def finish_step(

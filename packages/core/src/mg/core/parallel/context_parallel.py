@@ -357,4 +357,16 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Mod
         swapped += 1
     if swapped == 0:
         raise ContextParallelError("apply_context_parallel found no core_attention modules")
+    from mg.core.models.moe import TopKRouter
+
+    for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
+        # MoE layers are token-wise; the balancing losses count the whole sequence's tokens
+        if router.tp_cp_group is not None:
+            raise ContextParallelError(
+                "context parallelism with MoE layers whose tensor-parallel ranks route their "
+                "own tokens (--expert-tensor-parallel-size 1) is not supported"
+            )
+        router.tp_cp_group = group
+        if router.tp_dp_cp_group is None:
+            router.tp_dp_cp_group = group
     return model

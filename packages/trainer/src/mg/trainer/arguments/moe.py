@@ -187,12 +187,13 @@ def check_moe_flags(
     sharded_state: tuple[str, ...] = (),
     sequence_parallel: bool = False,
     recompute_granularity: str | None = None,
+    torch_format: tuple[str, ...] = (),
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None.
 
     `sharded_state`: the checkpoint flags given (--save, --load) when the distributed
     optimizer is on with --ckpt-format torch, which does not hold its expert-parallel
-    state (torch_dist does)."""
+    state (torch_dist does); `torch_format`: those given with --ckpt-format torch."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -261,16 +262,21 @@ def check_moe_flags(
             f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs "
             "--sequence-parallel (as in Megatron: each TP rank routes its sequence slice)"
         )
+    if etp != tp and torch_format:
+        return (
+            f"--expert-tensor-parallel-size 1 with {torch_format[0]}: its checkpoints are "
+            "written in --ckpt-format torch_dist only"
+        )
     if ep > 1 and sharded_state:
         return (
             f"--expert-model-parallel-size {ep} with --use-distributed-optimizer and "
             f"{sharded_state[0]}: its expert-parallel state is checkpointed in "
             "--ckpt-format torch_dist only"
         )
-    if cp > 1:
+    if cp > 1 and etp != tp:
         return (
-            "--num-experts with --context-parallel-size > 1 is not supported yet; use data, "
-            "tensor, pipeline and expert parallelism"
+            "--expert-tensor-parallel-size 1 with --context-parallel-size > 1 is not supported "
+            "yet; give one of them"
         )
     return None
 
@@ -288,6 +294,11 @@ def check_moe(args: Args) -> None:
         dry_run=args.training.dry_run,
         sequence_parallel=d.sequence_parallel,
         recompute_granularity=args.model.recompute_granularity,
+        torch_format=tuple(
+            flag
+            for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))
+            if given and args.checkpoint.ckpt_format == "torch"
+        ),
         sharded_state=tuple(
             flag
             for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))
