@@ -1,6 +1,6 @@
 """`mg-train mamba`: a hybrid trains, resumes bitwise, matches one process with DP=2 and the
-distributed optimizer, refuses what it cannot do by flag name, and plans Megatron's
-examples/mamba/train.sh with --dry-run."""
+distributed optimizer, with TP=2 (and sequence parallelism) and with PP=2, refuses what
+it cannot do by flag name, and plans Megatron's examples/mamba/train.sh with --dry-run."""
 
 from __future__ import annotations
 
@@ -126,7 +126,6 @@ def test_data_parallel_distributed_optimizer_matches_one_process(tmp_path, train
         (["--hybrid-override-pattern", "M*M"], "has 3 layers, --num-layers is 4"),
         (["--spec", "local"], "--spec local: mg-train mamba builds"),
         (["--mamba-num-groups", "3"], "do not divide into 3 groups"),
-        (["--tensor-model-parallel-size", "2"], "supported for gpt, bert and t5, not mamba"),
         (["--mamba-ssm-kernels"], "--mamba-ssm-kernels: the mamba_ssm package is not installed"),
     ],
 )
@@ -208,3 +207,137 @@ def test_megatron_train_sh_flags_accepted_by_dry_run(tmp_path, monkeypatch, caps
         assert "world 8 = TP 4 x PP 1 x DP 2" in out
     total = float(out.split("number of parameters: ")[1].split(" B")[0])
     assert total == pytest.approx(_hybrid_parameters(layers, h, heads, vocab) / 1e9, abs=1e-4)
+
+
+# --- tensor and pipeline parallelism ------------------------------------------------------
+#
+# One 2-rank launch (ddp_worker.py, one process group) runs every parallel configuration
+# on the same global batches as the single-process run: the "M*M-" hybrid above (Mamba,
+# attention, Mamba, MLP), MBS 2, GBS 8, 20 iterations, fp32, dropout 0, AdamW with
+# clipping. Tolerance, as the GPT equivalence tests (test_pp_cp_equivalence): the
+# parallel runs sum the same products in another order (out_proj's partial sums over TP
+# ranks, gradients over stages), ~1e-7 relative per step, which Adam amplifies a little
+# over 20 steps: losses agree to 1e-5 relative, gradient norms to 1e-4. A resume in the
+# same layout is bitwise; a TP=2 checkpoint resumed in one process (the same sums in
+# another order again) is held to the same 1e-5 over two iterations (the first reads the
+# weights, the second the Adam moments: a permuted row of either would show).
+
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-4
+TP2 = ["--tensor-model-parallel-size", "2"]
+SP = [*TP2, "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+def _close(reference: list[float], other: list[float], rtol: float, name: str) -> None:
+    assert len(other) == len(reference), name
+    for a, b in zip(reference, other, strict=True):
+        assert abs(a - b) / abs(a) <= rtol, (name, reference, other)
+
+
+def _two_ranks(tmp_path: Path, argv: list[str], configs: dict[str, list[str]]) -> dict:
+    """Each configuration trained on 2 gloo ranks in one launch; rank 0's results by name."""
+    out = tmp_path / "two.json"
+    argvs = json.dumps([[*argv, *c] for c in configs.values()])
+    launch_workers(DDP_WORKER, 2, [str(out), argvs], timeout=900)
+    return dict(zip(configs, json.loads(out.read_text()), strict=True))
+
+
+def _parallel_argv(tmp_path: Path) -> list[str]:
+    # padded to a multiple of 64·tp: 127 ids give 128 rows at TP=1 and TP=2 alike
+    return _argv(tmp_path, "--eval-iters", "0", "--make-vocab-size-divisible-by", "64", iters=20)
+
+
+def test_two_ranks_tp2_sp_pp2_match_one_process_and_resume(tmp_path: Path, train) -> None:
+    """TP=2 with sequence parallelism and PP=2 (1F1B, 4 micro-batches) against one process;
+    TP=2+SP saved at iteration 10 resumes bitwise on 2 ranks, and in one process (TP=1:
+    the checkpoint holds the whole tensors) its iterations 11-12 match within 1e-5."""
+    argv = _parallel_argv(tmp_path)
+    one = train(argv)
+    ckpt = str(tmp_path / "tp2")
+    runs = _two_ranks(
+        tmp_path,
+        argv,
+        {
+            "tp2 sp": SP,
+            "pp2": PP2,
+            "tp2 sp, first 10": [*SP, "--save", ckpt, "--exit-interval", "10"],
+            "tp2 sp, resumed": [*SP, "--load", ckpt],
+        },
+    )
+    for name in ("tp2 sp", "pp2"):
+        _close(one.losses, runs[name]["losses"], LOSS_RTOL, name)
+        _close(one.grad_norms, runs[name]["grad_norms"], NORM_RTOL, name)
+    resumed = runs["tp2 sp, first 10"]["losses"] + runs["tp2 sp, resumed"]["losses"]
+    assert resumed == runs["tp2 sp"]["losses"]  # bitwise
+    # two steps: the weights (iteration 11) and the Adam moments (iteration 12) are right
+    at_tp1 = train([*argv, "--load", ckpt, "--exit-interval", "12"])
+    _close(one.losses[10:12], at_tp1.losses, LOSS_RTOL, "TP=2 checkpoint resumed at TP=1")
+
+
+@pytest.mark.slow
+def test_two_ranks_tp2_and_distributed_optimizer_match_one_process(tmp_path: Path, train) -> None:
+    """TP=2 without sequence parallelism, PP=2 and TP=2+SP with the distributed optimizer
+    against one process; the distributed optimizer's TP=2 checkpoint resumes on 2 ranks
+    and in one process within 1e-5."""
+    argv = _parallel_argv(tmp_path)
+    one = train(argv)
+    ckpt = str(tmp_path / "tp2_dist_opt")
+    dist_opt = [*SP, "--use-distributed-optimizer"]
+    runs = _two_ranks(
+        tmp_path,
+        argv,
+        {
+            "tp2": TP2,
+            "pp2 distributed optimizer": [*PP2, "--use-distributed-optimizer"],
+            "tp2 sp distributed optimizer, first 10": [
+                *dist_opt,
+                "--save",
+                ckpt,
+                "--exit-interval",
+                "10",
+            ],
+            "tp2 sp distributed optimizer, resumed": [*dist_opt, "--load", ckpt],
+        },
+    )
+    for name in ("tp2", "pp2 distributed optimizer"):
+        _close(one.losses, runs[name]["losses"], LOSS_RTOL, name)
+        _close(one.grad_norms, runs[name]["grad_norms"], NORM_RTOL, name)
+    first, resumed = (runs[f"tp2 sp distributed optimizer, {k}"] for k in ("first 10", "resumed"))
+    _close(one.losses, first["losses"] + resumed["losses"], LOSS_RTOL, "distributed optimizer")
+    at_tp1 = train([*argv, "--load", ckpt, "--exit-interval", "12"])
+    _close(one.losses[10:12], at_tp1.losses, LOSS_RTOL, "TP=2 checkpoint resumed at TP=1")
+
+
+def test_dry_run_plans_tensor_and_pipeline_parallelism(tmp_path, capsys, monkeypatch) -> None:
+    """TP=2 x PP=2 on 4 GPUs: each stage's slice of the pattern and its parameters per GPU,
+    counted by hand (hidden 32, 4 Mamba heads of 16, 2 groups, state 8, ffn 128, vocab 128,
+    untied): per TP rank a Mamba layer holds 7,852 / 2 sharded + 32 norm = 3,958, an
+    attention layer 4,096 / 2 + 32 = 2,080, an MLP layer 8,192 / 2 + 32 = 4,128, the
+    embedding and the output layer 4,096 / 2 each, the final norm 32."""
+    from mg.trainer.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    extra = [*TP2, *PP2, "--make-vocab-size-divisible-by", "64", "--dry-run"]
+    assert main(_argv(tmp_path, *extra)) == 0
+    out = capsys.readouterr().out
+    assert "world 4 = TP 2 x PP 2 x DP 1" in out
+    assert "2 of 4 Mamba heads, 1 of 2 groups" in out
+    assert "stage 0: layers 0-1 'M*' + embedding, 8,086 parameters per GPU" in out
+    assert "stage 1: layers 2-3 'M-' + final norm, output layer, 10,166 parameters per GPU" in out
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--context-parallel-size", "2"], "--context-parallel-size > 1 is supported for gpt"),
+        (["--mamba-num-groups", "1", *TP2], "--mamba-num-groups (1) is not divisible by --tensor"),
+    ],
+)
+def test_parallel_flag_errors_exit_2_with_one_line(tmp_path, capsys, monkeypatch, extra, message):
+    from mg.trainer.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(_argv(tmp_path, *extra)) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err

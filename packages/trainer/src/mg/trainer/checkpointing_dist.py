@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from mg.core.checkpoint import (
     CHECKPOINT_VERSION,
@@ -80,6 +81,7 @@ from mg.core.models.moe.expert_names import (
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
+from mg.core.parallel.row_blocks import ROW_BLOCKS, row_blocks
 from mg.trainer import distributed
 from mg.trainer.checkpointing import TrainState
 
@@ -123,8 +125,32 @@ def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     tensor once, nothing is gathered, and the checkpoint holds the same global tensors
     as the plain optimizer's, so it loads at any layout and into either optimizer."""
     if not isinstance(optimizer, _SHARDED):
-        return get_optimizer_state_dict(model, optimizer)
+        return _with_row_blocks(model, get_optimizer_state_dict(model, optimizer))
     return _by_name(optimizer.sharded_state(), _names(model, optimizer))
+
+
+def _state_dict(model: nn.Module) -> dict[str, Any]:
+    """`model.state_dict()`, whose tensors (detached copies of the parameters) keep the
+    row blocks of a parameter sharded by them (`_with_row_blocks`)."""
+    named = model.state_dict()
+    for name, param in model.named_parameters():
+        blocks = row_blocks(param)
+        if blocks is not None and name in named:
+            setattr(named[name], ROW_BLOCKS, blocks)
+    return named
+
+
+def _with_row_blocks(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """Mark the state of a parameter sharded by row blocks (a Mamba mixer's in_proj and
+    conv1d under TP, `mg.core.parallel.row_blocks`) as sharded the same way, so that it
+    is stored as the whole tensor's rows, as the parameter is."""
+    blocks = {name: row_blocks(p) for name, p in model.named_parameters() if row_blocks(p)}
+    for name, entry in state.get("state", {}).items():
+        if name in blocks:
+            for value in entry.values():
+                if isinstance(value, DTensor) and value.dim() > 0:
+                    setattr(value, ROW_BLOCKS, blocks[name])
+    return state
 
 
 def _by_name(indexed: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -143,7 +169,7 @@ def _optimizer_request(folder: Path, model: nn.Module, optimizer: Any) -> dict[s
     of whichever stored entries exist (a checkpoint of the plain optimizer has no
     main_param; one saved before the first step has no state)."""
     if not isinstance(optimizer, _SHARDED):
-        return get_optimizer_state_dict(model, optimizer)
+        return _with_row_blocks(model, get_optimizer_state_dict(model, optimizer))
     local = _names(model, optimizer)
     experts = global_expert_names(model)  # the stored names of this rank's experts
     names = [experts.get(name, name) for name in local]
@@ -207,7 +233,7 @@ def save(
     model = _named_globally(distributed.unwrap(model))
     if isinstance(optimizer, _SHARDED):
         optimizer.finish_param_sync()  # the model's weights are complete only after this
-    named = model.state_dict()
+    named = _state_dict(model)
     experts = global_expert_names(model)  # expert parallelism: experts by global number
     megatron = supports_megatron_layout(named)
     if megatron:
@@ -350,7 +376,7 @@ def resume(
             "iteration and consumed samples carry over) or --finetune"
         )
     megatron = checkpoint_is_megatron_layout(folder)
-    named = model.state_dict()
+    named = _state_dict(model)
     experts = global_expert_names(model)  # expert parallelism: experts by global number
     model_state = None
     if megatron:

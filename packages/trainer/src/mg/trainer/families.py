@@ -160,7 +160,9 @@ FAMILIES: dict[str, ModelFamily] = {
         pipeline_steps=BERT_PIPELINE_STEPS,
     ),
     "t5": ModelFamily("t5", t5_config, t5_model, t5_datasets, t5_loss_terms),
-    "mamba": ModelFamily("mamba", mamba_config, mamba_model, gpt_datasets, gpt_loss_terms),
+    "mamba": ModelFamily(
+        "mamba", mamba_config, mamba_model, gpt_datasets, gpt_loss_terms, builds_on_meta=True
+    ),
 }
 
 

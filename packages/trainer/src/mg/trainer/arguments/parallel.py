@@ -176,9 +176,10 @@ def check_tensor_parallel(args: Args) -> None:
         fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if tp == 1:
         return
-    if args.family not in ("gpt", "bert", "t5"):
+    if args.family not in ("gpt", "bert", "t5", "mamba"):
         fail(
-            f"--tensor-model-parallel-size > 1 is supported for gpt, bert and t5, not {args.family}"
+            "--tensor-model-parallel-size > 1 is supported for gpt, bert, t5 and mamba, not "
+            f"{args.family}"
         )
     if d.overlap_grad_reduce and not d.use_distributed_optimizer:
         fail(
@@ -195,6 +196,15 @@ def check_tensor_parallel(args: Args) -> None:
             f"--ffn-hidden-size ({m.ffn_hidden_size}) is not divisible by "
             f"--tensor-model-parallel-size ({tp})"
         )
+    if args.family == "mamba":  # Megatron's MambaMixer splits whole heads and groups
+        mb = args.mamba
+        mamba_heads = mb.mamba_num_heads or 2 * m.hidden_size // max(mb.mamba_head_dim, 1)
+        for flag, value in (
+            ("--mamba-num-heads", mamba_heads),
+            ("--mamba-num-groups", mb.mamba_num_groups),
+        ):
+            if value and value % tp:
+                fail(f"{flag} ({value}) is not divisible by --tensor-model-parallel-size ({tp})")
 
 
 def check_pipeline_and_context(args: Args) -> None:
@@ -215,8 +225,11 @@ def check_pipeline_and_context(args: Args) -> None:
         )
     if pp > 1 and args.family == "t5":  # Megatron core_v0.16.1's pretrain_t5.py refuses it too
         fail("--pipeline-model-parallel-size > 1 is not supported for t5 (as in Megatron)")
-    if pp > 1 and args.family not in ("gpt", "bert"):
-        fail(f"--pipeline-model-parallel-size > 1 is supported for gpt and bert, not {args.family}")
+    if pp > 1 and args.family not in ("gpt", "bert", "mamba"):
+        fail(
+            "--pipeline-model-parallel-size > 1 is supported for gpt, bert and mamba, not "
+            f"{args.family}"
+        )
     if cp > 1 and args.family != "gpt":
         fail(f"--context-parallel-size > 1 is supported for gpt, not {args.family}")
     if pp > 1 or d.num_layers_per_virtual_pipeline_stage is not None:
