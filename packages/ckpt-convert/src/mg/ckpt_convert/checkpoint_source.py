@@ -250,6 +250,13 @@ def open_torch_files(
     assert layout is not None
     config = config_of(first_state, first_path)
     experts = config.num_moe_experts
+    etp = _recorded_args(first_state).get("expert_tensor_parallel_size")
+    if experts and etp is not None and int(etp) != layout.tp:
+        raise ConvertError(
+            f"{folder} was saved with {layout} and --expert-tensor-parallel-size {etp}; "
+            "converting reads experts split over TP as the MLP is (expert tensor parallelism "
+            "= TP). Save it with --ckpt-format torch_dist, which loads at any layout"
+        )
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConvertError(
             f"{folder} was saved with {layout}, but its model has {experts or 'no'} experts "
@@ -316,14 +323,20 @@ def open_torch_files(
     )
 
 
+def _recorded_args(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A rank file's args: Megatron-LM's Namespace or mg's dict (empty if neither)."""
+    raw = state.get("args")
+    args = vars(raw) if isinstance(raw, argparse.Namespace) else raw
+    return args if isinstance(args, Mapping) else {}
+
+
 def _second_is_expert(state: Mapping[str, Any]) -> bool | None:
     """Whether an ``mp_rank_TT_NNN`` name counts expert-parallel ranks (PP = 1, EP > 1),
     from what the rank-0 file records (mg's ``parallel``, or Megatron-LM's args)."""
     parallel = (state.get("mg") or {}).get("parallel")
     if not parallel:
-        raw = state.get("args")
-        args = vars(raw) if isinstance(raw, argparse.Namespace) else raw
-        if not isinstance(args, Mapping):
+        args = _recorded_args(state)
+        if not args:
             return None
         parallel = {
             "pp": args.get("pipeline_model_parallel_size") or 1,

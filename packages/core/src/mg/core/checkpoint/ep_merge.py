@@ -36,18 +36,39 @@ def _renumbered(key: str, offset: int) -> tuple[str, int] | None:
     return f"{match['head']}{match['gemm']}{index}", index
 
 
+def _group(key: str) -> str | None:
+    """The module whose experts `key` is one of: `…experts.` (SequentialMLP) or
+    `…experts.linear_fc1.` (grouped GEMM, whose weights are numbered inside it)."""
+    match = _EXPERT.match(key)
+    if match is None:
+        return None
+    if match["seq"] is not None:
+        return match["head"]
+    return match["head"] + match["gemm"].split(".")[0]
+
+
 def merge_expert_parallel(parts: Sequence[Mapping[str, T]], num_experts: int) -> dict[str, T]:
     """One state from each expert-parallel rank's (in rank order): experts renumbered to
-    their place in the layer, everything else from rank 0 (the ranks hold equal copies)."""
+    their place in the layer, everything else from rank 0 (the ranks hold equal copies).
+    Keys come in the whole model's order: a module's experts in expert order where rank
+    0's are."""
     local = num_experts // len(parts)
     merged: dict[str, T] = {}
-    for rank, part in enumerate(parts):
-        for key, value in part.items():
-            renamed = _renumbered(key, rank * local)
-            if renamed is not None:
-                merged[renamed[0]] = value
-            elif rank == 0:
-                merged[key] = value
+    done: set[str] = set()
+    for key, value in parts[0].items():
+        group = _group(key)
+        if group is None:
+            merged[key] = value
+            continue
+        if group in done:
+            continue
+        done.add(group)
+        for rank, part in enumerate(parts):
+            for other, tensor in part.items():
+                if _group(other) == group:
+                    renamed = _renumbered(other, rank * local)
+                    assert renamed is not None
+                    merged[renamed[0]] = tensor
     return merged
 
 
