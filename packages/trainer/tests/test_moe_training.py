@@ -554,7 +554,7 @@ def test_moe_layer_recompute_and_per_layer_logging(tmp_path, mock_argv, train):
         assert layers[0] != layers[1]
 
 
-@pytest.mark.slow  # four one-process references and one two-rank launch of four runs
+@pytest.mark.slow  # six one-process references and one two-rank launch of six runs
 @pytest.mark.timeout(1200)
 def test_moe_context_parallel_and_interleaved_pipeline_match_one_process(
     tmp_path, mock_argv, train
@@ -563,8 +563,11 @@ def test_moe_context_parallel_and_interleaved_pipeline_match_one_process(
     aux loss and with the sequence aux loss (counts summed over the CP ranks, the losses'
     gradient times cp as the main loss's); the interleaved pipeline (PP = 2, one layer per
     virtual stage) plain, and with the global aux loss and --moe-layer-recompute (each
-    micro-batch's recomputation replaying its counts). Losses and logged balancing losses
-    within 1e-5, clipped grad norms within 1e-4."""
+    micro-batch's recomputation replaying its counts); TP = 2 + SP with expert TP 1 at
+    EP = 1 (every expert on both TP ranks, their gradients summed over them), with a
+    shared expert, and with the expert bias (counts summed over the stage's ranks) and the
+    distributed optimizer. Losses and logged balancing losses within 1e-5, clipped grad
+    norms within 1e-4."""
     import json
     from pathlib import Path
 
@@ -573,6 +576,11 @@ def test_moe_context_parallel_and_interleaved_pipeline_match_one_process(
     flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--attention-dropout", "0", "--hidden-dropout"]
     flags += ["0", "--clip-grad", "0.05"]
     vpp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    tp_flags = ["--make-vocab-size-divisible-by", "64"]
+    shared = ["--moe-shared-expert-intermediate-size", "16"]
+    bias = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"]
+    bias += ["--moe-router-bias-update-rate", "0.3"]  # large: a wrong count changes routing
     cases = [
         ([], ["--context-parallel-size", "2"]),
         (["--moe-router-load-balancing-type", "seq_aux_loss"], ["--context-parallel-size", "2"]),
@@ -580,6 +588,11 @@ def test_moe_context_parallel_and_interleaved_pipeline_match_one_process(
         (
             ["--num-layers", "4", "--moe-router-load-balancing-type", "global_aux_loss"],
             [*vpp, "--moe-layer-recompute"],
+        ),
+        ([*tp_flags, *shared], [*tp, "--expert-tensor-parallel-size", "1"]),
+        (
+            [*tp_flags, *bias, "--moe-grouped-gemm"],
+            [*tp, "--expert-tensor-parallel-size", "1", "--use-distributed-optimizer"],
         ),
     ]
     argvs = [mock_argv(tmp_path, *flags, *extra, mbs=2, gbs=8, iters=6) for extra, _ in cases]

@@ -14,7 +14,9 @@ State-dict names are Megatron-Core's: `router.weight`, `router.expert_bias`,
 `experts.linear_fc1.weight{e}` (moe_grouped_gemm), `shared_experts.linear_fc1.weight`,
 `shared_experts.gate_weight`. The layer holds every expert and communicates
 nothing; `mg.core.parallel.expert_parallel` keeps a rank's experts and swaps in
-a dispatcher with the expert-parallel group.
+a dispatcher with the expert-parallel group, and `mg.core.models.moe.tensor_parallel`
+gives it its tensor-parallel group: the whole layer's (experts split over TP) or the
+shared experts' only (expert-tensor-parallel size 1, each TP rank routing its slice).
 """
 
 from __future__ import annotations
