@@ -114,9 +114,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def peak_rss_mb(pid: int | str = "self") -> float:
+def peak_rss_mb(pid: int | str = "self", field: str = "VmHWM") -> float:
+    """The process's peak resident memory (or, with field="VmRSS", its current one)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -195,6 +196,8 @@ class Server:
             self.proc.kill()
             sys.exit(f"mg-serve did not start: {self.banner}{self.proc.stdout.read()}")
         self.url = match.group(1)
+        self.idle_mb = peak_rss_mb(self.proc.pid, "VmRSS")
+        """Resident memory once listening: the weights, torch, the server; no request yet."""
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
 
     def reset_peak(self) -> None:
@@ -272,7 +275,13 @@ def serve_phase(ckpt: Path, threads: int, clients: int, prompts, tokens, *extra)
         out = summarise(results, time.monotonic() - started)
     finally:
         out_peak = server.close()
-    return {**out, "peak_mb": out_peak, "threads": threads, "banner": server.banner.strip()}
+    return {
+        **out,
+        "peak_mb": out_peak,
+        "idle_mb": server.idle_mb,
+        "threads": threads,
+        "banner": server.banner.strip(),
+    }
 
 
 def long_context_phase(ckpt: Path, threads: int, args, *extra: str) -> dict:
@@ -424,7 +433,10 @@ def main() -> None:
             f"- 8 x 1k-token sequences: server peak {m['peak_mb']:.0f} MB; weights "
             f"{m['weights_mb']:.0f} MB, keys/values of the cached tokens {m['cached_mb']:.0f} MB; "
             f"1.2 x weights + cached = {m['bound_mb']:.0f} MB "
-            f"({m['peak_mb'] / (m['weights_mb'] + m['cached_mb']):.2f}x weights + cached)"
+            f"({m['peak_mb'] / (m['weights_mb'] + m['cached_mb']):.2f}x weights + cached); "
+            f"resident once listening {m['idle_mb']:.0f} MB (weights and the process: torch, "
+            f"the server), growth while serving {m['peak_mb'] - m['idle_mb']:.0f} MB "
+            f"({(m['peak_mb'] - m['idle_mb']) / m['cached_mb']:.2f}x the cached keys/values)"
         )
     if "long" in results:
         lc = results["long"]
