@@ -1,9 +1,11 @@
-"""import-megatron of a Megatron-LM hybrid (pretrain_mamba.py) checkpoint: its Namespace args
-give a MambaConfig with the same layer pattern, its Transformer Engine spec names
-(`mixer.in_proj.layer_norm_weight`, ...) become ours, pipeline stages merge; TP > 1
-is refused by name. megatron-core's own MambaModel names are checked in core's
-test_mamba_megatron.py; the checkpoint here is written the way Megatron-LM's
-save_checkpoint writes one, from those names."""
+"""import-megatron / export-megatron of Megatron-LM hybrid (pretrain_mamba.py) checkpoints:
+its Namespace args give a MambaConfig with the same layer pattern, its Transformer Engine
+spec names (`mixer.in_proj.layer_norm_weight`, ...) become ours, pipeline stages merge,
+tensor-parallel shards join (each mixer's heads and groups, as core's TP split cuts
+them); export writes the args, the TE names and the shards back, bit-exact.
+megatron-core's own MambaModel names are checked in core's test_mamba_megatron.py;
+the checkpoint here is written the way Megatron-LM's save_checkpoint writes one, from
+those names."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import torch
 
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.megatron_lm import export_megatron, import_megatron, megatron_args_from_config
-from mg.core.checkpoint import load_model
+from mg.core.checkpoint import load_checkpoint, load_model
 from mg.core.checkpoint.pp_split import split_pipeline
+from mg.core.checkpoint.tp_split import split_tensor_parallel
 from mg.core.models.mamba import MambaConfig, MambaModel, megatron_te_names
 
 QUIET = {"report": lambda *_: None}
@@ -56,18 +59,21 @@ def _megatron_args(config: MambaConfig, tp: int = 1, pp: int = 1) -> argparse.Na
     return args
 
 
-def _write(folder: Path, model: MambaModel, args: argparse.Namespace, pp: int) -> None:
+def _write(folder: Path, model: MambaModel, args: argparse.Namespace, pp: int, tp: int = 1):
     stages = split_pipeline(model.state_dict(), 4, pp, tied=False)
     for p, chunks in enumerate(stages):
-        rank_dir = folder / "iter_0000020" / ("mp_rank_00" + (f"_{p:03d}" if pp > 1 else ""))
-        rank_dir.mkdir(parents=True)
-        state = {
-            "args": args,
-            "checkpoint_version": 3.0,
-            "iteration": 20,
-            "model": megatron_te_names(chunks[0]),
-        }
-        torch.save(state, rank_dir / "model_optim_rng.pt")
+        shards = split_tensor_parallel(chunks[0], tp, False, model.config)
+        for t, shard in enumerate(shards):
+            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+            rank_dir = folder / "iter_0000020" / name
+            rank_dir.mkdir(parents=True)
+            state = {
+                "args": args,
+                "checkpoint_version": 3.0,
+                "iteration": 20,
+                "model": megatron_te_names(shard),
+            }
+            torch.save(state, rank_dir / "model_optim_rng.pt")
     (folder / "latest_checkpointed_iteration.txt").write_text("20")
 
 
@@ -89,8 +95,14 @@ def test_import_of_a_megatron_hybrid(tmp_path, pp):
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
-    with pytest.raises(ConvertError, match="export-megatron of Mamba / hybrid models"):
-        export_megatron(tmp_path / "ours", tmp_path / "back", **QUIET)
+    export_megatron(tmp_path / "ours", tmp_path / "back", **QUIET)
+    state, _ = load_checkpoint(tmp_path / "back", allow_pickle=True)
+    args = state["args"]
+    assert args.hybrid_override_pattern == "M*M-" and "mamba_stack_spec" in args.spec
+    assert (args.mamba_head_dim, args.mamba_num_groups, args.mamba_state_dim) == (16, 2, 16)
+    expected = megatron_te_names(model.state_dict())
+    assert list(state["model"]) == list(expected)
+    assert all(torch.equal(state["model"][k], v) for k, v in expected.items())
     if pp == 2:  # kept as two pipeline stages, then read whole again
         import_megatron(tmp_path / "megatron", tmp_path / "staged", **QUIET)
         assert (tmp_path / "staged" / "iter_0000020" / "mp_rank_00_001").is_dir()
@@ -99,11 +111,28 @@ def test_import_of_a_megatron_hybrid(tmp_path, pp):
             assert torch.equal(staged(ids), model(ids))
 
 
-def test_tensor_parallel_mamba_is_refused(tmp_path):
+@pytest.mark.parametrize("tp", [2])
+def test_tensor_parallel_megatron_hybrid(tmp_path, tp):
+    """TP=2 files (each mixer's in_proj [z; x; B; C; dt] and conv1d rows per rank, A_log,
+    D, dt_bias and its norm by heads, out_proj by columns) import with the model's logits
+    and export back to the very files; torch_dist export is refused by name."""
     config = _config()
-    _write(tmp_path / "megatron", MambaModel(config), _megatron_args(config, tp=2), 1)
-    with pytest.raises(ConvertError, match="saved with tensor parallelism are not supported"):
-        import_megatron(tmp_path / "megatron", tmp_path / "ours", **QUIET)
-    _write(tmp_path / "m1", MambaModel(config), _megatron_args(config), 1)
-    with pytest.raises(ConvertError, match="Mamba layers are not split"):
-        import_megatron(tmp_path / "m1", tmp_path / "ours2", tp=2, **QUIET)
+    torch.manual_seed(0)
+    model = MambaModel(config).eval()
+    _write(tmp_path / "megatron", model, _megatron_args(config, tp=tp), 1, tp=tp)
+    import_megatron(tmp_path / "megatron", tmp_path / "ours", tp=1, **QUIET)
+    loaded, *_ = load_model(tmp_path / "ours")
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+    export_megatron(tmp_path / "ours", tmp_path / "back", tp=tp, **QUIET)
+    for rank in range(tp):
+        ours, _ = load_checkpoint(tmp_path / "back", tp_rank=rank, allow_pickle=True)
+        theirs, _ = load_checkpoint(tmp_path / "megatron", tp_rank=rank, allow_pickle=True)
+        assert ours["args"].tensor_model_parallel_size == tp
+        assert list(ours["model"]) == list(theirs["model"])
+        for name, tensor in theirs["model"].items():
+            assert torch.equal(ours["model"][name], tensor), name
+    with pytest.raises(ConvertError, match="writes Mamba / hybrid models in the torch format"):
+        export_megatron(tmp_path / "ours", tmp_path / "dist", ckpt_format="torch_dist", **QUIET)

@@ -118,11 +118,18 @@ def plan_target(
                 f"--target-tensor-parallel-size {tp} does not divide the model's {what} "
                 f"({value}); Megatron splits it evenly over the ranks, choose a divisor of {value}"
             )
-    if tp > 1 and isinstance(c, MambaConfig) and MAMBA in c.layer_pattern:
-        raise ConvertError(
-            f"--target-tensor-parallel-size {tp}: Mamba layers are not split over "
-            "tensor-parallel ranks yet (Megatron splits their heads and groups); use 1"
-        )
+    if isinstance(c, MambaConfig) and MAMBA in c.layer_pattern:
+        # Megatron-Core's MambaMixer splits its heads and groups over the TP ranks
+        for what, value in (
+            ("mamba_num_heads", c.mamba_num_heads),
+            ("mamba_num_groups", c.mamba_num_groups),
+        ):
+            if value % tp:
+                raise ConvertError(
+                    f"--target-tensor-parallel-size {tp} does not divide the model's {what} "
+                    f"({value}); Megatron splits it evenly over the ranks, choose a divisor "
+                    f"of {value}"
+                )
     if c.num_layers % pp:
         raise ConvertError(
             f"--target-pipeline-parallel-size {pp} does not divide the model's num_layers "

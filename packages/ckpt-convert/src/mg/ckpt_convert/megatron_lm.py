@@ -66,7 +66,7 @@ from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import ConfigError, RopeScaling, TransformerConfig
 from mg.core.models.config import MOE_DISPATCHERS
-from mg.core.models.mamba import MambaConfig
+from mg.core.models.mamba import MambaConfig, megatron_te_names
 from mg.core.tokenizers.config import TokenizerConfig
 
 # Transformer Engine spec name → local spec name (suffix replacements).
@@ -80,6 +80,7 @@ _TE_RENAMES = (
     (".mixer.in_proj.layer_norm_bias", ".norm.bias"),
 )
 _PLAIN = (str, int, float, bool, type(None))
+MAMBA_STACK_SPEC = ("megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec")
 # Megatron-LM MoE flags whose values change the model or its outputs and that mg does not
 # build: a checkpoint saved with any of them on is refused rather than imported wrongly.
 _MOE_UNSUPPORTED = (
@@ -201,12 +202,6 @@ def _is_mamba(get: Any) -> bool:
 
 def _mamba_config(config: TransformerConfig, get: Any) -> MambaConfig:
     """The Mamba / hybrid fields of pretrain_mamba.py's args on top of the decoder's."""
-    if int(get("tensor_model_parallel_size", 1)) > 1:
-        raise ConvertError(
-            "Mamba / hybrid checkpoints saved with tensor parallelism are not supported yet "
-            "(their heads and groups are split per rank); re-save with Megatron-LM's "
-            "tools/checkpoint/convert.py --target-tensor-parallel-size 1 first"
-        )
     try:
         return MambaConfig(
             **config.to_dict(),
@@ -283,6 +278,14 @@ def megatron_args_from_config(
             if f.name.startswith("moe_"):
                 value = getattr(c, f.name)
                 setattr(args, f.name, list(value) if isinstance(value, list) else value)
+    if isinstance(c, MambaConfig):  # pretrain_mamba.py's flags and its layer spec
+        args.spec = list(MAMBA_STACK_SPEC)
+        args.mamba_state_dim, args.mamba_head_dim = c.mamba_state_dim, c.mamba_head_dim
+        args.mamba_num_groups, args.mamba_num_heads = c.mamba_num_groups, c.mamba_num_heads
+        args.hybrid_attention_ratio, args.hybrid_mlp_ratio = 0.0, 0.0
+        args.hybrid_override_pattern = c.layer_pattern
+        args.is_hybrid_model = True
+        args.transformer_impl = "transformer_engine"  # the stack spec's (fused-norm) names
     if tokenizer is not None:
         for key, value in tokenizer.to_dict().items():
             setattr(args, key, value)
@@ -516,11 +519,11 @@ def export_megatron(
         raise ConvertError(f"--ckpt-format {ckpt_format!r}: expected torch or torch_dist")
     check_target(save)
     source = open_checkpoint(load, iteration)
-    if isinstance(source.config, MambaConfig):
+    mamba = isinstance(source.config, MambaConfig)
+    if mamba and ckpt_format == "torch_dist":
         raise ConvertError(
-            f"{source.folder}: export-megatron of Mamba / hybrid models is not supported yet "
-            "(Megatron-LM loads them with its Transformer Engine spec's names and args); "
-            "mg-train, mg-eval and export-hf (Mamba2ForCausalLM) read this checkpoint as it is"
+            "--ckpt-format torch_dist: export-megatron writes Mamba / hybrid models in the "
+            "torch format only (mp_rank_TT[_PPP] files)"
         )
     if source.config.num_moe_experts and ckpt_format == "torch_dist":
         raise ConvertError(
@@ -559,7 +562,9 @@ def export_megatron(
 
             write_torch_dist(staging, source, target, source.iteration, common=common)
         else:
-            write_torch(staging, source, target, source.iteration, common=common)
+            # pretrain_mamba.py builds the TE mamba_stack_spec: norms fused into the linears
+            rename = megatron_te_names if mamba else None
+            write_torch(staging, source, target, source.iteration, common=common, rename=rename)
     report(
         f"exported iteration {source.iteration}: {source.format} "
         f"({sizes(source.tp, source.pp, source.ep)}) → Megatron-LM {ckpt_format} "

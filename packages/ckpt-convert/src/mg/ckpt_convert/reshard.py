@@ -13,7 +13,7 @@ parallel layout).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,14 @@ class _StageShards(Mapping[tuple[int, int, int], dict[str, Any]]):
     before the next) holds one stage's tensors at a time.
     """
 
-    def __init__(self, source: CheckpointSource, target: TargetLayout, common: dict[str, Any]):
-        self.source, self.target, self.common = source, target, common
+    def __init__(
+        self,
+        source: CheckpointSource,
+        target: TargetLayout,
+        common: dict[str, Any],
+        rename: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
+    ):
+        self.source, self.target, self.common, self.rename = source, target, common, rename
         self._keys = [
             (t, p, e) for p in range(target.pp) for t in range(target.tp) for e in range(target.ep)
         ]
@@ -93,7 +99,10 @@ class _StageShards(Mapping[tuple[int, int, int], dict[str, Any]]):
             else [whole]
         )
         gated = config.gated_linear_unit
-        return [split_tensor_parallel(part, self.target.tp, gated, config) for part in per_ep]
+        shards = [split_tensor_parallel(part, self.target.tp, gated, config) for part in per_ep]
+        if self.rename is not None:  # the names the target's reader expects
+            shards = [[self.rename(shard) for shard in per_tp] for per_tp in shards]
+        return shards
 
 
 def sizes(tp: int, pp: int, ep: int = 1) -> str:
@@ -107,14 +116,16 @@ def write_torch(
     target: TargetLayout,
     iteration: Iteration,
     common: dict[str, Any] | None = None,
+    rename: Callable[[dict[str, Tensor]], dict[str, Tensor]] | None = None,
 ) -> Path:
     """Write ``source`` as a `torch` checkpoint in the target layout; the iteration folder.
 
     ``common`` (every rank file's entries besides the model) defaults to the source's,
-    updated to the target layout."""
+    updated to the target layout; ``rename`` maps each rank file's model state to the
+    names the target's reader expects (Megatron's Transformer Engine names, say)."""
     if common is None:
         common = target_state(source, target)
-    shards = _StageShards(source, target, common)
+    shards = _StageShards(source, target, common, rename)
     path = save_checkpoint_shards(
         save_dir, iteration, shards, tp_size=target.tp, pp_size=target.pp, ep_size=target.ep
     )
