@@ -49,6 +49,12 @@ def load_for_serving(
         if layout is not None and layout.tp > 1:
             part = load_model_part(load, layout, iteration, device=device, dtype=torch_dtype)
             model, config, tokenizer_config = part.module, part.config, part.tokenizer_config
+            if isinstance(model, MambaModel):  # its recurrent state per TP rank: not yet
+                raise ServeSetupError(
+                    f"--tensor-model-parallel-size {layout.tp}: {load} is a Mamba / hybrid "
+                    "model, served on one process only for now; use "
+                    "--tensor-model-parallel-size 1"
+                )
         else:
             model, config, tokenizer_config, _info = load_model(load, iteration)
             if torch_dtype is not None:
