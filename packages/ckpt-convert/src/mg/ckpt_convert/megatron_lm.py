@@ -35,6 +35,11 @@ Megatron-LM's local spec builds grouped GEMM as the legacy GroupedMLP
 (``weight1``/``weight2``, which mg does not read or write); otherwise
 ``sequential`` with ``moe_grouped_gemm`` off in the args.
 
+Hybrid (Mamba) checkpoints of ``pretrain_mamba.py`` give a ``MambaConfig`` (its
+spec, layer pattern and ``mamba_*`` args); each mixer's TP shards are joined and cut
+by core's ``tp_merge`` / ``tp_split`` (heads and groups per rank), and export writes
+the args with the ``mamba_stack_spec`` and that spec's Transformer Engine names.
+
 Checkpoints written with the Transformer Engine spec fuse the norms into the
 next linear layer (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`);
 import renames those to the local spec's `input_layernorm` / `pre_mlp_layernorm`.
