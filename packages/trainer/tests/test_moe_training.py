@@ -487,7 +487,7 @@ def test_torch_format_optimizer_state_is_refused_for_the_expert_parallel_optimiz
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.slow  # four trainer ranks, three runs on 2 shared cores
+@pytest.mark.slow  # four trainer ranks, four runs on 2 shared cores
 @pytest.mark.timeout(1500)
 def test_moe_expert_tensor_parallel_one_under_tp_matches_one_process(tmp_path, mock_argv, train):
     """EP = 2 × TP = 2 (+SP) with --expert-tensor-parallel-size 1 on four gloo ranks (DP = 2):
@@ -496,7 +496,8 @@ def test_moe_expert_tensor_parallel_one_under_tp_matches_one_process(tmp_path, m
     dense MLP; the experts' gradients averaged over expert DP (the DP replicas). 20
     iterations in fp32 equal one process's: losses (1e-5), clipped grad norms (1e-4, the
     experts' squares summed over EP), validation and the logged aux and z-losses (1e-5);
-    the distributed optimizer saved at 10 in torch_dist and resumed to 20 equals it too."""
+    the distributed optimizer saved at 10 in torch_dist and resumed to 20 equals it too, and
+    so does CP = 2 × EP = 2 (the EP group across the CP ranks)."""
     import json
     from pathlib import Path
 
@@ -513,16 +514,18 @@ def test_moe_expert_tensor_parallel_one_under_tp_matches_one_process(tmp_path, m
     sharded = [*run, "--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
     ckpt = str(tmp_path / "ckpt")
     runs = [run, [*sharded, "--save", ckpt, "--exit-interval", "10"], [*sharded, "--load", ckpt]]
+    runs.append([*argv, "--context-parallel-size", "2", "--expert-model-parallel-size", "2"])
     out = tmp_path / "etp1.json"
     worker = Path(__file__).with_name("ddp_worker.py")
     launch_workers(str(worker), 4, [str(out), json.dumps(runs)], timeout=1400)
-    plain, first, resumed = json.loads(out.read_text())
-    assert plain["losses"] == pytest.approx(one.losses, rel=1e-5)
-    assert plain["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
-    for (i, a), (j, b) in zip(one.validation, plain["validation"], strict=True):
-        assert i == j and b == pytest.approx(a, rel=1e-5)
-    for name, values in one.extra_losses.items():
-        assert plain["extra_losses"][name] == pytest.approx(values, rel=1e-5)
+    plain, first, resumed, cp_ep = json.loads(out.read_text())
+    for four in (plain, cp_ep):
+        assert four["losses"] == pytest.approx(one.losses, rel=1e-5)
+        assert four["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
+        for (i, a), (j, b) in zip(one.validation, four["validation"], strict=True):
+            assert i == j and b == pytest.approx(a, rel=1e-5)
+        for name, values in one.extra_losses.items():
+            assert four["extra_losses"][name] == pytest.approx(values, rel=1e-5)
     assert max(one.grad_norms) > 0.05  # clipped
     assert first["losses"] + resumed["losses"] == pytest.approx(one.losses, rel=1e-5)
     assert first["grad_norms"] + resumed["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)
