@@ -7,6 +7,14 @@ come from the training text (20000:60000), held-out windows from text it never s
 which reports the perplexity before and after with core's model forward.
 
     uv run --frozen python bench/bench_quantize_quality.py --steps 400 --out table.md
+
+With `--data-path PREFIX --split 98,2,0` (the dataset the `--load` checkpoint was
+trained on, made with its tokenizer) the held-out windows are the validation split's
+documents (Megatron's document split, as mg-train and mg-eval take it) and calibration
+windows come from documents spread over the training split, in a fixed shuffled order.
+
+    uv run --frozen python bench/bench_quantize_quality.py --load ckpt \
+        --data-path data/corpus_text_document --split 98,2,0 --out table.md
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ RECIPES = [
     ("int8_sq", []),
     ("int4_wo", ["--group-size", "128"]),
     ("int4_awq", ["--group-size", "128"]),
+    ("int4_awq", ["--group-size", "128", "--awq-clip"]),
     ("int4_gptq", ["--group-size", "128"]),
     ("int4_gptq", ["--group-size", "128", "--act-order"]),
     ("int4_wo", ["--group-size", "32"]),
@@ -48,6 +57,34 @@ def _dataset(prefix: Path, tokenizer, start: int, end: int) -> str:
     return str(prefix)
 
 
+def _split_datasets(prefix: str, split: str, tmp: Path) -> tuple[str, str, int]:
+    """(calibration prefix, held-out prefix, held-out documents) from one indexed dataset:
+    the validation split's documents, and up to 64 training documents spread evenly over
+    the training split, shuffled with seed 0 (so calibration mixes the corpus's sources)."""
+    import numpy as np
+
+    from mg.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    from mg.indexed_dataset.split import Split, parse_split, split_matrix, split_range
+
+    with IndexedDataset(prefix) as dataset:
+        bookends = split_matrix(parse_split(split))
+        train = split_range(bookends[Split.train.value], len(dataset))
+        valid = split_range(bookends[Split.valid.value], len(dataset))
+        picked = train[np.linspace(0, len(train) - 1, min(64, len(train))).astype(int)]
+        picked = np.random.default_rng(0).permutation(picked)
+
+        def write(name: str, ids) -> str:
+            out = tmp / name
+            with IndexedDatasetBuilder(f"{out}.bin", np.int32) as builder:
+                for i in ids:
+                    tokens = np.asarray(dataset[int(i)], dtype=np.int32)
+                    builder.add_document(tokens, [len(tokens)])
+                builder.finalize(f"{out}.idx")
+            return str(out)
+
+        return write("calib", picked), write("heldout", valid), len(valid)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--load", help="an mg checkpoint with a GPT-2 BPE tokenizer")
@@ -58,6 +95,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--eval-samples", type=int, default=64)
+    parser.add_argument("--data-path", help="with --load: the dataset it was trained on")
+    parser.add_argument("--split", default="98,2,0", help="with --data-path: held out = valid")
+    parser.add_argument(
+        "--gptq-calib-samples", type=int, help="fewer calibration windows for GPTQ (slow on CPU)"
+    )
+    parser.add_argument("--recipes", help="comma-separated row numbers of RECIPES to run")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -104,39 +147,67 @@ def main() -> None:
         )
         trained_s = time.perf_counter() - start
         del model
-        calib = _dataset(tmp / "calib", tokenizer, 20000, 60000)
-        heldout = _dataset(tmp / "heldout", tokenizer, 200000, 270000)
+        if args.data_path:
+            calib, heldout, n_heldout = _split_datasets(args.data_path, args.split, tmp)
+            data_text = (
+                f"held out: the {n_heldout} validation documents of --split {args.split}; "
+                "calibration: training documents spread over the split"
+            )
+        else:
+            calib = _dataset(tmp / "calib", tokenizer, 20000, 60000)
+            heldout = _dataset(tmp / "heldout", tokenizer, 200000, 270000)
+            data_text = "held out: Botchan 200000:270000; calibration: Botchan 20000:60000"
+        chosen = RECIPES
+        if args.recipes:
+            chosen = [RECIPES[int(i)] for i in args.recipes.split(",")]
         rows = []
-        for recipe, extra in RECIPES:
+        for recipe, extra in chosen:
             report = tmp / "report.json"
             out = tmp / "q"
+            calib_samples = args.calib_samples
+            if recipe == "int4_gptq" and args.gptq_calib_samples:
+                calib_samples = args.gptq_calib_samples
+            began = time.perf_counter()
             cli.main(
                 ["--no-progress", "--overwrite", "--load", source, "--save", str(out),
                  "--recipe", recipe, *extra, "--calib-data-path", calib,
-                 "--calib-samples", str(args.calib_samples), "--calib-seq-length", str(args.seq),
+                 "--calib-samples", str(calib_samples), "--calib-seq-length", str(args.seq),
                  "--eval-data-path", heldout, "--eval-samples", str(args.eval_samples),
                  "--report", str(report)]
             )  # fmt: skip
             data = json.loads(report.read_text())
+            data["calib_samples"] = calib_samples
+            data["seconds"] = time.perf_counter() - began
             rows.append((recipe, " ".join(extra), data))
             print(recipe, extra, data["ppl_before"], data["ppl_after"], file=sys.stderr)
     base = rows[0][2]["ppl_before"]
+    int4_rtn = next(
+        (d["ppl_change_pct"] for r, e, d in rows if r == "int4_wo" and "128" in e), None
+    )
     lines = [
         f"model: {params / 1e6:.1f}M parameters ({linear / 1e6:.1f}M in the quantized linears; "
         f"hidden {config.hidden_size}, {config.num_layers} layers, ffn {config.ffn_hidden_size}, "
         f"vocab {config.vocab_size}), "
         + (f"--load {args.load}" if args.load else f"trained {args.steps} steps on Botchan")
         + f" ({trained_s:.0f} s); held-out perplexity {base:.3f} on {args.eval_samples} "
-        f"windows of {args.seq} tokens; calibration {args.calib_samples} windows; "
-        f"{platform.machine()}, {os.cpu_count()} CPUs",
+        f"windows of {args.seq} tokens ({data_text}); calibration {args.calib_samples} "
+        f"windows; {platform.machine()}, {os.cpu_count()} CPUs, load average "
+        f"{os.getloadavg()[0]:.1f} at the end",
         "",
-        "| recipe | options | perplexity | change | size vs float |",
-        "| --- | --- | --- | --- | --- |",
+        "| recipe | options | calibration windows | perplexity | change | vs int4_wo g128 "
+        "| size vs float | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for recipe, extra, data in rows:
+        calibrated = recipe not in ("int8_wo", "int4_wo")
+        versus = ""
+        if recipe.startswith("int4") and int4_rtn and int4_rtn > 0:
+            versus = f"{data['ppl_change_pct'] / int4_rtn:.2f}x"
         lines.append(
-            f"| {recipe} | {extra} | {data['ppl_after']:.3f} | {data['ppl_change_pct']:+.2f}% | "
-            f"{data['size_after_bytes'] / data['size_before_bytes']:.2f}x |"
+            f"| {recipe} | {extra} | {data['calib_samples'] if calibrated else ''} | "
+            f"{data['ppl_after']:.3f} | {data['ppl_change_pct']:+.3f}% | {versus} | "
+            f"{data['size_after_bytes'] / data['size_before_bytes']:.2f}x | "
+            f"{data['seconds']:.0f} |"
         )
     table = "\n".join(lines)
     print(table)
