@@ -279,10 +279,11 @@ def test_two_ranks_tp2_sp_pp2_match_one_process_and_resume(tmp_path: Path, train
 def test_two_ranks_tp2_and_distributed_optimizer_match_one_process(tmp_path: Path, train) -> None:
     """TP=2 without sequence parallelism, PP=2 and TP=2+SP with the distributed optimizer
     against one process; the distributed optimizer's TP=2 checkpoint resumes on 2 ranks
-    and in one process within 1e-5."""
+    and in one process within 1e-5, and its `torch`-format twin merges into the same
+    whole tensors, exactly."""
     argv = _parallel_argv(tmp_path)
     one = train(argv)
-    ckpt = str(tmp_path / "tp2_dist_opt")
+    ckpt, torch_ckpt = str(tmp_path / "tp2_dist_opt"), str(tmp_path / "tp2_torch")
     dist_opt = [*SP, "--use-distributed-optimizer"]
     runs = _two_ranks(
         tmp_path,
@@ -298,6 +299,10 @@ def test_two_ranks_tp2_and_distributed_optimizer_match_one_process(tmp_path: Pat
                 "10",
             ],
             "tp2 sp distributed optimizer, resumed": [*dist_opt, "--load", ckpt],
+            "the same, torch format, first 10": [
+                *dist_opt,
+                *("--ckpt-format", "torch", "--save", torch_ckpt, "--exit-interval", "10"),
+            ],
         },
     )
     for name in ("tp2", "pp2 distributed optimizer"):
@@ -307,6 +312,16 @@ def test_two_ranks_tp2_and_distributed_optimizer_match_one_process(tmp_path: Pat
     _close(one.losses, first["losses"] + resumed["losses"], LOSS_RTOL, "distributed optimizer")
     at_tp1 = train([*argv, "--load", ckpt, "--exit-interval", "12"])
     _close(one.losses[10:12], at_tp1.losses, LOSS_RTOL, "TP=2 checkpoint resumed at TP=1")
+
+    # the same weights saved as Megatron's mp_rank_0r files (each rank's [z_r; x_r; ...]
+    # rows) merge into the tensors the torch_dist checkpoint stores whole
+    from mg.core.checkpoint import load_model
+
+    whole = load_model(ckpt)[0].state_dict()
+    merged = load_model(torch_ckpt)[0].state_dict()
+    assert merged.keys() == whole.keys()
+    for name, tensor in whole.items():
+        assert torch.equal(merged[name], tensor), name
 
 
 def test_dry_run_plans_tensor_and_pipeline_parallelism(tmp_path, capsys, monkeypatch) -> None:

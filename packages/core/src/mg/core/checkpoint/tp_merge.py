@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from mg.core.parallel.row_blocks import merge_rows
 
@@ -83,11 +84,17 @@ def mamba_row_blocks(name: str, config: Any) -> tuple[int, ...] | None:
     return (d_inner, bc, bc)
 
 
+def _local(value: Any) -> Any:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def merge_tensor_parallel(
     shards: Sequence[Mapping[str, Tensor]], gated: bool, config: Any = None
 ) -> dict[str, Tensor]:
     """Whole tensors from the model state dicts of TP ranks 0..n-1 (in rank order);
-    `config` (the model's) is needed for a Mamba mixer's blocks."""
+    `config` (the model's) is needed for a Mamba mixer's blocks. mg-train's `torch`
+    files hold each rank's shard as a DTensor: its local tensor is the shard."""
+    shards = [{k: _local(v) for k, v in shard.items()} for shard in shards]
     merged: dict[str, Tensor] = {}
     for name, first in shards[0].items():
         dim = partition_dim(name)
