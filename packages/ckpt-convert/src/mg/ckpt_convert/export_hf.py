@@ -58,8 +58,8 @@ def guess_architecture(config: TransformerConfig, names: list[str] | tuple[str, 
     """The HF model_type for a model trained here (no record of an HF origin)."""
     if config.extra.get("hf_model_type"):
         return config.extra["hf_model_type"]
-    if isinstance(config, MambaConfig):
-        return "mamba2"
+    if isinstance(config, MambaConfig):  # all Mamba layers, or a hybrid
+        return "mamba2" if set(config.layer_pattern) == {"M"} else "nemotron_h"
     if "lm_head.dense.weight" in names or config.transformer_layer_order == "post_ln":
         return "bert"
     if config.position_embedding_type == "learned_absolute":
@@ -169,7 +169,7 @@ class LayerConverter:
             for name, tensor in tensors.items()
         }
         try:
-            converted = megatron_to_hf(subset, self.config, hf_architecture(self.arch))
+            converted = megatron_to_hf(subset, self.config, hf_architecture(self.arch, self.config))
         except (KeyError, ValueError, RuntimeError) as exc:
             raise ConvertError(f"{self.where}: {exc}") from None
         if self.hf_class is None:
@@ -218,7 +218,7 @@ def export_hf(
     names = source.names
     arch = guess_architecture(config, names)
     try:
-        hf_architecture(arch)
+        hf_architecture(arch, config)
     except ValueError as exc:
         raise ConvertError(f"{load}: {exc}") from None
     hf_class = None

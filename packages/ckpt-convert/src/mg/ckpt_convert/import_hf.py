@@ -1,4 +1,5 @@
-"""`mg-convert import-hf`: a Hugging Face GPT-2 / Llama / Mistral / BERT / Mamba-2 folder → mg.
+"""`mg-convert import-hf`: a Hugging Face GPT-2 / Llama / Mistral / BERT / Mamba-2 / Nemotron-H
+folder → mg.
 
 The mapping of names and layouts is core's (`mg.core.models.hf_mapping`); this
 module adds what a file-to-file conversion needs: reading layer by layer,
@@ -109,7 +110,7 @@ def expected_shapes(config: TransformerConfig) -> dict[str, torch.Size]:
         model = bert_meta_model(config)
     else:
         with torch.device("meta"):
-            model = decoder_model(config)  # GPTModel, or MambaModel for Mamba-2
+            model = decoder_model(config)  # GPTModel, or MambaModel for Mamba-2 / hybrids
     return {name: t.shape for name, t in model.state_dict().items()}
 
 
@@ -124,7 +125,7 @@ def convert_weights(
 
     With a ``sink`` (``StreamingTorchFile.add``) each tensor is handed over as soon as
     it is converted and the result holds what the sink returned, not the tensors."""
-    arch = hf_architecture(config.extra["hf_model_type"])
+    arch = hf_architecture(config.extra["hf_model_type"], config)
     shapes = expected_shapes(config)
     out: dict[str, Tensor] = {}
     groups = group_by_layer(weights.names())
@@ -220,7 +221,7 @@ def import_hf(
     source = resolve_source(src)
     hf_config = read_hf_config(source)
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
-    arch = hf_architecture(config.extra["hf_model_type"])
+    arch = hf_architecture(config.extra["hf_model_type"], config)
     weights = HFWeights(source, arch.base_model_prefix, arch.head_prefixes)
     with staged_dir(save) as staging:
         tokenizer_config = copy_tokenizer(source, staging, bert=is_bert(config))

@@ -79,6 +79,15 @@ def _shown(key: str, config: dict[str, Any]) -> bool:
     return True
 
 
+def _hf_class(model_type: str) -> str:
+    from mg.ckpt_convert.architectures import hf_class_name
+
+    try:
+        return f"{hf_class_name(model_type)} ({model_type})"
+    except ValueError:
+        return model_type
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     config = dict(summary["model_config"] or {})
     extra = config.pop("extra", {}) or {}
@@ -93,6 +102,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"in {len(summary['files'])} files",
         f"tokenizer    {json.dumps(summary['tokenizer_config'])}",
     ]
+    if extra.get("hf_model_type"):  # imported from (or exportable as) this HF class
+        lines.insert(3, f"architecture {_hf_class(extra['hf_model_type'])}")
     if "keys" in summary:  # torch_dist
         lines.insert(3, f"saved by     {summary['saved_by']}; keys: {summary['keys']}")
     elif "saved_by" in summary:

@@ -44,6 +44,10 @@ class MambaConfig(TransformerConfig):
     """Width of the depthwise causal convolution (MambaMixer's d_conv; no Megatron flag)."""
     mamba_chunk_size: int = 128
     """Chunk length of the SSD scan; changes speed, not the result."""
+    mamba_dt_clamp_min: float = 0.0
+    """Lower bound on each step size dt = softplus(dt_proj + dt_bias), mamba_ssm's
+    `dt_limit[0]`. 0 is no clamp, as megatron-core's MambaMixer; transformers'
+    NemotronH clamps at its `time_step_min` (mg.core.models.mamba.hf)."""
 
     hybrid_attention_ratio: float = 0.0
     hybrid_mlp_ratio: float = 0.0
@@ -89,6 +93,8 @@ class MambaConfig(TransformerConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 fail(name, f"must be a positive integer, got {value!r}")
+        if not self.mamba_dt_clamp_min >= 0.0:
+            fail("mamba_dt_clamp_min", f"must be >= 0, got {self.mamba_dt_clamp_min!r}")
         if self.mamba_num_heads % self.mamba_num_groups:
             fail(
                 "mamba_num_heads",

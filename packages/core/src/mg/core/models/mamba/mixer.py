@@ -3,7 +3,7 @@
     zxBCdt = in_proj(hidden)                          one projection, split as
         z [d_inner] | x [d_inner] | B [G·N] | C [G·N] | dt [heads]
     x, B, C = silu(conv1d(x, B, C))                   depthwise, causal, width d_conv
-    dt = softplus(dt + dt_bias);  A = -exp(A_log)
+    dt = softplus(dt + dt_bias);  A = -exp(A_log)    (dt >= mamba_dt_clamp_min)
     y = SSD(x, dt, A, B, C) + D · x                   ssd.py
     y = rmsnorm_per_group(y · silu(z)) · norm.weight  gated RMSNorm, norm after gate
     out = out_proj(y)
@@ -79,6 +79,7 @@ class MambaMixer(nn.Module):
         self.state_dim = config.mamba_state_dim
         self.d_conv = config.mamba_conv_kernel
         self.chunk_size = config.mamba_chunk_size
+        self.dt_clamp_min = config.mamba_dt_clamp_min
         self.d_inner = self.num_heads * self.head_dim
         self.conv_dim = self.d_inner + 2 * self.num_groups * self.state_dim
         self.in_proj = nn.Linear(
@@ -131,6 +132,8 @@ class MambaMixer(nn.Module):
         z, xBC, dt = zxBCdt.split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         # local(): a tensor-parallel rank's heads (mg.core.parallel.tensor_parallel_mamba)
         dt = F.softplus(dt + local(self.dt_bias))
+        if self.dt_clamp_min > 0.0:
+            dt = dt.clamp(min=self.dt_clamp_min)
         A = -torch.exp(local(self.A_log).float())
         conv_weight, conv_bias = local(self.conv1d.weight), local(self.conv1d.bias)
 

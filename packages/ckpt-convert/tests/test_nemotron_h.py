@@ -1,0 +1,156 @@
+"""NemotronHForCausalLM (Mamba-2 + attention + MLP hybrid) through mg-convert: a tiny
+random model → import-hf → our logits; export-hf → transformers loads it, same
+logits, the exact tensors save_pretrained wrote; a hybrid trained here exports too;
+what MambaModel cannot express is refused by name."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("transformers")
+
+from mg.ckpt_convert.errors import ConvertError  # noqa: E402
+from mg.ckpt_convert.export_hf import export_hf  # noqa: E402
+from mg.ckpt_convert.import_hf import import_hf  # noqa: E402
+from mg.ckpt_convert.inspect_checkpoint import format_summary, summarize  # noqa: E402
+from mg.core.checkpoint.model_io import load_model, save_model  # noqa: E402
+from mg.core.models.mamba import MambaConfig, MambaModel  # noqa: E402
+from mg.core.models.mamba.hf import nemotron_h_config_from_hf  # noqa: E402
+
+pytestmark = pytest.mark.compat
+
+VOCAB = 100  # not a multiple of 128: import pads, export slices
+PATTERN = "M*M-"
+
+
+def _hf_tensors(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def _hf_config(**changes):
+    from transformers import NemotronHConfig
+
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        hybrid_override_pattern=PATTERN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,  # not hidden_size / heads: attention's width is its own
+        intermediate_size=96,
+        mamba_num_heads=6,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=16,
+        chunk_size=8,
+        time_step_min=0.01,  # the dt clamp bites on some tokens (dt_bias init reaches 1e-3)
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    return NemotronHConfig(**{**fields, **changes})
+
+
+def test_nemotron_h_import_export_parity(tmp_path):
+    from transformers import AutoModelForCausalLM, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    hf_model = NemotronHForCausalLM(_hf_config()).eval()
+    with torch.no_grad():  # norms, skips and conv biases off their init values
+        for p in hf_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    hf_model.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, VOCAB, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+
+    import_hf(str(tmp_path / "hf"), tmp_path / "ckpt", progress=False)
+    model, ours, _, _ = load_model(tmp_path / "ckpt")
+    assert isinstance(model, MambaModel) and ours.layer_pattern == PATTERN
+    assert ours.activation == "squared_relu" and ours.kv_channels == 24
+    assert ours.position_embedding_type == "none" and ours.mamba_dt_clamp_min == 0.01
+    with torch.no_grad():
+        diff = (model(ids)[..., :VOCAB] - expected).abs().max().item()
+    assert diff <= 1e-4
+    assert "NemotronHForCausalLM" in format_summary(summarize(tmp_path / "ckpt"))
+
+    export_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert (reloaded(ids).logits - expected).abs().max().item() <= 1e-4
+    original, exported = _hf_tensors(tmp_path / "hf"), _hf_tensors(tmp_path / "out")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(t, exported[n]) for n, t in original.items())
+    out_config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert out_config["model_type"] == "nemotron_h" and out_config["eos_token_id"] == 2
+
+
+def test_hybrid_trained_here_exports_as_nemotron_h(tmp_path):
+    """A MambaModel with no HF origin (no dt clamp, Megatron's) → transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = MambaConfig(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=2,
+        ffn_hidden_size=48,
+        vocab_size=64,
+        mamba_head_dim=16,
+        mamba_num_groups=1,
+        mamba_state_dim=8,
+        mamba_chunk_size=8,
+        hybrid_override_pattern="M-*",
+        normalization="RMSNorm",
+        activation="squared_relu",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    )
+    model = MambaModel(config).eval()
+    save_model(tmp_path / "ckpt", model, config, None, iteration="release")
+    export_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, 64, (1, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (reloaded(ids).logits - model(ids)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        (dict(hybrid_override_pattern="M*E-"), "moe"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+        (dict(mlp_hidden_act="silu"), "mlp_hidden_act"),
+    ],
+)
+def test_unsupported_nemotron_h_is_refused_by_name(changes, named):
+    with pytest.raises(ValueError, match=named):
+        nemotron_h_config_from_hf(_hf_config(**changes).to_dict())
+
+
+def test_gelu_hybrid_export_names_the_field(tmp_path):
+    config = MambaConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=2,
+        vocab_size=64,
+        mamba_head_dim=16,
+        mamba_num_groups=1,
+        mamba_state_dim=8,
+        hybrid_override_pattern="M*",
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        activation="swiglu",
+    )
+    save_model(tmp_path / "ckpt", MambaModel(config), config, None, iteration="release")
+    with pytest.raises(ConvertError, match="activation='swiglu'"):
+        export_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
