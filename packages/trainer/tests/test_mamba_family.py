@@ -100,6 +100,15 @@ def test_hybrid_trains_and_resumes_bitwise(tmp_path, train) -> None:
     assert model(torch.randint(0, 127, (1, 9))).shape == (1, 9, 128)
 
 
+def test_full_recompute_equals_none(tmp_path, train) -> None:
+    """--recompute-granularity full over the hybrid's stack (its final norm is
+    `final_norm`, not TransformerBlock's `final_layernorm`): the same losses, bitwise."""
+    argv = _argv(tmp_path, "--eval-iters", "0", iters=3)
+    plain = train(argv)
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    assert train([*argv, *full, "--recompute-num-layers", "2"]).losses == plain.losses
+
+
 @pytest.mark.slow
 def test_data_parallel_distributed_optimizer_matches_one_process(tmp_path, train) -> None:
     """20 iterations, fp32: DP=2 with the distributed optimizer vs one process accumulating

@@ -108,8 +108,12 @@ def _uniform_decoder_forward(decoder: nn.Module, chunk: int) -> Callable[..., Te
                 use_reentrant=False,
                 context_fn=recompute_context,
             )
-        return decoder.final_layernorm(hidden)
+        return final_norm(hidden)
 
+    # TransformerBlock's final_layernorm, a hybrid MambaStack's final_norm (or a stage's)
+    final_norm = getattr(decoder, "final_layernorm", None)
+    if final_norm is None:
+        final_norm = decoder.final_norm
     return forward
 
 
