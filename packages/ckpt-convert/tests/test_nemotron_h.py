@@ -154,3 +154,45 @@ def test_gelu_hybrid_export_names_the_field(tmp_path):
     save_model(tmp_path / "ckpt", MambaModel(config), config, None, iteration="release")
     with pytest.raises(ConvertError, match="activation='swiglu'"):
         export_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
+
+
+def test_moe_nemotron_h_import_exits_2_in_one_line(tmp_path, capsys):
+    from mg.ckpt_convert.cli import main
+
+    _hf_config(hybrid_override_pattern="M*E-").save_pretrained(tmp_path / "hf")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'moe' layers" in err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_older_config_spelling():
+    """Hub configs written before transformers' NemotronH: hybrid_override_pattern,
+    attention_head_dim, mamba_* aliases."""
+    config = nemotron_h_config_from_hf(
+        dict(
+            model_type="nemotron_h",
+            vocab_size=VOCAB,
+            hidden_size=64,
+            hybrid_override_pattern="M-M*",
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            attention_head_dim=32,
+            intermediate_size=96,
+            mamba_num_heads=8,
+            mamba_head_dim=16,
+            mamba_n_groups=4,
+            mamba_d_conv=3,
+            ssm_state_size=16,
+            mamba_chunk_size=32,
+            time_step_min=0.001,
+            mlp_hidden_act="relu2",
+            residual_in_fp32=True,
+        )
+    )
+    assert config.layer_pattern == "M-M*" and config.kv_channels == 32
+    assert (config.mamba_num_groups, config.mamba_conv_kernel) == (4, 3)
+    assert config.mamba_chunk_size == 32 and config.num_query_groups == 1
