@@ -1,5 +1,5 @@
 """NemotronHForCausalLM (Mamba-2 + attention + MLP hybrid) through mg-convert: a tiny
-random model → import-hf → our logits; export-hf → transformers loads it, same
+random model → import-hf → our logits and greedy decoding; export-hf → transformers loads it, same
 logits, the exact tensors save_pretrained wrote; a hybrid trained here exports too;
 what MambaModel cannot express is refused by name."""
 
@@ -30,6 +30,24 @@ def _hf_tensors(folder) -> dict[str, torch.Tensor]:
     for file in sorted(folder.glob("*.safetensors")):
         out.update(load_file(file))
     return out
+
+
+@torch.no_grad()
+def _greedy(model, prompt: torch.Tensor, steps: int) -> list[int]:
+    """Greedy decoding through HybridCache: Mamba states and attention keys/values."""
+    from mg.core.models.mamba import HybridCache
+
+    cache = HybridCache.for_model(model, num_slots=1, max_length=64)
+    n = prompt.shape[1]
+    cache.bind(torch.tensor([0]), torch.tensor([0]))
+    logits = model(prompt, torch.arange(n)[None], inference_cache=cache)[:, -1, :VOCAB]
+    tokens = []
+    for i in range(steps):
+        tokens.append(int(logits.argmax(-1)))
+        cache.bind(torch.tensor([0]), torch.tensor([n + i]))
+        step = model(torch.tensor([[tokens[-1]]]), torch.tensor([[n + i]]), inference_cache=cache)
+        logits = step[:, -1, :VOCAB]
+    return tokens
 
 
 def _hf_config(**changes):
@@ -79,6 +97,12 @@ def test_nemotron_h_import_export_parity(tmp_path):
     with torch.no_grad():
         diff = (model(ids)[..., :VOCAB] - expected).abs().max().item()
     assert diff <= 1e-4
+    prompt = ids[:1, :9]  # decodes as transformers does, with the model's caches
+    with torch.no_grad():
+        theirs = hf_model.generate(
+            prompt, max_new_tokens=12, do_sample=False, attention_mask=torch.ones_like(prompt)
+        )[0, 9:].tolist()
+    assert _greedy(model, prompt, 12) == theirs
     assert "NemotronHForCausalLM" in format_summary(summarize(tmp_path / "ckpt"))
 
     export_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
