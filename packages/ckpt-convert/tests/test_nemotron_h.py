@@ -117,21 +117,24 @@ def test_nemotron_h_import_export_parity(tmp_path):
 
 
 def test_hybrid_trained_here_exports_as_nemotron_h(tmp_path):
-    """A MambaModel with no HF origin (no dt clamp, Megatron's) → transformers' logits."""
+    """A MambaModel with no HF origin (no dt clamp, Megatron's), saved at TP=2 x PP=2
+    → export-hf → transformers' logits are ours."""
     from transformers import AutoModelForCausalLM
+
+    from mg.ckpt_convert.reshard import reshard
 
     torch.manual_seed(0)
     config = MambaConfig(
-        num_layers=3,
+        num_layers=4,
         hidden_size=32,
         num_attention_heads=2,
         ffn_hidden_size=48,
         vocab_size=64,
         mamba_head_dim=16,
-        mamba_num_groups=1,
+        mamba_num_groups=2,
         mamba_state_dim=8,
         mamba_chunk_size=8,
-        hybrid_override_pattern="M-*",
+        hybrid_override_pattern="M-*M",
         normalization="RMSNorm",
         activation="squared_relu",
         add_bias_linear=False,
@@ -139,7 +142,8 @@ def test_hybrid_trained_here_exports_as_nemotron_h(tmp_path):
     )
     model = MambaModel(config).eval()
     save_model(tmp_path / "ckpt", model, config, None, iteration="release")
-    export_hf(tmp_path / "ckpt", tmp_path / "out", progress=False)
+    reshard(tmp_path / "ckpt", tmp_path / "tp2pp2", tp=2, pp=2, report=lambda *_: None)
+    export_hf(tmp_path / "tp2pp2", tmp_path / "out", progress=False)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.randint(0, 64, (1, 13), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
