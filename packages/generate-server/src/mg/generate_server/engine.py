@@ -378,7 +378,11 @@ class GenerationEngine:
                 continue
             count = min(sequence.remaining, budget)
             sequence.lookahead = self._lookahead(sequence, budget - count)
-            while not self._grow(sequence, sequence.computed + count + sequence.lookahead):
+            if sequence.lookahead and not self._grow(
+                sequence, sequence.computed + count + sequence.lookahead
+            ):
+                sequence.lookahead = 0  # draft tokens never preempt anyone
+            while not self._grow(sequence, sequence.computed + count):
                 victims = [s for s in self._running if s.request_id not in planned]
                 victim = victims[-1]  # the latest admitted; `sequence` itself at worst
                 self._preempt(victim)
