@@ -12,7 +12,7 @@ import torch
 
 from mg.core.checkpoint import load_model, save_model
 from mg.core.fixtures import fixture_path, gpt2_bpe_tokenizer_config
-from mg.core.models.mamba import MambaConfig, MambaModel
+from mg.core.models.mamba import MambaModel, tiny_hybrid
 from mg.core.tokenizers import build_tokenizer
 from mg.evaluate.cli import main as mg_eval
 from mg.evaluate.detokenizer import wikitext_detokenize
@@ -91,22 +91,7 @@ def test_mamba2_wikitext_equals_transformers(tmp_path, capsys) -> None:
 
 def test_hybrid_wikitext_equals_its_forward(tmp_path, capsys) -> None:
     torch.manual_seed(0)
-    config = MambaConfig(
-        num_layers=3,
-        hidden_size=32,
-        num_attention_heads=2,
-        vocab_size=50304,
-        seq_length=SEQ,
-        max_position_embeddings=64,
-        mamba_head_dim=16,
-        mamba_num_groups=1,
-        mamba_state_dim=8,
-        mamba_chunk_size=8,
-        hybrid_override_pattern="M*-",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.3,
-    )
+    config = tiny_hybrid(seq_length=SEQ)
     save_model(tmp_path / "ckpt", MambaModel(config).eval(), config, None)
     ours = _mg_eval_wikitext(tmp_path / "ckpt", tmp_path, capsys)
     model = load_model(tmp_path / "ckpt")[0].eval()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mg.core.checkpoint.model_io import load_model
-from mg.core.models.mamba import HybridCache, MambaConfig, MambaModel
+from mg.core.models.mamba import HybridCache, MambaConfig, MambaModel, tiny_hybrid
 from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.runner import ModelRunner
@@ -187,22 +187,7 @@ def _hybrid_checkpoint(folder: Path) -> Path:
     from mg.core.fixtures import gpt2_bpe_tokenizer_config
 
     torch.manual_seed(0)
-    config = MambaConfig(
-        num_layers=3,
-        hidden_size=32,
-        num_attention_heads=2,
-        vocab_size=50304,
-        seq_length=64,
-        max_position_embeddings=64,
-        mamba_head_dim=16,
-        mamba_num_groups=1,
-        mamba_state_dim=8,
-        mamba_chunk_size=8,
-        hybrid_override_pattern="M*-",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.3,
-    )
+    config = tiny_hybrid()
     tokenizer = gpt2_bpe_tokenizer_config()
     save_model(folder / "ckpt", MambaModel(config).eval(), config, tokenizer)
     return folder / "ckpt"

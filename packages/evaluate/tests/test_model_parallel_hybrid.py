@@ -15,7 +15,7 @@ import torch
 from eval_ranks import THEN, run_eval_ranks
 
 from mg.core.checkpoint import save_model
-from mg.core.models.mamba import MambaConfig, MambaModel
+from mg.core.models.mamba import MambaModel, tiny_hybrid
 from mg.evaluate.cli import main
 
 TEXT = (
@@ -28,21 +28,9 @@ TEXT = (
 
 def test_hybrid_at_tp2_and_pp2_equals_one_process(tokenizer_config, tmp_path) -> None:
     torch.manual_seed(0)
-    config = MambaConfig(
-        num_layers=4,
-        hidden_size=32,
-        num_attention_heads=2,
-        vocab_size=50304,
-        seq_length=16,
-        max_position_embeddings=64,
-        mamba_head_dim=16,  # 4 heads in 2 groups: one group per TP rank
-        mamba_num_groups=2,
-        mamba_state_dim=8,
-        mamba_chunk_size=8,
-        hybrid_override_pattern="M*M-",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.3,
+    # 4 layers; 2 Mamba heads of 16 in 2 groups: one group per TP rank
+    config = tiny_hybrid(
+        num_layers=4, seq_length=16, mamba_num_groups=2, hybrid_override_pattern="M*M-"
     )
     ckpt = tmp_path / "ckpt"
     save_model(ckpt, MambaModel(config).eval(), config, tokenizer_config)

@@ -12,7 +12,7 @@ Modules, one job each: `ssd` (the chunked state-space scan and its recurrence),
 """
 
 from mg.core.models.mamba.cache import HybridCache, PagedHybridCache
-from mg.core.models.mamba.config import MambaConfig, decoder_config_from_dict
+from mg.core.models.mamba.config import MambaConfig, decoder_config_from_dict, tiny_hybrid
 from mg.core.models.mamba.hybrid import (
     AttentionLayer,
     MambaLayer,
@@ -39,6 +39,7 @@ __all__ = [
     "MambaStack",
     "PagedHybridCache",
     "allocate_layers",
+    "tiny_hybrid",
     "decoder_config_from_dict",
     "decoder_model",
     "from_megatron_te_names",

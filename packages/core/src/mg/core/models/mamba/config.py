@@ -108,6 +108,29 @@ class MambaConfig(TransformerConfig):
             raise ConfigError(f"MambaConfig: {err}") from None
 
 
+def tiny_hybrid(**overrides: Any) -> MambaConfig:
+    """A three-layer hybrid (Mamba, attention, MLP: "M*-") with the GPT-2 vocabulary padded
+    to 50304, no dropout and decisive logits (init std 0.3): the model the serving, eval and
+    conversion tests share."""
+    defaults: dict[str, Any] = dict(
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=2,
+        vocab_size=50304,
+        seq_length=64,
+        max_position_embeddings=64,
+        mamba_head_dim=16,
+        mamba_num_groups=1,
+        mamba_state_dim=8,
+        mamba_chunk_size=8,
+        hybrid_override_pattern="M*-",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.3,
+    )
+    return MambaConfig(**{**defaults, **overrides})
+
+
 def decoder_config_from_dict(data: dict[str, Any]) -> TransformerConfig:
     """A recorded decoder config (a checkpoint's `model_config`) as the class it was:
     a `MambaConfig` when it has the Mamba fields, else a `TransformerConfig`."""
