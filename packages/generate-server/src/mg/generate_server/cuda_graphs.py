@@ -113,12 +113,7 @@ class CudaGraphRunner(ModelRunner):
     @torch.inference_mode()
     def _run(self, step: _StaticStep) -> None:
         """One padded decode step over the static tensors; logits into `step.logits`."""
-        model = self.model
-        hidden = model.embedding(step.ids, step.positions)
-        rope = model.rotary_pos_emb
-        rotary = rope(step.positions) if rope is not None else None
-        hidden = model.decoder(hidden, rotary, None, self.cache)
-        logits = model.output_and_loss(hidden, None)[0]
+        logits = self._logits(step.ids, step.positions)
         if step.logits is None:
             step.logits = logits.clone()
         else:

@@ -101,16 +101,22 @@ class ModelRunner:
         positions: Sequence[int],
         logit_rows: Sequence[int],
     ) -> Tensor:
-        model = self.model
         self.cache.bind(segments)
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
         pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
-        hidden = model.embedding(ids, pos)
-        rotary = model.rotary_pos_emb(pos) if model.rotary_pos_emb is not None else None
-        hidden = model.decoder(hidden, rotary, None, self.cache)
         rows = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
-        logits = model.output_and_loss(hidden[:, rows], None)[0]
-        return logits.float().cpu()
+        return self._logits(ids, pos, rows).float().cpu()
+
+    def _logits(self, ids: Tensor, positions: Tensor, rows: Tensor | None = None) -> Tensor:
+        """The model over the bound cache: logits [rows (all when None), vocab]."""
+        model = self.model
+        hidden = model.embedding(ids, positions)
+        rope = model.rotary_pos_emb
+        rotary = rope(positions) if rope is not None else None
+        hidden = model.decoder(hidden, rotary, None, self.cache)
+        if rows is not None:
+            hidden = hidden[:, rows]
+        return model.output_and_loss(hidden, None)[0]
 
     def heartbeat(self) -> None:
         """Called while idle (every `heartbeat_seconds`): nothing to do in one process."""
