@@ -26,5 +26,24 @@ def test_peak_by_hand(cpuinfo, threads, tflops, per_cycle) -> None:
     assert f"= {tflops:.3f} TFLOP/s" in peak.describe()
 
 
+SPR = INTEL.replace("avx512f", "avx512f avx512_bf16 amx_bf16")
+COOPER = INTEL.replace("avx512f", "avx512f avx512_bf16")
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "per_cycle", "precision"),
+    [
+        (SPR, 1024, "BF16"),  # AMX: 16 x 32 x 16 multiply-adds per 16 cycles
+        (COOPER, 128, "BF16"),  # two 512-bit units of 16 bf16 pairs
+        (INTEL, 64, "FP32"),  # no bf16 units: bf16 runs on the FP32 ones
+    ],
+)
+def test_bf16_peak_by_hand(cpuinfo, per_cycle, precision) -> None:
+    peak = estimate_cpu_peak(2, cpuinfo, bf16=True)
+    assert (peak.flops_per_cycle, peak.precision) == (per_cycle, precision)
+    assert f"x {per_cycle} {precision} FLOP/cycle" in peak.describe()
+    assert estimate_cpu_peak(2, cpuinfo).flops_per_cycle == 64  # an fp32 run: FP32 units
+
+
 def test_unknown_cpu_has_no_peak() -> None:
     assert estimate_cpu_peak(2, "") is None

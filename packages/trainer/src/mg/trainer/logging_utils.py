@@ -2,7 +2,8 @@
 
 The training line is Megatron's `training_log` string, field for field, with one
 addition after the throughput: `MFU: x% |` (model FLOPs utilisation against the
-device's dense bf16 peak; on a CPU against an FP32 estimate, see :mod:`.cpu_peak`) or
+device's dense bf16 peak; on a CPU against an estimate for the run's precision, see
+:mod:`.cpu_peak`) or
 `MFU: n/a |` where the peak is unknown. Small throughputs get more digits than
 Megatron's one decimal, so a CPU run does not read "0.0".
 """
@@ -30,10 +31,11 @@ PEAK_BF16_TFLOPS = {
 }
 
 
-def device_peak_tflops(device: torch.device) -> float | None:
-    """Peak bf16 TFLOP/s of a GPU (FP32 estimate of a CPU), or None when unknown."""
+def device_peak_tflops(device: torch.device, *, bf16: bool = False) -> float | None:
+    """Peak bf16 TFLOP/s of a GPU (a CPU's estimate for bf16 or FP32 math), or None when
+    unknown."""
     if device.type == "cpu":
-        peak = estimate_cpu_peak(torch.get_num_threads())
+        peak = estimate_cpu_peak(torch.get_num_threads(), bf16=bf16)
         return peak.tflops if peak is not None else None
     if device.type != "cuda":
         return None

@@ -326,11 +326,13 @@ class Trainer:
         self.dtype = autocast_dtype(t.bf16, t.fp16)
         self._build_data()
         self.housekeeping = Housekeeping(args, self.env.rank)
-        self.peak = device_peak_tflops(self.env.device)
+        bf16 = self.dtype == torch.bfloat16
+        self.peak = device_peak_tflops(self.env.device, bf16=bf16)
         if self.env.device.type == "cpu" and self.is_log_rank and self.peak:
             from mg.trainer.cpu_peak import estimate_cpu_peak  # what MFU is measured against
 
-            print(f" {estimate_cpu_peak(torch.get_num_threads()).describe()}", flush=True)
+            peak = estimate_cpu_peak(torch.get_num_threads(), bf16=bf16)
+            print(f" {peak.describe()}", flush=True)
         lg = args.logging
         self.writer = MetricsWriter(
             lg.tensorboard_dir,
