@@ -82,6 +82,8 @@ def test_recipe_round_trip(recipe, extra, trained_llama, datasets, tmp_path, cap
     assert data["size_after_bytes"] < data["size_before_bytes"]
     limit = {"int8_wo": 1, "int8_sq": 3, "fp8": 3}.get(recipe, 10)
     assert abs(data["ppl_change_pct"]) < limit, data
+    assert 0 <= data["kl_divergence"] < 1 and 0 <= data["kl_divergence_p99"] < 5, data
+    assert data["same_top_token_pct"] > 80, data
     loaded, config, tok, _ = load_model(save)
     assert tok is not None and Path(tok.vocab_file).is_file()  # copied beside the weights
     layer = loaded.decoder.layers[0]

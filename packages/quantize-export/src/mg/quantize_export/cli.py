@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -79,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--calib-data-path", nargs="+", metavar="PREFIX", help="indexed dataset(s)")
     c.add_argument("--calib-samples", type=int, default=128)
     c.add_argument("--calib-seq-length", type=int, default=None, help="default: min(512, seq)")
-    c.add_argument("--eval-data-path", nargs="+", metavar="PREFIX", help="held-out data: ppl")
+    c.add_argument(
+        "--eval-data-path", nargs="+", metavar="PREFIX",
+        help="held-out data: perplexity and KL divergence before/after",
+    )  # fmt: skip
     c.add_argument("--eval-samples", type=int, default=32)
     e = parser.add_argument_group("export and report")
     e.add_argument("--export-format", choices=EXPORTS, help="also write SAVE/<format>/")
@@ -130,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
     from mg.core.quantization.primitives import QuantizationError
     from mg.quantize_export.calibration import calibration_samples
     from mg.quantize_export.errors import QuantizeInputError
-    from mg.quantize_export.evaluation import perplexity, state_bytes
+    from mg.quantize_export.evaluation import agreement, reference_log_probs, state_bytes
     from mg.quantize_export.loading import load_source
     from mg.quantize_export.output import (
         check_target,
@@ -161,7 +165,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.eval_data_path:
         eval_len = min(seq, config.seq_length - 1) + 1
         eval_samples = calibration_samples(args.eval_data_path, args.eval_samples, eval_len, vocab)
-        report["ppl_before"] = perplexity(model, eval_samples)
+        reference = tempfile.TemporaryDirectory(prefix="mg-quantize-reference-")
+        report["ppl_before"] = reference_log_probs(model, eval_samples, Path(reference.name))
     if args.export_format:
         from mg.core.quantization import QuantizationConfig
         from mg.quantize_export.exports import check_export
@@ -188,8 +193,13 @@ def run(args: argparse.Namespace) -> dict:
     except QuantizationError as exc:
         raise QuantizeInputError(str(exc)) from None
     if eval_samples is not None:
-        report["ppl_after"] = perplexity(model, eval_samples)
+        moved = agreement(model, eval_samples, Path(reference.name))
+        reference.cleanup()
+        report["ppl_after"] = moved.perplexity
         report["ppl_change_pct"] = 100 * (report["ppl_after"] / report["ppl_before"] - 1)
+        report["kl_divergence"] = moved.kl_divergence
+        report["kl_divergence_p99"] = moved.kl_divergence_p99
+        report["same_top_token_pct"] = 100 * moved.same_top_token
     with torch.no_grad():  # float parts back to the source's dtype (scales stay fp32)
         for p in model.parameters():
             p.data = p.data.to(src_dtype)
@@ -247,6 +257,11 @@ def format_report(report: dict) -> str:
         lines.append(
             f"perplexity: {report['ppl_before']:.4f} -> {report['ppl_after']:.4f} "
             f"({report['ppl_change_pct']:+.3f}%)"
+        )
+        lines.append(
+            f"KL divergence from the float model: mean {report['kl_divergence']:.6f}, "
+            f"p99 {report['kl_divergence_p99']:.6f} nats; same top token "
+            f"{report['same_top_token_pct']:.2f}%"
         )
     lines.append("relative weight error per layer:")
     lines += [f"  {name}: {err:.5f}" for name, err in report["weight_error"].items()]
