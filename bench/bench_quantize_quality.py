@@ -179,7 +179,10 @@ def main() -> None:
             data["calib_samples"] = calib_samples
             data["seconds"] = time.perf_counter() - began
             rows.append((recipe, " ".join(extra), data))
-            print(recipe, extra, data["ppl_before"], data["ppl_after"], file=sys.stderr)
+            print(
+                recipe, extra, data["ppl_before"], data["ppl_after"], data["kl_divergence"],
+                f"{data['seconds']:.0f} s", file=sys.stderr, flush=True,
+            )  # fmt: skip
     base = rows[0][2]["ppl_before"]
     int4_rtn = next(
         (d["ppl_change_pct"] for r, e, d in rows if r == "int4_wo" and "128" in e), None
@@ -195,8 +198,8 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f} at the end",
         "",
         "| recipe | options | calibration windows | perplexity | change | vs int4_wo g128 "
-        "| size vs float | seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| KL divergence (mean, nats) | KL p99 | same top token | size vs float | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for recipe, extra, data in rows:
         calibrated = recipe not in ("int8_wo", "int4_wo")
@@ -206,6 +209,8 @@ def main() -> None:
         lines.append(
             f"| {recipe} | {extra} | {data['calib_samples'] if calibrated else ''} | "
             f"{data['ppl_after']:.3f} | {data['ppl_change_pct']:+.3f}% | {versus} | "
+            f"{data['kl_divergence']:.5f} | {data['kl_divergence_p99']:.4f} | "
+            f"{data['same_top_token_pct']:.2f}% | "
             f"{data['size_after_bytes'] / data['size_before_bytes']:.2f}x | "
             f"{data['seconds']:.0f} |"
         )
