@@ -93,3 +93,55 @@ def test_asymmetric_int4_decompresses_with_compressed_tensors(trained_llama, tmp
         assert "weight_zero_point" in module_state
         out = compressor.decompress(module_state, scheme)
         assert torch.allclose(out["weight"].float(), weight, atol=1e-6), name
+
+
+def test_quantized_output_layer_round_trips(trained_llama, datasets, tmp_path) -> None:
+    """--quantize-output-layer: the logits run through the int8 output layer, in mg's
+    reloaded checkpoint and in the compressed-tensors export (lm_head no longer ignored);
+    a tied model is refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from mg.core.quantization import Int8WeightOnlyLinear
+
+    float_model, ckpt = trained_llama
+    save, report = tmp_path / "q", tmp_path / "report.json"
+    cli.main(["--no-progress", "--load", str(ckpt), "--save", str(save), "--recipe", "int8_wo",
+              "--quantize-output-layer", "--eval-data-path", datasets[1], "--eval-samples", "4",
+              "--report", str(report), "--export-format", "hf"])  # fmt: skip
+    data = json.loads(report.read_text())
+    assert data["quantized_linears"] == 9 and abs(data["ppl_change_pct"]) < 1, data
+    config = json.loads((save / "hf" / "config.json").read_text())
+    assert "lm_head" not in config["quantization_config"]["ignore"]
+    ours, _, _, _ = load_model(save)
+    assert isinstance(ours.output_layer, Int8WeightOnlyLinear)
+    hf = AutoModelForCausalLM.from_pretrained(save / "hf", dtype=torch.float32).eval()
+    ids = torch.tensor([[464, 3290, 318, 257, 1310, 286, 262, 995]])
+    with torch.no_grad():
+        mine, theirs, reference = ours(ids), hf(ids).logits, float_model(ids)
+        # the output layer's own error is in the logits: the dequantized weight's
+        expected = torch.nn.functional.linear(
+            ours.decoder(ours.embedding(ids, torch.arange(8)[None]), ours.rotary_pos_emb(
+                torch.arange(8)[None])), ours.output_layer.dequantized_weight()
+        )  # fmt: skip
+    assert (mine - expected).abs().max() < 1e-4
+    quantization_error = (mine - reference).abs().max()
+    assert quantization_error > 0
+    assert (theirs - mine).abs().max() <= 0.25 * quantization_error + 1e-4
+
+
+def test_quantize_output_layer_refuses_tied_weights(tokenizer_config, tmp_path, capsys) -> None:
+    from mg.core.checkpoint import save_model
+    from mg.core.models import GPTModel
+    from mg.core.models.presets import tiny_llama
+
+    config = tiny_llama(vocab_size=50304, seq_length=32, max_position_embeddings=32)
+    config.untie_embeddings_and_output_weights = False
+    save_model(tmp_path / "tied", GPTModel(config), config, tokenizer_config)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--no-progress", "--load", str(tmp_path / "tied"), "--save",
+                  str(tmp_path / "q"), "--recipe", "int8_wo",
+                  "--quantize-output-layer"])  # fmt: skip
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mg-quantize: error: --quantize-output-layer") and "\n" not in err
+    assert not (tmp_path / "q").exists()

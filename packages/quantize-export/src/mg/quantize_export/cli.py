@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--exclude", nargs="+", action="extend", default=[], metavar="PATTERN",
         help="glob patterns of linear names kept in float (decoder.layers.0.*)",
     )  # fmt: skip
+    q.add_argument(
+        "--quantize-output-layer", action="store_true",
+        help="quantize the (untied) output layer too, as llama.cpp does; kept in float by "
+        "default, as ModelOpt and llm-compressor keep lm_head",
+    )  # fmt: skip
     c = parser.add_argument_group("calibration and evaluation data")
     c.add_argument("--calib-data-path", nargs="+", metavar="PREFIX", help="indexed dataset(s)")
     c.add_argument("--calib-samples", type=int, default=128)
@@ -148,6 +153,12 @@ def run(args: argparse.Namespace) -> dict:
     check_target(save, args.overwrite)
     source = load_source(args.load)
     model, config = source.model, source.config
+    if args.quantize_output_layer and getattr(model, "output_layer", None) is None:
+        raise QuantizeInputError(
+            "--quantize-output-layer: this model's output layer is its word embedding "
+            "(tied weights); drop the flag, or quantize a model trained with "
+            "--untie-embeddings-and-output-weights"
+        )
     src_dtype = model.embedding.word_embeddings.weight.dtype
     model.float()
     vocab = _tokenizer_vocab(source.tokenizer_config, config.vocab_size)
@@ -186,6 +197,7 @@ def run(args: argparse.Namespace) -> dict:
         sq_alpha=args.smoothquant_alpha,
         fp8_per_channel=args.fp8_per_channel,
         exclude=list(args.exclude),
+        quantize_output_layer=args.quantize_output_layer,
         progress=not args.no_progress,
     )
     try:

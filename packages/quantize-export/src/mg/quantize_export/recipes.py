@@ -30,6 +30,7 @@ from mg.core.quantization import (
     Int8WeightOnlyLinear,
     QuantizationConfig,
     QuantizedLinear,
+    logits_through_output_module,
     set_submodule,
 )
 from mg.core.quantization.primitives import check_group_size, quantize_int4
@@ -60,6 +61,7 @@ class RecipeOptions:
     awq_grid: int = 20
     awq_clip: bool = False
     exclude: list[str] = field(default_factory=list)
+    quantize_output_layer: bool = False
     progress: bool = True
 
 
@@ -70,8 +72,11 @@ class QuantizeResult:
     """Relative Frobenius error ‖Ŵ − W‖ / ‖W‖ of each quantized linear."""
 
 
-def target_linears(model: nn.Module, exclude: list[str]) -> list[str]:
-    patterns = [*DEFAULT_EXCLUDE, *exclude]
+def target_linears(
+    model: nn.Module, exclude: list[str], quantize_output_layer: bool = False
+) -> list[str]:
+    defaults = [p for p in DEFAULT_EXCLUDE if not (quantize_output_layer and p == "output_layer")]
+    patterns = [*defaults, *exclude]
     return [
         name
         for name, module in model.named_modules()
@@ -98,8 +103,10 @@ def quantize_model(
     model: nn.Module, options: RecipeOptions, samples: Tensor | None
 ) -> QuantizeResult:
     """Replace the model's target linears by quantized modules, in place."""
-    names = target_linears(model, options.exclude)
+    names = target_linears(model, options.exclude, options.quantize_output_layer)
     check_recipe(model, options, names)
+    if "output_layer" in names and hasattr(model, "output_and_loss"):
+        logits_through_output_module(model)  # so calibration sees the output layer's inputs
     if options.recipe in CALIBRATED and samples is None:
         raise QuantizeInputError(
             f"--recipe {options.recipe} needs calibration data: give --calib-data-path"

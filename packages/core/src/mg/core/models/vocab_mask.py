@@ -49,7 +49,11 @@ def logits_or_loss(
 ) -> Tensor:
     """Final hidden states [b, s, h] → logits [b, s, vocab], or with labels the per-token
     cross-entropy [b, s] in fp32 (unreduced, as Megatron returns it)."""
-    logits = mask_padded_vocab(F.linear(hidden, weight), real_vocab_size)
+    return loss_or_logits(mask_padded_vocab(F.linear(hidden, weight), real_vocab_size), labels)
+
+
+def loss_or_logits(logits: Tensor, labels: Tensor | None) -> Tensor:
+    """`logits` themselves, or with labels the per-token cross-entropy [b, s] in fp32."""
     if labels is None:
         return logits
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view(

@@ -9,6 +9,7 @@ mg-serve load them through core's `load_model` (which calls
 
 from mg.core.quantization.apply import (
     empty_quantized_linear,
+    logits_through_output_module,
     parallel_load_refusal,
     quantize_layout,
     recorded_quantization,
@@ -37,6 +38,7 @@ __all__ = [
     "QuantizedLinear",
     "empty_quantized_linear",
     "kernel_paths",
+    "logits_through_output_module",
     "parallel_load_refusal",
     "quantize_layout",
     "recorded_quantization",
