@@ -95,6 +95,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 2)))
+    parser.add_argument(
+        "--quantize-output-layer", action="store_true",
+        help="mg-quantize --quantize-output-layer: the output layer in int8/int4 too",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     args = parser.parse_args()
 
@@ -127,7 +131,11 @@ def main() -> None:
         variants = [("fp32", source, "fp32"), ("bf16", source, "bf16")]
         for recipe in ("int8_wo", "int4_wo"):
             out = tmp / recipe
-            cli.main(["--no-progress", "--load", source, "--save", str(out), "--recipe", recipe])
+            extra = ["--quantize-output-layer"] if args.quantize_output_layer else []
+            cli.main(
+                ["--no-progress", "--load", source, "--save", str(out), "--recipe", recipe,
+                 *extra]
+            )  # fmt: skip
             variants += [(f"{recipe} (fp32 act.)", str(out), "fp32")]
             variants += [(f"{recipe} (bf16 act.)", str(out), "bf16")]
         rows = {}
@@ -145,6 +153,7 @@ def main() -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} threads per side;"
         f" model: {params or 'from --load'} parameters"
         f" (hidden {args.hidden}, {args.layers} layers, ffn {args.ffn}, vocab {args.vocab});"
+        f" output layer {'quantized' if args.quantize_output_layer else 'kept in float'};"
         f" batch 1, {args.tokens} new tokens, best of {args.repeats}",
         "",
         "| weights | resident memory (RSS growth) | vs bf16 | weight tensors | vs bf16 "
