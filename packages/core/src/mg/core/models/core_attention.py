@@ -22,9 +22,11 @@ Engine's DotProductAttention comes in with the rest of TE's modules
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +41,9 @@ from mg.core.models.attention_backend import (
     sdpa_kernels,
 )
 from mg.core.models.config import TransformerConfig
+
+if TYPE_CHECKING:
+    from mg.core.models.te_parallel import TEParallelism
 
 __all__ = ["BackendUnavailableError", "SDPAttention", "build_core_attention", "causal_mask"]
 
@@ -176,13 +181,23 @@ class FlashAttention(nn.Module):
 
 
 def build_te_core_attention(
-    config: TransformerConfig, layer_number: int = 1, causal: bool = True
+    config: TransformerConfig,
+    layer_number: int = 1,
+    causal: bool = True,
+    parallel: TEParallelism | None = None,
 ) -> nn.Module:
     """Transformer Engine's DotProductAttention, used as the module itself so its
     `_extra_state` sits at `...core_attention._extra_state`, where Megatron's TE
     spec keeps it. Its forward matches the contract above (bshd, causal); the
-    kernel follows `config.attention_backend` through TE's NVTE_* variables."""
+    kernel follows `config.attention_backend` through TE's NVTE_* variables.
+    `parallel`: the tensor- and context-parallel groups TE is told (it takes the
+    whole model's head counts); attention dropout then draws from the per-rank
+    stream, as the local spec's does (mg.core.models.rng_stream)."""
     from mg.core.models.attention_backend import set_nvte_environment
+    from mg.core.models.rng_stream import model_parallel_stream
+    from mg.core.models.te_parallel import TEParallelism
+
+    parallel = parallel or TEParallelism()
 
     te = require_gpu_package(
         "transformer_engine.pytorch", "transformer-engine", "--transformer-impl transformer_engine"
@@ -205,8 +220,11 @@ def build_te_core_attention(
             if torch.is_autocast_enabled("cuda"):
                 dtype = torch.get_autocast_dtype("cuda")
             q, k, v = (t.to(dtype).contiguous() for t in (query, key, value))
-            return super().forward(q, k, v)
+            stream = model_parallel_stream() if fork_dropout else None
+            with stream.fork() if stream is not None else contextlib.nullcontext():
+                return super().forward(q, k, v)
 
+    fork_dropout = parallel.tp_size > 1 and config.attention_dropout > 0
     return TEDotProductAttention(
         num_attention_heads=config.num_attention_heads,
         kv_channels=config.kv_channels,
@@ -217,6 +235,7 @@ def build_te_core_attention(
         window_size=config.window_size if causal else None,
         layer_number=layer_number,
         softmax_scale=1.0 / math.sqrt(config.kv_channels),
+        **parallel.attention_kwargs(),
     )
 
 

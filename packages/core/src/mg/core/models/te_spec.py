@@ -15,7 +15,8 @@ Megatron TE-spec state dict (minus TE's `_extra_state` entries, which hold FP8
 scaling state and no weights) and it runs anywhere. `apply_transformer_engine`
 then swaps in TE's own modules on a GPU, one technique applied from outside as
 tensor parallelism is; the state-dict names do not change, and TE adds its
-`_extra_state` entries at Megatron's places. FP8 runs TE's modules under
+`_extra_state` entries at Megatron's places. A tensor- or context-parallel
+model gets TE's modules told its groups (`mg.core.models.te_parallel`). FP8 runs TE's modules under
 `fp8_autocast` with Megatron's recipe choices (`fp8_recipe`, `fp8_autocast`).
 
 Transformer Engine is the `gpu` extra, imported lazily: a missing package is
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
+from mg.core.models.te_parallel import TEParallelism, sharded_te_module
 
 TE_FLAG = "--transformer-impl transformer_engine"
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -87,14 +89,21 @@ class LayerNormLinear(nn.Module):
         if self.layer_norm_bias is not None:
             nn.init.zeros_(self.layer_norm_bias)
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def normalize(
+        self, hidden: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
+    ) -> Tensor:
+        """The norm alone. `weight`/`bias`: the norm's parameters as this computation
+        sees them (tensor parallelism passes its local views; default: the module's)."""
+        weight = self.layer_norm_weight if weight is None else weight
+        bias = self.layer_norm_bias if bias is None else bias
         shape = (self.in_features,)
-        gamma = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight
+        gamma = weight + 1 if self.zero_centered_gamma else weight
         if self.normalization == "RMSNorm":
-            normed = F.rms_norm(hidden, shape, gamma, self.eps)
-        else:
-            normed = F.layer_norm(hidden, shape, gamma, self.layer_norm_bias, self.eps)
-        return F.linear(normed, self.weight, self.bias)
+            return F.rms_norm(hidden, shape, gamma, self.eps)
+        return F.layer_norm(hidden, shape, gamma, bias, self.eps)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return F.linear(self.normalize(hidden), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (
@@ -200,10 +209,10 @@ def _copy_parameters(target: nn.Module, source: nn.Module, names: tuple[str, ...
             getattr(target, name).copy_(mine)
 
 
-def _te_layer_norm_linear(te: Any, old: LayerNormLinear) -> nn.Module:
-    new = te.LayerNormLinear(
-        old.in_features,
-        old.out_features,
+def _te_layer_norm_linear(te: Any, old: LayerNormLinear, parallel: TEParallelism) -> nn.Module:
+    kwargs = dict(
+        in_features=old.in_features,
+        out_features=old.out_features,
         eps=old.eps,
         bias=old.bias is not None,
         normalization=old.normalization,
@@ -211,40 +220,54 @@ def _te_layer_norm_linear(te: Any, old: LayerNormLinear) -> nn.Module:
         params_dtype=old.weight.dtype,
         device=old.weight.device,
     )
+    if parallel.tp_size > 1:
+        return sharded_te_module(te.LayerNormLinear, old, parallel, "column", **kwargs)
+    new = te.LayerNormLinear(**kwargs)
     _copy_parameters(new, old, ("weight", "bias", "layer_norm_weight", "layer_norm_bias"))
     return new
 
 
-def _te_linear(te: Any, old: nn.Linear) -> nn.Module:
-    new = te.Linear(
-        old.in_features,
-        old.out_features,
+def _te_linear(te: Any, old: nn.Linear, parallel: TEParallelism) -> nn.Module:
+    kwargs = dict(
+        in_features=old.in_features,
+        out_features=old.out_features,
         bias=old.bias is not None,
         params_dtype=old.weight.dtype,
         device=old.weight.device,
     )
+    if parallel.tp_size > 1:
+        return sharded_te_module(te.Linear, old, parallel, "row", **kwargs)
+    new = te.Linear(**kwargs)
     _copy_parameters(new, old, ("weight", "bias"))
     return new
 
 
 def apply_transformer_engine(
-    model: nn.Module, fp8: FP8Options | None = None, config: TransformerConfig | None = None
+    model: nn.Module,
+    fp8: FP8Options | None = None,
+    config: TransformerConfig | None = None,
+    parallel: TEParallelism | None = None,
 ) -> nn.Module:
     """Swap a TE-spec model's layers for Transformer Engine's modules in place, keeping
     the weights (and their names). Run it after the model holds its weights on the GPU
     and before data parallelism wraps it. With `fp8.param` (`--fp8-param-gather`) the
     linears are built under `fp8_model_init` and keep FP8 weights, as Megatron's
     `--fp8-param-gather` does. `config`: the model's (default `model.config`; a
-    pipeline stage's parts share it)."""
+    pipeline stage's parts share it). `parallel`: the tensor- and context-parallel
+    groups the model was parallelised over (`mg.core.models.te_parallel`), which
+    TE's modules are then told to communicate over."""
     from mg.core.models.core_attention import build_te_core_attention
     from mg.core.models.gpt import MLP
 
     config = config if config is not None else model.config
+    parallel = parallel or TEParallelism()
     if not uses_te_spec(config):
         raise ValueError(
             "apply_transformer_engine needs a model built with "
             "transformer_impl='transformer_engine' (the TE spec's parameter names)"
         )
+    if fp8 is not None and fp8.param and parallel.tp_size > 1:
+        raise ValueError("FP8 weights (fp8.param) with tensor parallelism are not supported")
     te = import_transformer_engine()
     init = (
         te.fp8_model_init(enabled=True, recipe=fp8_recipe(fp8))
@@ -256,14 +279,17 @@ def apply_transformer_engine(
             attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
             if attention is None or mlp is None:
                 continue
-            attention.linear_qkv = _te_layer_norm_linear(te, attention.linear_qkv)
-            attention.linear_proj = _te_linear(te, attention.linear_proj)
+            attention.linear_qkv = _te_layer_norm_linear(te, attention.linear_qkv, parallel)
+            attention.linear_proj = _te_linear(te, attention.linear_proj, parallel)
             attention.core_attention = build_te_core_attention(
-                config, layer.layer_number, causal=getattr(attention.core_attention, "causal", True)
+                config,
+                layer.layer_number,
+                causal=getattr(attention.core_attention, "causal", True),
+                parallel=parallel,
             )
             if isinstance(mlp, MLP):  # an MoE layer's experts stay PyTorch modules
-                mlp.linear_fc1 = _te_layer_norm_linear(te, mlp.linear_fc1)
-                mlp.linear_fc2 = _te_linear(te, mlp.linear_fc2)
+                mlp.linear_fc1 = _te_layer_norm_linear(te, mlp.linear_fc1, parallel)
+                mlp.linear_fc2 = _te_linear(te, mlp.linear_fc2, parallel)
             if fp8 is not None and layer.layer_number - 1 in fp8.bf16_layers:
                 _outside_fp8(te, layer)
     return model

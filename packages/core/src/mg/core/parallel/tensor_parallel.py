@@ -5,7 +5,8 @@ parameters into DTensors on the tensor-parallel mesh and installs the
 communication at module boundaries, Megatron's layout:
 
     embedding.word_embeddings   vocab-parallel (rows sharded, output all-reduced)
-    self_attention.linear_qkv   column-parallel (whole query groups per rank)
+    self_attention.linear_qkv   column-parallel (whole query groups per rank); in the TE
+                                spec its fused input norm stays whole (tensor_parallel_te)
     self_attention.linear_proj  row-parallel (output all-reduced / reduce-scattered)
     mlp.linear_fc1              column-parallel; gated: gate and up halves each sharded
     mlp.linear_fc2              row-parallel
@@ -71,7 +72,9 @@ from mg.core.models.moe import MoELayer
 from mg.core.models.moe.tensor_parallel import shard_moe_layer
 from mg.core.models.rng_stream import RNGStream, set_model_parallel_stream
 from mg.core.models.t5 import T5Model
+from mg.core.models.te_spec import LayerNormLinear
 from mg.core.parallel.loss_parallel import vocab_parallel_output
+from mg.core.parallel.tensor_parallel_te import LayerNormColwiseParallel
 
 
 class TensorParallelError(ValueError):
@@ -166,11 +169,6 @@ def check_tensor_parallel_sizes(
                 f"{name} ({value}) is not divisible by --tensor-model-parallel-size ({tp}); "
                 f"change {flag} or the tensor-parallel size"
             )
-    if config.transformer_impl == "transformer_engine":
-        raise TensorParallelError(
-            "tensor parallelism with --transformer-impl transformer_engine is not supported "
-            "yet; use --transformer-impl local (any --attention-backend)"
-        )
 
 
 def _fork_tensor_parallel_dropout(
@@ -329,11 +327,14 @@ def _parallelize_layer(
     tp = tp_mesh.size()
     plan: dict[str, object] = {}
     if hasattr(layer, "self_attention"):
-        plan["self_attention"] = PrepareModuleInput(
+        fused = isinstance(layer.self_attention.linear_qkv, LayerNormLinear)  # the TE spec
+        plan["self_attention"] = PrepareModuleInput(  # a DTensor: the whole sequence's shape
             input_layouts=(activations, None, None),
-            desired_input_layouts=(Replicate(), None, None),
+            desired_input_layouts=(activations if fused else Replicate(), None, None),
         )
-        plan["self_attention.linear_qkv"] = ColwiseParallel()
+        plan["self_attention.linear_qkv"] = (
+            LayerNormColwiseParallel(sequence_parallel) if fused else ColwiseParallel()
+        )
         plan["self_attention.linear_proj"] = RowParallelLinear(output_layouts=activations)
     moe = isinstance(getattr(layer, "mlp", None), MoELayer)
     if moe:  # it gathers and scatters the sequence itself (mg.core.models.moe.tensor_parallel)
@@ -342,6 +343,10 @@ def _parallelize_layer(
             desired_input_layouts=(activations,),
             use_local_output=True,
         )
+    elif hasattr(layer, "mlp") and isinstance(layer.mlp.linear_fc1, LayerNormLinear):
+        # the TE spec: the pre-MLP norm inside linear_fc1 takes the activations as they are
+        plan["mlp.linear_fc1"] = LayerNormColwiseParallel(sequence_parallel, layer.mlp.gated)
+        plan["mlp.linear_fc2"] = RowParallelLinear(output_layouts=activations)
     elif hasattr(layer, "mlp"):
         plan["mlp"] = PrepareModuleInput(
             input_layouts=(activations,), desired_input_layouts=(Replicate(),)
@@ -358,7 +363,8 @@ def _parallelize_layer(
         plan["cross_attention.linear_proj"] = RowParallelLinear(output_layouts=activations)
     if sequence_parallel:
         for name in ("input_layernorm", "pre_cross_attn_layernorm", "pre_mlp_layernorm"):
-            if hasattr(layer, name):
+            # the TE spec's fused norms leave weightless identities here
+            if hasattr(layer, name) and not isinstance(getattr(layer, name), nn.Identity):
                 plan[name] = SequenceParallel()
         # post-LN norms feed the residual stream itself: local shards, like the sums
         for name in ("post_attention_layernorm", "post_mlp_layernorm"):

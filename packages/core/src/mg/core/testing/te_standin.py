@@ -1,7 +1,10 @@
 """A stand-in `transformer_engine` package for CPU tests of the code that drives TE.
 
 Plain PyTorch modules with Transformer Engine's constructor arguments, parameter
-names and `_extra_state` (`LayerNormLinear`, `Linear`, `DotProductAttention`),
+names and `_extra_state` (`LayerNormLinear`, `Linear`, `DotProductAttention`) and
+TE's tensor- and context-parallel semantics (local shard shapes, the collectives a
+column or row module runs, sequence parallelism along the first dimension,
+context-parallel attention over the load-balanced chunks; gloo collectives),
 `fp8_autocast` / `fp8_model_init` contexts that record how they were entered, and
 the `common.recipe` classes recording their arguments. `install(monkeypatch)` puts it
 in `sys.modules` and makes CUDA look present, so mg's checks pass and its TE paths
@@ -16,6 +19,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -28,16 +32,87 @@ class _Extra:
         pass
 
 
-class LayerNormLinear(_Extra, nn.Module):
+# --- TE's tensor-parallel communication (its contract: sequence-parallel tensors are
+# split along their first dimension, [s, b, h]); gloo-friendly, CPU tests only ---------
+
+
+def _gather0(x, group):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _scatter0(x, group):
+    total = x.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    return total.chunk(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+
+
+def _summed(x, group):
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _Comm(torch.autograd.Function):
+    """forward(x) then backward(grad), each one of the functions above (or identity)."""
+
+    @staticmethod
+    def forward(ctx, x, group, fwd, bwd):
+        ctx.group, ctx.bwd = group, bwd
+        return fwd(x, group) if fwd is not None else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (ctx.bwd(grad, ctx.group) if ctx.bwd is not None else grad), None, None, None
+
+
+class _Parallel:
+    """TE's parallelism arguments: this rank's shard sizes and the collectives to run."""
+
+    def _parallel_init(self, tp_group, tp_size, parallel_mode, sequence_parallel):
+        assert parallel_mode in (None, "column", "row"), parallel_mode
+        self.tp_group, self.parallel_mode, self.sequence_parallel = (
+            tp_group, parallel_mode, sequence_parallel,
+        )  # fmt: skip
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else tp_size
+        RECORDER.parallel.append((type(self).__name__, parallel_mode, sequence_parallel))
+
+    def _split(self, in_features, out_features):
+        if self.parallel_mode == "column":
+            return in_features, out_features // self.tp_size
+        if self.parallel_mode == "row":
+            return in_features // self.tp_size, out_features
+        return in_features, out_features
+
+    def _column_input(self, x):
+        if self.parallel_mode != "column" or self.tp_size == 1:
+            return x
+        if self.sequence_parallel:  # all-gather the sequence; reduce-scatter the gradient
+            return _Comm.apply(x, self.tp_group, _gather0, _scatter0)
+        return _Comm.apply(x, self.tp_group, None, _summed)  # the gradient all-reduced
+
+    def _row_output(self, y):
+        if self.parallel_mode != "row" or self.tp_size == 1:
+            return y
+        if self.sequence_parallel:
+            return _Comm.apply(y, self.tp_group, _scatter0, _gather0)
+        return _Comm.apply(y, self.tp_group, _summed, None)
+
+
+class LayerNormLinear(_Extra, _Parallel, nn.Module):
     def __init__(
         self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
-        zero_centered_gamma=False, params_dtype=None, device="cuda",
+        zero_centered_gamma=False, params_dtype=None, device="cuda", tp_group=None, tp_size=1,
+        parallel_mode=None, sequence_parallel=False,
     ):  # fmt: skip
         super().__init__()
+        self._parallel_init(tp_group, tp_size, parallel_mode, sequence_parallel)
         kw = dict(dtype=params_dtype, device=device)
         self.eps, self.normalization, self.zero = eps, normalization, zero_centered_gamma
-        self.weight = nn.Parameter(torch.randn(out_features, in_features, **kw))
-        self.bias = nn.Parameter(torch.randn(out_features, **kw)) if bias else None
+        local_in, local_out = self._split(in_features, out_features)
+        self.weight = nn.Parameter(torch.randn(local_out, local_in, **kw))
+        self.bias = nn.Parameter(torch.randn(local_out, **kw)) if bias else None
         self.layer_norm_weight = nn.Parameter(torch.randn(in_features, **kw))
         self.layer_norm_bias = (
             nn.Parameter(torch.randn(in_features, **kw)) if normalization == "LayerNorm" else None
@@ -50,35 +125,69 @@ class LayerNormLinear(_Extra, nn.Module):
             x = F.rms_norm(x, x.shape[-1:], g, self.eps)
         else:
             x = F.layer_norm(x, x.shape[-1:], g, self.layer_norm_bias, self.eps)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(self._column_input(x), self.weight, self.bias)
 
 
-class Linear(_Extra, nn.Module):
+class Linear(_Extra, _Parallel, nn.Module):
     def __init__(
-        self, in_features, out_features, bias=True, params_dtype=None, device="cuda"
+        self, in_features, out_features, bias=True, params_dtype=None, device="cuda",
+        tp_group=None, tp_size=1, parallel_mode=None, sequence_parallel=False,
     ):  # fmt: skip
         super().__init__()
+        self._parallel_init(tp_group, tp_size, parallel_mode, sequence_parallel)
         kw = dict(dtype=params_dtype, device=device)
-        self.weight = nn.Parameter(torch.randn(out_features, in_features, **kw))
+        local_in, local_out = self._split(in_features, out_features)
+        self.weight = nn.Parameter(torch.randn(local_out, local_in, **kw))
         self.bias = nn.Parameter(torch.randn(out_features, **kw)) if bias else None
         RECORDER.built.append(("Linear", RECORDER.model_init))
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        if self.parallel_mode != "row":
+            return F.linear(self._column_input(x), self.weight, self.bias)
+        y = self._row_output(F.linear(x, self.weight))  # the bias once, after the reduction
+        return y + self.bias if self.bias is not None else y
+
+
+def _cp_positions(seq_local: int, rank: int, size: int) -> torch.Tensor:
+    """Global positions of a cp rank's tokens: chunks r and 2C-1-r of 2C (TE's layout)."""
+    chunk = seq_local // 2
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = (2 * size - 1 - rank) * chunk
+    return torch.cat([first, torch.arange(second, second + chunk)])
+
+
+def _gather_seq(x, group):  # [b, s_local, ...] -> [b, size * s_local, ...] in rank order
+    # every rank's queries read the gathered block: the gradients are summed back to its owner
+    return _Comm.apply(x.transpose(0, 1), group, _gather0, _scatter0).transpose(0, 1)
 
 
 class DotProductAttention(_Extra, nn.Module):
     def __init__(self, **kwargs):
         super().__init__()
         self.kwargs = kwargs
+        group = kwargs.get("tp_group")
+        self.tp_size = dist.get_world_size(group) if group is not None else kwargs.get("tp_size", 1)
+        self.cp_group = kwargs.get("cp_group")
+        if self.cp_group is not None:
+            assert kwargs["cp_global_ranks"] == dist.get_process_group_ranks(self.cp_group)
+            assert "cp_stream" in kwargs and kwargs.get("cp_comm_type") == "p2p"
 
     def forward(self, q, k, v, attention_mask=None):
         assert q.is_contiguous() and attention_mask is None
-        h, g = self.kwargs["num_attention_heads"], self.kwargs["num_gqa_groups"]
+        h, g = (self.kwargs[n] // self.tp_size for n in ("num_attention_heads", "num_gqa_groups"))
+        assert (q.shape[2], k.shape[2]) == (h, g), "TE takes the whole model's head counts"
+        causal = self.kwargs["attn_mask_type"] == "causal"
+        mask = None
+        if self.cp_group is not None:  # keys/values of the whole sequence, a positional mask
+            rank, size = dist.get_rank(self.cp_group), dist.get_world_size(self.cp_group)
+            k, v = _gather_seq(k, self.cp_group), _gather_seq(v, self.cp_group)
+            mine = _cp_positions(q.shape[1], rank, size)
+            every = torch.cat([_cp_positions(q.shape[1], r, size) for r in range(size)])
+            mask, causal = every[None, :] <= mine[:, None], False
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.kwargs["attn_mask_type"] == "causal",
-            scale=self.kwargs["softmax_scale"], enable_gqa=g != h,
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.kwargs["softmax_scale"],
+            enable_gqa=g != h,
         )  # fmt: skip
         return out.transpose(1, 2).flatten(2)
 
@@ -90,10 +199,12 @@ class Recipe:
 
 class Recorder:
     """What the code under test did with the stand-in: (module, built under
-    fp8_model_init) per TE linear built, (enabled, recipe) per fp8_autocast entered."""
+    fp8_model_init) per TE linear built, (enabled, recipe) per fp8_autocast entered,
+    (module, parallel_mode, sequence_parallel) per TE linear built."""
 
     built: list = []
     autocasts: list = []
+    parallel: list = []
     model_init = False
 
 
@@ -118,7 +229,7 @@ def _fp8_model_init(enabled=True, recipe=None):
 def install(monkeypatch: Any) -> Recorder:
     """`transformer_engine` (and .pytorch, .common.recipe) as the stand-in, CUDA 'present';
     returns the recorder (modules built, autocasts entered)."""
-    RECORDER.built, RECORDER.autocasts = [], []
+    RECORDER.built, RECORDER.autocasts, RECORDER.parallel = [], [], []
     recipe = types.ModuleType("transformer_engine.common.recipe")
     recipe.Format = types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID")
     for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"):
