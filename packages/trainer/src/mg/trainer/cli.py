@@ -37,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
             print(report(args), flush=True)
             return 0
         c = args.checkpoint
+        if args.moe.moe_use_upcycling:  # before the save guard: its --save must be empty
+            from mg.trainer.upcycling import check_sources
+
+            check_sources(c.load, c.save, c.ckpt_step)
         check_save_target(
             c.save,
             c.load,

@@ -281,7 +281,10 @@ class Trainer:
         self.moe_layer_losses: dict[str, float] = {}  # --moe-per-layer-logging (tensorboard)
         c = args.checkpoint
         self._pending_save: PendingSave | None = None  # an --async-save in flight
-        if c.load:
+        upcycled = args.moe.moe_use_upcycling
+        if upcycled:  # the dense checkpoint in --load, its MLPs copied into the experts
+            self.state = self._upcycle(model)
+        elif c.load:
             what = {
                 "model": model,
                 "optimizer": self.optimizer,
@@ -324,6 +327,8 @@ class Trainer:
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dtype = autocast_dtype(t.bf16, t.fp16)
+        if upcycled:  # Megatron saves the upcycled model before it trains
+            self.save()
         self._build_data()
         self.housekeeping = Housekeeping(args, self.env.rank)
         bf16 = self.dtype == torch.bfloat16
@@ -342,6 +347,32 @@ class Trainer:
             config=args.flat(),
             enabled=self.env.is_main,
         )
+
+    def _upcycle(self, model: nn.Module) -> TrainState:
+        """--moe-use-upcycling: a dense twin of the model in this run's layout reads --load,
+        and the MoE model starts from its weights (`mg.trainer.upcycling`)."""
+        from mg.trainer import upcycling
+
+        args, c = self.args, self.args.checkpoint
+        upcycling.check_sources(c.load, c.save, c.ckpt_step)
+        config = upcycling.dense_config(self.model_config)
+        with torch.device("meta"):
+            dense = self.family.build_model(config, args)
+        dense = model_parallel.parallelize(
+            dense,
+            self.layout,
+            lambda module: None,
+            device=self.env.device,
+            seed=args.training.seed,
+            perform_initialization=False,
+        )
+        state = upcycling.upcycle(c.load, model, dense, self.layout, c.ckpt_step)
+        refresh = getattr(self.optimizer, "reload_model_params", None)
+        if refresh is not None:  # the distributed optimizer's main copies follow the weights
+            refresh()
+        if self.env.is_main:
+            print(f" upcycled the dense checkpoint in {c.load} into {c.save}", flush=True)
+        return state
 
     def _build_data(self) -> None:
         t = self.args.training

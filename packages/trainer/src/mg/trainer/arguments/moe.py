@@ -49,9 +49,16 @@ class MoEArgs:
     expert_tensor_parallel_size: int | None = None
     moe_layer_recompute: bool = False
     moe_per_layer_logging: bool = False
+    moe_use_upcycling: bool = False
+    moe_upcycling_granularity: int = 1
 
 
-TRAINING_ONLY = ("moe_layer_recompute", "moe_per_layer_logging")
+TRAINING_ONLY = (
+    "moe_layer_recompute",
+    "moe_per_layer_logging",
+    "moe_use_upcycling",
+    "moe_upcycling_granularity",
+)
 """`--moe-*` flags of the run, not of the model (no `TransformerConfig` field)."""
 
 
@@ -160,6 +167,18 @@ def add_moe_flags(p: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="Tensorboard: each MoE layer's balancing losses (moe/load_balancing_loss_layer_N).",
     )
+    p.add_argument(
+        "--moe-use-upcycling",
+        action="store_true",
+        help="First run of an MoE from the dense checkpoint in --load: experts start as copies "
+        "of its MLPs; the upcycled checkpoint is saved to --save, then training goes on.",
+    )
+    p.add_argument(
+        "--moe-upcycling-granularity",
+        type=int,
+        default=1,
+        help="Dense FFN width / expert width (granular upcycling); mg-train takes 1 only.",
+    )
 
 
 def moe_config_fields(moe: MoEArgs) -> dict[str, Any]:
@@ -188,6 +207,7 @@ def check_moe_flags(
     sequence_parallel: bool = False,
     recompute_granularity: str | None = None,
     torch_format: tuple[str, ...] = (),
+    upcycling: UpcyclingFlags | None = None,
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None.
 
@@ -250,6 +270,10 @@ def check_moe_flags(
             "--moe-layer-recompute with --recompute-granularity full: the full recompute "
             "already recomputes the MoE layers; drop one of them"
         )
+    if moe.moe_use_upcycling or moe.moe_upcycling_granularity != 1:
+        error = check_upcycling_flags(moe, upcycling or UpcyclingFlags())
+        if error:
+            return error
     if dry_run:
         return None
     if etp not in (1, tp):
@@ -281,6 +305,45 @@ def check_moe_flags(
     return None
 
 
+@dataclass
+class UpcyclingFlags:
+    """The non-MoE flags --moe-use-upcycling depends on."""
+
+    load: str | None = None
+    save: str | None = None
+    ffn_hidden_size: int | None = None
+    use_checkpoint_args: bool = False
+
+
+def check_upcycling_flags(moe: MoEArgs, flags: UpcyclingFlags) -> str | None:
+    """Megatron's upcycling rules (a --save to write to) and ours: a --load to read, experts
+    as wide as the dense MLP (granularity 1), the model from the flags."""
+    if not moe.moe_use_upcycling:
+        return "--moe-upcycling-granularity needs --moe-use-upcycling"
+    if moe.moe_upcycling_granularity != 1:
+        return (
+            f"--moe-upcycling-granularity {moe.moe_upcycling_granularity}: mg-train upcycles "
+            "with granularity 1 only (each expert a whole copy of the dense MLP); drop the flag"
+        )
+    if not flags.load:
+        return "--moe-use-upcycling needs --load (the dense checkpoint to upcycle)"
+    if not flags.save:
+        return "--moe-use-upcycling needs --save (where the upcycled checkpoint is written)"
+    if flags.use_checkpoint_args:
+        return (
+            "--moe-use-upcycling with --use-checkpoint-args: the checkpoint's config is the "
+            "dense model's; give the model flags instead of --use-checkpoint-args"
+        )
+    width = moe.moe_ffn_hidden_size
+    if width is not None and flags.ffn_hidden_size is not None and width != flags.ffn_hidden_size:
+        return (
+            f"--moe-use-upcycling: --moe-ffn-hidden-size ({width}) must equal --ffn-hidden-size "
+            f"({flags.ffn_hidden_size}), as each expert starts as a copy of the dense MLP; drop "
+            "--moe-ffn-hidden-size"
+        )
+    return None
+
+
 def check_moe(args: Args) -> None:
     """`check_moe_flags` on a parsed run."""
     d = args.distributed
@@ -294,6 +357,12 @@ def check_moe(args: Args) -> None:
         dry_run=args.training.dry_run,
         sequence_parallel=d.sequence_parallel,
         recompute_granularity=args.model.recompute_granularity,
+        upcycling=UpcyclingFlags(
+            load=args.checkpoint.load,
+            save=args.checkpoint.save,
+            ffn_hidden_size=args.model.ffn_hidden_size,
+            use_checkpoint_args=args.checkpoint.use_checkpoint_args,
+        ),
         torch_format=tuple(
             flag
             for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))
