@@ -127,14 +127,27 @@ def test_transformer_engine_missing_is_one_line_naming_the_extra() -> None:
         (["--fp8-format", "hybrid"], "--fp8-format needs --transformer-impl transformer_engine"),
         ([*TE, "--fp8-format", "hybrid", "--fp8-param-gather"], "--use-distributed-optimizer"),
         ([*TE, "--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
-        ([*TE, "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
         ([*TE, "--reset-attention-mask"], "--reset-attention-mask needs --transformer-impl local"),
         ([*TE, "--fp8-format", "e4m3", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
     ],
 )
 def test_refusals_name_their_flag(extra: list[str], expected: str) -> None:
-    world = 2 if "--tensor-model-parallel-size" in extra else 1
-    assert expected in _error([*BASE, *extra, "--dry-run"], world)
+    assert expected in _error([*BASE, *extra, "--dry-run"])
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--context-parallel-size", "2"],
+    ],
+)
+def test_te_spec_takes_tensor_and_context_parallelism(layout: list[str]) -> None:
+    """TE's modules are told the groups (mg.core.models.te_parallel; numbers in
+    tests/test_te_parallel_training.py): the layouts plan in a dry run."""
+    args = parse_args([*BASE, *TE, *layout, "--dry-run"], world_size=2)
+    assert args.transformer_engine.transformer_impl == "transformer_engine"
 
 
 def test_documented_no_ops_are_accepted() -> None:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mg.core.models.te_parallel import TEParallelism
 from mg.core.parallel.context_parallel import apply_context_parallel, shard_batch
 from mg.core.parallel.expert_parallel import apply_expert_parallel
 from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
@@ -129,6 +130,17 @@ def parallelize(
     for part in parts:
         recompute(part)
     return model if layout.pp == 1 else PipelineModel(parts)
+
+
+def te_parallelism(layout: ParallelLayout) -> TEParallelism:
+    """The groups Transformer Engine's modules are told (`--transformer-impl
+    transformer_engine`): tensor parallelism's, with sequence parallelism, and context
+    parallelism's."""
+    return TEParallelism(
+        tp_group=layout.tp_mesh.get_group() if layout.tp > 1 else None,
+        sequence_parallel=layout.sequence_parallel,
+        cp_group=layout.cp_group if layout.cp > 1 else None,
+    )
 
 
 def pipeline_optimizer_options(model: nn.Module, layout: ParallelLayout) -> dict:

@@ -242,7 +242,12 @@ class Trainer:
         )
         self.fp8 = fp8_options(args)
         if self.model_config.transformer_impl == "transformer_engine":  # TE's modules, same names
-            apply_transformer_engine(model, self.fp8, config=self.model_config)
+            apply_transformer_engine(
+                model,
+                self.fp8,
+                config=self.model_config,
+                parallel=model_parallel.te_parallelism(self.layout),
+            )
         # Megatron's per-stage seed for everything after init (dropout): seed + 100 * pp_rank
         set_seed(self.layout.stage_seed(t.seed))
         if t.torch_compile:

@@ -17,10 +17,12 @@ and number formats, not the model's shape.
   `--fp8-param-gather` is checked as Megatron checks it and planned by `--dry-run`,
   but a run is refused: FP8 weights need an optimizer that keeps their fp32 masters
   (mg.core.models.te_spec.apply_transformer_engine can build them).
+- With tensor (and sequence) or context parallelism TE's modules are told the
+  groups as Megatron's TE spec tells them (`mg.core.models.te_parallel`).
 - Documented no-ops: `--fp8-interval` (TE 2 has no interval; Megatron passes it only
-  to TE 1), `--te-rng-tracker` (our dropout streams already differ per rank and TE
-  has no tensor parallelism here), `--tp-only-amax-red` (amax reduction over TP
-  only: TE runs without TP here).
+  to TE 1), `--te-rng-tracker` (TE's attention dropout already draws from our
+  per-rank stream under TP), `--tp-only-amax-red` (FP8 amaxes are reduced over all
+  ranks, a superset of the TP group).
 - Refused by name: CUDA graphs (`--enable-cuda-graph`, `--external-cuda-graph`,
   `--cuda-graph-impl local|transformer_engine`), `--fp8-dot-product-attention`,
   `--fp8-multi-head-attention`, `--fp8-recipe custom`,
@@ -130,7 +132,9 @@ def add_transformer_engine_flags(p: argparse._ArgumentGroup) -> None:
     for flag in ("--fp8-dot-product-attention", "--fp8-multi-head-attention"):
         p.add_argument(flag, action="store_true", help="Refused: not supported yet.")
     p.add_argument(
-        "--tp-only-amax-red", action="store_true", help="Accepted; no TP with TE here (no-op)."
+        "--tp-only-amax-red",
+        action="store_true",
+        help="Accepted; amaxes are reduced over all ranks (no-op).",
     )
     p.add_argument(
         "--first-last-layers-bf16",
@@ -216,13 +220,6 @@ def _check_te_layout(args: Args) -> None:
         fail(f"--transformer-impl transformer_engine is for gpt here, not {args.family}")
     if args.data.reset_attention_mask:
         fail("--reset-attention-mask needs --transformer-impl local (TE attention here is causal)")
-    d = args.distributed
-    for flag, size in (
-        ("--tensor-model-parallel-size", d.tensor_model_parallel_size),
-        ("--context-parallel-size", d.context_parallel_size),
-    ):
-        if size > 1:
-            fail(f"--transformer-impl transformer_engine with {flag} > 1 is not supported yet")
 
 
 def _check_machine(te: TransformerEngineArgs) -> None:
