@@ -534,7 +534,8 @@ def test_moe_expert_tensor_parallel_one_under_tp_matches_one_process(tmp_path, m
 def test_moe_layer_recompute_and_per_layer_logging(tmp_path, mock_argv, train):
     """--moe-layer-recompute trains as without it (the global aux loss's counts, which
     change every micro-batch, replayed for the recomputation; fp32, losses 1e-6, grad
-    norms 1e-5), and --moe-per-layer-logging writes each MoE layer's balancing losses to
+    norms 1e-5), so does `--recompute-granularity selective --recompute-modules moe
+    core_attn`, and --moe-per-layer-logging writes each MoE layer's balancing losses to
     tensorboard under Megatron's names, their mean the logged value."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -546,6 +547,12 @@ def test_moe_layer_recompute_and_per_layer_logging(tmp_path, mock_argv, train):
     recomputed = train(mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=3))
     assert recomputed.losses == pytest.approx(plain.losses, rel=1e-6)
     assert recomputed.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
+    # Megatron's newer spelling of the same, with the attention core's recompute too
+    modules = ["--recompute-granularity", "selective", "--recompute-modules", "moe", "core_attn"]
+    base = flags[: flags.index("--moe-layer-recompute")]
+    spelled = train(mock_argv(tmp_path, *base, *modules, mbs=2, gbs=8, iters=3))
+    assert spelled.losses == pytest.approx(plain.losses, rel=1e-6)
+    assert spelled.grad_norms == pytest.approx(plain.grad_norms, rel=1e-5)
     for name, values in plain.extra_losses.items():
         assert recomputed.extra_losses[name] == pytest.approx(values, rel=1e-6)
     events = EventAccumulator(str(tb))
@@ -611,3 +618,50 @@ def test_moe_context_parallel_and_interleaved_pipeline_match_one_process(
         for name, values in one.extra_losses.items():
             assert two["extra_losses"][name] == pytest.approx(values, rel=1e-5)
     assert max(ones[0].grad_norms) > 0.05  # clipped
+
+
+@pytest.mark.parametrize(
+    ("recompute", "attention", "moe"),
+    [
+        (["--recompute-granularity", "selective", "--recompute-modules", "moe"], False, True),
+        (["--recompute-granularity", "selective", "--recompute-modules", "core_attn"], True, False),
+        (["--recompute-granularity", "selective"], True, False),  # Megatron's default
+        (
+            ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "moe"],
+            True,
+            True,
+        ),
+        (["--recompute-modules", "moe"], False, False),  # read under selective only
+        (["--moe-layer-recompute"], False, True),
+    ],
+)
+def test_recompute_modules_map_onto_selective_and_moe_layer_recompute(
+    tmp_path, mock_argv, recompute, attention, moe
+):
+    """Megatron's `--recompute-modules` names: core_attn is the selective recompute of the
+    attention core, moe each MoE layer's (--moe-layer-recompute); checked on the built
+    model's checkpointed modules."""
+    from mg.core.models.moe import MoELayer
+    from mg.trainer.training import Trainer
+
+    trainer = Trainer(parse_args(mock_argv(tmp_path, *MOE, *recompute)))
+    modules = list(trainer.model.modules())
+    cores = [m.core_attention for m in modules if hasattr(m, "core_attention")]
+    layers = [m for m in modules if isinstance(m, MoELayer)]
+    assert cores and layers
+    assert all(getattr(m, "_mg_recompute", False) == attention for m in cores)
+    assert all(getattr(m, "_mg_moe_recompute", False) == moe for m in layers)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [(n, "not supported by mg-train") for n in ("moe_act", "layernorm", "mla_up_proj")]
+    + [(n, "not supported by mg-train") for n in ("mlp", "shared_experts")]
+    + [("attention", "not a module Megatron recomputes")],
+)
+def test_recompute_modules_mg_train_lacks_are_refused_by_name(tmp_path, mock_argv, name, message):
+    argv = mock_argv(tmp_path, *MOE, "--recompute-granularity", "selective")
+    with pytest.raises(ArgumentError, match=message) as info:
+        parse_args([*argv, "--recompute-modules", "core_attn", name])
+    assert str(info.value).startswith(f"--recompute-modules {name}: ")
+    assert "\n" not in str(info.value)

@@ -20,6 +20,7 @@ from mg.core.models import TransformerConfig
 from mg.core.models.memory import MemoryEstimate, MemoryEstimateError, estimate_memory
 from mg.core.parallel.mesh import ParallelDims, ParallelLayoutError
 from mg.trainer.arguments import Args, ArgumentError
+from mg.trainer.arguments.model import selective_recompute_modules
 
 _GIB = 2**30
 
@@ -80,7 +81,13 @@ def estimate(args: Args, config: TransformerConfig, param_dtype: str = "fp32") -
             activation_dtype="bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
             distributed_optimizer=d.use_distributed_optimizer,
             optimizer=args.optimizer.optimizer,
-            recompute_granularity=m.recompute_granularity,
+            # the attention core's selective recompute is what the estimate models
+            recompute_granularity=(
+                m.recompute_granularity
+                if m.recompute_granularity == "full"
+                or "core_attn" in selective_recompute_modules(m)
+                else None
+            ),
             recompute_method=m.recompute_method or "uniform",
             recompute_num_layers=m.recompute_num_layers or 1,
             # PyTorch SDPA keeps no score matrix, except on its math path (attention dropout).
@@ -137,6 +144,8 @@ def report(args: Args) -> str:
     stage = est.most_loaded
     bpp = est.bytes_per_parameter
     recompute = m.recompute_granularity or "none"
+    if m.recompute_granularity == "selective":
+        recompute = f"selective: {', '.join(selective_recompute_modules(m)) or 'nothing'}"
     act_dtype = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
     lines = [
         f"mg-train dry run: gpt, {config.num_layers} layers, hidden {config.hidden_size}, "

@@ -46,6 +46,7 @@ from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with
 from mg.indexed_dataset import samples_per_split
 from mg.trainer import checkpointing, checkpointing_dist, distributed, model_parallel, moe_step
 from mg.trainer.arguments import Args
+from mg.trainer.arguments.model import selective_recompute_modules
 from mg.trainer.arguments.transformer_engine import fp8_options
 from mg.trainer.batch_schedule import BatchSchedule, train_iterations
 from mg.trainer.checkpointing import TrainState
@@ -217,15 +218,17 @@ class Trainer:
         if m.mask_padded_vocab:  # the loss's softmax over the tokenizer's rows only
             set_real_vocab_size(model, self.tokenizer.vocab_size)
 
+        selective = selective_recompute_modules(m)  # --recompute-modules, Megatron's names
+
         def recompute(module: nn.Module) -> None:
-            if m.recompute_granularity is not None:
+            if m.recompute_granularity == "full" or "core_attn" in selective:
                 apply_activation_recompute(
                     module,
                     m.recompute_granularity,
                     m.recompute_method or "uniform",
                     m.recompute_num_layers or 1,
                 )
-            if args.moe.moe_layer_recompute:
+            if args.moe.moe_layer_recompute or "moe" in selective:
                 apply_moe_layer_recompute(module)
 
         if t.cross_entropy_loss_fusion:  # before the pipeline split: the last chunk takes it

@@ -60,6 +60,25 @@ class ModelArgs:
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
+    recompute_modules: list[str] | None = None
+
+
+MEGATRON_RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
+"""megatron-core 0.16's `recompute_modules` choices."""
+
+RECOMPUTE_MODULES = {
+    "core_attn": "the attention core, as --recompute-activations",
+    "moe": "each MoE layer, as --moe-layer-recompute",
+}
+"""The ones mg-train recomputes, and what each is here."""
 
 
 def add_model_flags(p: argparse._ArgumentGroup) -> None:
@@ -195,6 +214,13 @@ def add_model_flags(p: argparse._ArgumentGroup) -> None:
         help="With full recompute: checkpoint chunks of N layers (uniform) or the first N (block).",
     )
     p.add_argument("--recompute-num-layers", type=int, help="N for --recompute-method.")
+    p.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        metavar="MODULE",
+        help="With --recompute-granularity selective, what to recompute (Megatron's names): "
+        "core_attn (the default) and/or moe (each MoE layer, as --moe-layer-recompute).",
+    )
 
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
@@ -217,6 +243,30 @@ def finalize_model(args: Args) -> None:
         m.max_position_embeddings = m.seq_length
     if not m.add_position_embedding and m.position_embedding_type == "learned_absolute":
         m.position_embedding_type = "none"  # Megatron: --no-position-embedding without rope
+
+
+def selective_recompute_modules(m: ModelArgs) -> tuple[str, ...]:
+    """What selective recompute recomputes: --recompute-modules, Megatron's default
+    core_attn without it; nothing unless --recompute-granularity is selective (Megatron
+    reads the list only then)."""
+    if m.recompute_granularity != "selective":
+        return ()
+    return tuple(m.recompute_modules if m.recompute_modules is not None else ["core_attn"])
+
+
+def check_recompute_modules(modules: list[str] | None) -> None:
+    """Megatron's module names: the two mg-train has mapped, the rest refused by name."""
+    for name in modules or ():
+        if name not in MEGATRON_RECOMPUTE_MODULES:
+            fail(
+                f"--recompute-modules {name}: not a module Megatron recomputes (choose from "
+                f"{', '.join(MEGATRON_RECOMPUTE_MODULES)})"
+            )
+        if name not in RECOMPUTE_MODULES:
+            fail(
+                f"--recompute-modules {name}: not supported by mg-train, which recomputes "
+                f"{' and '.join(RECOMPUTE_MODULES)} only; drop {name}"
+            )
 
 
 def check_model(args: Args) -> None:
@@ -260,3 +310,4 @@ def check_model(args: Args) -> None:
         m.recompute_method is None or m.recompute_num_layers is None
     ):
         fail("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
+    check_recompute_modules(m.recompute_modules)
