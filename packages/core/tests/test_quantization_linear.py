@@ -112,11 +112,35 @@ def _linear(out: int = 48, inp: int = 128) -> nn.Linear:
 def test_int8_module_kernel_matches_dequantized_float() -> None:
     lin = _linear()
     module = Int8WeightOnlyLinear.from_linear(lin)
-    x = torch.randn(2, 5, 128)
+    x = torch.randn(1, 1, 128)  # a decode step: the kernel
     ref = nn.functional.linear(x, module.dequantized_weight(), lin.bias)
     assert torch.allclose(module(x), ref, atol=1e-4)
     assert ("Int8WeightOnlyLinear", "torch._weight_int8pack_mm (torch.float32)") in kernel_paths()
     assert torch.allclose(module(x), lin(x), atol=0.05)
+
+
+def test_many_rows_take_the_dequantized_gemm(monkeypatch) -> None:
+    """Beyond a few rows the CPU weight-only kernels (matrix-vector loops) lose to one
+    GEMM on the dequantized weight; both give the dequantized weight's numbers."""
+    lin = _linear()
+    int8 = Int8WeightOnlyLinear.from_linear(lin)
+    int4 = Int4WeightOnlyLinear.from_quantized(lin, *P.quantize_int4(lin.weight.detach(), 32))
+    calls = []
+    for name in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(
+            torch, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a)
+        )
+    for module, rows, kernel_rows in ((int8, 16, 1), (int4, 16, 4)):
+        for n in (kernel_rows, kernel_rows + 1, rows):
+            calls.clear()
+            x = torch.randn(n, 128)
+            ref = nn.functional.linear(x, module.dequantized_weight(), lin.bias)
+            assert torch.allclose(module(x), ref, atol=1e-4)
+            assert bool(calls) == (n <= kernel_rows), (type(module).__name__, n)
+    calls.clear()
+    int8(torch.randn(32, 128).bfloat16())  # bf16 keeps the kernel for a decode batch
+    assert calls == ["_weight_int8pack_mm"]
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
