@@ -277,7 +277,8 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     at EP = 2 the next iterations equal the straight run's bitwise (both formats); the
     torch_dist one resumed at EP = 1 (each rank every expert) equals it to fp32 rounding,
     and the torch one at EP = 1 is refused naming the size. --overlap-grad-reduce at EP = 2
-    equals the run without."""
+    equals the run without. The global aux loss at DP = 2 equals one process over 10
+    iterations (losses and logged loss within 1e-6)."""
     import json
     from pathlib import Path
 
@@ -301,6 +302,10 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     runs.append([*sharded, "--save", dist_opt, "--exit-interval", "4"])
     runs.append([*sharded, "--load", dist_opt])
     runs.append([*base, "--clip-grad", "0.05", "--use-distributed-optimizer", "--load", dist_opt])
+    # the global aux loss at DP = 2 (no EP): token counts summed over the data-parallel ranks
+    global_aux = [*MOE, "--moe-router-load-balancing-type", "global_aux_loss"]
+    global_aux += ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    runs.append(mock_argv(tmp_path, *global_aux, mbs=2, gbs=8, iters=10))
     out = tmp_path / "ep_ckpt.json"
     worker = Path(__file__).with_name("ddp_worker.py")
     launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=300)
@@ -308,7 +313,19 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     straight, torch_first, torch_resumed, dist_first, dist_resumed, at_ep1, overlap = (
         r["losses"] for r in results[:7]
     )
-    plain, sharded, _, sharded_resumed, sharded_at_ep1 = results[7:]
+    plain, sharded, _, sharded_resumed, sharded_at_ep1, global_dp2 = results[7:]
+    # Megatron's global aux loss: each micro-batch balanced over the tokens of both ranks,
+    # i.e. one process's micro-batch of twice the size. Each rank's loss is its tokens' part
+    # and the gradient average over DP leaves 1/dp of it (as in Megatron-LM, its issue
+    # #3672): one process with half the coefficient; the logged value (loss / coefficient)
+    # is the same
+    half = [*global_aux, "--moe-aux-loss-coeff", "5e-3"]
+    one = train(mock_argv(tmp_path, *half, mbs=4, gbs=8, iters=10))
+    # (measured 7.5e-8 and 1.2e-7; counted over one rank's tokens the losses were 6e-6 and
+    # the logged loss 3e-4 off, and the same coefficient's losses are 9e-6 off)
+    assert global_dp2["losses"] == pytest.approx(one.losses, rel=1e-6)
+    logged = global_dp2["extra_losses"]["global_load_balancing_loss"]
+    assert logged == pytest.approx(one.extra_losses["global_load_balancing_loss"], rel=1e-6)
     # the distributed optimizer: dense weights sharded over DP, experts over expert DP
     assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-5)
     assert sharded["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-5)
@@ -665,3 +682,4 @@ def test_recompute_modules_mg_train_lacks_are_refused_by_name(tmp_path, mock_arg
         parse_args([*argv, "--recompute-modules", "core_attn", name])
     assert str(info.value).startswith(f"--recompute-modules {name}: ")
     assert "\n" not in str(info.value)
+

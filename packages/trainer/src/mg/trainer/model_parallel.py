@@ -128,8 +128,30 @@ def parallelize(
             model, layout.ep_group, model.config.moe_token_dispatcher_type, experts_apart=True
         )
     for part in parts:
+        share_global_aux_loss_counts(part, layout)
         recompute(part)
     return model if layout.pp == 1 else PipelineModel(parts)
+
+
+def routed_tokens_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
+    """The ranks of a pipeline stage that route different tokens, over which MoE token
+    counts are summed (Megatron's tensor × data × context group): data × context ranks,
+    and the tensor-parallel ones too when each routes its own slice of the sequence
+    (expert-tensor-parallel size 1). Tensor-parallel ranks that route the same tokens
+    (experts split over TP) are left out: they would count each token tp times."""
+    return layout.stage_group or layout.dp_cp_group
+
+
+def share_global_aux_loss_counts(model: nn.Module, layout: ParallelLayout) -> None:
+    """The global aux loss's token counts summed over `routed_tokens_group`, data-parallel
+    ranks included, as Megatron's `tp_dp_cp_group`: every router then balances over the
+    stage's tokens of the micro-batch."""
+    from mg.core.models.moe import TopKRouter
+
+    if layout.world_size // layout.pp == 1:
+        return
+    for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
+        router.tp_dp_cp_group = routed_tokens_group(layout)
 
 
 def te_parallelism(layout: ParallelLayout) -> TEParallelism:

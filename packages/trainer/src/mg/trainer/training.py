@@ -509,7 +509,7 @@ class Trainer:
         moe_losses, self.moe_layer_losses = moe_step.finish_step(
             self.model,
             self.model_config,
-            self.layout.stage_group or self.layout.dp_cp_group,
+            model_parallel.routed_tokens_group(self.layout),
             per_layer=self.args.moe.moe_per_layer_logging,
         )
         self.extra_losses |= moe_losses

@@ -20,7 +20,13 @@ as Megatron logs them, are kept in `router.losses` for the log line.
 
 Process groups are plain attributes set from outside (None: this process
 alone): `tp_cp_group` sums the token counts of a sequence split over
-tensor/context-parallel ranks, `tp_dp_cp_group` those of the global aux loss.
+tensor/context-parallel ranks, `tp_dp_cp_group` those of the global aux loss
+(Megatron's tensor × data × context group: every rank of a pipeline stage that routes
+its own tokens). The global aux loss of a rank is then its tokens' part of the
+micro-batch's loss over the whole group, logged summed over the group as Megatron does;
+averaged over data-parallel ranks its gradient is 1/dp of that loss's, as in Megatron-LM
+(its issue #3672): a run at DP = n equals one process with n times the micro-batch
+and the coefficient / n.
 """
 
 from __future__ import annotations
@@ -366,7 +372,8 @@ class TopKRouter(nn.Module):
         if kind == "seq_aux_loss":
             loss = loss / batch
         if not recomputing():  # a sequence split over TP/CP ranks: each its tokens' part
-            logged = _summed_over(loss.detach(), self.tp_cp_group) / coeff
+            # (the global loss: the parts of every rank whose counts it sums, as Megatron logs)
+            logged = _summed_over(loss.detach(), group) / coeff
             self.losses[_AUX_LOSS_NAMES[kind]] = logged
         return AuxLossBackward.apply(probs, loss)
 
