@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
-from mg.core.models.core_attention import SDPAttention
+from mg.core.models.core_attention import FlashAttention, SDPAttention
 
 
 class ContextParallelError(ValueError):
@@ -342,12 +342,19 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Mod
         raise ContextParallelError(
             "context parallelism does not support sliding-window attention (--window-size)"
         )
+    # the TE spec's attention becomes TE's DotProductAttention, told the cp group
+    # (mg.core.models.te_parallel), whatever kernel the plain model picked
+    ringable = (
+        (SDPAttention, FlashAttention)
+        if config.transformer_impl == "transformer_engine"
+        else SDPAttention
+    )
     swapped = 0
     for module in list(model.modules()):
         attention = getattr(module, "core_attention", None)
         if attention is None:
             continue
-        if not isinstance(attention, SDPAttention) or not attention.causal:
+        if not isinstance(attention, ringable) or not attention.causal:
             raise ContextParallelError(
                 f"context parallelism needs causal attention with the sdpa backend; "
                 f"{type(attention).__name__} (attention_backend={config.attention_backend!r}) "
