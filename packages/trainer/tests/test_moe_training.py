@@ -683,3 +683,25 @@ def test_recompute_modules_mg_train_lacks_are_refused_by_name(tmp_path, mock_arg
     assert str(info.value).startswith(f"--recompute-modules {name}: ")
     assert "\n" not in str(info.value)
 
+
+def test_per_layer_logging_writes_every_layer_zero_for_dense_ones():
+    """--moe-per-layer-logging writes each layer's balancing losses as Megatron's tracker
+    holds them: a value per layer of the model, 0 for the dense ones."""
+    import dataclasses
+
+    import torch
+
+    from mg.core.models import GPTModel, presets
+    from mg.trainer.moe_step import finish_step
+
+    config = presets.tiny_llama(num_layers=3, num_moe_experts=4, moe_router_topk=2)
+    config = dataclasses.replace(config, moe_layer_freq=[0, 1, 1], moe_aux_loss_coeff=1e-2)
+    model = GPTModel(config)
+    model(torch.randint(0, config.vocab_size, (2, 8)))
+    losses, layers = finish_step(model, config, None, per_layer=True)
+    name = "load_balancing_loss"
+    assert sorted(layers) == [f"moe/{name}_layer_{i}" for i in range(3)]
+    assert layers[f"moe/{name}_layer_0"] == 0.0
+    moe = [layers[f"moe/{name}_layer_{i}"] for i in (1, 2)]
+    assert all(v > 0.5 for v in moe)
+    assert sum(moe) / 2 == pytest.approx(losses[name], rel=1e-12)

@@ -8,7 +8,7 @@
   layers, then over ranks) goes to the log line and tensorboard under
   Megatron's names (`load_balancing_loss`, `z_loss`, ...); with
   --moe-per-layer-logging each layer's also to tensorboard
-  (`moe/load_balancing_loss_layer_3`).
+  (`moe/load_balancing_loss_layer_3`; 0 for a dense layer, as in Megatron).
 
 A dense model makes every function here a no-op.
 """
@@ -68,8 +68,9 @@ def finish_step(
     per_layer: bool = False,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Expert-bias update and window reset; returns the step's balancing losses, and with
-    `per_layer` (--moe-per-layer-logging) each MoE layer's under Megatron's tensorboard
-    name `moe/{loss}_layer_{i}` (i: the layer's 0-based number in the model).
+    `per_layer` (--moe-per-layer-logging) each layer's under Megatron's tensorboard name
+    `moe/{loss}_layer_{i}` (i: the layer's 0-based number in the model; 0 for a dense
+    layer, as Megatron writes them).
 
     `dp_group`: the ranks whose token counts the expert bias sums (data × context, or every
     rank of the stage when each tensor-parallel rank routes its own tokens). Every rank
@@ -100,11 +101,10 @@ def finish_step(
     mean = totals[..., 0] / totals[..., 1].clamp(min=1)
     losses = {name: float(mean[i, 0]) for i, name in enumerate(names)}
     layers: dict[str, float] = {}
-    if per_layer:
+    if per_layer:  # every layer, as Megatron's tracker holds them: 0 for a dense one
         for i, name in enumerate(names):
             for number in range(1, config.num_layers + 1):
-                if totals[i, number, 1] > 0:
-                    layers[f"moe/{name}_layer_{number - 1}"] = float(mean[i, number])
+                layers[f"moe/{name}_layer_{number - 1}"] = float(mean[i, number])
     return losses, layers
 
 
