@@ -101,7 +101,7 @@ def _layers(hidden: int, ffn: int, experts: int, topk: int):
     return ours["sequential"], ours["grouped"], hf
 
 
-def bench_layer(quick: bool, repeats: int) -> list[str]:
+def bench_layer(quick: bool, repeats: int, dtype: torch.dtype = torch.float32) -> list[str]:
     hidden, ffn, experts, topk = (256, 512, 8, 2) if quick else (1024, 3584, 8, 2)
     batch, seq = (2, 128) if quick else (4, 512)
     sequential, grouped, hf = _layers(hidden, ffn, experts, topk)
@@ -110,6 +110,10 @@ def bench_layer(quick: bool, repeats: int) -> list[str]:
         ref = hf(x)
         for layer in (sequential, grouped):
             torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-5)
+    if dtype != torch.float32:  # checked in fp32 above; then every side in `dtype`
+        x = x.to(dtype)
+        for layer in (sequential, grouped, hf):
+            layer.to(dtype)
     tokens = batch * seq
     sides = {
         "ours, sequential experts": sequential,
@@ -118,7 +122,8 @@ def bench_layer(quick: bool, repeats: int) -> list[str]:
     }
     rows = [
         f"Shapes: hidden {hidden}, expert ffn {ffn}, {experts} experts, top-{topk}, "
-        f"{batch}x{seq} = {tokens} tokens, fp32; outputs checked equal (1e-4) first.",
+        f"{batch}x{seq} = {tokens} tokens, {_name(dtype)}; outputs checked equal (fp32, 1e-4) "
+        "first.",
         "",
         "| pass | ours, sequential | ours, grouped GEMM | transformers Mixtral | "
         "grouped / transformers | sequential / transformers |",
@@ -174,29 +179,36 @@ def _moe_gpt(layers: int, hidden: int, seq: int, vocab: int, grouped: bool):
     )
 
 
-def _train_step(config, batch: int, seq: int):
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+
+
+def _train_step(config, batch: int, seq: int, dtype: torch.dtype):
     from mg.core.models import GPTModel
 
     torch.manual_seed(0)
     model = GPTModel(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
+    bf16 = dtype == torch.bfloat16
 
     def step() -> None:
-        model(ids, labels=ids).mean().backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # as mg-train --bf16
+            loss = model(ids, labels=ids).mean()
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     return step
 
 
-def bench_training(quick: bool, repeats: int) -> list[str]:
+def bench_training(quick: bool, repeats: int, dtype: torch.dtype = torch.float32) -> list[str]:
     from mg.core.models.flops import num_floating_point_operations, num_parameters
 
     layers, hidden, vocab = (2, 128, 1024) if quick else (4, 512, 32000)
     batch, seq = (2, 64) if quick else (4, 256)
     configs = [_moe_gpt(layers, hidden, seq, vocab, grouped) for grouped in (False, True)]
-    seconds = _alternate([_train_step(c, batch, seq) for c in configs], repeats)
+    seconds = _alternate([_train_step(c, batch, seq, dtype) for c in configs], repeats)
     rows = [
         "| model | total params | active params | tokens/s | model GFLOP/s (top-k) |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -217,6 +229,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--bf16", action="store_true",
+        help="also the bf16 sections (every side in bf16; training under bf16 autocast)",
+    )  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe-cpu.md"))
     args = parser.parse_args()
     load = os.getloadavg()
@@ -232,12 +248,15 @@ def main() -> None:
         "## MoE layer: ours vs transformers' MixtralSparseMoeBlock",
         "",
     ]
-    text = "\n".join(
-        header
-        + bench_layer(args.quick, args.repeats)
-        + ["", "## MoE GPT, one AdamW step (fp32)", ""]
-        + bench_training(args.quick, args.repeats)
-    )
+    lines = header + bench_layer(args.quick, args.repeats)
+    lines += ["", "## MoE GPT, one AdamW step (fp32)", ""]
+    lines += bench_training(args.quick, args.repeats)
+    if args.bf16:
+        lines += ["", "## MoE layer in bf16: ours vs transformers' MixtralSparseMoeBlock", ""]
+        lines += bench_layer(args.quick, args.repeats, torch.bfloat16)
+        lines += ["", "## MoE GPT, one AdamW step (bf16 autocast)", ""]
+        lines += bench_training(args.quick, args.repeats, torch.bfloat16)
+    text = "\n".join(lines)
     print(text)
     if not args.quick:
         Path(args.out).write_text(text + "\n")

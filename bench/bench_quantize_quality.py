@@ -184,9 +184,9 @@ def main() -> None:
                 f"{data['seconds']:.0f} s", file=sys.stderr, flush=True,
             )  # fmt: skip
     base = rows[0][2]["ppl_before"]
-    int4_rtn = next(
-        (d["ppl_change_pct"] for r, e, d in rows if r == "int4_wo" and "128" in e), None
-    )
+    rtn = next((d for r, e, d in rows if r == "int4_wo" and "128" in e), None)
+    int4_rtn = rtn["ppl_change_pct"] if rtn else None
+    int4_rtn_kl = rtn["kl_divergence"] if rtn else None
     lines = [
         f"model: {params / 1e6:.1f}M parameters ({linear / 1e6:.1f}M in the quantized linears; "
         f"hidden {config.hidden_size}, {config.num_layers} layers, ffn {config.ffn_hidden_size}, "
@@ -198,18 +198,21 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f} at the end",
         "",
         "| recipe | options | calibration windows | perplexity | change | vs int4_wo g128 "
-        "| KL divergence (mean, nats) | KL p99 | same top token | size vs float | seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| KL divergence (mean, nats) | KL vs int4_wo g128 | KL p99 | same top token "
+        "| size vs float | seconds |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for recipe, extra, data in rows:
         calibrated = recipe not in ("int8_wo", "int4_wo")
-        versus = ""
+        versus = kl_versus = ""
         if recipe.startswith("int4") and int4_rtn and int4_rtn > 0:
             versus = f"{data['ppl_change_pct'] / int4_rtn:.2f}x"
+        if recipe.startswith("int4") and int4_rtn_kl:
+            kl_versus = f"{data['kl_divergence'] / int4_rtn_kl:.2f}x"
         lines.append(
             f"| {recipe} | {extra} | {data['calib_samples'] if calibrated else ''} | "
             f"{data['ppl_after']:.3f} | {data['ppl_change_pct']:+.3f}% | {versus} | "
-            f"{data['kl_divergence']:.5f} | {data['kl_divergence_p99']:.4f} | "
+            f"{data['kl_divergence']:.5f} | {kl_versus} | {data['kl_divergence_p99']:.4f} | "
             f"{data['same_top_token_pct']:.2f}% | "
             f"{data['size_after_bytes'] / data['size_before_bytes']:.2f}x | "
             f"{data['seconds']:.0f} |"
