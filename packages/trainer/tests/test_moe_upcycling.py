@@ -61,7 +61,8 @@ def test_mg_train_upcycles_a_dense_checkpoint_saves_and_trains(tmp_path, mock_ar
     """A dense run saved at iteration 2; the upcycled run reads it, saves the MoE model to
     --save as iteration 1 (Megatron's numbering) with the dense run's consumed samples, and
     its first loss equals the dense run's third (same weights, same batch) within 1e-6.
-    Resuming the upcycled checkpoint without the flag gives the same losses bitwise; the
+    Resuming the upcycled checkpoint (no optimizer state, as in Megatron) without the flag
+    and with --no-load-optim gives the same losses bitwise; the
     refusals need these checkpoints, so they are checked here too."""
     from mg.core.checkpoint import describe
 
@@ -77,9 +78,10 @@ def test_mg_train_upcycles_a_dense_checkpoint_saves_and_trains(tmp_path, mock_ar
     assert all(0.9 < v < 4.0 for v in upcycled.extra_losses["load_balancing_loss"])
     first = describe(moe_ckpt, 1)
     assert first.model_config["num_moe_experts"] == 4
-    resume = [*DENSE, *MOE, "--load", moe_ckpt, "--ckpt-step", "1"]
-    resumed = train(mock_argv(tmp_path, *resume, iters=3))
-    assert resumed.losses == upcycled.losses[:2]
+    # iteration 1 holds no optimizer state (as in Megatron): resumed with --no-load-optim
+    resume = [*DENSE, *MOE, "--load", moe_ckpt, "--ckpt-step", "1", "--no-load-optim"]
+    resumed = train(mock_argv(tmp_path, *resume, iters=4))
+    assert resumed.losses == upcycled.losses[:3]
 
     capsys.readouterr()
     again = mock_argv(tmp_path, *upcycle)

@@ -335,8 +335,9 @@ class Trainer:
         )
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.dtype = autocast_dtype(t.bf16, t.fp16)
-        if upcycled:  # Megatron saves the upcycled model before it trains
-            self.save()
+        if upcycled:  # Megatron saves the upcycled model before it trains, without the
+            # optimizer's state (which has none yet; DCP would make one up by a step)
+            self.save(save_optim=False)
         self._build_data()
         self.housekeeping = Housekeeping(args, self.env.rank)
         bf16 = self.dtype == torch.bfloat16
@@ -580,8 +581,11 @@ class Trainer:
 
     # --- the loop -----------------------------------------------------------------------------
 
-    def save(self) -> None:
+    def save(self, save_optim: bool = True) -> None:
+        """A checkpoint of this iteration in --save (`save_optim=False`: the model, RNG and
+        counters only)."""
         c = self.args.checkpoint
+        save_optim = save_optim and not c.no_save_optim
         self.finish_saves()
         if c.ckpt_format == "torch_dist":
             self._pending_save = checkpointing_dist.save(
@@ -595,7 +599,7 @@ class Trainer:
                 model_config=self.model_config.to_dict(),
                 tokenizer_config=self.saved_tokenizer_config,
                 parallel={"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp},
-                save_optim=not c.no_save_optim,
+                save_optim=save_optim,
                 save_rng=not c.no_save_rng,
                 async_save=c.async_save,
                 rng_shard=self.layout.shard_name,
@@ -614,7 +618,7 @@ class Trainer:
             loss_scaler=self.scaler,
             model_config=self.model_config.to_dict(),
             tokenizer_config=self.saved_tokenizer_config,
-            save_optim=not c.no_save_optim,
+            save_optim=save_optim,
             save_rng=not c.no_save_rng,
             layout=self.layout,
         )
