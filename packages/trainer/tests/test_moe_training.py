@@ -278,7 +278,8 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     torch_dist one resumed at EP = 1 (each rank every expert) equals it to fp32 rounding,
     and the torch one at EP = 1 is refused naming the size. --overlap-grad-reduce at EP = 2
     equals the run without. The global aux loss at DP = 2 equals one process over 10
-    iterations (losses and logged loss within 1e-6)."""
+    iterations (losses and logged loss within 1e-6). A dense checkpoint upcycled at
+    TP = 2 + SP and at EP = 2 starts at the dense run's next loss (1e-6)."""
     import json
     from pathlib import Path
 
@@ -306,6 +307,20 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     global_aux = [*MOE, "--moe-router-load-balancing-type", "global_aux_loss"]
     global_aux += ["--attention-dropout", "0", "--hidden-dropout", "0"]
     runs.append(mock_argv(tmp_path, *global_aux, mbs=2, gbs=8, iters=10))
+    # --moe-use-upcycling from a one-process dense checkpoint at TP = 2 + SP (experts as
+    # DTensors) and at EP = 2 (each rank its experts)
+    dense_flags = ["--swiglu", "--disable-bias-linear", "--ffn-hidden-size", "64"]
+    dense_flags += ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    dense_flags += ["--make-vocab-size-divisible-by", "64"]  # 128 rows at TP 1 and 2 alike
+    dense_ckpt = str(tmp_path / "dense")
+    dense = train(
+        mock_argv(tmp_path, *dense_flags, "--save", dense_ckpt, "--save-interval", "2", iters=3)
+    )
+    upcycle = [*dense_flags, "--num-experts", "4", "--moe-aux-loss-coeff", "1e-2"]
+    upcycle += ["--moe-use-upcycling", "--load", dense_ckpt, "--ckpt-step", "2"]
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    for name, layout in (("tp", tp2), ("ep", ep2)):
+        runs.append(mock_argv(tmp_path, *upcycle, "--save", str(tmp_path / name), *layout, iters=4))
     out = tmp_path / "ep_ckpt.json"
     worker = Path(__file__).with_name("ddp_worker.py")
     launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=300)
@@ -313,7 +328,11 @@ def test_expert_parallel_checkpoints_resume_and_reshard(tmp_path, mock_argv, tra
     straight, torch_first, torch_resumed, dist_first, dist_resumed, at_ep1, overlap = (
         r["losses"] for r in results[:7]
     )
-    plain, sharded, _, sharded_resumed, sharded_at_ep1, global_dp2 = results[7:]
+    plain, sharded, _, sharded_resumed, sharded_at_ep1, global_dp2, up_tp, up_ep = results[7:]
+    # upcycled: the first loss is the dense run's next one (same weights, same batch)
+    assert up_tp["losses"][0] == pytest.approx(dense.losses[2], rel=1e-6, abs=0)
+    assert up_ep["losses"][0] == pytest.approx(dense.losses[2], rel=1e-6, abs=0)
+    assert up_tp["losses"] == pytest.approx(up_ep["losses"], rel=1e-5)
     # Megatron's global aux loss: each micro-batch balanced over the tokens of both ranks,
     # i.e. one process's micro-batch of twice the size. Each rank's loss is its tokens' part
     # and the gradient average over DP leaves 1/dp of it (as in Megatron-LM, its issue
