@@ -152,10 +152,139 @@ def test_te_spec_takes_tensor_and_context_parallelism(layout: list[str]) -> None
 
 def test_documented_no_ops_are_accepted() -> None:
     args = parse_args(
-        [*BASE, *TE, "--fp8-format", "hybrid", "--fp8-interval", "1", "--tp-only-amax-red"]
+        [*BASE, *TE, "--fp8-format", "hybrid", "--fp8-interval", "1"]
         + ["--te-rng-tracker", "--cuda-graph-impl", "none", "--dry-run"]
     )
-    assert args.transformer_engine.te_rng_tracker and args.transformer_engine.tp_only_amax_red
+    assert args.transformer_engine.te_rng_tracker
+
+
+def _megatron_rank_groups(sizes: dict[str, int], token: str) -> list[list[int]]:
+    """Megatron's RankGenerator(order="tp-cp-ep-dp-pp", ep=1).get_ranks(token), restated:
+    the groups of ranks that differ only along the dims in `token`, each listed with
+    its first dim varying fastest, the groups ordered the same way by the other dims."""
+    order = ["tp", "cp", "dp", "pp"]
+    stride, step = {}, 1
+    for name in order:
+        stride[name], step = step, step * sizes[name]
+
+    def offsets(names: list[str]) -> list[int]:
+        points = [0]
+        for name in names:  # earlier names vary fastest
+            points = [p + i * stride[name] for i in range(sizes[name]) for p in points]
+        return points
+
+    inside = [name for name in order if name in token.split("-")]
+    outside = [name for name in order if name not in inside]
+    return [[g + r for r in offsets(inside)] for g in offsets(outside)]
+
+
+AMAX_LAYOUTS = [  # (tp, pp, cp, dp)
+    (2, 2, 1, 2),
+    (2, 2, 2, 1),
+    (2, 2, 2, 2),
+    (1, 4, 2, 2),
+    (4, 1, 1, 2),
+    (2, 3, 1, 1),
+]
+
+
+@pytest.mark.parametrize(("tp", "pp", "cp", "dp"), AMAX_LAYOUTS)
+def test_amax_reduction_ranks_are_megatrons(tp: int, pp: int, cp: int, dp: int) -> None:
+    """The FP8 amax-reduction groups are Megatron's get_amax_reduction_group(
+    with_context_parallel=True): tp-cp-dp (one pipeline stage), or tp-cp with
+    --tp-only-amax-red, in RankGenerator's order."""
+    from mg.core.parallel.layout import ParallelLayout
+    from mg.trainer.model_parallel import amax_reduction_rank_groups
+
+    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, dp=dp)
+    sizes = {"tp": tp, "pp": pp, "cp": cp, "dp": dp}
+    assert amax_reduction_rank_groups(layout) == _megatron_rank_groups(sizes, "tp-cp-dp")
+    assert amax_reduction_rank_groups(layout, tp_only=True) == _megatron_rank_groups(sizes, "tp-cp")
+
+
+def test_amax_reduction_ranks_at_tp2_pp2_dp2() -> None:
+    from mg.core.parallel.layout import ParallelLayout
+    from mg.trainer.model_parallel import amax_reduction_rank_groups
+
+    layout = ParallelLayout(tp=2, pp=2, dp=2)
+    assert amax_reduction_rank_groups(layout) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert amax_reduction_rank_groups(layout, tp_only=True) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def _fake_groups(monkeypatch) -> list[tuple[int, ...]]:
+    """dist.new_group recorded: each call's ranks, the group returned as that tuple."""
+    from mg.trainer import model_parallel
+
+    created: list[tuple[int, ...]] = []
+
+    def new_group(ranks):
+        created.append(tuple(ranks))
+        return tuple(ranks)
+
+    monkeypatch.setattr(model_parallel.dist, "new_group", new_group)
+    return created
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+@pytest.mark.parametrize("dp_rank", [0, 1])
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_amax_reduction_group_is_this_ranks_stage(monkeypatch, tp_rank, dp_rank, pp_rank):
+    """At TP=2 x PP=2 x DP=2 every rank creates both stages' groups, in the same order
+    (new_group is collective), and keeps its own stage's; --tp-only-amax-red gives the
+    layout's tensor-parallel group and creates none."""
+    from types import SimpleNamespace
+
+    from mg.core.parallel.layout import ParallelLayout
+    from mg.trainer.model_parallel import amax_reduction_group
+
+    created = _fake_groups(monkeypatch)
+    layout = ParallelLayout(tp=2, pp=2, dp=2, tp_rank=tp_rank, dp_rank=dp_rank, pp_rank=pp_rank)
+    layout.tp_mesh = SimpleNamespace(get_group=lambda: "tp group")
+    rank = (pp_rank * 2 + dp_rank) * 2 + tp_rank
+    group = amax_reduction_group(layout)
+    assert created == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert group == created[pp_rank] and rank in group
+    created.clear()
+    assert amax_reduction_group(layout, tp_only=True) == "tp group" and created == []
+
+
+def test_amax_reduction_group_without_new_groups(monkeypatch) -> None:
+    """One pipeline stage: the whole world; one process: None; TP x CP with
+    --tp-only-amax-red: tensor x context blocks; the MoE stage group when there."""
+    import torch.distributed as dist
+
+    from mg.core.parallel.layout import ParallelLayout
+    from mg.trainer.model_parallel import amax_reduction_group
+
+    created = _fake_groups(monkeypatch)
+    assert amax_reduction_group(ParallelLayout()) is None
+    assert amax_reduction_group(ParallelLayout(tp=2, dp=2)) is dist.group.WORLD
+    moe = ParallelLayout(tp=2, pp=2, dp=2, pp_rank=1, stage_group="stage")
+    assert amax_reduction_group(moe) == "stage" and created == []
+    tp_cp = ParallelLayout(tp=2, cp=2, dp=2, cp_rank=1, dp_rank=1)  # rank 6
+    assert amax_reduction_group(tp_cp, tp_only=True) == (4, 5, 6, 7)
+    assert created == [(0, 1, 2, 3), (4, 5, 6, 7)]
+
+
+def test_trainer_gives_fp8_autocast_the_amax_group(tmp_path, mock_argv, train, monkeypatch) -> None:
+    """Every forward's fp8_autocast gets the group amax_reduction_group built once for
+    the run, with --tp-only-amax-red read from the flag."""
+    from mg.core.testing import te_standin
+    from mg.trainer import model_parallel
+
+    recorder = te_standin.install(monkeypatch)
+    asked = []
+
+    def fake(layout, tp_only=False):
+        asked.append(tp_only)
+        return "amax group"
+
+    monkeypatch.setattr(model_parallel, "amax_reduction_group", fake)
+    argv = mock_argv(tmp_path, *TE, "--fp8-format", "hybrid", "--tp-only-amax-red", iters=3)
+    train(argv)
+    assert asked == [True]
+    assert recorder.fp8_groups == ["amax group"] * len(recorder.autocasts)
+    assert recorder.autocasts
 
 
 def test_bert_takes_no_transformer_engine_spec() -> None:
@@ -190,6 +319,7 @@ def test_te_spec_and_fp8_train_through_transformer_engines_api(
     te = train(mock_argv(tmp_path, *common, *TE, *fp8, *save, mbs=2, gbs=4, iters=4))
     assert len(recorder.built) == 2 * 2 * 2  # (LayerNormLinear + Linear) x 2 per layer
     assert len(recorder.autocasts) == 4 * 2 and all(on for on, _ in recorder.autocasts)
+    assert recorder.fp8_groups == [None] * 8  # one process: no group
     recipe = recorder.autocasts[0][1]
     assert recipe.kind == "DelayedScaling" and recipe.kwargs["amax_history_len"] == 16
     local = train(mock_argv(tmp_path, *common, mbs=2, gbs=4, iters=4))

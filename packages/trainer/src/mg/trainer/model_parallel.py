@@ -13,6 +13,9 @@
   Megatron's 1F1B / interleaved schedule; a family's `PipelineSteps` say how
   a micro-batch enters a chunk and how the last stage's output becomes its
   loss (GPT's by default; BERT's carry token types and the sentence-order loss).
+- `amax_reduction_group` is Megatron's FP8 amax-reduction group (the stage's
+  tensor × context × data ranks, or tensor × context with `--tp-only-amax-red`),
+  which the trainer gives TE's `fp8_autocast`.
 
 Context-parallel loss, as in Megatron: each cp rank's micro-batch loss is its
 masked sum over the micro-batch's tokens on *all* cp ranks, times cp, and the
@@ -163,6 +166,47 @@ def te_parallelism(layout: ParallelLayout) -> TEParallelism:
         sequence_parallel=layout.sequence_parallel,
         cp_group=layout.cp_group if layout.cp > 1 else None,
     )
+
+
+def amax_reduction_rank_groups(layout: ParallelLayout, tp_only: bool = False) -> list[list[int]]:
+    """Every FP8 amax-reduction group's ranks, in the order Megatron's RankGenerator
+    lists them (`parallel_state.get_amax_reduction_group(with_context_parallel=True,
+    tp_only_amax_red=tp_only)`): the tensor × context × data ranks of each pipeline
+    stage, or with `tp_only` (`--tp-only-amax-red`) the tensor × context ranks of each
+    data-parallel replica of a stage. In the tp-cp-dp-pp rank order both are runs of
+    consecutive ranks, listed from rank 0 up."""
+    size = layout.tp * layout.cp * (1 if tp_only else layout.dp)
+    return [list(range(start, start + size)) for start in range(0, layout.world_size, size)]
+
+
+def amax_reduction_group(layout: ParallelLayout, tp_only: bool = False) -> dist.ProcessGroup | None:
+    """The group TE's `fp8_autocast` reduces this rank's FP8 amaxes over (`fp8_group`):
+    this rank's group of `amax_reduction_rank_groups`, within its pipeline stage, so
+    other stages, which hold other layers and run other steps of the schedule, never
+    join the reduction. Collective when it creates groups: every rank calls it, in the
+    same place. None with one process (no distribution)."""
+    if layout.world_size == 1:
+        return None
+    if tp_only and layout.cp == 1:  # the tensor-parallel group the layout already has
+        return layout.tp_mesh.get_group()
+    if not tp_only and layout.pp == 1:  # the stage is the whole world
+        return dist.group.WORLD
+    if not tp_only and layout.stage_group is not None:  # built for MoE's token counts
+        return layout.stage_group
+    rank = _global_rank(layout)
+    mine = None
+    for ranks in amax_reduction_rank_groups(layout, tp_only):  # all of them, on every rank
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _global_rank(layout: ParallelLayout) -> int:
+    """This rank's number in the tp-cp-dp-pp order (`mg.core.parallel.mesh`)."""
+    return (
+        (layout.pp_rank * layout.dp + layout.dp_rank) * layout.cp + layout.cp_rank
+    ) * layout.tp + layout.tp_rank
 
 
 def pipeline_optimizer_options(model: nn.Module, layout: ParallelLayout) -> dict:

@@ -147,13 +147,19 @@ def per_token_loss_scale(batches: list[dict[str, torch.Tensor]], world_size: int
     return world_size / max(total, 1.0)
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None, fp8: FP8Options | None = None):
-    """The forward's number formats: torch autocast in `dtype`, and TE's FP8 inside it."""
+def _autocast(
+    device: torch.device,
+    dtype: torch.dtype | None,
+    fp8: FP8Options | None = None,
+    fp8_group: torch.distributed.ProcessGroup | None = None,
+):
+    """The forward's number formats: torch autocast in `dtype`, and TE's FP8 inside it,
+    its amaxes reduced over `fp8_group` (`model_parallel.amax_reduction_group`)."""
     stack = contextlib.ExitStack()
     if dtype is not None:
         stack.enter_context(torch.autocast(device_type=device.type, dtype=dtype))
     if fp8 is not None:
-        stack.enter_context(fp8_autocast(fp8))
+        stack.enter_context(fp8_autocast(fp8, fp8_group))
     return stack
 
 
@@ -244,6 +250,13 @@ class Trainer:
             perform_initialization=args.checkpoint.perform_initialization,
         )
         self.fp8 = fp8_options(args)
+        self.fp8_group = (  # collective: every rank builds the amax groups here
+            model_parallel.amax_reduction_group(
+                self.layout, args.transformer_engine.tp_only_amax_red
+            )
+            if self.fp8 is not None
+            else None
+        )
         if self.model_config.transformer_impl == "transformer_engine":  # TE's modules, same names
             apply_transformer_engine(
                 model,
@@ -443,7 +456,7 @@ class Trainer:
                 batches,
                 hidden_size=self.model_config.hidden_size,
                 loss_scale=self.scaler.scale,
-                autocast=lambda: _autocast(self.env.device, self.dtype, self.fp8),
+                autocast=lambda: _autocast(self.env.device, self.dtype, self.fp8, self.fp8_group),
                 backward=backward,
                 device=self.env.device,
                 no_sync=self.optimizer.no_sync if self.distributed_optimizer else None,
@@ -468,7 +481,7 @@ class Trainer:
                 elif self.distributed_optimizer:
                     sync = self.optimizer.no_sync()
             with sync:
-                with _autocast(self.env.device, self.dtype, self.fp8):
+                with _autocast(self.env.device, self.dtype, self.fp8, self.fp8_group):
                     terms = self.family.loss_terms(self.model, batch)
                 micro_sum, micro_tokens = terms[0], terms[1]
                 extra = terms[2] if len(terms) > 2 else {}

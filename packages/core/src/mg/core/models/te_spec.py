@@ -354,8 +354,9 @@ def fp8_recipe(options: FP8Options) -> Any:
 @contextlib.contextmanager
 def fp8_autocast(options: FP8Options | None, group: Any = None) -> Iterator[None]:
     """TE's `fp8_autocast` for a forward pass (nothing without FP8). `group`: the ranks
-    whose amax histories are reduced together (Megatron's amax-reduction group; None:
-    all ranks)."""
+    whose amaxes TE reduces together, Megatron's amax-reduction group (ranks of one
+    pipeline stage); None: every rank, which under pipeline parallelism mixes stages
+    that hold other layers."""
     if options is None:
         yield
         return

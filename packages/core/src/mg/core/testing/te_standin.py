@@ -5,7 +5,8 @@ names and `_extra_state` (`LayerNormLinear`, `Linear`, `DotProductAttention`) an
 TE's tensor- and context-parallel semantics (local shard shapes, the collectives a
 column or row module runs, sequence parallelism along the first dimension,
 context-parallel attention over the load-balanced chunks; gloo collectives),
-`fp8_autocast` / `fp8_model_init` contexts that record how they were entered, and
+`fp8_autocast` / `fp8_model_init` contexts that record how they were entered (the
+recipe and the amax-reduction group), and
 the `common.recipe` classes recording their arguments. `install(monkeypatch)` puts it
 in `sys.modules` and makes CUDA look present, so mg's checks pass and its TE paths
 run on the CPU; the real package is exercised by the GPU tests.
@@ -199,11 +200,13 @@ class Recipe:
 
 class Recorder:
     """What the code under test did with the stand-in: (module, built under
-    fp8_model_init) per TE linear built, (enabled, recipe) per fp8_autocast entered,
+    fp8_model_init) per TE linear built, (enabled, recipe) per fp8_autocast entered and
+    the `fp8_group` it was given (`fp8_groups`, in step with `autocasts`),
     (module, parallel_mode, sequence_parallel) per TE linear built."""
 
     built: list = []
     autocasts: list = []
+    fp8_groups: list = []
     parallel: list = []
     model_init = False
 
@@ -214,6 +217,7 @@ RECORDER = Recorder()
 @contextlib.contextmanager
 def _fp8_autocast(enabled=True, fp8_recipe=None, fp8_group=None):
     RECORDER.autocasts.append((enabled, fp8_recipe))
+    RECORDER.fp8_groups.append(fp8_group)
     yield
 
 
@@ -230,6 +234,7 @@ def install(monkeypatch: Any) -> Recorder:
     """`transformer_engine` (and .pytorch, .common.recipe) as the stand-in, CUDA 'present';
     returns the recorder (modules built, autocasts entered)."""
     RECORDER.built, RECORDER.autocasts, RECORDER.parallel = [], [], []
+    RECORDER.fp8_groups = []
     recipe = types.ModuleType("transformer_engine.common.recipe")
     recipe.Format = types.SimpleNamespace(E4M3="E4M3", HYBRID="HYBRID")
     for name in ("DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"):

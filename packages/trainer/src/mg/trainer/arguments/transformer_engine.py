@@ -19,10 +19,12 @@ and number formats, not the model's shape.
   (mg.core.models.te_spec.apply_transformer_engine can build them).
 - With tensor (and sequence) or context parallelism TE's modules are told the
   groups as Megatron's TE spec tells them (`mg.core.models.te_parallel`).
+- FP8 amaxes are reduced over Megatron's amax-reduction group, the pipeline stage's
+  tensor × context × data ranks; `--tp-only-amax-red` narrows it to the tensor ×
+  context ranks (`mg.trainer.model_parallel.amax_reduction_group`).
 - Documented no-ops: `--fp8-interval` (TE 2 has no interval; Megatron passes it only
   to TE 1), `--te-rng-tracker` (TE's attention dropout already draws from our
-  per-rank stream under TP), `--tp-only-amax-red` (FP8 amaxes are reduced over all
-  ranks, a superset of the TP group).
+  per-rank stream under TP).
 - Refused by name: CUDA graphs (`--enable-cuda-graph`, `--external-cuda-graph`,
   `--cuda-graph-impl local|transformer_engine`), `--fp8-dot-product-attention`,
   `--fp8-multi-head-attention`, `--fp8-recipe custom`,
@@ -134,7 +136,8 @@ def add_transformer_engine_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--tp-only-amax-red",
         action="store_true",
-        help="Accepted; amaxes are reduced over all ranks (no-op).",
+        help="Reduce FP8 amaxes over the tensor (and context) parallel ranks only, not "
+        "the data-parallel ones too.",
     )
     p.add_argument(
         "--first-last-layers-bf16",
