@@ -86,6 +86,28 @@ def test_awq_hand_worked_scale_search() -> None:
     assert scales.tolist() == pytest.approx([2**0.5, 2**-0.5])
 
 
+def test_awq_duo_scaling_never_loses_to_either_form() -> None:
+    # Duo form at alpha 0 on the case above: w / group max = [1/3, 1], s = 1 / w_mean
+    # normalised = [1.7319, .5774]; w*s = [.17319, .17322], scale .023096: 7.499 -> 7,
+    # 7.5 -> 8 -> 7; back: [.09335, .28]: output .6534, loss .00217 > .0004 of x-only
+    # alpha .5, so "both" keeps the x-only scales here.
+    x = torch.tensor([[4.0, 1.0]])
+    w = torch.tensor([[0.1, 0.3]])
+    scales, alpha = search_awq_scales(w, x, group_size=2, n_grid=2, duo_scaling="both")
+    assert alpha == 0.5 and scales.tolist() == pytest.approx([2**0.5, 2**-0.5])
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 128) * torch.rand(128) * 4, torch.randn(32, 128)
+
+    def loss(s: torch.Tensor) -> float:
+        from mg.quantize_export.awq import fake_quantize_int4
+
+        return (x @ w.t() - x @ (fake_quantize_int4(w * s, 32, True) / s).t()).pow(2).mean()
+
+    found = {form: search_awq_scales(w, x, 32, duo_scaling=form)[0] for form in (False, True)}
+    both = search_awq_scales(w, x, 32, duo_scaling="both")[0]
+    assert loss(both) <= min(loss(found[False]), loss(found[True])) + 1e-12
+
+
 def test_awq_hand_worked_clip_search() -> None:
     # One token x = [0, 1, 1, 1], one group of 4 per row, grid of 20, shrink up to half
     # (max |w| times 1, .95, ..., .55). Symmetric int4: scale = max / 7.5.
@@ -119,3 +141,28 @@ def test_smoothquant_factors_and_fold_preserve_the_function() -> None:
     before = linear(norm(x))
     fold_into_norm(norm, linear, torch.rand(8) + 0.5)
     assert torch.allclose(linear(norm(x)), before, atol=1e-5)
+
+
+def test_awq_folds_the_attention_output_scales_into_the_value_rows() -> None:
+    """With one value head per query head, linear_proj's AWQ scales divide the value rows
+    of linear_qkv: the float model computes the same function before rounding."""
+    from mg.core.models import GPTModel
+    from mg.core.models.presets import tiny_llama
+    from mg.quantize_export.recipes import RecipeOptions, _apply_awq, _value_rows
+
+    torch.manual_seed(0)
+    config = tiny_llama(vocab_size=128, num_attention_heads=4, num_query_groups=4)
+    model = GPTModel(config).eval()
+    rows = _value_rows(config)
+    d = config.kv_channels
+    assert rows[:2].tolist() == [2 * d, 2 * d + 1] and rows[d].item() == 5 * d  # head 1's v
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        before = model(ids)
+        name = "decoder.layers.0.self_attention.linear_proj"
+        inputs = torch.randn(64, config.hidden_size) * torch.rand(config.hidden_size) * 3
+        scales = _apply_awq(model, name, inputs, RecipeOptions("int4_awq", group_size=32))
+        after = model(ids)
+    assert scales is not None and not torch.allclose(scales, torch.ones_like(scales))
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-5)
+    assert _value_rows(tiny_llama(num_attention_heads=4, num_query_groups=2)) is None

@@ -1,12 +1,16 @@
 """AWQ (Lin et al. 2023): per-input-channel scales that protect the channels with large
 activations before round-to-nearest int4.
 
-For a linear y = x Wᵀ the search tries s = mean|x|^α for α on a grid (normalised by
-√(max s · min s), as llm-awq does), quantizes W·diag(s), divides the scales back out and
-keeps the α whose output is closest to the float output on the calibration rows. The
-chosen s is then folded: the weight's columns are multiplied by s and the producer of
-x (the preceding norm, or the up half of a gated fc1) divided by s, so the model
-computes the same function with a weight that rounds better.
+For a linear y = x Wᵀ the search tries s = mean|x|^α for α on a grid (normalised
+by √(max s · min s), as llm-awq does; mg-quantize also tries AutoAWQ's duo form
+mean|x|^α / mean|ŵ|^(1-α) at each α and keeps the better), quantizes W·diag(s),
+divides the scales back out and keeps the α whose output is closest to the float
+output on the calibration rows. The chosen s is then folded: the weight's columns
+are multiplied by s and the producer of x (the preceding norm, or the up half of a
+gated fc1) divided by s, so the model computes the same function with a weight that
+rounds better. The attention output's scales fold into the value rows of
+``linear_qkv`` where every query head has its own value head (AutoAWQ's v_proj →
+o_proj); with grouped queries it stays plain int4.
 
 With ``--awq-clip`` the scaled weights are then clipped as AutoAWQ / llm-compressor's
 ``apply_clip`` does: per group, a max |w| shrunk by up to half is searched for the
@@ -33,21 +37,33 @@ def search_awq_scales(
     group_size: int,
     symmetric: bool = True,
     n_grid: int = 20,
+    duo_scaling: bool | str = False,
 ) -> tuple[Tensor, float]:
-    """[out, in] weight and calibration inputs [rows, in] → (scales [in], best α)."""
+    """[out, in] weight and calibration inputs [rows, in] → (scales [in], best α).
+
+    `duo_scaling` True searches AutoAWQ's s = mean|x|^α / mean|ŵ|^(1-α) (ŵ: each weight
+    over its group's max |w|), which also weighs the channels whose weights are large;
+    "both" tries either form at every α and keeps the better (never worse than either)."""
     x = inputs.reshape(-1, inputs.shape[-1]).float()
     w = weight.detach().float()
     reference = x @ w.t()
     x_mean = x.abs().mean(dim=0)
+    groups = w.abs().view(-1, group_size)
+    w_mean = (groups / (groups.amax(dim=1, keepdim=True) + 1e-6)).view(w.shape).mean(dim=0)
+    forms = {False: (False,), True: (True,), "both": (False, True)}[duo_scaling]
     best = (float("inf"), torch.ones_like(x_mean), 0.0)
     for step in range(n_grid):
         alpha = step / n_grid
-        s = x_mean.pow(alpha).clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        w_q = fake_quantize_int4(w * s, group_size, symmetric) / s
-        loss = (reference - x @ w_q.t()).pow(2).mean().item()
-        if loss < best[0]:
-            best = (loss, s, alpha)
+        for duo in forms:
+            s = x_mean.pow(alpha)
+            if duo:
+                s = s / (w_mean.pow(1 - alpha) + 1e-4)
+            s = s.clamp(min=1e-4)
+            s = s / (s.max() * s.min()).sqrt()
+            w_q = fake_quantize_int4(w * s, group_size, symmetric) / s
+            loss = (reference - x @ w_q.t()).pow(2).mean().item()
+            if loss < best[0]:
+                best = (loss, s, alpha)
     return best[1], best[2]
 
 

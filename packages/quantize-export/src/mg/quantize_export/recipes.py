@@ -231,20 +231,39 @@ def _apply_awq(
         fc1 = getattr(mlp, "linear_fc1", None)
         if getattr(mlp, "gated", False) and isinstance(fc1, nn.Linear):
             producer = fc1  # act(gate) * up: scaling the up rows scales fc2's input
+    rows = None
+    if name.endswith("self_attention.linear_proj"):
+        qkv = getattr(model.get_submodule(name.rpartition(".")[0]), "linear_qkv", None)
+        rows = _value_rows(getattr(model, "config", None))
+        if isinstance(qkv, nn.Linear) and rows is not None:
+            producer = qkv  # attention is linear in v: scaling v's rows scales proj's input
     if norm is None and producer is None:
-        return None  # no place to fold 1/s (attention output, ungated MLP): plain int4
+        return None  # no place to fold 1/s (GQA attention output, ungated MLP): plain int4
     scales, _alpha = awq.search_awq_scales(
-        linear.weight, inputs, options.group_size, options.symmetric, options.awq_grid
-    )
+        linear.weight, inputs, options.group_size, options.symmetric, options.awq_grid,
+        duo_scaling="both",
+    )  # fmt: skip
     if norm is not None:
         smoothquant.fold_into_norm(norm, linear, scales)
-    else:
+        return scales
+    if rows is None:  # a gated fc1: its up half
         half = producer.out_features // 2
-        producer.weight[half:].div_(scales[:, None].to(producer.weight.dtype))
-        if producer.bias is not None:
-            producer.bias[half:].div_(scales.to(producer.bias.dtype))
-        linear.weight.mul_(scales[None, :].to(linear.weight.dtype))
+        rows = torch.arange(half, producer.out_features)
+    producer.weight[rows] /= scales[:, None].to(producer.weight.dtype)
+    if producer.bias is not None:
+        producer.bias[rows] /= scales.to(producer.bias.dtype)
+    linear.weight.mul_(scales[None, :].to(linear.weight.dtype))
     return scales
+
+
+def _value_rows(config) -> Tensor | None:
+    """Rows of the fused linear_qkv that hold the value heads, in linear_proj's input
+    order, where each query head has its own value head (AutoAWQ folds o_proj's scales
+    into v_proj only then: with grouped queries one value head feeds several)."""
+    if config is None or config.num_query_groups != config.num_attention_heads:
+        return None
+    d, heads = config.kv_channels, config.num_attention_heads
+    return torch.cat([torch.arange(h * 3 * d + 2 * d, h * 3 * d + 3 * d) for h in range(heads)])
 
 
 def _clip_awq(
