@@ -23,8 +23,7 @@ from torch import Tensor, nn
 def perplexity(model: nn.Module, samples: Tensor, batch_size: int = 4) -> float:
     """samples [n, seq + 1]: each row predicts its tokens 1..seq from 0..seq-1."""
     total, count = 0.0, 0
-    for start in range(0, len(samples), batch_size):
-        batch = samples[start : start + batch_size]
+    for batch in samples.split(batch_size):
         losses = model(batch[:, :-1], labels=batch[:, 1:])
         total += float(losses.double().sum())
         count += losses.numel()
@@ -47,8 +46,7 @@ def reference_log_probs(
 ) -> float:
     """The float model's perplexity; its log-probabilities go to `folder`, a batch a file."""
     total, count = 0.0, 0
-    for k, start in enumerate(range(0, len(samples), batch_size)):
-        batch = samples[start : start + batch_size]
+    for k, batch in enumerate(samples.split(batch_size)):
         log_probs = _log_probs(model, batch[:, :-1])
         total -= float(_picked(log_probs, batch[:, 1:]).double().sum())
         count += batch[:, 1:].numel()
@@ -61,8 +59,7 @@ def agreement(model: nn.Module, samples: Tensor, folder: Path, batch_size: int =
     """Perplexity of `model` and its divergence from the log-probabilities in `folder`."""
     total, count, same = 0.0, 0, 0
     kls = []
-    for k, start in enumerate(range(0, len(samples), batch_size)):
-        batch = samples[start : start + batch_size]
+    for k, batch in enumerate(samples.split(batch_size)):
         log_q = _log_probs(model, batch[:, :-1])
         log_p = torch.load(folder / f"{k}.pt")
         total -= float(_picked(log_q, batch[:, 1:]).double().sum())

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from mg.core.models.te_parallel import TEParallelism
 from mg.core.parallel.context_parallel import apply_context_parallel, shard_batch
 from mg.core.parallel.expert_parallel import apply_expert_parallel
-from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
+from mg.core.parallel.layout import ParallelLayout, build_parallel_layout, new_groups
 from mg.core.parallel.materialize import materialize, to_keeping_marks
 from mg.core.parallel.pipeline import (
     PipelineChunk,
@@ -193,13 +193,8 @@ def amax_reduction_group(layout: ParallelLayout, tp_only: bool = False) -> dist.
         return dist.group.WORLD
     if not tp_only and layout.stage_group is not None:  # built for MoE's token counts
         return layout.stage_group
-    rank = _global_rank(layout)
-    mine = None
-    for ranks in amax_reduction_rank_groups(layout, tp_only):  # all of them, on every rank
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
+    ranks = amax_reduction_rank_groups(layout, tp_only)  # all of them, on every rank
+    return new_groups(ranks, _global_rank(layout))[0]
 
 
 def _global_rank(layout: ParallelLayout) -> int:

@@ -170,11 +170,11 @@ def build_parallel_layout(
     if pp > 1 and tied_embedding:
         # new_group is collective over the world: create every pipeline's pair, keep ours
         per_stage = world_size // pp
-        for offset in range(per_stage):
-            ranks = embedding_group_ranks([offset + s * per_stage for s in range(pp)])
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                layout.embedding_group = group
+        pairs = [
+            embedding_group_ranks([offset + s * per_stage for s in range(pp)])
+            for offset in range(per_stage)
+        ]
+        layout.embedding_group, _ = new_groups(pairs, rank)
     if ep > 1 or (etp is not None and etp != tp):
         _add_expert_groups(layout, world_size, rank, ep, tp if etp is None else etp)
     return layout
@@ -189,19 +189,28 @@ def _add_expert_groups(
     layout.expert_dp = world_size // (layout.pp * ep * etp)
     if etp != layout.tp:  # each rank routes its own tokens: expert-bias counts over the stage
         per_stage = world_size // layout.pp
-        for stage in range(layout.pp):
-            ranks = list(range(stage * per_stage, (stage + 1) * per_stage))
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                layout.stage_group = group
-    for kind, attr in (("ep", "ep_group"), ("etp", "etp_group"), ("edp", "expert_dp_group")):
-        for ranks in groups[kind]:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                setattr(layout, attr, group)
-                if kind == "ep":
-                    layout.ep_rank = ranks.index(rank)
-                elif kind == "etp":
-                    layout.etp_rank = ranks.index(rank)
-                else:
-                    layout.expert_dp_rank = ranks.index(rank)
+        stages = [list(range(k * per_stage, (k + 1) * per_stage)) for k in range(layout.pp)]
+        layout.stage_group, _ = new_groups(stages, rank)
+    for kind, attr, index in (
+        ("ep", "ep_group", "ep_rank"),
+        ("etp", "etp_group", "etp_rank"),
+        ("edp", "expert_dp_group", "expert_dp_rank"),
+    ):
+        group, ranks = new_groups(groups[kind], rank)
+        if group is not None:
+            setattr(layout, attr, group)
+            setattr(layout, index, ranks.index(rank))
+
+
+def new_groups(
+    rank_lists: list[list[int]], rank: int
+) -> tuple[dist.ProcessGroup | None, list[int] | None]:
+    """Every group of `rank_lists`, created in order on every rank (`new_group` is
+    collective over the world), and this rank's: (its group, its ranks), or (None, None)
+    where it is in none."""
+    mine, my_ranks = None, None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine, my_ranks = group, ranks
+    return mine, my_ranks

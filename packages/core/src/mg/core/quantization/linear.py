@@ -48,6 +48,15 @@ _KERNEL_MAX_ROWS = {
 }
 
 
+def _cpu_kernel_fits(x: Tensor, kind: str) -> bool:
+    """Whether the CPU weight-only kernel of `kind` ("int8", "int4") should take `x`."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _KERNEL_DTYPES
+        and x.shape[0] <= _KERNEL_MAX_ROWS[kind][x.dtype]
+    )
+
+
 def _note_path(module: nn.Module, path: str) -> None:
     key = (type(module).__name__, path)
     if key not in _LOGGED:
@@ -129,11 +138,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         return P.dequantize_int8(self.qweight, self.weight_scale)
 
     def matmul(self, x: Tensor) -> Tensor:
-        if (
-            x.device.type == "cpu"
-            and x.dtype in _KERNEL_DTYPES
-            and x.shape[0] <= _KERNEL_MAX_ROWS["int8"][x.dtype]
-        ):
+        if _cpu_kernel_fits(x, "int8"):
             _note_path(self, f"torch._weight_int8pack_mm ({x.dtype})")
             return torch._weight_int8pack_mm(x, self.qweight, self.weight_scale.to(x.dtype))
         return self._fallback(x)
@@ -206,9 +211,7 @@ class Int4WeightOnlyLinear(QuantizedLinear):
 
     def _kernel_ok(self, x: Tensor) -> bool:
         return (
-            x.device.type == "cpu"
-            and x.dtype in _KERNEL_DTYPES
-            and x.shape[0] <= _KERNEL_MAX_ROWS["int4"][x.dtype]
+            _cpu_kernel_fits(x, "int4")
             and self.out_features % 16 == 0
             and self.group_size in (32, 64, 128, 256)
         )
