@@ -1,5 +1,5 @@
 """Our Q8_0 / Q4_0 / Q4_1 blocks are byte-identical to gguf.quants.quantize, our Q4_K /
-Q6_K super-blocks to llama.cpp's reference quantizer (recorded bytes), and mg's int8 /
+Q5_K / Q6_K super-blocks to llama.cpp's reference quantizer (recorded bytes), and mg's int8 /
 int4 weights re-labelled as blocks dequantize (gguf.quants.dequantize) to mg's
 dequantized weights."""
 
@@ -70,22 +70,23 @@ def _k_weights() -> torch.Tensor:
     return w
 
 
-# sha256 of the bytes of llama.cpp's quantize_row_q6_K_ref / quantize_row_q4_K_ref
+# sha256 of the bytes of llama.cpp's quantize_row_q{6,5,4}_K_ref
 # (ggml/src/ggml-quants.c of the llama.cpp vendored in llama-cpp-python 0.3.36, compiled
 # with gcc -O1 -ffp-contract=off and called through ctypes) on _k_weights().
 K_QUANT_REFERENCE = {
     "Q6_K": "c839874217212949bde02bf18031e1d8b02f9f9fac09a00b0ddc0089906b4aa9",
     "Q4_K": "86461b406e8b8ecb5f1182d5c2c40fc0fd6b865764942f0b322db7f3e1708bc0",
+    "Q5_K": "42308e6cbc068aad00340f7b91044a9ba2831069e37b9d9db763016ad4342a94",
 }
 
 
-@pytest.mark.parametrize("name, bound", [("Q6_K", 0.03), ("Q4_K", 0.08)])
+@pytest.mark.parametrize("name, bound", [("Q6_K", 0.03), ("Q5_K", 0.04), ("Q4_K", 0.08)])
 def test_k_quants_match_llama_cpp_reference_bytes(name: str, bound: float) -> None:
     import hashlib
 
     w = _k_weights()
     blocks = QUANTIZERS[name](w)
-    size = {"Q6_K": 210, "Q4_K": 144}[name]
+    size = {"Q6_K": 210, "Q5_K": 176, "Q4_K": 144}[name]
     assert blocks.shape == (16, 2 * size) and blocks.dtype == torch.uint8
     assert hashlib.sha256(blocks.numpy().tobytes()).hexdigest() == K_QUANT_REFERENCE[name]
     # and gguf's own reader of the format gives back the weights (the all-zero block exactly)

@@ -153,3 +153,62 @@ def test_llama_gguf_k_quants(kind, bound, tokenizer_config, tmp_path) -> None:
         assert kinds[name] == kind, name
         got = torch.from_numpy(tensors[name].copy())
         assert float((got - expected).norm() / expected.norm()) < bound, name
+
+
+def test_more_bits_layers_are_llama_cpp_s() -> None:
+    from mg.quantize_export.gguf_export import more_bits
+
+    # use_more_bits: i < n/8, i >= 7n/8, or (i - n/8) % 3 == 2
+    assert [i for i in range(8) if more_bits(i, 8)] == [0, 3, 6, 7]
+    expected = [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+    assert [i for i in range(32) if more_bits(i, 32)] == expected
+
+
+@pytest.mark.parametrize(
+    "mix, base", [("Q4_K_M", "Q4_K"), pytest.param("Q5_K_M", "Q5_K", marks=pytest.mark.slow)]
+)
+def test_llama_gguf_k_mixes(mix, base, tokenizer_config, tmp_path) -> None:
+    """llama.cpp's _M mixes: attn_v and ffn_down in Q6_K in the more-bits layers (0, 3, 6
+    and 7 of 8), the base type elsewhere, a quantized output layer in Q6_K; every tensor
+    dequantizes close to mg's own weights."""
+    from mg.core.models.presets import tiny_llama
+
+    torch.manual_seed(0)
+    config = tiny_llama(
+        vocab_size=50304, hidden_size=256, num_layers=8, num_attention_heads=4,
+        num_query_groups=2, ffn_hidden_size=256,
+    )  # fmt: skip
+    save_model(tmp_path / "float", GPTModel(config).eval(), config, tokenizer_config)
+    save = tmp_path / "q"
+    cli.main(["--no-progress", "--load", str(tmp_path / "float"), "--save", str(save),
+              "--recipe", "int8_wo", "--quantize-output-layer", "--export-format", "gguf",
+              "--gguf-type", mix])  # fmt: skip
+    model, _, _, _ = load_model(save)
+    reader, tensors = _tensors(save / "gguf" / f"model-{mix}.gguf")
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    for i in range(8):
+        sensitive = "Q6_K" if i in (0, 3, 6, 7) else base
+        assert kinds[f"blk.{i}.attn_v.weight"] == sensitive
+        assert kinds[f"blk.{i}.ffn_down.weight"] == sensitive
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert kinds[f"blk.{i}.{name}.weight"] == base
+    assert kinds["output.weight"] == "Q6_K" and kinds["token_embd.weight"] == "F16"
+    import gguf
+
+    file_type = gguf.LlamaFileType[f"MOSTLY_{mix}"]
+    assert int(_field(reader, "general.file_type")) == file_type
+    layer = model.decoder.layers[3]
+    qkv = layer.self_attention.linear_qkv.dequantized_weight()
+    v = split_qkv(qkv, config)[2]
+    for name, expected, bound in [
+        ("blk.3.attn_v.weight", v, 0.02),
+        ("blk.3.ffn_down.weight", layer.mlp.linear_fc2.dequantized_weight(), 0.02),
+        (
+            "blk.1.ffn_down.weight",
+            model.decoder.layers[1].mlp.linear_fc2.dequantized_weight(),
+            0.08,
+        ),
+        ("output.weight", model.output_layer.dequantized_weight(), 0.02),
+    ]:
+        got = torch.from_numpy(tensors[name].copy())
+        assert float((got - expected).norm() / expected.norm()) < bound, name

@@ -37,7 +37,7 @@ RECIPES = {
 INT4 = ("int4_wo", "int4_awq", "int4_gptq")
 GROUP_SIZES = (32, 64, 128)
 EXPORTS = ("hf", "gguf", "trtllm")
-GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "F16", "BF16")
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q4_K_M", "Q5_K", "Q5_K_M", "Q6_K", "F16", "BF16")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--eval-samples", type=int, default=32)
     e = parser.add_argument_group("export and report")
     e.add_argument("--export-format", choices=EXPORTS, help="also write SAVE/<format>/")
-    e.add_argument("--gguf-type", choices=GGUF_TYPES, help="default: from the recipe")
+    e.add_argument(
+        "--gguf-type",
+        choices=GGUF_TYPES,
+        help="GGUF tensor type (default: from the recipe, Q8_0 or Q4_0/Q4_1); Q4_K_M and "
+        "Q5_K_M are llama.cpp's mixes (attn_v and ffn_down in Q6_K in a third of the layers)",
+    )
     e.add_argument("--report", type=Path, help="write the report as JSON here")
     e.add_argument("--no-progress", action="store_true")
     return parser

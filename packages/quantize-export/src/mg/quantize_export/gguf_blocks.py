@@ -96,7 +96,8 @@ def q4_from_int4(q: Tensor, scale: Tensor, zero: Tensor) -> tuple[str, Tensor]:
 #         fp16 d                                        w = d · scale · (q − 32), q 0..63
 #   Q4_K  fp16 d, fp16 dmin, scales[12] (6-bit scale and min of each 32 values, packed),
 #         qs[128]                                      w = d · sc · q − dmin · m, q 0..15
-# quantize_row_q6_K_ref / quantize_row_q4_K_ref of ggml-quants.c, operation for operation in
+#   Q5_K  Q4_K's header, qh[32] (the fifth bits), qs[128]            the same, q 0..31
+# quantize_row_q{6,5,4}_K_ref of ggml-quants.c, operation for operation in
 # float32 (sums accumulated in the C loops' order, no fused multiply-add), so the bytes are
 # the reference's compiled without FMA contraction.
 
@@ -239,8 +240,13 @@ def quantize_q6_k(weight: Tensor) -> Tensor:
     return _rows(blocks, len(weight))
 
 
-def quantize_q4_k(weight: Tensor) -> Tensor:
-    """[rows, cols] float → [rows, cols / 256 · 144] uint8 Q4_K super-blocks."""
+def _scale_min_blocks(
+    weight: Tensor, nmax: int, rmin: float, nstep: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Q4_K / Q5_K's common part: each 32 values' scale and min by make_qkx2_quants, those
+    as 6-bit multiples of the super-block's fp16 d and dmin (packed in 12 bytes), and the
+    levels 0..nmax re-quantized with them → (d, dmin, packed scales [nb, 12], levels
+    [nb, 256])."""
     x = _k_blocks(weight)
     nb = len(x)
     sub = x.reshape(-1, 32)
@@ -249,7 +255,7 @@ def quantize_q4_k(weight: Tensor) -> Tensor:
         sum_x2 = sum_x2 + sub[:, i] * sub[:, i]
     av_x = torch.sqrt(sum_x2 / 32)
     weights = av_x[:, None] + sub.abs()
-    scales, mins, levels = _make_qkx2_quants(sub, weights, 15, -1.0, 0.1, 20)
+    scales, mins, levels = _make_qkx2_quants(sub, weights, nmax, rmin, 0.1, nstep)
     scales, mins, levels = scales.reshape(nb, 8), mins.reshape(nb, 8), levels.reshape(nb, 8, 32)
     zero = torch.zeros((), dtype=torch.float32)
     max_scale = torch.where(scales > 0, scales, zero).amax(dim=1)  # +0 when none is > 0
@@ -267,13 +273,33 @@ def quantize_q4_k(weight: Tensor) -> Tensor:
     step = d.float()[:, None] * ls.float()
     offset = dmin.float()[:, None] * lm.float()
     safe = torch.where(step == 0, torch.ones_like(step), step)
-    fresh = torch.round((x.reshape(nb, 8, 32) + offset[..., None]) / safe[..., None]).clamp(0, 15)
+    fresh = torch.round((x.reshape(nb, 8, 32) + offset[..., None]) / safe[..., None])
+    fresh = fresh.clamp(0, nmax)
     levels = torch.where((step != 0)[..., None], fresh, levels).reshape(nb, QK_K).to(torch.uint8)
+    return d, dmin, packed.to(torch.uint8), levels
+
+
+def quantize_q4_k(weight: Tensor) -> Tensor:
+    """[rows, cols] float → [rows, cols / 256 · 144] uint8 Q4_K super-blocks."""
+    d, dmin, packed, levels = _scale_min_blocks(weight, 15, -1.0, 20)
     qs = [levels[:, j : j + 32] | (levels[:, j + 32 : j + 64] << 4) for j in range(0, QK_K, 64)]
-    d_bytes = _fp16_bytes(d.float()[:, None])
-    dmin_bytes = _fp16_bytes(dmin.float()[:, None])
-    blocks = torch.cat([d_bytes, dmin_bytes, packed.to(torch.uint8), *qs], dim=1)
-    return _rows(blocks, len(weight))
+    header = [_fp16_bytes(d.float()[:, None]), _fp16_bytes(dmin.float()[:, None]), packed]
+    return _rows(torch.cat([*header, *qs], dim=1), len(weight))
 
 
-QUANTIZERS.update(Q6_K=quantize_q6_k, Q4_K=quantize_q4_k)
+def quantize_q5_k(weight: Tensor) -> Tensor:
+    """[rows, cols] float → [rows, cols / 256 · 176] uint8 Q5_K super-blocks: Q4_K's
+    layout with levels 0..31, their fifth bits in qh[32] (bit 2i / 2i+1 for the i-th
+    pair of 32-value groups)."""
+    d, dmin, packed, levels = _scale_min_blocks(weight, 31, -0.5, 15)
+    qh = torch.zeros(len(levels), 32, dtype=torch.uint8)
+    qs = []
+    for pair, j in enumerate(range(0, QK_K, 64)):
+        low, high = levels[:, j : j + 32], levels[:, j + 32 : j + 64]
+        qh |= ((low >> 4) << (2 * pair)) | ((high >> 4) << (2 * pair + 1))
+        qs.append((low & 0xF) | ((high & 0xF) << 4))
+    header = [_fp16_bytes(d.float()[:, None]), _fp16_bytes(dmin.float()[:, None]), packed]
+    return _rows(torch.cat([*header, qh, *qs], dim=1), len(weight))
+
+
+QUANTIZERS.update(Q6_K=quantize_q6_k, Q5_K=quantize_q5_k, Q4_K=quantize_q4_k)

@@ -1,6 +1,12 @@
 """GGUF for llama.cpp: the quantized model's linears as Q8_0 / Q4_0 / Q4_1 blocks, Q4_K /
-Q6_K super-blocks (or F16 / BF16), norms in F32, embeddings in F16, with the
+Q5_K / Q6_K super-blocks (or F16 / BF16), norms in F32, embeddings in F16, with the
 hyper-parameters and tokenizer llama.cpp reads.
+
+``Q4_K_M`` / ``Q5_K_M`` are llama.cpp's mixes (``llama_tensor_get_type``): Q4_K / Q5_K,
+with the value projection (``attn_v``, or GPT-2's fused ``attn_qkv``) and ``ffn_down`` in
+Q6_K in the layers where llama.cpp spends more bits (the first and last eighth and every
+third layer between), and a quantized output layer in Q6_K. ``Q4_K`` and ``Q5_K`` alone
+are the "S" files: every linear in one type. The token embedding stays F16 in every type.
 
 mg's own blocks are carried over exactly where the formats coincide: ``int8_wo`` is
 Q8_0 with every block of a row scaled by the row's scale; symmetric int4 (any group
@@ -33,7 +39,14 @@ from mg.quantize_export.errors import QuantizeInputError
 from mg.quantize_export.gguf_blocks import QK_K, QUANTIZERS, q4_from_int4, q8_0_from_int8
 
 DEFAULT_TYPE = {"int8_wo": "Q8_0", "int8_sq": "Q8_0", "fp8": "Q8_0"}
-K_QUANTS = ("Q4_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+K_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # llama.cpp's _M files: their base type
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v / ffn_down a _M mix keeps in
+    Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
 def default_gguf_type(recipe: str, symmetric: bool) -> str:
@@ -200,6 +213,9 @@ def write_gguf(
             "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
             "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
             "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S,  # every linear Q4_K: llama.cpp's "S"
+            "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+            "Q5_K": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+            "Q5_K_M": gguf.LlamaFileType.MOSTLY_Q5_K_M,
             "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
             "F16": gguf.LlamaFileType.MOSTLY_F16,
             "BF16": gguf.LlamaFileType.MOSTLY_BF16,
@@ -216,11 +232,17 @@ def write_gguf(
 
     tensor_types: dict[str, str] = {}
     float_type = "BF16" if gguf_type == "BF16" else "F16"
+    base_type = K_MIXES.get(gguf_type, gguf_type)
+
+    def sensitive_type(layer: int) -> str:
+        """attn_v's / ffn_down's type in layer `layer`."""
+        mix = gguf_type in K_MIXES and more_bits(layer, config.num_layers)
+        return "Q6_K" if mix else base_type
 
     def put(name: str, kind: str, data: np.ndarray) -> None:
         tensor_types[name] = kind
         qtype = gguf.GGMLQuantizationType[kind]
-        if kind in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "BF16"):
+        if kind in ("Q8_0", "Q4_0", "Q4_1", *K_QUANTS, "BF16"):
             writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=qtype)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data))
@@ -249,25 +271,29 @@ def write_gguf(
             arch, config, attention.linear_qkv.out_features, mlp.linear_fc1.out_features
         )
         norm(f"{blk}.attn_norm", layer.input_layernorm)
-        kind, rows = _encode_linear(attention.linear_qkv, gguf_type)
+        encoded: dict[str, tuple[str, np.ndarray]] = {}  # qkv rows by type (v may differ)
         for name, index in qkv_maps.items():
+            wanted = sensitive_type(i) if name in ("attn_v", "attn_qkv") else base_type
+            if wanted not in encoded:
+                encoded[wanted] = _encode_linear(attention.linear_qkv, wanted)
+            kind, rows = encoded[wanted]
             put(f"{blk}.{name}.weight", kind, rows[index.numpy()])
             bias(f"{blk}.{name}", attention.linear_qkv, index)
-        put(f"{blk}.attn_output.weight", *_encode_linear(attention.linear_proj, gguf_type))
+        put(f"{blk}.attn_output.weight", *_encode_linear(attention.linear_proj, base_type))
         bias(f"{blk}.attn_output", attention.linear_proj)
         norm(f"{blk}.ffn_norm", layer.pre_mlp_layernorm)
-        kind, rows = _encode_linear(mlp.linear_fc1, gguf_type)
+        kind, rows = _encode_linear(mlp.linear_fc1, base_type)
         for name, index in fc1_maps.items():
             put(f"{blk}.{name}.weight", kind, rows[index.numpy()])
             bias(f"{blk}.{name}", mlp.linear_fc1, index)
-        put(f"{blk}.ffn_down.weight", *_encode_linear(mlp.linear_fc2, gguf_type))
+        put(f"{blk}.ffn_down.weight", *_encode_linear(mlp.linear_fc2, sensitive_type(i)))
         bias(f"{blk}.ffn_down", mlp.linear_fc2)
     norm("output_norm", model.decoder.final_layernorm)
     output = model.output_layer if model.output_layer is not None else None
     if output is None:  # tied: llama.cpp's gpt2 converter writes the copy as output.weight
         put("output.weight", *_encode_float(embedding, float_type))
-    elif isinstance(output, QuantizedLinear):
-        put("output.weight", *_encode_linear(output, gguf_type))
+    elif isinstance(output, QuantizedLinear):  # a _M mix writes it in Q6_K, as llama.cpp
+        put("output.weight", *_encode_linear(output, "Q6_K" if gguf_type in K_MIXES else gguf_type))
     else:
         put("output.weight", *_encode_float(output.weight, float_type))
 
