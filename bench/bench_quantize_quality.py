@@ -15,6 +15,13 @@ windows come from documents spread over the training split, in a fixed shuffled 
 
     uv run --frozen python bench/bench_quantize_quality.py --load ckpt \
         --data-path data/corpus_text_document --split 98,2,0 --out table.md
+
+`--outlier-channels K --outlier-scale C` first rewrites the model into an equivalent one
+with the activation outliers large LLMs have (LLM.int8(), AWQ): in every layer the
+RMSNorm gains of the same K hidden channels are multiplied by C and the matching input
+columns of linear_qkv and linear_fc1 divided by C. The float model's logits do not change
+(checked, printed); its quantized linears now see K input channels C times larger than
+the rest, with C times smaller weights, which is what AWQ is built to protect.
 """
 
 from __future__ import annotations
@@ -85,6 +92,35 @@ def _split_datasets(prefix: str, split: str, tmp: Path) -> tuple[str, str, int]:
         return write("calib", picked), write("heldout", valid), len(valid)
 
 
+def _add_outlier_channels(model, count: int, scale: float) -> str:
+    """The equivalent model with `count` outlier channels `scale` times larger (see the
+    module docstring); returns a sentence for the table saying what changed."""
+    import torch
+
+    probe = torch.randint(
+        0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        before = model(probe)
+        channels = torch.randperm(
+            model.config.hidden_size, generator=torch.Generator().manual_seed(0)
+        )[:count]
+        for layer in model.decoder.layers:
+            for norm, linear in (
+                (layer.input_layernorm, layer.self_attention.linear_qkv),
+                (layer.pre_mlp_layernorm, layer.mlp.linear_fc1),
+            ):
+                norm.weight[channels] *= scale
+                linear.weight[:, channels] /= scale
+        after = model(probe)
+    change = float((after - before).abs().max() / before.abs().max())
+    print(f"outlier channels {channels.tolist()}: logits change {change:.1e}", file=sys.stderr)
+    return (
+        f", rewritten with {count} outlier channels {scale:g}x larger before linear_qkv and "
+        f"linear_fc1 (same function: float logits change {change:.1e} relative)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--load", help="an mg checkpoint with a GPT-2 BPE tokenizer")
@@ -101,6 +137,8 @@ def main() -> None:
         "--gptq-calib-samples", type=int, help="fewer calibration windows for GPTQ (slow on CPU)"
     )
     parser.add_argument("--recipes", help="comma-separated row numbers of RECIPES to run")
+    parser.add_argument("--outlier-channels", type=int, default=0, help="K: see the docstring")
+    parser.add_argument("--outlier-scale", type=float, default=20.0, help="C: see the docstring")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -125,7 +163,7 @@ def main() -> None:
         start = time.perf_counter()
         if args.load:
             source = args.load
-            model, config, _, _ = load_model(source)
+            model, config, tok_config, _ = load_model(source)
         else:
             torch.manual_seed(0)
             config = tiny_llama(
@@ -138,6 +176,11 @@ def main() -> None:
                 text_end=200000,
             )  # fmt: skip
             source = str(tmp / "float")
+            save_model(source, model, config, tok_config)
+        outlier_text = ""
+        if args.outlier_channels:
+            outlier_text = _add_outlier_channels(model, args.outlier_channels, args.outlier_scale)
+            source = str(tmp / "outliers")
             save_model(source, model, config, tok_config)
         params = sum(p.numel() for p in model.parameters())
         linear = sum(
@@ -192,7 +235,8 @@ def main() -> None:
         f"hidden {config.hidden_size}, {config.num_layers} layers, ffn {config.ffn_hidden_size}, "
         f"vocab {config.vocab_size}), "
         + (f"--load {args.load}" if args.load else f"trained {args.steps} steps on Botchan")
-        + f" ({trained_s:.0f} s); held-out perplexity {base:.3f} on {args.eval_samples} "
+        + f" ({trained_s:.0f} s){outlier_text}; held-out perplexity {base:.3f} on "
+        f"{args.eval_samples} "
         f"windows of {args.seq} tokens ({data_text}); calibration {args.calib_samples} "
         f"windows; {platform.machine()}, {os.cpu_count()} CPUs, load average "
         f"{os.getloadavg()[0]:.1f} at the end",
