@@ -108,10 +108,11 @@ def parallelize(
             layout.sequence_parallel,
             seed=layout.tensor_parallel_seed(seed),
             device=device,
-            expert_tensor_parallel=layout.etp == layout.tp,
+            expert_tensor_parallel=layout.etp > 1,
+            expert_mesh=layout.etp_mesh,
         )
     if layout.cp > 1:
-        apply_context_parallel(model, layout.cp_group)
+        apply_context_parallel(model, layout.cp_group, layout.tp_cp_group)
     parts = [model]
     if layout.pp > 1:
         parts = split_model(model, layout.pp_rank, layout.pp, layout.virtual)
@@ -139,9 +140,11 @@ def parallelize(
 def routed_tokens_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
     """The ranks of a pipeline stage that route different tokens, over which MoE token
     counts are summed (Megatron's tensor × data × context group): data × context ranks,
-    and the tensor-parallel ones too when each routes its own slice of the sequence
-    (expert-tensor-parallel size 1). Tensor-parallel ranks that route the same tokens
-    (experts split over TP) are left out: they would count each token tp times."""
+    and the tensor-parallel ones too when they route their own slices of the sequence
+    (an expert-tensor-parallel size below TP; the etp ranks of an expert tensor-parallel
+    group count their chunk alike, which scales every count by etp and leaves the
+    balancing alike). Tensor-parallel ranks that route the same tokens (experts split
+    over all of TP) are left out: they would count each token tp times."""
     return layout.stage_group or layout.dp_cp_group
 
 

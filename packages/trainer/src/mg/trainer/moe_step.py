@@ -52,8 +52,9 @@ def logged_losses(config: TransformerConfig) -> list[str]:
 def begin_step(num_micro: int, loss_scale: float, layout: ParallelLayout | None = None) -> None:
     """Under tensor parallelism with experts split over TP every TP rank computes the same
     balancing losses and their input gradients are summed over TP
-    (mg.core.models.moe.tensor_parallel): 1/tp each. With expert-tensor-parallel size 1
-    each TP rank's losses are its own tokens' part: no division. Under context parallelism
+    (mg.core.models.moe.tensor_parallel): 1/tp each. With an expert-tensor-parallel size
+    below TP each rank's losses are its tokens' part (1/etp of its expert tensor-parallel
+    group's chunk's, counted over TP): no division. Under context parallelism
     each rank's losses are its chunks' part and gradients are averaged over cp: times cp,
     as the main loss (Megatron's `loss_scale * cp_group_size / num_microbatches`)."""
     layout = layout or ParallelLayout()

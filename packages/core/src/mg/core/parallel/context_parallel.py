@@ -327,12 +327,17 @@ class RingAttention(nn.Module):
         return ring_attention(query, key, value, self.group, self.softmax_scale)
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, group: dist.ProcessGroup, tp_cp_group: dist.ProcessGroup | None = None
+) -> nn.Module:
     """Swap every causal SDPA core-attention module of `model` for `RingAttention` in place.
 
     The model must then be fed `shard_batch`'d micro-batches (global position
     ids included). Sliding-window attention and non-SDPA backends are refused:
-    their ring variants do not exist here."""
+    their ring variants do not exist here. `tp_cp_group`: the tensor × context
+    ranks of a sequence, for MoE layers whose tensor-parallel ranks route their own
+    tokens (an expert tensor-parallel size below tp): their routers count the
+    sequence's tokens over it."""
     if dist.get_world_size(group) == 1:
         return model
     config = getattr(model, "config", None)
@@ -368,12 +373,14 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> nn.Mod
 
     for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
         # MoE layers are token-wise; the balancing losses count the whole sequence's tokens
-        if router.tp_cp_group is not None:
+        before = router.tp_cp_group
+        if before is not None and tp_cp_group is None:  # TP ranks route their own tokens
             raise ContextParallelError(
                 "context parallelism with MoE layers whose tensor-parallel ranks route their "
-                "own tokens (--expert-tensor-parallel-size 1) is not supported"
+                "own tokens (--expert-tensor-parallel-size below --tensor-model-parallel-size) "
+                "needs their tensor x context group (tp_cp_group)"
             )
-        router.tp_cp_group = group
-        if router.tp_dp_cp_group is None:
-            router.tp_dp_cp_group = group
+        router.tp_cp_group = group if before is None else tp_cp_group
+        if router.tp_dp_cp_group is None or router.tp_dp_cp_group is before:
+            router.tp_dp_cp_group = router.tp_cp_group
     return model

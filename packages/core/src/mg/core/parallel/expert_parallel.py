@@ -86,9 +86,9 @@ def apply_expert_parallel(
 
     A group of None or size 1 leaves the experts whole and installs the
     dispatcher without communication. `experts_apart` marks the experts'
-    parameters as expert-parallel ones at ep = 1 too (expert tensor-parallel
-    size 1 under TP: each TP rank's experts see other tokens, so their gradients
-    are reduced over the expert data-parallel group)."""
+    parameters as expert-parallel ones at ep = 1 too (an expert tensor-parallel
+    size below TP: each expert tensor-parallel group's experts see other tokens,
+    so their gradients are reduced over the expert data-parallel group)."""
     ep = 1 if ep_group is None else dist.get_world_size(ep_group)
     ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
     for layer in moe_layers(model):

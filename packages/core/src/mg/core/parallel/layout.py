@@ -17,7 +17,9 @@ default generators of pipeline rank p are seeded `seed + 100 * p`
 
 Expert parallelism (`ep`, `etp`) is part of the layout for the MoE layers:
 Megatron-Core's expert groups (`mg.core.parallel.expert_parallel`), drawn from
-the tp × cp × dp ranks of each pipeline stage.
+the tp × cp × dp ranks of each pipeline stage. An expert tensor-parallel size
+that divides tp splits the experts over `etp_mesh`, etp consecutive ranks of
+the tensor-parallel group (all of it at etp = tp, none at etp = 1).
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class ParallelLayout:
     expert_dp: int = 1
     expert_dp_rank: int = 0
     etp_group: dist.ProcessGroup | None = None
+    etp_mesh: DeviceMesh | None = None
+    """The mesh the routed experts are split over: tp_mesh at etp = tp, a sub-mesh of it
+    for 1 < etp < tp, None at etp = 1 (experts whole)."""
     expert_dp_group: dist.ProcessGroup | None = None
     """Replicas of this rank's experts: their gradients are averaged over it."""
     embedding_group: dist.ProcessGroup | None = None
@@ -70,6 +75,9 @@ class ParallelLayout:
     stage_group: dist.ProcessGroup | None = None
     """Every tp × cp × dp rank of this pipeline stage, with etp ≠ tp only: the ranks whose
     MoE layers each route a slice of the stage's tokens (expert-bias counts)."""
+    tp_cp_group: dist.ProcessGroup | None = None
+    """Tensor × context ranks of this data-parallel replica, with etp ≠ tp and cp > 1 only:
+    the ranks holding one sequence's slices, over which the routers count its tokens."""
 
     @property
     def experts_apart(self) -> bool:
@@ -93,11 +101,11 @@ class ParallelLayout:
     @property
     def writes_checkpoint(self) -> bool:
         """One rank per (tp, pp) shard writes it: data- and context-parallel rank 0; with
-        expert parallelism one per (tp, pp, ep) shard (Megatron's `mp_rank_TT_PPP_EEE`): the
-        expert-data-parallel rank 0 of each expert-parallel rank."""
-        if self.ep > 1:
-            return self.expert_dp_rank == 0 and self.cp_rank == 0
-        return self.dp_rank == 0 and self.cp_rank == 0
+        the experts apart one per (tp, pp, ep) shard (Megatron's `mp_rank_TT_PPP_EEE`):
+        data- or expert-data-parallel rank 0, as Megatron-LM's legacy save picks them, which
+        covers every pair when the two layouts differ (--expert-tensor-parallel-size 1)."""
+        writer = self.dp_rank == 0 or (self.experts_apart and self.expert_dp_rank == 0)
+        return writer and self.cp_rank == 0
 
     @property
     def shard_name(self) -> str:
@@ -166,6 +174,7 @@ def build_parallel_layout(
         cp_group=mesh.group("cp"),
         tp_mesh=mesh["tp"],
         etp=tp,
+        etp_mesh=mesh["tp"],
     )
     if pp > 1 and tied_embedding:
         # new_group is collective over the world: create every pipeline's pair, keep ours
@@ -176,12 +185,12 @@ def build_parallel_layout(
         ]
         layout.embedding_group, _ = new_groups(pairs, rank)
     if ep > 1 or (etp is not None and etp != tp):
-        _add_expert_groups(layout, world_size, rank, ep, tp if etp is None else etp)
+        _add_expert_groups(layout, world_size, rank, ep, tp if etp is None else etp, device_type)
     return layout
 
 
 def _add_expert_groups(
-    layout: ParallelLayout, world_size: int, rank: int, ep: int, etp: int
+    layout: ParallelLayout, world_size: int, rank: int, ep: int, etp: int, device_type: str
 ) -> None:
     """Megatron's expert groups (collective: every rank creates every group, keeps its own)."""
     groups = expert_rank_groups(world_size, tp=layout.tp, pp=layout.pp, ep=ep, etp=etp)
@@ -191,6 +200,10 @@ def _add_expert_groups(
         per_stage = world_size // layout.pp
         stages = [list(range(k * per_stage, (k + 1) * per_stage)) for k in range(layout.pp)]
         layout.stage_group, _ = new_groups(stages, rank)
+        if layout.cp > 1:  # one sequence's slices: the tensor x context ranks of a replica
+            size = layout.tp * layout.cp
+            blocks = [list(range(k, k + size)) for k in range(0, world_size, size)]
+            layout.tp_cp_group, _ = new_groups(blocks, rank)
     for kind, attr, index in (
         ("ep", "ep_group", "ep_rank"),
         ("etp", "etp_group", "etp_rank"),
@@ -200,6 +213,12 @@ def _add_expert_groups(
         if group is not None:
             setattr(layout, attr, group)
             setattr(layout, index, ranks.index(rank))
+    if etp == 1:
+        layout.etp_mesh = None
+    elif etp != layout.tp:  # etp consecutive ranks of the tensor-parallel group
+        layout.etp_mesh = DeviceMesh.from_group(
+            layout.etp_group, device_type, mesh_dim_names=("etp",)
+        )
 
 
 def new_groups(

@@ -10,7 +10,8 @@ communication at module boundaries, Megatron's layout:
     self_attention.linear_proj  row-parallel (output all-reduced / reduce-scattered)
     mlp.linear_fc1              column-parallel; gated: gate and up halves each sharded
     mlp.linear_fc2              row-parallel
-    MoE mlp                     experts as the MLP, router replicated (moe.tensor_parallel)
+    MoE mlp                     experts as the MLP (over TP or the expert TP mesh), router
+                                replicated (moe.tensor_parallel)
     output layer + loss         vocab-parallel logits and cross-entropy (loss_parallel)
 
 With `sequence_parallel` the norms and dropouts between those regions work on
@@ -144,19 +145,26 @@ def _linear_without_bias(self: nn.Linear, hidden: Tensor) -> Tensor:
 
 
 def check_tensor_parallel_sizes(
-    config: TransformerConfig, tp: int, expert_tensor_parallel: bool = True
+    config: TransformerConfig, tp: int, expert_tensor_parallel: bool = True, etp: int | None = None
 ) -> None:
-    """Megatron's divisibility rules, with the flag to change in the message."""
+    """Megatron's divisibility rules, with the flag to change in the message; `etp`: the
+    size the experts are split over with `expert_tensor_parallel` (tp unless given)."""
+    etp = tp if etp is None else etp
+    if config.num_moe_experts and expert_tensor_parallel:
+        ffn = config.moe_ffn_hidden_size or 0
+        if ffn % etp:
+            size = "--expert-tensor-parallel-size" if etp != tp else "--tensor-model-parallel-size"
+            raise TensorParallelError(
+                f"moe_ffn_hidden_size ({ffn}) is not divisible by {size} ({etp}); change "
+                "--moe-ffn-hidden-size or the expert tensor-parallel size"
+            )
     checks = [
         ("num_attention_heads", config.num_attention_heads, "--num-attention-heads"),
         ("num_query_groups", config.num_query_groups, "--num-query-groups"),
         ("ffn_hidden_size", config.ffn_hidden_size, "--ffn-hidden-size"),
         ("vocab_size (padded)", config.vocab_size, "--make-vocab-size-divisible-by"),
     ]
-    if config.num_moe_experts:  # the experts' slices (expert-tensor-parallel = TP)
-        if expert_tensor_parallel:
-            ffn = config.moe_ffn_hidden_size or 0
-            checks.append(("moe_ffn_hidden_size", ffn, "--moe-ffn-hidden-size"))
+    if config.num_moe_experts:  # the shared experts' slices (split over TP)
         shared = config.moe_shared_expert_intermediate_size or 0
         flag = "--moe-shared-expert-intermediate-size"
         checks.append(("moe_shared_expert_intermediate_size", shared, flag))
@@ -213,11 +221,14 @@ def apply_tensor_parallel(
     seed: int | None = None,
     device: torch.device | None = None,
     expert_tensor_parallel: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` (every TP rank calls this).
 
     `expert_tensor_parallel=False`: MoE layers keep their routed experts whole
-    (Megatron's --expert-tensor-parallel-size 1; mg.core.models.moe.tensor_parallel).
+    (Megatron's --expert-tensor-parallel-size 1; mg.core.models.moe.tensor_parallel);
+    `expert_mesh`: the mesh the routed experts are split over when it is not `tp_mesh`
+    (an expert tensor-parallel size between 1 and tp: etp consecutive TP ranks).
 
     The model is either fully materialized and identical on the TP ranks
     (each keeps its slice, no communication), or on the meta device: then the
@@ -239,7 +250,8 @@ def apply_tensor_parallel(
             f"MambaModel, not {type(model).__name__}"
         )
     tp = tp_mesh.size()
-    check_tensor_parallel_sizes(model.config, tp, expert_tensor_parallel)
+    etp = expert_mesh.size() if expert_mesh is not None else tp
+    check_tensor_parallel_sizes(model.config, tp, expert_tensor_parallel, etp)
     activations = Shard(1) if sequence_parallel else Replicate()  # [b, s, h]: dim 1 = sequence
 
     parallelize_module(
@@ -261,7 +273,9 @@ def apply_tensor_parallel(
     layers = [layer for block in blocks for layer in block.layers]
     _fork_tensor_parallel_dropout(model, layers, tp_mesh, sequence_parallel, seed, device)
     for layer in layers:
-        _parallelize_layer(layer, tp_mesh, activations, sequence_parallel, expert_tensor_parallel)
+        _parallelize_layer(
+            layer, tp_mesh, activations, sequence_parallel, expert_tensor_parallel, expert_mesh
+        )
     for block in blocks:
         final_norm = getattr(block, "final_layernorm", None) or getattr(block, "final_norm", None)
         if sequence_parallel and final_norm is not None:
@@ -315,6 +329,7 @@ def _parallelize_layer(
     activations: Shard | Replicate,
     sequence_parallel: bool,
     expert_tensor_parallel: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Megatron's layout for one transformer layer (GPT's, BERT's pre- or post-LN, T5's
     decoder layer with cross-attention), whatever norms it has; a hybrid's layers have
@@ -377,7 +392,7 @@ def _parallelize_layer(
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
     if moe:
-        shard_moe_layer(layer.mlp, tp_mesh, sequence_parallel, expert_tensor_parallel)
+        shard_moe_layer(layer.mlp, tp_mesh, sequence_parallel, expert_tensor_parallel, expert_mesh)
     if hasattr(layer, "self_attention"):
         _use_local_head_counts(layer.self_attention, tp)
     if hasattr(layer, "cross_attention"):
@@ -405,8 +420,9 @@ def sync_tensor_parallel_grads(model: nn.Module) -> None:
     With sequence parallelism a norm's weight gradient is a partial sum per
     rank (each saw only its sequence slice); Megatron all-reduces those over
     the tensor-parallel group in `finalize_model_grads`, and so do we, in one
-    collective. Other mismatches (a replicated gradient for a sharded
-    embedding) are resolved locally by DTensor.
+    collective per mesh (the routed experts' replicated biases are partial sums over
+    the expert tensor-parallel mesh when it is not TP's). Other mismatches (a
+    replicated gradient for a sharded embedding) are resolved locally by DTensor.
     """
     partial: list[nn.Parameter] = []
     for param in model.parameters():
@@ -419,8 +435,15 @@ def sync_tensor_parallel_grads(model: nn.Module) -> None:
             partial.append(param)
         else:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
-    if not partial:
-        return
+    by_group: dict[tuple[int, ...], list[nn.Parameter]] = {}  # TP's, an expert TP mesh's
+    for param in partial:
+        by_group.setdefault(tuple(param.device_mesh.mesh.flatten().tolist()), []).append(param)
+    for params in by_group.values():  # in parameter order: the same on every rank
+        _all_reduce_partial(params)
+
+
+def _all_reduce_partial(partial: list[nn.Parameter]) -> None:
+    """Sum partial gradients over their mesh's group, in one collective."""
     locals_ = [p.grad.to_local() for p in partial]
     flat = torch.cat([t.reshape(-1) for t in locals_])
     dist.all_reduce(flat, group=partial[0].device_mesh.get_group())

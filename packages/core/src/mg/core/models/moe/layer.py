@@ -15,8 +15,9 @@ State-dict names are Megatron-Core's: `router.weight`, `router.expert_bias`,
 `shared_experts.gate_weight`. The layer holds every expert and communicates
 nothing; `mg.core.parallel.expert_parallel` keeps a rank's experts and swaps in
 a dispatcher with the expert-parallel group, and `mg.core.models.moe.tensor_parallel`
-gives it its tensor-parallel group: the whole layer's (experts split over TP) or the
-shared experts' only (expert-tensor-parallel size 1, each TP rank routing its slice).
+gives it its expert tensor-parallel group (the ranks that gather their tokens, route
+them alike and split the experts: TP, a part of it, or none at expert-tensor-parallel
+size 1) and, where that is not all of TP, the shared experts' TP group.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ class MoELayer(nn.Module):
             SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size else None
         )
         self.token_dispatcher = AllGatherDispatcher(config.num_moe_experts)
-        self.tp_group: dist.ProcessGroup | None = None  # set by shard_moe_layer
-        self.shared_experts_tp_group: dist.ProcessGroup | None = None  # ditto, etp = 1
+        self.etp_group: dist.ProcessGroup | None = None  # set by shard_moe_layer
+        self.shared_experts_tp_group: dist.ProcessGroup | None = None  # ditto, etp < tp
         self.sequence_parallel = False
 
     def init_weights(self, std: float, output_std: float) -> None:
@@ -57,13 +58,14 @@ class MoELayer(nn.Module):
             self.shared_experts.init_weights(std, output_std)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        if self.tp_group is not None:  # each TP rank: the whole sequence, its expert slices
-            hidden = enter_region(hidden, self.tp_group, self.sequence_parallel)
+        own = hidden  # [b, s/tp, h] under sequence parallelism
+        if self.etp_group is not None:  # the group's tokens on each of its ranks
+            hidden = enter_region(hidden, self.etp_group, self.sequence_parallel)
         b, s, h = hidden.shape
         tokens = hidden.transpose(0, 1).reshape(s * b, h)
-        shared = None
-        if self.shared_experts_tp_group is not None:  # etp = 1: this rank's slice of theirs
-            shared = self._shared_experts_over_tp(hidden)
+        shared = own_shared = None
+        if self.shared_experts_tp_group is not None:  # etp < tp: split over TP themselves
+            own_shared = self._shared_experts_over_tp(own)
         elif self.shared_experts is not None:
             shared = self.shared_experts(tokens)
         probs, routing_map = self.router(tokens, seq_length=s)
@@ -75,18 +77,19 @@ class MoELayer(nn.Module):
         if shared is not None:
             out = out + shared
         out = out.view(s, b, h).transpose(0, 1)
-        if self.tp_group is not None:
-            out = leave_region(out, self.tp_group, self.sequence_parallel)
+        if self.etp_group is not None:
+            out = leave_region(out, self.etp_group, self.sequence_parallel)
+        if own_shared is not None:
+            out = out + own_shared
         return out
 
     def _shared_experts_over_tp(self, hidden: Tensor) -> Tensor | None:
         """The shared experts as Megatron's tensor-parallel MLP on the gathered sequence,
-        this rank's slice of their output as token rows [s/tp · b, h]."""
+        this rank's slice of their output [b, s/tp, h]."""
         if self.shared_experts is None:
             return None
         group = self.shared_experts_tp_group
         full = enter_region(hidden, group, self.sequence_parallel)
         b, s, h = full.shape
         out = self.shared_experts(full.transpose(0, 1).reshape(s * b, h))
-        out = leave_region(out.view(s, b, h).transpose(0, 1), group, self.sequence_parallel)
-        return out.transpose(0, 1).reshape(-1, h)
+        return leave_region(out.view(s, b, h).transpose(0, 1), group, self.sequence_parallel)

@@ -19,16 +19,24 @@ gradient divided by TP (`moe_step.begin_step`). A linear_fc1 bias is sharded
 with its rows; a linear_fc2 bias, replicated, is added by every TP rank times
 1/tp (its gradient is then a partial sum too).
 
-Megatron's expert-tensor-parallel = 1 under TP (`experts=False`, sequence
-parallelism only, as Megatron requires): the routed experts stay whole and
-the tokens stay where sequence parallelism put them. Each TP rank routes its
-own slice of the sequence and dispatches it over the expert-parallel group,
-which with etp = 1 is drawn across the TP ranks (Megatron's tp_ep group); its
-output is its slice's, nothing is summed over TP. Only the shared experts,
-sharded as Megatron's dense MLP, gather the sequence and reduce-scatter their
-output. The router's gradients are partial sums again (other tokens on each
-rank), its balancing losses too: their token counts are summed over the TP
-group (`tp_cp_group`) and their gradient is not divided by TP.
+Megatron's expert-tensor-parallel size etp < TP (sequence parallelism only,
+as Megatron requires; etp divides TP) is the same with the expert
+tensor-parallel group in place of TP for the routed experts: the etp
+consecutive TP ranks of an ETP group gather their sequence slices (a
+contiguous chunk of the sequence), route that chunk alike, dispatch it over
+their EP groups, run their etp-slices of the experts and reduce-scatter the
+partial outputs back to each rank's slice. The shared experts stay split over
+TP, as the dense MLP: they gather the whole sequence and reduce-scatter their
+output themselves. At etp = 1 the gather is nothing: each TP rank routes its
+own slice, over the expert-parallel group, which with etp < TP is drawn across
+the TP ranks (Megatron's tp_ep group), and the experts are whole.
+
+The router's gradients are partial sums over TP again (each ETP group's chunk,
+each rank its slices' part). Its balancing losses count tokens over the whole
+TP group (`tp_cp_group`): an ETP group's etp copies of a chunk each count it,
+so the counts and the token total are etp times the chunk's, each rank's loss
+is 1/etp of its chunk's part, and summed over TP, as the gradients are, the
+copies make the chunk's part once; their gradient is not divided by TP.
 """
 
 from __future__ import annotations
@@ -110,50 +118,66 @@ def _shard(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
 
 
 def shard_moe_layer(
-    layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, experts: bool = True
+    layer: nn.Module,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    experts: bool = True,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Megatron's TP layout for one `MoELayer` (see the module docstring); in place.
 
-    `experts=False`: expert-tensor-parallel size 1, the routed experts left whole."""
+    `experts=False`: expert-tensor-parallel size 1, the routed experts left whole;
+    `expert_mesh`: the mesh they are split over when it is not `tp_mesh` (etp consecutive
+    ranks of it, 1 < etp < tp)."""
     from mg.core.models.moe.experts import ExpertMLP, GroupedLinear, GroupedMLP
 
-    if not experts and not sequence_parallel:
-        raise ValueError(
-            "--expert-tensor-parallel-size 1 under --tensor-model-parallel-size > 1 needs "
-            "--sequence-parallel (as in Megatron)"
-        )
     tp = tp_mesh.size()
+    mesh = (expert_mesh or tp_mesh) if experts else None
+    etp = 1 if mesh is None else mesh.size()
+    if tp % etp:
+        raise ValueError(
+            f"--expert-tensor-parallel-size ({etp}) must divide --tensor-model-parallel-size ({tp})"
+        )
+    own_tokens = etp != tp  # each expert tensor-parallel group routes its own chunk
+    if own_tokens and not sequence_parallel:
+        raise ValueError(
+            f"--expert-tensor-parallel-size {etp} under --tensor-model-parallel-size {tp} "
+            "needs --sequence-parallel (as in Megatron)"
+        )
     gated = layer.config.gated_linear_unit
     column = _StridedShard(0, split_factor=2) if gated else Shard(0)
     for name, _ in list(layer.router.named_parameters(recurse=False)):
         _shard(layer.router, name, tp_mesh, Replicate())
-    owner = layer if experts else layer.shared_experts
-    mlps = [m for m in owner.modules() if isinstance(m, ExpertMLP)] if owner is not None else []
-    for mlp in mlps:
-        _shard(mlp.linear_fc1, "weight", tp_mesh, column)
-        _shard(mlp.linear_fc2, "weight", tp_mesh, Shard(1))
-        if mlp.linear_fc1.bias is not None:
-            _shard(mlp.linear_fc1, "bias", tp_mesh, column)
-            _shard(mlp.linear_fc2, "bias", tp_mesh, Replicate())
-            mlp.fc2_bias_scale = 1.0 / tp
-        if getattr(mlp, "gate_weight", None) is not None:
-            _shard(mlp, "gate_weight", tp_mesh, Replicate())
-    if experts and isinstance(layer.experts, GroupedMLP):
+    owners: list[tuple[nn.Module | None, DeviceMesh | None]] = [(layer.shared_experts, tp_mesh)]
+    owners.append((layer.experts, mesh))
+    for owner, owner_mesh in owners:
+        if owner is None or owner_mesh is None:
+            continue
+        for mlp in (m for m in owner.modules() if isinstance(m, ExpertMLP)):
+            _shard(mlp.linear_fc1, "weight", owner_mesh, column)
+            _shard(mlp.linear_fc2, "weight", owner_mesh, Shard(1))
+            if mlp.linear_fc1.bias is not None:
+                _shard(mlp.linear_fc1, "bias", owner_mesh, column)
+                _shard(mlp.linear_fc2, "bias", owner_mesh, Replicate())
+                mlp.fc2_bias_scale = 1.0 / owner_mesh.size()
+            if getattr(mlp, "gate_weight", None) is not None:
+                _shard(mlp, "gate_weight", owner_mesh, Replicate())
+    if mesh is not None and isinstance(layer.experts, GroupedMLP):
         for linear, placement in (
             (layer.experts.linear_fc1, column),
             (layer.experts.linear_fc2, Shard(1)),
         ):
             assert isinstance(linear, GroupedLinear)
             for i in range(linear.num_gemms):
-                _shard(linear, f"weight{i}", tp_mesh, placement)
+                _shard(linear, f"weight{i}", mesh, placement)
                 if linear.has_bias:
                     bias = column if linear is layer.experts.linear_fc1 else Replicate()
-                    _shard(linear, f"bias{i}", tp_mesh, bias)
-        layer.experts.linear_fc2.bias_scale = 1.0 / tp
+                    _shard(linear, f"bias{i}", mesh, bias)
+        layer.experts.linear_fc2.bias_scale = 1.0 / etp
     layer.sequence_parallel = sequence_parallel
-    if experts:
-        layer.tp_group = tp_mesh.get_group()
-    else:  # each rank's tokens: the balancing losses' counts summed over TP
+    if mesh is not None:  # the ranks that gather their tokens and split the experts
+        layer.etp_group = mesh.get_group()
+    if own_tokens:  # each rank's tokens: the balancing losses' counts summed over TP
         layer.shared_experts_tp_group = tp_mesh.get_group()
         layer.router.tp_cp_group = tp_mesh.get_group()
         if layer.router.tp_dp_cp_group is None:
