@@ -154,8 +154,10 @@ def add_moe_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--expert-tensor-parallel-size",
         type=int,
-        help="Tensor parallelism inside experts: the TP size (default) or 1 (experts whole, "
-        "each TP rank routing its sequence slice; needs --sequence-parallel).",
+        help="Tensor parallelism inside experts: the TP size (default), or a divisor of it "
+        "(each group of that many TP ranks routes its sequence slices and splits the "
+        "experts; 1: experts whole, each TP rank routing its slice); below TP it needs "
+        "--sequence-parallel.",
     )
     p.add_argument(
         "--moe-layer-recompute",
@@ -276,14 +278,14 @@ def check_moe_flags(
             return error
     if dry_run:
         return None
-    if etp not in (1, tp):
+    if etp > tp or tp % etp:
         return (
-            f"--expert-tensor-parallel-size {etp}: mg-train splits experts over "
-            f"--tensor-model-parallel-size ({tp}) or not at all (1)"
+            f"--expert-tensor-parallel-size {etp}: mg-train splits experts over a divisor of "
+            f"--tensor-model-parallel-size ({tp}); give one, or 1 to keep them whole"
         )
     if etp != tp and not sequence_parallel:
         return (
-            f"--expert-tensor-parallel-size 1 with --tensor-model-parallel-size {tp} needs "
+            f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp} needs "
             "--sequence-parallel (as in Megatron: each TP rank routes its sequence slice)"
         )
     if etp != tp and torch_format:
@@ -296,11 +298,6 @@ def check_moe_flags(
             f"--expert-model-parallel-size {ep} with --use-distributed-optimizer and "
             f"{sharded_state[0]}: its expert-parallel state is checkpointed in "
             "--ckpt-format torch_dist only"
-        )
-    if cp > 1 and etp != tp:
-        return (
-            "--expert-tensor-parallel-size 1 with --context-parallel-size > 1 is not supported "
-            "yet; give one of them"
         )
     return None
 
