@@ -98,3 +98,23 @@ def check_dry_run_against_real_run(tmp_path, mock_argv, *flags: str) -> None:
         if isinstance(v, torch.Tensor) and v.dim() > 0
     )
     assert state_bytes == planned.optimizer_state == 8 * numel
+
+
+@pytest.mark.parametrize(
+    ("etp", "routing"),
+    [
+        ("4", "each TP rank routes the whole sequence"),
+        ("2", "each group of 2 TP ranks routes its sequence slices together"),
+        ("1", "each TP rank routes its own sequence slice"),
+    ],
+)
+def test_moe_plan_says_which_tokens_a_router_sees(tmp_path, mock_argv, etp, routing) -> None:
+    """TP = 4 + SP: the expert tensor-parallel size decides what each rank routes."""
+    from mg.trainer.dry_run import report
+
+    moe = ["--swiglu", "--num-experts", "4", "--moe-ffn-hidden-size", "16", "--dry-run"]
+    moe += ["--tensor-model-parallel-size", "4", "--sequence-parallel"]
+    moe += ["--expert-tensor-parallel-size", etp, "--expert-model-parallel-size", "2"]
+    text = report(parse_args(mock_argv(tmp_path, *moe, gbs=16), world_size=8))
+    ep_line = f"EP 2 x expert TP {etp} x expert DP {8 // (2 * int(etp))}, 2 experts per GPU"
+    assert f"{ep_line}; {routing}\n" in text

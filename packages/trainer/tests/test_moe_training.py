@@ -86,6 +86,17 @@ def test_moe_layer_freq_forms():
         ([*MOE, "--moe-router-enable-expert-bias"], 1, "^--moe-router-enable-expert-bias"),
         ([*MOE, "--expert-tensor-parallel-size", "2"], 2, "splits experts over"),
         (
+            [*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+            + ["--expert-tensor-parallel-size", "4"],
+            4,
+            r"size 4: mg-train splits experts over a divisor of --tensor-model-parallel-size \(2\)",
+        ),
+        (
+            [*MOE, "--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
+            4,
+            "size 2 with --tensor-model-parallel-size 4 needs --sequence-parallel",
+        ),
+        (
             [*MOE, "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
             2,
             "needs --sequence-parallel",
@@ -108,6 +119,24 @@ def test_bad_moe_flags_are_refused_in_one_line(tmp_path, mock_argv, extra, world
     with pytest.raises(ArgumentError, match=message) as info:
         parse_args(mock_argv(tmp_path, *extra, gbs=4 * world), world_size=world)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "4", "--expert-tensor-parallel-size", "2"]
+        + ["--expert-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+        + ["--attention-dropout", "0", "--expert-tensor-parallel-size", "1"]
+        + ["--expert-model-parallel-size", "2"],
+    ],
+)
+def test_expert_tensor_parallel_sizes_megatron_takes_are_taken(tmp_path, mock_argv, extra):
+    """An expert-tensor-parallel size between 1 and TP, and 1 with context parallelism."""
+    args = parse_args(mock_argv(tmp_path, *MOE, "--sequence-parallel", *extra), world_size=4)
+    given = int(extra[extra.index("--expert-tensor-parallel-size") + 1])
+    assert args.moe.expert_tensor_parallel_size == given
 
 
 def test_moe_flag_for_bert_is_refused(tmp_path, mock_argv):
@@ -523,9 +552,9 @@ def test_torch_format_optimizer_state_is_refused_for_the_expert_parallel_optimiz
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.slow  # four trainer ranks, four runs on 2 shared cores
-@pytest.mark.timeout(1500)
-def test_moe_expert_tensor_parallel_one_under_tp_matches_one_process(tmp_path, mock_argv, train):
+@pytest.mark.slow  # four trainer ranks, nine runs on 2 shared cores
+@pytest.mark.timeout(2400)
+def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_argv, train):
     """EP = 2 × TP = 2 (+SP) with --expert-tensor-parallel-size 1 on four gloo ranks (DP = 2):
     attention split over TP, the routed experts whole, each TP rank routing its own
     sequence slice over the EP group (the TP ranks), the gated shared expert split as the
@@ -533,13 +562,22 @@ def test_moe_expert_tensor_parallel_one_under_tp_matches_one_process(tmp_path, m
     iterations in fp32 equal one process's: losses (1e-5), clipped grad norms (1e-4, the
     experts' squares summed over EP), validation and the logged aux and z-losses (1e-5);
     the distributed optimizer saved at 10 in torch_dist and resumed to 20 equals it too, and
-    so does CP = 2 × EP = 2 (the EP group across the CP ranks)."""
+    so does CP = 2 × EP = 2 (the EP group across the CP ranks).
+
+    Expert TP between 1 and TP: TP = 4 (+SP) with --expert-tensor-parallel-size 2, each
+    pair of TP ranks routing its half of the sequence and splitting the experts in two,
+    at EP = 2 (grouped GEMM; expert DP 1) and at EP = 1 with the distributed optimizer
+    (expert DP 2) saved at 3 in torch_dist and resumed to 6, and with biases (the experts'
+    linear_fc2 bias replicated over the expert TP pair); and ETP = 1 with CP: TP = 2 (+SP)
+    × CP = 2 × EP = 2, the routers counting over the tensor × context ranks. Each equals one
+    process over its iterations within the same tolerances."""
     import json
     from pathlib import Path
 
     from mg.core.testing.launch import launch_workers
 
-    flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--make-vocab-size-divisible-by", "64"]
+    # 128 vocabulary rows at TP 1, 2 and 4 alike
+    flags = [*MOE, "--moe-z-loss-coeff", "1e-3", "--make-vocab-size-divisible-by", "32"]
     flags += ["--attention-dropout", "0", "--hidden-dropout", "0", "--clip-grad", "0.05"]
     flags += ["--eval-interval", "10", "--eval-iters", "1", "--moe-shared-expert-gate"]
     flags += ["--moe-shared-expert-intermediate-size", "16"]
@@ -551,10 +589,42 @@ def test_moe_expert_tensor_parallel_one_under_tp_matches_one_process(tmp_path, m
     ckpt = str(tmp_path / "ckpt")
     runs = [run, [*sharded, "--save", ckpt, "--exit-interval", "10"], [*sharded, "--load", ckpt]]
     runs.append([*argv, "--context-parallel-size", "2", "--expert-model-parallel-size", "2"])
+    # expert TP 2 under TP 4, and expert TP 1 with CP, for a few iterations each
+    tp4 = [*argv, "--tensor-model-parallel-size", "4", "--sequence-parallel"]
+    tp4 += ["--expert-tensor-parallel-size", "2"]
+    tp4_sharded = [*tp4, "--use-distributed-optimizer", "--ckpt-format", "torch_dist"]
+    ckpt4 = str(tmp_path / "ckpt_etp2")
+    runs.append([*tp4, "--expert-model-parallel-size", "2", "--moe-grouped-gemm"])
+    runs[-1] += ["--exit-interval", "6"]
+    runs.append([*tp4_sharded, "--save", ckpt4, "--exit-interval", "3"])
+    runs.append([*tp4_sharded, "--load", ckpt4, "--exit-interval", "6"])
+    cp_tp = [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    cp_tp += ["--context-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
+    runs.append([*cp_tp, "--expert-model-parallel-size", "2", "--exit-interval", "6"])
+    biased = [f for f in argv if f != "--disable-bias-linear"] + ["--exit-interval", "4"]
+    one_biased = train(biased)
+    runs.append(
+        [*biased, *tp4[len(argv) :], "--expert-model-parallel-size", "2", "--moe-grouped-gemm"]
+    )
     out = tmp_path / "etp1.json"
     worker = Path(__file__).with_name("ddp_worker.py")
-    launch_workers(str(worker), 4, [str(out), json.dumps(runs)], timeout=1400)
-    plain, first, resumed, cp_ep = json.loads(out.read_text())
+    launch_workers(str(worker), 4, [str(out), json.dumps(runs)], timeout=2300)
+    results = json.loads(out.read_text())
+    plain, first, resumed, cp_ep = results[:4]
+    etp2, etp2_first, etp2_resumed, cp_etp1, etp2_bias = results[4:]
+    for four, ref, start, end in (
+        (etp2, one, 0, 6),
+        (etp2_first, one, 0, 3),
+        (etp2_resumed, one, 3, 6),
+        (cp_etp1, one, 0, 6),
+        (etp2_bias, one_biased, 0, 4),
+    ):
+        assert len(four["losses"]) == end - start
+        assert four["losses"] == pytest.approx(ref.losses[start:end], rel=1e-5)
+        assert four["grad_norms"] == pytest.approx(ref.grad_norms[start:end], rel=1e-4)
+        for name, values in ref.extra_losses.items():
+            assert four["extra_losses"][name] == pytest.approx(values[start:end], rel=1e-5)
+    assert max(one_biased.grad_norms) > 0.05  # clipped
     for four in (plain, cp_ep):
         assert four["losses"] == pytest.approx(one.losses, rel=1e-5)
         assert four["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-4)

@@ -115,10 +115,21 @@ def _moe_lines(args: Args, config: TransformerConfig, est: MemoryEstimate) -> li
         f"{config.num_layers} layers), top-{config.moe_router_topk}, expert ffn "
         f"{config.moe_ffn_hidden_size}, {config.moe_token_dispatcher_type} dispatcher; "
         f"EP {ep} x expert TP {etp} x expert DP {d.world_size // (pp * ep * etp)}, "
-        f"{config.num_moe_experts // ep} experts per GPU",
+        f"{config.num_moe_experts // ep} experts per GPU{_routing(tp, etp)}",
         f"number of parameters active per token: {active / 1e9:.4f} B "
         f"(of {est.total_parameters / 1e9:.4f} B)",
     ]
+
+
+def _routing(tp: int, etp: int) -> str:
+    """Which tokens a rank's router sees, under tensor parallelism."""
+    if tp == 1:
+        return ""
+    if etp == tp:
+        return "; each TP rank routes the whole sequence"
+    if etp == 1:
+        return "; each TP rank routes its own sequence slice"
+    return f"; each group of {etp} TP ranks routes its sequence slices together"
 
 
 def report(args: Args) -> str:
