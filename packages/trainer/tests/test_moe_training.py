@@ -68,20 +68,6 @@ def test_moe_layer_freq_forms():
         ([*MOE, "--moe-router-topk", "5"], 1, r"--moe-router-topk \(5\) must be between 1"),
         ([*MOE, "--expert-model-parallel-size", "3"], 1, "not divisible by"),
         ([*MOE, "--expert-model-parallel-size", "2"], 1, "must divide the 1 ranks"),
-        (
-            [
-                *MOE,
-                "--expert-model-parallel-size",
-                "2",
-                "--use-distributed-optimizer",
-                "--save",
-                "x",
-                "--ckpt-format",
-                "torch",
-            ],
-            2,
-            "with --use-distributed-optimizer and --save",
-        ),
         ([*MOE, "--moe-pad-expert-input-to-capacity"], 1, "needs --moe-expert-capacity-factor"),
         ([*MOE, "--moe-router-enable-expert-bias"], 1, "^--moe-router-enable-expert-bias"),
         ([*MOE, "--expert-tensor-parallel-size", "2"], 2, "splits experts over"),
@@ -100,12 +86,6 @@ def test_moe_layer_freq_forms():
             [*MOE, "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
             2,
             "needs --sequence-parallel",
-        ),
-        (
-            [*MOE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-            + ["--expert-tensor-parallel-size", "1", "--ckpt-format", "torch", "--save", "x"],
-            2,
-            "with --save: its checkpoints are written in --ckpt-format torch_dist only",
         ),
         (
             [*MOE, "--moe-layer-recompute", "--recompute-granularity", "full"]
@@ -228,11 +208,12 @@ def test_megatron_mixtral_script_dry_run_on_64_gpus(tmp_path):
     assert "EP 8 x expert TP 1 x expert DP 2, 1 experts per GPU" in text
     assert "number of parameters active per token: 12.88" in text
     assert "number of parameters: 46.70" in text and "!" not in text  # meta model agrees
-    # without --dry-run the same flags are a run (EP x PP, the distributed optimizer, torch_dist)
+    # without --dry-run the same flags are a run (EP x PP, the distributed optimizer), in
+    # either checkpoint format
     run = parse_args(argv[:1] + argv[2:], world_size=64)
     assert run.moe.expert_model_parallel_size == 8 and not run.training.dry_run
-    with pytest.raises(ArgumentError, match="size 8 with --use-distributed-optimizer and --save"):
-        parse_args([*argv[:1], *argv[2:], "--ckpt-format", "torch"], world_size=64)
+    legacy = parse_args([*argv[:1], *argv[2:], "--ckpt-format", "torch"], world_size=64)
+    assert legacy.checkpoint.ckpt_format == "torch" and legacy.distributed.use_distributed_optimizer
 
 
 @pytest.mark.slow  # two trainer ranks x two runs: ~40 s on 2 shared cores
@@ -539,9 +520,10 @@ def test_moe_tensor_and_expert_parallel_match_one_process(tmp_path, mock_argv, t
     assert max(one.grad_norms) > 0.05  # clipped
 
 
-def test_torch_format_optimizer_state_is_refused_for_the_expert_parallel_optimizer() -> None:
-    """A --load folder holding a torch-format save: the expert-parallel distributed optimizer
-    reads torch_dist only, which the flags cannot see before the folder is read."""
+def test_plain_optimizer_state_is_refused_for_the_expert_parallel_optimizer() -> None:
+    """A torch-format save of the plain optimizer (its full state) cannot resume the
+    distributed optimizer with the experts apart, nor Megatron's chained pair a plain
+    optimizer; the flags cannot see which before the folder is read."""
     from mg.core.checkpoint import CheckpointError
     from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
     from mg.trainer.checkpointing import _load_optimizer
@@ -550,6 +532,98 @@ def test_torch_format_optimizer_state_is_refused_for_the_expert_parallel_optimiz
     with pytest.raises(CheckpointError, match="--no-load-optim") as info:
         _load_optimizer(optimizer, {"state": {}}, None, "ckpt", 10, {})
     assert "\n" not in str(info.value)
+    with pytest.raises(CheckpointError, match="with the experts apart.*--no-load-optim"):
+        _load_optimizer(object(), [{}, {}], None, "ckpt", 10, {})
+
+
+@pytest.mark.slow  # fifteen two-rank runs
+def test_torch_format_with_whole_experts_and_the_expert_distributed_optimizer(tmp_path, mock_argv):
+    """--ckpt-format torch on two gloo ranks, saved at iteration 3 and resumed to 6, equals
+    the straight run bitwise: TP = 2 + SP with --expert-tensor-parallel-size 1 at EP = 1
+    (files mp_rank_00, mp_rank_01, each with every expert whole) and EP = 2 (Megatron's
+    legacy writers, data- or expert-data-parallel rank 0: mp_rank_00_000 and mp_rank_01_001
+    only, experts 0-1 and 2-3 as local_experts.0-1); and the distributed optimizer with the
+    experts apart, as Megatron's ChainedOptimizer writes it ([dense, experts] in
+    distrib_optim.pt, each from its own group's rank 0) at EP = 2 x DP = 2 and at ETP = 1
+    (experts sharded over the two TP ranks, their state in mp_rank_00's file only). The
+    merged reader (mg-eval, mg-serve) gives the torch files' weights equal to a torch_dist
+    save's."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from mg.core.checkpoint import load_model
+    from mg.core.testing.launch import launch_workers
+
+    flags = [*MOE, "--make-vocab-size-divisible-by", "64", "--moe-grouped-gemm"]
+    flags += ["--attention-dropout", "0", "--hidden-dropout", "0"]
+    base = mock_argv(tmp_path, *flags, mbs=2, gbs=8, iters=6)
+    etp1 = [*base, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    etp1 += ["--expert-tensor-parallel-size", "1"]
+    ep2 = ["--expert-model-parallel-size", "2"]
+    sharded = ["--use-distributed-optimizer"]
+    variants = {
+        "etp1": etp1,
+        "etp1_ep2": [*etp1, *ep2],
+        "ep2_dist_opt": [*base, *ep2, *sharded],
+        "etp1_dist_opt": [*etp1, *sharded],
+    }
+    runs = []
+    for name, argv in variants.items():
+        save = str(tmp_path / name)
+        runs.append([*argv, "--ckpt-format", "torch"])
+        runs.append([*argv, "--ckpt-format", "torch", "--save", save, "--exit-interval", "3"])
+        runs.append([*argv, "--ckpt-format", "torch", "--load", save])
+    dist_save = str(tmp_path / "etp1_ep2_dist")
+    runs.append([*variants["etp1_ep2"], "--save", dist_save, "--exit-interval", "3"])
+    out = tmp_path / "torch_moe.json"
+    worker = Path(__file__).with_name("ddp_worker.py")
+    launch_workers(str(worker), 2, [str(out), json.dumps(runs)], timeout=600)
+    losses = [r["losses"] for r in json.loads(out.read_text())]
+    for i, name in enumerate(variants):
+        straight, first, resumed = losses[3 * i : 3 * i + 3]
+        assert first + resumed == straight, name  # bitwise
+    assert losses[3] == pytest.approx(losses[0], rel=1e-5)  # EP = 2 equals EP = 1
+    folders = {
+        name: sorted(p.name for p in (tmp_path / name / "iter_0000003").iterdir())
+        for name in variants
+    }
+    assert folders["etp1"] == folders["etp1_dist_opt"] == ["mp_rank_00", "mp_rank_01"]
+    assert folders["etp1_ep2"] == ["mp_rank_00_000", "mp_rank_01_001"]
+    assert folders["ep2_dist_opt"] == ["mp_rank_00_000", "mp_rank_00_001"]
+    files = {
+        name: [
+            torch.load(
+                tmp_path / name / "iter_0000003" / f / "model_optim_rng.pt", weights_only=False
+            )
+            for f in folders[name]
+        ]
+        for name in variants
+    }
+    key = "decoder.layers.0.mlp.experts.linear_fc1.weight"
+    whole = files["etp1"][1]["model"][f"{key}3"]
+    assert isinstance(whole, torch.Tensor) and whole.shape == (32, 32)  # 2 x 16 rows, whole
+    assert torch.equal(whole, files["etp1"][0]["model"][f"{key}3"])
+    ep_files = files["etp1_ep2"]
+    assert f"{key}2" not in ep_files[1]["model"] and f"{key}1" in ep_files[1]["model"]
+    assert all(vars(f["args"])["expert_tensor_parallel_size"] == 1 for f in ep_files)
+    merged = load_model(str(tmp_path / "etp1_ep2"))[0].state_dict()
+    from_dist = load_model(dist_save)[0].state_dict()
+    assert merged.keys() == from_dist.keys()
+    assert all(torch.equal(merged[k], from_dist[k]) for k in merged)
+    assert torch.equal(merged[f"{key}3"], ep_files[1]["model"][f"{key}1"])
+
+    # Megatron's ChainedOptimizer pair: [dense, experts] in each file, None where that
+    # file's writer is not the group's rank 0
+    def parts(name: str) -> list[list[bool]]:
+        return [
+            [part is not None for part in torch.load(path, weights_only=False)]
+            for path in sorted((tmp_path / name / "iter_0000003").glob("*/distrib_optim.pt"))
+        ]
+
+    assert parts("ep2_dist_opt") == [[True, True], [False, True]]  # DP = 2, expert DP = 1
+    assert parts("etp1_dist_opt") == [[True, True], [True, False]]  # expert DP over TP
 
 
 @pytest.mark.slow  # four trainer ranks, nine runs on 2 shared cores

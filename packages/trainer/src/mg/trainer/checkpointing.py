@@ -78,17 +78,24 @@ def save(
     # rank 0), so every rank asks; it also waits for in-flight parameter all-gathers
     # before the model is read.
     optimizer_state, extra_files = None, {}
-    if save_optim and isinstance(optimizer, DistributedOptimizer):
+    sharded = isinstance(optimizer, (DistributedOptimizer, ExpertParallelDistributedOptimizer))
+    if save_optim and sharded:
         optimizer_state = optimizer.param_groups_state()
-        param_state = optimizer.parameter_state_dp_zero(
-            optimizer.megatron_buffers(_chunk_list(model))
-        )
+        if isinstance(optimizer, ExpertParallelDistributedOptimizer):
+            # Megatron's ChainedOptimizer: [dense, experts], each from its group's rank 0
+            param_state = optimizer.parameter_state_dp_zero(_chunk_list(model))
+        else:
+            param_state = optimizer.parameter_state_dp_zero(
+                optimizer.megatron_buffers(_chunk_list(model))
+            )
         if param_state is not None:
             extra_files[DISTRIB_OPTIM_FILENAME] = param_state
     elif save_optim:
         optimizer_state = optimizer.state_dict()
-    if writer and save_optim and isinstance(optimizer, DistributedOptimizer) and not extra_files:
+    if writer and save_optim and sharded and not extra_files:
         raise RuntimeError("the checkpoint writer is not the distributed optimizer's rank 0")
+    if extra_files and not writer:
+        raise RuntimeError("a distributed optimizer's rank 0 is not a checkpoint writer")
     payload = None
     if writer:
         args_ns = argparse.Namespace(
@@ -211,12 +218,16 @@ def _load_optimizer(
     (groups there, parameter state in `distrib_optim.pt`, memory-mapped: each rank reads
     only its own fragments)."""
     if isinstance(optimizer, ExpertParallelDistributedOptimizer):
-        raise CheckpointError(
-            f"{load_dir}: a --ckpt-format torch checkpoint; --use-distributed-optimizer with "
-            "--expert-model-parallel-size > 1 loads its state from torch_dist only (resume "
-            "with --no-load-optim, or from a torch_dist save)"
-        )
-    if "state" in state:
+        _load_chained_optimizer(optimizer, state, model, load_dir, iteration, position)
+        return
+    if isinstance(state, list) or (isinstance(state, dict) and "state" in state):
+        if isinstance(state, list):  # Megatron's ChainedOptimizer: experts apart
+            raise CheckpointError(
+                f"{load_dir}: the optimizer state was saved with the experts apart "
+                "(--expert-model-parallel-size > 1 or --expert-tensor-parallel-size 1) and "
+                "--use-distributed-optimizer; resume with the same flags, or with "
+                "--no-load-optim"
+            )
         _check_group_count(state.get("param_groups") or [], optimizer, load_dir)
         optimizer.load_state_dict(state)
         return
@@ -249,6 +260,45 @@ def _load_optimizer(
     )
 
 
+def _load_chained_optimizer(
+    optimizer: ExpertParallelDistributedOptimizer,
+    state: Any,
+    model: nn.Module,
+    load_dir: str,
+    iteration: Any,
+    position: dict[str, int],
+) -> None:
+    """The distributed optimizer with the experts apart from Megatron's torch-format pair:
+    each part's state is in the `distrib_optim.pt` its group's rank 0 wrote (the dense
+    part's data-parallel rank 0, the experts' expert-data-parallel rank 0), which with
+    --expert-tensor-parallel-size 1 may be another tensor-parallel rank's file."""
+    if isinstance(state, dict) and "state" in state:
+        raise CheckpointError(
+            f"{load_dir}: the optimizer state was saved without --use-distributed-optimizer "
+            "or without the experts apart; resume with the same flags, or with --no-load-optim"
+        )
+    folder = checkpoint_dir(load_dir, iteration)
+    mine = (position.get("tp_rank", 0), position.get("ep_rank", 0))
+    files, sources = [], []
+    for tp_rank, ep_rank in optimizer.distrib_optim_sources(mine):
+        rank_file, _ = find_rank_file(
+            folder, tp_rank, position.get("pp_rank", 0), position.get("pp_size"), ep_rank
+        )
+        path = rank_file.parent / DISTRIB_OPTIM_FILENAME
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path} is missing: the checkpoint was saved with the distributed optimizer "
+                "and its parameter state is not there; copy it back, or resume with "
+                "--no-load-optim"
+            )
+        files.append(load_file(path, mmap=True))
+        sources.append(str(path))
+    try:
+        optimizer.load_parameter_states(state, files, _chunk_list(model), sources)
+    except ValueError as error:
+        raise CheckpointError(f"{error}; resume with --no-load-optim") from None
+
+
 def _parallel_sizes(layout: Any) -> dict[str, int]:
     if layout is None:
         return {}
@@ -258,6 +308,7 @@ def _parallel_sizes(layout: Any) -> dict[str, int]:
         "cp": layout.cp,
         "vp": layout.virtual,
         "ep": layout.ep,
+        "etp": layout.etp,
     }
 
 
@@ -310,6 +361,13 @@ def resume(
             f"{load_dir}: the torch-format checkpoint was saved with expert-model-parallel-size "
             f"{saved.get('ep', 1)}, this run uses {position.get('ep_size', 1)}; use the same "
             "size, or save with --ckpt-format torch_dist, which loads at any expert-parallel size"
+        )
+    saved_etp = saved.get("etp", saved.get("tp", 1))  # older saves: experts split as TP
+    if layout is not None and saved.get("tp", 1) == layout.tp and saved_etp != layout.etp:
+        raise ValueError(
+            f"{load_dir}: the torch-format checkpoint was saved with "
+            f"expert-tensor-parallel-size {saved_etp}, this run uses {layout.etp}; use the "
+            "same size, or save with --ckpt-format torch_dist, which loads at any layout"
         )
     wanted = position.get("pp_size", 1)
     if saved.get("pp", 1) != wanted:

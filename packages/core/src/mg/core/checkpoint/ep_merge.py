@@ -91,3 +91,53 @@ def split_expert_parallel(
         assert renamed is not None
         parts[rank][renamed[0]] = value
     return parts
+
+
+def is_routed_expert(key: str) -> bool:
+    """Whether `key` is a routed expert's tensor (not the router or a shared expert)."""
+    return _EXPERT.match(key) is not None
+
+
+def with_dense_from(merged: Mapping[str, T], dense: Mapping[str, T]) -> dict[str, T]:
+    """`merged` (experts merged over EP) with every other entry taken from `dense`: with
+    --expert-tensor-parallel-size 1 a file's experts are whole and its dense weights are
+    its tensor-parallel rank's shard, so the two may come from different files."""
+    return {k: v if _EXPERT.match(k) else dense[k] for k, v in merged.items()}
+
+
+def rank_files_present(
+    numbers: Sequence[tuple[int, ...]], pp: int, ep: int
+) -> set[tuple[int, int, int]]:
+    """The (tp, pp, ep) ranks of a `torch` checkpoint's `mp_rank_*` folder numbers, as
+    `layout.detect_layout` reads them (two numbers: PP, or EP when PP is 1)."""
+    out = set()
+    for n in numbers:
+        if len(n) == 3:
+            out.add((n[0], n[1], n[2]))
+        elif len(n) == 2:
+            out.add((n[0], 0, n[1]) if pp == 1 and ep > 1 else (n[0], n[1], 0))
+        else:
+            out.add((n[0], 0, 0))
+    return out
+
+
+def whole_expert_sources(
+    present: set[tuple[int, int, int]], tp: int, pp: int, ep: int
+) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], int]]:
+    """With --expert-tensor-parallel-size 1 Megatron writes one file per (tp, pp, ep) rank
+    that some writer holds (data- or expert-data-parallel rank 0), not every combination:
+    (tp, pp) -> an ep rank whose file has that TP rank's dense shards, and (ep, pp) -> a tp
+    rank whose file has that EP rank's (whole) experts. Raises KeyError naming a gap."""
+    dense = {}
+    experts = {}
+    for t, p, e in sorted(present):
+        dense.setdefault((t, p), e)
+        experts.setdefault((e, p), t)
+    for p in range(pp):
+        for t in range(tp):
+            if (t, p) not in dense:
+                raise KeyError(f"no file of tensor-parallel rank {t}, pipeline rank {p}")
+        for e in range(ep):
+            if (e, p) not in experts:
+                raise KeyError(f"no file of expert-parallel rank {e}, pipeline rank {p}")
+    return dense, experts

@@ -27,8 +27,13 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_full_state
-from mg.core.checkpoint.ep_merge import merge_expert_parallel
-from mg.core.checkpoint.layout import RELEASE, CheckpointError, Iteration
+from mg.core.checkpoint.ep_merge import (
+    merge_expert_parallel,
+    rank_files_present,
+    whole_expert_sources,
+    with_dense_from,
+)
+from mg.core.checkpoint.layout import RELEASE, CheckpointError, Iteration, scan_rank_dirs
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.torch_format import (
     find_rank_file,
@@ -137,33 +142,52 @@ def _load_torch_format(
     """Rank 0's state, its path, and a reader of the whole weights (pipeline stages and
     TP shards merged)."""
     path, layout = find_rank_file(folder)
-    # states[ep][tp][pp]: every rank file of the iteration.
-    states = [
-        [
-            [
-                load_checkpoint(
-                    load_dir,
-                    iteration,
-                    tp_rank=tp,
-                    pp_rank=pp,
-                    pp_size=layout.pp,
-                    ep_rank=ep,
-                    map_location=map_location,
-                )[0]
-                for pp in range(layout.pp)
-            ]
-            for tp in range(layout.tp)
-        ]
-        for ep in range(layout.ep)
-    ]
+    first = load_checkpoint(
+        load_dir, iteration, pp_size=layout.pp, map_location=map_location, ep_rank=0
+    )[0]
+    etp = _expert_tensor_parallel(first, layout.tp)
+    if etp not in (1, layout.tp):
+        raise CheckpointError(
+            f"{folder} was saved with {layout} and --expert-tensor-parallel-size {etp}; its "
+            "experts are read whole (1) or split as TP; save with --ckpt-format torch_dist"
+        )
+    whole_experts = etp == 1 and layout.tp > 1
+    present = rank_files_present([d.numbers for d in scan_rank_dirs(folder)], layout.pp, layout.ep)
+    try:
+        dense_ep, experts_tp = whole_expert_sources(present, layout.tp, layout.pp, layout.ep)
+    except KeyError as missing:
+        raise CheckpointError(f"{folder}: {missing.args[0]} (an incomplete copy?)") from None
+    cache: dict[tuple[int, int, int], dict[str, Any]] = {(0, 0, 0): first}
+
+    def state(tp: int, pp: int, ep: int) -> dict[str, Any]:
+        if (tp, pp, ep) not in cache:
+            cache[(tp, pp, ep)] = load_checkpoint(
+                load_dir,
+                iteration,
+                tp_rank=tp,
+                pp_rank=pp,
+                pp_size=layout.pp,
+                ep_rank=ep,
+                map_location=map_location,
+            )[0]
+        return cache[(tp, pp, ep)]
 
     def chunks(tp: int, pp: int, config: TransformerConfig) -> list[dict[str, Tensor]]:
-        """A (tp, pp) position's model chunks, the expert-parallel ranks' experts merged."""
-        per_ep = [model_chunks(states[ep][tp][pp], path) for ep in range(layout.ep)]
-        if layout.ep == 1:
-            return per_ep[0]
-        merged = zip(*per_ep, strict=True)
-        return [merge_expert_parallel(parts, config.num_moe_experts) for parts in merged]
+        """A (tp, pp) position's model chunks, the expert-parallel ranks' experts merged
+        (with whole experts, from whichever TP rank's file holds each EP rank's)."""
+        holder = (lambda e: experts_tp[(e, pp)]) if whole_experts else (lambda e: tp)
+        per_ep = [model_chunks(state(holder(e), pp, e), path) for e in range(layout.ep)]
+        merged = (
+            per_ep[0]
+            if layout.ep == 1
+            else [
+                merge_expert_parallel(p, config.num_moe_experts) for p in zip(*per_ep, strict=True)
+            ]
+        )
+        if not whole_experts:
+            return merged
+        dense = model_chunks(state(tp, pp, dense_ep[(tp, pp)]), path)
+        return [with_dense_from(m, d) for m, d in zip(merged, dense, strict=True)]
 
     def weights(config: TransformerConfig) -> dict[str, Tensor]:
         tied = not config.untie_embeddings_and_output_weights
@@ -173,9 +197,21 @@ def _load_torch_format(
             )
             for tp in range(layout.tp)
         ]
-        return merge_tensor_parallel(shards, config.gated_linear_unit, config)
+        return merge_tensor_parallel(shards, config.gated_linear_unit, config, whole_experts)
 
-    return states[0][0][0], path, weights
+    return first, path, weights
+
+
+def _expert_tensor_parallel(state: Mapping[str, Any], tp: int) -> int:
+    """The saved --expert-tensor-parallel-size: mg's record, else Megatron's args, else
+    TP (Megatron's default)."""
+    parallel = (state.get("mg") or {}).get("parallel") or {}
+    if parallel.get("etp"):
+        return int(parallel["etp"])
+    args = state.get("args")
+    args = vars(args) if hasattr(args, "__dict__") else (args or {})
+    etp = args.get("expert_tensor_parallel_size") if isinstance(args, Mapping) else None
+    return int(etp) if etp else tp
 
 
 def model_chunks(state: Mapping[str, Any], path: Path) -> list[dict[str, Tensor]]:

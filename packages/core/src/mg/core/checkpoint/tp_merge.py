@@ -11,7 +11,8 @@ An MoE layer's experts follow the MLP's rule with expert tensor parallelism equa
 to TP (Megatron's default): each routed expert's linear_fc1 (SequentialMLP's
 `local_experts.N.linear_fc1`, grouped GEMM's `linear_fc1.weightN`) and the shared
 experts' are column-parallel, their linear_fc2 row-parallel; the router and the
-shared-expert gate are replicated.
+shared-expert gate are replicated. With --expert-tensor-parallel-size 1 each TP rank
+holds the routed experts whole (`whole_experts`).
 
 A Mamba mixer (megatron-core's MambaMixer) is split by heads and groups: A_log,
 D, dt_bias and the gated norm's weight along dim 0, out_proj along dim 1, and
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from mg.core.checkpoint.ep_merge import is_routed_expert
 from mg.core.parallel.row_blocks import merge_rows
 
 _DIM0 = (
@@ -89,15 +91,20 @@ def _local(value: Any) -> Any:
 
 
 def merge_tensor_parallel(
-    shards: Sequence[Mapping[str, Tensor]], gated: bool, config: Any = None
+    shards: Sequence[Mapping[str, Tensor]],
+    gated: bool,
+    config: Any = None,
+    whole_experts: bool = False,
 ) -> dict[str, Tensor]:
     """Whole tensors from the model state dicts of TP ranks 0..n-1 (in rank order);
     `config` (the model's) is needed for a Mamba mixer's blocks. mg-train's `torch`
-    files hold each rank's shard as a DTensor: its local tensor is the shard."""
+    files hold each rank's shard as a DTensor: its local tensor is the shard.
+    `whole_experts` (--expert-tensor-parallel-size 1): every rank holds the routed
+    experts whole, so they are taken from rank 0."""
     shards = [{k: _local(v) for k, v in shard.items()} for shard in shards]
     merged: dict[str, Tensor] = {}
     for name, first in shards[0].items():
-        dim = partition_dim(name)
+        dim = None if whole_experts and is_routed_expert(name) else partition_dim(name)
         if dim is None or len(shards) == 1:
             merged[name] = first
             continue

@@ -705,9 +705,24 @@ class DistributedOptimizer:
         if self.overlap_grad_reduce:
             bucket_size = self._requested_bucket_size or max(40_000_000, 1_000_000 * self.dp_size)
         tied = self._tied[0] if self._tied is not None else None
+        mine = {id(p) for p in self._params}
         return megatron_buffers(
-            chunks, bucket_size=bucket_size, shared_embedding=lambda p: p is tied
+            chunks,
+            bucket_size=bucket_size,
+            shared_embedding=lambda p: p is tied,
+            include=lambda p: id(p) in mine,
         )
+
+    def root_position(self, position: tuple[int, ...]) -> tuple[int, ...]:
+        """`position` (this rank's indices, e.g. its tp and ep rank) as data-parallel rank 0
+        has them: whose `distrib_optim.pt` holds this group's state. Collective over the
+        data-parallel group."""
+        if self.dp_size == 1:
+            return position
+        device = self._buckets[0].main_param_shard.device if self._buckets else "cpu"
+        values = torch.tensor(position, dtype=torch.int64, device=device)
+        dist.broadcast(values, self._root_rank(), group=self.group)
+        return tuple(int(v) for v in values.tolist())
 
     def param_groups_state(self) -> dict[str, Any]:
         """What Megatron's `DistributedOptimizer.state_dict()` keeps in `model_optim_rng.pt`:

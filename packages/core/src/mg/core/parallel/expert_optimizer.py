@@ -179,6 +179,61 @@ class ExpertParallelDistributedOptimizer:
             part.load_sharded_state({"state": state, "param_groups": groups})
             offset += count
 
+    # --- Megatron's torch format: its ChainedOptimizer of the two, each a list entry
+
+    def param_groups_state(self) -> list[dict[str, Any]] | dict[str, Any]:
+        """`model_optim_rng.pt`'s optimizer entry: Megatron's `ChainedOptimizer.state_dict()`,
+        one `DistributedOptimizer.param_groups_state()` per part (dense, then experts); a
+        stage without experts has one part and, as Megatron's, no list."""
+        states = [part.param_groups_state() for part in self._parts]
+        return states if len(states) > 1 else states[0]
+
+    def parameter_state_dp_zero(self, chunks: list[nn.Module]) -> Any:
+        """`distrib_optim.pt`'s contents, as Megatron's `ChainedOptimizer.save_parameter_state`
+        writes them: [dense state, expert state], each gathered over its own group onto that
+        group's rank 0 (None in the other ranks' lists); None where neither is (nothing to
+        write). Collective over both groups."""
+        states = [
+            part.parameter_state_dp_zero(part.megatron_buffers(chunks)) for part in self._parts
+        ]
+        if len(states) == 1:
+            return states[0]
+        return states if any(s is not None for s in states) else None
+
+    def distrib_optim_sources(self, position: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Per part, the position (this rank's indices) of the rank whose file holds its
+        state: each group's rank 0. Collective over both groups."""
+        return [part.root_position(position) for part in self._parts]
+
+    def load_parameter_states(
+        self, groups_state: Any, files: list[Any], chunks: list[nn.Module], sources: list[str]
+    ) -> None:
+        """Load each part from the `optimizer` entry and its group root's `distrib_optim.pt`
+        contents (`files[i]`, as `parameter_state_dp_zero` wrote it)."""
+        groups = groups_state if isinstance(groups_state, list) else [groups_state]
+        if len(groups) != len(self._parts):
+            raise ValueError(
+                f"{sources[0]}: the optimizer state has {len(groups)} parts (dense, experts), "
+                f"this run's optimizer {len(self._parts)}; it was saved for another model"
+            )
+        for index, (part, group, state, source) in enumerate(
+            zip(self._parts, groups, files, sources, strict=True)
+        ):
+            if len(self._parts) > 1:
+                if not isinstance(state, list) or len(state) != len(self._parts):
+                    raise ValueError(
+                        f"{source}: expected Megatron's list of {len(self._parts)} optimizer "
+                        "states (dense, experts); it was saved without expert parallelism"
+                    )
+                state = state[index]
+                if state is None:
+                    raise ValueError(
+                        f"{source}: holds no state of optimizer part {index}; the files were "
+                        "saved with another data- or expert-parallel layout"
+                    )
+            step = part.load_param_groups_state(group)
+            part.load_parameter_state(state, part.megatron_buffers(chunks), step, source)
+
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError(_TORCH_FORMAT)
 
@@ -187,8 +242,8 @@ class ExpertParallelDistributedOptimizer:
 
 
 _TORCH_FORMAT = (
-    "--use-distributed-optimizer with --expert-model-parallel-size > 1 saves and loads its "
-    "state in --ckpt-format torch_dist only"
+    "--use-distributed-optimizer with the experts apart saves its torch-format state as "
+    "Megatron's pair (param_groups_state, parameter_state_dp_zero), not a full state_dict"
 )
 
 

@@ -87,17 +87,20 @@ def megatron_buffers(
     *,
     bucket_size: int | None = None,
     shared_embedding: Callable[[nn.Parameter], bool] = lambda p: False,
+    include: Callable[[nn.Parameter], bool] = lambda p: True,
 ) -> list[FlatBuffer]:
     """The grad buffers Megatron-Core's DDP would build for these model chunks, in its
     order (chunk by chunk, dtype pairs by first appearance); `bucket_size` None means
-    one bucket per buffer (no `--overlap-grad-reduce`)."""
+    one bucket per buffer (no `--overlap-grad-reduce`). `include` picks the parameters:
+    Megatron's DDP keeps expert-parallel experts in buffers of their own
+    (`expert_parallel_buffers`), laid out the same way."""
     buffers = []
     for chunk in chunks:
         named = dict(chunk.named_parameters())
         by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
         for name in megatron_parameter_order(list(named)):
             param = named[name]
-            if param.requires_grad:
+            if param.requires_grad and include(param):
                 by_dtype.setdefault((param.dtype, grad_dtype_of(param)), []).append(param)
         for dtypes, params in by_dtype.items():
             buffers.append(_buffer(dtypes, params, bucket_size, shared_embedding))

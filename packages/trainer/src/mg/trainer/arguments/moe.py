@@ -205,17 +205,11 @@ def check_moe_flags(
     pp: int,
     cp: int,
     dry_run: bool,
-    sharded_state: tuple[str, ...] = (),
     sequence_parallel: bool = False,
     recompute_granularity: str | None = None,
-    torch_format: tuple[str, ...] = (),
     upcycling: UpcyclingFlags | None = None,
 ) -> str | None:
-    """The one-line message for MoE flags that cannot apply, or None.
-
-    `sharded_state`: the checkpoint flags given (--save, --load) when the distributed
-    optimizer is on with --ckpt-format torch, which does not hold its expert-parallel
-    state (torch_dist does); `torch_format`: those given with --ckpt-format torch."""
+    """The one-line message for MoE flags that cannot apply, or None."""
     defaults = MoEArgs()
     given = [
         "--" + f.name.replace("_", "-")
@@ -288,17 +282,6 @@ def check_moe_flags(
             f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size {tp} needs "
             "--sequence-parallel (as in Megatron: each TP rank routes its sequence slice)"
         )
-    if etp != tp and torch_format:
-        return (
-            f"--expert-tensor-parallel-size 1 with {torch_format[0]}: its checkpoints are "
-            "written in --ckpt-format torch_dist only"
-        )
-    if ep > 1 and sharded_state:
-        return (
-            f"--expert-model-parallel-size {ep} with --use-distributed-optimizer and "
-            f"{sharded_state[0]}: its expert-parallel state is checkpointed in "
-            "--ckpt-format torch_dist only"
-        )
     return None
 
 
@@ -359,16 +342,6 @@ def check_moe(args: Args) -> None:
             save=args.checkpoint.save,
             ffn_hidden_size=args.model.ffn_hidden_size,
             use_checkpoint_args=args.checkpoint.use_checkpoint_args,
-        ),
-        torch_format=tuple(
-            flag
-            for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))
-            if given and args.checkpoint.ckpt_format == "torch"
-        ),
-        sharded_state=tuple(
-            flag
-            for flag, given in (("--save", args.checkpoint.save), ("--load", args.checkpoint.load))
-            if given and d.use_distributed_optimizer and args.checkpoint.ckpt_format == "torch"
         ),
     )
     if error:
