@@ -172,8 +172,18 @@ def _open_torch_dist(load_dir: Path, folder: Path, iteration: Iteration) -> Chec
     metadata = read_dcp_metadata(folder)
     index = metadata.state_dict_metadata
     stored = None
-    if is_megatron_layout(metadata):
-        stored = stored_parameters(metadata)
+    state, dropped = _other_entries(common)
+    dropped += [k for k in _stored_layout_bound(index) if k not in dropped]
+    if (common.get("mg") or {}).get("model_config"):
+        config = recorded_config(common, folder)
+        parallel = (common.get("mg") or {}).get("parallel") or {}
+        tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
+    else:  # Megatron-LM's: its args say what the model is
+        from mg.ckpt_convert.megatron_lm import megatron_source_state
+
+        config, state, tp, pp = megatron_source_state(common, folder)
+    if is_megatron_layout(metadata):  # routed experts named as the config builds them
+        stored = stored_parameters(metadata, bool(getattr(config, "moe_grouped_gemm", False)))
         metas = {
             name: torch.empty(where.shape, dtype=where.dtype, device="meta")
             for name, where in stored.items()
@@ -186,16 +196,6 @@ def _open_torch_dist(load_dir: Path, folder: Path, iteration: Iteration) -> Chec
             for key, meta in index.items()
             if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)
         }
-    state, dropped = _other_entries(common)
-    dropped += [k for k in _stored_layout_bound(index) if k not in dropped]
-    if (common.get("mg") or {}).get("model_config"):
-        config = recorded_config(common, folder)
-        parallel = (common.get("mg") or {}).get("parallel") or {}
-        tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
-    else:  # Megatron-LM's: its args say what the model is
-        from mg.ckpt_convert.megatron_lm import megatron_source_state
-
-        config, state, tp, pp = megatron_source_state(common, folder)
     return CheckpointSource(
         load_dir,
         folder,

@@ -30,6 +30,7 @@ from mg.core.checkpoint.dist_format import save_dist_checkpoint
 from mg.core.checkpoint.dist_stream import StreamingDistWriter
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.megatron_dist import megatron_model_state, supports_megatron_layout
+from mg.core.checkpoint.megatron_sharded_keys import per_layer_keys
 
 FORMATS = ("torch", "torch_dist")
 
@@ -40,27 +41,37 @@ def write_torch_dist(
     target: TargetLayout,
     iteration: Iteration,
     common: dict[str, Any] | None = None,
+    megatron_moe: bool = False,
 ) -> Path:
     """Write ``source`` as a `torch_dist` checkpoint (one process); the iteration folder.
 
-    A GPT goes in Megatron-Core's layout, one layer at a time (`StreamingDistWriter`:
-    no more than a layer is held); other models in mg's per-parameter layout, whole.
-    ``common`` (common.pt) defaults to the source's entries updated to the target."""
+    A dense GPT goes in Megatron-Core's layout, one layer at a time
+    (`StreamingDistWriter`: no more than a layer is held), and so does an MoE GPT with
+    `megatron_moe` (export-megatron; mg-train reads an MoE in mg's layout); other models
+    in mg's per-parameter layout, whole. ``common`` (common.pt) defaults to the source's
+    entries updated to the target."""
     if common is None:
         common = target_state(source, target)
-    if not supports_megatron_layout(source.names):
+    config = target.config
+    if not supports_megatron_layout(source.names, moe=megatron_moe):
         weights = target_tensors(source, target, source.names)
         pending = save_dist_checkpoint(save_dir, iteration, {"model": weights}, common)
         copy_tokenizer_files(source, save_dir)
         return pending.wait()
-    config = target.config
     tied = not config.untie_embeddings_and_output_weights
     writer = StreamingDistWriter(save_dir, iteration)
     for group in group_megatron(source.names):
         if not group:
             continue
         tensors = target_tensors(source, target, group)
-        state = megatron_model_state(tensors, config.num_layers, tied=tied, extra_state=True)
+        state = megatron_model_state(
+            tensors,
+            config.num_layers,
+            tied=tied,
+            extra_state=True,
+            num_experts=config.num_moe_experts,
+            layer_keys=per_layer_keys(config.moe_layer_freq) if config.num_moe_experts else False,
+        )
         writer.add({**state.tensors, **state.objects})
         source.release()  # what this layer read leaves memory with it
     pending = writer.finish({**common, "content_metadata": {"singleton_local_shards": False}})

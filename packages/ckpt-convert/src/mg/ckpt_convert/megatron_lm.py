@@ -530,12 +530,6 @@ def export_megatron(
             "--ckpt-format torch_dist: export-megatron writes Mamba / hybrid models in the "
             "torch format only (mp_rank_TT[_PPP] files)"
         )
-    if source.config.num_moe_experts and ckpt_format == "torch_dist":
-        raise ConvertError(
-            "--ckpt-format torch_dist: export-megatron writes MoE models in the torch format "
-            "only (mp_rank_TT[_PPP]_EEE files); Megatron-LM's own converter turns those into "
-            "torch_dist"
-        )
     target = plan_target(
         source, tp, pp, divisible_by, ep, _megatron_expert_layout(source.config, expert_layout)
     )
@@ -565,7 +559,9 @@ def export_megatron(
         if ckpt_format == "torch_dist":
             from mg.ckpt_convert.format_convert import write_torch_dist
 
-            write_torch_dist(staging, source, target, source.iteration, common=common)
+            write_torch_dist(
+                staging, source, target, source.iteration, common=common, megatron_moe=True
+            )
         else:
             # pretrain_mamba.py builds the TE mamba_stack_spec: norms fused into the linears
             rename = megatron_te_names if mamba else None

@@ -506,11 +506,14 @@ def stored_keys(folder: str | Path, prefix: str = "") -> set[str]:
     return {key for key in metadata.state_dict_metadata if key.startswith(prefix)}
 
 
-def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Tensor]:
+def load_full_state(
+    folder: str | Path, prefix: str = "model.", grouped: bool = False
+) -> dict[str, Tensor]:
     """Every tensor under `prefix`, whole (unsharded), on one process without a process group.
 
     With the default prefix, the model's tensors by our parameter names, whichever
-    layout stores them (Megatron-Core's layer-stacked keys or mg's earlier `model.<name>`)."""
+    layout stores them (Megatron-Core's layer-stacked keys or mg's earlier `model.<name>`);
+    `grouped`: routed experts of Megatron-Core's keys under grouped GEMM's names."""
     from mg.core.checkpoint.megatron_dist import (
         is_megatron_layout,
         read_parameters,
@@ -521,7 +524,7 @@ def load_full_state(folder: str | Path, prefix: str = "model.") -> dict[str, Ten
     _check_complete(folder)
     metadata = read_dcp_metadata(folder)
     if prefix == "model." and is_megatron_layout(metadata):  # Megatron-Core's keys
-        stored = stored_parameters(metadata)
+        stored = stored_parameters(metadata, grouped)
         return read_parameters(folder, stored, stored)
     flat = stored_tensors(folder, prefix)
     reader = dcp.FileSystemReader(folder)

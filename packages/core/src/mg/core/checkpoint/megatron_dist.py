@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from mg.core.checkpoint.megatron_sharded_keys import megatron_sharded_key
+from mg.core.checkpoint.megatron_sharded_keys import EXPERTS_KEY, megatron_sharded_key
 
 LEGACY_MODEL_PREFIX = "model."  # mg's earlier layout: model.<parameter name>
 EXTRA_STATE = "_extra_state"
@@ -52,6 +52,10 @@ _EXTRA_STATE_MODULES = (
     "self_attention.core_attention",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
+    "mlp.shared_experts.linear_fc1",
+    "mlp.shared_experts.linear_fc2",
+    "mlp.experts.experts.linear_fc1",
+    "mlp.experts.experts.linear_fc2",
 )
 # Our GPT parameter names that have a Megatron-Core key (dense GPT, local layer spec).
 _SUPPORTED = re.compile(
@@ -62,7 +66,14 @@ _SUPPORTED = re.compile(
     r"|self_attention\.k_layernorm|self_attention\.linear_qkv|self_attention\.linear_proj"
     r"|mlp\.linear_fc1|mlp\.linear_fc2)\.(weight|bias))$"
 )
-_LAYER_LINEAR = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.weight$")
+# An MoE layer's tensors (router, routed experts sequential or grouped, shared experts)
+_SUPPORTED_MOE = re.compile(
+    r"^decoder\.layers\.\d+\.mlp\.(router\.(weight|expert_bias)"
+    r"|experts\.local_experts\.\d+\.linear_fc[12]\.(weight|bias)"
+    r"|experts\.linear_fc[12]\.(weight|bias)\d+"
+    r"|shared_experts\.(linear_fc[12]\.(weight|bias)|gate_weight))$"
+)
+_LAYER_LINEAR = re.compile(r"^decoder\.layers\.\d+\.(.+)\.weight\d*$")
 # A layer key's fused-norm names (both specs store them so) -> the local spec's modules.
 _UNFUSED_NORMS = (
     ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
@@ -161,11 +172,14 @@ def as_global_chunks(value: Tensor) -> GlobalChunks:
     return GlobalChunks(value.shape, tensor_pieces(value))
 
 
-def supports_megatron_layout(names: Iterable[str]) -> bool:
-    """Whether every name is a dense-GPT parameter with a Megatron-Core key (other models,
-    MoE, Mamba, BERT and T5, keep mg's earlier per-parameter layout)."""
+def supports_megatron_layout(names: Iterable[str], moe: bool = False) -> bool:
+    """Whether every name is a GPT parameter with a Megatron-Core key: a dense GPT's, and
+    with `moe` an MoE GPT's too (mg-train keeps an MoE in mg's earlier per-parameter
+    layout, as Mamba, BERT and T5; mg-convert writes it in Megatron-Core's)."""
     names = list(names)
-    return bool(names) and all(_SUPPORTED.match(n) for n in names)
+    return bool(names) and all(
+        _SUPPORTED.match(n) or (moe and _SUPPORTED_MOE.match(n)) for n in names
+    )
 
 
 @dataclass
@@ -184,21 +198,32 @@ class ModelState:
 
 
 def megatron_model_state(
-    named: Mapping[str, Tensor], num_layers: int, *, tied: bool, extra_state: bool = False
+    named: Mapping[str, Tensor],
+    num_layers: int,
+    *,
+    tied: bool,
+    extra_state: bool = False,
+    num_experts: int | None = None,
+    layer_keys: bool = False,
 ) -> ModelState:
     """`named` (our global parameter names → this rank's tensors or DTensors, views that a
     load writes into) keyed as Megatron-Core keys them; `extra_state` adds the layers'
-    `_extra_state` objects (None, as the local spec's linears hold) for a save."""
+    `_extra_state` objects (None, as the local spec's linears hold) for a save. An MoE
+    gives `num_experts` and `layer_keys` (`per_layer_keys` of its `moe_layer_freq`)."""
     pieces: dict[str, list[tuple[Tensor, tuple[int, ...]]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     copies: list[tuple[Tensor, Tensor]] = []
     for name, value in named.items():
-        sharded = megatron_sharded_key(name, num_layers, tied_output=tied)
+        sharded = megatron_sharded_key(
+            name, num_layers, tied_output=tied, num_experts=num_experts, layer_keys=layer_keys
+        )
         shape = tuple(value.shape)
         parts = tensor_pieces(value)
-        if sharded.layer is not None:
-            shape = (num_layers, *shape)
-            parts = [(t.unsqueeze(0), (sharded.layer, *o)) for t, o in parts]
+        if sharded.prepended:
+            index = tuple(i for i, _ in sharded.prepended)
+            shape = (*(size for _, size in sharded.prepended), *shape)
+            lead = (1,) * len(index)
+            parts = [(t.reshape(*lead, *t.shape), (*index, *o)) for t, o in parts]
         shapes.setdefault(sharded.key, shape)
         held = pieces.setdefault(sharded.key, [])
         for tensor, offset in parts:
@@ -210,7 +235,7 @@ def megatron_model_state(
     state = ModelState({key: GlobalChunks(shapes[key], parts) for key, parts in pieces.items()})
     state.copies = copies
     if extra_state:
-        state.objects = extra_state_objects(named, num_layers)
+        state.objects = extra_state_objects(named, num_layers, num_experts, layer_keys)
     return state
 
 
@@ -222,23 +247,32 @@ def sharded_object(data: Any) -> io.BytesIO:
     return buffer
 
 
-def extra_state_objects(names: Iterable[str], num_layers: int) -> dict[str, io.BytesIO]:
+def extra_state_objects(
+    names: Iterable[str],
+    num_layers: int,
+    num_experts: int | None = None,
+    layer_keys: bool = False,
+) -> dict[str, io.BytesIO]:
     """Megatron-Core's `_extra_state` ShardedObjects of the layers in `names`, keyed by
-    their DCP key (`<key>/shard_<layer>_<num_layers>`), each holding None."""
+    their DCP key (`<key>/shard_<offsets>_<sizes>` over the prepended axes: the layer's
+    `shard_3_24`, a routed expert's `shard_3.5_24.8`, none: `shard_0_1`), each holding None."""
     out: dict[str, io.BytesIO] = {}
     for name in names:
         match = _LAYER_LINEAR.match(name)
         if not match:
             continue
-        layer, module = int(match.group(1)), match.group(2)
+        sharded = megatron_sharded_key(
+            name, num_layers, num_experts=num_experts, layer_keys=layer_keys
+        )
+        module = sharded.key.removesuffix(".weight")
         modules = [module]
-        if module == "self_attention.linear_qkv":
-            modules.append("self_attention.core_attention")
+        if module.endswith("self_attention.linear_qkv"):
+            modules.append(module.removesuffix("linear_qkv") + "core_attention")
+        axes = sharded.prepended or ((0, 1),)
+        shard = ".".join(str(i) for i, _ in axes) + "_" + ".".join(str(n) for _, n in axes)
         for m in modules:
-            if m in _EXTRA_STATE_MODULES:
-                out[f"decoder.layers.{m}.{EXTRA_STATE}/shard_{layer}_{num_layers}"] = (
-                    sharded_object(None)
-                )
+            if m.endswith(_EXTRA_STATE_MODULES):
+                out[f"{m}.{EXTRA_STATE}/shard_{shard}"] = sharded_object(None)
     return out
 
 
@@ -253,18 +287,38 @@ class StoredParameter:
 
     key: str
     layer: int | None  # index along the layer axis, None when the tensor has none
-    shape: torch.Size  # the parameter's own shape (without the layer axis)
+    shape: torch.Size  # the parameter's own shape (without the prepended axes)
     dtype: torch.dtype
+    expert: int | None = None  # a routed expert's index along the expert axis
+
+    @property
+    def index(self) -> tuple[int, ...]:
+        """Its offsets along the prepended (layer, expert) axes."""
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
 
 def _is_model_tensor(key: str) -> bool:
     return not key.startswith(("optimizer.", "rng_state")) and "/" not in key
 
 
-def stored_parameters(metadata: Metadata) -> dict[str, StoredParameter]:
+_NUMBERED_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _expert_name(layer: int, rest: str, expert: int, grouped: bool) -> str:
+    """Our name of routed expert `expert`'s tensor (`rest`: Megatron's `mlp.experts.experts.`
+    key tail), sequential (`local_experts.N.linear_fc1.weight`) or grouped (`weightN`)."""
+    tail = rest[len(EXPERTS_KEY) :]  # linear_fc1.weight
+    if grouped:
+        return f"decoder.layers.{layer}.mlp.experts.{tail}{expert}"
+    return f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{tail}"
+
+
+def stored_parameters(metadata: Metadata, grouped: bool = False) -> dict[str, StoredParameter]:
     """Our parameter names (whole model, layers numbered from 0) of a Megatron-layout
     checkpoint's model tensors, with where each lives; in the model's order (embeddings,
-    layer by layer, then the final norm and output layer)."""
+    layer by layer, then the final norm and output layer). Layer-stacked keys and keys
+    per numbered layer (a model whose layers differ) alike; routed experts (an expert
+    axis after the layer's) under sequential names, or grouped GEMM's with `grouped`."""
     first: dict[str, StoredParameter] = {}
     last: dict[str, StoredParameter] = {}
     layers: dict[int, dict[str, StoredParameter]] = {}
@@ -273,10 +327,22 @@ def stored_parameters(metadata: Metadata) -> dict[str, StoredParameter]:
             continue
         dtype = meta.properties.dtype
         if key.startswith("decoder.layers."):
-            rest = key[len("decoder.layers.") :]
-            for layer in range(meta.size[0]):
+            numbered = _NUMBERED_LAYER.match(key)
+            if numbered:  # one layer's key: no layer axis
+                spans, rest = [(int(numbered[1]), None)], numbered[2]
+            else:
+                rest = key[len("decoder.layers.") :]
+                spans = [(layer, layer) for layer in range(meta.size[0])]
+            for layer, along in spans:
+                own = meta.size[0 if along is None else 1 :]
+                if rest.startswith(EXPERTS_KEY):
+                    for expert in range(own[0]):
+                        name = _expert_name(layer, rest, expert, grouped)
+                        where = StoredParameter(key, along, torch.Size(own[1:]), dtype, expert)
+                        layers.setdefault(layer, {})[name] = where
+                    continue
                 name = f"decoder.layers.{layer}.{our_layer_name(rest)}"
-                where = StoredParameter(key, layer, torch.Size(meta.size[1:]), dtype)
+                where = StoredParameter(key, along, torch.Size(own), dtype)
                 layers.setdefault(layer, {})[name] = where
         else:
             where = StoredParameter(key, None, torch.Size(meta.size), dtype)
@@ -304,11 +370,9 @@ def read_parameters(
         where = stored[name]
         tensor = torch.empty(where.shape, dtype=where.dtype)
         out[name] = tensor
-        if where.layer is None:
-            pieces.setdefault(where.key, []).append((tensor, (0,) * tensor.dim()))
-        else:
-            offset = (where.layer, *(0,) * tensor.dim())
-            pieces.setdefault(where.key, []).append((tensor.unsqueeze(0), offset))
+        index = where.index
+        piece = tensor.reshape(*(1,) * len(index), *tensor.shape)
+        pieces.setdefault(where.key, []).append((piece, (*index, *(0,) * tensor.dim())))
     if not pieces:
         return out
     metadata = read_dcp_metadata(folder).state_dict_metadata

@@ -31,6 +31,16 @@ _FUSED_NORMS = (
 )
 
 
+# A routed expert's tensor, sequential (`local_experts.N.linear_fc1.weight`) or grouped
+# GEMM (`linear_fc1.weightN`): Megatron-Core keys both alike (SequentialMLP's and
+# TEGroupedMLP's sharded_state_dict are interchangeable).
+_ROUTED_EXPERT = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(?P<seq>\d+)\.(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)"
+    r"|(?P<gfc>linear_fc[12])\.(?P<gkind>weight|bias)(?P<num>\d+))$"
+)
+EXPERTS_KEY = "mlp.experts.experts."  # Megatron-Core's key of the routed experts' linears
+
+
 @dataclass(frozen=True)
 class ShardedKey:
     """Where a parameter lives in a Megatron `torch_dist` checkpoint."""
@@ -38,15 +48,44 @@ class ShardedKey:
     key: str
     layer: int | None = None  # index along the prepended layer axis; None: no layer axis
     num_layers: int | None = None  # that axis' global size
+    expert: int | None = None  # a routed expert's index along the expert axis (after it)
+    num_experts: int | None = None
+
+    @property
+    def prepended(self) -> tuple[tuple[int, int], ...]:
+        """(index, global size) of each axis put before the parameter's own."""
+        out = () if self.layer is None else ((self.layer, self.num_layers or 0),)
+        if self.expert is not None:
+            out += ((self.expert, self.num_experts or 0),)
+        return out
 
     @property
     def prepend_axis_num(self) -> int:
-        return 0 if self.layer is None else 1
+        return len(self.prepended)
 
 
-def megatron_sharded_key(name: str, num_layers: int, *, tied_output: bool = False) -> ShardedKey:
+def per_layer_keys(moe_layer_freq: int | list[int] | None) -> bool:
+    """Megatron-Core's `non_homogeneous_layers`: a model whose layers differ (MoE every
+    N-th layer, N > 1, or a per-layer list) keys each layer's tensors by its number
+    (`decoder.layers.3.mlp.router.weight`) instead of stacking them on a layer axis."""
+    if isinstance(moe_layer_freq, list):
+        return True
+    return isinstance(moe_layer_freq, int) and moe_layer_freq > 1
+
+
+def megatron_sharded_key(
+    name: str,
+    num_layers: int,
+    *,
+    tied_output: bool = False,
+    num_experts: int | None = None,
+    layer_keys: bool = False,
+) -> ShardedKey:
     """The sharded key of our global parameter `name` (layers numbered over the whole
-    model). `tied_output`: the output layer shares the embedding's weight."""
+    model). `tied_output`: the output layer shares the embedding's weight. A routed
+    expert's tensor gets an expert axis of `num_experts` after the layer axis (SequentialMLP's
+    `decoder.layers.mlp.experts.experts.linear_fc1.weight` of [L, E, 2F, h]); `layer_keys`
+    (`per_layer_keys`) keys layers by number, with no layer axis."""
     if tied_output and name == "output_layer.weight":
         return ShardedKey("embedding.word_embeddings.weight")
     match = _LAYER.match(name)
@@ -57,4 +96,15 @@ def megatron_sharded_key(name: str, num_layers: int, *, tied_output: bool = Fals
         if rest.startswith(ours):
             rest = theirs + rest[len(ours) :]
             break
-    return ShardedKey(f"decoder.layers.{rest}", layer, num_layers)
+    expert = None
+    if routed := _ROUTED_EXPERT.match(rest):
+        if num_experts is None:
+            raise ValueError(f"{name}: a routed expert's key needs the number of experts")
+        if routed["seq"] is not None:
+            expert, rest = int(routed["seq"]), f"{EXPERTS_KEY}{routed['fc']}.{routed['kind']}"
+        else:
+            expert, rest = int(routed["num"]), f"{EXPERTS_KEY}{routed['gfc']}.{routed['gkind']}"
+    experts = num_experts if expert is not None else None
+    if layer_keys:
+        return ShardedKey(f"decoder.layers.{layer}.{rest}", None, None, expert, experts)
+    return ShardedKey(f"decoder.layers.{rest}", layer, num_layers, expert, experts)

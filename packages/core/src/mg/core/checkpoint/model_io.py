@@ -95,7 +95,9 @@ def load_model(
     folder = iteration_dir(load_dir, iteration)
     if is_torch_dist(folder):
         state, path = load_common(folder), folder
-        weights_of = lambda config: load_full_state(folder)  # noqa: E731 (read after the config check)
+        weights_of = lambda config: load_full_state(  # noqa: E731 (read after the config check)
+            folder, grouped=bool(getattr(config, "moe_grouped_gemm", False))
+        )
     else:
         state, path, weights_of = _load_torch_format(load_dir, folder, iteration, map_location)
     config, tokenizer_config = model_configs(state, path, load_dir)
