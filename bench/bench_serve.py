@@ -27,6 +27,7 @@ threads; the ratios; the machine's load.
 
     .venv/bin/python bench/bench_serve.py                       # the full run (~10 min quiet)
     .venv/bin/python bench/bench_serve.py --layers 4 --skip-long --new-tokens 32   # a smoke run
+    .venv/bin/python bench/bench_serve.py --bf16 --serve-args=--enable-torch-compile
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -190,11 +192,23 @@ class Server:
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
-        self.banner = self.proc.stdout.readline()
+        started, before = time.monotonic(), []
+        for line in self.proc.stdout:  # start-up log lines (warnings) come before the banner
+            if "listening on" in line:
+                break
+            before.append(line)
+        else:
+            line = ""
+        self.banner = line
+        self.startup_s = time.monotonic() - started
+        """Seconds from launch to listening (loading, and compiling with
+        --enable-torch-compile)."""
         match = re.search(r"listening on (http://\S+)", self.banner)
         if not match:
             self.proc.kill()
-            sys.exit(f"mg-serve did not start: {self.banner}{self.proc.stdout.read()}")
+            sys.exit(f"mg-serve did not start: {''.join(before)}{self.proc.stdout.read()}")
+        for line in before:
+            print("mg-serve:", line.rstrip(), flush=True)
         self.url = match.group(1)
         self.idle_mb = peak_rss_mb(self.proc.pid, "VmRSS")
         """Resident memory once listening: the weights, torch, the server; no request yet."""
@@ -281,6 +295,7 @@ def serve_phase(ckpt: Path, threads: int, clients: int, prompts, tokens, *extra)
         "idle_mb": server.idle_mb,
         "threads": threads,
         "banner": server.banner.strip(),
+        "startup_s": server.startup_s,
     }
 
 
@@ -350,6 +365,12 @@ def main() -> None:
     parser.add_argument("--long-chunk", type=int, default=64, help="--max-num-batched-tokens")
     parser.add_argument("--long-decode-tokens", type=int, default=32)
     parser.add_argument("--bf16", action="store_true", help="both sides in bfloat16")
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="more mg-serve flags for every server, one string "
+        "(--serve-args=--enable-torch-compile)",
+    )
     parser.add_argument("--_transformers", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -371,11 +392,13 @@ def main() -> None:
             f"parameters, {'bf16' if args.bf16 else 'fp32'}; {args.threads} threads on both "
             f"sides; prompts of "
             f"{args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {args.new_tokens} new "
-            f"tokens each",
+            f"tokens each; mg-serve flags: {' '.join(['--bf16'] * args.bf16) or 'none'} "
+            f"{args.serve_args}",
             flush=True,
         )
         results: dict[str, dict] = {}
         bf16 = ["--bf16"] if args.bf16 else []
+        serve_flags = [*bf16, *shlex.split(args.serve_args)]
         prompts_file = folder / "prompts16.json"
         prompts_file.write_text(json.dumps(prompts[:16]))
         child = subprocess.run(
@@ -394,12 +417,17 @@ def main() -> None:
         for clients in (8, 32):
             name = f"mg-serve, {clients} clients ({2 * clients} requests)"
             results[name] = serve_phase(
-                ckpt, args.threads, clients, prompts[: 2 * clients], args.new_tokens, *bf16
+                ckpt, args.threads, clients, prompts[: 2 * clients], args.new_tokens, *serve_flags
             )
-            print(row(name, results[name]), results[name]["banner"], flush=True)
+            print(
+                row(name, results[name]),
+                results[name]["banner"],
+                f"(listening {results[name]['startup_s']:.0f} s after launch)",
+                flush=True,
+            )
         if not args.skip_memory:
             long_prompts = prompt_ids(8, (1000, 1000), offset=30000)
-            memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24, *bf16)
+            memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24, *serve_flags)
             cached = 8 * (1000 + 24) * kv_per_token
             if args.bf16:
                 weight_bytes, cached = weight_bytes // 2, cached // 2
@@ -409,7 +437,7 @@ def main() -> None:
             results["memory"] = memory
             print(row("mg-serve 8 x 1k", memory), f"bound {memory['bound_mb']:.0f} MB", flush=True)
         if not args.skip_long:
-            results["long"] = long_context_phase(ckpt, args.threads, args, *bf16)
+            results["long"] = long_context_phase(ckpt, args.threads, args, *serve_flags)
 
     base = results["transformers generate(), batch 8 (16 requests)"]
     base_tps = base["tokens"] / base["elapsed"]

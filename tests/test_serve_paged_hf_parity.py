@@ -225,3 +225,97 @@ def test_static_decode_steps_for_cuda_graphs_give_the_same_tokens(served) -> Non
         assert runner.graph_steps >= NEW_TOKENS and set(runner._steps) <= {1, 2, 4}
     finally:
         engine.shutdown()
+
+
+def _compiled_runner(served, backend: str):
+    """`--enable-torch-compile`'s runner over 4 slots (buckets 1, 2, 4), compiled with
+    `backend` ("eager": dynamo's trace without inductor, the fast check of the wiring)."""
+    from mg.generate_server.compiled_decode import CompiledDecodeRunner
+
+    loaded = served[0]
+    runner = CompiledDecodeRunner(loaded.model, 4, 128, block_size=8)
+    assert runner.compile_buckets(backend=backend)
+    assert set(runner._steps) == {1, 2, 4} and runner.status.startswith("decode compiled for")
+    return runner
+
+
+def _compiled_equals_eager_and_transformers(served, runner) -> None:
+    """Three prompts (decode steps of 3 sequences padded to the bucket of 4), then five
+    prompts of mixed lengths on 4 slots (steps of 4, then 1 as they finish): transformers'
+    tokens and the eager runner's, with every decode-only step through the graphs."""
+    loaded, prompts, expected = served
+    engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257)
+    eager = GenerationEngine(ModelRunner(loaded.model, 4, 128), loaded.tokenizer.detokenize, 50257)
+    try:
+        assert _generate(engine, prompts[:3]) == expected[:3]
+        assert _generate(engine, prompts) == expected == _generate(eager, prompts)
+        assert runner.graph_steps >= 2 * NEW_TOKENS and not runner._eager_only
+    finally:
+        engine.shutdown()
+        eager.shutdown()
+
+
+def test_compiled_decode_steps_traced_without_inductor(served) -> None:
+    """The compiled runner's graph (one per bucket, the paged attention an opaque op,
+    attention over the blocks in use only) traced by dynamo in one piece and run eagerly."""
+    _compiled_equals_eager_and_transformers(served, _compiled_runner(served, "eager"))
+
+
+@pytest.mark.slow
+def test_compiled_decode_steps_give_the_same_tokens(served) -> None:
+    """Inductor's graphs (weights frozen) for buckets 1, 2, 4: token-identical greedy
+    output; the logits of one padded step within 1e-4 of the eager runner's (fp32)."""
+    from mg.core.models.paged_kv_cache import PagedSegment
+
+    runner = _compiled_runner(served, "inductor")
+    _compiled_equals_eager_and_transformers(served, runner)
+    loaded = served[0]
+    eager = ModelRunner(loaded.model, 4, 128, block_size=8)
+    segments = [PagedSegment(0, 1, 9, [0, 1]), PagedSegment(1, 1, 3, [2])]
+    args = (segments, [11, 12], [9, 3], [0, 1])
+    for pool in ("keys", "values"):  # random keys/values of the positions before
+        getattr(eager.cache, pool).normal_()
+        getattr(runner.cache, pool)[:, :64].copy_(getattr(eager.cache, pool))
+    steps = runner.graph_steps
+    torch.testing.assert_close(runner.forward(*args), eager.forward(*args), rtol=0, atol=1e-4)
+    assert runner.graph_steps == steps + 1
+
+
+def test_compiled_decode_falls_back_to_eager(served, monkeypatch, caplog) -> None:
+    """No C++ compiler, or a compile that raises: one warning, and every step eager with
+    transformers' tokens."""
+    from mg.generate_server import compiled_decode
+    from mg.generate_server.compiled_decode import CompiledDecodeRunner
+
+    loaded, prompts, expected = served
+    monkeypatch.setattr(compiled_decode, "cpp_compiler_missing", lambda: "no C++ compiler (x)")
+    runner = CompiledDecodeRunner(loaded.model, 4, 128, block_size=8)
+    with caplog.at_level("WARNING", logger="mg.generate_server"):
+        assert not runner.compile_buckets()
+    assert [r.getMessage() for r in caplog.records] == [
+        "no C++ compiler (x); decode steps run eagerly"
+    ]
+    assert runner.status == "decode eager: no C++ compiler"
+    monkeypatch.undo()
+
+    def broken(*args, **kwargs):
+        def step(*args):
+            raise RuntimeError("inductor says no")
+
+        return step
+
+    monkeypatch.setattr(torch, "compile", broken)
+    failing = CompiledDecodeRunner(loaded.model, 4, 128, block_size=8)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mg.generate_server"):
+        assert not failing.compile_buckets()
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch.compile failed: RuntimeError: inductor says no; decode steps run eagerly"
+    ]
+    for r in (runner, failing):
+        engine = GenerationEngine(r, loaded.tokenizer.detokenize, 50257)
+        try:
+            assert _generate(engine, prompts) == expected
+            assert r.graph_steps == 0
+        finally:
+            engine.shutdown()

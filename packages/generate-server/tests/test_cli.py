@@ -85,6 +85,35 @@ def test_serve_with_a_draft_model(checkpoint, server) -> None:
         proc.wait(timeout=30)
 
 
+@pytest.mark.slow
+def test_serve_with_compiled_decode_steps(checkpoint, server) -> None:
+    """--enable-torch-compile: the buckets compile before the server listens (the start-up
+    line says so) and a greedy completion is the eager server's."""
+    proc = subprocess.Popen(
+        [
+            *SERVE,
+            *("--load", str(checkpoint), "--port", "0", "--log-level", "warning"),
+            *("--enable-torch-compile", "--inference-max-requests", "2", "--num-threads", "1"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    request = {"prompt": "The school", "max_tokens": 12, "temperature": 0}
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"listening on (http://\S+)", line)
+        assert match, line + proc.stdout.read() if proc.poll() is not None else line
+        assert re.search(r"\(cpu, decode compiled for 1, 2 sequences in \d+ s, float32", line)
+        url = match.group(1)
+        text = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
+        alone = httpx.post(server.url + "/v1/completions", json=request, timeout=60).json()
+        assert text["choices"][0]["text"] == alone["choices"][0]["text"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_draft_and_cuda_graph_refusals(checkpoint, tmp_path, capsys) -> None:
     from mg.core.checkpoint import load_model, save_model
     from mg.core.models import GPTModel
@@ -96,6 +125,10 @@ def test_draft_and_cuda_graph_refusals(checkpoint, tmp_path, capsys) -> None:
     for flags, message in (
         (["--draft-load", str(tmp_path / "short")], "it has 32 positions, fewer than the 64"),
         (["--enable-cuda-graph", "--device", "cpu"], "--enable-cuda-graph needs a CUDA device"),
+        (
+            ["--enable-torch-compile", "--enable-cuda-graph"],
+            "--enable-torch-compile and --enable-cuda-graph: pick one",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_:
             threads = str(__import__("torch").get_num_threads())  # leave the process's as is

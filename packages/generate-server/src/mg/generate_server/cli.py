@@ -87,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
         "GPT-family models, one process); steps with prompt chunks run eagerly",
     )
     parser.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="CPU: compile decode steps with torch.compile (inductor), one graph per "
+        "batch-size bucket, at start-up before the server listens (minutes on a small CPU; "
+        "dense GPT-family models, one process; needs a C++ compiler); steps with prompt "
+        "chunks run eagerly, and every step does if compiling fails (logged). The start-up "
+        "line says which runs",
+    )
+    parser.add_argument(
         "--draft-load",
         default=None,
         help="speculative decoding: a smaller checkpoint with the same tokenizer proposes "
@@ -206,6 +215,11 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error("--num-speculative-tokens needs --draft-load (the draft model)")
         if args.num_speculative_tokens < 1:
             parser.error("--num-speculative-tokens must be >= 1")
+    if args.enable_torch_compile and args.enable_cuda_graph:
+        parser.error(
+            "--enable-torch-compile and --enable-cuda-graph: pick one (a CPU compiles the "
+            "decode step, a GPU replays CUDA graphs)"
+        )
     if args.num_threads is not None and args.num_threads < 1:
         parser.error("--num-threads must be >= 1")
     if args.api_key is not None and not args.api_key.strip():
@@ -302,6 +316,8 @@ def serve(args: argparse.Namespace) -> None:
     pool = (num_blocks, args.kv_cache_block_size, kv_cache_dtype)
     if args.enable_cuda_graph:
         runner = _graph_runner(args, loaded, device, tp, max_length, pool)
+    elif args.enable_torch_compile:
+        runner = _compiled_runner(args, loaded, device, tp, max_length, pool)
     elif env.tp_mesh is None:
         runner = ModelRunner(loaded.model, args.inference_max_requests, max_length, *pool)
     else:
@@ -313,6 +329,8 @@ def serve(args: argparse.Namespace) -> None:
     drafter = None
     if args.draft_load is not None:
         drafter = _drafter(args, loaded, runner, device, dtype, tp)
+    if args.enable_torch_compile:
+        runner.compile_buckets()  # before the server listens: no request pays it
     if env.is_driver:
         _serve_http(args, loaded, runner, max_length, tp, drafter)
     else:
@@ -333,6 +351,23 @@ def _graph_runner(args: argparse.Namespace, loaded, device, tp: int, max_length:
         return CudaGraphRunner(loaded.model, args.inference_max_requests, max_length, *pool)
     except ValueError as err:
         raise ServeSetupError(f"--enable-cuda-graph: {err}") from None
+
+
+def _compiled_runner(args: argparse.Namespace, loaded, device, tp: int, max_length: int, pool):
+    """--enable-torch-compile: the runner whose decode steps run compiled graphs."""
+    from mg.generate_server.compiled_decode import CompiledDecodeRunner
+
+    if device.type != "cpu":
+        raise ServeSetupError(
+            f"--enable-torch-compile compiles decode steps for a CPU; on {device.type} use "
+            "--enable-cuda-graph"
+        )
+    if tp > 1:
+        raise ServeSetupError("--enable-torch-compile does not work with tensor parallelism yet")
+    try:
+        return CompiledDecodeRunner(loaded.model, args.inference_max_requests, max_length, *pool)
+    except ValueError as err:
+        raise ServeSetupError(f"--enable-torch-compile: {err}") from None
 
 
 def _drafter(args: argparse.Namespace, loaded, runner, device, dtype: str | None, tp: int):
@@ -423,6 +458,8 @@ def _serve_http(
         port = sock.getsockname()[1]
         endpoints = "PUT /api, POST /v1/completions" + (", /v1/chat/completions" if chat else "")
         layout = f"tensor-parallel {tp} x {runner.device.type}" if tp > 1 else runner.device.type
+        if args.enable_torch_compile:
+            layout += ", " + runner.status
         if runner.recurrent_state:
             layout += ", Mamba state per sequence, no prefix caching"
         dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")

@@ -97,18 +97,28 @@ class CudaGraphRunner(ModelRunner):
         if step is None:
             zeros = torch.zeros((1, rows), dtype=torch.long, device=self.device)
             step = self._steps[rows] = _StaticStep(zeros, zeros.clone())
-        self.cache.bind_static(segments, rows, self.width, self.pad_block)
+        self.cache.bind_static(segments, rows, self._static_width(segments), self.pad_block)
         padding = [0] * (rows - n)
         step.ids.copy_(torch.tensor([[*input_ids, *padding]]), non_blocking=True)
         step.positions.copy_(torch.tensor([[*positions, *padding]]), non_blocking=True)
+        if not self._execute(step):
+            return super()._forward(segments, input_ids, positions, logit_rows)
+        self.graph_steps += 1
+        return step.logits[:n].float().cpu()
+
+    def _static_width(self, segments: Sequence[PagedSegment]) -> int:
+        """Blocks every row's attention covers: all of `max_length` (a graph's fixed shape)."""
+        return self.width
+
+    def _execute(self, step: _StaticStep) -> bool:
+        """Run the bound static step into `step.logits`; False: run this step eagerly."""
         if not self.capture:
             self._run(step)
         elif step.graph is None and not self._record(step):
-            return super()._forward(segments, input_ids, positions, logit_rows)
+            return False
         else:
             step.graph.replay()
-        self.graph_steps += 1
-        return step.logits[:n].float().cpu()
+        return True
 
     @torch.inference_mode()
     def _run(self, step: _StaticStep) -> None:

@@ -107,13 +107,16 @@ class ModelRunner:
         rows = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
         return self._logits(ids, pos, rows).float().cpu()
 
-    def _logits(self, ids: Tensor, positions: Tensor, rows: Tensor | None = None) -> Tensor:
-        """The model over the bound cache: logits [rows (all when None), vocab]."""
+    def _logits(
+        self, ids: Tensor, positions: Tensor, rows: Tensor | None = None, cache=None
+    ) -> Tensor:
+        """The model over the bound cache (or `cache`, an object with the same `attend`):
+        logits [rows (all when None), vocab]."""
         model = self.model
         hidden = model.embedding(ids, positions)
         rope = model.rotary_pos_emb
         rotary = rope(positions) if rope is not None else None
-        hidden = model.decoder(hidden, rotary, None, self.cache)
+        hidden = model.decoder(hidden, rotary, None, self.cache if cache is None else cache)
         if rows is not None:
             hidden = hidden[:, rows]
         return model.output_and_loss(hidden, None)[0]
