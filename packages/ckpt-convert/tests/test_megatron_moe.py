@@ -225,6 +225,36 @@ def test_expert_parallel_files_import_and_export(megatron, tmp_path, grouped, ca
     assert torch.equal(_logits(again), expected)
 
 
+def test_expert_tensor_parallel_one_files_import(megatron, tmp_path):
+    """TP = 2 × EP = 2 with --expert-tensor-parallel-size 1, as Megatron-LM's legacy save
+    writes it on two ranks: mp_rank_00_000 (TP rank 0's dense shards, experts 0-1 whole)
+    and mp_rank_01_001 (TP rank 1's, experts 2-3) only; import gives megatron-core's
+    logits (1e-5) and the experts bit-exactly."""
+    from mg.core.checkpoint.ep_merge import is_routed_expert
+    from mg.core.checkpoint.tp_split import split_tensor_parallel
+
+    expected = _logits(megatron)
+    weights = _weights(megatron)
+    dense = {k: v for k, v in weights.items() if not is_routed_expert(k)}
+    shards = split_tensor_parallel(dense, 2, gated=True, config=MOE)
+    experts = _ep_rank_states(weights, 2, grouped=False)
+    args = megatron_args_from_config(MOE, None, tp=2, ep=2)
+    args.expert_tensor_parallel_size, args.sequence_parallel = 1, True
+    for rank in range(2):  # (tp, ep) = (0, 0) and (1, 1)
+        model = {**shards[rank], **{k: v for k, v in experts[rank].items() if k not in dense}}
+        folder = tmp_path / "megatron" / f"iter_{ITERATION:07d}" / f"mp_rank_0{rank}_00{rank}"
+        folder.mkdir(parents=True)
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+        torch.save({**state, "model": model}, folder / "model_optim_rng.pt")
+    (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+    import_megatron(tmp_path / "megatron", tmp_path / "ours", tp=1, ep=1, **QUIET)
+    diff = (_ours(tmp_path / "ours") - expected).abs().max().item()
+    assert diff <= TOLERANCE
+    ours = load_model(tmp_path / "ours")[0].state_dict()
+    assert all(torch.equal(ours[k], v) for k, v in weights.items() if is_routed_expert(k))
+
+
 def _sharded_keys(model) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """megatron-core's own `sharded_state_dict()`: each tensor key's global shape (a SwiGLU
     factory's from its data: [L?, E?, 2F, h]) and the `_extra_state` objects' DCP keys."""

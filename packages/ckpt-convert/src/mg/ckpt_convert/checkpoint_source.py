@@ -35,7 +35,13 @@ from mg.ckpt_convert.tensor_readers import (
 )
 from mg.core.checkpoint import MODEL_FILENAME, find_rank_file
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common
-from mg.core.checkpoint.ep_merge import merge_expert_parallel
+from mg.core.checkpoint.ep_merge import (
+    is_routed_expert,
+    merge_expert_parallel,
+    rank_files_present,
+    whole_expert_sources,
+    with_dense_from,
+)
 from mg.core.checkpoint.layout import Iteration, Layout, detect_layout, scan_rank_dirs
 from mg.core.checkpoint.megatron_dist import is_megatron_layout, stored_parameters
 from mg.core.checkpoint.pp_split import merge_pipeline
@@ -238,7 +244,9 @@ def open_torch_files(
     ``allow_pickle`` is for files that pickle more than plain data (Megatron-LM's).
     Expert-parallel ranks (``mp_rank_TT[_PPP]_EEE``) hold the dense weights alike and
     their own experts numbered from 0; their experts are renumbered to their place in
-    the layer (:func:`mg.core.checkpoint.ep_merge.merge_expert_parallel`).
+    the layer (:func:`mg.core.checkpoint.ep_merge.merge_expert_parallel`). With
+    --expert-tensor-parallel-size 1 the experts are whole in every file and are read once,
+    from whichever file holds each expert-parallel rank's.
     """
     dirs = scan_rank_dirs(folder)
     if not dirs:
@@ -251,12 +259,20 @@ def open_torch_files(
     config = config_of(first_state, first_path)
     experts = config.num_moe_experts
     etp = _recorded_args(first_state).get("expert_tensor_parallel_size")
-    if experts and etp is not None and int(etp) != layout.tp:
+    if experts and etp is not None and int(etp) not in (1, layout.tp):
         raise ConvertError(
             f"{folder} was saved with {layout} and --expert-tensor-parallel-size {etp}; "
-            "converting reads experts split over TP as the MLP is (expert tensor parallelism "
-            "= TP). Save it with --ckpt-format torch_dist, which loads at any layout"
+            "converting reads experts whole (1) or split over TP as the MLP is (= TP). "
+            "Save it with --ckpt-format torch_dist, which loads at any layout"
         )
+    # expert TP 1 under TP > 1: each file's experts are whole, and only the files some
+    # writer held exist (Megatron-LM's legacy save: data- or expert-data-parallel rank 0)
+    whole = bool(experts) and etp is not None and int(etp) == 1 and layout.tp > 1
+    present = rank_files_present([d.numbers for d in dirs], layout.pp, layout.ep)
+    try:
+        dense_ep, experts_tp = whole_expert_sources(present, layout.tp, layout.pp, layout.ep)
+    except KeyError as missing:
+        raise ConvertError(f"{folder}: {missing.args[0]}: the checkpoint is incomplete") from None
     if layout.ep > 1 and (not experts or experts % layout.ep):
         raise ConvertError(
             f"{folder} was saved with {layout}, but its model has {experts or 'no'} experts "
@@ -268,7 +284,13 @@ def open_torch_files(
         chunks: list[dict[str, list[tuple[ShardRef, Tensor]]]] | None = None
         for tp_rank in range(layout.tp):
             per_ep = [
-                _rank_tensors(folder, layout, (tp_rank, pp_rank, e), rename, allow_pickle)
+                _rank_tensors(
+                    folder,
+                    layout,
+                    (experts_tp[(e, pp_rank)] if whole else tp_rank, pp_rank, e),
+                    rename,
+                    allow_pickle,
+                )
                 for e in range(layout.ep)
             ]
             path = per_ep[0][0]
@@ -281,6 +303,15 @@ def open_torch_files(
                 merge_expert_parallel(parts, experts) if layout.ep > 1 else parts[0]
                 for parts in zip(*(m for _, m in per_ep), strict=True)
             ]
+            if whole:  # this TP rank's dense shards, from a file of its own
+                rank = (tp_rank, pp_rank, dense_ep[(tp_rank, pp_rank)])
+                path, dense = _rank_tensors(folder, layout, rank, rename, allow_pickle)
+                if len(dense) != len(models):
+                    raise ConvertError(
+                        f"{path} holds {len(dense)} model chunks, its expert-parallel ranks "
+                        f"{len(models)}: the checkpoint is inconsistent"
+                    )
+                models = [with_dense_from(m, d) for m, d in zip(models, dense, strict=True)]
             if chunks is None:
                 chunks = [{} for _ in models]
             if len(models) != len(chunks):
@@ -295,6 +326,8 @@ def open_torch_files(
                         "stage: the checkpoint is inconsistent"
                     )
                 for name, ref_meta in tensors.items():
+                    if whole and tp_rank and is_routed_expert(name):
+                        continue  # whole on every TP rank: one copy
                     chunk.setdefault(name, []).append(ref_meta)
         stages.append(chunks or [])
     state, dropped = _other_entries(first_state)

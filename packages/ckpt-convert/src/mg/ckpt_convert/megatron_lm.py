@@ -175,11 +175,11 @@ def _moe_config(config: TransformerConfig, get: Any) -> TransformerConfig:
         raise ConvertError(f"Megatron-LM args: {flags} is not supported by mg's MoE layer")
     tp = int(get("tensor_model_parallel_size", 1))
     etp = get("expert_tensor_parallel_size")
-    if etp is not None and int(etp) != tp:
+    if etp is not None and int(etp) not in (1, tp):
         raise ConvertError(
             f"Megatron-LM args: --expert-tensor-parallel-size {etp} differs from "
-            f"--tensor-model-parallel-size {tp}; import-megatron reads experts split as the "
-            "MLP is (expert tensor parallelism = TP). Re-save with Megatron-LM's "
+            f"--tensor-model-parallel-size {tp}; import-megatron reads experts whole (1) or "
+            "split as the MLP is (expert tensor parallelism = TP). Re-save with Megatron-LM's "
             "tools/checkpoint/convert.py at TP=1 first"
         )
     dispatcher = get("moe_token_dispatcher_type", "allgather")
