@@ -71,6 +71,7 @@ from mg.core.checkpoint.megatron_dist import (
     sharded_object,
     supports_megatron_layout,
 )
+from mg.core.checkpoint.megatron_sharded_keys import per_layer_keys
 from mg.core.models.config import TransformerConfig
 from mg.core.models.moe.expert_names import (
     global_expert_names,
@@ -382,7 +383,15 @@ def resume(
     if megatron:
         config = _model_config(unwrapped)
         tied = not config.untie_embeddings_and_output_weights
-        model_state = megatron_model_state(named, config.num_layers, tied=tied)
+        moe = {}
+        if config.num_moe_experts:  # Megatron-LM's (or export-megatron's) MoE keys
+            moe = {
+                "num_experts": config.num_moe_experts,
+                "layer_keys": per_layer_keys(config.moe_layer_freq),
+            }
+        model_state = megatron_model_state(
+            rename_keys(named, experts), config.num_layers, tied=tied, **moe
+        )
         sharded: dict[str, Any] = dict(model_state.tensors)
     else:
         sharded = {"model": rename_keys(named, experts)}
