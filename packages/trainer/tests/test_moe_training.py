@@ -626,7 +626,7 @@ def test_torch_format_with_whole_experts_and_the_expert_distributed_optimizer(tm
     assert parts("etp1_dist_opt") == [[True, True], [True, False]]  # expert DP over TP
 
 
-@pytest.mark.slow  # four trainer ranks, ten runs on 2 shared cores
+@pytest.mark.slow  # four trainer ranks, twelve runs on 2 shared cores
 @pytest.mark.timeout(2400)
 def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_argv, train):
     """EP = 2 × TP = 2 (+SP) with --expert-tensor-parallel-size 1 on four gloo ranks (DP = 2):
@@ -642,11 +642,11 @@ def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_
     pair of TP ranks routing its half of the sequence and splitting the experts in two,
     at EP = 2 (grouped GEMM; expert DP 1) and at EP = 1 with the distributed optimizer
     (expert DP 2) saved at 3 in torch_dist and resumed to 6, there and at TP = 2 × EP = 2
-    × DP = 2 (expert TP = TP), and with biases (the experts' linear_fc2 bias replicated
-    over the expert TP pair); and ETP = 1 with CP: TP = 2 (+SP) × CP = 2 × EP = 2, the
-    routers counting over the tensor × context ranks. Each equals one process over its
-    iterations within the same tolerances (measured: losses 2.5e-8, grad norms 1.8e-7,
-    logged losses 1.2e-7)."""
+    × DP = 2 (expert TP = TP); at EP = 2 saved and resumed in --ckpt-format torch too; and
+    with biases (the experts' linear_fc2 bias replicated over the expert TP pair); and
+    ETP = 1 with CP: TP = 2 (+SP) × CP = 2 × EP = 2, the routers counting over the
+    tensor × context ranks. Each equals one process over its iterations within the same
+    tolerances (measured: losses 2.5e-8, grad norms 1.8e-7, logged losses 1.2e-7)."""
     import json
     from pathlib import Path
 
@@ -677,6 +677,10 @@ def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_
     other = [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     other += ["--expert-model-parallel-size", "2", *tp4_sharded[len(tp4) :]]
     runs.append([*other, "--load", ckpt4, "--exit-interval", "6"])  # expert TP = TP = 2
+    tp4_torch = [*tp4, "--expert-model-parallel-size", "2", "--ckpt-format", "torch"]
+    ckpt4_torch = str(tmp_path / "ckpt_etp2_torch")  # mp_rank_TT_EEE, each its slices
+    runs.append([*tp4_torch, "--save", ckpt4_torch, "--exit-interval", "3"])
+    runs.append([*tp4_torch, "--load", ckpt4_torch, "--exit-interval", "6"])
     cp_tp = [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     cp_tp += ["--context-parallel-size", "2", "--expert-tensor-parallel-size", "1"]
     runs.append([*cp_tp, "--expert-model-parallel-size", "2", "--exit-interval", "6"])
@@ -690,12 +694,15 @@ def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_
     launch_workers(str(worker), 4, [str(out), json.dumps(runs)], timeout=2300)
     results = json.loads(out.read_text())
     plain, first, resumed, cp_ep = results[:4]
-    etp2, etp2_first, etp2_resumed, resharded, cp_etp1, etp2_bias = results[4:]
+    etp2, etp2_first, etp2_resumed, resharded, torch_first, torch_resumed = results[4:10]
+    cp_etp1, etp2_bias = results[10:]
     for four, ref, start, end in (
         (etp2, one, 0, 6),
         (etp2_first, one, 0, 3),
         (etp2_resumed, one, 3, 6),
         (resharded, one, 3, 6),
+        (torch_first, one, 0, 3),
+        (torch_resumed, one, 3, 6),
         (cp_etp1, one, 0, 6),
         (etp2_bias, one_biased, 0, 4),
     ):
