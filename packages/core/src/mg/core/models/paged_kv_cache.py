@@ -253,6 +253,7 @@ class PagedKVCache:
                 self._decode_rows = torch.tensor(starts, device=device)
             self._decode_tables = torch.tensor(tables, device=device)
             self._decode_mask = self._mask(decodes, 1, width * bs, chunk=False)
+        self._decode_bias = None
         self._bound = True
 
     def bind_static(
@@ -284,6 +285,7 @@ class PagedKVCache:
                 into.copy_(value, non_blocking=True)
         self._slots, self._decode_tables, self._decode_mask = static[rows]
         self._num_tokens, self._prefills, self._decode_rows = rows, [], slice(0, rows)
+        self._decode_bias = None
         self._bound = True
 
     def _mask(
@@ -321,19 +323,18 @@ class PagedKVCache:
         if self._decode_rows is not None:
             rows = self._decode_rows
             n = self._decode_tables.shape[0]
-            q = query[0, rows][:, :, None]  # [n, heads, 1, d]
+            # a group's query heads as its queries ([n, groups, heads/groups, d]): they
+            # share its keys, so SDPA needs no GQA expansion (0.6x the time on a CPU)
+            q = query[0, rows].view(n, groups, heads // groups, d)
             k, v = self._read(layer_index, self._decode_tables, q.dtype)
             k = k.view(n, -1, groups, d).transpose(1, 2)
             v = v.view(n, -1, groups, d).transpose(1, 2)
             context = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=self._decode_mask,
-                scale=scale,
-                enable_gqa=gqa,
+                q, k, v, attn_mask=self._bias(q.dtype), scale=scale
             )
-            out[rows] = context[:, :, 0]
+            if not self._prefills and n == t:  # every row decodes: no scatter into `out`
+                return context.reshape(1, t, heads * d)
+            out[rows] = context.reshape(n, heads, d)
         for p in self._prefills:
             length = p.context + p.length
             q = query[0, p.start : p.start + p.length].transpose(0, 1)[None]  # [1, heads, s, d]
@@ -347,6 +348,21 @@ class PagedKVCache:
             )
             out[p.start : p.start + p.length] = context[0].transpose(0, 1)
         return out.view(1, t, heads * d)
+
+    def _bias(self, dtype: torch.dtype) -> Tensor:
+        """The decode mask [n, 1, 1, keys] as an additive bias (0 / -inf) in the queries'
+        dtype, built once per bind: SDPA on a CPU would convert the bool mask in every
+        layer (1.7x the attention's time for 8 sequences of 256 positions in bf16). The
+        mask applies to a row's every query head alike. Every row sees at
+        least its own position, so no row is all -inf. While a CUDA graph is captured it
+        is built in every layer, so that the graph recomputes it from the static mask."""
+        bias = self._decode_bias
+        mask = self._decode_mask
+        capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()
+        if bias is None or bias.dtype != dtype or capturing:
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            bias = self._decode_bias = bias.masked_fill_(~mask, float("-inf"))
+        return bias
 
     def _store(self, layer_index: int, key: Tensor, value: Tensor) -> None:
         """Write the step's keys/values [T, groups, d] of one layer into their slots."""
