@@ -13,6 +13,8 @@ before; so does everything where a capture fails (the log says so once).
 
 `capture=False` runs the same static path without recording a graph: the
 CPU tests check with it that padded static steps give the eager tokens.
+`compiled_decode.CompiledDecodeRunner` (`--enable-torch-compile`) runs it
+compiled by torch.compile on a CPU.
 """
 
 from __future__ import annotations
