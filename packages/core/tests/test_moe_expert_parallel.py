@@ -312,7 +312,15 @@ def test_expert_groups_are_megatrons_and_sizes_are_checked():
 
 @pytest.mark.parametrize(
     ("world", "tp", "pp", "ep", "etp"),
-    [(8, 2, 1, 2, 2), (8, 2, 1, 2, 1), (8, 2, 2, 2, 1), (8, 4, 1, 2, 1), (8, 2, 1, 4, 1)],
+    [
+        (8, 2, 1, 2, 2),
+        (8, 2, 1, 2, 1),
+        (8, 2, 2, 2, 1),
+        (8, 4, 1, 2, 1),
+        (8, 2, 1, 4, 1),
+        (8, 4, 1, 2, 2),
+        (16, 4, 2, 1, 2),
+    ],
 )
 def test_expert_groups_equal_megatron_rank_generator(world, tp, pp, ep, etp):
     """Megatron-Core's expert RankGenerator (order tp-ep-dp-pp, expert TP in place of TP)
@@ -325,6 +333,38 @@ def test_expert_groups_equal_megatron_rank_generator(world, tp, pp, ep, etp):
     ours = expert_rank_groups(world, tp=tp, pp=pp, ep=ep, etp=etp)
     for name, token in (("ep", "ep"), ("etp", "tp"), ("edp", "dp"), ("etp_ep", "tp-ep")):
         assert sorted(ours[name]) == sorted(megatron.get_ranks(token)), name
+
+
+def test_expert_tensor_parallel_groups_below_tp_are_consecutive_tp_ranks():
+    """Expert TP 2 under TP 4: each expert TP group is two consecutive ranks of one TP
+    group (its sequence slices are a contiguous chunk), the EP group pairs the two halves."""
+    groups = expert_rank_groups(8, tp=4, ep=2, etp=2)
+    assert groups["etp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+class _Mesh:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize(
+    ("etp", "sequence_parallel", "message"),
+    [
+        (3, True, r"--expert-tensor-parallel-size \(3\) must divide --tensor-model-parallel"),
+        (2, False, "size 2 under --tensor-model-parallel-size 4 needs --sequence-parallel"),
+    ],
+)
+def test_shard_moe_layer_refuses_expert_meshes_it_cannot_use(etp, sequence_parallel, message):
+    from mg.core.models.moe.tensor_parallel import shard_moe_layer
+
+    layer = MoELayer(TransformerConfig(**{**BASE, "num_moe_experts": 4}))
+    with pytest.raises(ValueError, match=message):
+        shard_moe_layer(layer, _Mesh(4), sequence_parallel, expert_mesh=_Mesh(etp))
 
 
 if __name__ == "__main__":
