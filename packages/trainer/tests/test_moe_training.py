@@ -626,7 +626,7 @@ def test_torch_format_with_whole_experts_and_the_expert_distributed_optimizer(tm
     assert parts("etp1_dist_opt") == [[True, True], [True, False]]  # expert DP over TP
 
 
-@pytest.mark.slow  # four trainer ranks, twelve runs on 2 shared cores
+@pytest.mark.slow  # four trainer ranks, fourteen runs on 2 shared cores
 @pytest.mark.timeout(2400)
 def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_argv, train):
     """EP = 2 × TP = 2 (+SP) with --expert-tensor-parallel-size 1 on four gloo ranks (DP = 2):
@@ -643,10 +643,12 @@ def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_
     at EP = 2 (grouped GEMM; expert DP 1) and at EP = 1 with the distributed optimizer
     (expert DP 2) saved at 3 in torch_dist and resumed to 6, there and at TP = 2 × EP = 2
     × DP = 2 (expert TP = TP); at EP = 2 saved and resumed in --ckpt-format torch too; and
-    with biases (the experts' linear_fc2 bias replicated over the expert TP pair); and
-    ETP = 1 with CP: TP = 2 (+SP) × CP = 2 × EP = 2, the routers counting over the
-    tensor × context ranks. Each equals one process over its iterations within the same
-    tolerances (measured: losses 2.5e-8, grad norms 1.8e-7, logged losses 1.2e-7)."""
+    with biases (the experts' linear_fc2 bias replicated over the expert TP pair), the
+    sequence aux loss with the expert bias, and the global aux loss (a pair's two copies of
+    its chunk both counted over TP, which leaves every ratio alike); and ETP = 1 with CP:
+    TP = 2 (+SP) × CP = 2 × EP = 2, the routers counting over the tensor × context ranks.
+    Each equals one process over its iterations within the same tolerances (measured:
+    losses 5e-8, grad norms 1.8e-7, logged losses 1.2e-7)."""
     import json
     from pathlib import Path
 
@@ -689,13 +691,22 @@ def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_
     runs.append(
         [*biased, *tp4[len(argv) :], "--expert-model-parallel-size", "2", "--moe-grouped-gemm"]
     )
+    # the balancing counts of an expert TP pair's two copies of its chunk (each counted)
+    balancing = [
+        ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-score-function"]
+        + ["sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.3"],
+        ["--moe-router-load-balancing-type", "global_aux_loss"],
+    ]
+    ones_balancing = [train([*argv, *b, "--exit-interval", "4"]) for b in balancing]
+    for b in balancing:
+        runs.append([*tp4, "--expert-model-parallel-size", "2", *b, "--exit-interval", "4"])
     out = tmp_path / "etp1.json"
     worker = Path(__file__).with_name("ddp_worker.py")
     launch_workers(str(worker), 4, [str(out), json.dumps(runs)], timeout=2300)
     results = json.loads(out.read_text())
     plain, first, resumed, cp_ep = results[:4]
     etp2, etp2_first, etp2_resumed, resharded, torch_first, torch_resumed = results[4:10]
-    cp_etp1, etp2_bias = results[10:]
+    cp_etp1, etp2_bias, seq_aux_bias, global_aux = results[10:]
     for four, ref, start, end in (
         (etp2, one, 0, 6),
         (etp2_first, one, 0, 3),
@@ -705,6 +716,8 @@ def test_moe_expert_tensor_parallel_below_tp_matches_one_process(tmp_path, mock_
         (torch_resumed, one, 3, 6),
         (cp_etp1, one, 0, 6),
         (etp2_bias, one_biased, 0, 4),
+        (seq_aux_bias, ones_balancing[0], 0, 4),
+        (global_aux, ones_balancing[1], 0, 4),
     ):
         assert len(four["losses"]) == end - start
         assert four["losses"] == pytest.approx(ref.losses[start:end], rel=1e-5)
