@@ -195,12 +195,21 @@ def _with_members(groups: list[dict], members: list[list], load_dir: str) -> lis
     return [{**g, "params": m} for g, m in zip(groups, members, strict=True)]
 
 
+# How this run's optimizer computes, not what it learned: kept from the running optimizer
+# (a distributed-optimizer checkpoint stores fused=True; a TP run's plain AdamW over
+# DTensors needs foreach=False).
+_IMPLEMENTATION_OPTIONS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def _load_optimizer(
     model: nn.Module, optimizer: Any, loaded: dict[str, Any], load_dir: str
 ) -> None:
     if not isinstance(optimizer, _SHARDED):
         ours = [g["params"] for g in get_optimizer_state_dict(model, optimizer)["param_groups"]]
-        loaded["param_groups"] = _with_members(loaded["param_groups"], ours, load_dir)
+        groups = _with_members(loaded["param_groups"], ours, load_dir)
+        for group, current in zip(groups, optimizer.param_groups, strict=True):
+            group.update({k: current[k] for k in _IMPLEMENTATION_OPTIONS if k in current})
+        loaded["param_groups"] = groups
         set_optimizer_state_dict(model, optimizer, loaded)
         return
     index = {name: i for i, name in enumerate(_names(model, optimizer))}
