@@ -124,20 +124,27 @@ def test_k_quant_falls_back_to_q8_0_for_short_rows(trained_llama, tmp_path) -> N
     assert kinds["blk.0.ffn_down.weight"] == "Q8_0" and kinds["blk.1.attn_q.weight"] == "Q8_0"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind, bound", [("Q6_K", 0.02), ("Q4_K", 0.08)])
-def test_llama_gguf_k_quants(kind, bound, tokenizer_config, tmp_path) -> None:
+def _k_quant_export(tmp_path, tokenizer_config, layers: int, *flags: str):
+    """A random Llama with rows of 256 values (K-quant super-blocks) through mg-quantize
+    int8_wo and --export-format gguf with `flags` → (the quantized checkpoint, config)."""
     from mg.core.models.presets import tiny_llama
 
     torch.manual_seed(0)
     config = tiny_llama(
-        vocab_size=50304, hidden_size=256, num_layers=1, num_attention_heads=4,
+        vocab_size=50304, hidden_size=256, num_layers=layers, num_attention_heads=4,
         num_query_groups=2, ffn_hidden_size=256,
     )  # fmt: skip
     save_model(tmp_path / "float", GPTModel(config).eval(), config, tokenizer_config)
     save = tmp_path / "q"
     cli.main(["--no-progress", "--load", str(tmp_path / "float"), "--save", str(save),
-              "--recipe", "int8_wo", "--export-format", "gguf", "--gguf-type", kind])  # fmt: skip
+              "--recipe", "int8_wo", "--export-format", "gguf", *flags])  # fmt: skip
+    return save, config
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, bound", [("Q6_K", 0.02), ("Q4_K", 0.08)])
+def test_llama_gguf_k_quants(kind, bound, tokenizer_config, tmp_path) -> None:
+    save, _ = _k_quant_export(tmp_path, tokenizer_config, 1, "--gguf-type", kind)
     model, _, _, _ = load_model(save)
     reader, tensors = _tensors(save / "gguf" / f"model-{kind}.gguf")
     kinds = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -171,18 +178,9 @@ def test_llama_gguf_k_mixes(mix, base, tokenizer_config, tmp_path) -> None:
     """llama.cpp's _M mixes: attn_v and ffn_down in Q6_K in the more-bits layers (0, 3, 6
     and 7 of 8), the base type elsewhere, a quantized output layer in Q6_K; every tensor
     dequantizes close to mg's own weights."""
-    from mg.core.models.presets import tiny_llama
-
-    torch.manual_seed(0)
-    config = tiny_llama(
-        vocab_size=50304, hidden_size=256, num_layers=8, num_attention_heads=4,
-        num_query_groups=2, ffn_hidden_size=256,
-    )  # fmt: skip
-    save_model(tmp_path / "float", GPTModel(config).eval(), config, tokenizer_config)
-    save = tmp_path / "q"
-    cli.main(["--no-progress", "--load", str(tmp_path / "float"), "--save", str(save),
-              "--recipe", "int8_wo", "--quantize-output-layer", "--export-format", "gguf",
-              "--gguf-type", mix])  # fmt: skip
+    save, config = _k_quant_export(
+        tmp_path, tokenizer_config, 8, "--quantize-output-layer", "--gguf-type", mix
+    )
     model, _, _, _ = load_model(save)
     reader, tensors = _tensors(save / "gguf" / f"model-{mix}.gguf")
     kinds = {t.name: t.tensor_type.name for t in reader.tensors}
