@@ -281,6 +281,12 @@ def serve(args: argparse.Namespace) -> None:
     tp = resolve_tensor_parallel_size(args.tensor_model_parallel_size)
     device = serving_device(args.device, tp)
     threads = set_threads(args.num_threads, device)
+    if device.type == "cpu" and tp == 1:
+        # one process: the model runs in the engine thread, which sets `threads` for itself.
+        # This thread stays at 1, so that it never starts an OpenMP team of its own: with a
+        # second team libgomp stops spin-waiting (more threads than cores), and every
+        # parallel region of the engine's step waits on a sleeping worker (1.5x the step)
+        torch.set_num_threads(1)
     if args.bf16 and device.type == "cpu":
         check_cpu_bf16()
     backend = _attention_backend(args, device)

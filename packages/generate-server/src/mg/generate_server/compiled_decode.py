@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -110,10 +111,22 @@ class CompiledDecodeRunner(CudaGraphRunner):
         quiet = logging.getLogger("torch.utils.cpp_extension")
         level = quiet.level
         quiet.setLevel(logging.ERROR)
+        result: list[bool] = []
+
+        def compile_with_the_engines_threads() -> None:
+            # the graphs are guarded on the intra-op thread count and their kernels sized
+            # for it: compile in a thread with the engine thread's count (which the
+            # thread building the runner may not have; see GenerationEngine._loop)
+            torch.set_num_threads(self.num_threads)
+            result.append(self._compile_buckets(backend))
+
         try:
-            return self._compile_buckets(backend)
+            worker = threading.Thread(target=compile_with_the_engines_threads)
+            worker.start()
+            worker.join()
         finally:
             quiet.setLevel(level)
+        return bool(result and result[0])
 
     def _compile_buckets(self, backend: str) -> bool:
         missing = cpp_compiler_missing()

@@ -304,6 +304,10 @@ class GenerationEngine:
     # --- the engine thread -------------------------------------------------
 
     def _loop(self) -> None:
+        # the model runs in this thread: its intra-op threads are set here (OpenMP's
+        # count is per calling thread), whatever the thread that built the engine uses
+        if self.runner.device.type == "cpu":
+            torch.set_num_threads(self.runner.num_threads)
         while True:
             idle = False
             with self._lock:
