@@ -153,17 +153,27 @@ def _fails(*args: str, env: dict | None = None) -> str:
     return result.stderr
 
 
-def test_clear_errors(checkpoint, tmp_path) -> None:
+def _fails_in_process(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_clear_errors(checkpoint, tmp_path, capsys, monkeypatch) -> None:
+    # one through the console entry point: exit status 2 and no traceback
     assert "does not exist" in _fails("--load", str(tmp_path / "nope"))
-    assert "start mg-serve with torchrun --nproc-per-node 2" in _fails(
-        "--load", str(checkpoint), env={"WORLD_SIZE": "2"}
+    # the rest in this process (each launch would import torch again)
+    error = _fails_in_process(
+        capsys, "--load", str(checkpoint), "--tensor-model-parallel-size", "2"
     )
-    assert "torchrun --nproc-per-node 2 mg-serve" in _fails(
-        "--load", str(checkpoint), "--tensor-model-parallel-size", "2"
-    )
-    error = _fails("--load", str(checkpoint), "--kv-cache-memory", "10KiB")
+    assert "torchrun --nproc-per-node 2 mg-serve" in error
+    error = _fails_in_process(capsys, "--load", str(checkpoint), "--kv-cache-memory", "10KiB")
     assert "--kv-cache-memory 10KiB holds 1 KV-cache blocks" in error
     assert "one sequence of 64 positions needs 4" in error
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    error = _fails_in_process(capsys, "--load", str(checkpoint))
+    assert "start mg-serve with torchrun --nproc-per-node 2" in error
 
 
 def test_bad_flags(checkpoint, capsys) -> None:

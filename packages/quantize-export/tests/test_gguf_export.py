@@ -171,9 +171,8 @@ def test_more_bits_layers_are_llama_cpp_s() -> None:
     assert [i for i in range(32) if more_bits(i, 32)] == expected
 
 
-@pytest.mark.parametrize(
-    "mix, base", [("Q4_K_M", "Q4_K"), pytest.param("Q5_K_M", "Q5_K", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # 15 s each; test_more_bits_layers_are_llama_cpp_s runs by default
+@pytest.mark.parametrize("mix, base", [("Q4_K_M", "Q4_K"), ("Q5_K_M", "Q5_K")])
 def test_llama_gguf_k_mixes(mix, base, tokenizer_config, tmp_path) -> None:
     """llama.cpp's _M mixes: attn_v and ffn_down in Q6_K in the more-bits layers (0, 3, 6
     and 7 of 8), the base type elsewhere, a quantized output layer in Q6_K; every tensor
