@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -17,14 +19,11 @@ from mg.generate_server.client import run_client
 SERVE = [sys.executable, "-c", "from mg.generate_server.cli import main; main()"]
 
 
-def test_serve_command_end_to_end(checkpoint) -> None:
+@contextmanager
+def _served(checkpoint, *flags: str) -> Iterator[tuple[str, str]]:
+    """`mg-serve --load checkpoint --port 0 flags` running: (its URL, its start-up line)."""
     proc = subprocess.Popen(
-        [
-            *SERVE,
-            *("--load", str(checkpoint), "--port", "0", "--log-level", "warning"),
-            *("--kv-cache-memory", "1MiB", "--num-threads", "1", "--max-num-batched-tokens", "8"),
-            "--no-enable-prefix-caching",
-        ],
+        [*SERVE, "--load", str(checkpoint), "--port", "0", "--log-level", "warning", *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -33,7 +32,15 @@ def test_serve_command_end_to_end(checkpoint) -> None:
         line = proc.stdout.readline()
         match = re.search(r"listening on (http://\S+)", line)
         assert match, line + proc.stdout.read() if proc.poll() is not None else line
-        url = match.group(1)
+        yield match.group(1), line
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_serve_command_end_to_end(checkpoint) -> None:
+    flags = ["--kv-cache-memory", "1MiB", "--num-threads", "1", "--max-num-batched-tokens", "8"]
+    with _served(checkpoint, *flags, "--no-enable-prefix-caching") as (url, line):
         # 2 layers x (keys + values) x 16 positions x 32 channels x 4 bytes = 8 KiB a block
         assert "float32, 1 threads" in line and "KV cache 128 blocks x 16 = 2048 positions" in line
         r = httpx.put(
@@ -47,32 +54,15 @@ def test_serve_command_end_to_end(checkpoint) -> None:
         assert "mg_serve_time_to_first_token_seconds_count 2.0" in metrics
         assert "mg_serve_inter_token_latency_seconds_count 3.0" in metrics  # 2 + 1 later tokens
         assert "mg_serve_kv_cache_used_blocks 0.0" in metrics
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_serve_with_a_draft_model(checkpoint, server) -> None:
     """--draft-load with the served checkpoint itself: every draft token is accepted, the
     greedy completion is the one a server without a draft gives, /metrics counts them."""
-    proc = subprocess.Popen(
-        [
-            *SERVE,
-            *("--load", str(checkpoint), "--port", "0", "--log-level", "warning"),
-            *("--draft-load", str(checkpoint), "--num-speculative-tokens", "3"),
-            *("--num-threads", "1"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     request = {"prompt": "The school", "max_tokens": 12, "temperature": 0}
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (http://\S+)", line)
-        assert match, line + proc.stdout.read() if proc.poll() is not None else line
+    draft = ["--draft-load", str(checkpoint), "--num-speculative-tokens", "3"]
+    with _served(checkpoint, *draft, "--num-threads", "1") as (url, line):
         assert f"draft {checkpoint.name} x 3 tokens" in line
-        url = match.group(1)
         text = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
         alone = httpx.post(server.url + "/v1/completions", json=request, timeout=60).json()
         assert text["choices"][0]["text"] == alone["choices"][0]["text"]
@@ -80,38 +70,19 @@ def test_serve_with_a_draft_model(checkpoint, server) -> None:
         drafted = re.search(r"^mg_serve_spec_decode_draft_tokens_total (\S+)", metrics, re.M)
         accepted = re.search(r"^mg_serve_spec_decode_accepted_tokens_total (\S+)", metrics, re.M)
         assert float(drafted.group(1)) == float(accepted.group(1)) > 0
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.slow
 def test_serve_with_compiled_decode_steps(checkpoint, server) -> None:
     """--enable-torch-compile: the buckets compile before the server listens (the start-up
     line says so) and a greedy completion is the eager server's."""
-    proc = subprocess.Popen(
-        [
-            *SERVE,
-            *("--load", str(checkpoint), "--port", "0", "--log-level", "warning"),
-            *("--enable-torch-compile", "--inference-max-requests", "2", "--num-threads", "1"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     request = {"prompt": "The school", "max_tokens": 12, "temperature": 0}
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"listening on (http://\S+)", line)
-        assert match, line + proc.stdout.read() if proc.poll() is not None else line
+    flags = ["--enable-torch-compile", "--inference-max-requests", "2", "--num-threads", "1"]
+    with _served(checkpoint, *flags) as (url, line):
         assert re.search(r"\(cpu, decode compiled for 1, 2 sequences in \d+ s, float32", line)
-        url = match.group(1)
         text = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
         alone = httpx.post(server.url + "/v1/completions", json=request, timeout=60).json()
         assert text["choices"][0]["text"] == alone["choices"][0]["text"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_draft_and_cuda_graph_refusals(checkpoint, tmp_path, capsys) -> None:
