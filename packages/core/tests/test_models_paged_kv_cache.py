@@ -40,14 +40,20 @@ def _step(model, cache, parts):
     return [logits[s.query_start : s.query_start + s.query_length] for s in segments]
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "cpu-kernel"])
 @pytest.mark.parametrize("name", sorted(PRESETS))
 @torch.no_grad()
-def test_chunked_prefill_and_batched_decode_equal_full_forward(name: str) -> None:
+def test_chunked_prefill_and_batched_decode_equal_full_forward(name: str, kernel: bool) -> None:
+    """Also with decode rows answered by the CPU kernel that reads blocks in place."""
     model = _model(name)
     gen = torch.Generator().manual_seed(1)
     a = torch.randint(0, model.config.vocab_size, (23,), generator=gen).tolist()
     b = torch.randint(0, model.config.vocab_size, (9,), generator=gen).tolist()
     cache = PagedKVCache.for_model(model, num_blocks=12, block_size=4)
+    if kernel:
+        what = cache.use_cpu_decode_kernel()
+        if cache.decode_kernel is None:
+            pytest.skip(what)
     blocks_a, blocks_b = [7, 2, 9, 0, 5, 11], [3, 10, 1]  # scattered, not in order
     # step 1: a's first chunk (10 tokens) with b's whole prompt (7 tokens)
     got_a, got_b = _step(model, cache, [(a[:10], 0, blocks_a), (b[:7], 0, blocks_b)])

@@ -27,6 +27,8 @@ from mg.core.help_format import DefaultsHelpFormatter
 from mg.generate_server.errors import ServeSetupError
 from mg.generate_server.memory_size import parse_memory
 
+log = logging.getLogger("mg.generate_server")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -332,6 +334,7 @@ def serve(args: argparse.Namespace) -> None:
         )
     runner.num_threads = threads
     runner.attention_backend = backend
+    log.info("decode attention: %s", runner.choose_decode_attention())
     drafter = None
     if args.draft_load is not None:
         drafter = _drafter(args, loaded, runner, device, dtype, tp)
@@ -421,6 +424,7 @@ def _drafter(args: argparse.Namespace, loaded, runner, device, dtype: str | None
         runner.kv_cache_dtype,
     )
     draft_runner.attention_backend = runner.attention_backend
+    draft_runner.choose_decode_attention()
     return Drafter(
         draft_runner,
         num_tokens=args.num_speculative_tokens or 4,

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from mg.core.models import GPTModel
+from mg.core.models.paged_attention_cpu import quiet_cpp_extension
 from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
 from mg.generate_server.cuda_graphs import CudaGraphRunner, _StaticStep
 
@@ -106,11 +107,6 @@ class CompiledDecodeRunner(CudaGraphRunner):
         scratch block). False, with one log line, and eager steps from then on, if the
         compiler is missing or any bucket fails. `backend` "eager" traces without inductor
         (the tests' quick check of the graph)."""
-        # inductor's import of torch.utils.cpp_extension warns that a CPU-only machine has
-        # no CUDA runtime: true, and nothing to act on
-        quiet = logging.getLogger("torch.utils.cpp_extension")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
         result: list[bool] = []
 
         def compile_with_the_engines_threads() -> None:
@@ -120,12 +116,10 @@ class CompiledDecodeRunner(CudaGraphRunner):
             torch.set_num_threads(self.num_threads)
             result.append(self._compile_buckets(backend))
 
-        try:
+        with quiet_cpp_extension():
             worker = threading.Thread(target=compile_with_the_engines_threads)
             worker.start()
             worker.join()
-        finally:
-            quiet.setLevel(level)
         return bool(result and result[0])
 
     def _compile_buckets(self, backend: str) -> bool:

@@ -78,6 +78,17 @@ class ModelRunner:
         """When set, the engine calls `heartbeat` after this long idle."""
         self.attention_backend = "auto"
         """`--attention-backend`: the SDPA kernels the cache's attention may use."""
+        self.decode_attention = "SDPA over gathered blocks"
+        """What answers decode rows (`choose_decode_attention`), for the log."""
+
+    def choose_decode_attention(self) -> str:
+        """With `--attention-backend auto` on a CPU, decode rows read their KV blocks in
+        place (`mg.core.models.paged_attention_cpu`) where that kernel can be built; any
+        other backend names SDPA kernels, which keep attending over gathered blocks."""
+        cache = self.cache.kv if self.recurrent_state else self.cache
+        if cache is not None and self.attention_backend == "auto":
+            self.decode_attention = cache.use_cpu_decode_kernel()
+        return self.decode_attention
 
     @torch.inference_mode()
     def forward(

@@ -46,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mg.core.models.paged_attention_cpu import DecodeKernel, decode_kernel
+
 
 @dataclass(frozen=True)
 class PagedSegment:
@@ -168,7 +170,21 @@ class PagedKVCache:
         self.num_heads = num_heads
         self.window_size = window_size
         self.device = device
+        self.decode_kernel: DecodeKernel | None = None
+        """Decode rows' attention read in place (`use_cpu_decode_kernel`); None: SDPA over
+        gathered blocks."""
         self._bound = False
+
+    def use_cpu_decode_kernel(self) -> str:
+        """Answer decode rows with the CPU kernel that reads blocks in place, where it can
+        be built (a CPU pool in float32 or bfloat16, a C++ compiler); what decode attention
+        runs, for the log."""
+        if self.device.type != "cpu" or self.fp8:
+            return "SDPA over gathered blocks"
+        groups, d = self.keys.shape[3], self.keys.shape[4]
+        kernel, what = decode_kernel(self.keys.dtype, groups, self.num_heads, d, self.block_size)
+        self.decode_kernel = kernel
+        return what if kernel is not None else f"SDPA over gathered blocks: {what}"
 
     @staticmethod
     def block_bytes(
@@ -252,6 +268,7 @@ class PagedKVCache:
             else:
                 self._decode_rows = torch.tensor(starts, device=device)
             self._decode_tables = torch.tensor(tables, device=device)
+            self._decode_lengths = torch.tensor([s.context_length for s in decodes], device=device)
             self._decode_mask = self._mask(decodes, 1, width * bs, chunk=False)
         self._decode_bias = None
         self._bound = True
@@ -275,7 +292,8 @@ class PagedKVCache:
         slots = [s.blocks[s.context_start // bs] * bs + s.context_start % bs for s in padded]
         tables = [list(s.blocks[:width]) + [pad_block] * (width - len(s.blocks)) for s in padded]
         mask = self._mask(padded, 1, width * bs, chunk=False)
-        fresh = (torch.tensor(slots), torch.tensor(tables), mask)
+        lengths = [s.context_length for s in padded]
+        fresh = (torch.tensor(slots), torch.tensor(tables), mask, torch.tensor(lengths))
         static = getattr(self, "_static", {})
         self._static = static
         if rows not in static or static[rows][1].shape[1] != width:
@@ -283,7 +301,7 @@ class PagedKVCache:
         else:
             for into, value in zip(static[rows], fresh, strict=True):
                 into.copy_(value, non_blocking=True)
-        self._slots, self._decode_tables, self._decode_mask = static[rows]
+        self._slots, self._decode_tables, self._decode_mask, self._decode_lengths = static[rows]
         self._num_tokens, self._prefills, self._decode_rows = rows, [], slice(0, rows)
         self._decode_bias = None
         self._bound = True
@@ -317,24 +335,18 @@ class PagedKVCache:
             )
         groups = self.keys.shape[3]
         self._store(layer_index, key[0], value[0])
-        out = query.new_empty(t, heads, d)
         scale = 1.0 / math.sqrt(d)
         gqa = groups != heads
+        out = None
         if self._decode_rows is not None:
             rows = self._decode_rows
-            n = self._decode_tables.shape[0]
-            # a group's query heads as its queries ([n, groups, heads/groups, d]): they
-            # share its keys, so SDPA needs no GQA expansion (0.6x the time on a CPU)
-            q = query[0, rows].view(n, groups, heads // groups, d)
-            k, v = self._read(layer_index, self._decode_tables, q.dtype)
-            k = k.view(n, -1, groups, d).transpose(1, 2)
-            v = v.view(n, -1, groups, d).transpose(1, 2)
-            context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=self._bias(q.dtype), scale=scale
-            )
-            if not self._prefills and n == t:  # every row decodes: no scatter into `out`
-                return context.reshape(1, t, heads * d)
-            out[rows] = context.reshape(n, heads, d)
+            context = self._decode_attention(layer_index, query[0, rows], scale)
+            if not self._prefills and context.shape[0] == t:  # every row decodes
+                return context.view(1, t, heads * d)
+            out = query.new_empty(t, heads, d)
+            out[rows] = context
+        if out is None:
+            out = query.new_empty(t, heads, d)
         for p in self._prefills:
             length = p.context + p.length
             q = query[0, p.start : p.start + p.length].transpose(0, 1)[None]  # [1, heads, s, d]
@@ -348,6 +360,32 @@ class PagedKVCache:
             )
             out[p.start : p.start + p.length] = context[0].transpose(0, 1)
         return out.view(1, t, heads * d)
+
+    def _decode_attention(self, layer_index: int, query: Tensor, scale: float) -> Tensor:
+        """The decode rows' context [n, heads, d] for their queries [n, heads, d]."""
+        n, heads, d = query.shape
+        if self.decode_kernel is not None and query.dtype == self.keys.dtype:
+            window = self.window_size[0] if self.window_size is not None else -1
+            return self.decode_kernel(
+                query,
+                self.keys[layer_index],
+                self.values[layer_index],
+                self._decode_tables,
+                self._decode_lengths,
+                window,
+                scale,
+            )
+        groups = self.keys.shape[3]
+        # a group's query heads as its queries ([n, groups, heads/groups, d]): they
+        # share its keys, so SDPA needs no GQA expansion (0.6x the time on a CPU)
+        q = query.reshape(n, groups, heads // groups, d)
+        k, v = self._read(layer_index, self._decode_tables, q.dtype)
+        k = k.view(n, -1, groups, d).transpose(1, 2)
+        v = v.view(n, -1, groups, d).transpose(1, 2)
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self._bias(q.dtype), scale=scale
+        )
+        return context.reshape(n, heads, d)
 
     def _bias(self, dtype: torch.dtype) -> Tensor:
         """The decode mask [n, 1, 1, keys] as an additive bias (0 / -inf) in the queries'

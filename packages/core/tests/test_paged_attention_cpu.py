@@ -1,0 +1,46 @@
+"""The CPU decode kernel that reads paged KV blocks in place equals attention over the
+gathered positions: float32 and bfloat16, grouped queries, sliding windows, sequences
+that end inside a block or hold a single position, blocks scattered in the pool."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mg.core.models.paged_attention_cpu import decode_kernel, reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("groups", "heads", "head_dim", "block_size", "window"),
+    [(3, 9, 64, 16, -1), (2, 2, 32, 8, 5), (1, 4, 16, 4, -1)],
+    ids=["gqa", "window", "mqa"],
+)
+def test_kernel_equals_attention_over_gathered_blocks(
+    dtype, groups, heads, head_dim, block_size, window
+) -> None:
+    kernel, why = decode_kernel(dtype, groups, heads, head_dim, block_size)
+    if kernel is None:
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(0)
+    pool = (40, block_size, groups, head_dim)
+    keys = torch.randn(pool, generator=gen).to(dtype)
+    values = torch.randn(pool, generator=gen).to(dtype)
+    tables = torch.randperm(40, generator=gen)[:40].view(5, 8)
+    lengths = torch.tensor([1, 7, 8 * block_size, block_size + 1, 3 * block_size])
+    query = torch.randn(5, heads, head_dim, generator=gen).to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    got = kernel(query, keys, values, tables, lengths, window, scale)
+    want = reference(query, keys, values, tables, lengths, window, scale)
+    # bf16: one rounding of the same fp32 result; fp32: summation order only
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # only the first ceil(length / block_size) blocks of a table are read
+    tables[0, 1:] = 10**6
+    assert torch.equal(kernel(query, keys, values, tables, lengths, window, scale)[0], got[0])
+
+
+def test_unsupported_dtype_names_itself() -> None:
+    kernel, why = decode_kernel(torch.float16, 1, 1, 8, 4)
+    assert kernel is None and "float16" in why
