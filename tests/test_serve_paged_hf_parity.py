@@ -77,6 +77,7 @@ SCHEDULES = {
     "no-prefix-caching": {"prefix_caching": False},
     "chunked-prefill": {"max_num_batched_tokens": 7},
     "preemption": {"num_blocks": 14, "block_size": 4},
+    "sdpa-decode": {"attention_backend": "unfused"},  # SDPA over gathered blocks
 }
 
 
@@ -91,9 +92,13 @@ def test_greedy_equals_transformers_generate(served, schedule: str) -> None:
         num_blocks=options.pop("num_blocks", None),
         block_size=options.pop("block_size", 16),
     )
+    runner.attention_backend = options.pop("attention_backend", "auto")
+    decode_attention = runner.choose_decode_attention()
     engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257, **options)
     try:
         assert _generate(engine, prompts) == expected
+        if schedule == "sdpa-decode":
+            assert runner.cache.decode_kernel is None, decode_attention
         if schedule == "preemption":
             assert engine.stats.preemptions > 0
             assert engine.stats.recomputed_tokens > 0
@@ -216,6 +221,7 @@ def test_static_decode_steps_for_cuda_graphs_give_the_same_tokens(served) -> Non
     assert batch_buckets(8) == [1, 2, 4, 8] and batch_buckets(6) == [1, 2, 4, 6]
     loaded, prompts, expected = served
     runner = CudaGraphRunner(loaded.model, 4, 128, block_size=8, capture=False)
+    runner.choose_decode_attention()  # the padded rows' lengths reach the CPU kernel
     assert runner.num_blocks == 4 * 16 and runner.cache.num_blocks == 4 * 16 + 1
     engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257)
     try:
@@ -234,6 +240,7 @@ def _compiled_runner(served, backend: str):
 
     loaded = served[0]
     runner = CompiledDecodeRunner(loaded.model, 4, 128, block_size=8)
+    runner.choose_decode_attention()  # as mg-serve does: the opaque op runs the CPU kernel
     assert runner.compile_buckets(backend=backend)
     assert set(runner._steps) == {1, 2, 4} and runner.status.startswith("decode compiled for")
     return runner
