@@ -12,11 +12,15 @@ import torch
 from mg.core.models.paged_attention_cpu import decode_kernel, reference
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    ("groups", "heads", "head_dim", "block_size", "window"),
-    [(3, 9, 64, 16, -1), (2, 2, 32, 8, 5), (1, 4, 16, 4, -1)],
-    ids=["gqa", "window", "mqa"],
+    ("dtype", "groups", "heads", "head_dim", "block_size", "window"),
+    [
+        (torch.float32, 3, 9, 64, 16, -1),
+        (torch.bfloat16, 3, 9, 64, 16, -1),
+        (torch.bfloat16, 2, 2, 32, 8, 5),
+        (torch.float32, 1, 4, 16, 4, -1),
+    ],
+    ids=["gqa-fp32", "gqa-bf16", "window-bf16", "mqa-fp32"],  # one build each
 )
 def test_kernel_equals_attention_over_gathered_blocks(
     dtype, groups, heads, head_dim, block_size, window
