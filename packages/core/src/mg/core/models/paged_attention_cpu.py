@@ -47,6 +47,10 @@ static inline float to_float(uint16_t x) {{  // bfloat16 bits
     std::memcpy(&f, &u, 4);
     return f;
 }}
+static inline void load_row(const scalar_t* x, float* y) {{  // D values as float
+    #pragma omp simd
+    for (int64_t d = 0; d < D; d++) y[d] = to_float(x[d]);
+}}
 static inline void store(float x, float* y) {{ *y = x; }}
 static inline void store(float x, uint16_t* y) {{  // round to nearest even
     uint32_t u;
@@ -95,8 +99,7 @@ extern "C" void kernel(const scalar_t* query, const scalar_t* keys, const scalar
                 const scalar_t* k = keys + (base + j) * G * D;
                 for (int64_t g = 0; g < G; g++) {{
                     float kf[D];
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) kf[d] = to_float(k[g * D + d]);
+                    load_row(k + g * D, kf);
                     for (int64_t h = 0; h < H; h++) {{
                         float dot = 0.f;
                         #pragma omp simd reduction(+:dot)
@@ -123,8 +126,7 @@ extern "C" void kernel(const scalar_t* query, const scalar_t* keys, const scalar
                 const scalar_t* v = values + (base + j) * G * D;
                 for (int64_t g = 0; g < G; g++) {{
                     float vf[D];
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) vf[d] = to_float(v[g * D + d]);
+                    load_row(v + g * D, vf);
                     for (int64_t h = 0; h < H; h++) {{
                         const float w = p[g][h][j];
                         #pragma omp simd
