@@ -334,7 +334,9 @@ def serve(args: argparse.Namespace) -> None:
         )
     runner.num_threads = threads
     runner.attention_backend = backend
-    log.info("decode attention: %s", runner.choose_decode_attention())
+    decode_attention = runner.choose_decode_attention()
+    if device.type == "cpu" and backend == "auto" and runner.cache_decode_kernel is None:
+        log.warning("decode attention: %s", decode_attention)
     drafter = None
     if args.draft_load is not None:
         drafter = _drafter(args, loaded, runner, device, dtype, tp)
@@ -468,6 +470,8 @@ def _serve_http(
         port = sock.getsockname()[1]
         endpoints = "PUT /api, POST /v1/completions" + (", /v1/chat/completions" if chat else "")
         layout = f"tensor-parallel {tp} x {runner.device.type}" if tp > 1 else runner.device.type
+        if runner.cache_decode_kernel is not None:
+            layout += ", decode attention in place"
         if args.enable_torch_compile:
             layout += ", " + runner.status
         if runner.recurrent_state:

@@ -52,6 +52,7 @@ from mg.core.models.paged_kv_cache import PagedSegment
 from mg.generate_server.block_manager import BlockManager, block_hash
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.sampling import (
+    LogProbs,
     SamplingParams,
     TokenChoice,
     choose_token,
@@ -467,7 +468,7 @@ class GenerationEngine:
                     rows.append(start + count - 1)
                 spans.append((row, len(rows)))
             logits = self.runner.forward(segments, ids, positions, rows)[:, : self.vocab_size]
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = LogProbs(logits)
         except Exception as exc:  # a failed step fails its requests, never the engine
             for sequence, _ in plan:
                 self._finish(

@@ -90,6 +90,12 @@ class ModelRunner:
             self.decode_attention = cache.use_cpu_decode_kernel()
         return self.decode_attention
 
+    @property
+    def cache_decode_kernel(self):
+        """The CPU kernel answering decode rows, or None (SDPA over gathered blocks)."""
+        cache = self.cache.kv if self.recurrent_state else self.cache
+        return getattr(cache, "decode_kernel", None)
+
     @torch.inference_mode()
     def forward(
         self,
