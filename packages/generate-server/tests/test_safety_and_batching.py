@@ -27,6 +27,28 @@ def test_api_key(loaded, start_server) -> None:
         assert ok.status_code == 200
 
 
+def test_unhandled_error_is_a_500_with_a_message_and_counted(
+    loaded, start_server, monkeypatch
+) -> None:
+    """A bug inside a route: a 500 naming the error, the server stays up, /metrics counts
+    it under its route; a streamed completion passes through the same layer untouched."""
+    with start_server(loaded) as running:
+        monkeypatch.setattr(
+            type(running.engine), "num_active", property(lambda self: 1 / 0), raising=True
+        )
+        r = httpx.get(running.url + "/health")
+        assert r.status_code == 500
+        assert "internal error: ZeroDivisionError" in r.json()["message"]
+        monkeypatch.undo()
+        body = {"prompt": "a", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", running.url + "/v1/completions", json=body) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert streamed.status_code == 200 and events[-1] == "data: [DONE]" and len(events) >= 4
+        metrics = httpx.get(running.url + "/metrics").text
+        assert 'mg_serve_requests_total{endpoint="/health",status="500"} 1.0' in metrics
+        assert 'mg_serve_requests_total{endpoint="/v1/completions",status="200"} 1.0' in metrics
+
+
 def test_body_size_and_token_limits(loaded, start_server) -> None:
     limits = Limits(64, max_tokens_to_oom=100, max_tokens_to_generate=8)
     with start_server(loaded, max_request_bytes=2000, limits=limits) as running:
