@@ -270,6 +270,7 @@ def serve(args: argparse.Namespace) -> None:
     from mg.core.models.attention_backend import set_attention_backend
     from mg.core.models.mamba import MambaModel
     from mg.generate_server.loading import load_for_serving
+    from mg.generate_server.packed_linears import pack_linears
     from mg.generate_server.resources import check_cpu_bf16, pool_blocks, set_threads
     from mg.generate_server.runner import ModelRunner
     from mg.generate_server.tensor_parallel import (
@@ -328,6 +329,8 @@ def serve(args: argparse.Namespace) -> None:
         runner = _compiled_runner(args, loaded, device, tp, max_length, pool)
     elif env.tp_mesh is None:
         runner = ModelRunner(loaded.model, args.inference_max_requests, max_length, *pool)
+        if device.type == "cpu":
+            runner.packed_linears = pack_linears(loaded.model)
     else:
         runner = TensorParallelRunner(
             loaded.model, args.inference_max_requests, max_length, env, *pool
@@ -472,6 +475,8 @@ def _serve_http(
         layout = f"tensor-parallel {tp} x {runner.device.type}" if tp > 1 else runner.device.type
         if runner.cache_decode_kernel is not None:
             layout += ", decode attention in place"
+        if runner.packed_linears:
+            layout += ", oneDNN-packed weights"
         if args.enable_torch_compile:
             layout += ", " + runner.status
         if runner.recurrent_state:

@@ -78,6 +78,8 @@ class ModelRunner:
         """When set, the engine calls `heartbeat` after this long idle."""
         self.attention_backend = "auto"
         """`--attention-backend`: the SDPA kernels the cache's attention may use."""
+        self.packed_linears = 0
+        """Linears whose bf16 weights were packed for oneDNN (`packed_linears`)."""
         self.decode_attention = "SDPA over gathered blocks"
         """What answers decode rows (`choose_decode_attention`), for the log."""
 

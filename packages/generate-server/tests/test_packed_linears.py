@@ -1,0 +1,49 @@
+"""bf16 linears packed once for oneDNN (the eager CPU server) compute what the plain
+layers compute, free the plain weights, and leave alone what reads weights directly
+(MoE experts, the output layer) and every other dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mg.core.models import GPTModel, presets
+from mg.core.models.paged_kv_cache import PagedSegment
+from mg.generate_server.packed_linears import pack_linears, packing_available
+from mg.generate_server.runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
+
+
+def _model(**overrides) -> GPTModel:
+    torch.manual_seed(0)
+    config = presets.tiny_llama(hidden_dropout=0.0, attention_dropout=0.0, **overrides)
+    return GPTModel(config).eval()
+
+
+@torch.inference_mode()
+def test_packed_layers_equal_plain_ones_and_free_the_weights() -> None:
+    plain = _model(untie_embeddings_and_output_weights=True).to(torch.bfloat16)
+    packed = _model(untie_embeddings_and_output_weights=True).to(torch.bfloat16)
+    layers = plain.config.num_layers
+    assert pack_linears(packed) == 4 * layers  # qkv, proj, fc1, fc2 of every layer
+    assert packed.decoder.layers[0].mlp.linear_fc1.weight.numel() == 0
+    assert packed.output_layer.weight.numel() > 0  # read directly: kept
+    ids = torch.randint(0, plain.config.vocab_size, (1, 9))
+    steps = []
+    for model in (plain, packed):
+        runner = ModelRunner(model, num_slots=1, max_length=16, block_size=4)
+        prompt = runner.forward([PagedSegment(0, 8, 0, [0, 1, 2])], ids[0, :8].tolist(),
+                                list(range(8)), [7])  # fmt: skip
+        decode = runner.forward([PagedSegment(0, 1, 8, [0, 1, 2])], [ids[0, 8].item()], [8], [0])
+        steps.append(torch.cat([prompt, decode]))
+    # the same oneDNN matmul with the weight in its blocked layout from the start
+    torch.testing.assert_close(steps[1], steps[0], atol=2e-2, rtol=2e-2)
+    assert torch.equal(steps[1].argmax(-1), steps[0].argmax(-1))
+
+
+def test_other_dtypes_and_moe_experts_stay_plain() -> None:
+    assert pack_linears(_model()) == 0  # float32
+    moe = _model(num_moe_experts=4, moe_router_topk=2).to(torch.bfloat16)
+    layers = moe.config.num_layers
+    assert pack_linears(moe) == 2 * layers  # attention only: the experts read .weight
