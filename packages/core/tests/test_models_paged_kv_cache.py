@@ -99,3 +99,17 @@ def test_segments_round_trip_and_errors() -> None:
     with pytest.raises(ValueError, match="tile the packed row"):
         cache.bind([PagedSegment(1, 2, 0, [0])])
     assert PagedKVCache.block_bytes(model, 16) == 2 * 2 * 16 * 64 * 4  # 2 layers, 1 group x 64
+
+
+def test_decode_kernel_choice_says_why_not(monkeypatch) -> None:
+    """Where the CPU kernel cannot be built the cache keeps SDPA and says why; an fp8
+    pool never asks for it."""
+    from mg.core.models import paged_kv_cache
+
+    model = _model("llama")
+    monkeypatch.setattr(paged_kv_cache, "decode_kernel", lambda *shape: (None, "no C++ (x)"))
+    cache = PagedKVCache.for_model(model, num_blocks=4, block_size=4)
+    assert cache.use_cpu_decode_kernel() == f"{paged_kv_cache.GATHERED}: no C++ (x)"
+    assert cache.decode_kernel is None
+    fp8 = PagedKVCache.for_model(model, num_blocks=4, block_size=4, fp8=True)
+    assert fp8.use_cpu_decode_kernel() == paged_kv_cache.GATHERED

@@ -272,7 +272,7 @@ def serve(args: argparse.Namespace) -> None:
     from mg.generate_server.loading import load_for_serving
     from mg.generate_server.packed_linears import pack_linears
     from mg.generate_server.resources import check_cpu_bf16, pool_blocks, set_threads
-    from mg.generate_server.runner import ModelRunner
+    from mg.generate_server.runner import GATHERED, ModelRunner
     from mg.generate_server.tensor_parallel import (
         TensorParallelRunner,
         init_tensor_parallel,
@@ -338,8 +338,8 @@ def serve(args: argparse.Namespace) -> None:
     runner.num_threads = threads
     runner.attention_backend = backend
     decode_attention = runner.choose_decode_attention()
-    if device.type == "cpu" and backend == "auto" and runner.cache_decode_kernel is None:
-        log.warning("decode attention: %s", decode_attention)
+    if runner.cache_decode_kernel is None and decode_attention != GATHERED:
+        log.warning("decode attention: %s", decode_attention)  # why the kernel is not used
     drafter = None
     if args.draft_load is not None:
         drafter = _drafter(args, loaded, runner, device, dtype, tp)

@@ -28,7 +28,7 @@ from torch.nn.attention import sdpa_kernel
 from mg.core.models import GPTModel
 from mg.core.models.attention_backend import serving_kernels
 from mg.core.models.mamba import MambaModel, PagedHybridCache
-from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
+from mg.core.models.paged_kv_cache import GATHERED, PagedKVCache, PagedSegment
 from mg.generate_server.moe_routing import route_dropless
 
 log = logging.getLogger("mg.generate_server")
@@ -80,7 +80,7 @@ class ModelRunner:
         """`--attention-backend`: the SDPA kernels the cache's attention may use."""
         self.packed_linears = 0
         """Linears whose bf16 weights were packed for oneDNN (`packed_linears`)."""
-        self.decode_attention = "SDPA over gathered blocks"
+        self.decode_attention = GATHERED
         """What answers decode rows (`choose_decode_attention`), for the log."""
 
     def choose_decode_attention(self) -> str:

@@ -48,6 +48,9 @@ from torch import Tensor, nn
 
 from mg.core.models.paged_attention_cpu import DecodeKernel, decode_kernel
 
+GATHERED = "SDPA over gathered blocks"
+"""Decode attention without the CPU kernel (`PagedKVCache.use_cpu_decode_kernel`)."""
+
 
 @dataclass(frozen=True)
 class PagedSegment:
@@ -180,11 +183,11 @@ class PagedKVCache:
         be built (a CPU pool in float32 or bfloat16, a C++ compiler); what decode attention
         runs, for the log."""
         if self.device.type != "cpu" or self.fp8:
-            return "SDPA over gathered blocks"
+            return GATHERED
         groups, d = self.keys.shape[3], self.keys.shape[4]
         kernel, what = decode_kernel(self.keys.dtype, groups, self.num_heads, d, self.block_size)
         self.decode_kernel = kernel
-        return what if kernel is not None else f"SDPA over gathered blocks: {what}"
+        return what if kernel is not None else f"{GATHERED}: {what}"
 
     @staticmethod
     def block_bytes(
