@@ -8,8 +8,37 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 
-from mg.core.models.paged_attention_cpu import decode_kernel, reference
+from mg.core.models.paged_attention_cpu import decode_kernel
+
+
+def reference(
+    query: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    tables: Tensor,
+    lengths: Tensor,
+    window: int,
+    scale: float | None = None,
+) -> Tensor:
+    """What the kernel computes, in PyTorch: each row's query heads over its
+    first `lengths[i]` positions (the last `window` + 1 of them when window >= 0)."""
+    n, heads, d = query.shape
+    groups = keys.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.empty_like(query)
+    for i in range(n):
+        length = int(lengths[i])
+        k = keys[tables[i]].reshape(-1, groups, d)[:length].float()
+        v = values[tables[i]].reshape(-1, groups, d)[:length].float()
+        first = max(0, length - 1 - window) if window >= 0 else 0
+        k, v = k[first:], v[first:]
+        q = query[i].float().view(groups, heads // groups, d)
+        scores = torch.einsum("ghd,lgd->ghl", q, k) * scale
+        context = torch.einsum("ghl,lgd->ghd", scores.softmax(-1), v)
+        out[i] = context.reshape(heads, d).to(query.dtype)
+    return out
 
 
 @pytest.mark.parametrize(

@@ -80,23 +80,26 @@ class ModelRunner:
         """`--attention-backend`: the SDPA kernels the cache's attention may use."""
         self.packed_linears = 0
         """Linears whose bf16 weights were packed for oneDNN (`packed_linears`)."""
-        self.decode_attention = GATHERED
-        """What answers decode rows (`choose_decode_attention`), for the log."""
+
+    @property
+    def _attention_cache(self) -> PagedKVCache | None:
+        """The pool of keys/values (a hybrid's attention layers'; None: no attention)."""
+        return self.cache.kv if self.recurrent_state else self.cache
 
     def choose_decode_attention(self) -> str:
         """With `--attention-backend auto` on a CPU, decode rows read their KV blocks in
         place (`mg.core.models.paged_attention_cpu`) where that kernel can be built; any
-        other backend names SDPA kernels, which keep attending over gathered blocks."""
-        cache = self.cache.kv if self.recurrent_state else self.cache
-        if cache is not None and self.attention_backend == "auto":
-            self.decode_attention = cache.use_cpu_decode_kernel()
-        return self.decode_attention
+        other backend names SDPA kernels, which keep attending over gathered blocks.
+        What decode attention runs, for the log."""
+        cache = self._attention_cache
+        if cache is None or self.attention_backend != "auto":
+            return GATHERED
+        return cache.use_cpu_decode_kernel()
 
     @property
     def cache_decode_kernel(self):
         """The CPU kernel answering decode rows, or None (SDPA over gathered blocks)."""
-        cache = self.cache.kv if self.recurrent_state else self.cache
-        return getattr(cache, "decode_kernel", None)
+        return getattr(self._attention_cache, "decode_kernel", None)
 
     @torch.inference_mode()
     def forward(

@@ -340,16 +340,12 @@ class PagedKVCache:
         self._store(layer_index, key[0], value[0])
         scale = 1.0 / math.sqrt(d)
         gqa = groups != heads
-        out = None
+        out = query.new_empty(t, heads, d)
         if self._decode_rows is not None:
-            rows = self._decode_rows
-            context = self._decode_attention(layer_index, query[0, rows], scale)
-            if not self._prefills and context.shape[0] == t:  # every row decodes
+            context = self._decode_attention(layer_index, query[0, self._decode_rows], scale)
+            if not self._prefills and context.shape[0] == t:  # every row decodes: no scatter
                 return context.view(1, t, heads * d)
-            out = query.new_empty(t, heads, d)
-            out[rows] = context
-        if out is None:
-            out = query.new_empty(t, heads, d)
+            out[self._decode_rows] = context
         for p in self._prefills:
             length = p.context + p.length
             q = query[0, p.start : p.start + p.length].transpose(0, 1)[None]  # [1, heads, s, d]
