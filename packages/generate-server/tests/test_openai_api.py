@@ -96,6 +96,24 @@ def test_logprobs_and_echo(client, loaded) -> None:
     assert lp.text_offset[1] == len(lp.tokens[0])
 
 
+def test_logprobs_zero_reports_the_chosen_tokens(client, loaded) -> None:
+    """OpenAI's logprobs=0: each token's log-probability, no alternatives."""
+    prompt = loaded.tokenizer.tokenize("It was")
+    sequence = prompt + greedy_ids(loaded.model, prompt, 3)
+    with torch.no_grad():
+        logits = loaded.model(torch.tensor([sequence]))[0, len(prompt) - 1 : -1, :50257]
+    expected = torch.log_softmax(logits, -1).gather(
+        1, torch.tensor(sequence[len(prompt) :])[:, None]
+    )
+    args = dict(model="m", prompt="It was", max_tokens=3, temperature=0, logprobs=0)
+    lp = client.completions.create(**args).choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(expected[:, 0].tolist(), abs=1e-4)
+    assert lp.top_logprobs == [{}, {}, {}]
+    chunks = list(client.completions.create(**args, stream=True))
+    streamed = [c.choices[0].logprobs.token_logprobs[0] for c in chunks if c.choices[0].logprobs]
+    assert streamed[:3] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
 def test_token_id_prompt(client, loaded) -> None:
     ids = loaded.tokenizer.tokenize("The school was")
     by_ids = client.completions.create(model="m", prompt=ids, max_tokens=5, temperature=0)
@@ -151,6 +169,13 @@ def test_chat_with_a_template(loaded, start_server) -> None:
         assert out.choices[0].message.content == completion.choices[0].text
         assert out.choices[0].message.role == "assistant"
         assert len(out.choices[0].logprobs.content[0].top_logprobs) == 2
+        plain = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=6, temperature=0, logprobs=True
+        )
+        assert [c.logprob for c in plain.choices[0].logprobs.content] == pytest.approx(
+            [c.logprob for c in out.choices[0].logprobs.content], abs=1e-5
+        )
+        assert all(c.top_logprobs == [] for c in plain.choices[0].logprobs.content)
         stream = client.chat.completions.create(
             model="m", messages=messages, max_tokens=6, temperature=0, stream=True
         )

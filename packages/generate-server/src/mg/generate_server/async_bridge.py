@@ -59,7 +59,8 @@ class Completion:
 
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    """Each token's log-probability; None where the request did not ask for them."""
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     finish_reason: str = "length"

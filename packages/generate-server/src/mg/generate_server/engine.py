@@ -19,7 +19,8 @@ most recently admitted sequence is preempted: its blocks are released and it
 goes back to the front of the queue, to be recomputed from its prompt and the
 tokens it already produced (preemption by recompute), so its output is what it
 would have been. A sequence whose chunk reaches its last token samples its
-next token from that row's logits.
+next token from that row's logits; the step's tokens are chosen in one call
+(`sampling.choose_tokens`).
 
 A model with Mamba layers (`runner.recurrent_state`) keeps each running
 sequence's recurrent state in a slot of its own, taken at admission and given
@@ -52,12 +53,14 @@ from mg.core.models.paged_kv_cache import PagedSegment
 from mg.generate_server.block_manager import BlockManager, block_hash
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.sampling import (
-    LogProbs,
+    RowState,
     SamplingParams,
     TokenChoice,
     choose_token,
+    choose_tokens,
     make_generator,
     next_top_p,
+    token_logprobs,
 )
 from mg.generate_server.speculative import Drafter
 
@@ -468,7 +471,6 @@ class GenerationEngine:
                     rows.append(start + count - 1)
                 spans.append((row, len(rows)))
             logits = self.runner.forward(segments, ids, positions, rows)[:, : self.vocab_size]
-            logprobs = LogProbs(logits)
         except Exception as exc:  # a failed step fails its requests, never the engine
             for sequence, _ in plan:
                 self._finish(
@@ -478,9 +480,11 @@ class GenerationEngine:
             return
         self.stats.steps += 1
         generated_before = self.stats.generated_tokens
+        # (sequence, its row of logits, its prompt's log-probabilities) of those that sample
+        sampling: list[tuple[_Sequence, int, list[float] | None]] = []
         for (sequence, count), (row, end) in zip(plan, spans, strict=True):
             if sequence.draft:
-                self._verify(sequence, logits[row:end], logprobs[row:end])
+                self._verify(sequence, logits[row:end])
                 continue
             first = sequence.computed
             self._account(sequence, first, count)
@@ -488,10 +492,9 @@ class GenerationEngine:
             self._name_full_blocks(sequence)
             if sequence.collects_prompt_logprobs:
                 targets = sequence.tokens[first + 1 : first + count + 1]
-                picked = logprobs[row : row + len(targets)].gather(
-                    1, torch.tensor(targets)[:, None]
-                )
-                sequence.prompt_logprobs += picked[:, 0].tolist()
+                if targets:
+                    rows_read = logits[row : row + len(targets)]
+                    sequence.prompt_logprobs += token_logprobs(rows_read, targets).tolist()
             if sequence.computed < sequence.length:
                 continue  # more of its prompt to prefill
             prompt_logprobs = sequence.prompt_logprobs if not sequence.generated else None
@@ -500,7 +503,8 @@ class GenerationEngine:
                     sequence, TokenEvent(finish_reason="length", prompt_logprobs=prompt_logprobs)
                 )
                 continue
-            self._advance(sequence, logits[end - 1], logprobs[end - 1], prompt_logprobs)
+            sampling.append((sequence, end - 1, prompt_logprobs))
+        self._advance(logits, sampling)
         self.stats.recent.append((time.monotonic(), self.stats.generated_tokens - generated_before))
 
     def _draft(self, plan: list[tuple[_Sequence, int]]) -> None:
@@ -511,22 +515,15 @@ class GenerationEngine:
         if work and self.drafter is not None:
             self.drafter.propose(work)
 
-    def _verify(self, sequence: _Sequence, logits: Tensor, logprobs: Tensor) -> None:
+    def _verify(self, sequence: _Sequence, logits: Tensor) -> None:
         """Keep the draft tokens the target would have chosen, then the target's own next
         token: rows i = 0..k of `logits` follow the sequence's last token and guesses 1..i."""
         params, draft = sequence.params, sequence.draft
         previous, history = sequence.tokens[-1], list(sequence.generated)
         choices: list[TokenChoice] = []
         for i in range(len(draft) + 1):
-            choice = choose_token(
-                logits[i],
-                logprobs[i],
-                params,
-                sequence.top_p,
-                sequence.generator,
-                previous,
-                history,
-            )
+            state = RowState(params, sequence.top_p, sequence.generator, previous, list(history))
+            choice = choose_token(logits[i], state)
             choices.append(choice)
             if i == len(draft) or choice.token != draft[i]:
                 break
@@ -562,23 +559,17 @@ class GenerationEngine:
             sequence.block_names.append(name)
 
     def _advance(
-        self,
-        sequence: _Sequence,
-        logits: Tensor,
-        logprobs: Tensor,
-        prompt_logprobs: list[float] | None,
+        self, logits: Tensor, sampling: list[tuple[_Sequence, int, list[float] | None]]
     ) -> None:
-        """Sample one token for `sequence`, emit it, and finish the sequence if it is done."""
-        choice = choose_token(
-            logits,
-            logprobs,
-            sequence.params,
-            sequence.top_p,
-            sequence.generator,
-            sequence.tokens[-1],
-            sequence.generated,
-        )
-        self._emit(sequence, choice, prompt_logprobs)
+        """Choose the next token of every (sequence, row, prompt log-probabilities) in
+        `sampling` in one call, emit them, and finish the sequences that are done."""
+        states = [
+            RowState(s.params, s.top_p, s.generator, s.tokens[-1], s.generated)
+            for s, _, _ in sampling
+        ]
+        choices = choose_tokens(logits, [row for _, row, _ in sampling], states)
+        for (sequence, _, prompt_logprobs), choice in zip(sampling, choices, strict=True):
+            self._emit(sequence, choice, prompt_logprobs)
 
     def _emit(
         self, sequence: _Sequence, choice: TokenChoice, prompt_logprobs: list[float] | None

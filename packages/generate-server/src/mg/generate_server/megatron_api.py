@@ -225,6 +225,7 @@ def build_jobs(
             stop_token_ids=frozenset(stop_ids),
             stop_strings=stop_strings,
             banned_after=banned,
+            logprobs=req.logprobs,
             prompt_logprobs=req.logprobs,
         )
         jobs.append((prompt, params))

@@ -130,6 +130,7 @@ class OpenAIService:
         req: SamplingFields,
         max_tokens: int,
         index: int,
+        logprobs: bool,
         top_logprobs: int,
         prompt_logprobs: bool,
     ) -> SamplingParams:
@@ -148,6 +149,7 @@ class OpenAIService:
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
+            logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
         )
@@ -228,6 +230,7 @@ class OpenAIService:
                     req,
                     max_tokens,
                     index,
+                    logprobs=req.logprobs is not None,  # logprobs=0 still asks for them
                     top_logprobs=req.logprobs or 0,
                     prompt_logprobs=req.echo and req.logprobs is not None,
                 )
@@ -355,7 +358,11 @@ class OpenAIService:
         max_tokens = self._max_tokens(requested, prompt)
         top = req.top_logprobs or 0 if req.logprobs else 0
         jobs = [
-            _Job(j, prompt, self._params(req, max_tokens, j, top, prompt_logprobs=False))
+            _Job(
+                j,
+                prompt,
+                self._params(req, max_tokens, j, req.logprobs, top, prompt_logprobs=False),
+            )
             for j in range(req.n)
         ]
         self._check_size(jobs)
@@ -416,7 +423,7 @@ class OpenAIService:
         yield _sse("[DONE]")
 
     def _chat_logprobs(self, result: Completion, tokens: list[int]) -> dict[str, Any]:
-        def entry(token: int, logprob: float) -> dict[str, Any]:
+        def entry(token: int, logprob: float | None) -> dict[str, Any]:
             text = self._piece(token)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
