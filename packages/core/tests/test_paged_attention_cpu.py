@@ -85,3 +85,33 @@ def test_kernel_equals_attention_over_gathered_blocks(
 def test_unsupported_dtype_names_itself() -> None:
     kernel, why = decode_kernel(torch.float16, 1, 1, 8, 4)
     assert kernel is None and "float16" in why
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kernel_stores_the_steps_keys_and_values_first(dtype) -> None:
+    """A decode-only step hands the kernel its new keys/values (here strided views of a
+    fused QKV row, as the model's split gives them): each is written to its slot before
+    its row attends, as `index_copy_` into the pool and then the kernel would."""
+    groups, heads, d, bs = 3, 9, 64, 16
+    kernel, why = decode_kernel(dtype, groups, heads, d, bs)
+    if kernel is None:
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(20, bs, groups, d, generator=gen).to(dtype)
+    values = torch.randn(20, bs, groups, d, generator=gen).to(dtype)
+    tables = torch.randperm(20, generator=gen)[:12].view(4, 3)
+    lengths = torch.tensor([1, 17, 33, 48])
+    slots = torch.stack(
+        [tables[i, (n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lengths)]
+    )
+    qkv = torch.randn(4, groups, heads // groups + 2, d, generator=gen).to(dtype)
+    query = qkv[:, :, :-2].reshape(4, heads, d)
+    new_keys, new_values = qkv[:, :, -2], qkv[:, :, -1]  # [4, groups, d], not contiguous
+    scale = 1 / math.sqrt(d)
+    stored_keys, stored_values = keys.clone(), values.clone()
+    stored_keys.view(-1, groups, d).index_copy_(0, slots, new_keys)
+    stored_values.view(-1, groups, d).index_copy_(0, slots, new_values)
+    want = kernel(query, stored_keys, stored_values, tables, lengths, -1, scale)
+    got = kernel(query, keys, values, tables, lengths, -1, scale, (new_keys, new_values, slots))
+    assert torch.equal(got, want)
+    assert torch.equal(keys, stored_keys) and torch.equal(values, stored_values)

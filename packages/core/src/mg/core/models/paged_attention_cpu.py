@@ -63,6 +63,27 @@ static inline void store(float x, uint16_t* y) {{  // round to nearest even
     *y = static_cast<uint16_t>(u >> 16);
 }}
 
+// The arguments every variant takes. query: [n, G, H, D], rows and groups at the given
+// strides (elements), heads D apart; keys, values: one layer's pool [blocks, BS, G, D];
+// tables: [n, width] block ids; lengths: [n] positions each sequence attends to (its new
+// one included); window < 0: no sliding window. With `write_new`, sequence i's new key and
+// value rows (groups at the given strides) are first written to its pool slot slots[i].
+#define KERNEL_ARGUMENTS \
+    const scalar_t* query, scalar_t* keys, scalar_t* values, const int64_t* tables, \
+    const int64_t* lengths, scalar_t* out, const scalar_t* new_keys, \
+    const scalar_t* new_values, const int64_t* slots, int64_t n, int64_t width, \
+    int64_t window, int64_t write_new, int64_t query_row, int64_t query_group, int64_t key_row, \
+    int64_t key_group, int64_t value_row, int64_t value_group, float scale
+
+static inline void store_new(KERNEL_ARGUMENTS, int64_t i) {{
+    for (int64_t g = 0; g < G; g++) {{
+        scalar_t* k = keys + (slots[i] * G + g) * D;
+        scalar_t* v = values + (slots[i] * G + g) * D;
+        std::memcpy(k, new_keys + i * key_row + g * key_group, D * sizeof(scalar_t));
+        std::memcpy(v, new_values + i * value_row + g * value_group, D * sizeof(scalar_t));
+    }}
+}}
+
 #if defined(__AVX512F__) && HEAD_DIM % 16 == 0 && BLOCK_SIZE % 16 == 0
 // AVX-512: the scores of 16 positions at a time. Each position's partial products fold
 // into one vector per query head, and `sum16` turns 16 such vectors into one vector of
@@ -198,12 +219,13 @@ static inline void attend16(State& s, int64_t g, const scalar_t* q, const scalar
         for (int64_t v = 0; v < V; v++) _mm512_store_ps(s.acc[g][h] + 16 * v, acc[h][v]);
 }}
 
-extern "C" void kernel(const scalar_t* query, const scalar_t* keys, const scalar_t* values,
-                       const int64_t* tables, const int64_t* lengths, scalar_t* out,
-                       int64_t n, int64_t width, int64_t window, float scale)
+extern "C" void kernel(KERNEL_ARGUMENTS)
 {{
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) {{
+        if (write_new) store_new(query, keys, values, tables, lengths, out, new_keys, new_values,
+                             slots, n, width, window, write_new, query_row, query_group, key_row,
+                             key_group, value_row, value_group, scale, i);
         State s;
         for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
             for (int64_t v = 0; v < V; v++) _mm512_store_ps(s.acc[g][h] + 16 * v, splat(0.f));
@@ -230,7 +252,7 @@ extern "C" void kernel(const scalar_t* query, const scalar_t* keys, const scalar
                 const __mmask16 valid = static_cast<__mmask16>(below_stop & ~below_start);
                 const int64_t row = (table[b] * BS + t - b * BS) * G * D;
                 for (int64_t g = 0; g < G; g++) {{
-                    const scalar_t* q = query + (i * G + g) * H * D;
+                    const scalar_t* q = query + i * query_row + g * query_group;
                     attend16(s, g, q, keys + row + g * D, values + row + g * D, scale, valid,
                              start, stop);
                 }}
@@ -245,18 +267,16 @@ extern "C" void kernel(const scalar_t* query, const scalar_t* keys, const scalar
     }}
 }}
 #else
-// query, out: [n, G, H, D]; keys, values: one layer's pool [blocks, BS, G, D];
-// tables: [n, width] block ids; lengths: [n] positions each sequence attends to
-// (its new one included); window < 0: no sliding window.
-extern "C" void kernel(const scalar_t* query, const scalar_t* keys, const scalar_t* values,
-                       const int64_t* tables, const int64_t* lengths, scalar_t* out,
-                       int64_t n, int64_t width, int64_t window, float scale)
+extern "C" void kernel(KERNEL_ARGUMENTS)
 {{
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) {{
+        if (write_new) store_new(query, keys, values, tables, lengths, out, new_keys, new_values,
+                             slots, n, width, window, write_new, query_row, query_group, key_row,
+                             key_group, value_row, value_group, scale, i);
         float q[G][H][D], acc[G][H][D], running_max[G][H], total[G][H], p[G][H][BS];
         for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
-            const scalar_t* row = query + ((i * G + g) * H + h) * D;
+            const scalar_t* row = query + i * query_row + g * query_group + h * D;
             #pragma omp simd
             for (int64_t d = 0; d < D; d++) {{
                 q[g][h][d] = to_float(row[d]) * scale;
@@ -332,12 +352,54 @@ extern "C" void kernel(const scalar_t* query, const scalar_t* keys, const scalar
 """
 
 _SCALARS = {torch.float32: "float", torch.bfloat16: "uint16_t"}
-_ARGUMENTS = ["const scalar_t*"] * 3 + ["const int64_t*"] * 2 + ["scalar_t*"] + ["int64_t"] * 3
-_ARGUMENTS += ["float"]
+_ARGUMENTS = ["const scalar_t*", "scalar_t*", "scalar_t*", "const int64_t*", "const int64_t*"]
+_ARGUMENTS += ["scalar_t*", "const scalar_t*", "const scalar_t*", "const int64_t*"]
+_ARGUMENTS += ["int64_t"] * 10 + ["float"]
 
-DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
-"""(query [n, heads, d], keys, values [blocks, block_size, groups, d] of one layer,
-tables [n, width], lengths [n], window (-1: none), scale) -> context [n, heads, d]."""
+
+class DecodeKernel:
+    """The kernel built for one shape and dtype."""
+
+    def __init__(self, entry: Callable[..., None]) -> None:
+        self._entry = entry
+
+    def __call__(
+        self,
+        query: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        tables: Tensor,
+        lengths: Tensor,
+        window: int,
+        scale: float,
+        new: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """Context [n, heads, d] of the queries [n, heads, d] over one layer's pool `keys`,
+        `values` [blocks, block_size, groups, d]: row i over the first lengths[i]
+        positions of the blocks tables[i] (the last `window` + 1 of them when window >= 0).
+        `new` (keys, values [n, groups, d], slots [n]): the step's own keys and values,
+        written into the pool first, each row's before it is read (what would otherwise
+        take two `index_copy_` a layer). Views are read where they lie (a fused QKV
+        projection's split), as long as a head's values are contiguous."""
+        if not (keys.is_contiguous() and values.is_contiguous() and tables.is_contiguous()):
+            raise ValueError("paged decode kernel: keys, values and tables must be contiguous")
+        n, heads, d = query.shape
+        groups = keys.shape[2]
+        if query.stride(2) != 1 or query.stride(1) != d:
+            query = query.contiguous()
+        out = query.new_empty(n, heads, d)
+        width = tables.shape[1]
+        if new is None:
+            new_keys, new_values, slots, strides = query, query, lengths, (0, 0, 0, 0)
+        else:
+            new_keys, new_values, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in new)
+            strides = (*new_keys.stride()[:2], *new_values.stride()[:2])
+        self._entry(
+            query, keys, values, tables, lengths, out, new_keys, new_values, slots,
+            n, width, window, int(new is not None), query.stride(0), heads // groups * d,
+            *strides, scale,
+        )  # fmt: skip
+        return out
 
 
 def decode_kernel(
@@ -350,25 +412,7 @@ def decode_kernel(
         entry = _build(_SCALARS[dtype], groups, heads // groups, head_dim, block_size)
     except Exception as err:  # noqa: BLE001 - no compiler, or it failed: SDPA serves
         return None, f"the CPU paged-attention kernel could not be built ({type(err).__name__})"
-
-    def run(
-        query: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        tables: Tensor,
-        lengths: Tensor,
-        window: int,
-        scale: float,
-    ) -> Tensor:
-        if not (keys.is_contiguous() and values.is_contiguous() and tables.is_contiguous()):
-            raise ValueError("paged decode kernel: keys, values and tables must be contiguous")
-        query = query.contiguous()
-        out = torch.empty_like(query)
-        n, width = tables.shape
-        entry(query, keys, values, tables, lengths, out, n, width, window, scale)
-        return out
-
-    return run, "the CPU paged-attention kernel (blocks read in place)"
+    return DecodeKernel(entry), "the CPU paged-attention kernel (blocks read in place)"
 
 
 @contextlib.contextmanager

@@ -272,7 +272,8 @@ class PagedKVCache:
                 self._decode_rows = torch.tensor(starts, device=device)
             self._decode_tables = torch.tensor(tables, device=device)
             self._decode_lengths = torch.tensor([s.context_length for s in decodes], device=device)
-            self._decode_mask = self._mask(decodes, 1, width * bs, chunk=False)
+            self._decode_segments = decodes
+            self._decode_mask = None  # built where first needed: the CPU kernel needs none
         self._decode_bias = None
         self._bound = True
 
@@ -337,8 +338,14 @@ class PagedKVCache:
                 f"the step has shape [{b}, {t}]"
             )
         groups = self.keys.shape[3]
-        self._store(layer_index, key[0], value[0])
         scale = 1.0 / math.sqrt(d)
+        rows = self._decode_rows
+        every_row_decodes = isinstance(rows, slice) and rows == slice(0, t)
+        if every_row_decodes and self._kernel_reads(query) and key.dtype == query.dtype:
+            # every row decodes: the kernel stores the step's keys/values and attends
+            context = self._decode_attention(layer_index, query[0], scale, (key[0], value[0]))
+            return context.view(1, t, heads * d)
+        self._store(layer_index, key[0], value[0])
         gqa = groups != heads
         out = query.new_empty(t, heads, d)
         if self._decode_rows is not None:
@@ -360,10 +367,21 @@ class PagedKVCache:
             out[p.start : p.start + p.length] = context[0].transpose(0, 1)
         return out.view(1, t, heads * d)
 
-    def _decode_attention(self, layer_index: int, query: Tensor, scale: float) -> Tensor:
-        """The decode rows' context [n, heads, d] for their queries [n, heads, d]."""
+    def _kernel_reads(self, query: Tensor) -> bool:
+        """Whether the CPU kernel answers these decode queries."""
+        return self.decode_kernel is not None and query.dtype == self.keys.dtype
+
+    def _decode_attention(
+        self,
+        layer_index: int,
+        query: Tensor,
+        scale: float,
+        new: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """The decode rows' context [n, heads, d] for their queries [n, heads, d]; `new`:
+        the rows' own keys and values, for the kernel to store (a decode-only step)."""
         n, heads, d = query.shape
-        if self.decode_kernel is not None and query.dtype == self.keys.dtype:
+        if self._kernel_reads(query):
             window = self.window_size[0] if self.window_size is not None else -1
             return self.decode_kernel(
                 query,
@@ -373,6 +391,7 @@ class PagedKVCache:
                 self._decode_lengths,
                 window,
                 scale,
+                None if new is None else (*new, self._slots),
             )
         groups = self.keys.shape[3]
         # a group's query heads as its queries ([n, groups, heads/groups, d]): they
@@ -395,6 +414,9 @@ class PagedKVCache:
         is built in every layer, so that the graph recomputes it from the static mask."""
         bias = self._decode_bias
         mask = self._decode_mask
+        if mask is None:
+            keys = self._decode_tables.shape[1] * self.block_size
+            mask = self._decode_mask = self._mask(self._decode_segments, 1, keys, chunk=False)
         capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()
         if bias is None or bias.dtype != dtype or capturing:
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
