@@ -271,7 +271,12 @@ def serve(args: argparse.Namespace) -> None:
     from mg.core.models.mamba import MambaModel
     from mg.generate_server.loading import load_for_serving
     from mg.generate_server.packed_linears import pack_linears
-    from mg.generate_server.resources import check_cpu_bf16, pool_blocks, set_threads
+    from mg.generate_server.resources import (
+        check_cpu_bf16,
+        pool_blocks,
+        release_freed_heap,
+        set_threads,
+    )
     from mg.generate_server.runner import GATHERED, ModelRunner
     from mg.generate_server.tensor_parallel import (
         TensorParallelRunner,
@@ -345,6 +350,8 @@ def serve(args: argparse.Namespace) -> None:
         drafter = _drafter(args, loaded, runner, device, dtype, tp)
     if args.enable_torch_compile:
         runner.compile_buckets()  # before the server listens: no request pays it
+    if device.type == "cpu":
+        release_freed_heap()
     if env.is_driver:
         _serve_http(args, loaded, runner, max_length, tp, drafter)
     else:

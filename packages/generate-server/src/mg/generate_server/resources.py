@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -15,6 +17,20 @@ from mg.generate_server.errors import ServeSetupError
 from mg.generate_server.memory_size import parse_memory
 
 log = logging.getLogger("mg.generate_server")
+
+
+def release_freed_heap() -> bool:
+    """Give the heap freed at start-up back to the system before serving: glibc keeps
+    freed chunks in its arenas, and loading a checkpoint and packing its linears (the
+    packed copy replaces the plain weight) leave ~100 MB of them resident for a 135M
+    bf16 model. Whether it ran (glibc on Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return False
+    return True
 
 
 def free_memory(device: torch.device) -> int:
