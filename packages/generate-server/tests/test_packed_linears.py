@@ -1,6 +1,7 @@
 """bf16 linears packed once for oneDNN (the eager CPU server) compute what the plain
-layers compute, free the plain weights, and leave alone what reads weights directly
-(MoE experts, the output layer) and every other dtype; the freed heap goes back to
+layers compute, free the plain weights (a tied output layer's stays: the embedding
+reads it), and leave alone what reads weights directly (MoE experts) and every other
+dtype; the freed heap goes back to
 the system before serving."""
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def test_packed_layers_equal_plain_ones_and_free_the_weights() -> None:
     plain = _model(untie_embeddings_and_output_weights=True).to(torch.bfloat16)
     packed = _model(untie_embeddings_and_output_weights=True).to(torch.bfloat16)
     layers = plain.config.num_layers
-    assert pack_linears(packed) == 4 * layers  # qkv, proj, fc1, fc2 of every layer
+    assert pack_linears(packed) == 4 * layers + 1  # qkv, proj, fc1, fc2; the output layer
     assert packed.decoder.layers[0].mlp.linear_fc1.weight.numel() == 0
-    assert packed.output_layer.weight.numel() > 0  # read directly: kept
+    assert packed.output_layer.weight.numel() == 0
     ids = torch.randint(0, plain.config.vocab_size, (1, 9))
     steps = []
     for model in (plain, packed):
@@ -47,11 +48,25 @@ def test_packed_layers_equal_plain_ones_and_free_the_weights() -> None:
     assert torch.equal(steps[1].argmax(-1), steps[0].argmax(-1))
 
 
+@torch.inference_mode()
+def test_a_tied_output_layer_keeps_the_embedding() -> None:
+    plain = _model(untie_embeddings_and_output_weights=False).to(torch.bfloat16)
+    packed = _model(untie_embeddings_and_output_weights=False).to(torch.bfloat16)
+    assert packed.output_layer is None  # tied: the embedding's matrix makes the logits
+    assert pack_linears(packed) == 4 * packed.config.num_layers + 1
+    assert torch.equal(packed.embedding.word_embeddings.weight, plain.output_weight())
+    hidden = torch.randn(1, 5, plain.config.hidden_size, dtype=torch.bfloat16)
+    want = plain.output_and_loss(hidden, None)
+    got = packed.output_and_loss(hidden, None)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 def test_other_dtypes_and_moe_experts_stay_plain() -> None:
     assert pack_linears(_model()) == 0  # float32
     moe = _model(num_moe_experts=4, moe_router_topk=2).to(torch.bfloat16)
     layers = moe.config.num_layers
-    assert pack_linears(moe) == 2 * layers  # attention only: the experts read .weight
+    assert pack_linears(moe) == 2 * layers + 1  # attention, output: the experts read .weight
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
