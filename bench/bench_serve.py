@@ -353,6 +353,11 @@ def row(name: str, r: dict) -> str:
     )
 
 
+BASELINE = "transformers generate(), batch 8 (16 requests)"
+BASELINE_AGAIN = "transformers generate(), batch 8, again after the server"
+BASELINES = (BASELINE, BASELINE_AGAIN)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
@@ -401,19 +406,18 @@ def main() -> None:
         serve_flags = [*bf16, *shlex.split(args.serve_args)]
         prompts_file = folder / "prompts16.json"
         prompts_file.write_text(json.dumps(prompts[:16]))
-        child = subprocess.run(
-            [sys.executable, str(BENCH), "--threads", str(args.threads), *bf16, "--_transformers",
-             str(folder / "hf"), str(prompts_file), str(args.new_tokens)],
-            capture_output=True, text=True, check=True,
-            env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
-        )  # fmt: skip
-        results["transformers generate(), batch 8 (16 requests)"] = json.loads(
-            child.stdout.strip().splitlines()[-1]
-        )
-        print(
-            row("transformers batch 8", results["transformers generate(), batch 8 (16 requests)"]),
-            flush=True,
-        )
+
+        def transformers_run(name: str) -> None:
+            child = subprocess.run(
+                [sys.executable, str(BENCH), "--threads", str(args.threads), *bf16,
+                 "--_transformers", str(folder / "hf"), str(prompts_file), str(args.new_tokens)],
+                capture_output=True, text=True, check=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+            )  # fmt: skip
+            results[name] = json.loads(child.stdout.strip().splitlines()[-1])
+            print(row(name, results[name]), flush=True)
+
+        transformers_run(BASELINE)
         for clients in (8, 32):
             name = f"mg-serve, {clients} clients ({2 * clients} requests)"
             results[name] = serve_phase(
@@ -425,6 +429,9 @@ def main() -> None:
                 f"(listening {results[name]['startup_s']:.0f} s after launch)",
                 flush=True,
             )
+        # the baseline again after the server's throughput phases: a VM whose speed
+        # drifts during the run shows as two different baselines
+        transformers_run(BASELINE_AGAIN)
         if not args.skip_memory:
             long_prompts = prompt_ids(8, (1000, 1000), offset=30000)
             memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24, *serve_flags)
@@ -439,8 +446,8 @@ def main() -> None:
         if not args.skip_long:
             results["long"] = long_context_phase(ckpt, args.threads, args, *serve_flags)
 
-    base = results["transformers generate(), batch 8 (16 requests)"]
-    base_tps = base["tokens"] / base["elapsed"]
+    first, again = (results[name]["tokens"] / results[name]["elapsed"] for name in BASELINES)
+    base_tps = (first + again) / 2
     print()
     print(
         "| run | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
@@ -454,7 +461,17 @@ def main() -> None:
     print()
     for name, r in results.items():
         if name.startswith("mg-serve"):
-            print(f"- {name}: {r['tokens'] / r['elapsed'] / base_tps:.2f}x transformers batch 8")
+            tps = r["tokens"] / r["elapsed"]
+            print(
+                f"- {name}: {tps / base_tps:.2f}x transformers batch 8 (the mean of its two "
+                f"runs; {tps / first:.2f}x the first, {tps / again:.2f}x the second)"
+            )
+    drift = abs(first - again) / min(first, again)
+    print(
+        f"- transformers batch 8 before and after the server's phases: {first:.1f} and "
+        f"{again:.1f} tokens/s ({drift:.0%} apart)"
+        + ("; the machine's speed changed during the run: not a result" if drift > 0.1 else "")
+    )
     if "memory" in results:
         m = results["memory"]
         print(
