@@ -84,6 +84,15 @@ static inline void store_new(KERNEL_ARGUMENTS, int64_t i) {{
     }}
 }}
 
+static inline void prefetch_block(const scalar_t* keys, const scalar_t* values, int64_t block) {{
+    const char* k = reinterpret_cast<const char*>(keys + block * BS * G * D);
+    const char* v = reinterpret_cast<const char*>(values + block * BS * G * D);
+    for (int64_t c = 0; c < int64_t(BS * G * D * sizeof(scalar_t)); c += 64) {{
+        __builtin_prefetch(k + c);
+        __builtin_prefetch(v + c);
+    }}
+}}
+
 #if defined(__AVX512F__) && HEAD_DIM % 16 == 0 && BLOCK_SIZE % 16 == 0
 // AVX-512: the scores of 16 positions at a time. Each position's partial products fold
 // into one vector per query head, and `sum16` turns 16 such vectors into one vector of
@@ -236,15 +245,8 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
         const int64_t first = window >= 0 ? std::max<int64_t>(0, length - 1 - window) : 0;
         const int64_t* table = tables + i * width;
         for (int64_t b = first / BS; b * BS < length; b++) {{
-            if ((b + 1) * BS < length) {{  // the next block, while this one is computed
-                const char* k = reinterpret_cast<const char*>(keys + table[b + 1] * BS * G * D);
-                const char* v = reinterpret_cast<const char*>(values + table[b + 1] * BS * G * D);
-                const int64_t bytes = BS * G * D * sizeof(scalar_t);
-                for (int64_t c = 0; c < bytes; c += 64) {{
-                    __builtin_prefetch(k + c);
-                    __builtin_prefetch(v + c);
-                }}
-            }}
+            if ((b + 1) * BS < length)  // the next block, while this one is computed
+                prefetch_block(keys, values, table[b + 1]);
             for (int64_t t = b * BS; t < (b + 1) * BS && t < length; t += 16) {{
                 const int64_t start = std::max(t, first) - t, stop = std::min(t + 16, length) - t;
                 if (start >= stop) continue;
@@ -291,15 +293,8 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
         for (int64_t b = first / BS; b * BS < length; b++) {{
             const int64_t start = std::max(b * BS, first), stop = std::min((b + 1) * BS, length);
             const int64_t count = stop - start;
-            if ((b + 1) * BS < length) {{  // the next block, while this one is computed
-                const char* k = reinterpret_cast<const char*>(keys + table[b + 1] * BS * G * D);
-                const char* v = reinterpret_cast<const char*>(values + table[b + 1] * BS * G * D);
-                const int64_t bytes = BS * G * D * sizeof(scalar_t);
-                for (int64_t c = 0; c < bytes; c += 64) {{
-                    __builtin_prefetch(k + c);
-                    __builtin_prefetch(v + c);
-                }}
-            }}
+            if ((b + 1) * BS < length)  // the next block, while this one is computed
+                prefetch_block(keys, values, table[b + 1]);
             const int64_t base = table[b] * BS + start % BS;
             for (int64_t j = 0; j < count; j++) {{
                 const scalar_t* k = keys + (base + j) * G * D;
