@@ -177,9 +177,14 @@ class OpenAIService:
 
     async def _stream_all(
         self, jobs: list[_Job]
-    ) -> AsyncIterator[tuple[_Job, Completion, str, str | None]]:
-        """(job, completion so far, new text, finish reason) as tokens arrive, all jobs merged."""
-        queue: asyncio.Queue[tuple[_Job, Completion, str, str | None] | Exception] = asyncio.Queue()
+    ) -> AsyncIterator[tuple[_Job, Completion, str, str | None, Completion | None]]:
+        """(job, completion so far, new text, finish reason, the event's own token) as tokens
+        arrive, all jobs merged. The token (with its log-probabilities) is taken when its
+        event arrives: the completion so far may have grown by the time it is read, and an
+        event that only finishes has none (a stop token is not reported)."""
+        queue: asyncio.Queue[
+            tuple[_Job, Completion, str, str | None, Completion | None] | Exception
+        ] = asyncio.Queue()
 
         async def run(job: _Job) -> None:
             result = Completion(prompt=job.prompt)
@@ -188,9 +193,10 @@ class OpenAIService:
                 gen = AsyncGeneration(self.engine, job.prompt, job.params, self.timeout)
                 async for event in gen.events():
                     result.add(event)
-                    delta = ""
+                    delta, new = "", None
                     if event.choice is not None and event.choice.token not in self.stop_ids:
                         delta = text.push([event.choice.token])
+                        new = _last_only(result)
                     finish = None
                     if event.finish_reason is not None:
                         delta += text.finish()
@@ -198,7 +204,7 @@ class OpenAIService:
                     elif text.stopped:
                         finish = "stop"
                     if delta or finish or event.choice is not None:
-                        await queue.put((job, result, delta, finish))
+                        await queue.put((job, result, delta, finish, new))
                     if finish:
                         return
             except Exception as exc:  # surfaces in the stream as an error event
@@ -276,18 +282,14 @@ class OpenAIService:
             return _sse({**head, "choices": [choice]})
 
         try:
-            async for job, result, delta, finish in self._stream_all(jobs):
+            async for job, result, delta, finish, new in self._stream_all(jobs):
                 results[job.index] = result
                 if req.echo and job.index not in echoed:
                     echoed.add(job.index)
                     delta = self.tokenizer.detokenize(job.prompt) + delta
                 logprobs = None
-                if req.logprobs is not None and result.tokens:
-                    token = result.tokens[-1]
-                    if token not in self.stop_ids:
-                        logprobs = self._completion_logprobs(
-                            _last_only(result), [token], echo=False
-                        )
+                if req.logprobs is not None and new is not None:
+                    logprobs = self._completion_logprobs(new, new.tokens, echo=False)
                 choice = {"text": delta, "index": job.index, "logprobs": logprobs}
                 yield chunk({**choice, "finish_reason": finish})
             if req.stream_options is not None and req.stream_options.include_usage:
@@ -403,11 +405,11 @@ class OpenAIService:
             choice = {"index": job.index, "delta": {"role": "assistant", "content": ""}}
             yield _sse({**head, "choices": [{**choice, "logprobs": None, "finish_reason": None}]})
         try:
-            async for job, result, delta, finish in self._stream_all(jobs):
+            async for job, result, delta, finish, new in self._stream_all(jobs):
                 results[job.index] = result
                 logprobs = None
-                if req.logprobs and result.tokens and result.tokens[-1] not in self.stop_ids:
-                    logprobs = self._chat_logprobs(_last_only(result), [result.tokens[-1]])
+                if req.logprobs and new is not None:
+                    logprobs = self._chat_logprobs(new, new.tokens)
                 choice = {
                     "index": job.index,
                     "delta": {"content": delta} if delta else {},
