@@ -79,7 +79,8 @@ def test_serve_with_compiled_decode_steps(checkpoint, server) -> None:
     request = {"prompt": "The school", "max_tokens": 12, "temperature": 0}
     flags = ["--enable-torch-compile", "--inference-max-requests", "2", "--num-threads", "1"]
     with _served(checkpoint, *flags) as (url, line):
-        assert re.search(r"\(cpu, decode compiled for 1, 2 sequences in \d+ s, float32", line)
+        started = r"\(cpu, decode attention in place, decode compiled for 1, 2 sequences in \d+ s"
+        assert re.search(started + ", float32", line)
         text = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
         alone = httpx.post(server.url + "/v1/completions", json=request, timeout=60).json()
         assert text["choices"][0]["text"] == alone["choices"][0]["text"]

@@ -180,8 +180,8 @@ class OpenAIService:
     ) -> AsyncIterator[tuple[_Job, Completion, str, str | None, Completion | None]]:
         """(job, completion so far, new text, finish reason, the event's own token) as tokens
         arrive, all jobs merged. The token (with its log-probabilities) is taken when its
-        event arrives: the completion so far may have grown by the time it is read, and an
-        event that only finishes has none (a stop token is not reported)."""
+        event arrives: the completion so far may have grown by the time it is read. None for
+        an event that only finishes, a stop token, or a request without log-probabilities."""
         queue: asyncio.Queue[
             tuple[_Job, Completion, str, str | None, Completion | None] | Exception
         ] = asyncio.Queue()
@@ -196,7 +196,8 @@ class OpenAIService:
                     delta, new = "", None
                     if event.choice is not None and event.choice.token not in self.stop_ids:
                         delta = text.push([event.choice.token])
-                        new = _last_only(result)
+                        if job.params.reports_logprobs:
+                            new = _last_only(result)
                     finish = None
                     if event.finish_reason is not None:
                         delta += text.finish()

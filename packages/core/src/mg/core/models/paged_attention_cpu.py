@@ -75,12 +75,14 @@ static inline void store(float x, uint16_t* y) {{  // round to nearest even
     int64_t window, int64_t write_new, int64_t query_row, int64_t query_group, int64_t key_row, \
     int64_t key_group, int64_t value_row, int64_t value_group, float scale
 
-static inline void store_new(KERNEL_ARGUMENTS, int64_t i) {{
+// One sequence's new key and value rows (groups `key_group` / `value_group` apart)
+// into pool slot `slot`.
+static inline void store_new(scalar_t* keys, scalar_t* values, const scalar_t* key,
+                             const scalar_t* value, int64_t key_group, int64_t value_group,
+                             int64_t slot) {{
     for (int64_t g = 0; g < G; g++) {{
-        scalar_t* k = keys + (slots[i] * G + g) * D;
-        scalar_t* v = values + (slots[i] * G + g) * D;
-        std::memcpy(k, new_keys + i * key_row + g * key_group, D * sizeof(scalar_t));
-        std::memcpy(v, new_values + i * value_row + g * value_group, D * sizeof(scalar_t));
+        std::memcpy(keys + (slot * G + g) * D, key + g * key_group, D * sizeof(scalar_t));
+        std::memcpy(values + (slot * G + g) * D, value + g * value_group, D * sizeof(scalar_t));
     }}
 }}
 
@@ -232,9 +234,9 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
 {{
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) {{
-        if (write_new) store_new(query, keys, values, tables, lengths, out, new_keys, new_values,
-                             slots, n, width, window, write_new, query_row, query_group, key_row,
-                             key_group, value_row, value_group, scale, i);
+        if (write_new)
+            store_new(keys, values, new_keys + i * key_row, new_values + i * value_row,
+                      key_group, value_group, slots[i]);
         State s;
         for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
             for (int64_t v = 0; v < V; v++) _mm512_store_ps(s.acc[g][h] + 16 * v, splat(0.f));
@@ -273,9 +275,9 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
 {{
     #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) {{
-        if (write_new) store_new(query, keys, values, tables, lengths, out, new_keys, new_values,
-                             slots, n, width, window, write_new, query_row, query_group, key_row,
-                             key_group, value_row, value_group, scale, i);
+        if (write_new)
+            store_new(keys, values, new_keys + i * key_row, new_values + i * value_row,
+                      key_group, value_group, slots[i]);
         float q[G][H][D], acc[G][H][D], running_max[G][H], total[G][H], p[G][H][BS];
         for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
             const scalar_t* row = query + i * query_row + g * query_group + h * D;
