@@ -28,6 +28,11 @@ threads; the ratios; the machine's load.
     .venv/bin/python bench/bench_serve.py                       # the full run (~10 min quiet)
     .venv/bin/python bench/bench_serve.py --layers 4 --skip-long --new-tokens 32   # a smoke run
     .venv/bin/python bench/bench_serve.py --bf16 --serve-args=--enable-torch-compile
+    python bench/bench_serve.py --device cuda --bf16 --serve-args=--enable-cuda-graph
+
+With `--device cuda` both sides run on the GPU (transformers' `generate()` and
+`mg-serve --device cuda`); the memory phase, which measures resident memory on
+the CPU, is left out there.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ import httpx
 import torch
 
 BENCH = Path(__file__).resolve()
+MG_SERVE_MODULE = "mg.generate_server.cli"  # where no `mg-serve` script sits beside python
 
 
 def build_checkpoint(folder: Path, layers: int, positions: int) -> tuple[int, int, int]:
@@ -106,6 +112,8 @@ def prompt_ids(count: int, lengths: tuple[int, int], offset: int = 0) -> list[li
         n = lo + (hi - lo) * i // max(1, count - 1)
         out.append(ids[at : at + n])
         at += n
+    if at > len(ids):
+        raise SystemExit(f"{count} prompts of {lo}-{hi} tokens from {offset} run past the text")
     return out
 
 
@@ -128,7 +136,7 @@ def peak_rss_mb(pid: int | str = "self", field: str = "VmHWM") -> float:
 
 
 def transformers_phase(
-    hf_dir: str, prompts: list[list[int]], new_tokens: int, batch: int, bf16: bool
+    hf_dir: str, prompts: list[list[int]], new_tokens: int, batch: int, bf16: bool, device: str
 ) -> dict:
     import transformers
     from transformers.generation.streamers import BaseStreamer
@@ -143,7 +151,7 @@ def transformers_phase(
         def end(self) -> None:
             pass
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval().to(device)
     if bf16:
         model = model.to(torch.bfloat16)
     model.generation_config.eos_token_id = None
@@ -151,8 +159,8 @@ def transformers_phase(
 
     def run(group: list[list[int]], clock: StepClock | None) -> int:
         width = max(len(p) for p in group)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, streamer=clock, **kwargs)
         return (out.shape[1] - width) * len(group)
@@ -182,8 +190,10 @@ def transformers_phase(
 
 class Server:
     def __init__(self, ckpt: Path, threads: int, max_requests: int, *extra: str) -> None:
+        script = Path(sys.executable).with_name("mg-serve")
+        launcher = [str(script)] if script.exists() else [sys.executable, "-m", MG_SERVE_MODULE]
         command = [
-            str(Path(sys.executable).with_name("mg-serve")),
+            *launcher,
             *("--load", str(ckpt), "--port", "0", "--log-level", "warning"),
             *("--num-threads", str(threads), "--inference-max-requests", str(max_requests)),
             *extra,
@@ -312,7 +322,9 @@ def long_context_phase(ckpt: Path, threads: int, args, *extra: str) -> dict:
             asyncio.run(drive(server.url, short, 7, args.long_decode_tokens)),
             time.monotonic() - started,
         )
-        (long_prompt,) = prompt_ids(1, (args.long_tokens, args.long_tokens), offset=60000)
+        # text no other phase sends (the memory phase's ends at 38,000, the short ones
+        # start at 50,000): an 8,000-token prompt from 40,000 is all new to the cache
+        (long_prompt,) = prompt_ids(1, (args.long_tokens, args.long_tokens), offset=40000)
 
         async def together() -> tuple[list[dict], dict]:
             limits = httpx.Limits(max_connections=10)
@@ -370,6 +382,7 @@ def main() -> None:
     parser.add_argument("--long-chunk", type=int, default=64, help="--max-num-batched-tokens")
     parser.add_argument("--long-decode-tokens", type=int, default=32)
     parser.add_argument("--bf16", action="store_true", help="both sides in bfloat16")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="both sides")
     parser.add_argument(
         "--serve-args",
         default="",
@@ -382,7 +395,7 @@ def main() -> None:
     if args._transformers:  # the child process of phase 1
         hf_dir, prompts_file, new_tokens = args._transformers
         prompts = json.loads(Path(prompts_file).read_text())
-        result = transformers_phase(hf_dir, prompts, int(new_tokens), 8, args.bf16)
+        result = transformers_phase(hf_dir, prompts, int(new_tokens), 8, args.bf16, args.device)
         print(json.dumps(result))
         return
 
@@ -394,7 +407,8 @@ def main() -> None:
         prompts = prompt_ids(64, tuple(args.prompt_tokens))
         print(
             f"model: Llama shape, {args.layers} layers, hidden 576, {params / 1e6:.1f}M "
-            f"parameters, {'bf16' if args.bf16 else 'fp32'}; {args.threads} threads on both "
+            f"parameters, {'bf16' if args.bf16 else 'fp32'}, {args.device}; {args.threads} "
+            "threads on both "
             f"sides; prompts of "
             f"{args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {args.new_tokens} new "
             f"tokens each; mg-serve flags: {' '.join(['--bf16'] * args.bf16) or 'none'} "
@@ -403,17 +417,20 @@ def main() -> None:
         )
         results: dict[str, dict] = {}
         bf16 = ["--bf16"] if args.bf16 else []
-        serve_flags = [*bf16, *shlex.split(args.serve_args)]
+        device = ["--device", args.device]
+        serve_flags = [*bf16, *device, *shlex.split(args.serve_args)]
         prompts_file = folder / "prompts16.json"
         prompts_file.write_text(json.dumps(prompts[:16]))
 
         def transformers_run(name: str) -> None:
             child = subprocess.run(
-                [sys.executable, str(BENCH), "--threads", str(args.threads), *bf16,
+                [sys.executable, str(BENCH), "--threads", str(args.threads), *bf16, *device,
                  "--_transformers", str(folder / "hf"), str(prompts_file), str(args.new_tokens)],
-                capture_output=True, text=True, check=True,
+                capture_output=True, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
             )  # fmt: skip
+            if child.returncode != 0:
+                sys.exit(f"transformers' generate() failed:\n{child.stderr[-3000:]}")
             results[name] = json.loads(child.stdout.strip().splitlines()[-1])
             print(row(name, results[name]), flush=True)
 
@@ -432,7 +449,7 @@ def main() -> None:
         # the baseline again after the server's throughput phases: a VM whose speed
         # drifts during the run shows as two different baselines
         transformers_run(BASELINE_AGAIN)
-        if not args.skip_memory:
+        if not args.skip_memory and args.device == "cpu":
             long_prompts = prompt_ids(8, (1000, 1000), offset=30000)
             memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24, *serve_flags)
             cached = 8 * (1000 + 24) * kv_per_token

@@ -486,6 +486,8 @@ def _serve_http(
             layout += ", oneDNN-packed weights"
         if args.enable_torch_compile:
             layout += ", " + runner.status
+        if args.enable_cuda_graph:
+            layout += ", decode steps as CUDA graphs"
         if runner.recurrent_state:
             layout += ", Mamba state per sequence, no prefix caching"
         dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
