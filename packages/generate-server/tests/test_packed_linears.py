@@ -1,8 +1,7 @@
-"""bf16 linears packed once for oneDNN (the eager CPU server) compute what the plain
-layers compute, free the plain weights (a tied output layer's stays: the embedding
-reads it), and leave alone what reads weights directly (MoE experts) and every other
-dtype; the freed heap goes back to
-the system before serving."""
+"""bf16 linears packed once (the eager CPU server), for this package's AMX kernel or for
+oneDNN, compute what the plain layers compute, free the plain weights (a tied output
+layer's stays: the embedding reads it), and leave alone what reads weights directly (MoE
+experts) and every other dtype; the freed heap goes back to the system before serving."""
 
 from __future__ import annotations
 
@@ -14,11 +13,21 @@ import torch
 
 from mg.core.models import GPTModel, presets
 from mg.core.models.paged_kv_cache import PagedSegment
-from mg.generate_server.packed_linears import pack_linears, packing_available
+from mg.generate_server.amx_matmul import AMXLinear, amx_matmul
+from mg.generate_server.packed_linears import (
+    OneDNNLinear,
+    pack_linears,
+    packing_available,
+    weight_packing,
+)
 from mg.generate_server.resources import release_freed_heap
 from mg.generate_server.runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch without oneDNN")
+AMX = pytest.param(
+    True, marks=pytest.mark.skipif(amx_matmul()[0] is None, reason=amx_matmul()[1]), id="AMX"
+)
+PACKINGS = pytest.mark.parametrize("amx", [pytest.param(False, id="oneDNN"), AMX])
 
 
 def _model(**overrides) -> GPTModel:
@@ -27,12 +36,15 @@ def _model(**overrides) -> GPTModel:
     return GPTModel(config).eval()
 
 
+@PACKINGS
 @torch.inference_mode()
-def test_packed_layers_equal_plain_ones_and_free_the_weights() -> None:
+def test_packed_layers_equal_plain_ones_and_free_the_weights(amx: bool) -> None:
     plain = _model(untie_embeddings_and_output_weights=True).to(torch.bfloat16)
     packed = _model(untie_embeddings_and_output_weights=True).to(torch.bfloat16)
     layers = plain.config.num_layers
-    assert pack_linears(packed) == 4 * layers + 1  # qkv, proj, fc1, fc2; the output layer
+    assert pack_linears(packed, amx) == 4 * layers + 1  # qkv, proj, fc1, fc2; the output
+    kind = AMXLinear if amx else OneDNNLinear
+    assert type(packed.decoder.layers[1].self_attention.linear_qkv.forward) is kind
     assert packed.decoder.layers[0].mlp.linear_fc1.weight.numel() == 0
     assert packed.output_layer.weight.numel() == 0
     ids = torch.randint(0, plain.config.vocab_size, (1, 9))
@@ -43,23 +55,42 @@ def test_packed_layers_equal_plain_ones_and_free_the_weights() -> None:
                                 list(range(8)), [7])  # fmt: skip
         decode = runner.forward([PagedSegment(0, 1, 8, [0, 1, 2])], [ids[0, 8].item()], [8], [0])
         steps.append(torch.cat([prompt, decode]))
-    # the same oneDNN matmul with the weight in its blocked layout from the start
+    # the same products, summed in another order: equal to bf16 rounding
     torch.testing.assert_close(steps[1], steps[0], atol=2e-2, rtol=2e-2)
     assert torch.equal(steps[1].argmax(-1), steps[0].argmax(-1))
 
 
+@PACKINGS
 @torch.inference_mode()
-def test_a_tied_output_layer_keeps_the_embedding() -> None:
+def test_a_tied_output_layer_keeps_the_embedding(amx: bool) -> None:
     plain = _model(untie_embeddings_and_output_weights=False).to(torch.bfloat16)
     packed = _model(untie_embeddings_and_output_weights=False).to(torch.bfloat16)
     assert packed.output_layer is None  # tied: the embedding's matrix makes the logits
-    assert pack_linears(packed) == 4 * packed.config.num_layers + 1
+    assert pack_linears(packed, amx) == 4 * packed.config.num_layers + 1
     assert torch.equal(packed.embedding.word_embeddings.weight, plain.output_weight())
     hidden = torch.randn(1, 5, plain.config.hidden_size, dtype=torch.bfloat16)
     want = plain.output_and_loss(hidden, None)
     got = packed.output_and_loss(hidden, None)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_weights_the_kernel_cannot_take_go_to_onednn() -> None:
+    """A side that is not a multiple of 32 (here the output layer's 100-token vocabulary)
+    keeps oneDNN's packing; the others take the AMX kernel's where it runs."""
+    model = _model(vocab_size=100, untie_embeddings_and_output_weights=True).to(torch.bfloat16)
+    hidden = torch.randn(1, 3, model.config.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = model.output_and_loss(hidden, None)
+        assert pack_linears(model) == 4 * model.config.num_layers + 1
+        torch.testing.assert_close(model.output_and_loss(hidden, None), want)
+    assert weight_packing(amx=False) == "oneDNN"
+    if amx_matmul()[0] is None:
+        assert weight_packing() == "oneDNN"
+        with pytest.raises(RuntimeError, match="AMX matmuls asked for"):
+            weight_packing(amx=True)
+    else:
+        assert weight_packing() == "AMX"
 
 
 def test_other_dtypes_and_moe_experts_stay_plain() -> None:

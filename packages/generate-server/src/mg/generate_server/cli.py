@@ -455,6 +455,7 @@ def _serve_http(
     from mg.generate_server.chat import load_chat_template
     from mg.generate_server.engine import GenerationEngine
     from mg.generate_server.megatron_api import Limits
+    from mg.generate_server.packed_linears import weight_packing
 
     engine = None
     try:
@@ -483,7 +484,7 @@ def _serve_http(
         if runner.cache_decode_kernel is not None:
             layout += ", decode attention in place"
         if runner.packed_linears:
-            layout += ", oneDNN-packed weights"
+            layout += f", {weight_packing()}-packed weights"
         if args.enable_torch_compile:
             layout += ", " + runner.status
         if args.enable_cuda_graph:

@@ -21,7 +21,7 @@ graphs, and a model under tensor parallelism keeps its plain sharded layers.
 
 from __future__ import annotations
 
-import types
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from mg.core.models import GPTModel
 from mg.core.models.gpt import MLP
 from mg.core.models.vocab_mask import loss_or_logits, mask_padded_vocab
+from mg.generate_server.amx_matmul import AMXLinear, amx_matmul, fits
 
 
 def packing_available() -> bool:
@@ -38,11 +39,22 @@ def packing_available() -> bool:
     )
 
 
-def pack_linears(model: nn.Module) -> int:
+def weight_packing(amx: bool | None = None) -> str | None:
+    """What `pack_linears` packs for here: "AMX" (this package's kernel, on CPUs with AMX),
+    "oneDNN", or None. `amx`: None where available, False never, True required."""
+    if amx is not False and amx_matmul()[0] is not None:
+        return "AMX"
+    if amx:
+        raise RuntimeError(f"AMX matmuls asked for: {amx_matmul()[1]}")
+    return "oneDNN" if packing_available() else None
+
+
+def pack_linears(model: nn.Module, amx: bool | None = None) -> int:
     """Pack the bf16 CPU linears of a GPT model's attention and dense MLPs (the layers
     that run through their own `forward`; MoE experts read their weights directly and
-    keep them) and its output layer; the number packed."""
-    if not packing_available() or not isinstance(model, GPTModel):
+    keep them) and its output layer, for `weight_packing(amx)`; the number packed."""
+    packing = weight_packing(amx)
+    if packing is None or not isinstance(model, GPTModel):
         return 0
     linears: list[nn.Module] = []
     for layer in model.decoder.layers:
@@ -58,35 +70,45 @@ def pack_linears(model: nn.Module) -> int:
             continue
         if weight.device.type != "cpu":
             continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        module.packed_matmul = _packed(weight, module.bias, packing)
         weight.data = torch.empty(0, dtype=weight.dtype)  # the packed copy replaces it
-        module.forward = types.MethodType(_packed_forward, module)
+        module.forward = module.packed_matmul
         packed += 1
-    return packed + _pack_output_layer(model)
+    return packed + _pack_output_layer(model, packing)
 
 
-def _pack_output_layer(model: GPTModel) -> int:
+def _pack_output_layer(model: GPTModel, packing: str) -> int:
     weight = model.output_weight()
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         return 0
-    packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    matmul = _packed(weight, None, packing)
     if model.output_layer is not None:  # its own: the packed copy replaces it
         weight.data = torch.empty(0, dtype=weight.dtype)
 
     def output_and_loss(hidden: Tensor, labels: Tensor | None) -> Tensor:
-        logits = _packed_matmul(hidden, packed_weight, None)
-        return loss_or_logits(mask_padded_vocab(logits, model.real_vocab_size), labels)
+        return loss_or_logits(mask_padded_vocab(matmul(hidden), model.real_vocab_size), labels)
 
     model.output_and_loss = output_and_loss
     return 1
 
 
-def _packed_forward(self: nn.Linear, x: Tensor) -> Tensor:
-    return _packed_matmul(x, self.packed_weight, self.bias)
+def _packed(weight: Tensor, bias: Tensor | None, packing: str) -> Callable[[Tensor], Tensor]:
+    """x -> x @ weight.T + bias over x's last dimension, the weight packed once: for the
+    AMX kernel where it takes the shape, else for oneDNN."""
+    kernel = amx_matmul()[0] if packing == "AMX" else None
+    if kernel is not None and fits(weight):
+        return AMXLinear(kernel, weight, bias)
+    return OneDNNLinear(weight, bias)
 
 
-def _packed_matmul(x: Tensor, packed_weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x @ weight.T + bias over x's last dimension, the weight packed for oneDNN."""
-    rows = x.reshape(-1, x.shape[-1])
-    y = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
-    return y.view(*x.shape[:-1], y.shape[-1])
+class OneDNNLinear:
+    """One bf16 weight packed into oneDNN's blocked layout, with its bias."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        self.bias = bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
