@@ -134,15 +134,42 @@ class AMXLinear:
         self.bias = torch.zeros(0) if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.bfloat16:
-            raise TypeError(f"AMX linear: bf16 inputs only, got {rows.dtype}")
-        rows = rows.contiguous()
-        y = rows.new_empty(rows.shape[0], self.out_features)
-        if rows.shape[0]:
-            n, k = self.out_features, self.in_features
-            self._kernel(rows, self.packed, self.bias, y, rows.shape[0], n, k, self.has_bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling():  # a node of the graph, run by `_linear`
+            return torch.ops.mg_amx.linear(x, self.packed, self.bias, self.has_bias)
+        return _linear(self._kernel, x, self.packed, self.bias, self.has_bias)
+
+
+def _linear(kernel, x: Tensor, packed: Tensor, bias: Tensor, has_bias: int) -> Tensor:
+    """x [..., K] @ the packed weight [N, K].T (+ bias)."""
+    in_features = x.shape[-1]
+    out_features = packed.numel() // in_features
+    rows = x.reshape(-1, in_features)
+    if rows.dtype != torch.bfloat16:
+        raise TypeError(f"AMX linear: bf16 inputs only, got {rows.dtype}")
+    rows = rows.contiguous()
+    y = rows.new_empty(rows.shape[0], out_features)
+    if rows.shape[0]:
+        kernel(rows, packed, bias, y, rows.shape[0], out_features, in_features, has_bias)
+    return y.view(*x.shape[:-1], out_features)
+
+
+# For torch.compile (`--enable-torch-compile`): the kernel as an operator the graph calls
+# (defined through torch.library.Library: the `custom_op` decorator's checks cost more
+# per call than the kernel's smaller products take).
+_LIBRARY = torch.library.Library("mg_amx", "DEF")
+_LIBRARY.define("linear(Tensor x, Tensor packed, Tensor bias, int has_bias) -> Tensor")
+
+
+def _operator(x: Tensor, packed: Tensor, bias: Tensor, has_bias: int) -> Tensor:
+    return _linear(amx_matmul()[0], x, packed, bias, has_bias)
+
+
+_LIBRARY.impl("linear", _operator, "CPU")
+
+
+@torch.library.register_fake("mg_amx::linear")
+def _(x: Tensor, packed: Tensor, bias: Tensor, has_bias: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], packed.numel() // x.shape[-1])
 
 
 def pack_weight(weight: Tensor) -> Tensor:

@@ -270,7 +270,7 @@ def serve(args: argparse.Namespace) -> None:
     from mg.core.models.attention_backend import set_attention_backend
     from mg.core.models.mamba import MambaModel
     from mg.generate_server.loading import load_for_serving
-    from mg.generate_server.packed_linears import pack_linears
+    from mg.generate_server.packed_linears import pack_linears, weight_packing
     from mg.generate_server.resources import (
         check_cpu_bf16,
         pool_blocks,
@@ -332,6 +332,8 @@ def serve(args: argparse.Namespace) -> None:
         runner = _graph_runner(args, loaded, device, tp, max_length, pool)
     elif args.enable_torch_compile:
         runner = _compiled_runner(args, loaded, device, tp, max_length, pool)
+        if weight_packing() == "AMX":  # the graphs call the kernel; else inductor packs
+            runner.packed_linears = pack_linears(loaded.model)
     elif env.tp_mesh is None:
         runner = ModelRunner(loaded.model, args.inference_max_requests, max_length, *pool)
         if device.type == "cpu":
