@@ -14,9 +14,7 @@ import httpx
 import pytest
 import torch
 
-from mg.core.checkpoint import save_model
-from mg.core.fixtures import gpt2_bpe_tokenizer_config
-from mg.core.models import GPTModel, presets
+from mg.core.testing.serving_checkpoints import save_decisive_model
 from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.runner import ModelRunner
@@ -43,16 +41,7 @@ def served(tmp_path_factory):
     from mg.generate_server.loading import load_for_serving
 
     folder = tmp_path_factory.mktemp("cuda")
-    torch.manual_seed(0)
-    config = presets.tiny_llama(
-        vocab_size=50304,
-        max_position_embeddings=128,
-        seq_length=128,
-        init_method_std=0.3,  # decisive logits: no near-ties for argmax to flip on
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    save_model(folder / "ckpt", GPTModel(config), config, gpt2_bpe_tokenizer_config())
+    save_decisive_model(folder, positions=128)  # RoPE, GQA, SwiGLU
     export_hf(folder / "ckpt", folder / "hf", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval().cuda()
     loaded = load_for_serving(folder / "ckpt", device="cuda")

@@ -16,9 +16,8 @@ import httpx
 import pytest
 import torch
 
-from mg.core.checkpoint import save_model
-from mg.core.fixtures import gpt2_bpe_tokenizer_config
-from mg.core.models import GPTModel, presets
+from mg.core.models import presets
+from mg.core.testing.serving_checkpoints import save_decisive_model
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.loading import load_for_serving
 from mg.generate_server.runner import ModelRunner
@@ -36,18 +35,7 @@ SHAPES = {
 
 
 def _checkpoint(shape: str, folder: Path) -> Path:
-    torch.manual_seed(0)
-    config = SHAPES[shape](
-        vocab_size=50304,
-        max_position_embeddings=64,
-        seq_length=64,
-        init_method_std=0.3,  # decisive logits: no near-ties for argmax to flip on
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    model = GPTModel(config)
-    tokenizer = gpt2_bpe_tokenizer_config()
-    save_model(folder / "ckpt", model, config, tokenizer)
+    save_decisive_model(folder, SHAPES[shape])
     export_hf(folder / "ckpt", folder / "hf", progress=False)
     return folder
 

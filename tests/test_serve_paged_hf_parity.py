@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mg.core.checkpoint import save_model
-from mg.core.fixtures import gpt2_bpe_tokenizer_config
 from mg.core.models import GPTModel, presets
+from mg.core.testing.serving_checkpoints import save_decisive_model
 from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.loading import LoadedModel, load_for_serving
@@ -39,17 +38,7 @@ def served(tmp_path_factory) -> tuple[LoadedModel, list[list[int]], list[list[in
     """A Llama-shaped model (RoPE, GQA, SwiGLU) as an mg checkpoint, the prompts' ids and
     transformers' greedy continuations of each prompt alone."""
     folder = tmp_path_factory.mktemp("paged")
-    torch.manual_seed(0)
-    config = presets.tiny_llama(
-        vocab_size=50304,
-        max_position_embeddings=128,
-        seq_length=128,
-        init_method_std=0.3,  # decisive logits: no near-ties for argmax to flip on
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    tokenizer = gpt2_bpe_tokenizer_config()
-    save_model(folder / "ckpt", GPTModel(config), config, tokenizer)
+    save_decisive_model(folder, positions=128)
     export_hf(folder / "ckpt", folder / "hf", progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval()
     hf.generation_config.eos_token_id = None

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mg.core.checkpoint import load_model, save_model
-from mg.core.fixtures import gpt2_bpe_tokenizer_config
-from mg.core.models import GPTModel
-from mg.core.models.presets import tiny_llama
+from mg.core.checkpoint import load_model
 from mg.core.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from mg.core.testing.serving_checkpoints import save_decisive_model
 from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.runner import ModelRunner
@@ -56,20 +54,9 @@ def _generate(engine: GenerationEngine, prompts: list[list[int]]) -> list[list[i
 
 @pytest.fixture(scope="module")
 def float_checkpoint(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("quantized")
-    torch.manual_seed(0)
-    config = tiny_llama(
-        vocab_size=50304,
-        ffn_hidden_size=128,
-        max_position_embeddings=64,
-        seq_length=64,
-        init_method_std=0.3,  # decisive logits: no near-ties for argmax to flip on
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+    return save_decisive_model(
+        tmp_path_factory.mktemp("quantized"), name="float", ffn_hidden_size=128
     )
-    tokenizer = gpt2_bpe_tokenizer_config()
-    save_model(folder / "float", GPTModel(config).eval(), config, tokenizer)
-    return folder / "float"
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
