@@ -57,5 +57,7 @@ def test_no_rows_and_strided_inputs() -> None:
     torch.testing.assert_close(
         linear(view).float(), view.float() @ weight.float().T, rtol=2**-8, atol=1e-3
     )
+    with pytest.raises(ValueError, match="32 inputs for a \\[64, 64\\] weight"):
+        linear(torch.randn(2, 32).bfloat16())
     with pytest.raises(TypeError, match="bf16 inputs only"):
         linear(torch.randn(2, 64))

@@ -134,6 +134,9 @@ class AMXLinear:
         self.bias = torch.zeros(0) if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:  # the kernel would read past the weight
+            raise ValueError(f"AMX linear: {x.shape[-1]} inputs for a [{self.out_features}, "
+                             f"{self.in_features}] weight")  # fmt: skip
         if torch.compiler.is_compiling():  # a node of the graph, run by `_linear`
             return torch.ops.mg_amx.linear(x, self.packed, self.bias, self.has_bias)
         return _linear(self._kernel, x, self.packed, self.bias, self.has_bias)
