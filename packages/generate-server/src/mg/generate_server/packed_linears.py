@@ -55,9 +55,10 @@ def weight_packing(amx: bool | None = None) -> str | None:
 def pack_linears(model: nn.Module, amx: bool | None = None) -> int:
     """Pack the bf16 CPU linears of a GPT model's attention and dense MLPs (the layers
     that run through their own `forward`; MoE experts read their weights directly and
-    keep them) and its output layer, for `weight_packing(amx)`; the number packed."""
-    packing = weight_packing(amx)
-    if packing is None or not isinstance(model, GPTModel):
+    keep them) and its output layer, for `weight_packing(amx)`; the number packed. A
+    model with nothing to pack (another dtype or device) returns 0 before any kernel is
+    built."""
+    if not isinstance(model, GPTModel):
         return 0
     linears: list[nn.Module] = []
     for layer in model.decoder.layers:
@@ -66,26 +67,28 @@ def pack_linears(model: nn.Module, amx: bool | None = None) -> int:
             linears += [attention.linear_qkv, attention.linear_proj]
         if type(getattr(layer, "mlp", None)) is MLP:
             linears += [layer.mlp.linear_fc1, layer.mlp.linear_fc2]
+    linears = [m for m in linears if type(m) is nn.Linear and _packable(m.weight)]
+    output = _packable(model.output_weight())
+    packing = weight_packing(amx) if linears or output else None
+    if packing is None:
+        return 0
     packed = 0
     for module in linears:
-        weight = module.weight
-        if type(module) is not nn.Linear or weight.dtype != torch.bfloat16:
-            continue
-        if weight.device.type != "cpu":
-            continue
-        matmul = _packed(weight, module.bias, packing)
+        matmul = _packed(module.weight, module.bias, packing)
         if matmul is None:
             continue
-        weight.data = torch.empty(0, dtype=weight.dtype)  # the packed copy replaces it
+        module.weight.data = torch.empty(0, dtype=module.weight.dtype)  # the copy replaces it
         module.forward = matmul
         packed += 1
-    return packed + _pack_output_layer(model, packing)
+    return packed + (_pack_output_layer(model, packing) if output else 0)
+
+
+def _packable(weight: Tensor) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
 
 
 def _pack_output_layer(model: GPTModel, packing: str) -> int:
     weight = model.output_weight()
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        return 0
     matmul = _packed(weight, None, packing)
     if matmul is None:
         return 0
