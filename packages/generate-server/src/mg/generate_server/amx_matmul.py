@@ -216,8 +216,15 @@ def _build() -> Callable[..., None]:
 
     with quiet_cpp_extension():
         return CppPythonBindingsCodeCache.load_pybinding(
-            _ARGUMENTS,
-            _SOURCE,
-            needs_vec_isa=True,
-            extra_flags=("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw"),
+            _ARGUMENTS, _SOURCE, needs_vec_isa=True, extra_flags=KERNEL_FLAGS
         )
+
+
+KERNEL_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw")
+"""What the kernel is compiled with, also by a library that includes its source."""
+
+
+def kernel_source() -> str:
+    """The kernel's C++ (`extern "C" void kernel(x, w, bias, y, M, N, K, has_bias)`), for a
+    library built around it (`fused_decode`)."""
+    return _SOURCE

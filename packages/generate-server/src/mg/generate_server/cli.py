@@ -347,6 +347,10 @@ def serve(args: argparse.Namespace) -> None:
     decode_attention = runner.choose_decode_attention()
     if runner.cache_decode_kernel is None and decode_attention != GATHERED:
         log.warning("decode attention: %s", decode_attention)  # why the kernel is not used
+    if type(runner) is ModelRunner and runner.packed_linears and backend == "auto":
+        why = runner.use_fused_decode()  # AMX-packed weights: the whole step in C++ if it can
+        if why is not None:
+            log.info("decode steps run op by op: %s", why)
     drafter = None
     if args.draft_load is not None:
         drafter = _drafter(args, loaded, runner, device, dtype, tp)
@@ -487,6 +491,8 @@ def _serve_http(
             layout += ", decode attention in place"
         if runner.packed_linears:
             layout += f", {weight_packing()}-packed weights"
+        if runner.fused_decode is not None:
+            layout += ", decode steps fused"
         if args.enable_torch_compile:
             layout += ", " + runner.status
         if args.enable_cuda_graph:

@@ -80,6 +80,8 @@ class ModelRunner:
         """`--attention-backend`: the SDPA kernels the cache's attention may use."""
         self.packed_linears = 0
         """Linears whose bf16 weights were packed for oneDNN (`packed_linears`)."""
+        self.fused_decode = None
+        """`fused_decode.FusedDecode`: decode-only steps as one C++ call (`use_fused_decode`)."""
 
     @property
     def _attention_cache(self) -> PagedKVCache | None:
@@ -95,6 +97,17 @@ class ModelRunner:
         if cache is None or self.attention_backend != "auto":
             return GATHERED
         return cache.use_cpu_decode_kernel()
+
+    def use_fused_decode(self) -> str | None:
+        """Run decode-only steps as one C++ call (`fused_decode`) where this model and
+        machine allow it (a Llama-shaped bf16 model whose linears the AMX kernel took);
+        None, or why not, for the log."""
+        from mg.generate_server.fused_decode import FusedDecode, fused_decode_unsupported
+
+        why = fused_decode_unsupported(self.model, self._attention_cache)
+        if why is None:
+            self.fused_decode = FusedDecode(self.model, self._attention_cache)
+        return why
 
     @property
     def cache_decode_kernel(self):
@@ -126,6 +139,8 @@ class ModelRunner:
         self.cache.bind(segments)
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
         pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
+        if self.fused_decode is not None and _every_row_decodes(segments, logit_rows):
+            return self.fused_decode.logits(ids, pos).float()
         rows = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
         return self._logits(ids, pos, rows).float().cpu()
 
@@ -148,3 +163,10 @@ class ModelRunner:
 
     def close(self) -> None:
         """Called once by the engine thread when it stops."""
+
+
+def _every_row_decodes(segments: Sequence[PagedSegment], logit_rows: Sequence[int]) -> bool:
+    """A decode-only step whose every row samples (what `FusedDecode` runs)."""
+    return all(s.query_length == 1 for s in segments) and list(logit_rows) == list(
+        range(len(segments))
+    )

@@ -429,21 +429,28 @@ def quiet_cpp_extension() -> Iterator[None]:
 def _build(scalar: str, groups: int, per_group: int, head_dim: int, block_size: int):
     """Compile (or load from inductor's on-disk cache) the kernel for one shape."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    source = kernel_source(scalar, groups, per_group, head_dim, block_size)
+    with quiet_cpp_extension():
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARGUMENTS, source, needs_vec_isa=True, extra_flags=kernel_flags()
+        )
+
+
+def kernel_source(scalar: str, groups: int, per_group: int, head_dim: int, block_size: int) -> str:
+    """The kernel's C++ for one shape: `extern "C" void kernel(KERNEL_ARGUMENTS)`, for a
+    caller that builds it into a larger library (`mg.generate_server.fused_decode`)."""
+    return _SOURCE.format(
+        groups=groups, per_group=per_group, head_dim=head_dim, block_size=block_size, scalar=scalar
+    )
+
+
+def kernel_flags() -> tuple[str, ...]:
+    """The compiler flags the kernel needs: inductor builds its own kernels unvectorized and
+    without FMA contraction (they are vectorized by hand); this one relies on the compiler's
+    loop vectorizer."""
     from torch._inductor.cpp_builder import get_cpp_compiler
 
-    source = _SOURCE.format(
-        groups=groups,
-        per_group=per_group,
-        head_dim=head_dim,
-        block_size=block_size,
-        scalar=scalar,
-    )
-    # inductor builds its own kernels unvectorized and without FMA contraction (they are
-    # vectorized by hand); this one relies on the compiler's loop vectorizer
-    with quiet_cpp_extension():
-        clang = "clang" in get_cpp_compiler()
-        flags = ("-fvectorize",) if clang else ("-ftree-loop-vectorize",)
-        flags += ("-ffp-contract=fast", "-fno-math-errno")
-        return CppPythonBindingsCodeCache.load_pybinding(
-            _ARGUMENTS, source, needs_vec_isa=True, extra_flags=flags
-        )
+    clang = "clang" in get_cpp_compiler()
+    flags = ("-fvectorize",) if clang else ("-ftree-loop-vectorize",)
+    return (*flags, "-ffp-contract=fast", "-fno-math-errno")

@@ -1,0 +1,257 @@
+"""A Llama-shaped bf16 model's decode step as one C++ call, on CPUs with AMX.
+
+On a CPU a decode step of a few sequences costs a read of the weights (~12 ms
+for a 135M model on two cores) plus everything around it: per layer, five
+matmuls, the norms, RoPE, the SwiGLU product, residual adds and the paged
+attention, each a torch op (or a compiled graph's kernel) with its dispatch,
+its output allocation and an OpenMP team woken for a few microseconds of work.
+For 30 layers that overhead was as large as the matmuls themselves (a
+compiled step of 8 sequences: 26 ms, of which the linears' reads ~12).
+
+This module builds one C++ library from the package's AMX matmul kernel
+(`amx_matmul`), the paged decode-attention kernel
+(`mg.core.models.paged_attention_cpu`) and the small ops between them, and
+runs every layer of a decode-only step in a single call: the embedding lookup
+and the output layer stay in PyTorch. Each op rounds to bf16 where the eager
+model does (a norm's product and its scale, RoPE's two products and their sum,
+SiLU and its product, each residual add), so it computes the eager model's
+numbers up to the order of the sums.
+
+It serves models whose every layer is pre-norm RMSNorm, fused QKV without bias
+(GQA allowed), RoPE over all or part of each head, and a SwiGLU MLP without
+bias, with weights the AMX kernel took (`pack_linears`): Llama, Mistral,
+SmolLM, Qwen-without-bias shapes. `fused_decode_unsupported` says why any
+other model (or machine) keeps the per-op step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mg.core.models import GPTModel
+from mg.core.models.gpt import MLP, TransformerLayer
+from mg.core.models.paged_attention_cpu import kernel_flags, kernel_source, quiet_cpp_extension
+from mg.core.models.paged_kv_cache import PagedKVCache
+from mg.generate_server.amx_matmul import KERNEL_FLAGS, AMXLinear
+from mg.generate_server.amx_matmul import kernel_source as amx_source
+
+_STEP = r"""
+static inline float from_bf16(uint16_t x) {
+    uint32_t u = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t to_bf16(float x) {  // round to nearest even
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    u += 0x7FFF + ((u >> 16) & 1);
+    return static_cast<uint16_t>(u >> 16);
+}
+static inline float rounded(float x) { return from_bf16(to_bf16(x)); }
+
+// y = x / rms(x) * w per row, rounded as torch's rms_norm on bf16 (x / rms, then * w).
+// In place (y == x) is allowed.
+static void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t n,
+                     int64_t width, float eps) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t* row = x + i * width;
+        float squares = 0.f;
+        for (int64_t c = 0; c < width; c++) squares += from_bf16(row[c]) * from_bf16(row[c]);
+        const float inverse = 1.f / std::sqrt(squares / width + eps);
+        for (int64_t c = 0; c < width; c++)
+            y[i * width + c] = to_bf16(rounded(from_bf16(row[c]) * inverse) * from_bf16(w[c]));
+    }
+}
+
+// RoPE ("rotate half") over the first `rot` channels of every query and key head, in place
+// in the QKV rows ([n][groups][per_group queries, key, value][d]); cos, sin: [n, rot] bf16.
+static void rope(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin, int64_t n,
+                 int64_t rot) {
+    const int64_t row = G * (H + 2) * D, half = rot / 2;
+    float x[D];
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t h = 0; h < H + 1; h++) {  // the group's queries, then its key
+                uint16_t* head = qkv + i * row + (g * (H + 2) + h) * D;
+                for (int64_t j = 0; j < rot; j++) x[j] = from_bf16(head[j]);
+                for (int64_t j = 0; j < rot; j++) {
+                    const float other = j < half ? -x[j + half] : x[j - half];
+                    head[j] = to_bf16(rounded(x[j] * from_bf16(cos[i * rot + j])) +
+                                      rounded(other * from_bf16(sin[i * rot + j])));
+                }
+            }
+}
+
+static void add_into(uint16_t* hidden, const uint16_t* x, int64_t count) {
+    for (int64_t c = 0; c < count; c++) hidden[c] = to_bf16(from_bf16(hidden[c]) + from_bf16(x[c]));
+}
+
+// act = silu(gate) * up over rows [gate | up] of 2 * ffn
+static void swiglu(const uint16_t* fc1, uint16_t* act, int64_t n, int64_t ffn) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < ffn; c++) {
+            const float gate = from_bf16(fc1[i * 2 * ffn + c]);
+            const float silu = rounded(gate / (1.f + std::exp(-gate)));
+            act[i * ffn + c] = to_bf16(silu * from_bf16(fc1[i * 2 * ffn + ffn + c]));
+        }
+}
+
+// Every layer of a decode step: hidden [n, width] (the embeddings in; the final norm's
+// output out). weights: per layer the addresses of the input norm, the packed QKV and
+// output projections, the pre-MLP norm, the packed fc1 and fc2; then the final norm.
+// keys, values: the pool [layers][blocks, block_size, G, D] (`layer_elements` apart);
+// tables [n, blocks_width], lengths [n] (the new position included), slots [n].
+extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
+                       uint16_t* values, const uint16_t* cos, const uint16_t* sin,
+                       const int64_t* tables, const int64_t* lengths, const int64_t* slots,
+                       int64_t n, int64_t layers, int64_t width, int64_t ffn, int64_t rot,
+                       int64_t blocks_width, int64_t window, int64_t layer_elements, float eps,
+                       float scale) {
+    const int64_t qkv_width = G * (H + 2) * D, context_width = G * H * D;
+    std::vector<uint16_t> normed(n * width), qkv(n * qkv_width), context(n * context_width);
+    std::vector<uint16_t> out(n * width), fc1(n * 2 * ffn), act(n * ffn);
+    auto weight = [&](int64_t layer, int64_t k) {
+        return reinterpret_cast<const uint16_t*>(weights[layer * 6 + k]);
+    };
+    for (int64_t l = 0; l < layers; l++) {
+        rms_norm(hidden, weight(l, 0), normed.data(), n, width, eps);
+        amx_linear(normed.data(), weight(l, 1), nullptr, qkv.data(), n, qkv_width, width, 0);
+        rope(qkv.data(), cos, sin, n, rot);
+        const int64_t group = (H + 2) * D;
+        paged_attention(qkv.data(), keys + l * layer_elements, values + l * layer_elements,
+                        tables, lengths, context.data(), qkv.data() + H * D,
+                        qkv.data() + (H + 1) * D, slots, n, blocks_width, window, 1, qkv_width,
+                        group, qkv_width, group, qkv_width, group, scale);
+        amx_linear(context.data(), weight(l, 2), nullptr, out.data(), n, width, context_width, 0);
+        add_into(hidden, out.data(), n * width);
+        rms_norm(hidden, weight(l, 3), normed.data(), n, width, eps);
+        amx_linear(normed.data(), weight(l, 4), nullptr, fc1.data(), n, 2 * ffn, width, 0);
+        swiglu(fc1.data(), act.data(), n, ffn);
+        amx_linear(act.data(), weight(l, 5), nullptr, out.data(), n, width, ffn, 0);
+        add_into(hidden, out.data(), n * width);
+    }
+    rms_norm(hidden, reinterpret_cast<const uint16_t*>(weights[layers * 6]), hidden, n, width, eps);
+}
+"""
+
+_ARGUMENTS = ["uint16_t*", "const int64_t*", "uint16_t*", "uint16_t*", "const uint16_t*"]
+_ARGUMENTS += ["const uint16_t*", "const int64_t*", "const int64_t*", "const int64_t*"]
+_ARGUMENTS += ["int64_t"] * 8 + ["float", "float"]
+
+
+def fused_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> str | None:
+    """Why `FusedDecode` cannot run this model's decode steps here, or None."""
+    if not isinstance(model, GPTModel) or cache is None:
+        return "not a GPT-family model with a paged KV cache"
+    config = model.config
+    if cache.fp8 or cache.keys.dtype != torch.bfloat16 or cache.device.type != "cpu":
+        return "the KV cache is not bf16 on the CPU"
+    if model.rotary_pos_emb is None or model.embedding.position_embeddings is not None:
+        return "positions are not RoPE"
+    if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+        return "its norms are not RMSNorm"
+    if config.activation != "swiglu" or not config.gated_linear_unit:
+        return "its MLP is not SwiGLU"
+    if config.qk_layernorm:
+        return "it norms queries and keys (--qk-layernorm)"
+    rot = config.rotary_dim
+    if rot > config.kv_channels or rot % 2:
+        return "its RoPE covers an unusual part of each head"
+    for layer in model.decoder.layers:
+        if type(layer) is not TransformerLayer or type(layer.mlp) is not MLP:
+            return "a layer is not a dense pre-norm layer (MoE or another kind)"
+        norms = (layer.input_layernorm, layer.pre_mlp_layernorm, model.decoder.final_layernorm)
+        if any(type(norm) is not nn.RMSNorm for norm in norms):
+            return "its norms are not RMSNorm modules"
+        attention, mlp = layer.self_attention, layer.mlp
+        linears = (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
+        if any(not isinstance(m.forward, AMXLinear) or m.forward.has_bias for m in linears):
+            return "its linears are not AMX-packed and bias-free"
+    return None  # (AMX-packed linears: the kernel was built)
+
+
+class FusedDecode:
+    """The decode step of one model over its paged cache, as one C++ call."""
+
+    def __init__(self, model: GPTModel, cache: PagedKVCache) -> None:
+        why = fused_decode_unsupported(model, cache)
+        if why is not None:
+            raise ValueError(f"fused decode: {why}")
+        config = model.config
+        self.model, self.cache = model, cache
+        attention = model.decoder.layers[0].self_attention
+        groups, heads, d = attention.num_groups, attention.num_heads, attention.head_dim
+        self._step = _build(groups, heads // groups, d, cache.block_size)
+        addresses: list[int] = []
+        self._keep: list[Tensor] = []  # what the addresses point into
+        for layer in model.decoder.layers:
+            attention, mlp = layer.self_attention, layer.mlp
+            for tensor in (
+                layer.input_layernorm.weight,
+                attention.linear_qkv.forward.packed,
+                attention.linear_proj.forward.packed,
+                layer.pre_mlp_layernorm.weight,
+                mlp.linear_fc1.forward.packed,
+                mlp.linear_fc2.forward.packed,
+            ):
+                tensor = tensor.detach().contiguous()
+                self._keep.append(tensor)
+                addresses.append(tensor.data_ptr())
+        final = model.decoder.final_layernorm.weight.detach().contiguous()
+        self._keep.append(final)
+        addresses.append(final.data_ptr())
+        self._weights = torch.tensor(addresses, dtype=torch.int64)
+        self._sizes = (
+            len(model.decoder.layers),
+            config.hidden_size,
+            config.ffn_hidden_size,
+            config.rotary_dim,
+        )
+        self._eps = float(config.layernorm_epsilon)
+        self._scale = 1.0 / math.sqrt(d)
+        self._window = config.window_size[0] if config.window_size is not None else -1
+
+    @torch.inference_mode()
+    def logits(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """Logits [n, vocab] of a bound decode-only step (`cache.bind`): ids, positions [1, n]."""
+        model, cache = self.model, self.cache
+        hidden = model.embedding(ids, positions)[0].contiguous()
+        tables = model.rotary_pos_emb(positions)  # fp32 [1, n, 1, rot], cast as RoPE casts them
+        cos, sin = (x[0, :, 0].to(torch.bfloat16).contiguous() for x in tables)
+        layers, width, ffn, rot = self._sizes
+        blocks, lengths, slots = cache.decode_step_tensors()
+        self._step(
+            hidden, self._weights, cache.keys, cache.values, cos, sin, blocks, lengths, slots,
+            hidden.shape[0], layers, width, ffn, rot, blocks.shape[1], self._window,
+            cache.keys[0].numel(), self._eps, self._scale,
+        )  # fmt: skip
+        return model.output_and_loss(hidden[None], None)[0]
+
+
+@functools.cache
+def _build(groups: int, per_group: int, head_dim: int, block_size: int):
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    source = "\n".join(
+        [
+            "#include <cmath>\n#include <vector>",
+            "#define kernel paged_attention",
+            kernel_source("uint16_t", groups, per_group, head_dim, block_size),
+            "#undef kernel\n#define kernel amx_linear",
+            amx_source(),
+            "#undef kernel",
+            _STEP,
+        ]
+    )
+    with quiet_cpp_extension():
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARGUMENTS,
+            source,
+            needs_vec_isa=True,
+            extra_flags=(*kernel_flags(), *KERNEL_FLAGS),
+        )

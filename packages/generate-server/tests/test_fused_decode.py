@@ -1,0 +1,115 @@
+"""A decode step as one C++ call (`fused_decode`, CPUs with AMX): the logits of the op-by-op
+runner over the same packed weights and cache, for GQA, partial RoPE, a sliding window
+and Llama 3 frequency scaling; only decode-only steps whose every row samples take it;
+models it cannot run say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mg.core.models import GPTModel, presets
+from mg.core.models.config import RopeScaling
+from mg.core.models.paged_kv_cache import PagedSegment
+from mg.generate_server.amx_matmul import amx_matmul
+from mg.generate_server.fused_decode import fused_decode_unsupported
+from mg.generate_server.packed_linears import pack_linears
+from mg.generate_server.runner import ModelRunner
+
+needs_amx = pytest.mark.skipif(amx_matmul()[0] is None, reason=amx_matmul()[1])
+
+
+def _packed_model(**overrides) -> GPTModel:
+    torch.manual_seed(0)
+    config = presets.tiny_llama(hidden_dropout=0.0, attention_dropout=0.0, **overrides)
+    model = GPTModel(config).eval().to(torch.bfloat16)
+    pack_linears(model)
+    return model
+
+
+SHAPES = {
+    "llama": {},
+    "mha-partial-rope": {"num_query_groups": 4, "rotary_percent": 0.5},
+    "sliding-window": {"window_size": (5, 0)},
+    "llama3-scaling": {"rope_scaling": RopeScaling(8.0, 1.0, 4.0, 16)},
+    "three-groups": {"num_attention_heads": 6, "num_query_groups": 3, "hidden_size": 96},
+}
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@torch.inference_mode()
+def test_fused_steps_equal_the_op_by_op_runner(shape: str) -> None:
+    model = _packed_model(**SHAPES[shape])
+    runners = [ModelRunner(model, num_slots=3, max_length=32, block_size=4) for _ in range(2)]
+    for runner in runners:
+        runner.choose_decode_attention()
+    assert runners[1].use_fused_decode() is None and runners[1].fused_decode is not None
+    calls = []
+    fused = runners[1].fused_decode
+    original = fused.logits
+    fused.logits = lambda *args: calls.append(1) or original(*args)
+
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (7, 2, 11)]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    prefill = [PagedSegment(0, 7, 0, tables[0]), PagedSegment(7, 2, 0, tables[1]),
+               PagedSegment(9, 11, 0, tables[2])]  # fmt: skip
+    ids = sum(prompts, [])
+    positions = [p for prompt in prompts for p in range(len(prompt))]
+    steps: list[list[torch.Tensor]] = [[], []]
+    for out, runner in zip(steps, runners, strict=True):
+        out.append(runner.forward(prefill, ids, positions, [6, 8, 19]))
+        lengths = [len(p) for p in prompts]
+        for step in range(4):  # decode steps: every row samples
+            segments = [PagedSegment(i, 1, lengths[i] + step, tables[i]) for i in range(3)]
+            new = [(11 * step + 5 * i) % 128 for i in range(3)]
+            out.append(runner.forward(segments, new, [lengths[i] + step for i in range(3)],
+                                      [0, 1, 2]))  # fmt: skip
+    assert len(calls) == 4  # the decode steps, not the prompts'
+    for want, got in zip(*steps, strict=True):
+        # the same bf16 products and roundings, summed in another order
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    # what the fused steps wrote into the pool is what the op-by-op runner wrote
+    torch.testing.assert_close(runners[1].cache.keys, runners[0].cache.keys, atol=2e-2, rtol=0)
+    torch.testing.assert_close(runners[1].cache.values, runners[0].cache.values, atol=2e-2, rtol=0)
+
+
+@needs_amx
+@torch.inference_mode()
+def test_steps_with_prompt_rows_or_unsampled_rows_run_op_by_op() -> None:
+    model = _packed_model()
+    runner = ModelRunner(model, num_slots=2, max_length=32, block_size=4)
+    runner.choose_decode_attention()
+    assert runner.use_fused_decode() is None
+    runner.fused_decode.logits = lambda *args: pytest.fail("a fused step")
+    runner.forward([PagedSegment(0, 3, 0, [0])], [1, 2, 3], [0, 1, 2], [2])  # a prompt
+    mixed = [PagedSegment(0, 1, 3, [0]), PagedSegment(1, 2, 0, [1])]  # a decode and a prompt
+    runner.forward(mixed, [4, 5, 6], [3, 0, 1], [0, 2])
+    decodes = [PagedSegment(0, 1, 4, [0, 2]), PagedSegment(1, 1, 2, [1])]
+    assert runner.forward(decodes, [7, 8], [4, 2], [1]).shape[0] == 1  # one row samples
+
+
+def test_models_it_cannot_run_say_why() -> None:
+    def why(**overrides) -> str | None:
+        model = GPTModel(presets.tiny_llama(**overrides)).eval()
+        return fused_decode_unsupported(model, ModelRunner(model, 1, 16).cache)
+
+    assert why() == "the KV cache is not bf16 on the CPU"  # float32
+    plain = GPTModel(presets.tiny_llama()).eval().to(torch.bfloat16)  # not packed
+    assert fused_decode_unsupported(plain, ModelRunner(plain, 1, 16).cache) == (
+        "its linears are not AMX-packed and bias-free"
+    )
+    gpt2 = presets.gpt2_124m(num_layers=1, hidden_size=64, num_attention_heads=4,
+                             vocab_size=128, max_position_embeddings=16, seq_length=16)  # fmt: skip
+    model = GPTModel(gpt2).to(torch.bfloat16)
+    assert fused_decode_unsupported(model, ModelRunner(model, 1, 16).cache) == (
+        "positions are not RoPE"
+    )
+    moe = _packed_model(num_moe_experts=4, moe_router_topk=2)
+    assert "MoE" in fused_decode_unsupported(moe, ModelRunner(moe, 1, 16).cache)
+    qk = _packed_model(qk_layernorm=True)
+    assert fused_decode_unsupported(qk, ModelRunner(qk, 1, 16).cache) == (
+        "it norms queries and keys (--qk-layernorm)"
+    )
