@@ -5,11 +5,14 @@ budget, and preemption by recompute when the KV-cache pool runs out."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from mg.core.models import GPTModel, presets
 from mg.core.testing.serving_checkpoints import save_decisive_model
+from mg.generate_server.amx_matmul import amx_matmul
 from mg.generate_server.batch import generate_batch
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.loading import LoadedModel, load_for_serving
@@ -34,12 +37,18 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> tuple[LoadedModel, list[list[int]], list[list[int]]]:
-    """A Llama-shaped model (RoPE, GQA, SwiGLU) as an mg checkpoint, the prompts' ids and
-    transformers' greedy continuations of each prompt alone."""
+def folder(tmp_path_factory) -> Path:
+    """A Llama-shaped model (RoPE, GQA, SwiGLU) as an mg checkpoint (ckpt) and in HF format."""
     folder = tmp_path_factory.mktemp("paged")
     save_decisive_model(folder, positions=128)
     export_hf(folder / "ckpt", folder / "hf", progress=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(folder) -> tuple[LoadedModel, list[list[int]], list[list[int]]]:
+    """The checkpoint loaded for serving, the prompts' ids and transformers' greedy
+    continuations of each prompt alone."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
@@ -98,6 +107,45 @@ def test_greedy_equals_transformers_generate(served, schedule: str) -> None:
         assert engine.blocks.num_used == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.skipif(amx_matmul()[0] is None, reason=amx_matmul()[1])
+@pytest.mark.parametrize("schedule", ["default", "chunked-prefill", "preemption"])
+def test_fused_bf16_decode_steps_give_the_op_by_op_tokens(folder, schedule: str) -> None:
+    """The eager CPU server's bf16 path on a CPU with AMX (weights packed for the AMX kernel,
+    every decode-only step one C++ call, `fused_decode`) gives the tokens of the model run
+    op by op with its plain bf16 weights. (Not transformers' bf16 tokens: those differ from
+    this model's in bf16 after a few tokens, as they differ from transformers' own fp32
+    tokens; rounding in another order, which the fp32 tests above rule out as a cause.)"""
+    from mg.generate_server.packed_linears import pack_linears
+
+    prompts = [load_for_serving(folder / "ckpt").tokenizer.tokenize(p) for p in PROMPTS]
+    tokens = []
+    for fused in (False, True):
+        loaded = load_for_serving(folder / "ckpt", dtype="bfloat16")
+        options = dict(SCHEDULES[schedule])
+        if fused:
+            assert pack_linears(loaded.model) == 4 * loaded.config.num_layers + 1
+        runner = ModelRunner(
+            loaded.model,
+            num_slots=4,
+            max_length=128,
+            num_blocks=options.pop("num_blocks", None),
+            block_size=options.pop("block_size", 16),
+        )
+        runner.choose_decode_attention()
+        if fused:
+            assert runner.use_fused_decode() is None
+        engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257, **options)
+        try:
+            tokens.append(_generate(engine, prompts))
+            if fused:
+                assert runner.fused_decode.steps >= NEW_TOKENS
+            if schedule == "preemption":
+                assert engine.stats.preemptions > 0
+        finally:
+            engine.shutdown()
+    assert tokens[1] == tokens[0]
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(served) -> None:

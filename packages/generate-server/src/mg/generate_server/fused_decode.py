@@ -215,6 +215,8 @@ class FusedDecode:
         self._eps = float(config.layernorm_epsilon)
         self._scale = 1.0 / math.sqrt(d)
         self._window = config.window_size[0] if config.window_size is not None else -1
+        self.steps = 0
+        """Decode steps run so far."""
 
     @torch.inference_mode()
     def logits(self, ids: Tensor, positions: Tensor) -> Tensor:
@@ -230,6 +232,7 @@ class FusedDecode:
             hidden.shape[0], layers, width, ffn, rot, blocks.shape[1], self._window,
             cache.keys[0].numel(), self._eps, self._scale,
         )  # fmt: skip
+        self.steps += 1
         return model.output_and_loss(hidden[None], None)[0]
 
 
