@@ -112,6 +112,7 @@ extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
                        int64_t n, int64_t layers, int64_t width, int64_t ffn, int64_t rot,
                        int64_t blocks_width, int64_t window, int64_t layer_elements, float eps,
                        float scale) {
+    PyThreadState* released = PyEval_SaveThread();  // the server's other threads run meanwhile
     const int64_t qkv_width = G * (H + 2) * D, context_width = G * H * D;
     std::vector<uint16_t> normed(n * width), qkv(n * qkv_width), context(n * context_width);
     std::vector<uint16_t> out(n * width), fc1(n * 2 * ffn), act(n * ffn);
@@ -136,6 +137,7 @@ extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
         add_into(hidden, out.data(), n * width);
     }
     rms_norm(hidden, reinterpret_cast<const uint16_t*>(weights[layers * 6]), hidden, n, width, eps);
+    PyEval_RestoreThread(released);
 }
 """
 
@@ -242,7 +244,7 @@ def _build(groups: int, per_group: int, head_dim: int, block_size: int):
 
     source = "\n".join(
         [
-            "#include <cmath>\n#include <vector>",
+            "#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n#include <cmath>\n#include <vector>",
             "#define kernel paged_attention",
             kernel_source("uint16_t", groups, per_group, head_dim, block_size),
             "#undef kernel\n#define kernel amx_linear",
