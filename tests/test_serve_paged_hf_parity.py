@@ -110,22 +110,24 @@ def test_greedy_equals_transformers_generate(served, schedule: str) -> None:
 
 
 @pytest.mark.skipif(amx_matmul()[0] is None, reason=amx_matmul()[1])
-@pytest.mark.parametrize("schedule", ["default", "chunked-prefill", "preemption"])
-def test_fused_bf16_decode_steps_give_the_op_by_op_tokens(folder, schedule: str) -> None:
-    """The eager CPU server's bf16 path on a CPU with AMX (weights packed for the AMX kernel,
-    every decode-only step one C++ call, `fused_decode`) gives the tokens of the model run
-    op by op with its plain bf16 weights. (Not transformers' bf16 tokens: those differ from
-    this model's in bf16 after a few tokens, as they differ from transformers' own fp32
-    tokens; rounding in another order, which the fp32 tests above rule out as a cause.)"""
+def test_fused_bf16_steps_are_schedule_invariant_and_follow_fp32(folder, served) -> None:
+    """The eager CPU server's bf16 path on a CPU with AMX: weights packed for the AMX kernel,
+    every step one C++ call (`fused_decode`). Each row is computed alone, in the same
+    order whatever else the step holds, so greedy tokens are bitwise the same under every
+    schedule (prefix caching, chunked prefill, preemption by recompute). Against the fp32
+    model fed the same tokens, they are its argmax wherever its top two logits are 0.5
+    apart. (Token-for-token equality with another bf16 implementation is not a property
+    of bf16: transformers' own bf16 tokens leave its fp32 ones on this model within 20
+    tokens, as ours do, at near-ties.)"""
+    from mg.core.models.paged_kv_cache import PagedSegment
     from mg.generate_server.packed_linears import pack_linears
 
-    prompts = [load_for_serving(folder / "ckpt").tokenizer.tokenize(p) for p in PROMPTS]
-    tokens = []
-    for fused in (False, True):
-        loaded = load_for_serving(folder / "ckpt", dtype="bfloat16")
+    reference, prompts, _ = served
+    loaded = load_for_serving(folder / "ckpt", dtype="bfloat16")
+    assert pack_linears(loaded.model) == 4 * loaded.config.num_layers + 1
+    tokens = {}
+    for schedule in ("default", "no-prefix-caching", "chunked-prefill", "preemption"):
         options = dict(SCHEDULES[schedule])
-        if fused:
-            assert pack_linears(loaded.model) == 4 * loaded.config.num_layers + 1
         runner = ModelRunner(
             loaded.model,
             num_slots=4,
@@ -134,18 +136,29 @@ def test_fused_bf16_decode_steps_give_the_op_by_op_tokens(folder, schedule: str)
             block_size=options.pop("block_size", 16),
         )
         runner.choose_decode_attention()
-        if fused:
-            assert runner.use_fused_decode() is None
+        assert runner.use_fused_decode() is None
         engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257, **options)
         try:
-            tokens.append(_generate(engine, prompts))
-            if fused:
-                assert runner.fused_decode.steps >= NEW_TOKENS
+            tokens[schedule] = _generate(engine, prompts)
+            assert runner.fused_decode.steps == engine.stats.steps
             if schedule == "preemption":
                 assert engine.stats.preemptions > 0
         finally:
             engine.shutdown()
-    assert tokens[1] == tokens[0]
+    assert all(t == tokens["default"] for t in tokens.values()), tokens
+    fp32 = ModelRunner(reference.model, num_slots=1, max_length=128)
+    decisive = agreeing = 0
+    for prompt, generated in zip(prompts, tokens["default"], strict=True):
+        ids = prompt + generated[:-1]
+        rows = list(range(len(prompt) - 1, len(ids)))
+        with torch.inference_mode():
+            logits = fp32.forward([PagedSegment(0, len(ids), 0, list(range(8)))], ids,
+                                  list(range(len(ids))), rows)  # fmt: skip
+        top = logits.topk(2, dim=-1)
+        sure = (top.values[:, 0] - top.values[:, 1]) > 0.5
+        decisive += int(sure.sum())
+        agreeing += int((top.indices[:, 0] == torch.tensor(generated))[sure].sum())
+    assert agreeing == decisive >= len(prompts) * NEW_TOKENS // 3  # 42 of 100 here
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(served) -> None:

@@ -1,7 +1,7 @@
-"""A decode step as one C++ call (`fused_decode`, CPUs with AMX): the logits of the op-by-op
-runner over the same packed weights and cache, for GQA, partial RoPE, a sliding window
-and Llama 3 frequency scaling; only decode-only steps whose every row samples take it;
-models it cannot run say why."""
+"""A step as one C++ call (`fused_decode`, CPUs with AMX): the logits of the op-by-op runner
+over the same packed weights and cache, for GQA, partial RoPE, a sliding window and Llama 3
+frequency scaling, through prompts (in chunks, with prompt log-probabilities), mixed steps
+and decodes; prompts over long contexts keep SDPA; models it cannot run say why."""
 
 from __future__ import annotations
 
@@ -47,22 +47,37 @@ def test_fused_steps_equal_the_op_by_op_runner(shape: str) -> None:
     assert runners[1].use_fused_decode() is None and runners[1].fused_decode is not None
 
     torch.manual_seed(1)
-    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (7, 2, 11)]
-    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
-    prefill = [PagedSegment(0, 7, 0, tables[0]), PagedSegment(7, 2, 0, tables[1]),
-               PagedSegment(9, 11, 0, tables[2])]  # fmt: skip
-    ids = sum(prompts, [])
-    positions = [p for prompt in prompts for p in range(len(prompt))]
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (7, 2, 11, 5)]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9], [10, 11]]
+    ids, positions, rows = sum(prompts[:3], []), [], 0
+    prefill = []
+    for i, prompt in enumerate(prompts[:3]):
+        prefill.append(PagedSegment(rows, len(prompt), 0, tables[i]))
+        positions += range(len(prompt))
+        rows += len(prompt)
+    lengths = [len(p) for p in prompts]
     steps: list[list[torch.Tensor]] = [[], []]
     for out, runner in zip(steps, runners, strict=True):
-        out.append(runner.forward(prefill, ids, positions, [6, 8, 19]))
-        lengths = [len(p) for p in prompts]
-        for step in range(4):  # decode steps: every row samples
+        # prompts, with every row of the first one's logits (prompt log-probabilities)
+        out.append(runner.forward(prefill, ids, positions, [0, 1, 2, 3, 4, 5, 6, 8, 19]))
+        for step in range(4):  # decodes; the fourth prompt arrives in two chunks
             segments = [PagedSegment(i, 1, lengths[i] + step, tables[i]) for i in range(3)]
             new = [(11 * step + 5 * i) % 128 for i in range(3)]
-            out.append(runner.forward(segments, new, [lengths[i] + step for i in range(3)],
-                                      [0, 1, 2]))  # fmt: skip
-    assert runners[1].fused_decode.steps == 4  # the decode steps, not the prompts'
+            where = [lengths[i] + step for i in range(3)]
+            sampled = [0, 1, 2]
+            if step < 2:
+                start, count = (0, 3) if step == 0 else (3, 2)
+                segments.append(PagedSegment(3, count, start, tables[3]))
+                new += prompts[3][start : start + count]
+                where += range(start, start + count)
+                sampled += [2 + count] if step == 1 else []  # the prompt's last row
+            else:
+                segments.append(PagedSegment(3, 1, lengths[3] + step - 2, tables[3]))
+                new.append(step)
+                where.append(lengths[3] + step - 2)
+                sampled.append(3)
+            out.append(runner.forward(segments, new, where, sampled))
+    assert runners[1].fused_decode.steps == 5  # every step: short prompts and decodes
     for want, got in zip(*steps, strict=True):
         # the same bf16 products and roundings, summed in another order
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
@@ -74,17 +89,25 @@ def test_fused_steps_equal_the_op_by_op_runner(shape: str) -> None:
 
 @needs_amx
 @torch.inference_mode()
-def test_steps_with_prompt_rows_or_unsampled_rows_run_op_by_op() -> None:
+def test_prompts_attending_over_long_contexts_run_op_by_op(monkeypatch) -> None:
+    """A prompt chunk whose context passes `MAX_PROMPT_CONTEXT` keeps SDPA (each fused prompt
+    row would read the whole context); the decode steps after it are fused."""
+    from mg.generate_server import fused_decode
+
+    monkeypatch.setattr(fused_decode, "MAX_PROMPT_CONTEXT", 4)
     model = _packed_model()
     runner = ModelRunner(model, num_slots=2, max_length=32, block_size=4)
     runner.choose_decode_attention()
     assert runner.use_fused_decode() is None
-    runner.fused_decode.logits = lambda *args: pytest.fail("a fused step")
-    runner.forward([PagedSegment(0, 3, 0, [0])], [1, 2, 3], [0, 1, 2], [2])  # a prompt
-    mixed = [PagedSegment(0, 1, 3, [0]), PagedSegment(1, 2, 0, [1])]  # a decode and a prompt
-    runner.forward(mixed, [4, 5, 6], [3, 0, 1], [0, 2])
-    decodes = [PagedSegment(0, 1, 4, [0, 2]), PagedSegment(1, 1, 2, [1])]
-    assert runner.forward(decodes, [7, 8], [4, 2], [1]).shape[0] == 1  # one row samples
+    runner.forward([PagedSegment(0, 4, 0, [0])], [1, 2, 3, 4], [0, 1, 2, 3], [3])
+    assert runner.fused_decode.steps == 1
+    runner.forward([PagedSegment(0, 3, 0, [1])], [1, 2, 3], [0, 1, 2], [2])
+    mixed = [PagedSegment(0, 1, 4, [0, 2]), PagedSegment(1, 2, 3, [1, 3])]  # context 5
+    runner.forward(mixed, [5, 6, 7], [4, 3, 4], [0, 2])
+    assert runner.fused_decode.steps == 2
+    decodes = [PagedSegment(0, 1, 5, [0, 2]), PagedSegment(1, 1, 5, [1, 3])]
+    assert runner.forward(decodes, [7, 8], [5, 5], [1]).shape[0] == 1  # one row samples
+    assert runner.fused_decode.steps == 3
 
 
 def test_models_it_cannot_run_say_why() -> None:

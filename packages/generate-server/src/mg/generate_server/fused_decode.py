@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 from mg.core.models import GPTModel
 from mg.core.models.gpt import MLP, TransformerLayer
 from mg.core.models.paged_attention_cpu import kernel_flags, kernel_source, quiet_cpp_extension
-from mg.core.models.paged_kv_cache import PagedKVCache
+from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
 from mg.generate_server.amx_matmul import KERNEL_FLAGS, AMXLinear
 from mg.generate_server.amx_matmul import kernel_source as amx_source
 
@@ -123,11 +124,16 @@ extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
         rms_norm(hidden, weight(l, 0), normed.data(), n, width, eps);
         amx_linear(normed.data(), weight(l, 1), nullptr, qkv.data(), n, qkv_width, width, 0);
         rope(qkv.data(), cos, sin, n, rot);
+        // every row's key and value first: a prompt's rows read each other's
         const int64_t group = (H + 2) * D;
-        paged_attention(qkv.data(), keys + l * layer_elements, values + l * layer_elements,
-                        tables, lengths, context.data(), qkv.data() + H * D,
-                        qkv.data() + (H + 1) * D, slots, n, blocks_width, window, 1, qkv_width,
-                        group, qkv_width, group, qkv_width, group, scale);
+        uint16_t* layer_keys = keys + l * layer_elements;
+        uint16_t* layer_values = values + l * layer_elements;
+        for (int64_t i = 0; i < n; i++)
+            store_new(layer_keys, layer_values, qkv.data() + i * qkv_width + H * D,
+                      qkv.data() + i * qkv_width + (H + 1) * D, group, group, slots[i]);
+        paged_attention(qkv.data(), layer_keys, layer_values, tables, lengths, context.data(),
+                        nullptr, nullptr, slots, n, blocks_width, window, 0, qkv_width, group, 0,
+                        0, 0, 0, scale);
         amx_linear(context.data(), weight(l, 2), nullptr, out.data(), n, width, context_width, 0);
         add_into(hidden, out.data(), n * width);
         rms_norm(hidden, weight(l, 3), normed.data(), n, width, eps);
@@ -140,6 +146,9 @@ extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
     PyEval_RestoreThread(released);
 }
 """
+
+MAX_PROMPT_CONTEXT = 1024
+"""The longest context a prompt chunk may attend over in a fused step."""
 
 _ARGUMENTS = ["uint16_t*", "const int64_t*", "uint16_t*", "uint16_t*", "const uint16_t*"]
 _ARGUMENTS += ["const uint16_t*", "const int64_t*", "const int64_t*", "const int64_t*"]
@@ -218,23 +227,52 @@ class FusedDecode:
         self._scale = 1.0 / math.sqrt(d)
         self._window = config.window_size[0] if config.window_size is not None else -1
         self.steps = 0
-        """Decode steps run so far."""
+        """Steps run so far."""
+
+    def takes(self, segments: Sequence[PagedSegment]) -> bool:
+        """Whether this step runs fused: decodes, and prompt chunks that attend over at
+        most `MAX_PROMPT_CONTEXT` positions (each prompt row reads its context once; a
+        longer prompt's chunks keep SDPA, which reads it once a chunk)."""
+        return all(s.query_length == 1 or s.context_length <= MAX_PROMPT_CONTEXT for s in segments)
 
     @torch.inference_mode()
-    def logits(self, ids: Tensor, positions: Tensor) -> Tensor:
-        """Logits [n, vocab] of a bound decode-only step (`cache.bind`): ids, positions [1, n]."""
-        model, cache = self.model, self.cache
-        hidden = model.embedding(ids, positions)[0].contiguous()
-        tables = model.rotary_pos_emb(positions)  # fp32 [1, n, 1, rot], cast as RoPE casts them
-        cos, sin = (x[0, :, 0].to(torch.bfloat16).contiguous() for x in tables)
+    def logits(
+        self,
+        segments: Sequence[PagedSegment],
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        logit_rows: Sequence[int],
+    ) -> Tensor:
+        """`ModelRunner.forward` for a step it `takes`: logits [len(logit_rows), vocab]."""
+        model, cache, bs = self.model, self.cache, self.cache.block_size
+        width = max(-(-s.context_length // bs) for s in segments)
+        tables, lengths, slots, owners = [], [], [], []
+        for k, s in enumerate(segments):
+            if s.context_length > len(s.blocks) * bs:
+                end = s.context_length - 1
+                raise ValueError(f"fused step: position {end} is past the sequence's blocks")
+            tables.append(list(s.blocks[:width]) + [0] * (width - len(s.blocks[:width])))
+            for p in range(s.context_start, s.context_length):
+                slots.append(s.blocks[p // bs] * bs + p % bs)
+                lengths.append(p + 1)
+                owners.append(k)
+        blocks = torch.tensor(tables)
+        if len(owners) != len(segments):  # a prompt's rows: its table for each
+            blocks = blocks[torch.tensor(owners)]
+        ids = torch.tensor([list(input_ids)])
+        pos = torch.tensor([list(positions)])
+        hidden = model.embedding(ids, pos)[0].contiguous()
+        rope = model.rotary_pos_emb(pos)  # fp32 [1, n, 1, rot], cast as RoPE casts them
+        cos, sin = (x[0, :, 0].to(torch.bfloat16).contiguous() for x in rope)
         layers, width, ffn, rot = self._sizes
-        blocks, lengths, slots = cache.decode_step_tensors()
         self._step(
-            hidden, self._weights, cache.keys, cache.values, cos, sin, blocks, lengths, slots,
-            hidden.shape[0], layers, width, ffn, rot, blocks.shape[1], self._window,
-            cache.keys[0].numel(), self._eps, self._scale,
+            hidden, self._weights, cache.keys, cache.values, cos, sin, blocks,
+            torch.tensor(lengths), torch.tensor(slots), hidden.shape[0], layers, width, ffn, rot,
+            blocks.shape[1], self._window, cache.keys[0].numel(), self._eps, self._scale,
         )  # fmt: skip
         self.steps += 1
+        if list(logit_rows) != list(range(hidden.shape[0])):
+            hidden = hidden[torch.tensor(list(logit_rows), dtype=torch.long)]
         return model.output_and_loss(hidden[None], None)[0]
 
 

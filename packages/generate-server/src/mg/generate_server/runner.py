@@ -136,11 +136,11 @@ class ModelRunner:
         positions: Sequence[int],
         logit_rows: Sequence[int],
     ) -> Tensor:
+        if self.fused_decode is not None and self.fused_decode.takes(segments):
+            return self.fused_decode.logits(segments, input_ids, positions, logit_rows).float()
         self.cache.bind(segments)
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
         pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
-        if self.fused_decode is not None and _every_row_decodes(segments, logit_rows):
-            return self.fused_decode.logits(ids, pos).float()
         rows = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
         return self._logits(ids, pos, rows).float().cpu()
 
@@ -163,10 +163,3 @@ class ModelRunner:
 
     def close(self) -> None:
         """Called once by the engine thread when it stops."""
-
-
-def _every_row_decodes(segments: Sequence[PagedSegment], logit_rows: Sequence[int]) -> bool:
-    """A decode-only step whose every row samples (what `FusedDecode` runs)."""
-    return all(s.query_length == 1 for s in segments) and list(logit_rows) == list(
-        range(len(segments))
-    )

@@ -310,14 +310,6 @@ class PagedKVCache:
         self._decode_bias = None
         self._bound = True
 
-    def decode_step_tensors(self) -> tuple[Tensor, Tensor, Tensor]:
-        """A bound decode-only step's block tables [n, width], lengths [n] (each sequence's
-        new position included) and the slots its new keys and values go to [n]."""
-        every_row = slice(0, getattr(self, "_num_tokens", -1))
-        if not self._bound or self._prefills or self._decode_rows != every_row:
-            raise RuntimeError("PagedKVCache: not bound to a decode-only step")
-        return self._decode_tables, self._decode_lengths, self._slots
-
     def _mask(
         self, segments: list[PagedSegment], queries: int, keys: int, chunk: bool
     ) -> Tensor | None:
