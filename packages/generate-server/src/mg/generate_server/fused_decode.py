@@ -55,10 +55,15 @@ static inline uint16_t to_bf16(float x) {  // round to nearest even
 }
 static inline float rounded(float x) { return from_bf16(to_bf16(x)); }
 
+// The small ops between the matmuls run on one core for a decode step's few rows (waking
+// the other threads would cost more) and on all of them for a prompt's.
+constexpr int64_t PARALLEL_ROWS = 64;
+
 // y = x / rms(x) * w per row, rounded as torch's rms_norm on bf16 (x / rms, then * w).
 // In place (y == x) is allowed.
 static void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t n,
                      int64_t width, float eps) {
+    #pragma omp parallel for if (n >= PARALLEL_ROWS)
     for (int64_t i = 0; i < n; i++) {
         const uint16_t* row = x + i * width;
         float squares = 0.f;
@@ -74,11 +79,12 @@ static void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t 
 static void rope(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin, int64_t n,
                  int64_t rot) {
     const int64_t row = G * (H + 2) * D, half = rot / 2;
-    float x[D];
+    #pragma omp parallel for if (n >= PARALLEL_ROWS)
     for (int64_t i = 0; i < n; i++)
         for (int64_t g = 0; g < G; g++)
             for (int64_t h = 0; h < H + 1; h++) {  // the group's queries, then its key
                 uint16_t* head = qkv + i * row + (g * (H + 2) + h) * D;
+                float x[D];
                 for (int64_t j = 0; j < rot; j++) x[j] = from_bf16(head[j]);
                 for (int64_t j = 0; j < rot; j++) {
                     const float other = j < half ? -x[j + half] : x[j - half];
@@ -88,12 +94,16 @@ static void rope(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin, int64_
             }
 }
 
-static void add_into(uint16_t* hidden, const uint16_t* x, int64_t count) {
-    for (int64_t c = 0; c < count; c++) hidden[c] = to_bf16(from_bf16(hidden[c]) + from_bf16(x[c]));
+static void add_into(uint16_t* hidden, const uint16_t* x, int64_t n, int64_t width) {
+    #pragma omp parallel for if (n >= PARALLEL_ROWS)
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = i * width; c < (i + 1) * width; c++)
+            hidden[c] = to_bf16(from_bf16(hidden[c]) + from_bf16(x[c]));
 }
 
 // act = silu(gate) * up over rows [gate | up] of 2 * ffn
 static void swiglu(const uint16_t* fc1, uint16_t* act, int64_t n, int64_t ffn) {
+    #pragma omp parallel for if (n >= PARALLEL_ROWS)
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = 0; c < ffn; c++) {
             const float gate = from_bf16(fc1[i * 2 * ffn + c]);
@@ -128,6 +138,7 @@ extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
         const int64_t group = (H + 2) * D;
         uint16_t* layer_keys = keys + l * layer_elements;
         uint16_t* layer_values = values + l * layer_elements;
+        #pragma omp parallel for if (n >= PARALLEL_ROWS)
         for (int64_t i = 0; i < n; i++)
             store_new(layer_keys, layer_values, qkv.data() + i * qkv_width + H * D,
                       qkv.data() + i * qkv_width + (H + 1) * D, group, group, slots[i]);
@@ -135,12 +146,12 @@ extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
                         nullptr, nullptr, slots, n, blocks_width, window, 0, qkv_width, group, 0,
                         0, 0, 0, scale);
         amx_linear(context.data(), weight(l, 2), nullptr, out.data(), n, width, context_width, 0);
-        add_into(hidden, out.data(), n * width);
+        add_into(hidden, out.data(), n, width);
         rms_norm(hidden, weight(l, 3), normed.data(), n, width, eps);
         amx_linear(normed.data(), weight(l, 4), nullptr, fc1.data(), n, 2 * ffn, width, 0);
         swiglu(fc1.data(), act.data(), n, ffn);
         amx_linear(act.data(), weight(l, 5), nullptr, out.data(), n, width, ffn, 0);
-        add_into(hidden, out.data(), n * width);
+        add_into(hidden, out.data(), n, width);
     }
     rms_norm(hidden, reinterpret_cast<const uint16_t*>(weights[layers * 6]), hidden, n, width, eps);
     PyEval_RestoreThread(released);
