@@ -55,15 +55,43 @@ static inline uint16_t to_bf16(float x) {  // round to nearest even
 }
 static inline float rounded(float x) { return from_bf16(to_bf16(x)); }
 
-// The small ops between the matmuls run on one core for a decode step's few rows (waking
-// the other threads would cost more) and on all of them for a prompt's.
-constexpr int64_t PARALLEL_ROWS = 64;
+// 16 bf16 as float; 16 floats rounded to bf16 (nearest even) and stored
+static inline __m512 load_bf16x16(const uint16_t* x) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m512 rounded16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0xFFFF0000)));
+}
+static inline void store_bf16x16(__m512 x, uint16_t* y) {
+    const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded16(x)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(high));
+}
+// e^x (Cephes' expf: x = n ln2 + r, a polynomial in r, times 2^n), x clamped to floats'
+static inline __m512 exp_x16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
 
 // y = x / rms(x) * w per row, rounded as torch's rms_norm on bf16 (x / rms, then * w).
 // In place (y == x) is allowed.
 static void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t n,
                      int64_t width, float eps) {
-    #pragma omp parallel for if (n >= PARALLEL_ROWS)
+    #pragma omp parallel for
     for (int64_t i = 0; i < n; i++) {
         const uint16_t* row = x + i * width;
         float squares = 0.f;
@@ -79,7 +107,7 @@ static void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t 
 static void rope(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin, int64_t n,
                  int64_t rot) {
     const int64_t row = G * (H + 2) * D, half = rot / 2;
-    #pragma omp parallel for if (n >= PARALLEL_ROWS)
+    #pragma omp parallel for
     for (int64_t i = 0; i < n; i++)
         for (int64_t g = 0; g < G; g++)
             for (int64_t h = 0; h < H + 1; h++) {  // the group's queries, then its key
@@ -94,21 +122,25 @@ static void rope(uint16_t* qkv, const uint16_t* cos, const uint16_t* sin, int64_
             }
 }
 
+// (width: a multiple of 16, as the AMX kernel's sides are of 32)
 static void add_into(uint16_t* hidden, const uint16_t* x, int64_t n, int64_t width) {
-    #pragma omp parallel for if (n >= PARALLEL_ROWS)
+    #pragma omp parallel for
     for (int64_t i = 0; i < n; i++)
-        for (int64_t c = i * width; c < (i + 1) * width; c++)
-            hidden[c] = to_bf16(from_bf16(hidden[c]) + from_bf16(x[c]));
+        for (int64_t c = i * width; c < (i + 1) * width; c += 16)
+            store_bf16x16(_mm512_add_ps(load_bf16x16(hidden + c), load_bf16x16(x + c)), hidden + c);
 }
 
-// act = silu(gate) * up over rows [gate | up] of 2 * ffn
+// act = silu(gate) * up over rows [gate | up] of 2 * ffn (a multiple of 16)
 static void swiglu(const uint16_t* fc1, uint16_t* act, int64_t n, int64_t ffn) {
-    #pragma omp parallel for if (n >= PARALLEL_ROWS)
+    #pragma omp parallel for
     for (int64_t i = 0; i < n; i++)
-        for (int64_t c = 0; c < ffn; c++) {
-            const float gate = from_bf16(fc1[i * 2 * ffn + c]);
-            const float silu = rounded(gate / (1.f + std::exp(-gate)));
-            act[i * ffn + c] = to_bf16(silu * from_bf16(fc1[i * 2 * ffn + ffn + c]));
+        for (int64_t c = 0; c < ffn; c += 16) {
+            const __m512 gate = load_bf16x16(fc1 + i * 2 * ffn + c);
+            const __m512 e = exp_x16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+            const __m512 one_plus = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+            const __m512 silu = rounded16(_mm512_div_ps(gate, one_plus));
+            store_bf16x16(_mm512_mul_ps(silu, load_bf16x16(fc1 + i * 2 * ffn + ffn + c)),
+                          act + i * ffn + c);
         }
 }
 
@@ -138,7 +170,7 @@ extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
         const int64_t group = (H + 2) * D;
         uint16_t* layer_keys = keys + l * layer_elements;
         uint16_t* layer_values = values + l * layer_elements;
-        #pragma omp parallel for if (n >= PARALLEL_ROWS)
+        #pragma omp parallel for
         for (int64_t i = 0; i < n; i++)
             store_new(layer_keys, layer_values, qkv.data() + i * qkv_width + H * D,
                       qkv.data() + i * qkv_width + (H + 1) * D, group, group, slots[i]);

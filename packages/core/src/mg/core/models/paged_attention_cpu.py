@@ -35,6 +35,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 constexpr int64_t G = {groups};      // key/value heads (query groups)
 constexpr int64_t H = {per_group};   // query heads per group
@@ -183,91 +184,87 @@ static inline void dots16(const T* q, const T* keys, __m512* partial) {{
     }}
 }}
 
-// One sequence's running softmax state, all query heads.
-struct State {{
-    alignas(64) float acc[G][H][D];  // sum of weight * value, weights relative to running_max
-    float running_max[G][H], total[G][H];
-}};
-
-// 16 positions of query group g: the group's query heads `q` ([H, D]), key rows `keys`
-// (position j at keys + j * G * D), value rows likewise; lanes outside `valid` are not
-// attended (their rows may be anything, NaN included: their scores are masked before
-// the softmax, their values never read).
-static inline void attend16(State& s, int64_t g, const scalar_t* q, const scalar_t* keys,
-                            const scalar_t* values, float scale, __mmask16 valid,
-                            int64_t first, int64_t stop) {{
-    alignas(64) float weights[H][16];
-    for (int64_t h = 0; h < H; h++) {{
-        __m512 partial[16];
-        dots16(q + h * D, keys, partial);
-        const __m512 dots = _mm512_mul_ps(sum16(partial), splat(scale));
-        const __m512 scores = _mm512_mask_blend_ps(valid, splat(-INFINITY), dots);
-        const float before = s.running_max[g][h];
-        const float now = std::max(before, _mm512_reduce_max_ps(scores));
-        const __m512 w = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores, splat(now))));
-        _mm512_store_ps(weights[h], w);
-        const float rescale = std::exp(before - now);
-        s.total[g][h] = s.total[g][h] * rescale + _mm512_reduce_add_ps(w);
-        s.running_max[g][h] = now;
-        if (rescale != 1.f)
-            for (int64_t v = 0; v < V; v++) {{
-                float* a = s.acc[g][h] + 16 * v;
-                _mm512_store_ps(a, _mm512_mul_ps(_mm512_load_ps(a), splat(rescale)));
-            }}
-    }}
-    __m512 acc[H][V];
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t v = 0; v < V; v++) acc[h][v] = _mm512_load_ps(s.acc[g][h] + 16 * v);
-    for (int64_t j = first; j < stop; j++) {{
-        __m512 row[V];
-        for (int64_t v = 0; v < V; v++) row[v] = load16(values + j * G * D + 16 * v);
-        for (int64_t h = 0; h < H; h++) {{
-            const __m512 w = splat(weights[h][j]);
-            for (int64_t v = 0; v < V; v++) acc[h][v] = _mm512_fmadd_ps(w, row[v], acc[h][v]);
-        }}
-    }}
-    for (int64_t h = 0; h < H; h++)
-        for (int64_t v = 0; v < V; v++) _mm512_store_ps(s.acc[g][h] + 16 * v, acc[h][v]);
-}}
-
+// Two passes over a sequence's blocks. The first scores every position for every query
+// head, 16 positions at a time, into `scores` ([G][H][positions], masked lanes -inf); one
+// softmax per head follows; the second sums the value rows by their weights. (A running
+// softmax rescales each head's state every 16 positions: a chain of reductions and an
+// exponential that kept the cores waiting, ~2x the time at 32 sequences.)
 extern "C" void kernel(KERNEL_ARGUMENTS)
 {{
-    #pragma omp parallel for schedule(dynamic, 1)
+    #pragma omp parallel
+    {{
+    std::vector<float> scores;  // per thread, reused across its sequences
+    #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) {{
         if (write_new)
             store_new(keys, values, new_keys + i * key_row, new_values + i * value_row,
                       key_group, value_group, slots[i]);
-        State s;
-        for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
-            for (int64_t v = 0; v < V; v++) _mm512_store_ps(s.acc[g][h] + 16 * v, splat(0.f));
-            s.running_max[g][h] = -INFINITY;
-            s.total[g][h] = 0.f;
-        }}
         const int64_t length = lengths[i];
         const int64_t first = window >= 0 ? std::max<int64_t>(0, length - 1 - window) : 0;
+        const int64_t origin = first / 16 * 16;  // scores[.][.][0] is this position's
+        const int64_t span = (length - origin + 15) / 16 * 16;
+        if (int64_t(scores.size()) < G * H * span) scores.resize(G * H * span);
         const int64_t* table = tables + i * width;
+        if ((first / BS + 1) * BS < length)  // two blocks ahead of the one being scored
+            prefetch_block(keys, values, table[first / BS + 1]);
         for (int64_t b = first / BS; b * BS < length; b++) {{
-            if ((b + 1) * BS < length)  // the next block, while this one is computed
-                prefetch_block(keys, values, table[b + 1]);
-            for (int64_t t = b * BS; t < (b + 1) * BS && t < length; t += 16) {{
+            if ((b + 2) * BS < length)
+                prefetch_block(keys, values, table[b + 2]);
+            for (int64_t t = std::max(b * BS, origin); t < (b + 1) * BS && t < length; t += 16) {{
                 const int64_t start = std::max(t, first) - t, stop = std::min(t + 16, length) - t;
-                if (start >= stop) continue;
                 const uint32_t below_stop = (1u << stop) - 1, below_start = (1u << start) - 1;
                 const __mmask16 valid = static_cast<__mmask16>(below_stop & ~below_start);
                 const int64_t row = (table[b] * BS + t - b * BS) * G * D;
                 for (int64_t g = 0; g < G; g++) {{
                     const scalar_t* q = query + i * query_row + g * query_group;
-                    attend16(s, g, q, keys + row + g * D, values + row + g * D, scale, valid,
-                             start, stop);
+                    for (int64_t h = 0; h < H; h++) {{
+                        __m512 partial[16];
+                        dots16(q + h * D, keys + row + g * D, partial);
+                        const __m512 dots = _mm512_mul_ps(sum16(partial), splat(scale));
+                        _mm512_storeu_ps(scores.data() + (g * H + h) * span + t - origin,
+                                         _mm512_mask_blend_ps(valid, splat(-INFINITY), dots));
+                    }}
                 }}
             }}
         }}
+        float total[G][H];
         for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
-            scalar_t* row = out + ((i * G + g) * H + h) * D;
-            const __m512 inverse = splat(1.f / s.total[g][h]);
-            for (int64_t v = 0; v < V; v++)
-                store16(_mm512_mul_ps(_mm512_load_ps(s.acc[g][h] + 16 * v), inverse), row + 16 * v);
+            float* x = scores.data() + (g * H + h) * span;
+            __m512 top = splat(-INFINITY);
+            for (int64_t c = 0; c < span; c += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + c));
+            const __m512 most = splat(_mm512_reduce_max_ps(top));
+            __m512 sum = splat(0.f);
+            for (int64_t c = 0; c < span; c += 16) {{
+                const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + c), most));
+                _mm512_storeu_ps(x + c, w);
+                sum = _mm512_add_ps(sum, w);
+            }}
+            total[g][h] = _mm512_reduce_add_ps(sum);
         }}
+        for (int64_t g = 0; g < G; g++) {{
+            __m512 acc[H][V];
+            for (int64_t h = 0; h < H; h++) for (int64_t v = 0; v < V; v++) acc[h][v] = splat(0.f);
+            for (int64_t b = first / BS; b * BS < length; b++) {{
+                const int64_t begin = std::max(b * BS, first), end = std::min((b + 1) * BS, length);
+                const scalar_t* rows = values + (table[b] * BS - b * BS) * G * D + g * D;
+                for (int64_t p = begin; p < end; p++) {{  // positions outside are never read
+                    __m512 row[V];
+                    for (int64_t v = 0; v < V; v++) row[v] = load16(rows + p * G * D + 16 * v);
+                    for (int64_t h = 0; h < H; h++) {{
+                        const __m512 w = splat(scores[(g * H + h) * span + p - origin]);
+                        for (int64_t v = 0; v < V; v++)
+                            acc[h][v] = _mm512_fmadd_ps(w, row[v], acc[h][v]);
+                    }}
+                }}
+            }}
+            for (int64_t h = 0; h < H; h++) {{
+                scalar_t* out_row = out + ((i * G + g) * H + h) * D;
+                const __m512 inverse = splat(1.f / total[g][h]);
+                for (int64_t v = 0; v < V; v++)
+                    store16(_mm512_mul_ps(acc[h][v], inverse), out_row + 16 * v);
+            }}
+        }}
+    }}
     }}
 }}
 #else
