@@ -3,6 +3,7 @@ interactive client against a running server."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from mg.generate_server.amx_matmul import amx_matmul
 from mg.generate_server.cli import main
 from mg.generate_server.client import run_client
 
@@ -84,6 +86,28 @@ def test_serve_with_compiled_decode_steps(checkpoint, server) -> None:
         text = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
         alone = httpx.post(server.url + "/v1/completions", json=request, timeout=60).json()
         assert text["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+@pytest.mark.skipif(amx_matmul()[0] is None, reason=amx_matmul()[1])
+def test_serve_a_llama_shape_in_bf16_with_fused_steps(tmp_path) -> None:
+    """On a CPU with AMX a Llama-shaped bf16 model's steps run as one C++ call: the start-up
+    line says so, and streamed and plain greedy completions agree."""
+    from mg.core.testing.serving_checkpoints import save_decisive_model
+
+    ckpt = save_decisive_model(tmp_path)
+    request = {"prompt": "The school", "max_tokens": 8, "temperature": 0}
+    with _served(ckpt, "--bf16", "--num-threads", "2", "--inference-max-requests", "2") as (
+        url,
+        line,
+    ):
+        assert "AMX-packed weights, decode steps fused, bfloat16, 2 threads" in line
+        plain = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
+        assert plain["usage"]["completion_tokens"] == 8
+        with httpx.stream("POST", url + "/v1/completions", json={**request, "stream": True},
+                          timeout=60) as streamed:  # fmt: skip
+            chunks = [x for x in streamed.iter_lines() if x.startswith("data: {")]
+        text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in chunks)
+        assert text == plain["choices"][0]["text"]
 
 
 def test_draft_and_cuda_graph_refusals(checkpoint, tmp_path, capsys) -> None:
