@@ -79,17 +79,18 @@ SCHEDULES = {
 }
 
 
+def _runner(model: GPTModel, options: dict) -> ModelRunner:
+    """A runner of 4 slots over 128 positions, with the schedule's pool settings (popped
+    from `options`; what is left goes to the engine)."""
+    num_blocks, block_size = options.pop("num_blocks", None), options.pop("block_size", 16)
+    return ModelRunner(model, 4, 128, num_blocks=num_blocks, block_size=block_size)
+
+
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_greedy_equals_transformers_generate(served, schedule: str) -> None:
     loaded, prompts, expected = served
     options = dict(SCHEDULES[schedule])
-    runner = ModelRunner(
-        loaded.model,
-        num_slots=4,
-        max_length=128,
-        num_blocks=options.pop("num_blocks", None),
-        block_size=options.pop("block_size", 16),
-    )
+    runner = _runner(loaded.model, options)
     runner.attention_backend = options.pop("attention_backend", "auto")
     decode_attention = runner.choose_decode_attention()
     engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257, **options)
@@ -128,13 +129,7 @@ def test_fused_bf16_steps_are_schedule_invariant_and_follow_fp32(folder, served)
     tokens = {}
     for schedule in ("default", "no-prefix-caching", "chunked-prefill", "preemption"):
         options = dict(SCHEDULES[schedule])
-        runner = ModelRunner(
-            loaded.model,
-            num_slots=4,
-            max_length=128,
-            num_blocks=options.pop("num_blocks", None),
-            block_size=options.pop("block_size", 16),
-        )
+        runner = _runner(loaded.model, options)
         runner.choose_decode_attention()
         assert runner.use_fused_decode() is None
         engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257, **options)

@@ -55,36 +55,13 @@ static inline uint16_t to_bf16(float x) {  // round to nearest even
 }
 static inline float rounded(float x) { return from_bf16(to_bf16(x)); }
 
-// 16 bf16 as float; 16 floats rounded to bf16 (nearest even) and stored
-static inline __m512 load_bf16x16(const uint16_t* x) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+// 16 floats rounded to bf16 (nearest even), kept as floats (`load16`, `store16`, `exp16`:
+// the attention kernel's)
 static inline __m512 rounded16(__m512 x) {
     __m512i u = _mm512_castps_si512(x);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0xFFFF0000)));
-}
-static inline void store_bf16x16(__m512 x, uint16_t* y) {
-    const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(rounded16(x)), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(high));
-}
-// e^x (Cephes' expf: x = n ln2 + r, a polynomial in r, times 2^n), x clamped to floats'
-static inline __m512 exp_x16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 // y = x / rms(x) * w per row, rounded as torch's rms_norm on bf16 (x / rms, then * w).
@@ -127,7 +104,7 @@ static void add_into(uint16_t* hidden, const uint16_t* x, int64_t n, int64_t wid
     #pragma omp parallel for
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = i * width; c < (i + 1) * width; c += 16)
-            store_bf16x16(_mm512_add_ps(load_bf16x16(hidden + c), load_bf16x16(x + c)), hidden + c);
+            store16(_mm512_add_ps(load16(hidden + c), load16(x + c)), hidden + c);
 }
 
 // act = silu(gate) * up over rows [gate | up] of 2 * ffn (a multiple of 16)
@@ -135,12 +112,10 @@ static void swiglu(const uint16_t* fc1, uint16_t* act, int64_t n, int64_t ffn) {
     #pragma omp parallel for
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = 0; c < ffn; c += 16) {
-            const __m512 gate = load_bf16x16(fc1 + i * 2 * ffn + c);
-            const __m512 e = exp_x16(_mm512_sub_ps(_mm512_setzero_ps(), gate));
-            const __m512 one_plus = _mm512_add_ps(_mm512_set1_ps(1.f), e);
-            const __m512 silu = rounded16(_mm512_div_ps(gate, one_plus));
-            store_bf16x16(_mm512_mul_ps(silu, load_bf16x16(fc1 + i * 2 * ffn + ffn + c)),
-                          act + i * ffn + c);
+            const __m512 gate = load16(fc1 + i * 2 * ffn + c);
+            const __m512 e = exp16(_mm512_sub_ps(splat(0.f), gate));
+            const __m512 silu = rounded16(_mm512_div_ps(gate, _mm512_add_ps(splat(1.f), e)));
+            store16(_mm512_mul_ps(silu, load16(fc1 + i * 2 * ffn + ffn + c)), act + i * ffn + c);
         }
 }
 

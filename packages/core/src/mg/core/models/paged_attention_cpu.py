@@ -96,14 +96,10 @@ static inline void prefetch_block(const scalar_t* keys, const scalar_t* values, 
     }}
 }}
 
-#if defined(__AVX512F__) && HEAD_DIM % 16 == 0 && BLOCK_SIZE % 16 == 0
-// AVX-512: the scores of 16 positions at a time. Each position's partial products fold
-// into one vector per query head, and `sum16` turns 16 such vectors into one vector of
-// 16 scores (a transposing add tree: 45 instructions where 16 horizontal sums take
-// ~130), so the softmax runs on vectors too (`exp16`).
+#if defined(__AVX512F__)
+// 16 lanes at a time: loads and stores of either scalar type (bf16 rounded to nearest
+// even), and e^x (also used by `mg.generate_server.fused_decode`, which includes this)
 #include <immintrin.h>
-constexpr int64_t V = D / 16;  // vectors per head row
-
 static inline __m512 load16(const float* x) {{ return _mm512_loadu_ps(x); }}
 static inline __m512 load16(const uint16_t* x) {{  // bfloat16 bits -> float
     const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -118,6 +114,33 @@ static inline void store16(__m512 x, uint16_t* y) {{  // round to nearest even
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), bits);
 }}
 static inline __m512 splat(float x) {{ return _mm512_set1_ps(x); }}
+// e^x (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n), x clamped to
+// [-104, 88] (e^-104 is 0 in float, e^88 near its largest)
+static inline __m512 exp16(__m512 x) {{
+    x = _mm512_min_ps(_mm512_max_ps(x, splat(-104.f)), splat(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, splat(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, splat(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, splat(-2.12194440e-4f), r);
+    __m512 p = splat(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, splat(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, splat(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, splat(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, splat(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, splat(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, splat(1.f)));
+    return _mm512_scalef_ps(p, n);
+}}
+
+#endif
+
+#if defined(__AVX512F__) && HEAD_DIM % 16 == 0 && BLOCK_SIZE % 16 == 0
+// AVX-512: the scores of 16 positions at a time. Each position's partial products fold
+// into one vector per query head, and `sum16` turns 16 such vectors into one vector of
+// 16 scores (a transposing add tree: 45 instructions where 16 horizontal sums take
+// ~130), so the softmax runs on vectors too (`exp16`).
+constexpr int64_t V = D / 16;  // vectors per head row
+
 static inline __m512 fold(__m512 a, __m512 b, int lanes) {{  // 128-bit lanes of a and b, added
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lanes & 0xFF),
                          _mm512_shuffle_f32x4(a, b, lanes >> 8));
@@ -136,23 +159,6 @@ static inline __m512 sum16(const __m512* v) {{
     }}
     // the four 128-bit lanes of each u[k] added into the k-th lane
     return fold(fold(u[0], u[1], 0xEE44), fold(u[2], u[3], 0xEE44), 0xDD88);
-}}
-
-// e^x for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-7 polynomial in r, times 2^n)
-static inline __m512 exp16(__m512 x) {{
-    x = _mm512_max_ps(x, splat(-104.f));  // e^-104 is 0 in float
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, splat(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, splat(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, splat(-2.12194440e-4f), r);
-    __m512 p = splat(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, splat(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, splat(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, splat(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, splat(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, splat(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, splat(1.f)));
-    return _mm512_scalef_ps(p, n);
 }}
 
 // Lane j of partial[j] sums to the dot product of the query row `q` with the key row of
