@@ -1,4 +1,4 @@
-"""A Llama-shaped bf16 model's decode step as one C++ call, on CPUs with AMX.
+"""A Llama-shaped bf16 model's serving step as one C++ call, on CPUs with AMX.
 
 On a CPU a decode step of a few sequences costs a read of the weights (~12 ms
 for a 135M model on two cores) plus everything around it: per layer, five
@@ -11,11 +11,14 @@ compiled step of 8 sequences: 26 ms, of which the linears' reads ~12).
 This module builds one C++ library from the package's AMX matmul kernel
 (`amx_matmul`), the paged decode-attention kernel
 (`mg.core.models.paged_attention_cpu`) and the small ops between them, and
-runs every layer of a decode-only step in a single call: the embedding lookup
-and the output layer stay in PyTorch. Each op rounds to bf16 where the eager
-model does (a norm's product and its scale, RoPE's two products and their sum,
-SiLU and its product, each residual add), so it computes the eager model's
-numbers up to the order of the sums.
+runs every layer of a step in a single call, with the GIL released: decode
+rows, and prompt chunks whose context is short (each prompt row attends over
+its own length, as a decode row does). The embedding lookup and the output
+layer stay in PyTorch. Each row is computed alone, in the same order whatever
+else the step holds, so a sequence's tokens do not depend on the schedule; each
+op rounds to bf16 where the eager model does (a norm's product and its scale,
+RoPE's two products and their sum, SiLU and its product, each residual add), so
+it computes the eager model's numbers up to the order of the sums.
 
 It serves models whose every layer is pre-norm RMSNorm, fused QKV without bias
 (GQA allowed), RoPE over all or part of each head, and a SwiGLU MLP without
