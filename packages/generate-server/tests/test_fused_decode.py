@@ -132,3 +132,45 @@ def test_models_it_cannot_run_say_why() -> None:
     assert fused_decode_unsupported(qk, ModelRunner(qk, 1, 16).cache) == (
         "it norms queries and keys (--qk-layernorm)"
     )
+
+
+@needs_amx
+def test_speculative_decoding_over_fused_steps_gives_the_targets_tokens() -> None:
+    """A fused target verifying a fused draft's guesses (k + 1 rows a sequence, fused like a
+    short prompt chunk): the target's tokens alone, with a draft that guesses right (itself)
+    and one that mostly guesses wrong (rolled back)."""
+    from mg.generate_server.batch import generate_batch
+    from mg.generate_server.engine import GenerationEngine
+    from mg.generate_server.sampling import SamplingParams
+    from mg.generate_server.speculative import Drafter
+
+    target = _packed_model()
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (5, 9, 2)]
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+
+    def fused_runner(model: GPTModel) -> ModelRunner:
+        runner = ModelRunner(model, num_slots=3, max_length=32, block_size=4)
+        runner.choose_decode_attention()
+        assert runner.use_fused_decode() is None
+        return runner
+
+    def generate(draft: GPTModel | None) -> tuple[list[list[int]], object]:
+        drafter = None
+        if draft is not None:
+            drafter = Drafter(fused_runner(draft), num_tokens=3, vocab_size=128, catch_up_tokens=64)
+        runner = fused_runner(target)
+        engine = GenerationEngine(runner, lambda ids: "", 128, drafter=drafter)
+        try:
+            tokens = [r.tokens for r in generate_batch(engine, prompts, params)]
+            assert runner.fused_decode.steps == engine.stats.steps  # verifications included
+            return tokens, engine.stats
+        finally:
+            engine.shutdown()
+
+    alone, _ = generate(None)
+    torch.manual_seed(0)
+    for draft in (target, _packed_model(num_layers=1, init_method_std=0.5)):
+        tokens, stats = generate(draft)
+        assert tokens == alone and stats.draft_tokens > 0
+    assert stats.accepted_draft_tokens < stats.draft_tokens  # the other model's guesses

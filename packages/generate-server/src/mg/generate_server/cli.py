@@ -336,8 +336,6 @@ def serve(args: argparse.Namespace) -> None:
             runner.packed_linears = pack_linears(loaded.model)
     elif env.tp_mesh is None:
         runner = ModelRunner(loaded.model, args.inference_max_requests, max_length, *pool)
-        if device.type == "cpu":
-            runner.packed_linears = pack_linears(loaded.model)
     else:
         runner = TensorParallelRunner(
             loaded.model, args.inference_max_requests, max_length, env, *pool
@@ -347,10 +345,8 @@ def serve(args: argparse.Namespace) -> None:
     decode_attention = runner.choose_decode_attention()
     if runner.cache_decode_kernel is None and decode_attention != GATHERED:
         log.warning("decode attention: %s", decode_attention)  # why the kernel is not used
-    if type(runner) is ModelRunner and runner.packed_linears and backend == "auto":
-        why = runner.use_fused_decode()  # AMX-packed weights: the whole step in C++ if it can
-        if why is not None:
-            log.info("decode steps run op by op: %s", why)
+    if type(runner) is ModelRunner and device.type == "cpu":
+        _pack_and_fuse(runner)
     drafter = None
     if args.draft_load is not None:
         drafter = _drafter(args, loaded, runner, device, dtype, tp)
@@ -364,6 +360,19 @@ def serve(args: argparse.Namespace) -> None:
         run_worker(runner)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _pack_and_fuse(runner) -> None:
+    """The eager CPU runner: its bf16 linears packed once (`packed_linears`) and, with AMX
+    packing and `--attention-backend auto`, every step one C++ call where the model
+    allows it (`fused_decode`; why not, at info level)."""
+    from mg.generate_server.packed_linears import pack_linears
+
+    runner.packed_linears = pack_linears(runner.model)
+    if runner.packed_linears and runner.attention_backend == "auto":
+        why = runner.use_fused_decode()
+        if why is not None:
+            log.info("steps run op by op: %s", why)
 
 
 def _graph_runner(args: argparse.Namespace, loaded, device, tp: int, max_length: int, pool):
@@ -443,6 +452,8 @@ def _drafter(args: argparse.Namespace, loaded, runner, device, dtype: str | None
     )
     draft_runner.attention_backend = runner.attention_backend
     draft_runner.choose_decode_attention()
+    if type(runner) is ModelRunner and device.type == "cpu":  # as the served model's
+        _pack_and_fuse(draft_runner)
     return Drafter(
         draft_runner,
         num_tokens=args.num_speculative_tokens or 4,
