@@ -132,6 +132,25 @@ def peak_rss_mb(pid: int | str = "self", field: str = "VmHWM") -> float:
     return float("nan")
 
 
+# What a server process holds before it loads any model: torch, inductor's code cache (the
+# CPU kernels are built and loaded through it) and the server's modules.
+RUNTIME_IMPORTS = (
+    "import torch, torch._inductor.codecache, uvicorn\n"
+    "import mg.generate_server.app, mg.generate_server.cli, mg.generate_server.engine\n"
+    "import mg.generate_server.loading, mg.generate_server.runner\n"
+    "import mg.generate_server.tensor_parallel\n"
+    "print(open('/proc/self/status').read())"
+)
+
+
+def runtime_rss_mb() -> float:
+    """Resident memory of a process that imports what mg-serve imports and loads nothing."""
+    out = subprocess.run(
+        [sys.executable, "-c", RUNTIME_IMPORTS], capture_output=True, text=True, check=True
+    ).stdout
+    return next(int(x.split()[1]) / 1024 for x in out.splitlines() if x.startswith("VmRSS:"))
+
+
 # --- transformers, in its own process -------------------------------------------
 
 
@@ -458,6 +477,7 @@ def main() -> None:
             memory["bound_mb"] = (1.2 * weight_bytes + cached) / 2**20
             memory["weights_mb"] = weight_bytes / 2**20
             memory["cached_mb"] = cached / 2**20
+            memory["runtime_mb"] = runtime_rss_mb()
             results["memory"] = memory
             print(row("mg-serve 8 x 1k", memory), f"bound {memory['bound_mb']:.0f} MB", flush=True)
         if not args.skip_long:
@@ -499,6 +519,13 @@ def main() -> None:
             f"resident once listening {m['idle_mb']:.0f} MB (weights and the process: torch, "
             f"the server), growth while serving {m['peak_mb'] - m['idle_mb']:.0f} MB "
             f"({(m['peak_mb'] - m['idle_mb']) / m['cached_mb']:.2f}x the cached keys/values)"
+        )
+        own = m["peak_mb"] - m["runtime_mb"]
+        print(
+            f"- the same, above the runtime (a process importing what mg-serve imports, no "
+            f"model: {m['runtime_mb']:.0f} MB): {own:.0f} MB, "
+            f"{own / (m['weights_mb'] + m['cached_mb']):.2f}x weights + cached "
+            f"({'within' if own <= m['bound_mb'] else 'over'} 1.2 x weights + cached)"
         )
     if "long" in results:
         lc = results["long"]

@@ -63,11 +63,17 @@ def test_packed_layers_equal_plain_ones_and_free_the_weights(amx: bool) -> None:
 @PACKINGS
 @torch.inference_mode()
 def test_a_tied_output_layer_keeps_the_embedding(amx: bool) -> None:
+    """Tied: the packed output layer makes the logits, and the embedding still finds every
+    token's row (AMX: gathered from the packed copy, the plain matrix freed; oneDNN: the
+    plain matrix kept beside its packed copy)."""
     plain = _model(untie_embeddings_and_output_weights=False).to(torch.bfloat16)
     packed = _model(untie_embeddings_and_output_weights=False).to(torch.bfloat16)
     assert packed.output_layer is None  # tied: the embedding's matrix makes the logits
     assert pack_linears(packed, amx) == 4 * packed.config.num_layers + 1
-    assert torch.equal(packed.embedding.word_embeddings.weight, plain.output_weight())
+    kept = packed.embedding.word_embeddings.weight.numel()
+    assert kept == (0 if amx else plain.output_weight().numel())
+    ids = torch.tensor([[0, 31, 32, 127], [5, 16, 17, 100]])
+    assert torch.equal(packed.embedding.word_embeddings(ids), plain.output_weight()[ids])
     hidden = torch.randn(1, 5, plain.config.hidden_size, dtype=torch.bfloat16)
     want = plain.output_and_loss(hidden, None)
     got = packed.output_and_loss(hidden, None)

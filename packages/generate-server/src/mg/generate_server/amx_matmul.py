@@ -141,6 +141,15 @@ class AMXLinear:
             return torch.ops.mg_amx.linear(x, self.packed, self.bias, self.has_bias)
         return _linear(self._kernel, x, self.packed, self.bias, self.has_bias)
 
+    def rows(self, ids: Tensor) -> Tensor:
+        """The weight's rows `ids` (any shape) -> [*ids.shape, in_features], read from the
+        packed copy (a tied embedding looks its tokens up here, and keeps no plain copy)."""
+        n, k = self.out_features, self.in_features
+        tiles = self.packed.view(n // 32, k // 32, 2, 16, 16, 2)  # see pack_weight
+        flat = ids.reshape(-1)
+        picked = tiles[flat // 32, :, flat % 32 // 16, :, flat % 16, :]  # [ids, k/32, 16, 2]
+        return picked.reshape(*ids.shape, k)
+
 
 def _linear(kernel, x: Tensor, packed: Tensor, bias: Tensor, has_bias: int) -> Tensor:
     """x [..., K] @ the packed weight [N, K].T (+ bias)."""

@@ -14,8 +14,10 @@ own kernel instead (`amx_matmul`: the weights streamed at the cores' memory spee
 The output layer is packed too (`model.output_and_loss` swapped on the instance,
 as tensor parallelism swaps it): its [vocab, hidden] matrix is the largest single
 weight, 5.3 -> ~1.8 ms of a step of 8 sequences of a 135M model with a 49k
-vocabulary. An own output layer's plain weight is freed; a tied one stays, since
-the embedding looks its rows up (a packed copy beside it: 56 MB for that model).
+vocabulary. An own output layer's plain weight is freed. A tied one is freed too
+where the AMX kernel took it (the embedding then gathers its rows from the packed
+copy); oneDNN's layout cannot be read back, so there the plain matrix stays beside
+the packed one (56 MB for that model).
 
 The eager CPU server does this, and the compiled runner where AMX is there (its
 graphs call the kernel; elsewhere inductor packs inside its graphs); a model under
@@ -93,6 +95,9 @@ def _pack_output_layer(model: GPTModel, packing: str) -> int:
     if matmul is None:
         return 0
     if model.output_layer is not None:  # its own: the packed copy replaces it
+        weight.data = torch.empty(0, dtype=weight.dtype)
+    elif isinstance(matmul, AMXLinear):  # tied: the embedding looks its rows up in the copy
+        model.embedding.word_embeddings.forward = matmul.rows
         weight.data = torch.empty(0, dtype=weight.dtype)
 
     def output_and_loss(hidden: Tensor, labels: Tensor | None) -> Tensor:
