@@ -174,3 +174,17 @@ def test_speculative_decoding_over_fused_steps_gives_the_targets_tokens() -> Non
         tokens, stats = generate(draft)
         assert tokens == alone and stats.draft_tokens > 0
     assert stats.accepted_draft_tokens < stats.draft_tokens  # the other model's guesses
+
+
+@needs_amx
+def test_a_library_that_fails_to_build_leaves_the_op_by_op_step(monkeypatch) -> None:
+    from mg.generate_server import fused_decode
+
+    def broken(*args):
+        raise RuntimeError("the compiler says no")
+
+    monkeypatch.setattr(fused_decode, "_build", broken)
+    runner = ModelRunner(_packed_model(), num_slots=1, max_length=16)
+    why = runner.use_fused_decode()
+    assert why == "the fused step could not be built (RuntimeError: the compiler says no)"
+    assert runner.fused_decode is None

@@ -208,7 +208,7 @@ def fused_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> st
 
 
 class FusedDecode:
-    """The decode step of one model over its paged cache, as one C++ call."""
+    """A model's serving steps over its paged cache, each one C++ call (`_build`)."""
 
     def __init__(self, model: GPTModel, cache: PagedKVCache) -> None:
         why = fused_decode_unsupported(model, cache)
@@ -266,13 +266,14 @@ class FusedDecode:
     ) -> Tensor:
         """`ModelRunner.forward` for a step it `takes`: logits [len(logit_rows), vocab]."""
         model, cache, bs = self.model, self.cache, self.cache.block_size
-        width = max(-(-s.context_length // bs) for s in segments)
+        table_width = max(-(-s.context_length // bs) for s in segments)
         tables, lengths, slots, owners = [], [], [], []
         for k, s in enumerate(segments):
             if s.context_length > len(s.blocks) * bs:
                 end = s.context_length - 1
                 raise ValueError(f"fused step: position {end} is past the sequence's blocks")
-            tables.append(list(s.blocks[:width]) + [0] * (width - len(s.blocks[:width])))
+            table = list(s.blocks[:table_width])
+            tables.append(table + [0] * (table_width - len(table)))
             for p in range(s.context_start, s.context_length):
                 slots.append(s.blocks[p // bs] * bs + p % bs)
                 lengths.append(p + 1)

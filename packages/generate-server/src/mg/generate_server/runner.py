@@ -106,7 +106,10 @@ class ModelRunner:
 
         why = fused_decode_unsupported(self.model, self._attention_cache)
         if why is None:
-            self.fused_decode = FusedDecode(self.model, self._attention_cache)
+            try:
+                self.fused_decode = FusedDecode(self.model, self._attention_cache)
+            except Exception as err:  # noqa: BLE001 - the compiler refused: op by op serves
+                return f"the fused step could not be built ({type(err).__name__}: {err})"
         return why
 
     @property
