@@ -520,15 +520,13 @@ def main() -> None:
             f"the server), growth while serving {m['peak_mb'] - m['idle_mb']:.0f} MB "
             f"({(m['peak_mb'] - m['idle_mb']) / m['cached_mb']:.2f}x the cached keys/values)"
         )
-        own = m["peak_mb"] - m["runtime_mb"]
+        own, needed = m["peak_mb"] - m["runtime_mb"], m["weights_mb"] + m["cached_mb"]
         print(
             f"- the same, above the runtime (a process importing what mg-serve imports, no "
-            f"model: {m['runtime_mb']:.0f} MB): {own:.0f} MB, "
-            f"{own / (m['weights_mb'] + m['cached_mb']):.2f}x weights + cached; "
-            f"1.2 x weights + cached = {m['bound_mb']:.0f} MB "
+            f"model: {m['runtime_mb']:.0f} MB): {own:.0f} MB, {own / needed:.2f}x weights + "
+            f"cached; 1.2 x weights + cached = {m['bound_mb']:.0f} MB "
             f"({'within' if own <= m['bound_mb'] else 'over'}), 1.2 x (weights + cached) = "
-            f"{1.2 * (m['weights_mb'] + m['cached_mb']):.0f} MB "
-            f"({'within' if own <= 1.2 * (m['weights_mb'] + m['cached_mb']) else 'over'})"
+            f"{1.2 * needed:.0f} MB ({'within' if own <= 1.2 * needed else 'over'})"
         )
     if "long" in results:
         lc = results["long"]

@@ -208,12 +208,10 @@ def fused_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> st
 
 
 class FusedDecode:
-    """A model's serving steps over its paged cache, each one C++ call (`_build`)."""
+    """A model's serving steps over its paged cache, each one C++ call (`_build`). For a
+    model and cache `fused_decode_unsupported` accepts (`ModelRunner.use_fused_decode`)."""
 
     def __init__(self, model: GPTModel, cache: PagedKVCache) -> None:
-        why = fused_decode_unsupported(model, cache)
-        if why is not None:
-            raise ValueError(f"fused decode: {why}")
         config = model.config
         self.model, self.cache = model, cache
         attention = model.decoder.layers[0].self_attention
@@ -258,13 +256,10 @@ class FusedDecode:
 
     @torch.inference_mode()
     def logits(
-        self,
-        segments: Sequence[PagedSegment],
-        input_ids: Sequence[int],
-        positions: Sequence[int],
-        logit_rows: Sequence[int],
+        self, segments: Sequence[PagedSegment], ids: Tensor, pos: Tensor, logit_rows: Sequence[int]
     ) -> Tensor:
-        """`ModelRunner.forward` for a step it `takes`: logits [len(logit_rows), vocab]."""
+        """`ModelRunner.forward` for a step it `takes` (ids, positions: [1, n]): logits
+        [len(logit_rows), vocab]."""
         model, cache, bs = self.model, self.cache, self.cache.block_size
         table_width = max(-(-s.context_length // bs) for s in segments)
         tables, lengths, slots, owners = [], [], [], []
@@ -281,8 +276,6 @@ class FusedDecode:
         blocks = torch.tensor(tables)
         if len(owners) != len(segments):  # a prompt's rows: its table for each
             blocks = blocks[torch.tensor(owners)]
-        ids = torch.tensor([list(input_ids)])
-        pos = torch.tensor([list(positions)])
         hidden = model.embedding(ids, pos)[0].contiguous()
         rope = model.rotary_pos_emb(pos)  # fp32 [1, n, 1, rot], cast as RoPE casts them
         cos, sin = (x[0, :, 0].to(torch.bfloat16).contiguous() for x in rope)

@@ -79,9 +79,10 @@ class ModelRunner:
         self.attention_backend = "auto"
         """`--attention-backend`: the SDPA kernels the cache's attention may use."""
         self.packed_linears = 0
-        """Linears whose bf16 weights were packed for oneDNN (`packed_linears`)."""
+        """Linears whose bf16 weights were packed once (`packed_linears`)."""
         self.fused_decode = None
-        """`fused_decode.FusedDecode`: decode-only steps as one C++ call (`use_fused_decode`)."""
+        """`fused_decode.FusedDecode`: steps of decodes and short prompt chunks as one C++
+        call (`use_fused_decode`)."""
 
     @property
     def _attention_cache(self) -> PagedKVCache | None:
@@ -99,9 +100,9 @@ class ModelRunner:
         return cache.use_cpu_decode_kernel()
 
     def use_fused_decode(self) -> str | None:
-        """Run decode-only steps as one C++ call (`fused_decode`) where this model and
-        machine allow it (a Llama-shaped bf16 model whose linears the AMX kernel took);
-        None, or why not, for the log."""
+        """Run steps of decodes and short prompt chunks as one C++ call (`fused_decode`)
+        where this model and machine allow it (a Llama-shaped bf16 model whose linears the
+        AMX kernel took); None, or why not, for the log."""
         from mg.generate_server.fused_decode import FusedDecode, fused_decode_unsupported
 
         why = fused_decode_unsupported(self.model, self._attention_cache)
@@ -139,11 +140,11 @@ class ModelRunner:
         positions: Sequence[int],
         logit_rows: Sequence[int],
     ) -> Tensor:
-        if self.fused_decode is not None and self.fused_decode.takes(segments):
-            return self.fused_decode.logits(segments, input_ids, positions, logit_rows).float()
-        self.cache.bind(segments)
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
         pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
+        if self.fused_decode is not None and self.fused_decode.takes(segments):
+            return self.fused_decode.logits(segments, ids, pos, logit_rows).float()
+        self.cache.bind(segments)
         rows = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
         return self._logits(ids, pos, rows).float().cpu()
 
