@@ -8,8 +8,9 @@ lines right above its block of imports), e.g. `# lazy: --help stays instant`.
 The graph counts every import of an `mg` module, inside functions too (a
 function-level import does not break a circle, it hides one), except those
 under `if TYPE_CHECKING:`. `from pkg import name` is an edge to `pkg.name`
-when that is a module and to `pkg` (its `__init__`) otherwise. Read from the
-AST: nothing is imported.
+when that is a module and to `pkg` (its `__init__`) otherwise, and importing
+`a.b.c` is an edge to the packages `a.b` and `a` too (their `__init__` runs
+first). Read from the AST: nothing is imported.
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ def import_graph() -> dict[str, set[str]]:
                     target = target.rpartition(".")[0]
                 if target and target != name:
                     graph[name].add(target)
+                # importing a.b.c runs a/__init__ and a/b/__init__ first, unless the
+                # importer is inside them (then they are already being imported)
+                parent = target.rpartition(".")[0]
+                while parent:
+                    if parent in modules and not name.startswith(parent + "."):
+                        graph[name].add(parent)
+                    parent = parent.rpartition(".")[0]
     return graph
 
 

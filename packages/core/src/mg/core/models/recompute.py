@@ -19,102 +19,94 @@ full, block: the first N layers each store only their input; the rest are
     dispatch, experts) stores only its input, as Megatron's MoELayer does
     under `recompute_modules=["moe"]`.
 
-Instead of wrapping modules (which would add a path component to every
-parameter name and break Megatron's checkpoint names), the `forward` of the
-chosen module instances is replaced with a checkpointed call of the original.
+Each step gives the chosen module instances a subclass whose forward runs the
+old one under a checkpoint (`mg.core.models.subclass`): parameter names stay
+Megatron's, and whatever module a step before it left in place (Transformer
+Engine's attention, a tensor-parallel dropout stream) is what gets recomputed.
+The construction pipeline (`mg.core.parallel.construct`) runs recompute after
+those steps and before compilation.
 
 A recomputation is not a new forward: `recomputing()` is True while one runs,
 so that state a forward accumulates (the MoE router's token counts for the
 expert bias, its logged losses) is counted once, and `checkpointed_forward()`
 while the original forward of a checkpointed region runs, so that a value it
-computed from such state can be handed to its recomputation.
+computed from such state can be handed to its recomputation
+(`mg.core.models.recompute_state`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from mg.core.models.rng_stream import checkpoint_context
+from mg.core.models.moe import MoELayer
+from mg.core.models.recompute_state import (
+    checkpointed_forward,
+    recompute_context,
+    recomputing,
+)
+from mg.core.models.subclass import extend_class
 
-_MARK = "_mg_recompute"
-_MOE_MARK = "_mg_moe_recompute"
-_depth = {"forward": 0, "recompute": 0}
-
-
-def recomputing() -> bool:
-    """True while a checkpointed region is recomputed in the backward pass."""
-    return _depth["recompute"] > 0
-
-
-def checkpointed_forward() -> bool:
-    """True while the original forward of a checkpointed region runs (not its recompute)."""
-    return _depth["forward"] > 0 and _depth["recompute"] == 0
-
-
-@contextlib.contextmanager
-def _within(kind: str, inner: contextlib.AbstractContextManager) -> Iterator[None]:
-    _depth[kind] += 1
-    try:
-        with inner:
-            yield
-    finally:
-        _depth[kind] -= 1
+__all__ = [
+    "Recomputed",
+    "RecomputedMoELayer",
+    "UniformlyRecomputedDecoder",
+    "apply_activation_recompute",
+    "apply_moe_layer_recompute",
+    "checkpointed_forward",
+    "recomputing",
+]
 
 
-def recompute_context() -> tuple[contextlib.AbstractContextManager, ...]:
-    """`context_fn` for torch.utils.checkpoint: the model-parallel RNG replayed
-    (`checkpoint_context`) and `recomputing()` / `checkpointed_forward()` kept."""
-    forward, recompute = checkpoint_context()
-    return _within("forward", forward), _within("recompute", recompute)
+def _checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(function, *args, use_reentrant=False, context_fn=recompute_context, **kwargs)
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(
-            forward, *args, use_reentrant=False, context_fn=recompute_context, **kwargs
-        )
+class Recomputed:
+    """Mixin: the module's forward stores only its inputs and runs again in the backward
+    pass (selective recompute of the attention core; full recompute, block method)."""
 
-    return run
+    _mg_recompute = True
 
-
-def _patch(module: nn.Module, forward: Callable[..., Any]) -> None:
-    module.forward = forward
-    setattr(module, _MARK, True)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpoint(super().forward, *args, **kwargs)
 
 
-def _uniform_decoder_forward(decoder: nn.Module, chunk: int) -> Callable[..., Tensor]:
-    """The decoder loop with each run of `chunk` layers under one checkpoint."""
+class RecomputedMoELayer:
+    """Mixin: an MoE layer (router, dispatch, experts) stores only its input, as
+    Megatron's MoELayer under `recompute_modules=["moe"]`."""
 
-    def run_layers(layers: list[nn.Module], hidden: Tensor, *args: Any) -> Tensor:
-        for layer in layers:
-            hidden = layer(hidden, *args)
-        return hidden
+    _mg_moe_recompute = True
 
-    def forward(hidden: Tensor, *args: Any) -> Tensor:
-        layers = list(decoder.layers)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpoint(super().forward, *args, **kwargs)
+
+
+def _run_layers(layers: list[nn.Module], hidden: Tensor, *args: Any) -> Tensor:
+    for layer in layers:
+        hidden = layer(hidden, *args)
+    return hidden
+
+
+class UniformlyRecomputedDecoder:
+    """Mixin for a layer stack (TransformerBlock, a hybrid MambaStack, a pipeline stage's
+    block): each run of `recompute_chunk` consecutive layers under one checkpoint, then
+    the final norm (`final_layernorm`, or a hybrid stack's `final_norm`)."""
+
+    _mg_recompute = True
+    recompute_chunk: int = 1
+
+    def forward(self, hidden: Tensor, *args: Any) -> Tensor:
+        layers = list(self.layers)
+        chunk = self.recompute_chunk
         for start in range(0, len(layers), chunk):
-            hidden = checkpoint(
-                run_layers,
-                layers[start : start + chunk],
-                hidden,
-                *args,
-                use_reentrant=False,
-                context_fn=recompute_context,
-            )
+            hidden = _checkpoint(_run_layers, layers[start : start + chunk], hidden, *args)
+        final_norm = getattr(self, "final_layernorm", None)
+        if final_norm is None:
+            final_norm = self.final_norm
         return final_norm(hidden)
-
-    # TransformerBlock's final_layernorm, a hybrid MambaStack's final_norm (or a stage's)
-    final_norm = getattr(decoder, "final_layernorm", None)
-    if final_norm is None:
-        final_norm = decoder.final_norm
-    return forward
 
 
 def apply_activation_recompute(
@@ -130,22 +122,22 @@ def apply_activation_recompute(
     """
     decoder = model.decoder
     layers = list(decoder.layers)
-    if any(getattr(m, _MARK, False) for m in model.modules()):
+    if any(getattr(m, "_mg_recompute", False) for m in model.modules()):
         raise ValueError("activation recompute is already applied to this model")
     if granularity == "selective":
         for layer in layers:
-            core = layer.self_attention.core_attention
-            _patch(core, _checkpointed(core.forward))
+            extend_class(layer.self_attention.core_attention, Recomputed)
         return model
     if granularity != "full":
         raise ValueError(f"granularity must be 'selective' or 'full', got {granularity!r}")
     if num_layers < 1:
         raise ValueError(f"recompute num_layers must be >= 1, got {num_layers}")
     if method == "uniform":
-        _patch(decoder, _uniform_decoder_forward(decoder, num_layers))
+        extend_class(decoder, UniformlyRecomputedDecoder)
+        decoder.recompute_chunk = num_layers
     elif method == "block":
         for layer in layers[:num_layers]:
-            _patch(layer, _checkpointed(layer.forward))
+            extend_class(layer, Recomputed)
     else:
         raise ValueError(f"method must be 'uniform' or 'block', got {method!r}")
     return model
@@ -156,10 +148,7 @@ def apply_moe_layer_recompute(model: nn.Module) -> nn.Module:
 
     Its collectives (expert-parallel dispatch, the balancing losses' counts) run
     again in the backward pass, on every rank alike."""
-    from mg.core.models.moe import MoELayer
-
     for module in model.modules():
-        if isinstance(module, MoELayer) and not getattr(module, _MOE_MARK, False):
-            module.forward = _checkpointed(module.forward)
-            setattr(module, _MOE_MARK, True)
+        if isinstance(module, MoELayer) and not isinstance(module, RecomputedMoELayer):
+            extend_class(module, RecomputedMoELayer)
     return model

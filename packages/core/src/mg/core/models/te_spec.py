@@ -37,9 +37,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
+from mg.core.models.core_attention import build_te_core_attention, require_gpu_package
+from mg.core.models.subclass import extend_class
 from mg.core.models.te_parallel import TEParallelism, sharded_te_module
 
 TE_FLAG = "--transformer-impl transformer_engine"
+TE_FUSED_NORMS = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+"""The local spec's norms (prefix within a layer) and their TE-spec names: each is the
+`layer_norm_*` of the linear after it (Megatron's local-spec key map)."""
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
@@ -136,9 +144,6 @@ def te_spec_names(state_dict: dict[str, Tensor], config: TransformerConfig) -> d
     """A local-spec state dict under the TE spec's names: each layer's norm becomes the
     `layer_norm_*` of the linear after it (Megatron's own local-spec key map,
     `mg.core.checkpoint.megatron_sharded_keys`); an MoE layer's pre-MLP norm stays."""
-    # Megatron's local-spec key map: the TE spec's names of the local spec's norms
-    from mg.core.checkpoint.megatron_sharded_keys import _FUSED_NORMS as TE_FUSED_NORMS
-
     moe = config.moe_layer_pattern
     out = {}
     for key, value in state_dict.items():
@@ -155,9 +160,6 @@ def te_spec_names(state_dict: dict[str, Tensor], config: TransformerConfig) -> d
 
 def te_spec_name(name: str) -> str:
     """One local-spec name under the TE spec's fused-norm name (others unchanged)."""
-    # Megatron's local-spec key map: the TE spec's names of the local spec's norms
-    from mg.core.checkpoint.megatron_sharded_keys import _FUSED_NORMS as TE_FUSED_NORMS
-
     for ours, theirs in TE_FUSED_NORMS:
         if f".{ours}" in name and name.startswith("decoder.layers."):
             return name.replace(f".{ours}", f".{theirs}", 1)
@@ -167,9 +169,6 @@ def te_spec_name(name: str) -> str:
 def local_spec_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """Inverse of `te_spec_names`, dropping TE's `_extra_state` entries (FP8 scaling
     state, no weights)."""
-    # Megatron's local-spec key map: the TE spec's names of the local spec's norms
-    from mg.core.checkpoint.megatron_sharded_keys import _FUSED_NORMS as TE_FUSED_NORMS
-
     out = {}
     for key, value in state_dict.items():
         if key.endswith("_extra_state"):
@@ -195,8 +194,6 @@ def transformer_engine_installed() -> bool:
 
 def import_transformer_engine(flag: str = TE_FLAG) -> Any:
     """`transformer_engine.pytorch`, or a one-line error naming the extra to install."""
-    from mg.core.models.core_attention import require_gpu_package
-
     return require_gpu_package("transformer_engine.pytorch", "transformer-engine", flag)
 
 
@@ -256,9 +253,6 @@ def apply_transformer_engine(
     pipeline stage's parts share it). `parallel`: the tensor- and context-parallel
     groups the model was parallelised over (`mg.core.models.te_parallel`), which
     TE's modules are then told to communicate over."""
-    from mg.core.models.core_attention import build_te_core_attention
-    from mg.core.models.gpt import MLP
-
     config = config if config is not None else model.config
     parallel = parallel or TEParallelism()
     if not uses_te_spec(config):
@@ -287,24 +281,21 @@ def apply_transformer_engine(
                 causal=getattr(attention.core_attention, "causal", True),
                 parallel=parallel,
             )
-            if isinstance(mlp, MLP):  # an MoE layer's experts stay PyTorch modules
+            if isinstance(getattr(mlp, "linear_fc1", None), LayerNormLinear):  # not MoE's experts
                 mlp.linear_fc1 = _te_layer_norm_linear(te, mlp.linear_fc1, parallel)
                 mlp.linear_fc2 = _te_linear(te, mlp.linear_fc2, parallel)
             if fp8 is not None and layer.layer_number - 1 in fp8.bf16_layers:
-                _outside_fp8(te, layer)
+                extend_class(layer, OutsideFP8)
     return model
 
 
-def _outside_fp8(te: Any, layer: nn.Module) -> None:
-    """Run `layer` with FP8 off inside an FP8 forward, as Megatron's get_fp8_context
-    does for the layers `--first-last-layers-bf16` keeps in bf16."""
-    forward = layer.forward
+class OutsideFP8:
+    """Mixin: the layer runs with FP8 off inside an FP8 forward, as Megatron's
+    get_fp8_context does for the layers `--first-last-layers-bf16` keeps in bf16."""
 
-    def in_bf16(*args: Any, **kwargs: Any) -> Any:
-        with te.fp8_autocast(enabled=False):
-            return forward(*args, **kwargs)
-
-    layer.forward = in_bf16
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with import_transformer_engine().fp8_autocast(enabled=False):
+            return super().forward(*args, **kwargs)
 
 
 # --- FP8 --------------------------------------------------------------------------------
@@ -331,7 +322,9 @@ def fp8_recipe(options: FP8Options) -> Any:
     --no-fp8-wgrad), tensorwise → Float8CurrentScaling, blockwise → Float8BlockScaling,
     mxfp8 → MXFP8BlockScaling; e4m3 or hybrid (e4m3 forward, e5m2 gradients)."""
     import_transformer_engine("--fp8-format")
-    from transformer_engine.common import recipe
+    from transformer_engine.common import (
+        recipe,
+    )  # lazy: Transformer Engine is the optional gpu extra
 
     fmt = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}[options.format]
     if options.recipe == "delayed":

@@ -72,6 +72,7 @@ from mg.core.models.mamba import MambaConfig, MambaLayer, MambaModel
 from mg.core.models.moe import MoELayer
 from mg.core.models.moe.tensor_parallel import shard_moe_layer
 from mg.core.models.rng_stream import RNGStream, set_model_parallel_stream
+from mg.core.models.subclass import extend_class, swap_class
 from mg.core.models.t5 import T5Model
 from mg.core.models.te_spec import LayerNormLinear
 from mg.core.parallel.loss_parallel import vocab_parallel_output
@@ -122,7 +123,7 @@ class RowParallelLinear(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear) and module.bias is not None:
-            module.forward = types.MethodType(_linear_without_bias, module)
+            swap_class(module, BiasAfterReduceLinear)
         return super()._apply(module, device_mesh)
 
     @staticmethod
@@ -140,8 +141,23 @@ class RowParallelLinear(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
 
-def _linear_without_bias(self: nn.Linear, hidden: Tensor) -> Tensor:
-    return F.linear(hidden, self.weight)
+class BiasAfterReduceLinear(nn.Linear):
+    """A row-parallel `nn.Linear` whose forward leaves out the bias: `RowParallelLinear`
+    adds it after the partial products are reduced."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.weight)
+
+
+class ForkedDropoutRNG:
+    """Mixin: the module's forward draws from the tensor-parallel per-rank stream
+    (`tp_rng_stream`), as Megatron's dropout inside tensor-parallel regions does."""
+
+    tp_rng_stream: RNGStream
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.tp_rng_stream.fork():
+            return super().forward(*args, **kwargs)
 
 
 def check_tensor_parallel_sizes(
@@ -205,13 +221,8 @@ def _fork_tensor_parallel_dropout(
     if sequence_parallel and config.hidden_dropout > 0:
         modules += [layer.hidden_dropout for layer in layers]
     for module in modules:
-        forward = module.forward
-
-        def forked(*args: Any, _forward=forward, **kwargs: Any) -> Any:
-            with stream.fork():
-                return _forward(*args, **kwargs)
-
-        module.forward = forked
+        extend_class(module, ForkedDropoutRNG)
+        module.tp_rng_stream = stream
 
 
 def apply_tensor_parallel(

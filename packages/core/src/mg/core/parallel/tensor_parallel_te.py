@@ -19,14 +19,15 @@ module followed by `ColwiseParallel`.
 
 from __future__ import annotations
 
-import types
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from mg.core.models.subclass import swap_class
+from mg.core.models.te_spec import LayerNormLinear
 
 
 class LayerNormColwiseParallel(ParallelStyle):
@@ -56,8 +57,11 @@ class LayerNormColwiseParallel(ParallelStyle):
             module.register_parameter(
                 name, nn.Parameter(distributed, requires_grad=param.requires_grad)
             )
-        module.forward = types.MethodType(
-            _column_forward_sp if self.sequence_parallel else _column_forward, module
+        swap_class(
+            module,
+            SequenceParallelLayerNormColumnLinear
+            if self.sequence_parallel
+            else LayerNormColumnLinear,
         )
         return module
 
@@ -75,24 +79,29 @@ def _rows_times_local_weight(module: nn.Module, normed: DTensor) -> Tensor:
     return F.linear(x, module.weight.to_local(), bias)
 
 
-def _column_forward(self: nn.Module, hidden: Tensor) -> Tensor:
-    """Without sequence parallelism: norm the whole (replicated) sequence locally."""
-    normed = self.normalize(_local(hidden))
-    mesh = self.weight.device_mesh
-    return _rows_times_local_weight(
-        self, DTensor.from_local(normed, mesh, [Replicate()], run_check=False)
-    )
+class LayerNormColumnLinear(LayerNormLinear):
+    """Without sequence parallelism: norm the whole (replicated) sequence locally, then
+    this rank's output columns."""
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        normed = self.normalize(_local(hidden))
+        mesh = self.weight.device_mesh
+        return _rows_times_local_weight(
+            self, DTensor.from_local(normed, mesh, [Replicate()], run_check=False)
+        )
 
 
-def _column_forward_sp(self: nn.Module, hidden: Tensor) -> Tensor:
+class SequenceParallelLayerNormColumnLinear(LayerNormLinear):
     """With sequence parallelism: norm this rank's slice, then gather the normed slices."""
-    partial = [Partial()]  # each rank's norm-weight gradient covers its slice only
-    weight = self.layer_norm_weight.to_local(grad_placements=partial)
-    bias = self.layer_norm_bias
-    bias = bias.to_local(grad_placements=partial) if bias is not None else None
-    normed = self.normalize(_local(hidden), weight, bias)
-    mesh = self.weight.device_mesh
-    gathered = DTensor.from_local(normed, mesh, [Shard(1)], run_check=False).redistribute(
-        mesh, [Replicate()]
-    )
-    return _rows_times_local_weight(self, gathered)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        partial = [Partial()]  # each rank's norm-weight gradient covers its slice only
+        weight = self.layer_norm_weight.to_local(grad_placements=partial)
+        bias = self.layer_norm_bias
+        bias = bias.to_local(grad_placements=partial) if bias is not None else None
+        normed = self.normalize(_local(hidden), weight, bias)
+        mesh = self.weight.device_mesh
+        gathered = DTensor.from_local(normed, mesh, [Shard(1)], run_check=False).redistribute(
+            mesh, [Replicate()]
+        )
+        return _rows_times_local_weight(self, gathered)

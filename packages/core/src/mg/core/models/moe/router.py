@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.moe.tensor_parallel import local
-from mg.core.models.recompute import checkpointed_forward, recomputing
+from mg.core.models.recompute_state import checkpointed_forward, recomputing
 
 
 class AuxLossBackward(torch.autograd.Function):
