@@ -1,7 +1,8 @@
 """Megatron's --apply-layernorm-1p travels with a checkpoint's args both ways: a Megatron
 checkpoint trained with it imports as a zero-centred model, and mg's exports say so."""
 
-from mg.ckpt_convert.megatron_lm import config_from_megatron_args, megatron_args_from_config
+from mg.ckpt_convert.megatron_args import config_from_megatron_args
+from mg.ckpt_convert.megatron_lm import megatron_args_from_config
 from mg.core.models import TransformerConfig
 
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mg.ckpt_convert.errors import ConvertError
+from mg.ckpt_convert.megatron_args import megatron_source_state
 from mg.ckpt_convert.tensor_readers import (
     MODEL_PREFIX,
     DistReader,
@@ -185,8 +186,6 @@ def _open_torch_dist(load_dir: Path, folder: Path, iteration: Iteration) -> Chec
         parallel = (common.get("mg") or {}).get("parallel") or {}
         tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
     else:  # Megatron-LM's: its args say what the model is
-        from mg.ckpt_convert.megatron_lm import megatron_source_state
-
         config, state, tp, pp = megatron_source_state(common, folder)
     if is_megatron_layout(metadata):  # routed experts named as the config builds them
         stored = stored_parameters(metadata, bool(getattr(config, "moe_grouped_gemm", False)))

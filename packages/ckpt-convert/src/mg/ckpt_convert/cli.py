@@ -37,6 +37,7 @@ def _iteration(text: str) -> int | str:
 
 
 def _import_hf(args: argparse.Namespace) -> None:
+    # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.finite_check import warn_if_nonfinite
     from mg.ckpt_convert.import_hf import import_hf
 
@@ -46,6 +47,7 @@ def _import_hf(args: argparse.Namespace) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> None:
+    # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.export_hf import export_hf
 
     path = export_hf(args.load, args.save, args.shard_size, args.iteration)
@@ -53,6 +55,7 @@ def _export_hf(args: argparse.Namespace) -> None:
 
 
 def _inspect(args: argparse.Namespace) -> None:
+    # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.inspect_checkpoint import format_summary, summarize
 
     summary = summarize(args.dir, args.iteration)
@@ -60,6 +63,7 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def _megatron(args: argparse.Namespace) -> None:
+    # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.megatron_lm import export_megatron, import_megatron
 
     convert = import_megatron if args.command == "import-megatron" else export_megatron
@@ -132,6 +136,7 @@ def _expert_flags(p: argparse.ArgumentParser, layout: bool) -> None:
 
 
 def _reshard(args: argparse.Namespace) -> None:
+    # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.reshard import reshard
 
     path = reshard(
@@ -147,6 +152,7 @@ def _reshard(args: argparse.Namespace) -> None:
 
 
 def _format(args: argparse.Namespace) -> None:
+    # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.format_convert import convert_format
 
     path = convert_format(
@@ -274,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from mg.core.checkpoint import CheckpointError  # torch: only once the flags are good
+    # lazy: torch only once the flags are good, so --help stays instant
+    from mg.core.checkpoint import CheckpointError
     from mg.core.checkpoint.reader_guard import user_message
     from mg.core.models import ConfigError
 

@@ -47,6 +47,7 @@ def resolve_source(src: str) -> Path:
         return path
     if path.exists() or src.startswith((".", "/", "~")) or src.count("/") > 1:
         raise ConvertError(f"{src} is not a folder with a Hugging Face model (config.json)")
+    # lazy: huggingface_hub brings its HTTP stack; only a Hub repo id needs it
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt"]

@@ -8,7 +8,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mg.ckpt_convert.architectures import hf_class_name
+from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.inspect_dist import SHOWN_ARGS, plain_args, summarize_torch_dist
+from mg.ckpt_convert.megatron_args import config_from_megatron_args
 from mg.core.checkpoint import describe, load_checkpoint
 from mg.core.checkpoint.dist_format import is_torch_dist
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
@@ -46,9 +49,6 @@ def summarize(load: str | Path, iteration: int | str | None = None) -> dict[str,
 
 def _megatron_summary(state: dict[str, Any], folder: Path) -> dict[str, Any]:
     """A Megatron-LM `torch` checkpoint: its args, and the model config they describe."""
-    from mg.ckpt_convert.errors import ConvertError
-    from mg.ckpt_convert.megatron_lm import config_from_megatron_args
-
     raw = state["args"]
     args = vars(raw) if isinstance(raw, argparse.Namespace) else dict(raw)
     try:
@@ -80,8 +80,6 @@ def _shown(key: str, config: dict[str, Any]) -> bool:
 
 
 def _hf_class(model_type: str) -> str:
-    from mg.ckpt_convert.architectures import hf_class_name
-
     try:
         return f"{hf_class_name(model_type)} ({model_type})"
     except ValueError:

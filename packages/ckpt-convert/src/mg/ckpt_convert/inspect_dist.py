@@ -17,6 +17,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mg.ckpt_convert.errors import ConvertError
+from mg.ckpt_convert.megatron_args import megatron_source_state
 from mg.core.checkpoint.dist_format import load_common
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.megatron_dist import LEGACY_MODEL_PREFIX, is_megatron_layout
@@ -118,8 +119,6 @@ def summarize_torch_dist(folder: Path, iteration: Iteration) -> dict[str, Any]:
 
 def _megatron_config(common: dict[str, Any], folder: Path) -> dict[str, Any] | None:
     """The model config Megatron-LM's args describe (None if they describe none we read)."""
-    from mg.ckpt_convert.megatron_lm import megatron_source_state
-
     try:
         config, _, _, _ = megatron_source_state(common, folder)
     except ConvertError:
