@@ -5,10 +5,9 @@
   step needs: data × context for gradients, pipeline for the schedule and the
   gradient norm, context for the ring, and Megatron's embedding group (first
   and last pipeline stage) for the tied embedding.
-- `parallelize` shards the layers (TP), swaps in ring attention (CP), cuts the
-  model into this rank's chunks (PP), materialises what this rank owns when
-  the model was built on the meta device, and applies activation recompute
-  per chunk.
+- the model itself is built by `mg.core.parallel.construct` (the ordered
+  construction steps: TP, CP, the PP split, materialisation, EP, ...), which
+  returns this rank's chunks as a `PipelineModel` under pipeline parallelism.
 - `pipeline_forward_backward` feeds a global batch's micro-batches through
   Megatron's 1F1B / interleaved schedule; a family's `PipelineSteps` say how
   a micro-batch enters a chunk and how the last stage's output becomes its
@@ -34,19 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from mg.core.models.te_parallel import TEParallelism
-from mg.core.parallel.context_parallel import apply_context_parallel, shard_batch
-from mg.core.parallel.expert_parallel import apply_expert_parallel
+from mg.core.parallel.construct import PipelineModel
+from mg.core.parallel.context_parallel import shard_batch
 from mg.core.parallel.layout import ParallelLayout, build_parallel_layout, new_groups
-from mg.core.parallel.materialize import materialize, to_keeping_marks
-from mg.core.parallel.pipeline import (
-    PipelineChunk,
-    shared_embedding_weight,
-    split_model,
-    virtual_size_from_layers,
-)
+from mg.core.parallel.pipeline import shared_embedding_weight, virtual_size_from_layers
 from mg.core.parallel.pipeline_schedule import build_schedule, forward_only, run_schedule
-from mg.core.parallel.tensor_parallel import apply_tensor_parallel
 from mg.trainer.arguments import Args
 from mg.trainer.distributed import DistEnv
 
@@ -71,103 +62,6 @@ def build_layout(args: Args, env: DistEnv) -> ParallelLayout:
         device_type=env.device.type,
         ep=args.moe.expert_model_parallel_size,
         etp=args.moe.expert_tensor_parallel_size,
-    )
-
-
-class PipelineModel(nn.ModuleList):
-    """This rank's model chunks (one, or several with the interleaved schedule)."""
-
-    @property
-    def chunks(self) -> list[PipelineChunk]:
-        return list(self)
-
-
-def parallelize(
-    model: nn.Module,
-    layout: ParallelLayout,
-    recompute: Callable[[nn.Module], None],
-    *,
-    device: torch.device,
-    seed: int,
-    init_device: torch.device | None = None,
-    perform_initialization: bool = True,
-) -> nn.Module:
-    """Tensor and context parallelism, this rank's pipeline chunks, then recompute on each.
-
-    A model built on the meta device is materialised after the split, so this
-    rank allocates only its stage's layers and its tensor-parallel shards of
-    them, initialised to the single-process model's values
-    (`mg.core.parallel.materialize`; the caller seeded the generator of
-    `init_device` with `seed`). Tensor-parallel dropout draws from Megatron's
-    per-rank stream, `layout.tensor_parallel_seed(seed)`."""
-    on_meta = any(p.is_meta for p in model.parameters())
-    if layout.tp > 1:
-        apply_tensor_parallel(
-            model,
-            layout.tp_mesh,
-            layout.sequence_parallel,
-            seed=layout.tensor_parallel_seed(seed),
-            device=device,
-            expert_tensor_parallel=layout.etp > 1,
-            expert_mesh=layout.etp_mesh,
-        )
-    if layout.cp > 1:
-        apply_context_parallel(model, layout.cp_group, layout.tp_cp_group)
-    parts = [model]
-    if layout.pp > 1:
-        parts = split_model(model, layout.pp_rank, layout.pp, layout.virtual)
-    if on_meta:
-        materialize(
-            parts,
-            model.config,
-            device,
-            init_device=init_device,
-            perform_initialization=perform_initialization,
-        )
-    else:  # keeping the tied copy's mark (DTensor parameters become new objects)
-        for part in parts:
-            to_keeping_marks(part, device)
-    if layout.experts_apart:  # keep this rank's experts, route tokens over the EP group
-        apply_expert_parallel(
-            model, layout.ep_group, model.config.moe_token_dispatcher_type, experts_apart=True
-        )
-    for part in parts:
-        share_global_aux_loss_counts(part, layout)
-        recompute(part)
-    return model if layout.pp == 1 else PipelineModel(parts)
-
-
-def routed_tokens_group(layout: ParallelLayout) -> dist.ProcessGroup | None:
-    """The ranks of a pipeline stage that route different tokens, over which MoE token
-    counts are summed (Megatron's tensor × data × context group): data × context ranks,
-    and the tensor-parallel ones too when they route their own slices of the sequence
-    (an expert-tensor-parallel size below TP; the etp ranks of an expert tensor-parallel
-    group count their chunk alike, which scales every count by etp and leaves the
-    balancing alike). Tensor-parallel ranks that route the same tokens (experts split
-    over all of TP) are left out: they would count each token tp times."""
-    return layout.stage_group or layout.dp_cp_group
-
-
-def share_global_aux_loss_counts(model: nn.Module, layout: ParallelLayout) -> None:
-    """The global aux loss's token counts summed over `routed_tokens_group`, data-parallel
-    ranks included, as Megatron's `tp_dp_cp_group`: every router then balances over the
-    stage's tokens of the micro-batch."""
-    from mg.core.models.moe import TopKRouter
-
-    if layout.world_size // layout.pp == 1:
-        return
-    for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
-        router.tp_dp_cp_group = routed_tokens_group(layout)
-
-
-def te_parallelism(layout: ParallelLayout) -> TEParallelism:
-    """The groups Transformer Engine's modules are told (`--transformer-impl
-    transformer_engine`): tensor parallelism's, with sequence parallelism, and context
-    parallelism's."""
-    return TEParallelism(
-        tp_group=layout.tp_mesh.get_group() if layout.tp > 1 else None,
-        sequence_parallel=layout.sequence_parallel,
-        cp_group=layout.cp_group if layout.cp > 1 else None,
     )
 
 

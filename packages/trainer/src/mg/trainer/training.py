@@ -30,39 +30,33 @@ import torch
 from torch import nn
 
 from mg.core.checkpoint.dist_format import PendingSave
-from mg.core.models import apply_activation_recompute, num_floating_point_operations
-from mg.core.models.compile import compile_layers
-from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
-from mg.core.models.recompute import apply_moe_layer_recompute
-from mg.core.models.te_spec import FP8Options, apply_transformer_engine, fp8_autocast
-from mg.core.models.vocab_mask import set_real_vocab_size
-from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
+from mg.core.models.flops import num_floating_point_operations
+from mg.core.models.te_spec import FP8Options, fp8_autocast
+from mg.core.parallel.construct import routed_tokens_group
 from mg.core.parallel.pipeline import (
     allreduce_shared_embedding_grad,
     clip_grad_norm_across_stages,
 )
 from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
-from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
 from mg.indexed_dataset import samples_per_split
-from mg.trainer import checkpointing, checkpointing_dist, distributed, model_parallel, moe_step
+from mg.trainer import (
+    checkpointing,
+    checkpointing_dist,
+    distributed,
+    model_parallel,
+    moe_step,
+    stages,
+)
 from mg.trainer.arguments import Args
-from mg.trainer.arguments.model import selective_recompute_modules
-from mg.trainer.arguments.transformer_engine import fp8_options
-from mg.trainer.batch_schedule import BatchSchedule, train_iterations
 from mg.trainer.checkpointing import TrainState
-from mg.trainer.deterministic import enable_deterministic_mode, set_seed
 from mg.trainer.families import collate, get_family
-from mg.trainer.housekeeping import Housekeeping
 from mg.trainer.logging_utils import (
-    MetricsWriter,
-    device_peak_tflops,
     perplexity,
     training_log_line,
     validation_log_line,
 )
-from mg.trainer.loss_scaler import autocast_dtype, build_loss_scaler, unscale_and_check
-from mg.trainer.lr_scheduler import build_scheduler
-from mg.trainer.optimizer import DistributedOptimizer, build_optimizer, clip_grad_norm
+from mg.trainer.loss_scaler import autocast_dtype, unscale_and_check
+from mg.trainer.optimizer import clip_grad_norm
 
 
 @dataclass
@@ -167,234 +161,35 @@ class Trainer:
     """One training run: built from `Args`, run with `train()`."""
 
     def __init__(self, args: Args) -> None:
+        """The setup stages in order (`mg.trainer.stages`): environment and layout,
+        tokenizer, model, optimizer, state, data, logging."""
         self.args = args
-        t = args.training
-        dargs = args.distributed
-        self.env = distributed.init_distributed(
-            dargs.distributed_backend, dargs.distributed_timeout_minutes
-        )
-        self.layout = model_parallel.build_layout(args, self.env)
-        self.watchdog = None
-        if self.env.world_size > 1:
-            from mg.core.parallel import watchdog
-
-            self.watchdog = watchdog.install(
-                watchdog.timeout_from_minutes(dargs.distributed_timeout_minutes),
-                self.env.rank,
-                self.layout.describe(),
-            )
-        # Megatron prints the training log from the last rank (the last pipeline stage).
-        self.is_log_rank = (
-            self.env.rank == self.env.world_size - 1 if self.layout.pp > 1 else self.env.is_main
-        )
-        if t.deterministic_mode:
-            enable_deterministic_mode()
-        set_seed(t.seed)
+        environment = stages.setup_environment(args)
+        self.env, self.layout = environment.env, environment.layout
+        self.watchdog, self.is_log_rank = environment.watchdog, environment.is_log_rank
         self.family = get_family(args.family)
-        d = args.data
-        self.tokenizer_config = args.checkpoint_tokenizer_config or TokenizerConfig(
-            tokenizer_type=d.tokenizer_type,
-            vocab_file=d.vocab_file,
-            merge_file=d.merge_file,
-            tokenizer_model=d.tokenizer_model,
-            vocab_size=d.vocab_size,
-            vocab_extra_ids=d.vocab_extra_ids,
-            tiktoken_pattern=d.tiktoken_pattern,
-        )
-        self.tokenizer = build_tokenizer(self.tokenizer_config)
-        self.saved_tokenizer_config = self.tokenizer_config.to_dict()
-        if args.checkpoint.save:  # the checkpoint carries its tokenizer files (portable)
-            from mg.trainer.tokenizer_bundle import bundled_config, copy_tokenizer_files
-
-            if self.env.is_main:
-                copy_tokenizer_files(args.checkpoint.save, self.tokenizer_config)
-            self.saved_tokenizer_config = bundled_config(
-                args.checkpoint.save, self.tokenizer_config
-            )
-        vocab = vocab_size_with_padding(
-            self.tokenizer.vocab_size,
-            args.model.make_vocab_size_divisible_by,
-            args.distributed.tensor_model_parallel_size,
-        )
-        self.model_config = self.family.build_config(args, vocab)
-        # GPT is built on the meta device: each rank allocates only its shards (parallelize)
-        with torch.device("meta") if self.family.builds_on_meta else contextlib.nullcontext():
-            model = self.family.build_model(self.model_config, args)
-        m = args.model
-        if m.mask_padded_vocab:  # the loss's softmax over the tokenizer's rows only
-            set_real_vocab_size(model, self.tokenizer.vocab_size)
-
-        selective = selective_recompute_modules(m)  # --recompute-modules, Megatron's names
-
-        def recompute(module: nn.Module) -> None:
-            if m.recompute_granularity == "full" or "core_attn" in selective:
-                apply_activation_recompute(
-                    module,
-                    m.recompute_granularity,
-                    m.recompute_method or "uniform",
-                    m.recompute_num_layers or 1,
-                )
-            if args.moe.moe_layer_recompute or "moe" in selective:
-                apply_moe_layer_recompute(module)
-
-        if t.cross_entropy_loss_fusion:  # before the pipeline split: the last chunk takes it
-            apply_cross_entropy_fusion(model)
-        device = self.env.device
-        model = model_parallel.parallelize(
-            model,
-            self.layout,
-            recompute,
-            device=device,
-            seed=t.seed,
-            init_device=device if device.type != "cpu" and not t.use_cpu_initialization else None,
-            perform_initialization=args.checkpoint.perform_initialization,
-        )
-        self.fp8 = fp8_options(args)
-        self.fp8_group = (  # collective: every rank builds the amax groups here
-            model_parallel.amax_reduction_group(
-                self.layout, args.transformer_engine.tp_only_amax_red
-            )
-            if self.fp8 is not None
-            else None
-        )
-        if self.model_config.transformer_impl == "transformer_engine":  # TE's modules, same names
-            apply_transformer_engine(
-                model,
-                self.fp8,
-                config=self.model_config,
-                parallel=model_parallel.te_parallelism(self.layout),
-            )
-        # Megatron's per-stage seed for everything after init (dropout): seed + 100 * pp_rank
-        set_seed(self.layout.stage_seed(t.seed))
-        if t.torch_compile:
-            compile_layers(model, self.env.device)
-        self.batches = BatchSchedule(
-            t.global_batch_size, t.micro_batch_size, args.data_parallel_size, t.rampup_batch_size
-        )
-        self.train_iters = train_iterations(args, self.batches)
-        self.optimizer = build_optimizer(
-            model,
-            args.optimizer,
-            args.distributed,
-            self.layout.dp_cp_group,
-            expert_groups=(
-                (self.layout.expert_dp_group, self.layout.ep_group)
-                if self.layout.experts_apart
-                else None
-            ),
-            **model_parallel.pipeline_optimizer_options(model, self.layout),
-        )
-        self.distributed_optimizer = isinstance(
-            self.optimizer, DistributedOptimizer | ExpertParallelDistributedOptimizer
-        )
-        self.scheduler = build_scheduler(args, self.optimizer, self.train_iters)
-        o = args.optimizer
-        self.scaler = build_loss_scaler(
-            t.fp16,
-            o.loss_scale,
-            o.initial_loss_scale,
-            o.min_loss_scale,
-            o.loss_scale_window,
-            o.hysteresis,
-        )
-        self.state = TrainState()
+        tokens = stages.setup_tokenizer(args, self.env)
+        self.tokenizer_config, self.tokenizer = tokens.config, tokens.tokenizer
+        self.saved_tokenizer_config = tokens.saved_config
+        built = stages.build_model(args, environment, self.family, self.tokenizer)
+        self.model_config, self.fp8, self.fp8_group = built.config, built.fp8, built.fp8_group
+        opt = stages.setup_optimizer(args, self.layout, built.model)
+        self.optimizer, self.scheduler, self.scaler = opt.optimizer, opt.scheduler, opt.scaler
+        self.batches, self.train_iters = opt.batches, opt.train_iters
+        self.distributed_optimizer = opt.distributed
         self.extra_losses: dict[str, float] = {}  # the last step's, e.g. {"sop loss": ...}
         self.moe_layer_losses: dict[str, float] = {}  # --moe-per-layer-logging (tensorboard)
-        c = args.checkpoint
         self._pending_save: PendingSave | None = None  # an --async-save in flight
-        upcycled = args.moe.moe_use_upcycling
-        if upcycled:  # the dense checkpoint in --load, its MLPs copied into the experts
-            self.state = self._upcycle(model)
-        elif c.load:
-            what = {
-                "model": model,
-                "optimizer": self.optimizer,
-                "scheduler": self.scheduler,
-                "loss_scaler": self.scaler,
-                "finetune": c.finetune,
-                "load_optim": not c.no_load_optim,
-                "load_rng": not c.no_load_rng,
-                "iteration": c.ckpt_step,
-            }
-            # the format is detected
-            if checkpointing_dist.latest_is_torch_dist(c.load, c.ckpt_step):
-                resumed = checkpointing_dist.resume(
-                    c.load, **what, rng_shard=self.layout.shard_name
-                )
-            else:
-                resumed = checkpointing.resume(c.load, **what, layout=self.layout)
-            if resumed is not None:
-                self.state = resumed
-            elif c.exit_on_missing_checkpoint:  # Megatron exits instead of starting afresh
-                from mg.core.checkpoint import CheckpointError
-
-                raise CheckpointError(
-                    f"--exit-on-missing-checkpoint: no checkpoint in {c.load} "
-                    "(no latest_checkpointed_iteration.txt)"
-                )
-            if self.env.is_main:
-                print(
-                    f" loaded checkpoint from {c.load} at iteration {resumed.iteration}"
-                    if resumed is not None
-                    else f" WARNING: no checkpoint in {c.load} "
-                    "(no latest_checkpointed_iteration.txt); training from scratch",
-                    flush=True,
-                )
-        self.model = distributed.wrap_model(  # the distributed optimizer reduces on its own
-            model,
-            args.distributed.overlap_grad_reduce and not self.distributed_optimizer,
-            args.distributed.ddp_bucket_size,
-            reduce_in_bf16=args.distributed.grad_reduce_in_bf16,
-        )
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.dtype = autocast_dtype(t.bf16, t.fp16)
-        if upcycled:  # Megatron saves the upcycled model before it trains, without the
-            # optimizer's state (which has none yet; DCP would make one up by a step)
+        self.state = stages.load_state(args, environment, self.family, built, opt)
+        self.model = stages.wrap_data_parallel(args, built.model, opt)
+        self.params = [p for p in built.model.parameters() if p.requires_grad]
+        self.dtype = autocast_dtype(args.training.bf16, args.training.fp16)
+        if args.moe.moe_use_upcycling:  # Megatron saves the upcycled model before it
+            # trains, without the optimizer's state (none yet; DCP would make one up)
             self.save(save_optim=False)
         self._build_data()
-        self.housekeeping = Housekeeping(args, self.env.rank)
-        bf16 = self.dtype == torch.bfloat16
-        self.peak = device_peak_tflops(self.env.device, bf16=bf16)
-        if self.env.device.type == "cpu" and self.is_log_rank and self.peak:
-            from mg.trainer.cpu_peak import estimate_cpu_peak  # what MFU is measured against
-
-            peak = estimate_cpu_peak(torch.get_num_threads(), bf16=bf16)
-            print(f" {peak.describe()}", flush=True)
-        lg = args.logging
-        self.writer = MetricsWriter(
-            lg.tensorboard_dir,
-            lg.wandb_project,
-            lg.wandb_exp_name,
-            lg.wandb_save_dir,
-            config=args.flat(),
-            enabled=self.env.is_main,
-        )
-
-    def _upcycle(self, model: nn.Module) -> TrainState:
-        """--moe-use-upcycling: a dense twin of the model in this run's layout reads --load,
-        and the MoE model starts from its weights (`mg.trainer.upcycling`)."""
-        from mg.trainer import upcycling
-
-        args, c = self.args, self.args.checkpoint
-        upcycling.check_sources(c.load, c.save, c.ckpt_step)
-        config = upcycling.dense_config(self.model_config)
-        with torch.device("meta"):
-            dense = self.family.build_model(config, args)
-        dense = model_parallel.parallelize(
-            dense,
-            self.layout,
-            lambda module: None,
-            device=self.env.device,
-            seed=args.training.seed,
-            perform_initialization=False,
-        )
-        state = upcycling.upcycle(c.load, model, dense, self.layout, c.ckpt_step)
-        refresh = getattr(self.optimizer, "reload_model_params", None)
-        if refresh is not None:  # the distributed optimizer's main copies follow the weights
-            refresh()
-        if self.env.is_main:
-            print(f" upcycled the dense checkpoint in {c.load} into {c.save}", flush=True)
-        return state
+        logs = stages.setup_logging(args, environment, bf16=self.dtype == torch.bfloat16)
+        self.housekeeping, self.peak, self.writer = logs.housekeeping, logs.peak, logs.writer
 
     def _build_data(self) -> None:
         t = self.args.training
@@ -523,7 +318,7 @@ class Trainer:
         moe_losses, self.moe_layer_losses = moe_step.finish_step(
             self.model,
             self.model_config,
-            model_parallel.routed_tokens_group(self.layout),
+            routed_tokens_group(self.layout),
             per_layer=self.args.moe.moe_per_layer_logging,
         )
         self.extra_losses |= moe_losses
