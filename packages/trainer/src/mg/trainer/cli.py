@@ -26,19 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # WORLD_SIZE as torchrun sets it; no torch import before argparse answers --help
         args = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        from mg.trainer.families import get_family
+        from mg.trainer.families import get_family  # lazy: --help stays instant (torch)
 
         family = get_family(args.family)
         if args.family != "gpt":
             family.build_config(args, 1)  # bert/t5 data/shape flag errors, before anything heavy
         if args.training.dry_run:
-            from mg.trainer.dry_run import report
+            from mg.trainer.dry_run import report  # lazy: --help stays instant (torch)
 
             print(report(args), flush=True)
             return 0
         c = args.checkpoint
         if args.moe.moe_use_upcycling:  # before the save guard: its --save must be empty
-            from mg.trainer.upcycling import check_sources
+            from mg.trainer.upcycling import check_sources  # lazy: --help stays instant (torch)
 
             check_sources(c.load, c.save, c.ckpt_step)
         check_save_target(
@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ArgumentError, SaveGuardError) as error:
         print(f"mg-train: error: {error}", file=sys.stderr)
         return 2
+    # lazy: --help stays instant; the training stack (torch, numpy) loads once flags are good
     from mg.core.checkpoint import CheckpointError
     from mg.core.parallel.watchdog import exit_on_distributed_error
     from mg.indexed_dataset.errors import IndexedDatasetError
-    from mg.trainer.training import pretrain  # heavy imports only once flags are good
+    from mg.trainer.training import pretrain
 
     try:
         # A dead or stuck peer: print rank, stage and operation, exit at once (non-zero),
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mg-train: error: {message}", file=sys.stderr, flush=True)
         return 2
     finally:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: --help stays instant (torch)
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
@@ -94,6 +95,7 @@ def _from_dataset(error: BaseException) -> bool:
 
 def _one_line(error: BaseException) -> str:
     """The message, with the hint for a corrupt checkpoint file in --load."""
+    # lazy: --help stays instant (mg.core.checkpoint imports torch)
     from mg.core.checkpoint.reader_guard import CorruptFileError
 
     text = str(error) or type(error).__name__

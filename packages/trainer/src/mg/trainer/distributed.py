@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -95,8 +97,6 @@ def wrap_model(
         )
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=device_ids, **kwargs)
     if reduce_in_bf16:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     return ddp
 
@@ -142,8 +142,6 @@ def allreduce_gradients(
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel (DTensor) gradient's local shard: data parallelism averages shards."""
-    from torch.distributed.tensor import DTensor
-
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 

@@ -16,41 +16,28 @@ planning a run with Megatron-LM itself.
 
 from __future__ import annotations
 
-from mg.core.models import TransformerConfig
+import torch
+
+from mg.core.models import GPTModel, TransformerConfig
+from mg.core.models.flops import num_parameters
 from mg.core.models.memory import MemoryEstimate, MemoryEstimateError, estimate_memory
 from mg.core.parallel.mesh import ParallelDims, ParallelLayoutError
 from mg.trainer.arguments import Args, ArgumentError
 from mg.trainer.arguments.model import selective_recompute_modules
+from mg.trainer.families import get_family
+from mg.trainer.family_bert import encoder_dry_run_report
+from mg.trainer.family_mamba import dry_run_report
+from mg.trainer.padded_vocab import padded_vocab_size
 
 _GIB = 2**30
 
-
-def _vocab_size(args: Args) -> int:
-    from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
-
-    d = args.data
-    config = args.checkpoint_tokenizer_config or TokenizerConfig(
-        tokenizer_type=d.tokenizer_type,
-        vocab_file=d.vocab_file,
-        merge_file=d.merge_file,
-        tokenizer_model=d.tokenizer_model,
-        vocab_size=d.vocab_size,
-        vocab_extra_ids=d.vocab_extra_ids,
-        tiktoken_pattern=d.tiktoken_pattern,
-    )
-    return vocab_size_with_padding(
-        build_tokenizer(config).vocab_size,
-        args.model.make_vocab_size_divisible_by,
-        args.distributed.tensor_model_parallel_size,
-    )
+# The old name, still imported by family_bert, family_mamba and save_guard; it goes
+# once they import `padded_vocab_size` from mg.trainer.padded_vocab.
+_vocab_size = padded_vocab_size
 
 
 def meta_parameter_count(config: TransformerConfig) -> int:
     """numel of the real model, built on the meta device (shapes only, no storage)."""
-    import torch
-
-    from mg.core.models import GPTModel
-
     with torch.device("meta"):
         model = GPTModel(config)
     return sum(p.numel() for p in model.parameters())
@@ -103,8 +90,6 @@ def _moe_lines(args: Args, config: TransformerConfig, est: MemoryEstimate) -> li
     """The experts' layout and the parameters a token uses (nothing for a dense model)."""
     if config.num_moe_experts is None:
         return []
-    from mg.core.models.flops import num_parameters
-
     d, moe = args.distributed, args.moe
     tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
     ep = moe.expert_model_parallel_size
@@ -135,18 +120,12 @@ def _routing(tp: int, etp: int) -> str:
 def report(args: Args) -> str:
     """The dry-run report as text (Megatron's units: parameters in B, memory in GiB)."""
     if args.family == "mamba":
-        from mg.trainer.family_mamba import dry_run_report
-
         return dry_run_report(args)
     if args.family in ("bert", "t5"):
-        from mg.trainer.family_bert import encoder_dry_run_report
-
         return encoder_dry_run_report(args, args.family)
     if args.family != "gpt":
         raise ArgumentError(f"--dry-run supports gpt, bert, t5 and mamba, not {args.family}")
-    from mg.trainer.families import get_family
-
-    config = get_family("gpt").build_config(args, _vocab_size(args))
+    config = get_family("gpt").build_config(args, padded_vocab_size(args))
     est = estimate(args, config)
     d, m, t = args.distributed, args.model, args.training
     tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, 1

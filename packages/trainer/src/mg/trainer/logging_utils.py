@@ -120,12 +120,12 @@ class MetricsWriter:
         if not enabled:
             return
         if tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is optional
 
             self.tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=1000)
         if wandb_project:
             try:
-                import wandb
+                import wandb  # lazy: wandb is optional
             except ImportError as error:
                 raise RuntimeError(
                     "--wandb-project needs the wandb package: pip install wandb "

@@ -23,8 +23,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
+from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.grad_norm import clip_grad_norm as parallel_clip_grad_norm
 from mg.trainer.arguments import DistributedArgs, OptimizerArgs
 
@@ -84,8 +86,6 @@ def build_optimizer(
     if dist_args is not None and dist_args.use_distributed_optimizer:
         kind: Any = DistributedOptimizer
         if expert_groups is not None:
-            from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
-
             kind = partial(
                 ExpertParallelDistributedOptimizer,
                 expert_dp_group=expert_groups[0],
@@ -106,8 +106,6 @@ def build_optimizer(
 
 
 def _has_dtensor(groups: list[dict]) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for g in groups for p in g["params"])
 
 

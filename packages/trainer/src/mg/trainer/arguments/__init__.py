@@ -12,7 +12,8 @@ anything heavy (datasets, models, process groups) is built.
 One module per Megatron argument group, each with its flags, its dataclass and
 its checks: `model`, `transformer_engine`, `moe`, `mamba`, `parallel`,
 `training`, `learning_rate`, `data`, `logging`, `checkpointing`; `parser`
-assembles them.
+assembles them, and `checkpoint_args` fills the model from `--load` under
+`--use-checkpoint-args`.
 """
 
 from mg.trainer.arguments.args import GROUPS, Args

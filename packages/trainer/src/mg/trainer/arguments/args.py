@@ -33,7 +33,7 @@ class Args:
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
-    # Set by --use-checkpoint-args (mg.trainer.checkpoint_args), not by flags.
+    # Set by --use-checkpoint-args (mg.trainer.arguments.checkpoint_args), not by flags.
     checkpoint_model_config: dict[str, Any] | None = None
     checkpoint_tokenizer_config: Any = None
 

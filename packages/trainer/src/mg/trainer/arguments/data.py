@@ -124,6 +124,7 @@ def check_data(args: Args) -> None:
         if path is not None and not os.path.exists(path):
             fail(f"{flag} {path}: file not found")
     if d.data_path or d.data_args_path:
+        # lazy: --help stays instant (mg.indexed_dataset imports numpy)
         from mg.indexed_dataset import parse_data_path, read_blend_file
 
         try:

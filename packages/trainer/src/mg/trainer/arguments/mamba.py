@@ -13,6 +13,7 @@ and builds an attention mask only for `--reset-attention-mask`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -104,9 +105,7 @@ def check_mamba_flags(family: str, mamba: MambaArgs) -> str | None:
                 return f"{flag} is a Mamba / hybrid flag: use `mg-train mamba`, not {family}"
         return None
     if mamba.mamba_ssm_kernels:
-        import importlib.util
-
-        import torch
+        import torch  # lazy: --help stays instant (no torch before argparse answers)
 
         if importlib.util.find_spec("mamba_ssm") is None:
             return (

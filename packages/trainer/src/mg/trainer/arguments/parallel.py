@@ -233,6 +233,7 @@ def check_pipeline_and_context(args: Args) -> None:
     if cp > 1 and args.family != "gpt":
         fail(f"--context-parallel-size > 1 is supported for gpt, not {args.family}")
     if pp > 1 or d.num_layers_per_virtual_pipeline_stage is not None:
+        # lazy: --help stays instant (mg.core.parallel imports torch)
         from mg.core.parallel.pipeline import PipelineConfigError, virtual_size_from_layers
 
         try:

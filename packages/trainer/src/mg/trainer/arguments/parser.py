@@ -16,6 +16,7 @@ import yaml
 
 from mg.core.help_format import DefaultsHelpFormatter
 from mg.trainer.arguments import (
+    checkpoint_args,
     checkpointing,
     data,
     learning_rate,
@@ -105,9 +106,7 @@ def parse_args(argv: list[str] | None = None, world_size: int = 1) -> Args:
         setattr(args, group, cls(**kwargs))
     args.distributed.world_size = world_size
     if args.checkpoint.use_checkpoint_args:
-        from mg.trainer.checkpoint_args import apply_checkpoint_args
-
-        apply_checkpoint_args(args, given)
+        checkpoint_args.apply_checkpoint_args(args, given)
     finalize(args)
     validate(args)
     return args

@@ -211,8 +211,9 @@ def check_fusion_and_compile(args: Args) -> None:
         )
     if not args.training.torch_compile:
         return
-    import torch
+    import torch  # lazy: --help stays instant (no torch before argparse answers)
 
+    # lazy: --help stays instant (mg.core.models imports torch)
     from mg.core.models.compile import CompileUnavailableError, check_cpu_compiler
 
     if not torch.cuda.is_available():

@@ -227,6 +227,7 @@ def _check_te_layout(args: Args) -> None:
 
 def _check_machine(te: TransformerEngineArgs) -> None:
     """The packages and device the chosen kernels need, one line naming the flag."""
+    # lazy: --help stays instant (mg.core.models imports torch)
     from mg.core.models import attention_backend
     from mg.core.models.te_spec import transformer_engine_installed
 
@@ -254,7 +255,7 @@ def fp8_options(args: Args) -> FP8Options | None:
     te = args.transformer_engine
     if te.fp8 is None:
         return None
-    from mg.core.models.te_spec import FP8Options
+    from mg.core.models.te_spec import FP8Options  # lazy: --help stays instant (torch)
 
     layers = args.model.num_layers or 0
     bf16_layers: tuple[int, ...] = ()

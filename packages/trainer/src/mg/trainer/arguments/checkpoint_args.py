@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mg.trainer.arguments.errors import ArgumentError
+
 if TYPE_CHECKING:
-    from mg.trainer.arguments import Args
+    from mg.trainer.arguments.args import Args
 
 # Training-time knobs: a value given on the command line replaces the checkpoint's.
 TRAINING_KNOBS = {
@@ -78,10 +80,11 @@ def apply_checkpoint_args(args: Args, given: set[str]) -> None:
     Raises `ArgumentError` when the checkpoint records no model config or when a
     model-shape flag disagrees with it.
     """
+    # lazy: --help stays instant (the parser imports this module; mg.core.checkpoint and
+    # mg.core.models import torch, mg.core.tokenizers the tokenizer libraries)
     from mg.core.checkpoint import CheckpointError, describe, resolve_tokenizer_paths
     from mg.core.models import TransformerConfig
     from mg.core.tokenizers import TokenizerConfig
-    from mg.trainer.arguments import ArgumentError
 
     load = args.checkpoint.load
     if not load:
