@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import MLP, SelfAttention, TransformerBlock, _init_linear, build_norm
+from mg.core.models.output_head import OutputHead
 
 
 class BertEmbedding(nn.Module):
@@ -165,6 +166,7 @@ class BertModel(nn.Module):
                 f"{config.position_embedding_type!r}"
             )
         self.config = config
+        self.output_head = OutputHead()  # logits and loss from the output layer (output_head)
         self.add_binary_head = add_binary_head
         self.embedding = BertEmbedding(config, num_tokentypes)
         if config.transformer_layer_order == "post_ln":
@@ -211,14 +213,9 @@ class BertModel(nn.Module):
 
     def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
         """The LM head's output [b, s, h] → logits [b, s, vocab], or with labels the
-        per-token fp32 cross-entropy [b, s]. Tensor parallelism replaces it on the
-        instance with the vocab-parallel version (mg.core.parallel.tensor_parallel)."""
-        logits = F.linear(hidden, self.output_weight(), self.output_bias())
-        if labels is None:
-            return logits
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
-        ).view(labels.shape)
+        per-token fp32 cross-entropy [b, s], by `output_head` (tensor parallelism
+        chooses its vocab-parallel one: mg.core.parallel.tensor_parallel)."""
+        return self.output_head(self, hidden, labels)
 
     def binary_logits(self, hidden: Tensor) -> Tensor | None:
         """The sentence-order logits [b, 2] from the encoder output (None without the head)."""

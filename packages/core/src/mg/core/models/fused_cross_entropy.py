@@ -16,11 +16,12 @@ unfused backward rounds it before its matmul).
 
 from __future__ import annotations
 
-import types
-
 import torch
-from torch import Tensor, nn
+import torch.nn.functional as F
+from torch import Tensor
 
+from mg.core.models.language_model import LanguageModel
+from mg.core.models.output_head import HasOutputLayer, OutputHead, is_plain_output, real_vocab_size
 from mg.core.models.vocab_mask import mask_padded_vocab
 
 DEFAULT_CHUNK_TOKENS = 128
@@ -90,21 +91,38 @@ def linear_cross_entropy(
     return loss.view(labels.shape)
 
 
-def _fused_output_and_loss(self: nn.Module, hidden: Tensor, labels: Tensor | None) -> Tensor:
-    weight = self.output_weight()
-    real_vocab_size = getattr(self, "real_vocab_size", None)
-    if labels is None:
-        return mask_padded_vocab(torch.nn.functional.linear(hidden, weight), real_vocab_size)
-    return linear_cross_entropy(hidden, weight, labels, real_vocab_size=real_vocab_size)
+class FusedCrossEntropyHead(OutputHead):
+    """The loss by `linear_cross_entropy` (no bias: a decoder language model's output);
+    logits without labels as the plain head makes them."""
+
+    def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, model: HasOutputLayer, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        weight = model.output_weight()
+        vocab = real_vocab_size(model)
+        if labels is None:
+            return mask_padded_vocab(F.linear(hidden, weight), vocab)
+        return linear_cross_entropy(hidden, weight, labels, self.chunk_tokens, vocab)
+
+    def __repr__(self) -> str:
+        return f"FusedCrossEntropyHead(chunk_tokens={self.chunk_tokens})"
 
 
-def apply_cross_entropy_fusion(model: nn.Module) -> nn.Module:
-    """Swap the fused loss into a GPTModel (before pipeline splitting: its chunks take the
-    instance's `output_and_loss`, as they take tensor parallelism's); returns the model."""
-    if "output_and_loss" in model.__dict__:
-        raise ValueError(
-            "the model's output layer is already replaced (tensor parallelism has its own "
-            "vocab-parallel loss); cross-entropy fusion applies to a plain GPTModel"
+def apply_cross_entropy_fusion(model: LanguageModel) -> LanguageModel:
+    """Give a GPTModel the fused loss (`FusedCrossEntropyHead`); returns the model.
+
+    Before pipeline splitting (the last chunk takes the whole model's head) and on the
+    plain output only: tensor parallelism has its own vocab-parallel loss."""
+    if not isinstance(model, LanguageModel):
+        raise TypeError(
+            "cross-entropy fusion applies to a decoder language model (GPTModel, "
+            f"MambaModel), not {type(model).__name__}: the fused loss takes no output bias"
         )
-    model.output_and_loss = types.MethodType(_fused_output_and_loss, model)
+    if not is_plain_output(model):
+        raise ValueError(
+            f"the model's output is already {model.output_head!r} (tensor parallelism has "
+            "its own vocab-parallel loss); cross-entropy fusion applies to a plain GPTModel"
+        )
+    model.output_head = FusedCrossEntropyHead()
     return model

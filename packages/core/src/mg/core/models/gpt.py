@@ -1,6 +1,8 @@
 """The GPT decoder: GPT-2, Llama 2/3 and Mistral are configurations of this one model.
 
-Read top to bottom: embedding → N × TransformerLayer → final norm → output layer.
+Read top to bottom: embedding → N × TransformerLayer → final norm → output layer
+(the embedding, the output layer and its head, the init order and the forward are the
+language-model shell's, `mg.core.models.language_model`, shared with MambaModel).
 
     TransformerLayer (pre-norm):
         x = x + dropout(linear_proj(core_attention(rope(split(linear_qkv(input_layernorm(x)))))))
@@ -30,21 +32,17 @@ it replays `init_units()` to give its shards the whole model's values.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import ConfigError, TransformerConfig
 from mg.core.models.core_attention import build_core_attention
 from mg.core.models.kv_cache import KVCache
+from mg.core.models.language_model import LanguageModel
 from mg.core.models.moe import MoELayer
-from mg.core.models.rope import RotaryEmbedding, apply_rotary_pos_emb
+from mg.core.models.norms import build_norm_1p
+from mg.core.models.rope import apply_rotary_pos_emb
 from mg.core.models.te_spec import input_linear, uses_te_spec
-from mg.core.models.vocab_mask import logits_or_loss
 
 
 def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
@@ -52,25 +50,10 @@ def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
     over `size` channels (default: the hidden size)."""
     size = size or config.hidden_size
     if config.layernorm_zero_centered_gamma:
-        from mg.core.models.norms import build_norm_1p
-
         return build_norm_1p(config.normalization, size, config.layernorm_epsilon)
     if config.normalization == "RMSNorm":
         return nn.RMSNorm(size, eps=config.layernorm_epsilon)
     return nn.LayerNorm(size, eps=config.layernorm_epsilon)
-
-
-@dataclass(frozen=True)
-class InitUnit:
-    """One step of a model's initialisation: `init(module)` for the module at `prefix`."""
-
-    prefix: str
-    module: nn.Module
-    init: Callable[[nn.Module], None]
-
-
-def _reset_norm(norm: nn.Module) -> None:
-    norm.reset_parameters()
 
 
 def _init_linear(linear: nn.Linear, std: float) -> None:
@@ -79,56 +62,6 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
         nn.init.zeros_(linear.bias)
     if hasattr(linear, "reset_layer_norm"):  # the TE spec's norm inside the linear
         linear.reset_layer_norm()
-
-
-def language_model_init_units(
-    model: nn.Module, final_norm: str, output_std: float
-) -> list[InitUnit]:
-    """A decoder language model's init in order: the embedding, each layer (N(0, σ),
-    its residual-writing projections N(0, output_std)), the final norm `final_norm`
-    of `model.decoder`, then an untied output layer."""
-    std = model.config.init_method_std
-    units = [InitUnit("embedding", model.embedding, lambda m: m.init_weights(std))]
-    units += [
-        InitUnit(f"decoder.layers.{i}", layer, lambda m: m.init_weights(std, output_std))
-        for i, layer in enumerate(model.decoder.layers)
-    ]
-    norm = getattr(model.decoder, final_norm)
-    units.append(InitUnit(f"decoder.{final_norm}", norm, _reset_norm))
-    if model.output_layer is not None:
-        units.append(
-            InitUnit(
-                "output_layer",
-                model.output_layer,
-                lambda m: nn.init.normal_(m.weight, mean=0.0, std=std),
-            )
-        )
-    return units
-
-
-class LanguageModelEmbedding(nn.Module):
-    """Token embedding, plus learned absolute positions for GPT-2-style models."""
-
-    def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.position_embeddings = (
-            nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            if config.position_embedding_type == "learned_absolute"
-            else None
-        )
-        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
-
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=std)
-        if self.position_embeddings is not None:
-            nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=std)
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        hidden = self.word_embeddings(input_ids)
-        if self.position_embeddings is not None:
-            hidden = hidden + self.position_embeddings(position_ids)
-        return self.embedding_dropout(hidden)
 
 
 class SelfAttention(nn.Module):
@@ -325,8 +258,9 @@ class TransformerBlock(nn.Module):
         return self.final_layernorm(hidden)
 
 
-class GPTModel(nn.Module):
-    """Decoder-only language model.
+class GPTModel(LanguageModel):
+    """Decoder-only transformer language model: the shell of `LanguageModel` around a
+    `TransformerBlock`.
 
     With tied embeddings (the default, as in Megatron) there is no
     `output_layer` parameter: the logits use `embedding.word_embeddings.weight`,
@@ -334,95 +268,16 @@ class GPTModel(nn.Module):
     checkpoints with a single pipeline stage.
     """
 
+    decoder_class = TransformerBlock
+    final_norm_name = "final_layernorm"
+    # Megatron's σ/√(2L): each layer writes into the residual stream twice (attention, MLP)
+    residual_branches_per_layer = 2
+
     def __init__(self, config: TransformerConfig) -> None:
-        super().__init__()
         config.validate()
         if config.transformer_layer_order != "pre_ln":
             raise ConfigError(
                 "TransformerConfig.transformer_layer_order: GPTModel is pre-LN only; "
                 f"got {config.transformer_layer_order!r} (post_ln is for BertModel)"
             )
-        self.config = config
-        # the tokenizer's vocabulary, where a reader sets it: padding rows beyond it get
-        # -inf logits (mg.core.models.vocab_mask)
-        self.real_vocab_size: int | None = None
-        device = torch.get_default_device()
-        # Built on the meta device, then given storage: the submodules' own default init
-        # (kaiming for nn.Linear) would draw random numbers that init_weights overwrites,
-        # and a sharded build (mg.core.parallel.materialize) replays init_weights only.
-        with torch.device("meta"):
-            self.embedding = LanguageModelEmbedding(config)
-            self.rotary_pos_emb = (
-                RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-            )
-            self.decoder = TransformerBlock(config)
-            self.output_layer = (
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-                if config.untie_embeddings_and_output_weights
-                else None
-            )
-        if device.type != "meta":
-            self.to_empty(device=device)
-            self.init_weights()
-
-    def init_units(self) -> list[InitUnit]:
-        """Megatron's init as an ordered list of (name prefix, module, init function).
-
-        Running the functions in order is `init_weights`; the order fixes which
-        random numbers each tensor gets, so a rank that builds only its shards
-        replays the list unit by unit on a full-size scratch copy and keeps its
-        part (`mg.core.parallel.materialize`) and gets the single-process values."""
-        output_std = self.config.init_method_std / math.sqrt(2.0 * self.config.num_layers)
-        return language_model_init_units(self, "final_layernorm", output_std)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Megatron's init: N(0, σ) everywhere, N(0, σ/√(2L)) for the projections
-        that write into the residual stream (linear_proj, linear_fc2), norms at
-        weight 1 / bias 0, biases 0. Seed with torch.manual_seed beforehand."""
-        for unit in self.init_units():
-            unit.init(unit.module)
-
-    def output_weight(self) -> Tensor:
-        """The [vocab, hidden] matrix that produces logits (shared or own)."""
-        if self.output_layer is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        labels: Tensor | None = None,
-        inference_cache: KVCache | None = None,
-    ) -> Tensor:
-        """input_ids [b, s] → logits [b, s, vocab], or, with labels [b, s], the
-        per-token cross-entropy [b, s] in fp32 (unreduced, as Megatron returns it:
-        the trainer applies the loss mask and averages).
-
-        position_ids default to 0..s-1 per row. attention_mask is optional, bool,
-        broadcastable to [b, 1, s, s], True = may not attend (Megatron's
-        convention); it is applied on top of the causal mask.
-
-        inference_cache (a bound `KVCache`) makes this an incremental step:
-        position_ids must then be given, and attention covers the cached prefix
-        of each row's slot (attention_mask is not used).
-        """
-        b, s = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        hidden = self.embedding(input_ids, position_ids)
-        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        if inference_cache is None:
-            hidden = self.decoder(hidden, rotary, attention_mask)
-        else:
-            hidden = self.decoder(hidden, rotary, attention_mask, inference_cache)
-        return self.output_and_loss(hidden, labels)
-
-    def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
-        """Final hidden states → logits, or the per-token loss when labels are given.
-
-        Its own method so tensor parallelism can swap in a vocab-parallel
-        version on the instance (mg.core.parallel.tensor_parallel)."""
-        return logits_or_loss(hidden, self.output_weight(), labels, self.real_vocab_size)
+        super().__init__(config)

@@ -20,19 +20,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.core_attention import build_core_attention
-from mg.core.models.gpt import (
-    MLP,
-    LanguageModelEmbedding,
-    SelfAttention,
-    TransformerBlock,
-    _init_linear,
-    build_norm,
-)
+from mg.core.models.gpt import MLP, SelfAttention, TransformerBlock, _init_linear, build_norm
+from mg.core.models.language_model import LanguageModelEmbedding
+from mg.core.models.output_head import OutputHead
 
 
 def attention_mask_from(mask: Tensor | None) -> Tensor | None:
@@ -162,6 +156,7 @@ class T5Model(nn.Module):
         if config.transformer_layer_order != "pre_ln":
             raise ValueError("T5Model is pre-LN only (transformer_layer_order='pre_ln')")
         self.config = config
+        self.output_head = OutputHead()  # logits and loss from the output layer (output_head)
         self.embedding = LanguageModelEmbedding(config)
         self.encoder = TransformerBlock(config, causal=False)
         self.decoder = T5DecoderBlock(config)
@@ -193,14 +188,9 @@ class T5Model(nn.Module):
 
     def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
         """The decoder output [b, s, h] → logits [b, s, vocab], or with labels the per-token
-        fp32 cross-entropy [b, s]. Tensor parallelism replaces it on the instance with
-        the vocab-parallel version (mg.core.parallel.tensor_parallel)."""
-        logits = F.linear(hidden, self.output_weight(), self.output_bias())
-        if labels is None:
-            return logits
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
-        ).view(labels.shape)
+        fp32 cross-entropy [b, s], by `output_head` (tensor parallelism chooses its
+        vocab-parallel one: mg.core.parallel.tensor_parallel)."""
+        return self.output_head(self, hidden, labels)
 
     def _embed(self, ids: Tensor) -> Tensor:
         b, s = ids.shape

@@ -6,6 +6,8 @@ computes logits for its slice of the vocabulary only. The cross-entropy is
 Megatron's `_VocabParallelCrossEntropy` (megatron/core/tensor_parallel/
 cross_entropy.py): three all-reduces of [tokens]-sized tensors (max logit, the
 target's logit, the sum of exps) instead of an all-gather of [tokens, vocab].
+`VocabParallelOutputHead` is the model's output head that computes it
+(mg.core.models.output_head), chosen by `apply_tensor_parallel`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from mg.core.models.output_head import HasOutputLayer, OutputHead, real_vocab_size
 from mg.core.models.vocab_mask import mask_padded_vocab
 
 
@@ -106,3 +109,24 @@ def vocab_parallel_output(
         logits.float().flatten(0, 1), labels.flatten(), vocab_start, tp_mesh.get_group()
     )
     return loss.view(b, s)
+
+
+class VocabParallelOutputHead(OutputHead):
+    """A model's output under tensor parallelism: `vocab_parallel_output` on its vocab-
+    sharded output weight (and bias), over `tp_mesh`."""
+
+    def __init__(self, tp_mesh: DeviceMesh) -> None:
+        self.tp_mesh = tp_mesh
+
+    def __call__(self, model: HasOutputLayer, hidden: Tensor, labels: Tensor | None) -> Tensor:
+        return vocab_parallel_output(
+            hidden,
+            model.output_weight(),
+            labels,
+            self.tp_mesh,
+            real_vocab_size(model),
+            bias=model.output_bias(),
+        )
+
+    def __repr__(self) -> str:
+        return f"VocabParallelOutputHead(tp={self.tp_mesh.size()})"

@@ -29,16 +29,16 @@ building it once per rank (build on the meta device and use `to_empty` +
 from __future__ import annotations
 
 import re
-import types
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from mg.core.models.gpt import GPTModel
-from mg.core.models.vocab_mask import logits_or_loss
-
-_SHARED_COPY = "_mg_shared_embedding_copy"
+from mg.core.models.bert import BertModel
+from mg.core.models.language_model import LanguageModel, LanguageModelParts
+from mg.core.parallel.grad_norm import global_grad_norm  # DTensor (tensor-parallel) aware
+from mg.core.parallel.pipeline_bert import BertPipelineChunk
+from mg.core.parallel.pipeline_stage import StageBlock, is_shared_copy, tied_output_copy
 
 
 class PipelineConfigError(ValueError):
@@ -96,78 +96,44 @@ def virtual_size_from_layers(
     return per_stage // layers_per_virtual_stage
 
 
-class StageBlock(nn.Module):
-    """The chunk's layers, then the final norm on the last stage (Identity elsewhere).
-
-    Named and shaped like `TransformerBlock` so `apply_activation_recompute`
-    works on a chunk exactly as on a whole model. The final norm keeps the
-    whole model's name: `final_layernorm` (TransformerBlock), `final_norm`
-    (a hybrid's MambaStack)."""
-
-    def __init__(
-        self,
-        layers: list[nn.Module],
-        final_layernorm: nn.Module | None,
-        final_norm_name: str = "final_layernorm",
-    ) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-        self.final_norm_name = final_norm_name
-        norm = final_layernorm if final_layernorm is not None else nn.Identity()
-        setattr(self, final_norm_name, norm)
-
-    def forward(
-        self, hidden: Tensor, rotary: tuple[Tensor, Tensor] | None, attention_mask: Tensor | None
-    ) -> Tensor:
-        for layer in self.layers:
-            hidden = layer(hidden, rotary, attention_mask)
-        return getattr(self, self.final_norm_name)(hidden)
-
-
-class PipelineChunk(nn.Module):
+class PipelineChunk(LanguageModelParts):
     """Layers [start, end) of a GPTModel (or a hybrid MambaModel: the same embedding and
-    head around its pattern's layers), with the embedding if first, the head if last.
+    head around its pattern's layers), with the embedding if first, the output layer if
+    last; the rest of the language-model shell is the whole model's (`LanguageModelParts`).
 
     forward(input, position_ids, attention_mask, labels): input is token ids
     [b, s] on the first stage and the hidden states [b, s, h] elsewhere; the
     last stage returns the per-token loss [b, s] (or logits without labels),
-    the others the hidden states for the next stage."""
+    the others the hidden states for the next stage. The last stage runs the whole
+    model's `output_head` (the one tensor parallelism or the fused loss chose) on its
+    own output weight."""
 
-    def __init__(self, model: GPTModel, start: int, end: int, first: bool, last: bool) -> None:
-        super().__init__()
-        self.config = model.config
-        self.layer_offset = start
-        self.is_first, self.is_last = first, last
-        self.embedding = model.embedding if first else None
-        self.rotary_pos_emb = model.rotary_pos_emb
-        norm_name = "final_layernorm" if hasattr(model.decoder, "final_layernorm") else "final_norm"
-        self.decoder = StageBlock(
+    def __init__(self, model: LanguageModel, start: int, end: int, first: bool, last: bool) -> None:
+        norm_name = model.final_norm_name
+        decoder = StageBlock(
             list(model.decoder.layers[start:end]),
             getattr(model.decoder, norm_name) if last else None,
             norm_name,
         )
-        self.output_layer = None
+        output_layer = None
         if last:
             if model.output_layer is not None:
-                self.output_layer = model.output_layer
+                output_layer = model.output_layer
             elif not first:  # tied: the last stage gets its own copy (a DTensor stays one)
                 # a placeholder built on meta: its own init would draw from the generator
-                self.output_layer = nn.Linear(1, 1, bias=False, device="meta")
-                copy = model.embedding.word_embeddings.weight.detach().clone()
-                self.output_layer.weight = nn.Parameter(copy)
-                setattr(self.output_layer.weight, _SHARED_COPY, True)
-        # Tensor parallelism replaces GPTModel.output_and_loss on the instance (vocab-
-        # parallel logits and loss); the last chunk runs the same function on its weight.
-        self.real_vocab_size = getattr(model, "real_vocab_size", None)  # padding masked beyond
-        override = model.__dict__.get("output_and_loss")
-        self._output_and_loss = (
-            types.MethodType(override.__func__, self) if last and override is not None else None
+                output_layer = nn.Linear(1, 1, bias=False, device="meta")
+                output_layer.weight = tied_output_copy(model.embedding.word_embeddings.weight)
+        super().__init__(
+            model.config,
+            embedding=model.embedding if first else None,
+            rotary_pos_emb=model.rotary_pos_emb,
+            decoder=decoder,
+            output_layer=output_layer,
+            output_head=model.output_head,
         )
-
-    def output_weight(self) -> Tensor:
-        if self.output_layer is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
+        self.layer_offset = start
+        self.is_first, self.is_last = first, last
+        self.real_vocab_size = model.real_vocab_size  # padding masked beyond it
 
     def forward(
         self,
@@ -177,13 +143,10 @@ class PipelineChunk(nn.Module):
         labels: Tensor | None = None,
     ) -> Tensor:
         hidden = self.embedding(input, position_ids) if self.is_first else input
-        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        hidden = self.decoder(hidden, rotary, attention_mask)
+        hidden = self.run_decoder(hidden, position_ids, attention_mask)
         if not self.is_last:
             return hidden
-        if self._output_and_loss is not None:
-            return self._output_and_loss(hidden, labels)
-        return logits_or_loss(hidden, self.output_weight(), labels, self.real_vocab_size)
+        return self.output_and_loss(hidden, labels)
 
 
 def split_model(
@@ -191,9 +154,6 @@ def split_model(
 ) -> list[nn.Module]:
     """This pipeline rank's model chunks (one, or v with the interleaved schedule):
     `PipelineChunk`s of a GPTModel, `BertPipelineChunk`s of a BertModel."""
-    from mg.core.models.bert import BertModel
-    from mg.core.parallel.pipeline_bert import BertPipelineChunk
-
     chunk_class = BertPipelineChunk if isinstance(model, BertModel) else PipelineChunk
     ranges = layer_ranges(model.config.num_layers, pipeline_size, virtual_size)[pipeline_rank]
     last_chunk = virtual_size - 1
@@ -207,11 +167,6 @@ def split_model(
         )
         for c, (start, end) in enumerate(ranges)
     ]
-
-
-def is_shared_copy(param: Tensor) -> bool:
-    """True for the last stage's copy of a tied embedding (left out of the grad norm)."""
-    return getattr(param, _SHARED_COPY, False)
 
 
 def shared_embedding_weight(chunks: list[PipelineChunk]) -> Tensor | None:
@@ -295,8 +250,6 @@ def clip_grad_norm_across_stages(
     stage copy left out, so it counts once) and the sums are all-reduced over
     the pipeline group; every stage then scales by the same coefficient, as
     Megatron's `clip_grad_norm_fp32`. A non-finite norm is returned as nan."""
-    from mg.core.parallel.grad_norm import global_grad_norm  # DTensor (tensor-parallel) aware
-
     grads = [p.grad for p in parameters if p.grad is not None]
     counted = [p.grad for p in parameters if p.grad is not None and not is_shared_copy(p)]
     square = torch.tensor(global_grad_norm(counted), dtype=torch.float64) ** 2

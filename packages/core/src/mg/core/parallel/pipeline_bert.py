@@ -7,7 +7,8 @@ one the final norm (pre-LN), the LM head, the output layer's bias and the
 pooler and binary head. Names are the whole BertModel's with the layers
 numbered locally (`encoder.layers.0` is the chunk's first layer), so
 `global_parameter_name` and the `torch_dist` helpers of `pipeline` work
-unchanged.
+unchanged (a stage's pieces, its `StageBlock` and the tied copy, are
+`pipeline_stage`'s, as GPT's chunks' are).
 
 Tied embeddings (BERT's default): as for GPT, the last stage holds its own
 `output_layer.weight`, a copy of the word embeddings marked as the shared
@@ -20,13 +21,11 @@ for T5 (`pretrain_t5.py`), and so does mg-train.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import Tensor, nn
 
 from mg.core.models.bert import BertModel, padding_attention_mask
-from mg.core.parallel.pipeline import _SHARED_COPY, StageBlock
+from mg.core.parallel.pipeline_stage import StageBlock, tied_output_copy
 
 
 class BertPipelineChunk(nn.Module):
@@ -58,14 +57,11 @@ class BertPipelineChunk(nn.Module):
             else:  # tied: the bias, and the last stage's own copy of the word embeddings
                 self.output_layer = nn.Module()
                 self.output_layer.bias = model.output_layer.bias
-                copy = model.embedding.word_embeddings.weight.detach().clone()
-                self.output_layer.weight = nn.Parameter(copy)
-                setattr(self.output_layer.weight, _SHARED_COPY, True)
+                self.output_layer.weight = tied_output_copy(model.embedding.word_embeddings.weight)
         self.real_vocab_size = getattr(model, "real_vocab_size", None)
-        # tensor parallelism replaces output_and_loss on the model instance (vocab-parallel)
-        override = model.__dict__.get("output_and_loss")
-        if last and override is not None:
-            self.output_and_loss = types.MethodType(override.__func__, self)
+        # the whole model's head (tensor parallelism's vocab-parallel one, if it chose it),
+        # run on this stage's output weight and bias
+        self.output_head = model.output_head
 
     def output_weight(self) -> Tensor:
         if self.output_layer is not None and hasattr(self.output_layer, "weight"):
@@ -76,7 +72,7 @@ class BertPipelineChunk(nn.Module):
         return self.output_layer.bias
 
     def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
-        return BertModel.output_and_loss(self, hidden, labels)
+        return self.output_head(self, hidden, labels)
 
     def forward(
         self,

@@ -46,13 +46,11 @@ stream, as Megatron does (mg.core.models.rng_stream).
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -72,10 +70,12 @@ from mg.core.models.mamba import MambaConfig, MambaLayer, MambaModel
 from mg.core.models.moe import MoELayer
 from mg.core.models.moe.tensor_parallel import shard_moe_layer
 from mg.core.models.rng_stream import RNGStream, set_model_parallel_stream
-from mg.core.models.subclass import extend_class, swap_class
+from mg.core.models.subclass import extend_class
 from mg.core.models.t5 import T5Model
 from mg.core.models.te_spec import LayerNormLinear
-from mg.core.parallel.loss_parallel import vocab_parallel_output
+from mg.core.parallel.loss_parallel import VocabParallelOutputHead
+from mg.core.parallel.row_parallel import RowParallelLinear
+from mg.core.parallel.tensor_parallel_mamba import parallelize_mamba_layer
 from mg.core.parallel.tensor_parallel_te import LayerNormColwiseParallel
 
 
@@ -106,47 +106,6 @@ class GatedColwiseParallel(ColwiseParallel):
                 requires_grad=param.requires_grad,
             )
             module.register_parameter(param_name, dist_param)
-
-
-class RowParallelLinear(RowwiseParallel):
-    """Megatron's RowParallelLinear: reduce the partial products, then add the bias.
-
-    Given `linear(x_shard, W_shard, bias)` with a replicated bias, DTensor's
-    sharding propagation cannot add a replicated bias to a partial sum, so it
-    all-gathers the input and the weight and runs the whole matmul on every
-    rank (two all-gathers per layer per projection, and the full weight in
-    memory). Here the linear runs without its bias, the partial output is
-    all-reduced (or reduce-scattered with sequence parallelism) and the bias is
-    added to the result, as Megatron does; the bias gradient is then a partial
-    sum under sequence parallelism, all-reduced by `sync_tensor_parallel_grads`.
-    """
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            swap_class(module, BiasAfterReduceLinear)
-        return super()._apply(module, device_mesh)
-
-    @staticmethod
-    def _prepare_output_fn(
-        output_layouts: object,
-        use_local_output: bool,
-        mod: nn.Module,
-        outputs: DTensor,
-        device_mesh: DeviceMesh,
-    ) -> Tensor:
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
-        if isinstance(mod, nn.Linear) and mod.bias is not None:
-            outputs = outputs + mod.bias
-        return outputs.to_local() if use_local_output else outputs
-
-
-class BiasAfterReduceLinear(nn.Linear):
-    """A row-parallel `nn.Linear` whose forward leaves out the bias: `RowParallelLinear`
-    adds it after the partial products are reduced."""
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden, self.weight)
 
 
 class ForkedDropoutRNG:
@@ -318,18 +277,9 @@ def apply_tensor_parallel(
             requires_grad=bias.requires_grad,
         )
 
-    def output_and_loss(self: nn.Module, hidden: Tensor, labels: Tensor | None) -> Tensor:
-        output_bias = getattr(self, "output_bias", None)
-        return vocab_parallel_output(
-            hidden,
-            self.output_weight(),
-            labels,
-            tp_mesh,
-            getattr(self, "real_vocab_size", None),
-            bias=output_bias() if output_bias is not None else None,
-        )
-
-    model.output_and_loss = types.MethodType(output_and_loss, model)
+    # the logits and the loss from the vocab-sharded output weight (a pipeline stage cut
+    # from this model later takes this head with the rest of its last layers)
+    model.output_head = VocabParallelOutputHead(tp_mesh)
     model.tensor_parallel_size = tp
     model.sequence_parallel = sequence_parallel
 
@@ -346,8 +296,6 @@ def _parallelize_layer(
     decoder layer with cross-attention), whatever norms it has; a hybrid's layers have
     attention or an MLP alone, or a Mamba mixer (tensor_parallel_mamba)."""
     if isinstance(layer, MambaLayer):
-        from mg.core.parallel.tensor_parallel_mamba import parallelize_mamba_layer
-
         parallelize_mamba_layer(layer, tp_mesh, activations, sequence_parallel)
         return
     tp = tp_mesh.size()

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel,
 
 from mg.core.models.mamba.mixer import MambaMixer
 from mg.core.parallel.row_blocks import shard_row_blocks
+from mg.core.parallel.row_parallel import RowParallelLinear
 
 
 class RowBlockColwiseParallel(ColwiseParallel):
@@ -60,7 +61,7 @@ def parallelize_mamba_layer(
     tp = tp_mesh.size()
     plan: dict[str, object] = {
         "mixer.in_proj": RowBlockColwiseParallel(in_proj_blocks(mixer), input_layouts=activations),
-        "mixer.out_proj": _row_parallel(activations),
+        "mixer.out_proj": RowParallelLinear(output_layouts=activations),
     }
     if sequence_parallel:  # the norm's weight sees a slice: its gradient is a partial sum
         plan["norm"] = SequenceParallel(use_local_output=True)
@@ -82,9 +83,3 @@ def parallelize_mamba_layer(
     mixer.num_groups //= tp
     mixer.d_inner //= tp
     mixer.conv_dim //= tp
-
-
-def _row_parallel(activations: Shard | Replicate) -> nn.Module:
-    from mg.core.parallel.tensor_parallel import RowParallelLinear
-
-    return RowParallelLinear(output_layouts=activations)

@@ -7,13 +7,13 @@ quantized linears, and ``load_state_dict(assign=True)`` fills them.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from mg.core.models.output_head import OutputModuleHead
 from mg.core.quantization.config import INT4_RECIPES, QuantizationConfig
 from mg.core.quantization.linear import (
     Fp8Linear,
@@ -43,22 +43,16 @@ def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, module)
-    if name == "output_layer" and hasattr(model, "output_and_loss"):
+    if name == "output_layer" and hasattr(model, "output_head"):
         logits_through_output_module(model)
 
 
 def logits_through_output_module(model: nn.Module) -> None:
     """A language model's logits normally come from its output weight (`output_weight()`,
     shared with the embedding or not); a quantized output layer has no float weight, so
-    the logits run through the module's own forward instead, on the instance (as tensor
-    parallelism swaps in its vocab-parallel output)."""
-    from mg.core.models.vocab_mask import loss_or_logits, mask_padded_vocab
-
-    def output_and_loss(self: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None):
-        logits = mask_padded_vocab(self.output_layer(hidden), self.real_vocab_size)
-        return loss_or_logits(logits, labels)
-
-    model.output_and_loss = types.MethodType(output_and_loss, model)
+    the model's head takes the logits from the module's own forward instead
+    (`OutputModuleHead`; padding rows masked and the loss as before)."""
+    model.output_head = OutputModuleHead()
 
 
 def quantize_layout(model: nn.Module, config: QuantizationConfig) -> nn.Module:

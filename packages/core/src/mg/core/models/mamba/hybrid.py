@@ -27,27 +27,16 @@ Plain PyTorch, no process groups; builds on the meta device like GPTModel.
 
 from __future__ import annotations
 
-import math
-
-import torch
 from torch import Tensor, nn
 
 from mg.core.models.config import ConfigError, TransformerConfig
-from mg.core.models.gpt import (
-    MLP,
-    GPTModel,
-    InitUnit,
-    LanguageModelEmbedding,
-    SelfAttention,
-    build_norm,
-    language_model_init_units,
-)
+from mg.core.models.gpt import MLP, GPTModel, SelfAttention, build_norm
+from mg.core.models.language_model import LanguageModel
 from mg.core.models.mamba.config import MambaConfig
 from mg.core.models.mamba.mixer import MambaMixer
 from mg.core.models.mamba.pattern import ATTENTION, MAMBA
 from mg.core.models.mamba.pattern import MLP as MLP_SYMBOL
-from mg.core.models.rope import RotaryEmbedding
-from mg.core.models.vocab_mask import logits_or_loss
+from mg.core.models.te_spec import TE_FUSED_NORMS
 
 
 class MambaLayer(nn.Module):
@@ -147,87 +136,32 @@ class MambaStack(nn.Module):
         return self.final_norm(hidden)
 
 
-class MambaModel(nn.Module):
-    """Mamba-2 or hybrid decoder-only language model; GPTModel's forward contract.
+class MambaModel(LanguageModel):
+    """Mamba-2 or hybrid decoder-only language model: the shell of `LanguageModel`
+    around a `MambaStack`, with GPTModel's forward contract.
+
+    attention_mask (True = may not attend) reaches the attention layers only: Mamba
+    layers read every earlier token, so rows must be right-padded, never left-padded.
+    An inference cache is a bound `HybridCache`: Mamba layers continue from each row's
+    recurrent state, attention layers from its cached keys and values.
 
     Output projections that write into the residual stream (out_proj,
     linear_proj, linear_fc2) start at N(0, σ/√L): every layer of a hybrid stack
     has one residual branch, which is megatron-core's `is_hybrid_model` rule
     (multiplier 1 instead of the transformer's 2 in σ/√(multiplier·L))."""
 
+    decoder_class = MambaStack
+    final_norm_name = "final_norm"
+    residual_branches_per_layer = 1
+
     def __init__(self, config: MambaConfig) -> None:
-        super().__init__()
         if not isinstance(config, MambaConfig):
             raise ConfigError(
                 f"MambaModel needs a MambaConfig, got {type(config).__name__}; "
                 "build one with the mamba_* and hybrid_* fields"
             )
         config.validate()
-        self.config = config
-        self.real_vocab_size: int | None = None  # padding rows masked beyond it (vocab_mask)
-        device = torch.get_default_device()
-        with torch.device("meta"):
-            self.embedding = LanguageModelEmbedding(config)
-            self.rotary_pos_emb = (
-                RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
-            )
-            self.decoder = MambaStack(config)
-            self.output_layer = (
-                nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-                if config.untie_embeddings_and_output_weights
-                else None
-            )
-        if device.type != "meta":
-            self.to_empty(device=device)
-            self.init_weights()
-
-    def init_units(self) -> list[InitUnit]:
-        """Megatron's init as ordered (prefix, module, init) units, as GPTModel's."""
-        output_std = self.config.init_method_std / math.sqrt(self.config.num_layers)
-        return language_model_init_units(self, "final_norm", output_std)
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """Run `init_units` in order; seed with torch.manual_seed beforehand."""
-        for unit in self.init_units():
-            unit.init(unit.module)
-
-    def output_weight(self) -> Tensor:
-        """The [vocab, hidden] matrix that produces logits (shared or own)."""
-        if self.output_layer is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        position_ids: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        labels: Tensor | None = None,
-        inference_cache=None,
-    ) -> Tensor:
-        """input_ids [b, s] → logits [b, s, vocab], or the per-token loss [b, s] (fp32)
-        with labels; GPTModel.forward's contract. attention_mask (True = may not
-        attend) reaches the attention layers only: Mamba layers read every earlier
-        token, so rows must be right-padded, never left-padded.
-
-        inference_cache (a bound `HybridCache`) makes this an incremental step:
-        Mamba layers continue from each row's recurrent state, attention layers
-        from its cached keys and values."""
-        b, s = input_ids.shape
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
-        hidden = self.embedding(input_ids, position_ids)
-        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        if inference_cache is None:
-            hidden = self.decoder(hidden, rotary, attention_mask)
-        else:
-            hidden = self.decoder(hidden, rotary, attention_mask, inference_cache)
-        return self.output_and_loss(hidden, labels)
-
-    def output_and_loss(self, hidden: Tensor, labels: Tensor | None) -> Tensor:
-        """Final hidden states → logits, or the per-token loss (swappable for TP)."""
-        return logits_or_loss(hidden, self.output_weight(), labels, self.real_vocab_size)
+        super().__init__(config)
 
 
 def decoder_model(config: TransformerConfig) -> nn.Module:
@@ -238,10 +172,11 @@ def decoder_model(config: TransformerConfig) -> nn.Module:
     return GPTModel(config)
 
 
-_TE_FUSED_NORMS = (
+# the TE spec fuses a Mamba layer's norm into the mixer's in_proj, as it fuses attention's
+# and the MLP's into the linear after them (te_spec.TE_FUSED_NORMS), as ".{prefix}" keys
+_FUSED_NORMS = (
     (".norm.", ".mixer.in_proj.layer_norm_"),
-    (".input_layernorm.", ".self_attention.linear_qkv.layer_norm_"),
-    (".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_"),
+    *((f".{ours}", f".{theirs}") for ours, theirs in TE_FUSED_NORMS),
 )
 
 
@@ -253,7 +188,7 @@ def megatron_te_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     out = {}
     for key, value in state_dict.items():
         if key.startswith("decoder.layers."):
-            for ours, theirs in _TE_FUSED_NORMS:
+            for ours, theirs in _FUSED_NORMS:
                 if ours in key and not key.split(ours)[0].endswith(".mixer"):
                     key = key.replace(ours, theirs, 1)
                     break
@@ -265,7 +200,7 @@ def from_megatron_te_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     """Inverse of `megatron_te_names`."""
     out = {}
     for key, value in state_dict.items():
-        for ours, theirs in _TE_FUSED_NORMS:
+        for ours, theirs in _FUSED_NORMS:
             if theirs in key:
                 key = key.replace(theirs, ours, 1)
                 break
