@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from mg.core.checkpoint.dist_format import load_full_state, save_dist_checkpoint
-from mg.core.checkpoint.dist_stream import StreamingDistWriter
-from mg.core.checkpoint.megatron_dist import (
+from mg.core.checkpoint.dist_format import (
+    load_full_state,
     load_model_tensors,
-    megatron_model_state,
-    supports_megatron_layout,
+    save_dist_checkpoint,
 )
+from mg.core.checkpoint.dist_stream import StreamingDistWriter
+from mg.core.checkpoint.megatron_dist import megatron_model_state, supports_megatron_layout
 from mg.core.checkpoint.reader_guard import read_dcp_metadata
 from mg.core.models.gpt import GPTModel
 from mg.core.testing.megatron_reference import tiny_config

@@ -9,6 +9,7 @@ import pytest
 
 import mg.trainer.checkpointing_dist as checkpointing_dist
 from mg.core.checkpoint.dist_format import stored_keys
+from mg.core.checkpoint.formats import DistLayout
 
 EVAL = ("--eval-interval", "5", "--eval-iters", "1")
 
@@ -20,7 +21,8 @@ def test_both_layouts_resume_bitwise(tmp_path, mock_argv, train, monkeypatch, la
     argv = mock_argv(tmp_path, *EVAL, "--hidden-dropout", "0.2", "--save", ckpt, iters=8)
     with monkeypatch.context() as patch:
         if layout == "earlier":  # how mg saved a GPT before
-            patch.setattr(checkpointing_dist, "supports_megatron_layout", lambda names: False)
+            per_parameter = lambda family, config: DistLayout.PER_PARAMETER  # noqa: E731
+            patch.setattr(checkpointing_dist, "dist_layout", per_parameter)
         first = train([*argv, "--exit-interval", "4"])
     keys = stored_keys(tmp_path / "ckpt" / "iter_0000004")
     if layout == "earlier":

@@ -42,6 +42,7 @@ from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.megatron_buffers import megatron_buffers, torch_optimizer_state
 from mg.core.parallel.pipeline import shared_embedding_weight
 from mg.trainer import distributed
+from mg.trainer.model_parallel import PipelineModel
 
 
 @dataclass
@@ -150,8 +151,6 @@ def _tied_embedding(model: nn.Module) -> nn.Parameter | None:
 
 def _chunks(model: nn.Module) -> list[nn.Module] | None:
     """A pipeline rank's model chunks, or None for a whole model."""
-    from mg.trainer.model_parallel import PipelineModel
-
     return list(model) if isinstance(model, PipelineModel) else None
 
 

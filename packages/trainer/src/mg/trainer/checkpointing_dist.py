@@ -2,12 +2,15 @@
 
 The tensors go through `mg.core.checkpoint.dist_format` (torch.distributed.checkpoint),
 every rank writing its own shards, so the checkpoint loads into any tensor-,
-pipeline- or data-parallel layout. A GPT's model is stored as Megatron-Core stores
-it (`mg.core.checkpoint.megatron_dist`: its `sharded_state_dict` keys, layers stacked
-along a leading axis, `_extra_state` objects), so Megatron-LM loads mg's weights
-and mg loads Megatron-LM's; other models (MoE, Mamba, BERT, T5) keep mg's earlier
-per-parameter keys (`model.<name>`), which are still read, as are GPT checkpoints
-saved that way before.
+pipeline- or data-parallel layout. The key layout follows from the model's family
+and configuration (`mg.core.checkpoint.formats.dist_layout`), never from its
+parameter names: a GPT, with the local layer spec or Transformer Engine's, is
+stored as Megatron-Core stores it (`mg.core.checkpoint.megatron_dist`: its
+`sharded_state_dict` keys, layers stacked along a leading axis, `_extra_state`
+objects holding TE's modules' own), so Megatron-LM loads mg's weights and mg loads
+Megatron-LM's; other models (MoE, Mamba, BERT, T5) keep mg's earlier per-parameter
+keys (`model.<name>`). A load reads either layout, told apart by the stored keys,
+so GPT checkpoints saved per parameter before still resume.
 
 What carries over between mg and Megatron-LM, both ways: the weights, the iteration,
 the consumed-sample counters (in `args`) and, in the same TP × PP layout, the random
@@ -64,15 +67,18 @@ from mg.core.checkpoint.dist_format import (
     stored_keys,
     stored_tensors,
 )
+from mg.core.checkpoint.formats import DistLayout, dist_layout
 from mg.core.checkpoint.layout import CheckpointError
 from mg.core.checkpoint.megatron_dist import (
+    EXTRA_STATE,
+    ModelState,
     checkpoint_is_megatron_layout,
     megatron_model_state,
     sharded_object,
-    supports_megatron_layout,
 )
 from mg.core.checkpoint.megatron_sharded_keys import per_layer_keys
 from mg.core.models.config import TransformerConfig
+from mg.core.models.mamba import decoder_config_from_dict
 from mg.core.models.moe.expert_names import (
     global_expert_names,
     inverse,
@@ -82,17 +88,17 @@ from mg.core.models.moe.expert_names import (
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
+from mg.core.parallel.pipeline import global_view
 from mg.core.parallel.row_blocks import ROW_BLOCKS, row_blocks
 from mg.trainer import distributed
 from mg.trainer.checkpointing import TrainState
+from mg.trainer.model_parallel import PipelineModel
 
 
 def _named_globally(model: nn.Module) -> nn.Module:
     """A pipeline rank's chunks as one module with the whole model's parameter names, so
-    the checkpoint's keys do not depend on the pipeline layout (it reshards across PP)."""
-    from mg.core.parallel.pipeline import global_view
-    from mg.trainer.model_parallel import PipelineModel
-
+    the checkpoint's keys do not depend on the pipeline layout (it reshards across PP).
+    Its state dict has the parameters and buffers only (no `_extra_state` entries)."""
     return global_view(model.chunks) if isinstance(model, PipelineModel) else model
 
 
@@ -245,7 +251,9 @@ def save(
         optimizer.finish_param_sync()  # the model's weights are complete only after this
     named = _state_dict(model)
     experts = global_expert_names(model)  # expert parallelism: experts by global number
-    megatron = supports_megatron_layout(named)
+    family = args_flat["model_family"]
+    layout = dist_layout(family, decoder_config_from_dict(dict(model_config)))
+    megatron = layout is DistLayout.MEGATRON
     if megatron:
         layers = int(model_config["num_layers"])
         tied = not model_config.get("untie_embeddings_and_output_weights", False)
@@ -346,6 +354,17 @@ def _restore_rng(common_state: Any, position: dict[str, Any]) -> None:
     restore_tracker_states({k: v for k, v in position.items() if k != _RNG_STATE})
 
 
+def _restore_extra_states(model: nn.Module, state: ModelState, loaded: dict[str, Any]) -> None:
+    """Hand each module its loaded `_extra_state` (Transformer Engine's FP8 scaling state),
+    as `load_state_dict` would; one stored as None (a local-spec save) is left alone."""
+    for key, name in state.extra_states.items():
+        if key not in loaded:
+            continue
+        (data,) = loaded[key]  # the ShardedObject's data
+        if data is not None:
+            model.get_submodule(name.removesuffix(f".{EXTRA_STATE}")).set_extra_state(data)
+
+
 def latest_is_torch_dist(load_dir: str, iteration: int | None = None) -> bool:
     """Whether `load_dir`'s latest checkpoint (or `iteration`) is a torch_dist one."""
     iteration = read_latest_iteration(load_dir) if iteration is None else iteration
@@ -402,6 +421,10 @@ def resume(
             rename_keys(named, experts), config.num_layers, tied=tied, **moe
         )
         sharded: dict[str, Any] = dict(model_state.tensors)
+        stored = stored_keys(folder)
+        for key in model_state.extra_states:  # TE's modules': objects, read as stored
+            if key in stored:
+                sharded[key] = b""  # an object: replaced by the stored one
     else:
         sharded = {"model": rename_keys(named, experts)}
     if want_optim:
@@ -418,6 +441,7 @@ def resume(
     common = load_dist_checkpoint(folder, sharded, allow_pickle=True)
     if model_state is not None:
         model_state.finish_load()
+        _restore_extra_states(model, model_state, sharded)
     if want_optim:
         loaded = rename_optimizer_state(sharded["optimizer"], inverse(experts))
         _load_optimizer(model, optimizer, loaded, load_dir)

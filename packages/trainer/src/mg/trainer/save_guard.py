@@ -177,11 +177,12 @@ def planned_saves(args: Any) -> tuple[int, int]:
     if not c.save or args.family != "gpt":
         return 0, 0
     try:
+        # lazy: the cli imports this module before --help is answered; these load torch
         from mg.core.models.flops import num_parameters
-        from mg.trainer.dry_run import _vocab_size
         from mg.trainer.families import get_family
+        from mg.trainer.padded_vocab import padded_vocab_size
 
-        config = get_family("gpt").build_config(args, _vocab_size(args))
+        config = get_family("gpt").build_config(args, padded_vocab_size(args))
         size = checkpoint_bytes(num_parameters(config), save_optim=not c.no_save_optim)
     except Exception:  # an estimate only
         return 0, 0

@@ -8,14 +8,18 @@
 
 Tensor keys are global names without ranks, each stored once with its global
 shape whatever the layout that wrote it; a tensor-parallel shard is a chunk of
-it. A GPT's model is keyed as Megatron-Core keys it
+it. Which keys a model's tensors get is a key layout (`formats.dist_layout`
+chooses it from the model's configuration): Megatron-Core's
 (`decoder.layers.self_attention.linear_qkv.weight`, layers stacked along a leading
-axis: `megatron_dist`), other models and mg's earlier GPT saves by parameter name
+axis: `megatron_dist`) or mg's per-parameter one
 (`model.decoder.layers.0.self_attention.linear_qkv.weight`); optimizer state by
 parameter name (`optimizer.state.<name>.exp_avg`). So loading into another tensor-
 or data-parallel layout is DCP reading the chunks that overlap the new shards
 (resharding), and one process can read the whole model (`load_full_state`). This
-module is the DCP writer and reader; which keys go in is the caller's.
+module is the DCP writer and reader; which keys go in is the caller's, except for
+the two model readers (`load_full_state`, `load_model_tensors`), which tell the key
+layouts apart by the stored keys. What DCP is handed for a rank's tensors
+(`GlobalChunks`, views over their own storage) is `global_chunks`'.
 
 Saves are atomic: every rank writes into `iter_XXXXXXX.tmp/`, then rank 0
 writes common.pt and metadata.json, renames the folder into place and
@@ -26,12 +30,10 @@ a process killed during an async save leaves only a `.tmp` folder, never read.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
 import shutil
-import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -43,10 +45,15 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from mg.core.checkpoint.global_chunks import (
+    GlobalChunks,
+    dcp_ready,
+    single_process_is_intended,
+)
+
+# What DCP is handed lives in `global_chunks`; `own_storage` is also read from here.
+from mg.core.checkpoint.global_chunks import own_storage as own_storage
 from mg.core.checkpoint.layout import (
     DISPLACED_SUFFIX,
     RELEASE,
@@ -56,9 +63,14 @@ from mg.core.checkpoint.layout import (
     checkpoint_dir,
     tracker_file,
 )
+from mg.core.checkpoint.megatron_dist import (
+    is_megatron_layout,
+    megatron_model_state,
+    read_parameters,
+    stored_parameters,
+)
 from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
 from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
-from mg.core.parallel.row_blocks import row_blocks, row_runs
 
 COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = "metadata.json"
@@ -72,16 +84,6 @@ TORCH_DIST_METADATA = {
 }
 
 
-@contextlib.contextmanager
-def single_process_is_intended() -> Any:
-    """DCP warns on every save/load without a process group; one process is our intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized"
-        )
-        yield
-
-
 def is_torch_dist(folder: str | Path) -> bool:
     """True for a complete torch_dist iteration folder (metadata.json says so)."""
     path = Path(folder) / METADATA_FILENAME
@@ -91,95 +93,6 @@ def is_torch_dist(folder: str | Path) -> bool:
         return json.loads(path.read_text()).get("sharded_backend") == "torch_dist"
     except (OSError, ValueError):
         return False
-
-
-# --------------------------------------------------------------------------- shards
-
-
-def _strided_pieces(tensor: DTensor) -> list[tuple[Tensor, tuple[int, ...]]]:
-    """A `_StridedShard` DTensor's (a gated MLP's [gate; up] rows) local pieces at their
-    global offsets: rank r of n holds chunks r, r+n, … of split_factor·n. Views, so a
-    load writes into the parameter itself."""
-    (placement,) = tensor.placements
-    mesh = tensor.device_mesh
-    n, r = mesh.size(), mesh.get_local_rank()
-    dim, factor = placement.dim, placement.split_factor
-    pieces = tensor.to_local().chunk(factor, dim=dim)
-    piece_len = tensor.shape[dim] // (factor * n)
-    out = []
-    for j, piece in enumerate(pieces):
-        offset = [0] * tensor.dim()
-        offset[dim] = (j * n + r) * piece_len
-        out.append((own_storage(piece), tuple(offset)))
-    return out
-
-
-def dtensor_pieces(tensor: DTensor) -> list[tuple[Tensor, tuple[int, ...]]]:
-    """A DTensor's local data as pieces of its global tensor, each at its global offsets."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local = tensor._local_tensor
-    if isinstance(local, LocalShardsWrapper):  # pieces that already know their offsets
-        offsets = local.local_offsets()
-        return [
-            (own_storage(t), tuple(o)) for t, o in zip(local.local_shards(), offsets, strict=True)
-        ]
-    if any(isinstance(p, _StridedShard) for p in tensor.placements):
-        if tensor.device_mesh.ndim != 1:
-            raise NotImplementedError("strided shards are supported on a 1-D mesh only")
-        return _strided_pieces(tensor)
-    blocks = row_blocks(tensor)
-    if blocks is not None:  # a slice of each row block (mg.core.parallel.row_blocks)
-        mesh = tensor.device_mesh
-        runs = row_runs(blocks, mesh.size(), mesh.get_local_rank())
-        rest = (0,) * (tensor.dim() - 1)
-        return [(own_storage(local.narrow(0, a, n)), (g, *rest)) for a, n, g in runs]
-    _, offsets = compute_local_shape_and_global_offset(
-        tensor.shape, tensor.device_mesh, tensor.placements
-    )
-    return [(own_storage(local), tuple(offsets))]
-
-
-def dcp_ready(state: Any) -> Any:
-    """A copy of a nested state dict in which every tensor is something DCP can chunk,
-    over storage of its own size (`own_storage`): DTensors become the `GlobalChunks` of
-    their local pieces, so every rank says where its data sits in the global tensor."""
-    from mg.core.checkpoint.megatron_dist import GlobalChunks
-
-    if isinstance(state, Mapping):
-        return {k: dcp_ready(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [dcp_ready(v) for v in state]
-    if isinstance(state, GlobalChunks):
-        return state
-    if isinstance(state, DTensor):
-        return GlobalChunks(state.shape, dtensor_pieces(state))
-    if isinstance(state, Tensor):
-        return own_storage(state)
-    return state
-
-
-def own_storage(tensor: Tensor) -> Tensor:
-    """`tensor` over a storage of exactly its bytes, sharing its memory.
-
-    Parameters and optimizer state are views into flat buffers (the
-    distributed optimizer's buckets). DCP's writer clones a tensor whose
-    storage is larger than it, and keeps every clone of a file until the file
-    is written: a full copy of the rank's state. A slice of the storage is the
-    same memory with no excess, so nothing is cloned; a load writes through it
-    into the original. Non-contiguous tensors are left as they are."""
-    if isinstance(tensor, LocalShardsWrapper):
-        shards = [own_storage(shard) for shard in tensor.local_shards()]
-        return LocalShardsWrapper(shards, tensor.local_offsets())
-    storage = tensor.untyped_storage()
-    if tensor.numel() == 0 or not tensor.is_contiguous() or storage.nbytes() == tensor.nbytes:
-        return tensor
-    start = tensor.storage_offset() * tensor.element_size()
-    piece = storage[start : start + tensor.nbytes]
-    with torch.no_grad():
-        return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-            piece, 0, tensor.shape, tensor.stride()
-        )
 
 
 # --------------------------------------------------------------------------- save
@@ -272,8 +185,6 @@ class _HostCopyStager:
     should_synchronize_after_execute = False
 
     def stage(self, state: Any) -> Any:
-        from mg.core.checkpoint.megatron_dist import GlobalChunks
-
         if isinstance(state, Mapping):
             return {k: self.stage(v) for k, v in state.items()}
         if isinstance(state, list):
@@ -514,12 +425,6 @@ def load_full_state(
     With the default prefix, the model's tensors by our parameter names, whichever
     layout stores them (Megatron-Core's layer-stacked keys or mg's earlier `model.<name>`);
     `grouped`: routed experts of Megatron-Core's keys under grouped GEMM's names."""
-    from mg.core.checkpoint.megatron_dist import (
-        is_megatron_layout,
-        read_parameters,
-        stored_parameters,
-    )
-
     folder = Path(folder)
     _check_complete(folder)
     metadata = read_dcp_metadata(folder)
@@ -543,3 +448,21 @@ def _set_nested(root: dict[str, Any], dotted: str, value: Any) -> None:
     since module names themselves contain dots."""
     head, _, rest = dotted.partition(".")
     root.setdefault(head, {})[rest] = value
+
+
+def load_model_tensors(
+    folder: str | Path,
+    named: Mapping[str, Tensor],
+    num_layers: int,
+    *,
+    tied: bool,
+    process_group: Any = None,
+) -> dict[str, Any]:
+    """Fill `named` (our global names → this rank's tensors or DTensors) from a torch_dist
+    checkpoint of either layout, collectively; returns common.pt."""
+    if not is_megatron_layout(read_dcp_metadata(folder)):
+        return load_dist_checkpoint(folder, {"model": dict(named)}, process_group=process_group)
+    state = megatron_model_state(named, num_layers, tied=tied)
+    common = load_dist_checkpoint(folder, dict(state.tensors), process_group=process_group)
+    state.finish_load()
+    return common

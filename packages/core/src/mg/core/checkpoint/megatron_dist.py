@@ -10,13 +10,17 @@ tensor-parallel rank's part of a tensor is a chunk of the global tensor at its
 offsets, so a SwiGLU fc1 of rank r is two chunks, gate rows r and up rows r of
 [gate; up] (Megatron's `apply_swiglu_sharded_factory`): our `_StridedShard`.
 
-`GlobalChunks` is what DCP is given for one key: a rank's pieces of the global
-tensor with their offsets (torch DCP's checkpointable-tensor protocol, as
-Megatron-Core's `CheckpointableShardedTensor`). The pieces are views of the
-parameters, so a save copies nothing and a load writes into the model.
+What DCP is given for one key is a `GlobalChunks` (`global_chunks`): a rank's
+pieces of the global tensor with their offsets, views of the parameters, so a save
+copies nothing and a load writes into the model. Transformer Engine's modules
+also keep an `_extra_state` entry in their state dict (FP8 scaling state): it is
+the value of their ShardedObject, as Megatron-Core stores it.
 
-mg's earlier `torch_dist` checkpoints stored one tensor per parameter under
-`model.<name>`; `is_megatron_layout` tells the two apart and the readers take both.
+Which models are written in this layout is decided from their configuration
+(`formats.dist_layout`), not from their parameter names. mg's earlier
+`torch_dist` checkpoints stored one tensor per parameter under `model.<name>`
+(still what mg-train writes for the models Megatron's layout is not written for);
+`is_megatron_layout` tells the two apart by the stored keys and the readers take both.
 """
 
 from __future__ import annotations
@@ -29,17 +33,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from mg.core.checkpoint.megatron_sharded_keys import EXPERTS_KEY, megatron_sharded_key
+from mg.core.checkpoint.global_chunks import (
+    GlobalChunks,
+    single_process_is_intended,
+    tensor_pieces,
+)
+from mg.core.checkpoint.megatron_sharded_keys import (
+    EXPERTS_KEY,
+    ShardedKey,
+    megatron_sharded_key,
+)
+from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
 
 LEGACY_MODEL_PREFIX = "model."  # mg's earlier layout: model.<parameter name>
 EXTRA_STATE = "_extra_state"
@@ -89,93 +97,13 @@ def our_layer_name(rest: str) -> str:
     return rest
 
 
-class GlobalChunks(Tensor):
-    """One rank's pieces of a global tensor, each at its global offsets, for DCP.
-
-    A wrapper tensor of the global shape holding no data of its own; DCP asks it for
-    its chunks (`__create_chunk_list__`), write items and the tensor of one chunk
-    (`__get_tensor_shard__`), which is the piece itself, so reads land in it."""
-
-    @staticmethod
-    def __new__(cls, global_shape: Iterable[int], pieces: list[tuple[Tensor, tuple[int, ...]]]):
-        first = pieces[0][0]
-        return Tensor._make_wrapper_subclass(
-            cls, torch.Size(global_shape), dtype=first.dtype, device=first.device
-        )
-
-    def __init__(
-        self, global_shape: Iterable[int], pieces: list[tuple[Tensor, tuple[int, ...]]]
-    ) -> None:
-        self.global_shape = torch.Size(global_shape)
-        self.pieces = [(tensor, torch.Size(offset)) for tensor, offset in pieces]
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        raise NotImplementedError(f"GlobalChunks is a checkpoint index, not for {func}")
-
-    def __repr__(self) -> str:  # the default would print data this wrapper does not have
-        return f"GlobalChunks({tuple(self.global_shape)}, {len(self.pieces)} pieces)"
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=o, sizes=t.shape) for t, o in self.pieces]
-
-    def __create_write_items__(self, fqn: str, obj: Any, index: int | None = None) -> list:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offset, i),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offset, sizes=tensor.shape),
-                    properties=TensorProperties.create_from_tensor(tensor),
-                    size=self.global_shape,
-                ),
-            )
-            for i, (tensor, offset) in enumerate(self.pieces)
-        ]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        if index.index is not None and index.index < len(self.pieces):
-            tensor, offset = self.pieces[index.index]
-            if offset == index.offset:
-                return tensor
-        for tensor, offset in self.pieces:
-            if offset == index.offset:
-                return tensor
-        raise ValueError(f"{index.fqn}: no piece at offsets {index.offset}")
-
-    def host_copy(self) -> GlobalChunks:
-        """The same pieces copied to host memory (what an async save writes from)."""
-        return GlobalChunks(
-            self.global_shape, [(t.detach().to("cpu", copy=True), o) for t, o in self.pieces]
-        )
-
-
-def tensor_pieces(value: Tensor) -> list[tuple[Tensor, tuple[int, ...]]]:
-    """A tensor's pieces of its global tensor with their offsets: a plain tensor is whole;
-    a DTensor gives its local shard (or a strided shard's chunks) at their offsets. Views
-    over exactly their own bytes (`own_storage`), so DCP writes without cloning."""
-    from torch.distributed.tensor import DTensor
-
-    from mg.core.checkpoint.dist_format import dtensor_pieces, own_storage
-
-    if isinstance(value, GlobalChunks):
-        return list(value.pieces)
-    if isinstance(value, DTensor):
-        return dtensor_pieces(value)
-    return [(own_storage(value), (0,) * value.dim())]
-
-
-def as_global_chunks(value: Tensor) -> GlobalChunks:
-    """Any tensor or DTensor as the `GlobalChunks` of its global tensor."""
-    if isinstance(value, GlobalChunks):
-        return value
-    return GlobalChunks(value.shape, tensor_pieces(value))
-
-
 def supports_megatron_layout(names: Iterable[str], moe: bool = False) -> bool:
-    """Whether every name is a GPT parameter with a Megatron-Core key: a dense GPT's, and
-    with `moe` an MoE GPT's too (mg-train keeps an MoE in mg's earlier per-parameter
-    layout, as Mamba, BERT and T5; mg-convert writes it in Megatron-Core's)."""
+    """Whether every name is a local-spec GPT parameter with a Megatron-Core key: a dense
+    GPT's, and with `moe` an MoE GPT's too.
+
+    mg-convert's check of a source's names. mg-train does not use it: its layout comes
+    from the model's configuration (`formats.dist_layout`), under which a TE-spec GPT
+    (`linear_qkv.layer_norm_weight`, `_extra_state`) is written in Megatron's layout too."""
     names = list(names)
     return bool(names) and all(
         _SUPPORTED.match(n) or (moe and _SUPPORTED_MOE.match(n)) for n in names
@@ -185,11 +113,17 @@ def supports_megatron_layout(names: Iterable[str], moe: bool = False) -> bool:
 @dataclass
 class ModelState:
     """A rank's model in Megatron-Core's layout: what DCP saves or fills, and the copies
-    to make after a load (a tied output layer held beside the embedding it shares)."""
+    to make after a load (a tied output layer held beside the embedding it shares).
+
+    `extra_states` maps the DCP key of each `_extra_state` object to the name of the
+    state-dict entry it holds (Transformer Engine's modules keep their FP8 scaling
+    state there): a save writes the entries' values, a load reads them back for the
+    modules' `set_extra_state`."""
 
     tensors: dict[str, GlobalChunks]
     objects: dict[str, io.BytesIO] = field(default_factory=dict)
     copies: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    extra_states: dict[str, str] = field(default_factory=dict)
 
     def finish_load(self) -> None:
         with torch.no_grad():
@@ -197,8 +131,13 @@ class ModelState:
                 target.copy_(source)
 
 
+def is_extra_state(name: str) -> bool:
+    """Whether a state-dict entry is a module's `_extra_state` (an object, not a weight)."""
+    return name.endswith(f".{EXTRA_STATE}")
+
+
 def megatron_model_state(
-    named: Mapping[str, Tensor],
+    named: Mapping[str, Any],
     num_layers: int,
     *,
     tied: bool,
@@ -207,13 +146,19 @@ def megatron_model_state(
     layer_keys: bool = False,
 ) -> ModelState:
     """`named` (our global parameter names → this rank's tensors or DTensors, views that a
-    load writes into) keyed as Megatron-Core keys them; `extra_state` adds the layers'
-    `_extra_state` objects (None, as the local spec's linears hold) for a save. An MoE
-    gives `num_experts` and `layer_keys` (`per_layer_keys` of its `moe_layer_freq`)."""
+    load writes into) keyed as Megatron-Core keys them. Its `_extra_state` entries (a
+    state dict's, under Transformer Engine) are objects, not tensors: their keys are in
+    `ModelState.extra_states`. `extra_state` adds the layers' `_extra_state` objects
+    for a save: the entries' values where `named` has them, None elsewhere (as the
+    local spec's linears hold). An MoE gives `num_experts` and `layer_keys`
+    (`per_layer_keys` of its `moe_layer_freq`)."""
     pieces: dict[str, list[tuple[Tensor, tuple[int, ...]]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     copies: list[tuple[Tensor, Tensor]] = []
+    extras = {name: value for name, value in named.items() if is_extra_state(name)}
     for name, value in named.items():
+        if name in extras:
+            continue
         sharded = megatron_sharded_key(
             name, num_layers, tied_output=tied, num_experts=num_experts, layer_keys=layer_keys
         )
@@ -234,8 +179,15 @@ def megatron_model_state(
                 held.append((tensor, offset))
     state = ModelState({key: GlobalChunks(shapes[key], parts) for key, parts in pieces.items()})
     state.copies = copies
+    for name in extras:
+        module = name.removesuffix(f".{EXTRA_STATE}")
+        key = extra_state_key(module, num_layers, num_experts, layer_keys)
+        state.extra_states[key] = name
     if extra_state:
-        state.objects = extra_state_objects(named, num_layers, num_experts, layer_keys)
+        weights = [name for name in named if name not in extras]
+        state.objects = extra_state_objects(weights, num_layers, num_experts, layer_keys)
+        for key, name in state.extra_states.items():
+            state.objects[key] = sharded_object(extras[name])
     return state
 
 
@@ -245,6 +197,25 @@ def sharded_object(data: Any) -> io.BytesIO:
     buffer = io.BytesIO()
     torch.save([data], buffer)
     return buffer
+
+
+def _object_shard(sharded: ShardedKey) -> str:
+    """A ShardedObject's key suffix over the prepended axes: `<offsets>_<sizes>` (the
+    layer's `3_24`, a routed expert's `3.5_24.8`, none: `0_1`)."""
+    axes = sharded.prepended or ((0, 1),)
+    return ".".join(str(i) for i, _ in axes) + "_" + ".".join(str(n) for _, n in axes)
+
+
+def extra_state_key(
+    module: str, num_layers: int, num_experts: int | None = None, layer_keys: bool = False
+) -> str:
+    """The DCP key of Megatron-Core's `_extra_state` ShardedObject of our module `module`
+    (`decoder.layers.3.self_attention.linear_qkv`): `<key>._extra_state/shard_3_24`."""
+    sharded = megatron_sharded_key(
+        f"{module}.weight", num_layers, num_experts=num_experts, layer_keys=layer_keys
+    )
+    key = sharded.key.removesuffix(".weight")
+    return f"{key}.{EXTRA_STATE}/shard_{_object_shard(sharded)}"
 
 
 def extra_state_objects(
@@ -268,11 +239,9 @@ def extra_state_objects(
         modules = [module]
         if module.endswith("self_attention.linear_qkv"):
             modules.append(module.removesuffix("linear_qkv") + "core_attention")
-        axes = sharded.prepended or ((0, 1),)
-        shard = ".".join(str(i) for i, _ in axes) + "_" + ".".join(str(n) for _, n in axes)
         for m in modules:
             if m.endswith(_EXTRA_STATE_MODULES):
-                out[f"{m}.{EXTRA_STATE}/shard_{shard}"] = sharded_object(None)
+                out[f"{m}.{EXTRA_STATE}/shard_{_object_shard(sharded)}"] = sharded_object(None)
     return out
 
 
@@ -359,11 +328,6 @@ def read_parameters(
 ) -> dict[str, Tensor]:
     """The whole tensors `names` of a Megatron-layout checkpoint, on one process without a
     process group: DCP reads only their byte ranges (one layer's slice of a stacked key)."""
-    import torch.distributed.checkpoint as dcp
-
-    from mg.core.checkpoint.dist_format import single_process_is_intended
-    from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
-
     out: dict[str, Tensor] = {}
     pieces: dict[str, list[tuple[Tensor, tuple[int, ...]]]] = {}
     for name in names:
@@ -384,26 +348,4 @@ def read_parameters(
 
 def checkpoint_is_megatron_layout(folder: str | Path) -> bool:
     """Whether the torch_dist iteration folder stores its model in Megatron-Core's layout."""
-    from mg.core.checkpoint.reader_guard import read_dcp_metadata
-
     return is_megatron_layout(read_dcp_metadata(folder))
-
-
-def load_model_tensors(
-    folder: str | Path,
-    named: Mapping[str, Tensor],
-    num_layers: int,
-    *,
-    tied: bool,
-    process_group: Any = None,
-) -> dict[str, Any]:
-    """Fill `named` (our global names → this rank's tensors or DTensors) from a torch_dist
-    checkpoint of either layout, collectively; returns common.pt."""
-    from mg.core.checkpoint.dist_format import load_dist_checkpoint
-
-    if not checkpoint_is_megatron_layout(folder):
-        return load_dist_checkpoint(folder, {"model": dict(named)}, process_group=process_group)
-    state = megatron_model_state(named, num_layers, tied=tied)
-    common = load_dist_checkpoint(folder, dict(state.tensors), process_group=process_group)
-    state.finish_load()
-    return common

@@ -47,6 +47,7 @@ from mg.core.checkpoint.tp_merge import merge_tensor_parallel
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
 from mg.core.models.mamba import decoder_config_from_dict, decoder_model
+from mg.core.models.te_spec import te_spec_names, uses_te_spec
 from mg.core.quantization.apply import quantize_layout, recorded_quantization
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -103,6 +104,8 @@ def load_model(
     config, tokenizer_config = model_configs(state, path, load_dir)
     # TE's `_extra_state` (FP8 scaling state, no weights) is for TE's modules only
     weights = {k: v for k, v in weights_of(config).items() if not k.endswith("_extra_state")}
+    if uses_te_spec(config):  # Megatron's layout reads back under the local spec's names
+        weights = te_spec_names(weights, config)
     with torch.device("meta"):  # a GPTModel, or a MambaModel for a recorded MambaConfig
         model = decoder_model(config)
     quantization = recorded_quantization(state)

@@ -26,9 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from mg.core.checkpoint.dist_format import is_torch_dist, load_common
+from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_model_tensors
 from mg.core.checkpoint.layout import CheckpointError, Iteration
-from mg.core.checkpoint.megatron_dist import load_model_tensors
 from mg.core.checkpoint.model_io import ModelInfo, model_chunks, model_configs
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.serialization import load_file
@@ -44,6 +43,7 @@ from mg.core.models.mamba import decoder_model
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.materialize import copy_shard, materialize, owned_tensors
 from mg.core.parallel.pipeline import split_model
+from mg.core.parallel.tensor_parallel import apply_tensor_parallel
 from mg.core.quantization.apply import parallel_load_refusal, recorded_quantization
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -77,8 +77,6 @@ def load_model_part(
 ) -> ModelPart:
     """This rank's part of the checkpoint's GPT in `layout`, in eval mode (collective for
     `torch_dist` checkpoints: every rank of the world calls it)."""
-    from mg.core.parallel.tensor_parallel import apply_tensor_parallel
-
     load_dir, device = Path(load_dir), torch.device(device)
     iteration = resolve_iteration(load_dir, iteration)
     folder = iteration_dir(load_dir, iteration)

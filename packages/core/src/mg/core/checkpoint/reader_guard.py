@@ -25,6 +25,8 @@ imported by the functions that need them).
 from __future__ import annotations
 
 import json
+import pickle
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -143,7 +145,7 @@ def read_weight_map(index: Path | str) -> dict[str, str]:
 
 def open_safetensors(path: Path | str, framework: str = "pt") -> Any:
     """``safetensors.safe_open`` (a context manager); its header is checked against the size."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: importing the guard costs nothing (--help)
 
     path = Path(path)
     with guard_read(path, kind="safetensors"):
@@ -152,7 +154,7 @@ def open_safetensors(path: Path | str, framework: str = "pt") -> Any:
 
 def torch_load(path: Path | str, **kwargs: Any) -> Any:
     """``torch.load(path, weights_only=True, ...)``, failures named (e.g. pytorch_model.bin)."""
-    import torch
+    import torch  # lazy: importing the guard costs nothing (the tools' --help stays instant)
 
     path = Path(path)
     kwargs.setdefault("weights_only", True)
@@ -163,6 +165,7 @@ def torch_load(path: Path | str, **kwargs: Any) -> Any:
 
 def read_dcp_metadata(folder: Path | str) -> Any:
     """DCP's index of a ``torch_dist`` folder, after checking every shard file's length."""
+    # lazy: DCP is heavy; importing the guard costs nothing (the tools' --help stays instant)
     from torch.distributed.checkpoint import FileSystemReader
 
     folder = Path(folder)
@@ -225,9 +228,6 @@ def guard_dcp_load(folder: Path | str) -> Iterator[None]:
 
 def _looks_like_read_failure(exc: BaseException) -> bool:
     """DCP's wrapper of per-rank read errors, or the deserialization errors themselves."""
-    import pickle
-    import zipfile
-
     name = type(exc).__name__
     if name == "CheckpointException":
         return True

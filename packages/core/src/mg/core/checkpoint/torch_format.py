@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mg.core.checkpoint.dist_format import is_torch_dist, load_common
 from mg.core.checkpoint.layout import (
     DISPLACED_SUFFIX,
     MODEL_FILENAME,
@@ -439,10 +440,8 @@ def describe(
     """
     iteration = resolve_iteration(load_dir, iteration)
     folder = iteration_dir(load_dir, iteration)
-    from mg.core.checkpoint import dist_format  # late: dist_format pulls in DCP
-
-    if dist_format.is_torch_dist(folder):
-        common = dist_format.load_common(folder)
+    if is_torch_dist(folder):
+        common = load_common(folder)
         parallel = (common.get("mg") or {}).get("parallel") or {}
         layout = Layout(tp=parallel.get("tp", 1), pp=parallel.get("pp", 1))
         return _checkpoint_info(folder, iteration, layout, common)
