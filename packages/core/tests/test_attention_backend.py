@@ -16,11 +16,10 @@ from mg.core.models.attention_backend import (
     BackendUnavailableError,
     choices,
     nvte_environment,
-    set_attention_backend,
     set_nvte_environment,
 )
 from mg.core.models.config import ATTENTION_BACKENDS
-from mg.core.models.core_attention import SDPAttention
+from mg.core.models.core_attention import SDPAttention, set_attention_backend
 
 CUDA = torch.cuda.is_available()
 

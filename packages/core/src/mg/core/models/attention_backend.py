@@ -29,10 +29,7 @@ import sys
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 from torch.nn.attention import SDPBackend
-
-from mg.core.models.config import TransformerConfig
 
 ATTENTION_BACKEND_FLAG = "--attention-backend"
 
@@ -119,29 +116,6 @@ def set_nvte_environment(backend: str) -> None:
                 f"{backend} (which needs {value}); unset {name}"
             )
         os.environ[name] = value
-
-
-def set_attention_backend(
-    model: nn.Module, backend: str, config: TransformerConfig | None = None
-) -> nn.Module:
-    """Rebuild every core-attention module of `model` for `backend` in place.
-
-    Core attention holds no weights, so a reader (mg-eval, mg-serve) can pick the
-    kernel of the machine it runs on whatever the checkpoint was trained with.
-    `config`: the model's (default `model.config`; a pipeline stage shares it)."""
-    from mg.core.models.core_attention import build_core_attention
-
-    config = config if config is not None else model.config
-    config.attention_backend = backend
-    config.validate()
-    for module in model.modules():
-        attention = getattr(module, "core_attention", None)
-        if attention is None:
-            continue
-        causal = getattr(attention, "causal", True)
-        layer_number = getattr(module, "layer_number", 1)
-        module.core_attention = build_core_attention(config, layer_number, causal=causal)
-    return model
 
 
 def choices() -> Sequence[str]:

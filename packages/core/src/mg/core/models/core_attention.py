@@ -17,7 +17,9 @@ NOT be attended; it is applied on top of the causal mask.
 local; see `mg.core.models.attention_backend`): all but "flash" with flash-attn
 installed run `SDPAttention` with the SDPA kernels the name allows; Transformer
 Engine's DotProductAttention comes in with the rest of TE's modules
-(`mg.core.models.te_spec.apply_transformer_engine`).
+(`mg.core.models.te_spec.apply_transformer_engine`). `set_attention_backend`
+rebuilds a built model's core attention for another name (core attention holds
+no weights), which is how a reader picks the kernels of the machine it runs on.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import contextlib
 import importlib
 import math
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -39,13 +40,19 @@ from mg.core.models.attention_backend import (
     check_attention_backend,
     flash_attn_installed,
     sdpa_kernels,
+    set_nvte_environment,
 )
 from mg.core.models.config import TransformerConfig
+from mg.core.models.rng_stream import model_parallel_stream
+from mg.core.models.te_parallel import TEParallelism
 
-if TYPE_CHECKING:
-    from mg.core.models.te_parallel import TEParallelism
-
-__all__ = ["BackendUnavailableError", "SDPAttention", "build_core_attention", "causal_mask"]
+__all__ = [
+    "BackendUnavailableError",
+    "SDPAttention",
+    "build_core_attention",
+    "causal_mask",
+    "set_attention_backend",
+]
 
 
 def causal_mask(seq_length: int, window_size: tuple[int, int] | None, device) -> Tensor:
@@ -193,10 +200,6 @@ def build_te_core_attention(
     `parallel`: the tensor- and context-parallel groups TE is told (it takes the
     whole model's head counts); attention dropout then draws from the per-rank
     stream, as the local spec's does (mg.core.models.rng_stream)."""
-    from mg.core.models.attention_backend import set_nvte_environment
-    from mg.core.models.rng_stream import model_parallel_stream
-    from mg.core.models.te_parallel import TEParallelism
-
     parallel = parallel or TEParallelism()
 
     te = require_gpu_package(
@@ -251,3 +254,24 @@ def build_core_attention(
     ):
         return FlashAttention(config, layer_number, causal=causal)
     return SDPAttention(config, layer_number, causal=causal)
+
+
+def set_attention_backend(
+    model: nn.Module, backend: str, config: TransformerConfig | None = None
+) -> nn.Module:
+    """Rebuild every core-attention module of `model` for `backend` in place.
+
+    Core attention holds no weights, so a reader (mg-eval, mg-serve) can pick the
+    kernel of the machine it runs on whatever the checkpoint was trained with.
+    `config`: the model's (default `model.config`; a pipeline stage shares it)."""
+    config = config if config is not None else model.config
+    config.attention_backend = backend
+    config.validate()
+    for module in model.modules():
+        attention = getattr(module, "core_attention", None)
+        if attention is None:
+            continue
+        causal = getattr(attention, "causal", True)
+        layer_number = getattr(module, "layer_number", 1)
+        module.core_attention = build_core_attention(config, layer_number, causal=causal)
+    return model

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mg.core.models.bert import bert_config_from_hf
 from mg.core.models.config import RopeScaling, TransformerConfig
+from mg.core.models.te_spec import te_spec_name
 
 # Weight tables ---------------------------------------------------------------
 
@@ -438,8 +440,6 @@ def megatron_to_hf(
     """Megatron-Core / `GPTModel` state dict → HF state dict, as `save_pretrained`
     writes it (with tied embeddings, no separate lm_head.weight). The norms may carry
     the Transformer Engine spec's fused names (`linear_qkv.layer_norm_weight`)."""
-    from mg.core.models.te_spec import te_spec_name
-
     arch = get_architecture(arch)
     out: dict[str, Tensor] = {}
     used: set[str] = set()
@@ -511,8 +511,6 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
     if model_type in UNSUPPORTED_MODEL_TYPES:
         get_architecture(model_type)  # raises "not supported yet (...)"
     if model_type == "bert":
-        from mg.core.models.bert import bert_config_from_hf
-
         config = bert_config_from_hf(c)
         extra = dict(config.extra, hf_model_type="bert")
         return dataclasses.replace(config, **{**overrides, "extra": extra})

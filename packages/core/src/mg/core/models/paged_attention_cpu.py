@@ -431,6 +431,7 @@ def quiet_cpp_extension() -> Iterator[None]:
 @functools.cache
 def _build(scalar: str, groups: int, per_group: int, head_dim: int, block_size: int):
     """Compile (or load from inductor's on-disk cache) the kernel for one shape."""
+    # lazy: inductor takes seconds to import, and every model import reaches this module
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     source = kernel_source(scalar, groups, per_group, head_dim, block_size)
@@ -452,6 +453,7 @@ def kernel_flags() -> tuple[str, ...]:
     """The compiler flags the kernel needs: inductor builds its own kernels unvectorized and
     without FMA contraction (they are vectorized by hand); this one relies on the compiler's
     loop vectorizer."""
+    # lazy: inductor takes seconds to import, and every model import reaches this module
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     clang = "clang" in get_cpp_compiler()

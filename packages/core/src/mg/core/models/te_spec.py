@@ -322,9 +322,8 @@ def fp8_recipe(options: FP8Options) -> Any:
     --no-fp8-wgrad), tensorwise → Float8CurrentScaling, blockwise → Float8BlockScaling,
     mxfp8 → MXFP8BlockScaling; e4m3 or hybrid (e4m3 forward, e5m2 gradients)."""
     import_transformer_engine("--fp8-format")
-    from transformer_engine.common import (
-        recipe,
-    )  # lazy: Transformer Engine is the optional gpu extra
+    # lazy: Transformer Engine is the optional gpu extra
+    from transformer_engine.common import recipe
 
     fmt = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}[options.format]
     if options.recipe == "delayed":

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.core_attention import FlashAttention, SDPAttention
+from mg.core.models.moe import TopKRouter
 
 
 class ContextParallelError(ValueError):
@@ -369,8 +370,6 @@ def apply_context_parallel(
         swapped += 1
     if swapped == 0:
         raise ContextParallelError("apply_context_parallel found no core_attention modules")
-    from mg.core.models.moe import TopKRouter
-
     for router in (m for m in model.modules() if isinstance(m, TopKRouter)):
         # MoE layers are token-wise; the balancing losses count the whole sequence's tokens
         before = router.tp_cp_group

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from mg.core.checkpoint.global_chunks import GlobalChunks, own_storage
 from mg.core.parallel.row_blocks import row_blocks, row_runs
 
 
@@ -206,9 +207,6 @@ def checkpoint_tensor(
     if len(global_shape) > 2:
         # LocalShardsWrapper has no views beyond 2-D (a Mamba mixer's conv1d weight is
         # [channels, 1, width]); DCP's checkpointable protocol takes the pieces as they are
-        from mg.core.checkpoint.dist_format import own_storage
-        from mg.core.checkpoint.megatron_dist import GlobalChunks
-
         return GlobalChunks(global_shape, [(own_storage(p), o) for p, o in pieces])
     if mesh is None:
         raise ValueError(

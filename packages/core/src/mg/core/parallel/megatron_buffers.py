@@ -33,6 +33,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from mg.core.parallel.dtensor_layout import shard_like
+
 PARAM_ALIGNMENT = 64  # elements; Megatron aligns parameter starts to 128 bytes of bf16
 
 # Megatron builds an attention module's output projection (in `Attention.__init__`)
@@ -180,8 +182,6 @@ def torch_optimizer_state(
     (the groups of `model_optim_rng.pt`, the flat state of `distrib_optim.pt`), so a run
     without the distributed optimizer resumes one that had it. Full-size, as the plain
     optimizer's own state is."""
-    from mg.core.parallel.dtensor_layout import shard_like
-
     where = {
         id(p): (index, start)
         for index, buffer in enumerate(buffers)

@@ -25,6 +25,7 @@ class KernelUnavailableError(RuntimeError):
 def mamba_ssm_chunk_scan() -> Callable[..., tuple[Tensor, Tensor]]:
     """A scan with `ssd_chunked_scan`'s contract, computed by mamba_ssm's kernel."""
     try:
+        # lazy: mamba_ssm (CUDA, Triton) is an optional gpu dependency
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
     except ImportError as err:
         raise KernelUnavailableError(

@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mg.core.models.local_tensor import local
 from mg.core.models.mamba.config import MambaConfig
 from mg.core.models.mamba.ssd import ssd_chunked_scan, ssd_step
-from mg.core.models.moe.tensor_parallel import local
 
 # MambaMixer's initialisation constants (megatron-core 0.16.1, also mamba_ssm's).
 DT_MIN, DT_MAX, DT_INIT_FLOOR = 0.001, 0.1, 1e-4

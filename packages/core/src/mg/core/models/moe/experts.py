@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
-from mg.core.models.moe.tensor_parallel import local
+from mg.core.models.local_tensor import local
 
 EXPERT_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": F.gelu,

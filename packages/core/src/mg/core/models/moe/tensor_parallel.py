@@ -45,20 +45,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mg.core.models.moe.dispatcher import gather_rows, reduce_scatter_rows
-
-
-def local(tensor: Tensor) -> Tensor:
-    """A parameter's local tensor: a sharded DTensor's shard, a replicated one's copy whose
-    gradient is this rank's partial sum (see the module docstring); a tensor itself."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    if all(p.is_replicate() for p in tensor.placements):
-        return tensor.to_local(grad_placements=[Partial()] * len(tensor.placements))
-    return tensor.to_local()
+from mg.core.models.moe.experts import ExpertMLP, GroupedLinear, GroupedMLP
 
 
 def _seq_first(x: Tensor) -> Tensor:
@@ -129,8 +120,6 @@ def shard_moe_layer(
     `experts=False`: expert-tensor-parallel size 1, the routed experts left whole;
     `expert_mesh`: the mesh they are split over when it is not `tp_mesh` (etp consecutive
     ranks of it, 1 < etp < tp)."""
-    from mg.core.models.moe.experts import ExpertMLP, GroupedLinear, GroupedMLP
-
     tp = tp_mesh.size()
     mesh = (expert_mesh or tp_mesh) if experts else None
     etp = 1 if mesh is None else mesh.size()
