@@ -159,35 +159,14 @@ class _Prepared:
     seq_length: int
 
 
-def attention_backend_of(args: argparse.Namespace) -> str:
-    """--attention-backend (or --use-flash-attn), refused in one line where it cannot run."""
-    import torch
-
-    from mg.core.models.attention_backend import BackendUnavailableError, check_attention_backend
-
-    backend = "flash" if args.use_flash_attn else args.attention_backend
-    if args.use_flash_attn and args.attention_backend not in ("auto", "flash"):
-        raise EvalInputError(
-            f"--use-flash-attn contradicts --attention-backend {args.attention_backend}"
-        )
-    try:
-        check_attention_backend(backend, "cuda" if torch.cuda.is_available() else "cpu")
-    except BackendUnavailableError as err:
-        raise EvalInputError(str(err)) from None
-    if backend == "flash":  # the flash kernel is 16-bit only
-        flag = "--use-flash-attn" if args.use_flash_attn else "--attention-backend flash"
-        raise EvalInputError(
-            f"{flag}: mg-eval scores in fp32 and FlashAttention runs in 16-bit only; "
-            "use --attention-backend fused (or auto) for the fused kernels"
-        )
-    return backend
-
-
 def _load(args: argparse.Namespace) -> _Prepared:
+    # lazy: torch and the model code only once the flags are parsed (--help stays instant)
     import torch
 
+    # lazy, as torch: each of these imports it
     from mg.core.models.attention_backend import set_attention_backend
     from mg.evaluate import distributed
+    from mg.evaluate.attention_flags import attention_backend_of
     from mg.evaluate.model_loading import TOKENIZER_FIELDS, load_for_eval, load_part_for_eval
     from mg.evaluate.model_parallel import EvalModel, build_eval_layout
 
@@ -226,6 +205,7 @@ def _load(args: argparse.Namespace) -> _Prepared:
 
 
 def _run_wikitext(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    # lazy: torch and the model code only once the flags are parsed (--help stays instant)
     from mg.evaluate.wikitext import evaluate_wikitext
 
     prepared = _load(args)
@@ -246,6 +226,7 @@ def _run_wikitext(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, A
 
 
 def _run_lambada(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    # lazy: torch and the model code only once the flags are parsed (--help stays instant)
     from mg.evaluate.lambada import evaluate_lambada
 
     prepared = _load(args)
@@ -262,6 +243,7 @@ def _run_lambada(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, An
 
 
 def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    # lazy: torch and the model code only once the flags are parsed (--help stays instant)
     from mg.evaluate.ppl import evaluate_ppl
 
     if args.eval_iters is not None and args.eval_iters < 1:
@@ -286,6 +268,7 @@ def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], tuple[dict[str, Any], dict[str, Any]]] = args.run
+    # lazy: torch and the model code only once the flags are parsed (--help stays instant)
     from mg.core.checkpoint import CheckpointError
     from mg.core.checkpoint.reader_guard import user_message
     from mg.evaluate import distributed

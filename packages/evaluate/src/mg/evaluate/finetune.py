@@ -26,6 +26,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DistributedSampler
 
+from mg.core.parallel.grad_norm import clip_grad_norm
+from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
 from mg.evaluate import distributed
 from mg.evaluate.classification import BertClassifier
 from mg.evaluate.errors import EvalInputError
@@ -137,8 +139,6 @@ def _average_gradients(
     if dp_group is None:
         distributed.average_gradients(params)
         return
-    from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
-
     # each gradient to its parameter's layout (a sharded embedding's may come back whole)
     sync_tensor_parallel_grads(model)
     world = distributed.rank_and_world(dp_group)[1]
@@ -154,8 +154,6 @@ def _average_gradients(
 def _clip(params: Sequence[torch.Tensor], clip_grad: float) -> None:
     """Clip to the norm of the whole gradients (over tensor-parallel shards), summed in
     float64: torch's fp32 norm of a 30k x h embedding gradient is off by ~1e-4."""
-    from mg.core.parallel.grad_norm import clip_grad_norm
-
     clip_grad_norm(params, clip_grad)
 
 

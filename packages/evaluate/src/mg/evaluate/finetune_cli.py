@@ -117,8 +117,10 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run_finetune_task(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
-    import torch  # here, not at the top: `mg-eval --help` imports no torch
+    # lazy: torch and the model code only once the flags are parsed (--help stays instant)
+    import torch
 
+    # lazy, as torch: each of these imports it
     from mg.evaluate import distributed
     from mg.evaluate.classification import BertClassifier
     from mg.evaluate.finetune import FinetuneConfig, finetune
@@ -194,6 +196,7 @@ def _shard_over_tensor_parallel(model: Any, tp: int, seed: int) -> Any:
     (None: the whole world is data parallel)."""
     if tp == 1:
         return None
+    # lazy: torch only once the flags are parsed (`mg-eval --help` builds this parser)
     from mg.core.parallel.tensor_parallel import TensorParallelError, apply_tensor_parallel
     from mg.evaluate.model_parallel import build_eval_layout
 

@@ -63,10 +63,12 @@ def _table(task: str, metrics: dict[str, Any]) -> str:
 
 
 def run_harness(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    # lazy: lm-eval is an optional dependency, and torch waits until the flags are parsed
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from mg.evaluate.cli import attention_backend_of
+    # lazy, as lm-eval: the adapter imports it, and both import torch
+    from mg.evaluate.attention_flags import attention_backend_of
     from mg.evaluate.lm_eval_adapter import MgLM
 
     backend = attention_backend_of(args)

@@ -183,6 +183,7 @@ class MgLM(TemplateLM):
 
 def main(argv: list[str] | None = None) -> None:
     """lm_eval's command line with the ``mg`` model registered."""
+    # lazy: lm-eval's own command line (its evaluator, loggers) only for the `run` entry
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:
