@@ -117,7 +117,7 @@ def test_dry_run_counts_each_gpu_s_share_of_bert() -> None:
     import torch
 
     from mg.core.models import BertModel, TransformerConfig
-    from mg.trainer.family_bert import parameters_per_gpu
+    from mg.trainer.encoder_dry_run import parameters_per_gpu
 
     h, v, s = 32, 256, 64
     config = TransformerConfig(

@@ -24,16 +24,12 @@ from mg.core.models.memory import MemoryEstimate, MemoryEstimateError, estimate_
 from mg.core.parallel.mesh import ParallelDims, ParallelLayoutError
 from mg.trainer.arguments import Args, ArgumentError
 from mg.trainer.arguments.model import selective_recompute_modules
+from mg.trainer.encoder_dry_run import encoder_dry_run_report
 from mg.trainer.families import get_family
-from mg.trainer.family_bert import encoder_dry_run_report
 from mg.trainer.family_mamba import dry_run_report
 from mg.trainer.padded_vocab import padded_vocab_size
 
 _GIB = 2**30
-
-# The old name, still imported by family_bert, family_mamba and save_guard; it goes
-# once they import `padded_vocab_size` from mg.trainer.padded_vocab.
-_vocab_size = padded_vocab_size
 
 
 def meta_parameter_count(config: TransformerConfig) -> int:

@@ -12,17 +12,21 @@ pipeline stages as GPT's layers are). Context parallelism is refused by name.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from mg.core.models import ConfigError
+from mg.core.models.mamba import MambaConfig, MambaModel
+from mg.core.models.mamba.kernels import use_mamba_ssm_kernels
+from mg.core.parallel.pipeline import layer_ranges
+from mg.core.parallel.tensor_parallel import TensorParallelError, check_tensor_parallel_sizes
 from mg.trainer.arguments import Args, ArgumentError
-from mg.trainer.families import gpt_config
+from mg.trainer.family_gpt import gpt_config
+from mg.trainer.padded_vocab import padded_vocab_size
 
 
 def mamba_config(args: Args, vocab_size: int):
     """Megatron's model flags plus the Mamba group onto `MambaConfig`."""
-    from mg.core.models import ConfigError
-    from mg.core.models.mamba import MambaConfig
-
     try:
         if args.checkpoint_model_config is not None:
             return MambaConfig.from_dict(dict(args.checkpoint_model_config))
@@ -43,12 +47,8 @@ def mamba_config(args: Args, vocab_size: int):
 
 
 def mamba_model(config, args: Args | None = None) -> nn.Module:
-    from mg.core.models.mamba import MambaModel
-
     model = MambaModel(config)
     if args is not None and args.mamba.mamba_ssm_kernels:
-        from mg.core.models.mamba.kernels import use_mamba_ssm_kernels
-
         use_mamba_ssm_kernels(model)  # not in the config: the checkpoint runs anywhere
     return model
 
@@ -64,11 +64,6 @@ def _replicated_over_tp(name: str) -> bool:
 def parallel_plan(config, tp: int, pp: int) -> tuple[list[str], int]:
     """The TP/PP plan's lines (each stage's layers and parameters per GPU, each rank's share
     of a layer), and the largest stage's parameters per GPU (what sizes the memory)."""
-    import torch
-
-    from mg.core.models.mamba import MambaModel
-    from mg.core.parallel.pipeline import layer_ranges
-
     with torch.device("meta"):
         model = MambaModel(config)
     pattern = config.layer_pattern
@@ -110,13 +105,7 @@ def dry_run_report(args: Args) -> str:
     of weights, gradients and optimizer state of the largest stage. Activations of Mamba
     layers are not modelled (mg.core.models.memory knows transformer layers only), so no
     activation figure is printed."""
-    import torch
-
-    from mg.core.models.mamba import MambaModel
-    from mg.core.parallel.tensor_parallel import TensorParallelError, check_tensor_parallel_sizes
-    from mg.trainer.dry_run import _vocab_size
-
-    config = mamba_config(args, _vocab_size(args))
+    config = mamba_config(args, padded_vocab_size(args))
     d, t = args.distributed, args.training
     tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
     dp = d.world_size // (tp * pp * d.context_parallel_size)

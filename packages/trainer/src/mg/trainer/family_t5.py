@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mg.core.models import T5Model
+from mg.indexed_dataset.t5_dataset import T5Dataset
 from mg.trainer.arguments import Args, ArgumentError
 from mg.trainer.family_bert import build_masked_datasets, masked_lm_config
 
@@ -33,14 +35,10 @@ def t5_config(args: Args, vocab_size: int):
 
 
 def t5_model(config, args: Args | None = None) -> nn.Module:
-    from mg.core.models import T5Model
-
     return T5Model(config)
 
 
 def t5_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
-    from mg.indexed_dataset.t5_dataset import T5Dataset
-
     return build_masked_datasets(
         args,
         tokenizer,

@@ -30,6 +30,7 @@ from mg.core.models import TransformerConfig
 from mg.trainer import checkpointing, checkpointing_dist, distributed
 from mg.trainer.arguments import ArgumentError
 from mg.trainer.checkpointing import TrainState
+from mg.trainer.model_parallel import PipelineModel
 
 UPCYCLED_ITERATION = 1
 """Megatron saves the upcycled model as iteration 1 and trains on from there."""
@@ -139,8 +140,6 @@ def _copy(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 def _chunks(model: nn.Module) -> list[nn.Module]:
-    from mg.trainer.model_parallel import PipelineModel
-
     model = distributed.unwrap(model)
     return list(model) if isinstance(model, PipelineModel) else [model]
 

@@ -92,12 +92,6 @@ def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
     )
 
 
-def check_async_save(args: Args) -> None:
-    c = args.checkpoint
-    if c.async_save and c.ckpt_format != "torch_dist":
-        fail("--async-save needs --ckpt-format torch_dist")
-
-
 def check_initialization(args: Args) -> None:
     c = args.checkpoint
     if not c.perform_initialization and (args.family != "gpt" or not c.load):
@@ -109,13 +103,7 @@ def check_initialization(args: Args) -> None:
 
 def check_checkpointing(args: Args) -> None:
     c = args.checkpoint
-    if c.ckpt_step is not None and not c.load:
-        fail("--ckpt-step needs --load (the folder whose iteration it picks)")
     if c.ckpt_step is not None and c.ckpt_step <= 0:
         fail(f"--ckpt-step {c.ckpt_step}: must be an iteration of --load (at least 1)")
-    if c.exit_on_missing_checkpoint and not c.load:
-        fail("--exit-on-missing-checkpoint needs --load")
-    if c.save_interval is not None and c.save is None:
-        fail("--save-interval needs --save")
     if c.save_interval is not None and c.save_interval <= 0:
         fail(f"--save-interval {c.save_interval}: must be at least 1 (iterations between saves)")

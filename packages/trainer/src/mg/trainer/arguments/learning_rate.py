@@ -109,8 +109,6 @@ def check_learning_rate(args: Args) -> None:
     o, t = args.optimizer, args.training
     if o.lr < 0 or o.min_lr < 0 or o.min_lr > o.lr:
         fail(f"need 0 <= --min-lr ({o.min_lr}) <= --lr ({o.lr})")
-    if o.decoupled_min_lr is not None and o.decoupled_lr is None:
-        fail("--decoupled-min-lr needs --decoupled-lr")
     if o.decoupled_lr is not None:
         floor = o.min_lr if o.decoupled_min_lr is None else o.decoupled_min_lr
         if o.decoupled_lr < 0 or floor < 0 or floor > o.decoupled_lr:

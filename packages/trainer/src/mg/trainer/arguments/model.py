@@ -274,12 +274,8 @@ def check_model(args: Args) -> None:
     m = args.model
     if m.use_legacy_models:
         fail("--use-legacy-models: mg builds Megatron-Core models only; drop the flag")
-    if m.use_rope_scaling and m.position_embedding_type != "rope":
-        fail("--use-rope-scaling needs --position-embedding-type rope")
     if m.use_rope_scaling and args.family != "gpt":
         fail(f"--use-rope-scaling is supported for gpt, not {args.family}")
-    if m.encoder_num_layers is not None and m.encoder_num_layers != m.num_layers:
-        fail("cannot have both --num-layers and --encoder-num-layers specified")
     if m.decoder_num_layers is not None and args.family != "t5":
         fail(f"--decoder-num-layers is a T5 flag (mg-train t5), not {args.family}")
     if m.decoder_num_layers is not None and m.decoder_num_layers != m.num_layers:
@@ -306,8 +302,4 @@ def check_model(args: Args) -> None:
             f"sequence length ({m.seq_length}) is longer than --max-position-embeddings "
             f"({m.max_position_embeddings})"
         )
-    if m.recompute_granularity == "full" and (
-        m.recompute_method is None or m.recompute_num_layers is None
-    ):
-        fail("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
     check_recompute_modules(m.recompute_modules)

@@ -172,19 +172,12 @@ def check_tensor_parallel(args: Args) -> None:
     tp = d.tensor_model_parallel_size
     if tp < 1:
         fail(f"--tensor-model-parallel-size must be >= 1, got {tp}")
-    if d.sequence_parallel and tp == 1:
-        fail("--sequence-parallel needs --tensor-model-parallel-size > 1")
     if tp == 1:
         return
     if args.family not in ("gpt", "bert", "t5", "mamba"):
         fail(
             "--tensor-model-parallel-size > 1 is supported for gpt, bert, t5 and mamba, not "
             f"{args.family}"
-        )
-    if d.overlap_grad_reduce and not d.use_distributed_optimizer:
-        fail(
-            "--overlap-grad-reduce with --tensor-model-parallel-size > 1 needs "
-            "--use-distributed-optimizer (the plain data-parallel path reduces after backward)"
         )
     heads = m.num_attention_heads
     groups = m.num_query_groups if m.group_query_attention else heads
@@ -223,8 +216,6 @@ def check_pipeline_and_context(args: Args) -> None:
             f"({d.tensor_model_parallel_size}) x pipeline ({pp}) x context ({cp}) parallel "
             f"sizes; launch a multiple of {model_parallel} processes"
         )
-    if pp > 1 and args.family == "t5":  # Megatron core_v0.16.1's pretrain_t5.py refuses it too
-        fail("--pipeline-model-parallel-size > 1 is not supported for t5 (as in Megatron)")
     if pp > 1 and args.family not in ("gpt", "bert", "mamba"):
         fail(
             "--pipeline-model-parallel-size > 1 is supported for gpt, bert and mamba, not "
@@ -255,22 +246,11 @@ def check_pipeline_and_context(args: Args) -> None:
             )
         if virtual > 1 and t.rampup_batch_size is not None:
             fail("--rampup-batch-size with the interleaved schedule is not supported")
-        if d.overlap_grad_reduce and not d.use_distributed_optimizer:
-            fail(
-                "--overlap-grad-reduce with pipeline parallelism needs "
-                "--use-distributed-optimizer (the plain data-parallel path reduces after the "
-                "schedule)"
-            )
-    if cp > 1:
-        if m.seq_length % (2 * cp):
-            fail(
-                f"--seq-length ({m.seq_length}) must be divisible by 2 x --context-parallel-size "
-                f"({2 * cp}): each rank holds two of 2·CP chunks"
-            )
-        if args.data.reset_attention_mask:
-            fail("--context-parallel-size > 1 does not support --reset-attention-mask")
-        if m.attention_dropout > 0:
-            fail("--context-parallel-size > 1 needs --attention-dropout 0")
+    if cp > 1 and m.seq_length % (2 * cp):
+        fail(
+            f"--seq-length ({m.seq_length}) must be divisible by 2 x --context-parallel-size "
+            f"({2 * cp}): each rank holds two of 2·CP chunks"
+        )
 
 
 def check_distributed_optimizer(args: Args) -> None:
@@ -295,5 +275,3 @@ def check_distributed_optimizer(args: Args) -> None:
             "--tp-comm-overlap (Transformer Engine's userbuffer overlap of TP communication "
             "with GEMMs) is not available in mg-train; drop the flag"
         )
-    if d.overlap_param_gather and not d.use_distributed_optimizer:
-        fail("--overlap-param-gather only works with --use-distributed-optimizer")

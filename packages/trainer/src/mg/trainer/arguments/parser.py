@@ -18,6 +18,7 @@ from mg.core.help_format import DefaultsHelpFormatter
 from mg.trainer.arguments import (
     checkpoint_args,
     checkpointing,
+    combinations,
     data,
     learning_rate,
     logging,
@@ -160,6 +161,7 @@ def _require(args: Args) -> None:
 def validate(args: Args) -> None:
     """Refuse inconsistent flags before anything heavy starts (Megatron's validate_args)."""
     _require(args)
+    combinations.check_combinations(args)  # the pairs of flags that do not go together
     mamba.check_mamba(args)
     moe.check_moe(args)
     if args.training.dry_run:
@@ -168,7 +170,6 @@ def validate(args: Args) -> None:
         parallel.check_tensor_parallel(args)
         parallel.check_pipeline_and_context(args)
         training.check_fusion_and_compile(args)
-        checkpointing.check_async_save(args)
     transformer_engine.check_transformer_engine(args)
     parallel.check_distributed_optimizer(args)
     checkpointing.check_initialization(args)

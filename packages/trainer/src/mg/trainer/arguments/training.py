@@ -201,14 +201,6 @@ def check_training_length(args: Args) -> None:
 
 def check_fusion_and_compile(args: Args) -> None:
     """The fused loss needs full logits; torch.compile needs a working CPU compiler off GPU."""
-    if args.training.cross_entropy_loss_fusion and (
-        args.family != "gpt" or args.distributed.tensor_model_parallel_size > 1
-    ):
-        fail(
-            "--cross-entropy-loss-fusion is supported for gpt without tensor parallelism "
-            "(with --tensor-model-parallel-size > 1 the loss is already vocab-parallel, "
-            "without full logits); drop the flag"
-        )
     if not args.training.torch_compile:
         return
     import torch  # lazy: --help stays instant (no torch before argparse answers)
@@ -254,8 +246,6 @@ def check_training(args: Args) -> None:
                 f"--rampup-batch-size start ({start}) and increment ({incr}) must be divisible by "
                 f"micro batch size ({t.micro_batch_size}) times data parallel size ({dp})"
             )
-    if t.fp16 and t.bf16:
-        fail("--fp16 and --bf16 cannot both be set")
     if t.eval_interval <= 0 or t.eval_iters < 0:
         fail("--eval-interval must be positive and --eval-iters non-negative")
     if t.manual_gc_interval < 0:

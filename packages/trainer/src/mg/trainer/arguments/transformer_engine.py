@@ -186,17 +186,8 @@ def check_transformer_engine(args: Args) -> None:
         if te.attention_backend not in ("auto", "flash"):
             fail(f"--use-flash-attn contradicts --attention-backend {te.attention_backend}")
         te.attention_backend = "flash"
-    if args.training.deterministic_mode and te.attention_backend == "flash":
-        fail("--deterministic-mode is not compatible with --use-flash-attn")
 
     _refusals(te)
-    if te.fp8 is not None and te.transformer_impl != "transformer_engine":
-        fail("--fp8-format needs --transformer-impl transformer_engine (FP8 runs in TE's layers)")
-    if te.fp8_param_gather:
-        if te.fp8 is None:
-            fail("--fp8-param-gather needs --fp8-format")
-        if not args.distributed.use_distributed_optimizer:
-            fail("--fp8-param-gather needs --use-distributed-optimizer (as in Megatron)")
     for flag, value in (
         ("--fp8-amax-history-len", te.fp8_amax_history_len),
         ("--fp8-interval", te.fp8_interval),
@@ -221,8 +212,6 @@ def check_transformer_engine(args: Args) -> None:
 def _check_te_layout(args: Args) -> None:
     if args.family != "gpt":
         fail(f"--transformer-impl transformer_engine is for gpt here, not {args.family}")
-    if args.data.reset_attention_mask:
-        fail("--reset-attention-mask needs --transformer-impl local (TE attention here is causal)")
 
 
 def _check_machine(te: TransformerEngineArgs) -> None:

@@ -1,0 +1,234 @@
+"""Flags that do not go together: one table, each row naming both flags.
+
+A row refuses a combination (or a flag without the one it needs) with one
+line that names both. Most are Megatron's own refusals (validate_args); the
+others are where mg's construction steps cannot honour both flags at once.
+Rows marked `run_only` are not checked by `--dry-run`, which plans a layout
+without running it. Rules about one flag's value stay with its group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mg.trainer.arguments.args import Args
+from mg.trainer.arguments.errors import fail
+
+
+@dataclass(frozen=True)
+class Conflict:
+    first: str
+    second: str
+    applies: Callable[[Args], bool]
+    message: str
+    run_only: bool = False
+
+
+def _tp(a: Args) -> int:
+    return a.distributed.tensor_model_parallel_size
+
+
+def _pp(a: Args) -> int:
+    return a.distributed.pipeline_model_parallel_size
+
+
+def _cp(a: Args) -> int:
+    return a.distributed.context_parallel_size
+
+
+def _full_recompute(a: Args) -> bool:
+    return a.model.recompute_granularity == "full"
+
+
+CONFLICTS: tuple[Conflict, ...] = (
+    # --- precision ------------------------------------------------------------------------
+    Conflict(
+        "--fp16",
+        "--bf16",
+        lambda a: a.training.fp16 and a.training.bf16,
+        "--fp16 and --bf16 cannot both be set",
+    ),
+    Conflict(
+        "--fp8-format",
+        "--transformer-impl",
+        lambda a: (
+            a.transformer_engine.fp8 is not None
+            and a.transformer_engine.transformer_impl != "transformer_engine"
+        ),
+        "--fp8-format needs --transformer-impl transformer_engine (FP8 runs in TE's layers)",
+    ),
+    Conflict(
+        "--fp8-param-gather",
+        "--fp8-format",
+        lambda a: a.transformer_engine.fp8_param_gather and a.transformer_engine.fp8 is None,
+        "--fp8-param-gather needs --fp8-format",
+    ),
+    Conflict(
+        "--fp8-param-gather",
+        "--use-distributed-optimizer",
+        lambda a: (
+            a.transformer_engine.fp8_param_gather and not a.distributed.use_distributed_optimizer
+        ),
+        "--fp8-param-gather needs --use-distributed-optimizer (as in Megatron)",
+    ),
+    Conflict(
+        "--fp8-format",
+        "--recompute-granularity full",
+        lambda a: a.transformer_engine.fp8 is not None and _full_recompute(a),
+        "--fp8-format with --recompute-granularity full is not supported: the recomputed "
+        "layers would run outside FP8 (Megatron recomputes through Transformer Engine's own "
+        "checkpoint); use --recompute-activations (selective) or drop one of them",
+    ),
+    Conflict(
+        "--deterministic-mode",
+        "--use-flash-attn",
+        lambda a: (
+            a.training.deterministic_mode
+            and (
+                a.transformer_engine.use_flash_attn
+                or a.transformer_engine.attention_backend == "flash"
+            )
+        ),
+        "--deterministic-mode is not compatible with --use-flash-attn",
+    ),
+    Conflict(
+        "--reset-attention-mask",
+        "--transformer-impl transformer_engine",
+        lambda a: (
+            a.data.reset_attention_mask
+            and a.transformer_engine.transformer_impl == "transformer_engine"
+        ),
+        "--reset-attention-mask needs --transformer-impl local (TE attention here is causal)",
+    ),
+    # --- parallelism ------------------------------------------------------------------------
+    Conflict(
+        "--overlap-grad-reduce",
+        "--tensor-model-parallel-size",
+        lambda a: (
+            _tp(a) > 1
+            and a.distributed.overlap_grad_reduce
+            and not a.distributed.use_distributed_optimizer
+        ),
+        "--overlap-grad-reduce with --tensor-model-parallel-size > 1 needs "
+        "--use-distributed-optimizer (the plain data-parallel path reduces after backward)",
+        run_only=True,
+    ),
+    Conflict(
+        "--overlap-grad-reduce",
+        "--pipeline-model-parallel-size",
+        lambda a: (
+            (_pp(a) > 1 or a.distributed.num_layers_per_virtual_pipeline_stage is not None)
+            and a.distributed.overlap_grad_reduce
+            and not a.distributed.use_distributed_optimizer
+        ),
+        "--overlap-grad-reduce with --pipeline-model-parallel-size > 1 needs "
+        "--use-distributed-optimizer (the plain data-parallel path reduces after the schedule)",
+        run_only=True,
+    ),
+    Conflict(
+        "--overlap-param-gather",
+        "--use-distributed-optimizer",
+        lambda a: (
+            a.distributed.overlap_param_gather and not a.distributed.use_distributed_optimizer
+        ),
+        "--overlap-param-gather only works with --use-distributed-optimizer",
+    ),
+    Conflict(
+        "--pipeline-model-parallel-size",
+        "mg-train t5",
+        lambda a: _pp(a) > 1 and a.family == "t5",  # Megatron's pretrain_t5.py refuses it too
+        "--pipeline-model-parallel-size > 1 is not supported for t5 (as in Megatron)",
+        run_only=True,
+    ),
+    Conflict(
+        "--context-parallel-size",
+        "--reset-attention-mask",
+        lambda a: _cp(a) > 1 and a.data.reset_attention_mask,
+        "--context-parallel-size > 1 does not support --reset-attention-mask",
+        run_only=True,
+    ),
+    Conflict(
+        "--context-parallel-size",
+        "--attention-dropout",
+        lambda a: _cp(a) > 1 and a.model.attention_dropout > 0,
+        "--context-parallel-size > 1 needs --attention-dropout 0",
+        run_only=True,
+    ),
+    Conflict(
+        "--cross-entropy-loss-fusion",
+        "--tensor-model-parallel-size",
+        lambda a: a.training.cross_entropy_loss_fusion and (a.family != "gpt" or _tp(a) > 1),
+        "--cross-entropy-loss-fusion is supported for gpt without tensor parallelism "
+        "(with --tensor-model-parallel-size > 1 the loss is already vocab-parallel, "
+        "without full logits); drop the flag",
+        run_only=True,
+    ),
+    # --- model ----------------------------------------------------------------------------
+    Conflict(
+        "--use-rope-scaling",
+        "--position-embedding-type",
+        lambda a: a.model.use_rope_scaling and a.model.position_embedding_type != "rope",
+        "--use-rope-scaling needs --position-embedding-type rope",
+    ),
+    Conflict(
+        "--num-layers",
+        "--encoder-num-layers",
+        lambda a: (
+            a.model.encoder_num_layers is not None
+            and a.model.encoder_num_layers != a.model.num_layers
+        ),
+        "cannot have both --num-layers and --encoder-num-layers specified",
+    ),
+    Conflict(
+        "--recompute-granularity full",
+        "--recompute-method",
+        lambda a: (
+            _full_recompute(a)
+            and (a.model.recompute_method is None or a.model.recompute_num_layers is None)
+        ),
+        "--recompute-granularity full needs --recompute-method and --recompute-num-layers",
+    ),
+    # --- learning rate and checkpoints --------------------------------------------------------
+    Conflict(
+        "--decoupled-min-lr",
+        "--decoupled-lr",
+        lambda a: a.optimizer.decoupled_min_lr is not None and a.optimizer.decoupled_lr is None,
+        "--decoupled-min-lr needs --decoupled-lr",
+    ),
+    Conflict(
+        "--async-save",
+        "--ckpt-format",
+        lambda a: a.checkpoint.async_save and a.checkpoint.ckpt_format != "torch_dist",
+        "--async-save needs --ckpt-format torch_dist",
+        run_only=True,
+    ),
+    Conflict(
+        "--ckpt-step",
+        "--load",
+        lambda a: a.checkpoint.ckpt_step is not None and not a.checkpoint.load,
+        "--ckpt-step needs --load (the folder whose iteration it picks)",
+    ),
+    Conflict(
+        "--exit-on-missing-checkpoint",
+        "--load",
+        lambda a: a.checkpoint.exit_on_missing_checkpoint and not a.checkpoint.load,
+        "--exit-on-missing-checkpoint needs --load",
+    ),
+    Conflict(
+        "--save-interval",
+        "--save",
+        lambda a: a.checkpoint.save_interval is not None and a.checkpoint.save is None,
+        "--save-interval needs --save",
+    ),
+)
+"""Every refused pair (see the module docstring)."""
+
+
+def check_combinations(args: Args) -> None:
+    """Refuse the first row of `CONFLICTS` that applies (a dry run skips `run_only` rows)."""
+    for conflict in CONFLICTS:
+        if conflict.run_only and args.training.dry_run:
+            continue
+        if conflict.applies(args):
+            fail(conflict.message)
