@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mg.core.models.paged_attention_cpu import quiet_cpp_extension
+
 _SOURCE = r"""
 #include <immintrin.h>
 #include <omp.h>
@@ -219,9 +221,8 @@ def amx_matmul() -> tuple[Callable[..., None] | None, str]:
 
 
 def _build() -> Callable[..., None]:
+    # lazy: torch._inductor takes seconds to import; only a CPU with AMX builds the kernel
     from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    from mg.core.models.paged_attention_cpu import quiet_cpp_extension
 
     with quiet_cpp_extension():
         return CppPythonBindingsCodeCache.load_pybinding(

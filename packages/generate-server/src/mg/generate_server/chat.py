@@ -12,6 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from mg.core.tokenizers import BaseTokenizer, TokenizerConfig
 
 
@@ -25,9 +28,6 @@ class ChatTemplate:
     """A compiled chat template and the special-token strings it may refer to."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
-        from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 

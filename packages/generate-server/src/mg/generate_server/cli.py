@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mg.core.help_format import DefaultsHelpFormatter
+from mg.generate_server.client import run_client
 from mg.generate_server.errors import ServeSetupError
 from mg.generate_server.memory_size import parse_memory
 
@@ -238,6 +239,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 def _attention_backend(args: argparse.Namespace, device) -> str:
     """--attention-backend (or --use-flash-attn), refused in one line where it cannot run."""
+    # lazy: torch and the serving code only once the flags are good (--help stays instant)
     from mg.core.models.attention_backend import BackendUnavailableError, check_attention_backend
 
     if args.use_flash_attn and args.attention_backend not in ("auto", "flash"):
@@ -254,6 +256,7 @@ def _attention_backend(args: argparse.Namespace, device) -> str:
 
 def _check_fp8(device) -> None:
     """--kv-cache-dtype fp8 needs float8_e4m3fn in this torch, on this device."""
+    # lazy: torch and the serving code only once the flags are good (--help stays instant)
     from mg.core.models.paged_kv_cache import Fp8UnavailableError, check_fp8
 
     try:
@@ -264,9 +267,11 @@ def _check_fp8(device) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     """One process, or one rank of `torchrun --nproc-per-node T` (rank 0 serves HTTP)."""
+    # lazy: torch and the serving code only once the flags are good (--help stays instant)
     import torch
     import torch.distributed as dist
 
+    # lazy, as torch: each of these imports it
     from mg.core.models.attention_backend import set_attention_backend
     from mg.core.models.mamba import MambaModel
     from mg.generate_server.loading import load_for_serving
@@ -366,6 +371,7 @@ def _pack_and_fuse(runner) -> None:
     """The eager CPU runner: its bf16 linears packed once (`packed_linears`) and, with AMX
     packing and `--attention-backend auto`, every step one C++ call where the model
     allows it (`fused_decode`; why not, at info level)."""
+    # lazy: torch and the serving code only once the flags are good (--help stays instant)
     from mg.generate_server.packed_linears import pack_linears
 
     runner.packed_linears = pack_linears(runner.model)
@@ -377,6 +383,7 @@ def _pack_and_fuse(runner) -> None:
 
 def _graph_runner(args: argparse.Namespace, loaded, device, tp: int, max_length: int, pool):
     """--enable-cuda-graph: the runner that replays decode steps, where it can."""
+    # lazy: torch and the serving code only once the flags are good (--help stays instant)
     from mg.generate_server.cuda_graphs import CudaGraphRunner
 
     if device.type != "cuda":
@@ -391,6 +398,7 @@ def _graph_runner(args: argparse.Namespace, loaded, device, tp: int, max_length:
 
 def _compiled_runner(args: argparse.Namespace, loaded, device, tp: int, max_length: int, pool):
     """--enable-torch-compile: the runner whose decode steps run compiled graphs."""
+    # lazy: torch and the serving code only once the flags are good (--help stays instant)
     from mg.generate_server.compiled_decode import CompiledDecodeRunner
 
     if device.type != "cpu":
@@ -409,6 +417,7 @@ def _compiled_runner(args: argparse.Namespace, loaded, device, tp: int, max_leng
 def _drafter(args: argparse.Namespace, loaded, runner, device, dtype: str | None, tp: int):
     """--draft-load: the draft model over a pool of the target's blocks, checked to share
     its tokenizer, to reach its positions and to be able to roll back."""
+    # lazy: torch and the serving code only once the flags are good (--help stays instant)
     from mg.core.models.mamba import MambaModel
     from mg.generate_server.loading import load_for_serving
     from mg.generate_server.runner import ModelRunner
@@ -466,8 +475,10 @@ def _serve_http(
     args: argparse.Namespace, loaded, runner, max_length: int, tp: int, drafter=None
 ) -> None:
     """Rank 0: the engine over `runner`, the app, and uvicorn until SIGINT/SIGTERM."""
+    # lazy: the web server and the engine only once the flags are good (--help stays instant)
     import uvicorn
 
+    # lazy, as uvicorn: the app and the engine import torch and fastapi
     from mg.generate_server.app import ServerSettings, create_app
     from mg.generate_server.chat import load_chat_template
     from mg.generate_server.engine import GenerationEngine
@@ -563,8 +574,6 @@ def _listen(host: str, port: int) -> socket.socket:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cli":
-        from mg.generate_server.client import run_client
-
         client = argparse.ArgumentParser(
             prog="mg-serve cli", description="Interactive client of a running mg-serve."
         )

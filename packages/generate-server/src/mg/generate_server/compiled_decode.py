@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch._inductor.cpp_builder import get_cpp_compiler
 
 from mg.core.models import GPTModel
 from mg.core.models.paged_attention_cpu import quiet_cpp_extension
@@ -81,8 +82,6 @@ class _OpaqueAttention:
 def cpp_compiler_missing() -> str | None:
     """Why inductor cannot build CPU kernels here (no C++ compiler), or None."""
     try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
         get_cpp_compiler()
     except Exception as err:  # noqa: BLE001 - whatever inductor says
         return f"no C++ compiler for torch.compile's CPU kernels ({err}); set CXX or install g++"

@@ -42,6 +42,7 @@ from mg.core.models.paged_attention_cpu import kernel_flags, kernel_source, quie
 from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
 from mg.generate_server.amx_matmul import KERNEL_FLAGS, AMXLinear
 from mg.generate_server.amx_matmul import kernel_source as amx_source
+from mg.generate_server.packed_linears import PackedLinear
 
 _STEP = r"""
 static inline float from_bf16(uint16_t x) {
@@ -202,9 +203,14 @@ def fused_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> st
             return "its norms are not RMSNorm modules"
         attention, mlp = layer.self_attention, layer.mlp
         linears = (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
-        if any(not isinstance(m.forward, AMXLinear) or m.forward.has_bias for m in linears):
+        if any(not _amx_packed(m) or m.matmul.has_bias for m in linears):
             return "its linears are not AMX-packed and bias-free"
     return None  # (AMX-packed linears: the kernel was built)
+
+
+def _amx_packed(linear: nn.Module) -> bool:
+    """Whether `pack_linears` swapped this layer for one with the AMX kernel's weights."""
+    return isinstance(linear, PackedLinear) and isinstance(linear.matmul, AMXLinear)
 
 
 class FusedDecode:
@@ -223,11 +229,11 @@ class FusedDecode:
             attention, mlp = layer.self_attention, layer.mlp
             for tensor in (
                 layer.input_layernorm.weight,
-                attention.linear_qkv.forward.packed,
-                attention.linear_proj.forward.packed,
+                attention.linear_qkv.matmul.packed,
+                attention.linear_proj.matmul.packed,
                 layer.pre_mlp_layernorm.weight,
-                mlp.linear_fc1.forward.packed,
-                mlp.linear_fc2.forward.packed,
+                mlp.linear_fc1.matmul.packed,
+                mlp.linear_fc2.matmul.packed,
             ):
                 tensor = tensor.detach().contiguous()
                 self._keep.append(tensor)
@@ -293,6 +299,7 @@ class FusedDecode:
 
 @functools.cache
 def _build(groups: int, per_group: int, head_dim: int, block_size: int):
+    # lazy: torch._inductor takes seconds to import; only a CPU with AMX builds this step
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     source = "\n".join(

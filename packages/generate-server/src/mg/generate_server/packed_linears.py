@@ -11,13 +11,15 @@ same matmul as before. On CPUs with AMX the weights are packed for this package'
 own kernel instead (`amx_matmul`: the weights streamed at the cores' memory speed,
 ~1.9x oneDNN for a decode step's linears); oneDNN keeps the weights it cannot take.
 
+Each packed layer is swapped for a `PackedLinear` in its parent (its forward is the
+packed matmul; it keeps the layer's `weight`, emptied, and `bias` under their names).
 The output layer is packed too (`model.output_and_loss` swapped on the instance,
 as tensor parallelism swaps it): its [vocab, hidden] matrix is the largest single
 weight, 5.3 -> ~1.8 ms of a step of 8 sequences of a 135M model with a 49k
 vocabulary. An own output layer's plain weight is freed. A tied one is freed too
-where the AMX kernel took it (the embedding then gathers its rows from the packed
-copy); oneDNN's layout cannot be read back, so there the plain matrix stays beside
-the packed one (56 MB for that model).
+where the AMX kernel took it (the word embedding becomes a `PackedEmbedding`, which
+gathers its rows from the packed copy); oneDNN's layout cannot be read back, so
+there the plain matrix stays beside the packed one (56 MB for that model).
 
 The eager CPU server does this, and the compiled runner where AMX is there (its
 graphs call the kernel; elsewhere inductor packs inside its graphs); a model under
@@ -62,25 +64,29 @@ def pack_linears(model: nn.Module, amx: bool | None = None) -> int:
     built."""
     if not isinstance(model, GPTModel):
         return 0
-    linears: list[nn.Module] = []
+    linears: list[tuple[nn.Module, str]] = []  # (parent, name) of each layer to pack
     for layer in model.decoder.layers:
         attention = getattr(layer, "self_attention", None)
         if attention is not None:
-            linears += [attention.linear_qkv, attention.linear_proj]
+            linears += [(attention, "linear_qkv"), (attention, "linear_proj")]
         if type(getattr(layer, "mlp", None)) is MLP:
-            linears += [layer.mlp.linear_fc1, layer.mlp.linear_fc2]
-    linears = [m for m in linears if type(m) is nn.Linear and _packable(m.weight)]
+            linears += [(layer.mlp, "linear_fc1"), (layer.mlp, "linear_fc2")]
+    linears = [
+        (parent, name)
+        for parent, name in linears
+        if type(getattr(parent, name)) is nn.Linear and _packable(getattr(parent, name).weight)
+    ]
     output = _packable(model.output_weight())
     packing = weight_packing(amx) if linears or output else None
     if packing is None:
         return 0
     packed = 0
-    for module in linears:
-        matmul = _packed(module.weight, module.bias, packing)
+    for parent, name in linears:
+        linear = getattr(parent, name)
+        matmul = _packed(linear.weight, linear.bias, packing)
         if matmul is None:
             continue
-        module.weight.data = torch.empty(0, dtype=module.weight.dtype)  # the copy replaces it
-        module.forward = matmul
+        setattr(parent, name, PackedLinear(linear, matmul))
         packed += 1
     return packed + (_pack_output_layer(model, packing) if output else 0)
 
@@ -95,10 +101,10 @@ def _pack_output_layer(model: GPTModel, packing: str) -> int:
     if matmul is None:
         return 0
     if model.output_layer is not None:  # its own: the packed copy replaces it
-        weight.data = torch.empty(0, dtype=weight.dtype)
+        _free(weight)
     elif isinstance(matmul, AMXLinear):  # tied: the embedding looks its rows up in the copy
-        model.embedding.word_embeddings.forward = matmul.rows
-        weight.data = torch.empty(0, dtype=weight.dtype)
+        embedding = model.embedding
+        embedding.word_embeddings = PackedEmbedding(embedding.word_embeddings, matmul)
 
     def output_and_loss(hidden: Tensor, labels: Tensor | None) -> Tensor:
         return loss_or_logits(mask_padded_vocab(matmul(hidden), model.real_vocab_size), labels)
@@ -114,6 +120,56 @@ def _packed(weight: Tensor, bias: Tensor | None, packing: str) -> Callable[[Tens
     if kernel is not None and fits(weight):
         return AMXLinear(kernel, weight, bias)
     return OneDNNLinear(weight, bias) if packing_available() else None
+
+
+def _free(weight: Tensor) -> None:
+    """Empty a weight whose packed copy replaces it (the Parameter stays, under its name)."""
+    weight.data = torch.empty(0, dtype=weight.dtype)
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` whose weight was packed once: its forward is the packed matmul.
+
+    Swapped in for the layer in its parent module. It keeps the layer's `weight`
+    Parameter, emptied (the packed copy replaced it), and its `bias`, so the
+    model's parameter names stay those of the plain layer."""
+
+    def __init__(self, linear: nn.Linear, matmul: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.matmul = matmul
+        """`AMXLinear` or `OneDNNLinear`: x -> x @ weight.T + bias."""
+        _free(linear.weight)
+        self.register_parameter("weight", linear.weight)
+        self.register_parameter("bias", linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.matmul(x)
+
+    def extra_repr(self) -> str:
+        packing = type(self.matmul).__name__
+        return f"in_features={self.in_features}, out_features={self.out_features}, {packing}"
+
+
+class PackedEmbedding(nn.Module):
+    """A tied word embedding whose matrix lives only in the output layer's AMX-packed
+    copy: looks its tokens' rows up there (`AMXLinear.rows`).
+
+    Swapped in for the `nn.Embedding`; it keeps its `weight` Parameter, emptied, under
+    its name (the model's `output_weight()` still finds it)."""
+
+    def __init__(self, embedding: nn.Embedding, matmul: AMXLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.matmul = matmul
+        _free(embedding.weight)
+        self.register_parameter("weight", embedding.weight)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.matmul.rows(ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, AMX-packed"
 
 
 class OneDNNLinear:

@@ -29,6 +29,7 @@ from mg.core.models import GPTModel
 from mg.core.models.attention_backend import serving_kernels
 from mg.core.models.mamba import MambaModel, PagedHybridCache
 from mg.core.models.paged_kv_cache import GATHERED, PagedKVCache, PagedSegment
+from mg.generate_server.fused_decode import FusedDecode, fused_decode_unsupported
 from mg.generate_server.moe_routing import route_dropless
 
 log = logging.getLogger("mg.generate_server")
@@ -103,8 +104,6 @@ class ModelRunner:
         """Run steps of decodes and short prompt chunks as one C++ call (`fused_decode`)
         where this model and machine allow it (a Llama-shaped bf16 model whose linears the
         AMX kernel took); None, or why not, for the log."""
-        from mg.generate_server.fused_decode import FusedDecode, fused_decode_unsupported
-
         why = fused_decode_unsupported(self.model, self._attention_cache)
         if why is None:
             try:
