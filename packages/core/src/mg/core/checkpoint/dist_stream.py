@@ -27,11 +27,10 @@ from mg.core.checkpoint.dist_format import (
     DCP_INDEX_FILENAME,
     PendingSave,
     commit_staged,
-    dcp_ready,
     save_planner,
-    single_process_is_intended,
     staging_dirs,
 )
+from mg.core.checkpoint.global_chunks import dcp_ready, single_process_is_intended
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.serialization import atomic_write
 
