@@ -13,13 +13,13 @@ own kernel instead (`amx_matmul`: the weights streamed at the cores' memory spee
 
 Each packed layer is swapped for a `PackedLinear` in its parent (its forward is the
 packed matmul; it keeps the layer's `weight`, emptied, and `bias` under their names).
-The output layer is packed too (`model.output_and_loss` swapped on the instance,
-as tensor parallelism swaps it): its [vocab, hidden] matrix is the largest single
-weight, 5.3 -> ~1.8 ms of a step of 8 sequences of a 135M model with a 49k
-vocabulary. An own output layer's plain weight is freed. A tied one is freed too
+The output layer is packed too (the model's output head becomes a `PackedOutputHead`, as
+tensor parallelism picks its vocab-parallel head): its [vocab, hidden] matrix is the
+largest single weight, 5.3 -> ~1.8 ms of a step of 8 sequences of a 135M model with a
+49k vocabulary. An own output layer's plain weight is freed. A tied one is freed too
 where the AMX kernel took it (the word embedding becomes a `PackedEmbedding`, which
-gathers its rows from the packed copy); oneDNN's layout cannot be read back, so
-there the plain matrix stays beside the packed one (56 MB for that model).
+gathers its rows from the packed copy); oneDNN's layout cannot be read back, so there
+the plain matrix stays beside the packed one (56 MB for that model).
 
 The eager CPU server does this, and the compiled runner where AMX is there (its
 graphs call the kernel; elsewhere inductor packs inside its graphs); a model under
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from mg.core.models import GPTModel
 from mg.core.models.gpt import MLP
-from mg.core.models.vocab_mask import loss_or_logits, mask_padded_vocab
+from mg.core.models.output_head import OutputHead
 from mg.generate_server.amx_matmul import AMXLinear, amx_matmul, fits
 
 
@@ -106,11 +106,19 @@ def _pack_output_layer(model: GPTModel, packing: str) -> int:
         embedding = model.embedding
         embedding.word_embeddings = PackedEmbedding(embedding.word_embeddings, matmul)
 
-    def output_and_loss(hidden: Tensor, labels: Tensor | None) -> Tensor:
-        return loss_or_logits(mask_padded_vocab(matmul(hidden), model.real_vocab_size), labels)
-
-    model.output_and_loss = output_and_loss
+    model.output_head = PackedOutputHead(matmul)
     return 1
+
+
+class PackedOutputHead(OutputHead):
+    """The model's output head with its logits from the packed output matrix (the plain
+    head's masking of the padding rows and its loss around them)."""
+
+    def __init__(self, matmul: Callable[[Tensor], Tensor]) -> None:
+        self.matmul = matmul
+
+    def logits_from(self, model: nn.Module, hidden: Tensor) -> Tensor:
+        return self.matmul(hidden)
 
 
 def _packed(weight: Tensor, bias: Tensor | None, packing: str) -> Callable[[Tensor], Tensor] | None:
