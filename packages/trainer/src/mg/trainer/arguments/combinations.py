@@ -189,6 +189,13 @@ CONFLICTS: tuple[Conflict, ...] = (
         ),
         "--recompute-granularity full needs --recompute-method and --recompute-num-layers",
     ),
+    Conflict(
+        "--moe-layer-recompute",
+        "--recompute-granularity full",
+        lambda a: a.moe.moe_layer_recompute and _full_recompute(a),
+        "--moe-layer-recompute with --recompute-granularity full: the full recompute "
+        "already recomputes the MoE layers; drop one of them",
+    ),
     # --- learning rate and checkpoints --------------------------------------------------------
     Conflict(
         "--decoupled-min-lr",

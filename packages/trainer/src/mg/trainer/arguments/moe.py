@@ -206,7 +206,6 @@ def check_moe_flags(
     cp: int,
     dry_run: bool,
     sequence_parallel: bool = False,
-    recompute_granularity: str | None = None,
     upcycling: UpcyclingFlags | None = None,
 ) -> str | None:
     """The one-line message for MoE flags that cannot apply, or None."""
@@ -260,11 +259,6 @@ def check_moe_flags(
         return (
             "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor "
             "(dropless routing has no capacity to pad to)"
-        )
-    if moe.moe_layer_recompute and recompute_granularity == "full":
-        return (
-            "--moe-layer-recompute with --recompute-granularity full: the full recompute "
-            "already recomputes the MoE layers; drop one of them"
         )
     if moe.moe_use_upcycling or moe.moe_upcycling_granularity != 1:
         error = check_upcycling_flags(moe, upcycling or UpcyclingFlags())
@@ -336,7 +330,6 @@ def check_moe(args: Args) -> None:
         cp=d.context_parallel_size,
         dry_run=args.training.dry_run,
         sequence_parallel=d.sequence_parallel,
-        recompute_granularity=args.model.recompute_granularity,
         upcycling=UpcyclingFlags(
             load=args.checkpoint.load,
             save=args.checkpoint.save,
