@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mg.indexed_dataset import IndexedDataset, IndexedDatasetError
 from mg.quantize_export.errors import QuantizeInputError
 
 
@@ -39,8 +40,6 @@ def calibration_samples(
     blend: Sequence[str], samples: int, seq_length: int, vocab_size: int
 ) -> Tensor:
     """[samples, seq_length] token ids from the blend, each dataset giving its share."""
-    from mg.indexed_dataset import IndexedDataset, IndexedDatasetError
-
     parts = parse_blend(blend)
     total = sum(w for w, _ in parts)
     rows: list[np.ndarray] = []

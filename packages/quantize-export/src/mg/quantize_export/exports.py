@@ -9,21 +9,18 @@ from torch import nn
 from mg.core.models import TransformerConfig
 from mg.core.quantization import QuantizationConfig
 from mg.core.tokenizers.config import TokenizerConfig
+from mg.quantize_export.gguf_export import default_gguf_type, gguf_architecture, write_gguf
+from mg.quantize_export.hf_export import hf_architecture, write_hf
+from mg.quantize_export.trtllm_export import quant_algo, write_trtllm
 
 
 def check_export(fmt: str, config: TransformerConfig, quantization: QuantizationConfig) -> None:
     """Refuse (QuantizeInputError) before quantizing what the export could not write."""
     if fmt == "gguf":
-        from mg.quantize_export.gguf_export import gguf_architecture
-
         gguf_architecture(config)
     else:
-        from mg.quantize_export.hf_export import hf_architecture
-
         hf_architecture(config)
     if fmt == "trtllm":
-        from mg.quantize_export.trtllm_export import quant_algo
-
         quant_algo(quantization)
 
 
@@ -38,8 +35,6 @@ def export(
 ) -> dict:
     """Write ``folder/<fmt>/...``; returns what was written, for the report."""
     if fmt == "gguf":
-        from mg.quantize_export.gguf_export import default_gguf_type, write_gguf
-
         kind = gguf_type or default_gguf_type(quantization.recipe, quantization.symmetric)
         (folder / "gguf").mkdir()
         path = folder / "gguf" / f"model-{kind}.gguf"
@@ -47,13 +42,9 @@ def export(
         info["path"] = str(Path("gguf") / path.name)
         return {k: v for k, v in info.items() if k != "tensor_types"}
     if fmt == "hf":
-        from mg.quantize_export.hf_export import write_hf
-
         info = write_hf(folder / "hf", model, config, tokenizer_config, folder, quantization)
         return {**info, "path": "hf"}
     if fmt == "trtllm":
-        from mg.quantize_export.trtllm_export import write_trtllm
-
         info = write_trtllm(
             folder / "trtllm", model, config, tokenizer_config, folder, quantization
         )  # fmt: skip

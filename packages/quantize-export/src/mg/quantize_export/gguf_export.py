@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from mg.core.models import TransformerConfig
 from mg.core.models.hf_mapping import split_qkv
+from mg.core.models.norms import LayerNorm1P, RMSNorm1P
 from mg.core.quantization import Int4WeightOnlyLinear, Int8WeightOnlyLinear, QuantizedLinear
 from mg.core.quantization.primitives import unpack_int4
 from mg.core.tokenizers.config import TokenizerConfig
@@ -89,8 +90,6 @@ def _encode_linear(module: nn.Module, gguf_type: str) -> tuple[str, np.ndarray]:
 def norm_gamma(norm: nn.Module) -> Tensor:
     """The scale a norm multiplies by: its weight, or 1 + weight for a zero-centred norm
     (--apply-layernorm-1p), which llama.cpp's norms do not know."""
-    from mg.core.models.norms import LayerNorm1P, RMSNorm1P
-
     weight = norm.weight.detach()
     return weight + 1 if isinstance(norm, (LayerNorm1P, RMSNorm1P)) else weight
 
@@ -175,6 +174,7 @@ def write_gguf(
     tokenizer_root: Path,
     gguf_type: str,
 ) -> dict:
+    # lazy: gguf (llama.cpp's writer and its tables) only for --export-format gguf
     import gguf
 
     arch = gguf_architecture(config)

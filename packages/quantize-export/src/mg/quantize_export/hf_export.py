@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from mg.core.models import TransformerConfig
@@ -184,8 +185,6 @@ def write_hf(
     quantization: QuantizationConfig,
     extra_config: dict | None = None,
 ) -> dict:
-    from safetensors.torch import save_file
-
     arch, state, ignore = hf_state(model, config, quantization)
     hf_config = config_to_hf(config, arch)
     hf_config["torch_dtype"] = "float32"

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from mg.core.checkpoint import CheckpointError, load_model
 from mg.core.models import GPTModel, TransformerConfig
+from mg.core.models.hf_mapping import config_from_hf, get_architecture, hf_to_megatron
 from mg.core.tokenizers.config import TokenizerConfig
 from mg.quantize_export.errors import QuantizeInputError
 
@@ -49,10 +51,6 @@ def load_source(path: str | Path) -> SourceModel:
 
 
 def _load_hf(path: Path) -> SourceModel:
-    from safetensors.torch import load_file
-
-    from mg.core.models.hf_mapping import config_from_hf, get_architecture, hf_to_megatron
-
     hf_config = json.loads((path / "config.json").read_text())
     if hf_config.get("quantization_config"):
         raise QuantizeInputError(

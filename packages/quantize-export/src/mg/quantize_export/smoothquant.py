@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mg.core.models.norms import LayerNorm1P, RMSNorm1P
+
 
 def smoothing_factors(act_absmax: Tensor, weight: Tensor, alpha: float) -> Tensor:
     """Per-input-channel s from calibration act-max [in] and the weight [out, in]."""
@@ -23,8 +25,6 @@ def smoothing_factors(act_absmax: Tensor, weight: Tensor, alpha: float) -> Tenso
 @torch.no_grad()
 def fold_into_norm(norm: nn.Module, linear: nn.Linear, scales: Tensor) -> None:
     """norm(x) / s feeds linear with weight W·diag(s): the same output, smoothed."""
-    from mg.core.models.norms import LayerNorm1P, RMSNorm1P
-
     s = scales.to(norm.weight.dtype)
     if isinstance(norm, (LayerNorm1P, RMSNorm1P)):  # gamma = 1 + weight (--apply-layernorm-1p)
         norm.weight.add_(1).div_(s).sub_(1)

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from mg.core.models import TransformerConfig
@@ -89,8 +90,6 @@ def write_trtllm(
     tokenizer_root: Path,
     quantization: QuantizationConfig,
 ) -> dict:
-    from safetensors.torch import save_file
-
     algo = quant_algo(quantization)
     arch, state, ignore = hf_state(model, config, quantization, modelopt_tensors_of)
     quant = {"quant_algo": algo, "kv_cache_quant_algo": None}
