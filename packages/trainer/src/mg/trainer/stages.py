@@ -25,7 +25,7 @@ from mg.core.parallel.construct import ConstructOptions, RecomputeOptions, const
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
-from mg.trainer import checkpointing, checkpointing_dist, distributed, model_parallel, upcycling
+from mg.trainer import checkpoint_io, distributed, model_parallel, upcycling
 from mg.trainer.arguments import Args
 from mg.trainer.arguments.model import selective_recompute_modules
 from mg.trainer.arguments.transformer_engine import fp8_options
@@ -152,6 +152,8 @@ def build_model(
         args.distributed.tensor_model_parallel_size,
     )
     config = family.build_config(args, vocab)
+    if args.checkpoint.save:  # a layout that cannot be written is refused now, not at a save
+        checkpoint_io.check_savable(args.checkpoint.ckpt_format, config, family=args.family)
     options = construct_options(args, environment, tokenizer.vocab_size)
     fp8_group = (  # collective: every rank builds the amax groups here
         model_parallel.amax_reduction_group(layout, args.transformer_engine.tp_only_amax_red)
@@ -227,21 +229,18 @@ def load_state(
         return upcycle(args, environment, family, built, opt.optimizer)
     if not c.load:
         return TrainState()
-    what = {
-        "model": built.model,
-        "optimizer": opt.optimizer,
-        "scheduler": opt.scheduler,
-        "loss_scaler": opt.scaler,
-        "finetune": c.finetune,
-        "load_optim": not c.no_load_optim,
-        "load_rng": not c.no_load_rng,
-        "iteration": c.ckpt_step,
-    }
-    layout = environment.layout
-    if checkpointing_dist.latest_is_torch_dist(c.load, c.ckpt_step):  # the format is detected
-        resumed = checkpointing_dist.resume(c.load, **what, rng_shard=layout.shard_name)
-    else:
-        resumed = checkpointing.resume(c.load, **what, layout=layout)
+    resumed = checkpoint_io.resume(  # in whichever format the checkpoint was saved
+        c.load,
+        model=built.model,
+        optimizer=opt.optimizer,
+        scheduler=opt.scheduler,
+        loss_scaler=opt.scaler,
+        finetune=c.finetune,
+        load_optim=not c.no_load_optim,
+        load_rng=not c.no_load_rng,
+        iteration=c.ckpt_step,
+        layout=environment.layout,
+    )
     if resumed is None and c.exit_on_missing_checkpoint:  # Megatron exits instead
         raise CheckpointError(
             f"--exit-on-missing-checkpoint: no checkpoint in {c.load} "

@@ -40,8 +40,7 @@ from mg.core.parallel.pipeline import (
 from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
 from mg.indexed_dataset import samples_per_split
 from mg.trainer import (
-    checkpointing,
-    checkpointing_dist,
+    checkpoint_io,
     distributed,
     model_parallel,
     moe_step,
@@ -393,45 +392,26 @@ class Trainer:
         """A checkpoint of this iteration in --save (`save_optim=False`: the model, RNG and
         counters only)."""
         c = self.args.checkpoint
-        save_optim = save_optim and not c.no_save_optim
         self.finish_saves()
-        if c.ckpt_format == "torch_dist":
-            self._pending_save = checkpointing_dist.save(
-                c.save,
-                self.state,
-                args_flat=self.args.flat(),
-                model=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                loss_scaler=self.scaler,
-                model_config=self.model_config.to_dict(),
-                tokenizer_config=self.saved_tokenizer_config,
-                parallel={"tp": self.layout.tp, "pp": self.layout.pp, "cp": self.layout.cp},
-                save_optim=save_optim,
-                save_rng=not c.no_save_rng,
-                async_save=c.async_save,
-                rng_shard=self.layout.shard_name,
-            )
-            if self.env.is_main:
-                verb = "started async save of" if c.async_save else "saved"
-                print(f" {verb} checkpoint at iteration {self.state.iteration} to {c.save}")
-            return
-        checkpointing.save(
+        self._pending_save = checkpoint_io.save(
             c.save,
             self.state,
-            args_flat=self.args.flat(),
+            ckpt_format=c.ckpt_format,
             model=self.model,
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             loss_scaler=self.scaler,
-            model_config=self.model_config.to_dict(),
+            model_config=self.model_config,
             tokenizer_config=self.saved_tokenizer_config,
-            save_optim=save_optim,
+            args_flat=self.args.flat(),
+            save_optim=save_optim and not c.no_save_optim,
             save_rng=not c.no_save_rng,
+            async_save=c.async_save,
             layout=self.layout,
         )
         if self.env.is_main:
-            print(f" saved checkpoint at iteration {self.state.iteration} to {c.save}", flush=True)
+            verb = "started async save of" if self._pending_save and c.async_save else "saved"
+            print(f" {verb} checkpoint at iteration {self.state.iteration} to {c.save}", flush=True)
 
     def finish_saves(self) -> None:
         """Wait for an --async-save in flight (before the next save and before exiting)."""
