@@ -33,6 +33,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mg.core.tokenizers.config import TokenizerConfig
+
 DEFAULT_INDEX = "https://pypi.org/simple"
 
 
@@ -284,8 +286,6 @@ def fixture_path(name: str, file: str) -> Path:
 def gpt2_bpe_tokenizer_config():
     """The real GPT-2 BPE files (the `gpt2-bpe` fixture) as a `TokenizerConfig`, the
     tokenizer most tests and benches save with their checkpoints."""
-    from mg.core.tokenizers import TokenizerConfig
-
     return TokenizerConfig(
         "GPT2BPETokenizer",
         vocab_file=str(fixture_path("gpt2-bpe", "vocab.json")),

@@ -99,6 +99,7 @@ class NearDeduplicator:
         self.num_perm = num_perm
         self.shingle_size = shingle_size
         self.seed = seed
+        # lazy: datasketch pulls in scipy (seconds); only --dedup near builds a MinHash
         from datasketch import MinHash
 
         self._lsh = _candidate_index(threshold, num_perm)
@@ -111,6 +112,7 @@ class NearDeduplicator:
         return len(self._signatures)
 
     def signature(self, text: str) -> MinHash:
+        # lazy: datasketch pulls in scipy (seconds); only --dedup near builds a MinHash
         from datasketch import MinHash
 
         minhash = MinHash(
@@ -136,6 +138,7 @@ class NearDeduplicator:
 
 def _candidate_index(threshold: float, num_perm: int) -> MinHashLSH:
     """LSH bands tuned below `threshold` (see the module docstring)."""
+    # lazy: datasketch pulls in scipy (seconds); only --dedup near builds a MinHash
     from datasketch import MinHashLSH
 
     looser = min(max(threshold - 0.1, 0.05), 0.9)

@@ -25,6 +25,7 @@ import numpy as np
 
 from mg.core.tokenizers import TokenizerConfig
 from mg.corpus_prep.splitter import SentenceSplitter, SplitterSpec, build_splitter
+from mg.corpus_prep.tokenizer_args import build_tokenizer_from_config
 
 # Reasons a line is rejected, as counted in the summary.
 NOT_UTF8 = "not UTF-8"
@@ -174,8 +175,6 @@ class DocumentEncoder:
     """Turns chunks into token arrays; one per worker process."""
 
     def __init__(self, spec: EncoderSpec) -> None:
-        from mg.corpus_prep.tokenizer_args import build_tokenizer_from_config
-
         self.spec = spec
         self.tokenizer = build_tokenizer_from_config(spec.tokenizer_config)
         self.splitter: SentenceSplitter = build_splitter(spec.splitter)

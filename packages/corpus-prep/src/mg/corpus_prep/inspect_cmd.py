@@ -19,7 +19,12 @@ import os
 import numpy as np
 
 from mg.corpus_prep.cli import UserError
-from mg.corpus_prep.tokenizer_args import add_tokenizer_args
+from mg.corpus_prep.tokenizer_args import (
+    add_tokenizer_args,
+    build_tokenizer_from_config,
+    config_from_args,
+)
+from mg.indexed_dataset.format import IndexedDataset, IndexedDatasetError
 
 BAR_WIDTH = 40
 VISIBLE_WHITESPACE = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
@@ -108,16 +113,12 @@ def _sample_indices(documents: int, samples: int, doc_lengths: np.ndarray) -> li
 
 
 def run(args: argparse.Namespace) -> int:
-    from mg.indexed_dataset.format import IndexedDataset, IndexedDatasetError
-
     prefix = args.prefix
     root, extension = os.path.splitext(prefix)
     if extension in (".bin", ".idx"):
         prefix = root
     tokenizer = None
     if args.tokenizer_type:
-        from mg.corpus_prep.tokenizer_args import build_tokenizer_from_config, config_from_args
-
         tokenizer = build_tokenizer_from_config(config_from_args(args))
     try:
         dataset = IndexedDataset(prefix, multimodal=args.multimodal)

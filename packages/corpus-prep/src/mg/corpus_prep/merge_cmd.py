@@ -44,6 +44,7 @@ def _strip_suffix(path: str) -> str:
 
 def resolve_inputs(inputs: list[str], output_prefix: str) -> list[str]:
     """The dataset prefixes to merge, in order; a folder's own copy of the output is left out."""
+    # lazy: numpy only once the flags are parsed (`mg-prep merge --help` stays instant)
     from mg.indexed_dataset.format import IndexedDatasetError, list_dataset_prefixes
 
     output = os.path.abspath(output_prefix)
@@ -70,6 +71,7 @@ def resolve_inputs(inputs: list[str], output_prefix: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: numpy only once the flags are parsed (`mg-prep merge --help` stays instant)
     from mg.indexed_dataset.format import IndexedDataset, IndexedDatasetError, merge_datasets
 
     prefixes = resolve_inputs(args.input, args.output_prefix)

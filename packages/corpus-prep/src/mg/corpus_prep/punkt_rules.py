@@ -31,6 +31,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # importing nltk takes seconds: only when splitting
+    # lazy: nltk takes seconds to import; only sentence splitting needs it
     from nltk.tokenize.punkt import PunktLanguageVars
 
 PUNKT_RULES = ("nltk-3.9", "nltk-3.10")
@@ -96,6 +97,7 @@ def language_vars(
 
 @functools.cache
 def _language_vars_class(rules: str, keep_newlines: bool) -> type[PunktLanguageVars]:
+    # lazy: nltk takes seconds to import; only sentence splitting needs it
     from nltk.tokenize.punkt import PunktLanguageVars
 
     quotes = closing_quotes(rules)

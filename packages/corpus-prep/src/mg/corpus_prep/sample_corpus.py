@@ -14,6 +14,8 @@ import xml.etree.ElementTree as ElementTree
 from collections.abc import Iterator
 from pathlib import Path
 
+from mg.core.fixtures import fixture_dir, fixture_path
+
 EDGE_CASES: list[str] = [
     "",
     "   \n\n  \t ",
@@ -35,16 +37,12 @@ def paragraphs(text: str) -> list[str]:
 
 
 def shakespeare_documents() -> Iterator[dict[str, str]]:
-    from mg.core.fixtures import fixture_dir
-
     for path in sorted(fixture_dir("shakespeare").glob("*.txt")):
         for paragraph in paragraphs(path.read_text(encoding="utf-8")):
             yield {"text": paragraph, "title": path.stem}
 
 
 def botchan_documents() -> Iterator[dict[str, str]]:
-    from mg.core.fixtures import fixture_path
-
     text = fixture_path("botchan", "botchan.txt").read_text(encoding="utf-8")
     for paragraph in paragraphs(text):
         yield {"text": paragraph, "title": "botchan"}
@@ -52,8 +50,6 @@ def botchan_documents() -> Iterator[dict[str, str]]:
 
 def wikipedia_documents(limit: int | None = None) -> Iterator[dict[str, str]]:
     """Pages of the enwiki excerpt: title and raw wikitext."""
-    from mg.core.fixtures import fixture_path
-
     path = fixture_path("enwiki-excerpt", "enwiki-excerpt.xml")
     count = 0
     title = ""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from mg.core.tokenizers.punkt import install_punkt_tab
 from mg.corpus_prep.punkt_rules import DEFAULT_PUNKT_RULES, language_vars
 
 if TYPE_CHECKING:  # importing nltk takes seconds (it pulls in scipy): only when splitting
@@ -108,6 +109,7 @@ class PunktSplitter:
     def __init__(
         self, params: PunktParameters, keep_newlines: bool, rules: str = DEFAULT_PUNKT_RULES
     ) -> None:
+        # lazy: nltk takes seconds to import; only sentence splitting needs it
         from nltk.tokenize.punkt import PunktSentenceTokenizer
 
         lang_vars = language_vars(rules, keep_newlines)
@@ -121,7 +123,7 @@ class SpacySplitter:
     """A spaCy pipeline's sentences; with --keep-newlines the trailing whitespace stays."""
 
     def __init__(self, pipeline: str | None, lang: str, keep_newlines: bool) -> None:
-        import spacy
+        import spacy  # lazy: spaCy is optional (mg-corpus-prep[spacy])
 
         if pipeline is None:
             self._nlp = spacy.blank(lang)
@@ -175,6 +177,7 @@ def load_punkt_tab(lang_dir: str) -> PunktParameters:
     Read directly rather than through `nltk.tokenize.punkt.load_punkt_params`,
     whose path sandbox refuses folders outside NLTK's data path (our cache).
     """
+    # lazy: nltk takes seconds to import; only sentence splitting needs it
     from nltk.tabdata import PunktDecoder
     from nltk.tokenize.punkt import PunktParameters
 
@@ -203,7 +206,7 @@ def find_installed_punkt(lang: str) -> str | None:
 
     Only looks on disk (`nltk.data.find`): no download is ever attempted.
     """
-    import nltk.data
+    import nltk.data  # lazy: nltk takes seconds to import; only sentence splitting needs it
 
     try:
         pointer = nltk.data.find(f"tokenizers/punkt_tab/{lang}/")
@@ -221,13 +224,12 @@ def punkt_cache_dir() -> Path:
 
 def install_fixture_punkt(nltk_data: Path) -> Path:
     """Write our English punkt_tab fixture under `nltk_data`; return the language folder."""
-    from mg.core.tokenizers.punkt import install_punkt_tab
-
     return install_punkt_tab(nltk_data)
 
 
 def train_punkt(text: str) -> PunktParameters:
     """A Punkt model trained on `text` (NLTK's unsupervised trainer)."""
+    # lazy: nltk takes seconds to import; only sentence splitting needs it
     from nltk.tokenize.punkt import PunktTrainer
 
     trainer = PunktTrainer()
@@ -294,6 +296,7 @@ def _resolve_spacy(
     pipeline: str | None, lang: str, keep_newlines: bool, warn: Callable[[str], None]
 ) -> SplitterSpec:
     try:
+        # lazy: spaCy is optional (mg-corpus-prep[spacy])
         import spacy
         import spacy.util
     except ImportError:
@@ -322,7 +325,7 @@ def _resolve_spacy(
 
 
 def _spacy_has_language(code: str) -> bool:
-    import spacy.util
+    import spacy.util  # lazy: spaCy is optional (mg-corpus-prep[spacy])
 
     try:
         spacy.util.get_lang_class(code)

@@ -23,6 +23,8 @@ import numpy as np
 from mg.corpus_prep import interrupts
 from mg.corpus_prep.cli import UserError
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
+from mg.corpus_prep.partitions import PartitionFailedError, run_partitioned
+from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError, tokenize_segments
 from mg.corpus_prep.progress import Progress, format_summary, info, warn
 from mg.corpus_prep.punkt_rules import DEFAULT_PUNKT_RULES, PUNKT_RULES
 from mg.corpus_prep.reader import (
@@ -40,6 +42,8 @@ from mg.corpus_prep.tokenizer_args import (
     build_tokenizer_from_config,
     config_from_args,
 )
+from mg.corpus_prep.writer import DatasetWriter
+from mg.indexed_dataset.format import best_dtype
 
 MAX_WORKERS_PER_CPU = 4
 
@@ -262,8 +266,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--append-eod: the {args.tokenizer_type} tokenizer has no eod token")
     if args.tokenizer_type.lower().startswith("bert") and not args.split_sentences:
         warn("a BERT tokenizer without --split-sentences: each document is one sequence")
-    from mg.indexed_dataset.format import best_dtype
-
     dtype = best_dtype(tokenizer.vocab_size)
     segments = [Segment(source) for source in sources]
     spec = EncoderSpec(
@@ -325,10 +327,6 @@ def _tokenize(
     progress: Progress,
 ) -> tuple[RunStats, dict[str, str]]:
     """Run the pipeline (or the partitions) into the final datasets; errors become UserError."""
-    from mg.corpus_prep.partitions import PartitionFailedError, run_partitioned
-    from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError, tokenize_segments
-    from mg.corpus_prep.writer import DatasetWriter
-
     try:
         if args.partitions == 1:
             with DatasetWriter(args.output_prefix, spec.json_keys, level, dtype) as writer:

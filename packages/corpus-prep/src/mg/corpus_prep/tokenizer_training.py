@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import sentencepiece as spm
+from tokenizers import BertWordPieceTokenizer, ByteLevelBPETokenizer
+
 TokenizerKind = Literal["byte-level-bpe", "wordpiece", "sentencepiece"]
 KINDS: tuple[str, ...] = ("byte-level-bpe", "wordpiece", "sentencepiece")
 
@@ -75,8 +78,6 @@ def megatron_tokenizer_type(options: TrainOptions) -> str:
 def _train_byte_level_bpe(
     texts: Iterator[str], directory: Path, options: TrainOptions
 ) -> dict[str, str]:
-    from tokenizers import ByteLevelBPETokenizer
-
     # GPT-2's byte-level pre-tokenisation (its regex, no prefix space), so that
     # Megatron's GPT2BPETokenizer splits text the same way the trainer did.
     tokenizer = ByteLevelBPETokenizer(add_prefix_space=False)
@@ -94,8 +95,6 @@ def _train_byte_level_bpe(
 def _train_wordpiece(
     texts: Iterator[str], directory: Path, options: TrainOptions
 ) -> dict[str, str]:
-    from tokenizers import BertWordPieceTokenizer
-
     # Same normalisation as BERT's BasicTokenizer: lowercasing strips accents too.
     tokenizer = BertWordPieceTokenizer(lowercase=not options.cased, strip_accents=not options.cased)
     tokenizer.train_from_iterator(
@@ -120,8 +119,6 @@ def _lines(texts: Iterator[str]) -> Iterator[str]:
 def _train_sentencepiece(
     texts: Iterator[str], directory: Path, options: TrainOptions
 ) -> dict[str, str]:
-    import sentencepiece as spm
-
     prefix = directory / SENTENCEPIECE_PREFIX
     spm.set_random_generator_seed(options.seed)
     try:

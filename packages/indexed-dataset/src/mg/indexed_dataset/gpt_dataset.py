@@ -26,6 +26,7 @@ import numpy as np
 
 from mg.indexed_dataset.blend_builder import BlendBuilder, as_blend
 from mg.indexed_dataset.blended import BlendedDataset
+from mg.indexed_dataset.format import IndexedDataset
 from mg.indexed_dataset.indices import build_gpt_indices, cached_indices
 from mg.indexed_dataset.split import (
     DEFAULT_SPLIT,
@@ -339,9 +340,7 @@ Dataset = GPTDataset | BlendedDataset
 
 
 def _open_indexed_dataset(path_prefix: str, config: GPTDatasetConfig) -> TokenSource:
-    """Open a prefix with our MMIDIDX reader (imported here so tests can swap it)."""
-    from mg.indexed_dataset.format import IndexedDataset
-
+    """Open a prefix with our MMIDIDX reader."""
     return IndexedDataset(path_prefix, multimodal=False, mmap=config.mmap_bin_files)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 
 def mixtral(**shape: Any) -> nn.Module:
+    # lazy: transformers is a test-only dependency
     import transformers
 
     config = transformers.MixtralConfig(
@@ -23,6 +24,7 @@ def mixtral(**shape: Any) -> nn.Module:
 
 
 def qwen3_moe(**shape: Any) -> nn.Module:
+    # lazy: transformers is a test-only dependency
     import transformers
 
     config = transformers.Qwen3MoeConfig(
@@ -38,6 +40,7 @@ def qwen3_moe(**shape: Any) -> nn.Module:
 
 
 def qwen2_moe(**shape: Any) -> nn.Module:
+    # lazy: transformers is a test-only dependency
     import transformers
 
     config = transformers.Qwen2MoeConfig(

@@ -16,9 +16,12 @@ from typing import Any
 
 import torch
 
+from mg.core.checkpoint.rng import get_rng_state
+
 
 def dist_checkpointing_cpu_patches(patches: Any) -> None:
     """Add to `patches` (a pytest.MonkeyPatch) what a synchronous save needs on CPU."""
+    # lazy: megatron-core is a test-only dependency
     import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
 
     patches.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -39,10 +42,9 @@ def save_like_megatron_lm(
     this rank's `model` (collective): `generate_state_dict`'s entries, its `rng_state`
     ShardedObject for the (pipeline, tensor) `position` of `sizes`, and the tracker file.
     megatron-core's GPTModel has no CUDA generators here: the state is mg's (same dicts)."""
+    # lazy: megatron-core is a test-only dependency
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    from mg.core.checkpoint.rng import get_rng_state
 
     folder = save_dir / f"iter_{iteration:07d}"
     rank = torch.distributed.get_rank()
@@ -70,6 +72,7 @@ def load_into_megatron(folder: Path, model: torch.nn.Module) -> None:
     """megatron-core's `dist_checkpointing.load` of the model (its default strictness, as
     Megatron-LM's `load_checkpoint`), then a strict `load_state_dict`. Megatron-LM
     registers its safe globals (the args Namespace among them) at start-up: so here."""
+    # lazy: megatron-core is a test-only dependency
     from megatron.core import dist_checkpointing
     from megatron.core.safe_globals import register_safe_globals
 

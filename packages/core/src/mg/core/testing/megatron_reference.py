@@ -13,6 +13,8 @@ builds the Megatron-Core `GPTModel` (local layer spec) matching one of our
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ def megatron_cpu_patches() -> Any:
     """The patches (a pytest.MonkeyPatch, undo() when done) that let megatron-core's forward
     run on CPU: device queries, the global memory buffer, the causal mask, the RNG tracker,
     and Tensor.cuda (a tied model's last pipeline stage calls it to sync its embedding)."""
+    # lazy: megatron-core and pytest are test-only dependencies
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.utils as mcore_utils
@@ -52,7 +55,7 @@ def megatron_cpu_patches() -> Any:
     patches.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: _NoRngTracker())
     patches.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     try:  # 0.16.1's MoE utilities read this name unguarded when Transformer Engine is absent
-        import megatron.core.transformer.moe.moe_utils as moe_utils
+        import megatron.core.transformer.moe.moe_utils as moe_utils  # lazy: test-only
     except ImportError:
         pass
     else:
@@ -94,7 +97,6 @@ def megatron_optimizer_cpu_patches(patches: Any) -> None:
     """Add to `patches` what megatron-core's DDP and DistributedOptimizer need on CPU:
     tensors it creates on "cuda" go to the CPU, and CPU tensors report CUDA type names
     (it checks `param.type()` against "torch.cuda.FloatTensor")."""
-    import functools
 
     def on_cpu(factory: Any) -> Any:
         @functools.wraps(factory)
@@ -120,6 +122,7 @@ def megatron_optimizer_cpu_patches(patches: Any) -> None:
 @contextlib.contextmanager
 def megatron_on_cpu(scratch: Path) -> Iterator[None]:
     """megatron.core initialised for TP = PP = 1 on CPU; `scratch` holds the gloo file store."""
+    # lazy: megatron-core is a test-only dependency
     from megatron.core import parallel_state
 
     patches = megatron_cpu_patches()
@@ -140,8 +143,7 @@ def megatron_gpt_model(ours: TransformerConfig, **parallel: Any) -> Any:
 
     ``parallel``: more Megatron TransformerConfig fields (``expert_model_parallel_size``,
     ``sequence_parallel``…) for a rank of a parallel layout."""
-    import dataclasses
-
+    # lazy: megatron-core is a test-only dependency
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mg.core.models import attention_backend
+
 
 class _Extra:
     def get_extra_state(self) -> torch.Tensor:
@@ -255,8 +257,6 @@ def install(monkeypatch: Any) -> Recorder:
         ("transformer_engine.common.recipe", recipe),
     ):
         monkeypatch.setitem(sys.modules, name, module)
-    from mg.core.models import attention_backend
-
     # CUDA 'present' for mg's checks only: torch itself still sees none
     monkeypatch.setattr(attention_backend, "cuda_available", lambda: True)
     for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):

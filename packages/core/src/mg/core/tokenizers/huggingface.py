@@ -142,7 +142,7 @@ def _token_text(value: Any) -> str | None:
 
 def _load_with_transformers(folder: Path) -> Any:
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # lazy: transformers is optional
     except ImportError:
         raise ValueError(
             f"{_FLAG} {folder}: has no tokenizer.json; reading a slow-only Hugging Face "

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mg.core.fixtures import fixture_path
+
 _FIELDS = ("ABBREV_TYPES", "SENT_STARTERS", "COLLOCATIONS", "ORTHO_CONTEXT")
 
 
@@ -67,8 +69,6 @@ def install_punkt_tab(
     sees a half-written model.
     """
     if model_module is None:
-        from mg.core.fixtures import fixture_path
-
         model_module = fixture_path("punkt-english", "english.py")
     params = read_punkt_module(model_module)
     language = language or params.get("LANGUAGE") or "english"
