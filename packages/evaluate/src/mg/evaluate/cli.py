@@ -164,7 +164,7 @@ def _load(args: argparse.Namespace) -> _Prepared:
     import torch
 
     # lazy, as torch: each of these imports it
-    from mg.core.models.attention_backend import set_attention_backend
+    from mg.core.models.core_attention import set_attention_backend
     from mg.evaluate import distributed
     from mg.evaluate.attention_flags import attention_backend_of
     from mg.evaluate.model_loading import TOKENIZER_FIELDS, load_for_eval, load_part_for_eval

@@ -24,7 +24,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from mg.core.models.attention_backend import set_attention_backend
+from mg.core.models.core_attention import set_attention_backend
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.model_loading import load_for_eval
 from mg.evaluate.scoring import Scored, score_sequences

@@ -272,7 +272,7 @@ def serve(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     # lazy, as torch: each of these imports it
-    from mg.core.models.attention_backend import set_attention_backend
+    from mg.core.models.core_attention import set_attention_backend
     from mg.core.models.mamba import MambaModel
     from mg.generate_server.loading import load_for_serving
     from mg.generate_server.packed_linears import pack_linears, weight_packing

@@ -40,10 +40,9 @@ from mg.core.checkpoint.torch_format import (
 from mg.core.checkpoint.tp_merge import merge_tensor_parallel, partition_dim
 from mg.core.models.config import TransformerConfig
 from mg.core.models.mamba import decoder_model
+from mg.core.parallel.construct import LOADING_STEPS, ConstructOptions, PipelineModel, construct
 from mg.core.parallel.layout import ParallelLayout
-from mg.core.parallel.materialize import copy_shard, materialize, owned_tensors
-from mg.core.parallel.pipeline import split_model
-from mg.core.parallel.tensor_parallel import apply_tensor_parallel
+from mg.core.parallel.materialize import copy_shard, owned_tensors
 from mg.core.quantization.apply import parallel_load_refusal, recorded_quantization
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -92,12 +91,10 @@ def load_model_part(
         raise CheckpointError(parallel_load_refusal(load_dir, quantization, layout.tp, layout.pp))
     with torch.device("meta"):
         model = decoder_model(config)  # a GPTModel, or a hybrid MambaModel
-    if layout.tp > 1:
-        apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=False, device=device)
-    parts: list[nn.Module] = [model]
-    if layout.pp > 1:
-        parts = list(split_model(model, layout.pp_rank, layout.pp, layout.virtual))
-    materialize(parts, config, device, perform_initialization=False)
+    # the construction path's loading subset: shard, split, storage the checkpoint fills
+    options = ConstructOptions(layout=layout, device=device, perform_initialization=False)
+    built = construct(model, options, LOADING_STEPS)
+    parts: list[nn.Module] = built.chunks if isinstance(built, PipelineModel) else [built]
     owned = owned_tensors(parts)
     with torch.no_grad():
         if dist_format:

@@ -23,8 +23,9 @@ Transformer Engine put in place.
 | 10 | recompute | `recompute` (--recompute-*) / `moe_layer_recompute` |
 | 11 | compile | `compile` (--torch-compile) |
 
-Evaluation, serving and a dense upcycling twin run the same function with
-fewer options set (their subset of the steps). Data parallelism (DDP or the
+Evaluation and serving read a checkpoint into their layout through the same
+function with `LOADING_STEPS` (their subset); a dense upcycling twin runs it
+with fewer options set. Data parallelism (DDP or the
 distributed optimizer) wraps the result afterwards, in the trainer.
 """
 
@@ -243,6 +244,19 @@ STEPS: tuple[Step, ...] = (
     Step("compile", lambda o: o.compile, compile_each_layer),
 )
 """The construction order, once (see the table in the module docstring)."""
+
+
+def steps_named(*names: str) -> tuple[Step, ...]:
+    """The entries of `STEPS` with these names, in `STEPS`' order: a tool's subset."""
+    unknown = set(names) - {step.name for step in STEPS}
+    if unknown:
+        raise ValueError(f"no construction step named {sorted(unknown)}")
+    return tuple(step for step in STEPS if step.name in names)
+
+
+LOADING_STEPS = steps_named("tensor parallel", "pipeline split", "materialize")
+"""Reading a checkpoint into a parallel layout (mg-eval, mg-serve, mg-quantize): the
+model is sharded and split on the meta device, then given storage the checkpoint fills."""
 
 
 def planned_steps(options: ConstructOptions, steps: tuple[Step, ...] = STEPS) -> list[str]:
