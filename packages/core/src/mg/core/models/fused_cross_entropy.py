@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mg.core.models.language_model import LanguageModel
-from mg.core.models.output_head import HasOutputLayer, OutputHead, is_plain_output, real_vocab_size
+from mg.core.models.output_head import HasOutputWeight, OutputHead, is_plain_output, real_vocab_size
 from mg.core.models.vocab_mask import mask_padded_vocab
 
 DEFAULT_CHUNK_TOKENS = 128
@@ -98,7 +98,7 @@ class FusedCrossEntropyHead(OutputHead):
     def __init__(self, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         self.chunk_tokens = chunk_tokens
 
-    def __call__(self, model: HasOutputLayer, hidden: Tensor, labels: Tensor | None) -> Tensor:
+    def __call__(self, model: HasOutputWeight, hidden: Tensor, labels: Tensor | None) -> Tensor:
         weight = model.output_weight()
         vocab = real_vocab_size(model)
         if labels is None:

@@ -34,9 +34,9 @@ from torch import Tensor, nn
 from mg.core.models.vocab_mask import loss_or_logits, mask_padded_vocab
 
 
-class HasOutputLayer(Protocol):
+class HasOutputWeight(Protocol):
     """What a head reads from the model it serves (GPTModel, MambaModel, BertModel,
-    T5Model and their pipeline stages)."""
+    T5Model and their pipeline stages); `real_vocab_size` where it has one."""
 
     def output_weight(self) -> Tensor: ...
 
@@ -53,11 +53,11 @@ class OutputHead:
     rows >= real_vocab_size at -inf, and with labels the per-token fp32 cross-entropy
     [b, s], unreduced (as Megatron returns it)."""
 
-    def logits_from(self, model: HasOutputLayer, hidden: Tensor) -> Tensor:
+    def logits_from(self, model: HasOutputWeight, hidden: Tensor) -> Tensor:
         """Logits [..., vocab] of `hidden` [..., h] before the padding is masked."""
         return F.linear(hidden, model.output_weight(), model.output_bias())
 
-    def __call__(self, model: HasOutputLayer, hidden: Tensor, labels: Tensor | None) -> Tensor:
+    def __call__(self, model: HasOutputWeight, hidden: Tensor, labels: Tensor | None) -> Tensor:
         logits = mask_padded_vocab(self.logits_from(model, hidden), real_vocab_size(model))
         return loss_or_logits(logits, labels)
 
@@ -69,7 +69,7 @@ class OutputModuleHead(OutputHead):
     """Logits from `model.output_layer(hidden)`: for an output layer whose module computes
     them itself without a float weight to hand out (a quantized linear)."""
 
-    def logits_from(self, model: HasOutputLayer, hidden: Tensor) -> Tensor:
+    def logits_from(self, model: nn.Module, hidden: Tensor) -> Tensor:
         return model.output_layer(hidden)
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from mg.core.models.output_head import HasOutputLayer, OutputHead, real_vocab_size
+from mg.core.models.output_head import HasOutputWeight, OutputHead, real_vocab_size
 from mg.core.models.vocab_mask import mask_padded_vocab
 
 
@@ -118,7 +118,7 @@ class VocabParallelOutputHead(OutputHead):
     def __init__(self, tp_mesh: DeviceMesh) -> None:
         self.tp_mesh = tp_mesh
 
-    def __call__(self, model: HasOutputLayer, hidden: Tensor, labels: Tensor | None) -> Tensor:
+    def __call__(self, model: HasOutputWeight, hidden: Tensor, labels: Tensor | None) -> Tensor:
         return vocab_parallel_output(
             hidden,
             model.output_weight(),
