@@ -7,8 +7,8 @@
 The world splits into TP × PP × DP ranks in Megatron's order (core's
 :class:`~mg.core.parallel.layout.ParallelLayout`). Each rank builds the model
 on the meta device, keeps its part there — its tensor-parallel shard of each
-layer (core's ``apply_tensor_parallel``) and its pipeline stage (core's
-``split_model``) — and reads only that part from the checkpoint, whatever
+layer and its pipeline stage, by the construction path's loading steps (core's
+``mg.core.parallel.construct``) — and reads only that part from the checkpoint, whatever
 layout it was saved in (core's ``load_model_part``). The ranks of one model
 replica score the same data-parallel share of the examples together: micro-
 batches go through core's pipeline schedule, forward only; the last stage's
@@ -30,11 +30,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from mg.core.models import GPTModel
+from mg.core.parallel.construct import ConstructOptions, PipelineModel, construct, steps_named
 from mg.core.parallel.layout import ParallelLayout, build_parallel_layout
 from mg.core.parallel.mesh import ParallelLayoutError
-from mg.core.parallel.pipeline import PipelineChunk, PipelineConfigError, split_model
+from mg.core.parallel.pipeline import PipelineChunk, PipelineConfigError
 from mg.core.parallel.pipeline_schedule import build_schedule, forward_only, run_schedule
-from mg.core.parallel.tensor_parallel import TensorParallelError, apply_tensor_parallel
+from mg.core.parallel.tensor_parallel import TensorParallelError
 from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
 
@@ -203,10 +204,10 @@ def layout_errors() -> Iterator[None]:
 
 def parallelize_for_eval(model: GPTModel, layout: ParallelLayout) -> EvalModel:
     """This rank's part of ``model`` (the whole model, identical on every rank)."""
-    with layout_errors():
-        if layout.tp > 1:
-            apply_tensor_parallel(model, layout.tp_mesh, sequence_parallel=False)
-        if layout.pp == 1:
-            return EvalModel(model, layout)
-        (stage,) = split_model(model, layout.pp_rank, layout.pp)
-    return EvalModel(stage, layout)
+    device = next(model.parameters()).device
+    options = ConstructOptions(layout=layout, device=device)
+    with layout_errors():  # the construction path's steps for a model that has its weights
+        built = construct(model, options, steps_named("tensor parallel", "pipeline split"))
+    if isinstance(built, PipelineModel):
+        (built,) = built.chunks
+    return EvalModel(built, layout)

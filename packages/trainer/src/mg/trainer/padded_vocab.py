@@ -13,10 +13,11 @@ from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with
 from mg.trainer.arguments import Args
 
 
-def padded_vocab_size(args: Args) -> int:
-    """The padded vocabulary size of `args`' tokenizer (builds the tokenizer, no model)."""
+def tokenizer_config(args: Args) -> TokenizerConfig:
+    """The run's tokenizer: the checkpoint's under `--use-checkpoint-args`, else the one the
+    tokenizer flags describe."""
     d = args.data
-    config = args.checkpoint_tokenizer_config or TokenizerConfig(
+    return args.checkpoint_tokenizer_config or TokenizerConfig(
         tokenizer_type=d.tokenizer_type,
         vocab_file=d.vocab_file,
         merge_file=d.merge_file,
@@ -25,8 +26,17 @@ def padded_vocab_size(args: Args) -> int:
         vocab_extra_ids=d.vocab_extra_ids,
         tiktoken_pattern=d.tiktoken_pattern,
     )
+
+
+def pad_vocab(args: Args, vocab_size: int) -> int:
+    """`vocab_size` padded as Megatron pads it for this run's flags."""
     return vocab_size_with_padding(
-        build_tokenizer(config).vocab_size,
+        vocab_size,
         args.model.make_vocab_size_divisible_by,
         args.distributed.tensor_model_parallel_size,
     )
+
+
+def padded_vocab_size(args: Args) -> int:
+    """The padded vocabulary size of `args`' tokenizer (builds the tokenizer, no model)."""
+    return pad_vocab(args, build_tokenizer(tokenizer_config(args)).vocab_size)

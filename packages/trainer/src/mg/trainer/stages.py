@@ -24,7 +24,7 @@ from mg.core.parallel import watchdog
 from mg.core.parallel.construct import ConstructOptions, RecomputeOptions, construct
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.layout import ParallelLayout
-from mg.core.tokenizers import TokenizerConfig, build_tokenizer, vocab_size_with_padding
+from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.trainer import checkpoint_io, distributed, model_parallel, upcycling
 from mg.trainer.arguments import Args
 from mg.trainer.arguments.model import selective_recompute_modules
@@ -39,6 +39,7 @@ from mg.trainer.logging_utils import MetricsWriter, device_peak_tflops
 from mg.trainer.loss_scaler import build_loss_scaler
 from mg.trainer.lr_scheduler import build_scheduler
 from mg.trainer.optimizer import DistributedOptimizer, build_optimizer
+from mg.trainer.padded_vocab import pad_vocab, tokenizer_config
 from mg.trainer.tokenizer_bundle import bundled_config, copy_tokenizer_files
 
 # --- environment and layout ------------------------------------------------------------------
@@ -81,16 +82,7 @@ class TokenizerSetup:
 
 
 def setup_tokenizer(args: Args, env: distributed.DistEnv) -> TokenizerSetup:
-    d = args.data
-    config = args.checkpoint_tokenizer_config or TokenizerConfig(
-        tokenizer_type=d.tokenizer_type,
-        vocab_file=d.vocab_file,
-        merge_file=d.merge_file,
-        tokenizer_model=d.tokenizer_model,
-        vocab_size=d.vocab_size,
-        vocab_extra_ids=d.vocab_extra_ids,
-        tiktoken_pattern=d.tiktoken_pattern,
-    )
+    config = tokenizer_config(args)
     tokenizer = build_tokenizer(config)
     saved = config.to_dict()
     if args.checkpoint.save:  # the checkpoint carries its tokenizer files (portable)
@@ -146,12 +138,7 @@ def build_model(
     """The family's plain model (on the meta device where it can), then the construction
     steps; afterwards the RNG is Megatron's per-stage seed (seed + 100 × pp rank)."""
     layout = environment.layout
-    vocab = vocab_size_with_padding(
-        tokenizer.vocab_size,
-        args.model.make_vocab_size_divisible_by,
-        args.distributed.tensor_model_parallel_size,
-    )
-    config = family.build_config(args, vocab)
+    config = family.build_config(args, pad_vocab(args, tokenizer.vocab_size))
     if args.checkpoint.save:  # a layout that cannot be written is refused now, not at a save
         checkpoint_io.check_savable(args.checkpoint.ckpt_format, config, family=args.family)
     options = construct_options(args, environment, tokenizer.vocab_size)
