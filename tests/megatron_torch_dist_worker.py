@@ -61,7 +61,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         for layout in ("tp2", "pp2"):
-            tp, pp = shared.LAYOUTS[layout]
+            tp, pp, _ = shared.LAYOUTS[layout]  # (tp, pp, ep): EP = 1 here
             with shared.model_parallel(tp, pp):
                 tp_rank = parallel_state.get_tensor_model_parallel_rank()
                 pp_rank = parallel_state.get_pipeline_model_parallel_rank()
