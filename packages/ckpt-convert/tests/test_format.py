@@ -144,3 +144,20 @@ def test_export_hf_reads_any_format_and_layout_to_the_same_files(tmp_path, kind)
         assert config == (tmp_path / "hf-src" / "config.json").read_text()
     assert_same_tensors(exported["tp2pp2"], exported["src"])
     assert_same_tensors(exported["dist"], exported["src"])
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_te_spec_gpt_goes_to_megatrons_torch_dist_layout(tmp_path, kind):
+    """A TE-spec GPT (`linear_qkv.layer_norm_weight`) converts into Megatron-Core's key
+    layout, as the local spec does: the layout follows from the config, not the names."""
+    import dataclasses
+
+    from mg.core.checkpoint.megatron_dist import checkpoint_is_megatron_layout
+
+    config = dataclasses.replace(CONFIGS[kind], transformer_impl="transformer_engine")
+    model = build(config)
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in model.state_dict()
+    save_source(tmp_path / "src", model)
+    convert_format(tmp_path / "src", tmp_path / "dist", "torch_dist", **QUIET)
+    assert checkpoint_is_megatron_layout(tmp_path / "dist" / "iter_0000007")
+    assert torch.equal(logits(tmp_path / "dist", IDS), logits(tmp_path / "src", IDS))

@@ -28,11 +28,22 @@ from mg.ckpt_convert.reshard import write_torch
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint.dist_format import save_dist_checkpoint
 from mg.core.checkpoint.dist_stream import StreamingDistWriter
+from mg.core.checkpoint.formats import DistLayout, dist_layout
 from mg.core.checkpoint.layout import Iteration
-from mg.core.checkpoint.megatron_dist import megatron_model_state, supports_megatron_layout
+from mg.core.checkpoint.megatron_dist import megatron_model_state
 from mg.core.checkpoint.megatron_sharded_keys import per_layer_keys
+from mg.core.models.mamba import MambaConfig
 
 FORMATS = ("torch", "torch_dist")
+
+
+def _family(source: CheckpointSource) -> str:
+    """The model family the checkpoint records (mg-train writes `model_family` into its
+    args), else the kind its config is: a hybrid Mamba or a GPT (Megatron-LM's own)."""
+    recorded = source.args.get("model_family")
+    if recorded:
+        return str(recorded)
+    return "mamba" if isinstance(source.config, MambaConfig) else "gpt"
 
 
 def write_torch_dist(
@@ -45,15 +56,17 @@ def write_torch_dist(
 ) -> Path:
     """Write ``source`` as a `torch_dist` checkpoint (one process); the iteration folder.
 
-    A dense GPT goes in Megatron-Core's layout, one layer at a time
-    (`StreamingDistWriter`: no more than a layer is held), and so does an MoE GPT with
+    The key layout follows from the model's family and configuration (core's
+    `dist_layout`): a dense GPT, local or Transformer Engine spec, goes in Megatron-Core's
+    layout, one layer at a time (`StreamingDistWriter`: no more than a layer is held),
+    and so does an MoE GPT with
     `megatron_moe` (export-megatron; mg-train reads an MoE in mg's layout); other models
     in mg's per-parameter layout, whole. ``common`` (common.pt) defaults to the source's
     entries updated to the target."""
     if common is None:
         common = target_state(source, target)
     config = target.config
-    if not supports_megatron_layout(source.names, moe=megatron_moe):
+    if dist_layout(_family(source), config, moe=megatron_moe) is not DistLayout.MEGATRON:
         weights = target_tensors(source, target, source.names)
         pending = save_dist_checkpoint(save_dir, iteration, {"model": weights}, common)
         copy_tokenizer_files(source, save_dir)
