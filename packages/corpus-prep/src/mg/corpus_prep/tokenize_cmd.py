@@ -20,11 +20,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mg.corpus_prep import interrupts
+from mg.corpus_prep import interrupts, pipeline
 from mg.corpus_prep.cli import UserError
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
 from mg.corpus_prep.partitions import PartitionFailedError, run_partitioned
-from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError, tokenize_segments
+from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError
 from mg.corpus_prep.progress import Progress, format_summary, info, warn
 from mg.corpus_prep.punkt_rules import DEFAULT_PUNKT_RULES, PUNKT_RULES
 from mg.corpus_prep.reader import (
@@ -330,7 +330,7 @@ def _tokenize(
     try:
         if args.partitions == 1:
             with DatasetWriter(args.output_prefix, spec.json_keys, level, dtype) as writer:
-                stats = tokenize_segments(
+                stats = pipeline.tokenize_segments(
                     [Segment(s) for s in sources],
                     spec,
                     args.workers,
