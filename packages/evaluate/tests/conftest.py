@@ -11,17 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from mg.core.checkpoint import mg_metadata, save_checkpoint
 from mg.core.fixtures import fixture_dir, fixture_path
 from mg.core.models import GPTModel
 from mg.core.models.presets import tiny_gpt2
 from mg.core.testing.botchan_training import train_on_botchan
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 
-SEQ_LENGTH = 64
-
 # the helper module eval_hf_reference.py sits beside the tests (pytest runs with importlib)
 sys.path.insert(0, str(Path(__file__).parent))
+
+from eval_data import SEQ_LENGTH, botchan_paragraphs, save_gpt  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,21 +35,6 @@ def tokenizer_config() -> TokenizerConfig:
 @pytest.fixture(scope="session")
 def tokenizer(tokenizer_config):
     return build_tokenizer(tokenizer_config)
-
-
-def botchan_paragraphs(count: int, skip: int = 40) -> list[str]:
-    """Real prose of Botchan (past the Gutenberg front matter) as ~50-word paragraphs.
-
-    The file has no blank lines, so paragraphs are runs of whole sentences."""
-    text = fixture_path("botchan", "botchan.txt").read_text(encoding="utf-8")
-    sentences = re.split(r"(?<=[.!?])\s+", " ".join(text[5000:].split()))
-    paras, current = [], []
-    for sentence in sentences:
-        current.append(sentence)
-        if sum(len(x.split()) for x in current) >= 50:
-            paras.append(" ".join(current))
-            current = []
-    return paras[skip : skip + count]
 
 
 def wikify(paragraph: str) -> str:
@@ -110,18 +94,6 @@ def train_tiny_gpt(tokenizer, steps: int = 40) -> GPTModel:
     return train_on_botchan(
         GPTModel(config), tokenizer, steps=steps, window=SEQ_LENGTH, batch_size=8, text_end=80000
     )
-
-
-def save_gpt(save_dir: Path, model: GPTModel, tokenizer_config: TokenizerConfig | None) -> Path:
-    state = {
-        "model": model.state_dict(),
-        "iteration": 40,
-        "mg": mg_metadata(
-            model.config.to_dict(), tokenizer_config.to_dict() if tokenizer_config else None
-        ),
-    }
-    save_checkpoint(save_dir, 40, state)
-    return save_dir
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from bert_tasks_data import SEQ_LENGTH, save_tiny_bert, write_mnli
+from eval_data import botchan_paragraphs
 from eval_ranks import run_eval_ranks
 
 from mg.evaluate.cli import main
@@ -56,7 +57,6 @@ def test_zero_shot_tasks_equal_one_process(trained, wikitext_file, lambada_file,
 @pytest.mark.slow
 def test_ppl_equals_one_process(trained, tokenizer, tmp_path):
     import numpy as np
-    from conftest import botchan_paragraphs
 
     from mg.indexed_dataset import IndexedDatasetBuilder
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import botchan_paragraphs
+from eval_data import SEQ_LENGTH, botchan_paragraphs, save_gpt
 from eval_ranks import THEN, failed_eval_ranks, report_metrics, run_eval_ranks
 
 from mg.core.parallel.layout import ParallelLayout
@@ -161,8 +161,6 @@ def test_model_shapes_checked(trained):
 def test_llama_layout_equals_one_process(commands, tokenizer_config, tmp_path):
     """A Llama-style GPT (untied output layer, GQA, SwiGLU, RoPE, RMSNorm) at TP=2 x PP=2:
     the gated MLP's strided shards, the query groups and the last stage's own output layer."""
-    from conftest import SEQ_LENGTH, save_gpt
-
     from mg.core.models import GPTModel
     from mg.core.models.presets import tiny_llama
 

@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import botchan_paragraphs
+from eval_data import botchan_paragraphs
 from eval_hf_reference import to_hf
 
 from mg.evaluate.cli import main
