@@ -29,13 +29,7 @@ from torch import nn
 
 from mg.core.checkpoint import checkpoint_dir, read_latest_iteration
 from mg.core.checkpoint.dist_format import PendingSave, is_torch_dist
-from mg.core.checkpoint.formats import (
-    TORCH,
-    TORCH_DIST,
-    DistLayout,
-    require_writer,
-)
-from mg.core.checkpoint.formats import check_savable as _check_savable
+from mg.core.checkpoint.formats import TORCH, TORCH_DIST, check_savable, require_writer
 from mg.core.checkpoint.layout import CheckpointError, Iteration
 from mg.core.models.config import TransformerConfig
 from mg.core.parallel.layout import ParallelLayout
@@ -43,15 +37,6 @@ from mg.trainer import checkpointing, checkpointing_dist
 from mg.trainer.checkpointing import TrainState
 
 __all__ = ["PendingSave", "TrainState", "check_savable", "resume", "save", "saved_format"]
-
-
-def check_savable(
-    ckpt_format: str, model_config: TransformerConfig, *, family: str
-) -> DistLayout | None:
-    """Raise a one-line `CheckpointError` naming the flag when this run's checkpoints could
-    not be written in `ckpt_format` (call it right after the config is built); else the
-    `torch_dist` key layout they will have (None for `torch`)."""
-    return _check_savable(ckpt_format, model_config, family=family)
 
 
 def saved_format(load: str, iteration: Iteration | None = None) -> str | None:

@@ -60,7 +60,6 @@ from mg.core.checkpoint import (
 )
 from mg.core.checkpoint.dist_format import (
     PendingSave,
-    is_torch_dist,
     load_common,
     load_dist_checkpoint,
     save_dist_checkpoint,
@@ -363,14 +362,6 @@ def _restore_extra_states(model: nn.Module, state: ModelState, loaded: dict[str,
         (data,) = loaded[key]  # the ShardedObject's data
         if data is not None:
             model.get_submodule(name.removesuffix(f".{EXTRA_STATE}")).set_extra_state(data)
-
-
-def latest_is_torch_dist(load_dir: str, iteration: int | None = None) -> bool:
-    """Whether `load_dir`'s latest checkpoint (or `iteration`) is a torch_dist one."""
-    iteration = read_latest_iteration(load_dir) if iteration is None else iteration
-    if iteration is None:
-        return False
-    return is_torch_dist(checkpoint_dir(load_dir, iteration))
 
 
 def resume(

@@ -26,8 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from mg.core.checkpoint import CheckpointError, describe, read_latest_iteration
+from mg.core.checkpoint.formats import TORCH_DIST
 from mg.core.models import TransformerConfig
-from mg.trainer import checkpointing, checkpointing_dist, distributed
+from mg.trainer import checkpoint_io, checkpointing, checkpointing_dist, distributed
 from mg.trainer.arguments import ArgumentError
 from mg.trainer.checkpointing import TrainState
 from mg.trainer.model_parallel import PipelineModel
@@ -94,7 +95,7 @@ def load_dense(load: str, dense: nn.Module, layout: Any, iteration: int | None) 
         "load_rng": False,
         "iteration": iteration,
     }
-    if checkpointing_dist.latest_is_torch_dist(load, iteration):
+    if checkpoint_io.saved_format(load, iteration) == TORCH_DIST:
         return checkpointing_dist.resume(load, **what)
     position = SimpleNamespace(
         tp_rank=layout.tp_rank, tp=layout.tp, pp_rank=layout.pp_rank, pp=layout.pp, ep_rank=0, ep=1

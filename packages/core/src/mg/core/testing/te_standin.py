@@ -15,6 +15,7 @@ run on the CPU; the real package is exercised by the GPU tests.
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 import types
 from typing import Any
@@ -32,7 +33,10 @@ class _Extra:
         return torch.empty(0, dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
-        pass
+        """TE's contract (TransformerEngineBaseModule.set_extra_state): None, the uint8
+        tensor `get_extra_state` gave, or a BytesIO of an older checkpoint; else it raises."""
+        if state is not None and not isinstance(state, torch.Tensor | io.BytesIO):
+            raise RuntimeError(f"Unsupported checkpoint format: {type(state).__name__}")
 
 
 # --- TE's tensor-parallel communication (its contract: sequence-parallel tensors are
