@@ -22,8 +22,7 @@ def test_the_layout_follows_from_family_and_configuration() -> None:
     moe = dataclasses.replace(dense, num_moe_experts=4, moe_router_topk=2)
     assert dist_layout("gpt", dense) is DistLayout.MEGATRON
     assert dist_layout("gpt", te) is DistLayout.MEGATRON
-    assert dist_layout("gpt", moe) is DistLayout.PER_PARAMETER  # mg-train's MoE
-    assert dist_layout("gpt", moe, moe=True) is DistLayout.MEGATRON  # export-megatron's
+    assert dist_layout("gpt", moe) is DistLayout.MEGATRON
     for family in ("bert", "t5", "mamba"):
         assert dist_layout(family, dense) is DistLayout.PER_PARAMETER
     assert check_savable("torch", te, family="gpt") is None

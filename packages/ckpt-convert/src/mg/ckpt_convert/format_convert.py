@@ -52,21 +52,18 @@ def write_torch_dist(
     target: TargetLayout,
     iteration: Iteration,
     common: dict[str, Any] | None = None,
-    megatron_moe: bool = False,
 ) -> Path:
     """Write ``source`` as a `torch_dist` checkpoint (one process); the iteration folder.
 
     The key layout follows from the model's family and configuration (core's
-    `dist_layout`): a dense GPT, local or Transformer Engine spec, goes in Megatron-Core's
-    layout, one layer at a time (`StreamingDistWriter`: no more than a layer is held),
-    and so does an MoE GPT with
-    `megatron_moe` (export-megatron; mg-train reads an MoE in mg's layout); other models
-    in mg's per-parameter layout, whole. ``common`` (common.pt) defaults to the source's
-    entries updated to the target."""
+    `dist_layout`): a GPT, dense or MoE, local or Transformer Engine spec, goes in
+    Megatron-Core's layout, one layer at a time (`StreamingDistWriter`: no more than a
+    layer is held); other models in mg's per-parameter layout, whole. ``common``
+    (common.pt) defaults to the source's entries updated to the target."""
     if common is None:
         common = target_state(source, target)
     config = target.config
-    if dist_layout(_family(source), config, moe=megatron_moe) is not DistLayout.MEGATRON:
+    if dist_layout(_family(source), config) is not DistLayout.MEGATRON:
         weights = target_tensors(source, target, source.names)
         pending = save_dist_checkpoint(save_dir, iteration, {"model": weights}, common)
         copy_tokenizer_files(source, save_dir)

@@ -328,9 +328,7 @@ def export_megatron(
     }
     with staged_dir(save) as staging:
         if ckpt_format == "torch_dist":
-            write_torch_dist(
-                staging, source, target, source.iteration, common=common, megatron_moe=True
-            )
+            write_torch_dist(staging, source, target, source.iteration, common=common)
         else:
             # pretrain_mamba.py builds the TE mamba_stack_spec: norms fused into the linears
             rename = megatron_te_names if mamba else None

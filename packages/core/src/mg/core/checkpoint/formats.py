@@ -9,12 +9,12 @@
 A `torch_dist` folder keys its tensors in one of two layouts:
 
 - `DistLayout.MEGATRON`, Megatron-Core's `sharded_state_dict` keys
-  (`megatron_dist`): what Megatron-LM reads and writes. A dense GPT is written in
-  it, with the local layer spec or Transformer Engine's (whose fused norms and
+  (`megatron_dist`): what Megatron-LM reads and writes. A GPT, dense or MoE, is
+  written in it, with the local layer spec or Transformer Engine's (whose fused norms and
   `_extra_state` objects are Megatron's own TE-spec keys).
 - `DistLayout.PER_PARAMETER`, mg's earlier `model.<name>` keys: written for the
-  models whose Megatron layout mg-train does not write (an MoE GPT, Mamba, BERT,
-  T5), and read for any model (GPTs saved that way before too).
+  models whose Megatron layout mg-train does not write (Mamba, BERT, T5), and read
+  for any model (GPTs saved that way before too).
 
 The layout follows from the model's family and configuration (`dist_layout`),
 never from its parameter names, so a model saves in the layout its configuration
@@ -48,16 +48,11 @@ class DistLayout(enum.Enum):
 MEGATRON_LAYOUT_FAMILIES = ("gpt",)
 
 
-def dist_layout(family: str, config: TransformerConfig, *, moe: bool = False) -> DistLayout:
-    """The key layout a `torch_dist` save of a `family` model with `config` is written in.
-
-    A GPT is written in Megatron-Core's layout, with either layer spec
-    (`config.transformer_impl`); an MoE GPT only with `moe` (mg-convert's
-    export-megatron), since mg-train keeps it, as Mamba, BERT and T5, in mg's
-    per-parameter layout."""
+def dist_layout(family: str, config: TransformerConfig) -> DistLayout:
+    """The key layout a `torch_dist` save of a `family` model with `config` is written in:
+    Megatron-Core's for a GPT, dense or MoE, with either layer spec
+    (`config.transformer_impl`)."""
     if family not in MEGATRON_LAYOUT_FAMILIES:
-        return DistLayout.PER_PARAMETER
-    if config.num_moe_experts and not moe:
         return DistLayout.PER_PARAMETER
     return DistLayout.MEGATRON
 
