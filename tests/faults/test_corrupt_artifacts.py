@@ -37,8 +37,8 @@ ITERATION_FLAG = {
     "mg-train": "--ckpt-step",
     "mg-eval": "--ckpt-step",
     "mg-serve": "--iteration",
-    "mg-convert inspect": "--iteration",
-    "mg-convert export-hf": "--iteration",
+    "mg-convert inspect": "--ckpt-step",
+    "mg-convert export-hf": "--ckpt-step",
 }
 
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from mg.ckpt_convert.errors import ConvertError
+from mg.ckpt_convert.output_folder import check_save, replacing
 
 EPILOG = """examples:
   mg-convert import-hf ./Llama-3.2-1B --save ckpt/llama
@@ -36,6 +37,29 @@ def _iteration(text: str) -> int | str:
     return text if text == "release" else int(text)
 
 
+def _ckpt_step_flag(p: argparse.ArgumentParser) -> None:
+    """Megatron's --ckpt-step picks the saved iteration; --iteration is kept as an alias."""
+    p.add_argument(
+        "--ckpt-step",
+        "--iteration",
+        dest="iteration",
+        type=_iteration,
+        default=None,
+        metavar="N",
+        help="the saved iteration to read, an int or 'release' (Megatron's --ckpt-step; "
+        "--iteration is an alias); default: latest_checkpointed_iteration.txt",
+    )
+
+
+def _overwrite_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --save (an earlier output): the new one is written beside "
+        "it and swapped in only when complete; without it an existing --save is refused",
+    )
+
+
 def _import_hf(args: argparse.Namespace) -> None:
     # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.finite_check import warn_if_nonfinite
@@ -43,15 +67,13 @@ def _import_hf(args: argparse.Namespace) -> None:
 
     path = import_hf(args.src, args.save, args.dtype, args.make_vocab_size_divisible_by)
     warn_if_nonfinite(path, args.src)
-    print(f"wrote {path}")
 
 
 def _export_hf(args: argparse.Namespace) -> None:
     # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.export_hf import export_hf
 
-    path = export_hf(args.load, args.save, args.shard_size, args.iteration)
-    print(f"wrote {path}")
+    export_hf(args.load, args.save, args.shard_size, args.iteration)
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -68,7 +90,7 @@ def _megatron(args: argparse.Namespace) -> None:
 
     convert = import_megatron if args.command == "import-megatron" else export_megatron
     extra = {"ckpt_format": args.ckpt_format} if args.command == "export-megatron" else {}
-    path = convert(
+    convert(
         args.load,
         args.save,
         args.iteration,
@@ -79,12 +101,12 @@ def _megatron(args: argparse.Namespace) -> None:
         expert_layout=args.expert_layout,
         **extra,
     )
-    print(f"wrote {path}")
 
 
 def _layout_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", required=True, help="source checkpoint folder")
-    p.add_argument("--save", required=True, help="new checkpoint folder (must not exist)")
+    p.add_argument("--save", required=True, help="new checkpoint folder (see --overwrite)")
+    _overwrite_flag(p)
     # Megatron's convert.py spells them --target-*-parallel-size; its training flags say
     # *-model-parallel-size: both spellings are accepted.
     p.add_argument(
@@ -110,7 +132,7 @@ def _layout_flags(p: argparse.ArgumentParser) -> None:
         help="when the padded vocabulary does not split into the target TP, re-pad it to a "
         "multiple of this × TP (default: the checkpoint's args, else 128)",
     )
-    p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
+    _ckpt_step_flag(p)
 
 
 def _expert_flags(p: argparse.ArgumentParser, layout: bool) -> None:
@@ -139,7 +161,7 @@ def _reshard(args: argparse.Namespace) -> None:
     # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.reshard import reshard
 
-    path = reshard(
+    reshard(
         args.load,
         args.save,
         args.target_tensor_parallel_size,
@@ -148,14 +170,13 @@ def _reshard(args: argparse.Namespace) -> None:
         args.make_vocab_size_divisible_by,
         ep=args.target_expert_parallel_size,
     )
-    print(f"wrote {path}")
 
 
 def _format(args: argparse.Namespace) -> None:
     # lazy: the subcommand's module imports torch; --help stays instant
     from mg.ckpt_convert.format_convert import convert_format
 
-    path = convert_format(
+    convert_format(
         args.load,
         args.save,
         args.to,
@@ -164,7 +185,6 @@ def _format(args: argparse.Namespace) -> None:
         args.iteration,
         args.make_vocab_size_divisible_by,
     )
-    print(f"wrote {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         "never touches the network).",
     )
     p.add_argument("src", metavar="SRC", help="local folder or Hugging Face repo id")
-    p.add_argument("--save", required=True, help="new checkpoint folder (must not exist)")
+    p.add_argument("--save", required=True, help="new checkpoint folder (see --overwrite)")
+    _overwrite_flag(p)
     p.add_argument(
         "--dtype",
         choices=("fp32", "bf16", "fp16"),
@@ -211,9 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         "window, llama otherwise.",
     )
     p.add_argument("--load", required=True, help="mg checkpoint folder")
-    p.add_argument("--save", required=True, help="new Hugging Face folder (must not exist)")
+    p.add_argument("--save", required=True, help="new Hugging Face folder (see --overwrite)")
+    _overwrite_flag(p)
     p.add_argument("--shard-size", default="5GB", help="largest safetensors file (default 5GB)")
-    p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
+    _ckpt_step_flag(p)
     p.set_defaults(run=_export_hf)
 
     p = sub.add_parser(
@@ -222,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Summarise a `torch` or `torch_dist` checkpoint without loading its tensors.",
     )
     p.add_argument("dir", metavar="DIR", help="checkpoint folder")
-    p.add_argument("--iteration", type=_iteration, default=None, help="default: latest")
+    _ckpt_step_flag(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_inspect)
 
@@ -278,19 +300,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(command: str, message: str) -> None:
+    print(f"mg-convert {command}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _hint(exc: BaseException, args: argparse.Namespace) -> str:
+    """The error text, pointing only to flags this subcommand has: --ckpt-step where it
+    reads a saved iteration; a Hugging Face source has no iterations to pick from."""
+    text = str(exc).rstrip()
+    if not hasattr(args, "iteration"):
+        return text.replace(", or load another iteration.", ".")
+    text = text.replace("pass iteration=N to load one of them", "pick one with --ckpt-step N")
+    if text.endswith("load another iteration."):
+        text = text[:-1] + " (--ckpt-step N)."
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    save = getattr(args, "save", None)
+    if save is not None:  # before anything is read: an output in the way fails at once
+        sources = [args.load] if hasattr(args, "load") else [args.src]
+        try:
+            check_save(save, args.overwrite, [s for s in sources if os.path.exists(s)])
+        except ConvertError as exc:
+            _fail(args.command, str(exc))
     # lazy: torch only once the flags are good, so --help stays instant
     from mg.core.checkpoint import CheckpointError
-    from mg.core.checkpoint.reader_guard import user_message
     from mg.core.models import ConfigError
 
     try:
-        args.run(args)
+        if save is None:
+            args.run(args)
+        else:
+            with replacing(save, args.overwrite) as target:
+                args.save = str(target)
+                args.run(args)
+            print(f"wrote {save}")
     except (ConvertError, CheckpointError, ConfigError) as exc:
-        message = user_message(exc, "--iteration N")
-        print(f"mg-convert {args.command}: error: {message}", file=sys.stderr)
-        sys.exit(2)
+        _fail(args.command, _hint(exc, args))
     except BrokenPipeError:
         # `mg-convert inspect DIR | head`: the reader left; stop quietly, as Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -190,7 +190,7 @@ def write_weights(
         item for group in groups for item in convert({n: source.meta(n) for n in group}).items()
     ]
     writer = ShardedWriter(folder, plan_shards(planned, max_bytes))
-    for group in tqdm(groups, desc="export-hf", unit="layer", disable=not progress):
+    for group in tqdm(groups, desc="export-hf", unit="layer", disable=None if progress else True):
         for name, tensor in convert(source.tensors(group)).items():
             writer.add(name, tensor)
         source.release()  # what this layer read leaves memory with it

@@ -76,10 +76,18 @@ def model_config_from_hf(
     hf_config: dict[str, Any], source: Path, make_vocab_size_divisible_by: int
 ) -> TransformerConfig:
     """config.json → TransformerConfig with Megatron's padded vocabulary."""
+    path = source / "config.json"
+    model_type = hf_config.get("model_type")
     try:
         config = model_config_of_hf(hf_config)
-    except (ValueError, KeyError) as exc:
-        raise ConvertError(f"{source / 'config.json'}: {exc}") from None
+    except KeyError as exc:  # the mapping reads a field the file does not have
+        raise ConvertError(
+            f"{path}: no {exc.args[0]!r} field, which a {model_type} config needs: the file "
+            "is incomplete or from another model. Download config.json again (or write it "
+            "with transformers' save_pretrained), or add the field"
+        ) from None
+    except (TypeError, ValueError) as exc:
+        raise ConvertError(f"{path}: {exc}") from None
     hf_vocab = config.vocab_size
     extra = dict(config.extra, hf_vocab_size=hf_vocab, hf_config=hf_config)
     generation = source / "generation_config.json"
@@ -129,7 +137,9 @@ def convert_weights(
     shapes = expected_shapes(config)
     out: dict[str, Tensor] = {}
     groups = group_by_layer(weights.names())
-    for layer, names in tqdm(groups.items(), desc="import-hf", unit="layer", disable=not progress):
+    for layer, names in tqdm(
+        groups.items(), desc="import-hf", unit="layer", disable=None if progress else True
+    ):
         if layer is not None and layer >= config.num_layers:
             raise ConvertError(
                 f"{weights.folder} has tensors of layer {layer} ({names[0]}), but config.json "
