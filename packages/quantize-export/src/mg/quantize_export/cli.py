@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from mg.core.io_paths import output_clash, relation
 from mg.quantize_export.errors import QuantizeInputError
 
 # the names of mg.core.quantization.config.RECIPES (a test keeps them equal; importing
@@ -59,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     io = parser.add_argument_group("checkpoints")
     io.add_argument("--load", required=True, help="mg checkpoint folder or Hugging Face folder")
     io.add_argument("--save", required=True, help="output folder (written atomically)")
-    io.add_argument("--overwrite", action="store_true", help="replace an existing --save")
+    io.add_argument(
+        "--overwrite", action="store_true",
+        help="replace an existing --save once the new output is complete (never a folder "
+        "that is, holds or lies inside an input; mg-train's counterpart is "
+        "--overwrite-checkpoints)",
+    )  # fmt: skip
     q = parser.add_argument_group("quantization")
     q.add_argument("--recipe", required=True, help=f"one of {', '.join(RECIPES)}")
     q.add_argument("--group-size", type=int, default=128, help="int4: inputs per scale")
@@ -98,8 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="GGUF tensor type (default: from the recipe, Q8_0 or Q4_0/Q4_1); Q4_K_M and "
         "Q5_K_M are llama.cpp's mixes (attn_v and ffn_down in Q6_K in a third of the layers)",
     )
-    e.add_argument("--report", type=Path, help="write the report as JSON here")
-    e.add_argument("--no-progress", action="store_true")
+    e.add_argument(
+        "--report", type=Path,
+        help="write the report as JSON here (a path inside --save goes into the output)",
+    )  # fmt: skip
+    e.add_argument(
+        "--no-progress-bar", "--no-progress", dest="no_progress", action="store_true",
+        help="no progress bar, as mg-prep's flag (--no-progress is an alias)",
+    )  # fmt: skip
     return parser
 
 
@@ -121,6 +133,24 @@ def check_args(args: argparse.Namespace) -> None:
         parser_error("--calib-samples and --eval-samples must be >= 1")
     if args.gguf_type and args.export_format != "gguf":
         parser_error("--gguf-type needs --export-format gguf")
+    clash = output_clash([("--save", args.save), ("--report", args.report)], _inputs(args))
+    if clash:
+        parser_error(clash)
+    if args.report and relation(args.report, args.save) in ("is", "contains"):
+        parser_error(f"--report {args.report} is --save's folder or holds it; name a file")
+
+
+def _inputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """What the run reads: the checkpoint and each dataset's .bin/.idx pair."""
+    inputs = [("--load", args.load)]
+    for flag, prefixes in (
+        ("--calib-data-path", args.calib_data_path),
+        ("--eval-data-path", args.eval_data_path),
+    ):
+        inputs += [
+            (flag, prefix + suffix) for prefix in prefixes or () for suffix in (".bin", ".idx")
+        ]
+    return inputs
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,15 +9,17 @@ from torch import nn
 from mg.core.models import TransformerConfig
 from mg.core.quantization import QuantizationConfig
 from mg.core.tokenizers.config import TokenizerConfig
-from mg.quantize_export.gguf_export import default_gguf_type, gguf_architecture, write_gguf
+from mg.quantize_export.gguf_export import check_gguf_model, default_gguf_type, write_gguf
 from mg.quantize_export.hf_export import hf_architecture, write_hf
 from mg.quantize_export.trtllm_export import quant_algo, write_trtllm
 
 
-def check_export(fmt: str, config: TransformerConfig, quantization: QuantizationConfig) -> None:
+def check_export(
+    fmt: str, model: nn.Module, config: TransformerConfig, quantization: QuantizationConfig
+) -> None:
     """Refuse (QuantizeInputError) before quantizing what the export could not write."""
     if fmt == "gguf":
-        gguf_architecture(config)
+        check_gguf_model(model, config)
     else:
         hf_architecture(config)
     if fmt == "trtllm":

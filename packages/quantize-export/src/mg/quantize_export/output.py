@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from mg.core.checkpoint import RELEASE, mg_metadata, save_checkpoint_shards
+from mg.core.io_paths import real_path, relation
 from mg.core.models import TransformerConfig
 from mg.core.quantization import QuantizationConfig
 from mg.core.tokenizers.config import TokenizerConfig
@@ -56,6 +57,15 @@ def staged_output(save: Path, overwrite: bool) -> Iterator[Path]:
         os.rename(save, old)
     os.rename(staging, save)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def staged_path(path: Path, save: Path, staging: Path) -> Path:
+    """Where to write ``path`` during the run: one inside ``save`` goes into the staging
+    folder and arrives with the output (written into ``save`` itself, it would block the
+    final rename, or be deleted with the old ``save`` under --overwrite)."""
+    if relation(path, save) != "inside":
+        return path
+    return staging / os.path.relpath(real_path(path), real_path(save))
 
 
 def copy_tokenizer(config: TokenizerConfig | None, folder: Path) -> TokenizerConfig | None:

@@ -19,7 +19,13 @@ from mg.quantize_export.errors import QuantizeInputError
 from mg.quantize_export.evaluation import agreement, reference_log_probs, state_bytes
 from mg.quantize_export.exports import check_export, export
 from mg.quantize_export.loading import load_source
-from mg.quantize_export.output import check_target, copy_tokenizer, save_quantized, staged_output
+from mg.quantize_export.output import (
+    check_target,
+    copy_tokenizer,
+    save_quantized,
+    staged_output,
+    staged_path,
+)
 from mg.quantize_export.recipes import CALIBRATED, RecipeOptions, quantize_model
 
 
@@ -34,6 +40,11 @@ def run(args: argparse.Namespace) -> dict:
             "(tied weights); drop the flag, or quantize a model trained with "
             "--untie-embeddings-and-output-weights"
         )
+    if args.export_format:  # before any calibration or quantization work
+        planned = QuantizationConfig(
+            args.recipe, symmetric=not args.asymmetric, fp8_per_channel=args.fp8_per_channel
+        )
+        check_export(args.export_format, model, config, planned)
     src_dtype = model.embedding.word_embeddings.weight.dtype
     model.float()
     vocab = _tokenizer_vocab(source.tokenizer_config, config.vocab_size)
@@ -53,11 +64,6 @@ def run(args: argparse.Namespace) -> dict:
         eval_samples = calibration_samples(args.eval_data_path, args.eval_samples, eval_len, vocab)
         reference = tempfile.TemporaryDirectory(prefix="mg-quantize-reference-")
         report["ppl_before"] = reference_log_probs(model, eval_samples, Path(reference.name))
-    if args.export_format:
-        planned = QuantizationConfig(
-            args.recipe, symmetric=not args.asymmetric, fp8_per_channel=args.fp8_per_channel
-        )
-        check_export(args.export_format, config, planned)
     size_before = _float_bytes(model, src_dtype)
     options = RecipeOptions(
         recipe=args.recipe,
@@ -103,8 +109,9 @@ def run(args: argparse.Namespace) -> dict:
                 args.gguf_type,
             )  # fmt: skip
         if args.report:
-            args.report.parent.mkdir(parents=True, exist_ok=True)
-            args.report.write_text(json.dumps(report, indent=2) + "\n")
+            target = staged_path(Path(args.report), save, folder)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
