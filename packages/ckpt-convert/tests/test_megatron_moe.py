@@ -255,28 +255,6 @@ def test_expert_tensor_parallel_one_files_import(megatron, tmp_path):
     assert all(torch.equal(ours[k], v) for k, v in weights.items() if is_routed_expert(k))
 
 
-def _sharded_keys(model) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """megatron-core's own `sharded_state_dict()`: each tensor key's global shape (a SwiGLU
-    factory's from its data: [L?, E?, 2F, h]) and the `_extra_state` objects' DCP keys."""
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedObject,
-        ShardedTensor,
-        ShardedTensorFactory,
-    )
-
-    tensors, objects = {}, set()
-    for value in model.sharded_state_dict().values():
-        if isinstance(value, ShardedObject):
-            objects.add(value.unique_key)
-        elif isinstance(value, ShardedTensorFactory):
-            built = value.build()
-            first = next(iter(built.values())) if isinstance(built, dict) else built[0]
-            tensors[value.key] = tuple(first.global_shape[:-2]) + tuple(value.data.shape)
-        elif isinstance(value, ShardedTensor):
-            tensors[value.key] = tuple(value.global_shape)
-    return tensors, objects
-
-
 @pytest.mark.parametrize("freq", ["list", "every"], ids=["layer-keys", "stacked"])
 def test_export_megatron_torch_dist_moe(megatron, tmp_path, freq, monkeypatch):
     """export-megatron --ckpt-format torch_dist of an MoE, in megatron-core's keys: a first
@@ -289,6 +267,12 @@ def test_export_megatron_torch_dist_moe(megatron, tmp_path, freq, monkeypatch):
     import dataclasses
 
     from mg.core.checkpoint.reader_guard import read_dcp_metadata
+    from mg.core.testing.megatron_dist_checkpoint import (
+        dist_checkpointing_cpu_patches,
+        load_into_megatron,
+        megatron_sharded_keys,
+        save_like_megatron_lm,
+    )
 
     config = MOE if freq == "list" else dataclasses.replace(MOE, moe_layer_freq=1)
     model = megatron if freq == "list" else megatron_gpt_model(config)
@@ -313,7 +297,7 @@ def test_export_megatron_torch_dist_moe(megatron, tmp_path, freq, monkeypatch):
     )
     folder = tmp_path / "dist" / f"iter_{ITERATION:07d}"
     stored = read_dcp_metadata(folder).state_dict_metadata
-    tensors, objects = _sharded_keys(megatron_gpt_model(config))
+    tensors, objects = megatron_sharded_keys(megatron_gpt_model(config))
     ours = {k: tuple(v.size) for k, v in stored.items() if "/" not in k and hasattr(v, "size")}
     assert {k: v for k, v in ours.items() if not k.startswith("rng")} == tensors
     assert objects <= set(stored)
@@ -321,12 +305,6 @@ def test_export_megatron_torch_dist_moe(megatron, tmp_path, freq, monkeypatch):
     if freq == "every":
         key = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
     assert ours[key] == ((4, 32, 32) if freq == "list" else (2, 4, 32, 32))
-
-    from mg.core.testing.megatron_dist_checkpoint import (
-        dist_checkpointing_cpu_patches,
-        load_into_megatron,
-        save_like_megatron_lm,
-    )
 
     fresh = megatron_gpt_model(config)
     load_into_megatron(folder, fresh)

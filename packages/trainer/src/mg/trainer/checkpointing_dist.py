@@ -4,12 +4,12 @@ The tensors go through `mg.core.checkpoint.dist_format` (torch.distributed.check
 every rank writing its own shards, so the checkpoint loads into any tensor-,
 pipeline- or data-parallel layout. The key layout follows from the model's family
 and configuration (`mg.core.checkpoint.formats.dist_layout`), never from its
-parameter names: a GPT, with the local layer spec or Transformer Engine's, is
-stored as Megatron-Core stores it (`mg.core.checkpoint.megatron_dist`: its
-`sharded_state_dict` keys, layers stacked along a leading axis, `_extra_state`
-objects holding TE's modules' own), so Megatron-LM loads mg's weights and mg loads
-Megatron-LM's; other models (MoE, Mamba, BERT, T5) keep mg's earlier per-parameter
-keys (`model.<name>`). A load reads either layout, told apart by the stored keys,
+parameter names: a GPT, dense or MoE, with the local layer spec or Transformer
+Engine's, is stored as Megatron-Core stores it (`mg.core.checkpoint.megatron_dist`:
+its `sharded_state_dict` keys, layers stacked along a leading axis, routed experts on
+an expert axis under their global numbers, `_extra_state` objects holding TE's
+modules' own), so Megatron-LM loads mg's weights and mg loads Megatron-LM's; other
+models (Mamba, BERT, T5) keep mg's earlier per-parameter keys (`model.<name>`). A load reads either layout, told apart by the stored keys,
 so GPT checkpoints saved per parameter before still resume.
 
 What carries over between mg and Megatron-LM, both ways: the weights, the iteration,
@@ -114,6 +114,22 @@ def _model_config(model: nn.Module) -> TransformerConfig:
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"{type(model).__name__} has no TransformerConfig")
     return config
+
+
+def _megatron_state(
+    named: dict[str, Any], config: TransformerConfig, *, extra_state: bool = False
+) -> ModelState:
+    """`named` (experts under their global numbers) keyed as Megatron-Core keys `config`'s
+    model: an MoE's routed experts on an expert axis, its layers keyed by number where
+    they differ (`per_layer_keys`)."""
+    moe: dict[str, Any] = {}
+    if config.num_moe_experts:
+        moe = {
+            "num_experts": config.num_moe_experts,
+            "layer_keys": per_layer_keys(config.moe_layer_freq),
+        }
+    tied = not config.untie_embeddings_and_output_weights
+    return megatron_model_state(named, config.num_layers, tied=tied, extra_state=extra_state, **moe)
 
 
 def _names(model: nn.Module, optimizer: DistributedOptimizer) -> list[str]:
@@ -254,9 +270,9 @@ def save(
     layout = dist_layout(family, decoder_config_from_dict(dict(model_config)))
     megatron = layout is DistLayout.MEGATRON
     if megatron:
-        layers = int(model_config["num_layers"])
-        tied = not model_config.get("untie_embeddings_and_output_weights", False)
-        model_state = megatron_model_state(named, layers, tied=tied, extra_state=True)
+        model_state = _megatron_state(
+            rename_keys(named, experts), _model_config(model), extra_state=True
+        )
         sharded: dict[str, Any] = {**model_state.tensors, **model_state.objects}
     else:
         sharded = {"model": rename_keys(named, experts)}
@@ -400,17 +416,7 @@ def resume(
     experts = global_expert_names(model)  # expert parallelism: experts by global number
     model_state = None
     if megatron:
-        config = _model_config(unwrapped)
-        tied = not config.untie_embeddings_and_output_weights
-        moe = {}
-        if config.num_moe_experts:  # Megatron-LM's (or export-megatron's) MoE keys
-            moe = {
-                "num_experts": config.num_moe_experts,
-                "layer_keys": per_layer_keys(config.moe_layer_freq),
-            }
-        model_state = megatron_model_state(
-            rename_keys(named, experts), config.num_layers, tied=tied, **moe
-        )
+        model_state = _megatron_state(rename_keys(named, experts), _model_config(unwrapped))
         sharded: dict[str, Any] = dict(model_state.tensors)
         stored = stored_keys(folder)
         for key in model_state.extra_states:  # TE's modules': objects, read as stored

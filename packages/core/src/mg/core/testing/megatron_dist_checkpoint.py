@@ -80,3 +80,28 @@ def load_into_megatron(folder: Path, model: torch.nn.Module) -> None:
 
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))
     model.load_state_dict(loaded["model"], strict=True)
+
+
+def megatron_sharded_keys(model: torch.nn.Module) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """megatron-core's own `sharded_state_dict()` of `model`: each tensor key's global shape
+    (a SwiGLU factory's from its data: [L?, E?, 2F, h]) and the `_extra_state` objects'
+    DCP keys: what a checkpoint in Megatron-Core's layout must hold."""
+    # lazy: megatron-core is a test-only dependency
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+
+    tensors: dict[str, tuple[int, ...]] = {}
+    objects: set[str] = set()
+    for value in model.sharded_state_dict().values():
+        if isinstance(value, ShardedObject):
+            objects.add(value.unique_key)
+        elif isinstance(value, ShardedTensorFactory):
+            built = value.build()
+            first = next(iter(built.values())) if isinstance(built, dict) else built[0]
+            tensors[value.key] = tuple(first.global_shape[:-2]) + tuple(value.data.shape)
+        elif isinstance(value, ShardedTensor):
+            tensors[value.key] = tuple(value.global_shape)
+    return tensors, objects
