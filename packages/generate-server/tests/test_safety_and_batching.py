@@ -212,8 +212,8 @@ def test_a_client_that_hangs_up_cancels_its_request(
             cancelled.set()
             raise
 
-    monkeypatch.setattr(app_module, "complete", never_done)
-    monkeypatch.setattr(openai_api, "complete", never_done)
+    monkeypatch.setattr(app_module, "collect", never_done)
+    monkeypatch.setattr(openai_api, "collect", never_done)
     with start_server(loaded) as running:
         with pytest.raises(httpx.ReadTimeout):
             httpx.request(

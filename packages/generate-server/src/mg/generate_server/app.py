@@ -15,8 +15,9 @@ import hmac
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,10 +28,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mg.core.tokenizers import BaseTokenizer
 from mg.generate_server import __version__
 from mg.generate_server.async_bridge import (
+    AsyncGeneration,
     ClientGone,
     GenerationFailed,
     GenerationTimeout,
-    complete,
+    cancel_all,
+    collect,
+    submit_all,
     unless_disconnected,
 )
 from mg.generate_server.chat import ChatTemplate
@@ -47,6 +51,7 @@ from mg.generate_server.openai_api import OpenAIService
 from mg.generate_server.openai_schema import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("mg.generate_server")
+T = TypeVar("T")
 
 
 @dataclass
@@ -90,6 +95,10 @@ def _is_openai(path: str) -> bool:
     return path.startswith("/v1/")
 
 
+RETRY_AFTER_SECONDS = 1
+"""What a 503 (full queue) tells the client to wait before it tries again."""
+
+
 def _error(path: str, status: int, message: str, param: str | None = None) -> JSONResponse:
     if _is_openai(path):
         kind = "invalid_request_error" if status < 500 else "server_error"
@@ -98,7 +107,33 @@ def _error(path: str, status: int, message: str, param: str | None = None) -> JS
         }
     else:
         body = {"message": message}
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_SECONDS)} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class AdmittedStream(StreamingResponse):
+    """A streamed answer whose sequences were admitted before its status line: however the
+    response ends (finished, client gone, the status line never sent), the sequences
+    still in the engine are cancelled."""
+
+    def __init__(self, content: AsyncIterator[str], generations: list[AsyncGeneration]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.generations = generations
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            cancel_all(self.generations)
+
+
+async def _answer(request: Request, generations: list[AsyncGeneration], work: Awaitable[T]) -> T:
+    """A non-streamed answer of admitted sequences; they leave the engine if the client
+    goes or anything fails."""
+    try:
+        return await unless_disconnected(request, work)
+    finally:
+        cancel_all(generations)
 
 
 CLIENT_GONE = "mg.client_gone"  # scope key: an asyncio.Event set when the client hangs up
@@ -329,30 +364,29 @@ def create_app(
                 len(req.prompts),
                 req.tokens_to_generate,
             )
-        timeout = settings.request_timeout
-        runs = [complete(engine, prompt, params, timeout) for prompt, params in jobs]
-        completions = await unless_disconnected(request, asyncio.gather(*runs))
+        generations = submit_all(engine, jobs, settings.request_timeout)  # or a 503 now
+        runs = asyncio.gather(*(collect(g) for g in generations))
+        completions = await _answer(request, generations, runs)
         return megatron_response(list(completions), tokenizer, req.logprobs)
 
     @app.post("/v1/completions", summary="OpenAI-compatible text completion")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         jobs = openai.completion_jobs(req)
+        generations = openai.admit(jobs)  # a full queue is a 503 here, before any 200
         if req.stream:
-            return StreamingResponse(
-                openai.stream_completions(req, jobs), media_type="text/event-stream"
-            )
-        return await unless_disconnected(request, openai.completions(req, jobs))
+            stream = openai.stream_completions(req, jobs, generations)
+            return AdmittedStream(stream, generations)
+        return await _answer(request, generations, openai.completions(req, jobs, generations))
 
     if chat_template is not None:
 
         @app.post("/v1/chat/completions", summary="OpenAI-compatible chat completion")
         async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
             jobs = openai.chat_jobs(req)
+            generations = openai.admit(jobs)  # a full queue is a 503 here, before any 200
             if req.stream:
-                return StreamingResponse(
-                    openai.stream_chat(req, jobs), media_type="text/event-stream"
-                )
-            return await unless_disconnected(request, openai.chat(req, jobs))
+                return AdmittedStream(openai.stream_chat(req, jobs, generations), generations)
+            return await _answer(request, generations, openai.chat(req, jobs, generations))
 
     @app.get("/v1/models", summary="The served model")
     async def models() -> dict[str, Any]:

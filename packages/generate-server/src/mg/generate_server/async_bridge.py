@@ -1,5 +1,7 @@
 """From the engine thread to asyncio: one request's events as an async iterator, with a deadline.
 
+A client request's sequences are admitted (`submit_all`) before its answer
+starts, all or none: a full queue is a 503, never a 200 stream that stops.
 The engine's callback only schedules `queue.put_nowait` on the event loop, so
 a slow HTTP client (or a full socket buffer) never blocks the engine; a
 client that goes away, or a request past its deadline, is cancelled and its
@@ -11,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from mg.generate_server.engine import GenerationEngine, TokenEvent
+from mg.generate_server.engine import GenerationEngine, RequestHandle, TokenEvent
+from mg.generate_server.errors import ApiError
 from mg.generate_server.sampling import SamplingParams
 
 T = TypeVar("T")
@@ -78,29 +81,29 @@ class Completion:
 
 
 class AsyncGeneration:
-    """A submitted request whose events are read with `async for`."""
+    """One admitted sequence whose events are read with `async for` (`submit_all` makes them)."""
 
-    def __init__(
-        self,
-        engine: GenerationEngine,
-        prompt: list[int],
-        params: SamplingParams,
-        timeout: float | None,
-    ) -> None:
-        loop = asyncio.get_running_loop()
+    def __init__(self, prompt: list[int], timeout: float | None) -> None:
+        self.prompt = list(prompt)
+        self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._deadline = None if timeout is None else time.monotonic() + timeout
+        self.handle: RequestHandle | None = None
+        self.finished = False
 
-        def emit(event: TokenEvent) -> None:
-            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
-                loop.call_soon_threadsafe(self._queue.put_nowait, event)
+    def emit(self, event: TokenEvent) -> None:
+        """The engine's callback (its thread): hand the event to the event loop."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
 
-        self.handle = engine.submit(prompt, params, emit)
+    def cancel(self) -> None:
+        """Take the sequence out of the engine unless it has finished (harmless twice)."""
+        if not self.finished and self.handle is not None:
+            self.handle.cancel()
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         """Token events until the finishing one (included); cancels the request if
         the reader stops early, raises GenerationTimeout past the deadline."""
-        finished = False
         try:
             while True:
                 remaining = None if self._deadline is None else self._deadline - time.monotonic()
@@ -111,23 +114,52 @@ class AsyncGeneration:
                 except asyncio.TimeoutError:
                     raise GenerationTimeout from None
                 if event.finish_reason == "error":
-                    finished = True
+                    self.finished = True
                     raise GenerationFailed(event.error or "generation failed")
                 if event.finish_reason is not None:
-                    finished = True
+                    self.finished = True
                 yield event
-                if finished:
+                if self.finished:
                     return
         finally:
-            if not finished:
-                self.handle.cancel()
+            self.cancel()
+
+
+def submit_all(
+    engine: GenerationEngine,
+    requests: Sequence[tuple[list[int], SamplingParams]],
+    timeout: float | None,
+) -> list[AsyncGeneration]:
+    """Admit a client request's sequences into the engine, all or none, before anything is
+    answered: EngineFullError (a 503) on a full queue, ApiError (a 400) for a sequence
+    the server can never hold. A caller cancels the generations it stops reading."""
+    generations = [AsyncGeneration(prompt, timeout) for prompt, _ in requests]
+    pairs = zip(generations, requests, strict=True)
+    try:
+        handles = engine.submit_many([(g.prompt, params, g.emit) for g, (_, params) in pairs])
+    except ValueError as exc:
+        raise ApiError(str(exc)) from None
+    for generation, handle in zip(generations, handles, strict=True):
+        generation.handle = handle
+    return generations
+
+
+def cancel_all(generations: Sequence[AsyncGeneration]) -> None:
+    """Free the engine of every sequence not finished (the client went, or an error)."""
+    for generation in generations:
+        generation.cancel()
+
+
+async def collect(generation: AsyncGeneration) -> Completion:
+    """Run one admitted sequence to the end and gather its tokens and log-probabilities."""
+    result = Completion(prompt=generation.prompt)
+    async for event in generation.events():
+        result.add(event)
+    return result
 
 
 async def complete(
     engine: GenerationEngine, prompt: list[int], params: SamplingParams, timeout: float | None
 ) -> Completion:
-    """Run one prompt to the end and gather its tokens and log-probabilities."""
-    result = Completion(prompt=list(prompt))
-    async for event in AsyncGeneration(engine, prompt, params, timeout).events():
-        result.add(event)
-    return result
+    """Admit one prompt, run it to the end and gather its tokens and log-probabilities."""
+    return await collect(submit_all(engine, [(prompt, params)], timeout)[0])

@@ -240,6 +240,32 @@ class GenerationEngine:
         self, prompt: list[int], params: SamplingParams, emit: Callable[[TokenEvent], None]
     ) -> RequestHandle:
         """Queue a request; `emit` is called from the engine thread for every event."""
+        return self.submit_many([(prompt, params, emit)])[0]
+
+    def submit_many(
+        self, requests: Sequence[tuple[list[int], SamplingParams, Callable[[TokenEvent], None]]]
+    ) -> list[RequestHandle]:
+        """Queue the sequences of one client request (its prompts, its choices) together or
+        none of them, so a server can refuse the request before it answers: EngineFullError
+        when the queue lacks room for them all (a request larger than the whole queue is
+        taken when the queue is empty), ValueError for a sequence that can never fit."""
+        sequences = [self._sequence(prompt, params, emit) for prompt, params, emit in requests]
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the generation engine is shut down")
+            waiting = len(self._waiting)
+            if waiting >= self.max_waiting or (
+                waiting and waiting + len(sequences) > self.max_waiting
+            ):
+                raise EngineFullError(f"{waiting} requests are already waiting; try again shortly")
+            self._waiting.extend(sequences)
+            self._lock.notify()
+        return [RequestHandle(sequence, self) for sequence in sequences]
+
+    def _sequence(
+        self, prompt: list[int], params: SamplingParams, emit: Callable[[TokenEvent], None]
+    ) -> _Sequence:
+        """A new sequence, checked to fit one sequence's positions and the whole pool."""
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         total = len(prompt) + params.max_new_tokens
@@ -254,7 +280,7 @@ class GenerationEngine:
                 f"exceeds the KV cache ({self.blocks.num_blocks} blocks of "
                 f"{self.blocks.block_size} positions; see --kv-cache-memory)"
             )
-        sequence = _Sequence(
+        return _Sequence(
             request_id=next(self._ids),
             prompt=list(prompt),
             params=params,
@@ -262,16 +288,6 @@ class GenerationEngine:
             generator=make_generator(params.seed),
             top_p=params.top_p,
         )
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the generation engine is shut down")
-            if len(self._waiting) >= self.max_waiting:
-                raise EngineFullError(
-                    f"{len(self._waiting)} requests are already waiting; try again shortly"
-                )
-            self._waiting.append(sequence)
-            self._lock.notify()
-        return RequestHandle(sequence, self)
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[TokenEvent]:
         """Blocking convenience for scripts and tests: all events of one request."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,7 +25,8 @@ from mg.generate_server.async_bridge import (
     Completion,
     GenerationFailed,
     GenerationTimeout,
-    complete,
+    collect,
+    submit_all,
 )
 from mg.generate_server.chat import ChatTemplate
 from mg.generate_server.engine import GenerationEngine
@@ -37,6 +39,8 @@ from mg.generate_server.openai_schema import (
 )
 from mg.generate_server.sampling import SamplingParams
 from mg.generate_server.text_stream import TextStream
+
+log = logging.getLogger("mg.generate_server")
 
 
 @dataclass
@@ -164,11 +168,13 @@ class OpenAIService:
 
     # --- running jobs ---------------------------------------------------------
 
-    async def _run_all(self, jobs: list[_Job]) -> list[Completion]:
-        tasks = [
-            asyncio.ensure_future(complete(self.engine, job.prompt, job.params, self.timeout))
-            for job in jobs
-        ]
+    def admit(self, jobs: list[_Job]) -> list[AsyncGeneration]:
+        """Queue every job of a request in the engine, before any answer is sent: a full
+        queue is a 503, not a 200 stream that breaks off (EngineFullError)."""
+        return submit_all(self.engine, [(job.prompt, job.params) for job in jobs], self.timeout)
+
+    async def _run_all(self, generations: list[AsyncGeneration]) -> list[Completion]:
+        tasks = [asyncio.ensure_future(collect(g)) for g in generations]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -176,7 +182,7 @@ class OpenAIService:
                 task.cancel()
 
     async def _stream_all(
-        self, jobs: list[_Job]
+        self, jobs: list[_Job], generations: list[AsyncGeneration]
     ) -> AsyncIterator[tuple[_Job, Completion, str, str | None, Completion | None]]:
         """(job, completion so far, new text, finish reason, the event's own token) as tokens
         arrive, all jobs merged. The token (with its log-probabilities) is taken when its
@@ -186,11 +192,10 @@ class OpenAIService:
             tuple[_Job, Completion, str, str | None, Completion | None] | Exception
         ] = asyncio.Queue()
 
-        async def run(job: _Job) -> None:
+        async def run(job: _Job, gen: AsyncGeneration) -> None:
             result = Completion(prompt=job.prompt)
             text = TextStream(self.tokenizer.detokenize, job.params.stop_strings)
             try:
-                gen = AsyncGeneration(self.engine, job.prompt, job.params, self.timeout)
                 async for event in gen.events():
                     result.add(event)
                     delta, new = "", None
@@ -211,7 +216,9 @@ class OpenAIService:
             except Exception as exc:  # surfaces in the stream as an error event
                 await queue.put(exc)
 
-        tasks = [asyncio.ensure_future(run(job)) for job in jobs]
+        tasks = [
+            asyncio.ensure_future(run(job, gen)) for job, gen in zip(jobs, generations, strict=True)
+        ]
         try:
             pending = len(jobs)
             while pending:
@@ -245,8 +252,10 @@ class OpenAIService:
         self._check_size(jobs)
         return jobs
 
-    async def completions(self, req: CompletionRequest, jobs: list[_Job]) -> dict[str, Any]:
-        completions = await self._run_all(jobs)
+    async def completions(
+        self, req: CompletionRequest, jobs: list[_Job], generations: list[AsyncGeneration]
+    ) -> dict[str, Any]:
+        completions = await self._run_all(generations)
         choices = []
         for job, result in zip(jobs, completions, strict=True):
             text, finish, tokens = self._final_text(result, job.params)
@@ -268,7 +277,7 @@ class OpenAIService:
         }
 
     async def stream_completions(
-        self, req: CompletionRequest, jobs: list[_Job]
+        self, req: CompletionRequest, jobs: list[_Job], generations: list[AsyncGeneration]
     ) -> AsyncIterator[str]:
         head = {
             "id": f"cmpl-{uuid.uuid4().hex}",
@@ -283,7 +292,7 @@ class OpenAIService:
             return _sse({**head, "choices": [choice]})
 
         try:
-            async for job, result, delta, finish, new in self._stream_all(jobs):
+            async for job, result, delta, finish, new in self._stream_all(jobs, generations):
                 results[job.index] = result
                 if req.echo and job.index not in echoed:
                     echoed.add(job.index)
@@ -296,7 +305,7 @@ class OpenAIService:
             if req.stream_options is not None and req.stream_options.include_usage:
                 done = [results[j.index] for j in jobs]
                 yield _sse({**head, "choices": [], "usage": _usage(jobs, done, req.n)})
-        except (GenerationTimeout, GenerationFailed) as exc:
+        except Exception as exc:  # the status line is out: end with an error event
             yield _sse(_stream_error(exc))
         yield _sse("[DONE]")
 
@@ -371,8 +380,10 @@ class OpenAIService:
         self._check_size(jobs)
         return jobs
 
-    async def chat(self, req: ChatCompletionRequest, jobs: list[_Job]) -> dict[str, Any]:
-        completions = await self._run_all(jobs)
+    async def chat(
+        self, req: ChatCompletionRequest, jobs: list[_Job], generations: list[AsyncGeneration]
+    ) -> dict[str, Any]:
+        completions = await self._run_all(generations)
         choices = []
         for job, result in zip(jobs, completions, strict=True):
             text, finish, tokens = self._final_text(result, job.params)
@@ -394,7 +405,9 @@ class OpenAIService:
             "usage": _usage(jobs, completions, req.n),
         }
 
-    async def stream_chat(self, req: ChatCompletionRequest, jobs: list[_Job]) -> AsyncIterator[str]:
+    async def stream_chat(
+        self, req: ChatCompletionRequest, jobs: list[_Job], generations: list[AsyncGeneration]
+    ) -> AsyncIterator[str]:
         head = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk",
@@ -406,7 +419,7 @@ class OpenAIService:
             choice = {"index": job.index, "delta": {"role": "assistant", "content": ""}}
             yield _sse({**head, "choices": [{**choice, "logprobs": None, "finish_reason": None}]})
         try:
-            async for job, result, delta, finish, new in self._stream_all(jobs):
+            async for job, result, delta, finish, new in self._stream_all(jobs, generations):
                 results[job.index] = result
                 logprobs = None
                 if req.logprobs and new is not None:
@@ -421,7 +434,7 @@ class OpenAIService:
             if req.stream_options is not None and req.stream_options.include_usage:
                 done = [results[j.index] for j in jobs]
                 yield _sse({**head, "choices": [], "usage": _usage(jobs, done, req.n)})
-        except (GenerationTimeout, GenerationFailed) as exc:
+        except Exception as exc:  # the status line is out: end with an error event
             yield _sse(_stream_error(exc))
         yield _sse("[DONE]")
 
@@ -462,8 +475,13 @@ def _usage(jobs: list[_Job], completions: list[Completion], n: int) -> dict[str,
 
 
 def _stream_error(exc: Exception) -> dict[str, Any]:
+    """The event that ends a stream which cannot finish: what the `openai` client raises as
+    an APIError (a body that just stops reads as a network fault, or as a short answer)."""
     if isinstance(exc, GenerationTimeout):
         message, kind = "generation took longer than the server's --request-timeout", "timeout"
-    else:
+    elif isinstance(exc, GenerationFailed):
         message, kind = f"generation failed: {exc}", "server_error"
+    else:
+        log.exception("streamed answer failed")
+        message, kind = f"internal error: {type(exc).__name__}: {exc}", "server_error"
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
