@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from .long_text import PIECE_CHARS
+
 if TYPE_CHECKING:
     from .config import TokenizerConfig
 
@@ -64,6 +66,8 @@ class BaseTokenizer:
     mask: int | None = None
     # Set by build_tokenizer: what a checkpoint records to rebuild this tokenizer.
     config: TokenizerConfig | None = None
+    # Longer texts are encoded in pieces (same ids, bounded memory): see long_text.
+    piece_chars: int = PIECE_CHARS
 
     def __init__(self) -> None:
         self.additional_special_tokens_ids: list[int] = []
@@ -73,6 +77,10 @@ class BaseTokenizer:
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(text) for text in texts]
+
+    def has_long_text(self, texts: list[str]) -> bool:
+        """Whether a batch must go text by text, for one of them to be encoded in pieces."""
+        return any(len(text) > self.piece_chars for text in texts)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         raise NotImplementedError

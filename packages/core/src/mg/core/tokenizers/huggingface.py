@@ -19,8 +19,29 @@ from typing import Any
 from tokenizers import Tokenizer as HFTokenizer
 
 from .base import BaseTokenizer, as_id_list, clean_up_tokenization
+from .long_text import cut_points
+from .tiktoken_bpe import PATTERN_V1, PATTERN_V2
 
 _FLAG = "--tokenizer-model"
+
+# Steps of tokenizer.json under which a cut before a space between two ordinary
+# characters is a pre-token boundary (long_text's argument); a tokenizer made of
+# anything else is encoded whole. Normalizers that map one character at a time:
+_LOCAL_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "BertNormalizer", "StripAccents"}
+# Pre-tokenizers that split at every space, or split by one of these patterns:
+_SPACE_SPLITTERS = {"BertPreTokenizer", "Whitespace", "WhitespaceSplit"}
+_GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_KNOWN_PATTERNS = {
+    _GPT2_PATTERN,
+    _LLAMA3_PATTERN,
+    _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}"),  # Qwen2
+    PATTERN_V1,
+    PATTERN_V2,
+}
 
 
 class HuggingFaceTokenizer(BaseTokenizer):
@@ -62,6 +83,9 @@ class HuggingFaceTokenizer(BaseTokenizer):
             self._tokenizer.no_padding()
             self._tokenizer.no_truncation()
             self._cleanup = self._cleanup and type(self._tokenizer.model).__name__ != "BPE"
+            self._cuttable = cuttable(json.loads(self._tokenizer.to_str()))
+            added = self._tokenizer.get_added_tokens_decoder().values()
+            self._added = tuple(token.content for token in added)
             self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
             token_id = self._tokenizer.token_to_id
         elif (folder / "tokenizer_config.json").is_file():  # a slow-only tokenizer
@@ -91,10 +115,35 @@ class HuggingFaceTokenizer(BaseTokenizer):
 
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is not None:
+            if len(text) > self.piece_chars and self._cuttable:
+                return self._encode_in_pieces(text)
             return self._tokenizer.encode(text, add_special_tokens=True).ids
         return list(self._transformers(text).input_ids)
 
+    def _encode_in_pieces(self, text: str) -> list[int]:
+        """The ids of ``encode(text)``, a piece at a time (long_text): the special tokens
+        the post-processor puts before the text come with the first piece, those after it
+        with the last."""
+        assert self._tokenizer is not None
+        bounds = [0, *cut_points(text, self.piece_chars, self._added), len(text)]
+        last = len(bounds) - 2
+        ids: list[int] = []
+        for k, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            encoding = self._tokenizer.encode(text[start:end], add_special_tokens=k in (0, last))
+            piece_ids, sequence = encoding.ids, encoding.sequence_ids
+            begin, stop = 0, len(piece_ids)
+            if k == 0 and last:  # keep the specials in front, drop those after
+                while stop and sequence[stop - 1] is None:
+                    stop -= 1
+            elif k == last and k:  # keep the specials after, drop those in front
+                while begin < stop and sequence[begin] is None:
+                    begin += 1
+            ids.extend(piece_ids[begin:stop])
+        return ids
+
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        if self.has_long_text(texts):
+            return [self.tokenize(text) for text in texts]
         if self._tokenizer is not None:
             encodings = self._tokenizer.encode_batch_fast(texts, add_special_tokens=True)
             return [e.ids for e in encodings]
@@ -115,6 +164,41 @@ class HuggingFaceTokenizer(BaseTokenizer):
         if token is None:
             raise KeyError(f"token id {i} is not in the vocabulary (size {self.vocab_size})")
         return token
+
+
+def cuttable(spec: dict[str, Any]) -> bool:
+    """Whether a tokenizer.json's normalizer and pre-tokenizer allow long_text's cuts."""
+
+    def normalizer_ok(step: dict[str, Any] | None) -> bool:
+        if step is None:
+            return True
+        if step.get("type") == "Sequence":
+            return all(normalizer_ok(s) for s in step.get("normalizers", []))
+        return step.get("type") in _LOCAL_NORMALIZERS
+
+    def splits_at_spaces(step: dict[str, Any] | None) -> bool:
+        kind = step and step.get("type")
+        if kind in _SPACE_SPLITTERS:
+            return True
+        if kind == "ByteLevel":
+            return step.get("use_regex", True)  # GPT-2's pattern
+        if kind == "Metaspace":
+            return step.get("split", True)
+        if kind == "Split":
+            pattern = step.get("pattern", {}).get("Regex")
+            isolated = step.get("behavior") == "Isolated" and not step.get("invert", False)
+            return isolated and pattern in _KNOWN_PATTERNS
+        return False
+
+    def harmless(step: dict[str, Any]) -> bool:  # maps pre-tokens one by one
+        return step.get("type") == "ByteLevel" and not step.get("use_regex", True)
+
+    pre = spec.get("pre_tokenizer")
+    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre]
+    if not steps or not splits_at_spaces(steps[0]):
+        return False
+    rest_ok = all(splits_at_spaces(s) or harmless(s) for s in steps[1:])
+    return rest_ok and normalizer_ok(spec.get("normalizer"))
 
 
 def _read_special_config(folder: Path) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import sentencepiece
 
 from .base import BaseTokenizer, as_id_list, require_file
+from .long_text import iter_pieces
 
 
 def load_sentencepiece(
@@ -56,6 +57,22 @@ class _SentencePieceBase(BaseTokenizer):
             piece = self._sp.id_to_piece(i)
             self._vocab[piece] = i
             self._inv_vocab[i] = piece
+        self._cut_space = cut_space_rule(self._sp, self._vocab)
+
+    def _encode(self, text: str) -> list[int]:
+        """``sp.encode(text)``, in pieces for a long text when the model allows it."""
+        if len(text) <= self.piece_chars or self._cut_space is None:
+            return self._sp.encode(text)
+        ids: list[int] = []
+        for k, piece in enumerate(iter_pieces(text, self.piece_chars)):
+            # Every piece after the first starts with the space it was cut at.
+            ids.extend(self._sp.encode(piece[1:] if k and self._cut_space == "strip" else piece))
+        return ids
+
+    def _encode_all(self, texts: list[str]) -> list[list[int]]:
+        if self.has_long_text(texts):
+            return [self._encode(text) for text in texts]
+        return self._sp.encode(texts)
 
     @property
     def vocab(self) -> dict[str, int]:
@@ -68,6 +85,29 @@ class _SentencePieceBase(BaseTokenizer):
     def id_to_token(self, i: int) -> str:
         """The piece (with its ``▁``), as Megatron's server shows SentencePiece tokens."""
         return self._inv_vocab[i]
+
+
+def cut_space_rule(sp: sentencepiece.SentencePieceProcessor, vocab: dict[str, int]) -> str | None:
+    """How to encode a piece that starts with the space a long text was cut at.
+
+    ``"strip"``: drop that space, the normalizer's dummy prefix puts the ``▁``
+    back; ``"keep"``: encode it as is; None: this model cannot be cut (its
+    normalizer does not treat "a b" as "a" + "b", or a vocabulary piece
+    spans a word boundary), so texts are encoded whole.
+    """
+    whole, first = sp.normalize("a b"), sp.normalize("a")
+    if whole == first + sp.normalize("b"):
+        rule = "strip"
+    elif whole == first + sp.normalize(" b"):
+        rule = "keep"
+    else:
+        return None
+    # A word's ▁ is its first character (or, with treat_whitespace_as_suffix, its last);
+    # a piece holding a ▁ next to a non-▁ on the other side would cross the cut.
+    across = re.compile("▁[^▁]" if first.endswith("▁") else "[^▁]▁")
+    if any(across.search(piece) for piece in vocab):
+        return None
+    return rule
 
 
 class SentencePieceTokenizer(_SentencePieceBase):
@@ -112,11 +152,11 @@ class SentencePieceTokenizer(_SentencePieceBase):
 
     def tokenize(self, text: str) -> list[int]:
         pieces, specials = self._segments(text)
-        return _interleave(self._sp.encode(pieces), specials)
+        return _interleave(self._encode_all(pieces), specials)
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         split = [self._segments(text) for text in texts]
-        encoded = self._sp.encode([p for pieces, _ in split for p in pieces])
+        encoded = self._encode_all([p for pieces, _ in split for p in pieces])
         out, at = [], 0
         for pieces, specials in split:
             out.append(_interleave(encoded[at : at + len(pieces)], specials))
@@ -158,10 +198,10 @@ class GPTSentencePieceTokenizer(_SentencePieceBase):
         self.vocab_size = len(self._vocab)
 
     def tokenize(self, text: str) -> list[int]:
-        return self._sp.encode(text)
+        return self._encode(text)
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return self._sp.encode(list(texts))
+        return self._encode_all(list(texts))
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._sp.decode_ids(as_id_list(ids))
@@ -173,12 +213,12 @@ class Llama2Tokenizer(GPTSentencePieceTokenizer):
     name = "Llama2Tokenizer"
 
     def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
-        return self._wrap(self._sp.encode(text), bos, eos)
+        return self._wrap(self._encode(text), bos, eos)
 
     def tokenize_batch(
         self, texts: list[str], bos: bool = True, eos: bool = False
     ) -> list[list[int]]:
-        return [self._wrap(ids, bos, eos) for ids in self._sp.encode(list(texts))]
+        return [self._wrap(ids, bos, eos) for ids in self._encode_all(list(texts))]
 
     def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         if bos:

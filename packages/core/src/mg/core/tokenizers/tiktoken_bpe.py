@@ -23,6 +23,7 @@ from pathlib import Path
 import tiktoken
 
 from .base import BaseTokenizer, as_id_list, require_file
+from .long_text import encode_in_pieces
 
 PATTERN_V1 = r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
 PATTERN_V2 = (
@@ -115,14 +116,14 @@ class TikTokenizer(BaseTokenizer):
         self.additional_special_tokens_ids = [index[t] for t in specials if t not in _REQUIRED]
 
     def tokenize(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
-        return self._wrap(self._encoding.encode_ordinary(text), bos, eos)
+        ids = encode_in_pieces(text, self._encoding.encode_ordinary, self.piece_chars)
+        return self._wrap(ids, bos, eos)
 
     def tokenize_batch(
         self, texts: list[str], bos: bool = False, eos: bool = False
     ) -> list[list[int]]:
         # A loop, not encode_ordinary_batch: see GPT2BPETokenizer.tokenize_batch.
-        encode = self._encoding.encode_ordinary
-        return [self._wrap(encode(text), bos, eos) for text in texts]
+        return [self.tokenize(text, bos, eos) for text in texts]
 
     def _wrap(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         if bos:

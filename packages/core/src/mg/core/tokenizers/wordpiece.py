@@ -29,6 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordPiece
 
 from .base import BaseTokenizer, as_id_list, clean_up_tokenization, require_file
+from .long_text import encode_in_pieces
 
 # Removed before anything else (Megatron's _clean_text): NUL, U+FFFD and every
 # Cc/Cf character except the tab and newlines, which count as whitespace.
@@ -132,9 +133,16 @@ class BertWordPieceTokenizer(BaseTokenizer):
         return self._inv_vocab
 
     def tokenize(self, text: str) -> list[int]:
+        # In pieces cut at spaces (which always end a word): whole, tokenizers keeps
+        # ~330 bytes a token.
+        return encode_in_pieces(text, self._encode, self.piece_chars)
+
+    def _encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        if self.has_long_text(texts):
+            return [self.tokenize(text) for text in texts]
         return [e.ids for e in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def detokenize(self, ids: Sequence[int]) -> str:
