@@ -70,7 +70,8 @@ def test_printed_lines_from_a_run(tmp_path, mock_argv, train, capsys) -> None:
     valid = [x for x in out if x.startswith(" validation loss at")]
     assert len(valid) == 1
     assert re.match(
-        rf"^ validation loss at iteration 4 \| lm loss value: {NUM} \| lm loss PPL: {NUM} \| $",
+        rf"^ validation loss at iteration 4 \| lm loss value: {NUM} \| lm loss PPL: {NUM} \| "
+        r"samples: 0-\d+ of the \d+ built from the validation split \| $",
         valid[0],
     )
 

@@ -95,11 +95,19 @@ def perplexity(loss: float) -> float:
     return math.exp(min(20.0, loss))
 
 
-def validation_log_line(prefix: str, losses: dict[str, float]) -> str:
-    """` validation loss at iteration N | lm loss value: ... | lm loss PPL: ... |`."""
+def validation_log_line(
+    prefix: str, losses: dict[str, float], samples: tuple[int, int, int] | None = None
+) -> str:
+    """` validation loss at iteration N | lm loss value: ... | lm loss PPL: ... |`, then
+    which validation samples were scored, `(first, end, built)`: each validation takes
+    the next --eval-iters x --global-batch-size samples, so its loss differs from
+    mg-eval ppl's on other samples of the split (mg-eval's line names its samples too)."""
     s = f" validation loss at {prefix} | "
     for key, value in losses.items():
         s += f"{key} value: {value:.6E} | {key} PPL: {perplexity(value):.6E} | "
+    if samples is not None:
+        first, end, built = samples
+        s += f"samples: {first}-{end - 1} of the {built} built from the validation split | "
     return s
 
 

@@ -421,6 +421,7 @@ class Trainer:
             self._pending_save = None
 
     def _validate_and_log(self, prefix: str, result: TrainResult) -> None:
+        first = self.state.consumed_valid_samples
         losses = self.evaluate()
         loss = losses["lm loss"]
         result.validation.append((self.state.iteration, loss))
@@ -428,7 +429,8 @@ class Trainer:
             if name != "lm loss":
                 result.extra_validation.setdefault(name, []).append((self.state.iteration, value))
         if self.env.is_main:
-            line = validation_log_line(prefix, losses)
+            scored = (first, self.state.consumed_valid_samples, len(self.valid_dataset))
+            line = validation_log_line(prefix, losses, scored)
             print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
         scalars = {f"{name} validation": value for name, value in losses.items()}
         scalars["lm loss validation ppl"] = perplexity(loss)
