@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -237,7 +238,7 @@ def mg_state_of_megatron(
     """What an mg checkpoint records, from Megatron-LM's args: plain-data args, the
     iteration, ``mg`` with the model and tokenizer configs."""
     tokenizer = TokenizerConfig.from_dict(dict(args)) if args.get("tokenizer_type") else None
-    plain_args = {k: v for k, v in args.items() if isinstance(v, _PLAIN)}
+    plain_args = {k: _plain(v) for k, v in args.items() if isinstance(v, _PLAIN + (enum.Enum,))}
     plain_args["converted_by"] = converted_by
     return {
         "args": plain_args,
@@ -246,6 +247,12 @@ def mg_state_of_megatron(
             config.to_dict(), tokenizer.to_dict() if tokenizer else None, tp=tp, pp=pp, ep=ep
         ),
     }
+
+
+def _plain(value: Any) -> Any:
+    """An enum (``signal.SIGTERM`` is an int too) by its member's name, so the file we
+    write pickles plain data only; other values as they are."""
+    return value.name if isinstance(value, enum.Enum) else value
 
 
 def megatron_source_state(

@@ -4,8 +4,11 @@ Loading. Every file is first read with ``torch.load(weights_only=True)`` and a
 small allowlist of plain-data classes that checkpoints legitimately hold:
 ``argparse.Namespace`` (Megatron pickles its ``args`` as one) and the numpy
 pieces of ``np.random.get_state()`` (Megatron's ``rng_state``). Our own saves
-need nothing more. A file that names any other class (a real Megatron-LM run
-pickles enums such as ``AttnBackend`` into ``args``) is refused with the list of
+need nothing more. A real Megatron-LM run also pickles enums into ``args``
+(``AttnBackend``, ``signal.Signals``): those are read again, still weights-only,
+as their members' names (see :mod:`.foreign_enums`), so every tool loads
+Megatron-LM's checkpoints without megatron-core and without running code from
+the file. A file that names any other class is refused with the list of
 classes it asks for, unless the caller passes ``allow_pickle=True``, which falls
 back to ``weights_only=False`` — full pickle, so only for files you trust.
 
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mg.core.checkpoint.foreign_enums import is_foreign, stand_ins
 from mg.core.checkpoint.layout import CheckpointError
 from mg.core.checkpoint.reader_guard import corrupt_file_error, describe_exception
 
@@ -98,17 +102,29 @@ def load_file(
         if not _is_weights_only_refusal(exc):
             raise _corrupt(path, exc) from exc
         refusal = exc
-    if not allow_pickle:
-        try:
-            names = ", ".join(unsafe_globals(path)) or "(unknown)"
-        except Exception as exc:
-            # not a zip archive: garbage, or a pre-1.6 torch.save file (pickle only)
+    try:
+        found = unsafe_globals(path)
+    except Exception as exc:
+        if not allow_pickle:  # not a zip archive: garbage, or a pre-1.6 torch.save file
             raise _corrupt(path, refusal, legacy_hint=True) from exc
+        found = []
+    others = [name for name in found if not is_foreign(name)]
+    if found and not others:  # Megatron-LM's enums only: read as names, weights-only
+        try:
+            with torch.serialization.safe_globals(SAFE_GLOBALS + stand_ins(found)):
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        except Exception as exc:
+            if not _is_weights_only_refusal(exc):
+                raise _corrupt(path, exc) from exc
+            others = found  # one of them is not an enum value (a pickled object)
+    if not allow_pickle:
+        names = ", ".join(others) or "(unknown)"
         raise CheckpointError(
-            f"{path}: this file pickles Python objects outside the safe allowlist: {names}. "
-            "That is normal for a checkpoint written by Megatron-LM itself (its args hold "
-            "enums). If you trust the file, load it with allow_pickle=True "
-            "(torch.load weights_only=False, which can run code from the file)."
+            f"{path}: this file pickles Python objects outside the safe allowlist: {names}; "
+            "mg tools read only plain data, tensors and Megatron-LM's enums from a "
+            "checkpoint. Re-save it with plain-data args, or, if you trust the file, load it "
+            "with allow_pickle=True (torch.load weights_only=False, which can run code from "
+            "the file)."
         ) from refusal
     try:
         return torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)

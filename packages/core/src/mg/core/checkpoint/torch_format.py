@@ -398,8 +398,9 @@ def load_checkpoint(
 
     ``iteration=None`` follows ``latest_checkpointed_iteration.txt``. ``pp_size=None``
     takes the pipeline size found on disk. Files load with ``weights_only=True`` and a
-    small allowlist; a checkpoint written by Megatron-LM itself pickles more (its args
-    hold enums) and needs ``allow_pickle=True`` — only for files you trust. Every
+    small allowlist; the enums in a Megatron-LM checkpoint's args read as their names
+    (see serialization.py); anything else pickled needs ``allow_pickle=True`` — only
+    for files you trust. Every
     problem raises :class:`CheckpointError` naming the path and what to do.
     """
     iteration = resolve_iteration(load_dir, iteration)
