@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.output_folder import check_save, replacing
+from mg.core.io_paths import output_clash
 
 EPILOG = """examples:
   mg-convert import-hf ./Llama-3.2-1B --save ckpt/llama
@@ -317,8 +318,20 @@ def _hint(exc: BaseException, args: argparse.Namespace) -> str:
     return text
 
 
+def _own_input(args: argparse.Namespace) -> str | None:
+    """A --save that is, holds or lies inside the input, in one line (None when apart)."""
+    if args.command == "import-hf":  # SRC may be a Hub repo id, not a path
+        source = ("SRC", args.src if os.path.exists(args.src) else None)
+    else:
+        source = ("--load", getattr(args, "load", None))
+    return output_clash([("--save", getattr(args, "save", None))], [source])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    clash = _own_input(args)
+    if clash:
+        _fail(args.command, clash)
     save = getattr(args, "save", None)
     if save is not None:  # before anything is read: an output in the way fails at once
         sources = [args.load] if hasattr(args, "load") else [args.src]

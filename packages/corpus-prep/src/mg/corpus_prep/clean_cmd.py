@@ -24,7 +24,7 @@ from dataclasses import asdict
 from typing import Any
 
 from mg.corpus_prep.cleaning import REASONS, RULES, Cleaner, CleanOptions
-from mg.corpus_prep.cli import UserError
+from mg.corpus_prep.cli import UserError, refuse_own_input
 from mg.corpus_prep.corpus_texts import BadLine, SkipReporter, iter_documents
 from mg.corpus_prep.jsonl_writer import AtomicJsonlWriter
 from mg.corpus_prep.reader import InputError
@@ -189,6 +189,10 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_own_input(
+        [("--output", args.output), ("--summary-json", args.summary_json)],
+        [("--input", item) for item in args.input],
+    )
     options = cleaning_options(args) or _NOTHING
     if os.path.dirname(os.path.abspath(args.output)):
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

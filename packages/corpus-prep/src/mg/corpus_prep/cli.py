@@ -16,6 +16,7 @@ import importlib
 import signal
 import sys
 
+from mg.core.io_paths import Named, output_clash
 from mg.corpus_prep import interrupts
 
 # subcommand -> module under mg.corpus_prep that registers it
@@ -35,6 +36,13 @@ DEFAULT_SUBCOMMAND = "tokenize"
 
 class UserError(Exception):
     """A problem with the user's input; printed as ``mg-prep: error: ...`` without a traceback."""
+
+
+def refuse_own_input(outputs: list[Named], inputs: list[Named]) -> None:
+    """Raise UserError when an output is, holds or lies inside an input (nothing written yet)."""
+    clash = output_clash(outputs, inputs)
+    if clash:
+        raise UserError(clash)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from mg.corpus_prep.cli import UserError
+from mg.corpus_prep.cli import UserError, refuse_own_input
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -75,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
     from mg.indexed_dataset.format import IndexedDataset, IndexedDatasetError, merge_datasets
 
     prefixes = resolve_inputs(args.input, args.output_prefix)
+    # a folder's own copy of the output is already left out; a named input is refused
+    refuse_own_input(
+        [("--output-prefix", args.output_prefix + suffix) for suffix in (".bin", ".idx")],
+        [("--input", prefix + suffix) for prefix in prefixes for suffix in (".bin", ".idx")],
+    )
     output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(output_dir, exist_ok=True)
     try:

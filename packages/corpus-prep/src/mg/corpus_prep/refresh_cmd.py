@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from mg.corpus_prep.cli import UserError
+from mg.corpus_prep.cli import UserError, refuse_own_input
 from mg.corpus_prep.refresh import RefreshConfig, RefreshError, refresh
 from mg.corpus_prep.refresh_manifest import ManifestError
 from mg.corpus_prep.refresh_plan import DEFAULT_PATTERNS
@@ -71,6 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_own_input([("--output-dir", args.output_dir)], [("--input-dir", args.input_dir)])
     options = output_options(args, args.tokenize_dests)
     config = RefreshConfig(
         input_dir=args.input_dir,

@@ -21,8 +21,9 @@ from collections.abc import Callable
 import numpy as np
 
 from mg.corpus_prep import interrupts, pipeline
-from mg.corpus_prep.cli import UserError
+from mg.corpus_prep.cli import UserError, refuse_own_input
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
+from mg.corpus_prep.output_faults import cannot_write, existing_dataset, final_name
 from mg.corpus_prep.partitions import PartitionFailedError, run_partitioned
 from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError
 from mg.corpus_prep.progress import Progress, format_summary, info, warn
@@ -42,7 +43,7 @@ from mg.corpus_prep.tokenizer_args import (
     build_tokenizer_from_config,
     config_from_args,
 )
-from mg.corpus_prep.writer import DatasetWriter
+from mg.corpus_prep.writer import DatasetWriter, output_prefixes
 from mg.indexed_dataset.format import best_dtype
 
 MAX_WORKERS_PER_CPU = 4
@@ -254,6 +255,12 @@ def _splitter_spec(args: argparse.Namespace, segments: list[Segment]) -> Splitte
 
 def run(args: argparse.Namespace) -> int:
     _check_numbers(args)
+    level = "sentence" if args.split_sentences else "document"
+    outputs = output_prefixes(args.output_prefix, tuple(args.json_keys), level).values()
+    refuse_own_input(
+        [("--output-prefix", prefix + suffix) for prefix in outputs for suffix in (".bin", ".idx")],
+        [("--input", item) for item in args.input],
+    )
     try:
         sources = find_sources(args.input)
     except InputError as err:
@@ -275,7 +282,6 @@ def run(args: argparse.Namespace) -> int:
         splitter=_splitter_spec(args, segments),
         dtype=dtype.name,
     )
-    level = "sentence" if args.split_sentences else "document"
     _make_output_folder(args.output_prefix)
     total = sum(s.size for s in sources) if all(s.compression == "none" for s in sources) else None
     info(
@@ -283,12 +289,16 @@ def run(args: argparse.Namespace) -> int:
         f"(vocab {tokenizer.vocab_size:,}, {dtype.name}), {args.workers} worker(s)"
         + (f" in {args.partitions} partitions" if args.partitions > 1 else "")
     )
+    finals = output_prefixes(args.output_prefix, spec.json_keys, level).values()
+    replacing = [prefix for prefix in finals if existing_dataset(prefix)]
     progress = Progress(total, args.log_interval, args.progress_bar)
     try:
         stats, outputs = _tokenize(args, sources, spec, level, dtype, progress)
     finally:
         elapsed = progress.close()
     info(format_summary(stats, elapsed, outputs, dtype.name))
+    for prefix in replacing:  # as Megatron, an existing dataset of the same name is replaced
+        info(f"  replaced the existing {prefix}.bin/.idx")
     if stats.documents == 0:
         warn(
             "the dataset holds 0 documents (every line empty or skipped): mg-train and "
@@ -354,8 +364,5 @@ def _tokenize(
         interrupts.check()  # a worker killed by the same Ctrl-C is the interrupt, not an error
         raise UserError(str(err)) from err
     except OSError as err:  # the output: read-only, disk full, ... (inputs are read elsewhere)
-        where = err.filename or args.output_prefix
-        raise UserError(
-            f"{where}: cannot write the dataset ({err.strerror or err}); nothing was published "
-            "and the temporary files were removed"
-        ) from err
+        where = final_name(err.filename) if err.filename else args.output_prefix
+        raise UserError(cannot_write(where, err)) from err

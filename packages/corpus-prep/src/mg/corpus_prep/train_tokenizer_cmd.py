@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 
-from mg.corpus_prep.cli import UserError
+from mg.corpus_prep.cli import UserError, refuse_own_input
 from mg.corpus_prep.corpus_texts import BadLine, SkipReporter, iter_documents
 from mg.corpus_prep.reader import InputError
 from mg.corpus_prep.refresh_files import write_atomic
@@ -97,6 +97,7 @@ class CountingTexts:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_own_input([("--output-dir", args.output_dir)], [("--input", i) for i in args.input])
     if args.vocab_size < 1:
         raise UserError(f"--vocab-size must be positive, got {args.vocab_size}")
     options = options_from_args(args)

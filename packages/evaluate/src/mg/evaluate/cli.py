@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mg.core.io_paths import output_clash
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.harness_cli import add_harness_task
@@ -265,19 +266,51 @@ def _run_ppl(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     return result.metrics(), dict(context, iteration=prepared.iteration)
 
 
+# what a task reads, by its argparse dest: --report must not be (or sit inside) any of it
+_INPUTS = ("load", "pretrained_checkpoint", "valid_data", "train_data", "data_path", "include_path")
+
+
+def _report_clash(args: argparse.Namespace) -> str | None:
+    inputs = []
+    for name in _INPUTS:
+        value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and name == "data_path":  # a dataset prefix: its two files
+                inputs += [(flag, item + ".bin"), (flag, item + ".idx")]
+            else:
+                inputs.append((flag, item))
+    return output_clash([("--report", getattr(args, "report", None))], inputs)
+
+
+def user_hint(exc: BaseException, args: argparse.Namespace) -> str:
+    """The error text with mg-eval's flag where it says to load another iteration
+    (core's messages cannot know which tool they run in)."""
+    text = str(exc).rstrip()
+    if not hasattr(args, "ckpt_step"):
+        return text.replace(", or load another iteration.", ".")
+    text = text.replace("pass iteration=N to load one of them", "pick one with --ckpt-step N")
+    if text.endswith("load another iteration."):
+        text = text[:-1] + " (--ckpt-step N)."
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    clash = _report_clash(args)
+    if clash:
+        print(f"mg-eval {args.task}: error: {clash}", file=sys.stderr)
+        return 2
     run: Callable[[argparse.Namespace], tuple[dict[str, Any], dict[str, Any]]] = args.run
     # lazy: torch and the model code only once the flags are parsed (--help stays instant)
     from mg.core.checkpoint import CheckpointError
-    from mg.core.checkpoint.reader_guard import user_message
     from mg.evaluate import distributed
 
     distributed.init_from_env()
     try:
         metrics, context = run(args)
     except (EvalInputError, CheckpointError) as exc:
-        print(f"mg-eval {args.task}: error: {user_message(exc, '--ckpt-step N')}", file=sys.stderr)
+        print(f"mg-eval {args.task}: error: {user_hint(exc, args)}", file=sys.stderr)
         return 2
     if not distributed.is_main():
         return 0
