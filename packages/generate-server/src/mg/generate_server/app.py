@@ -80,9 +80,9 @@ class MegatronApiBody(BaseModel):
     stop_on_eol: bool = False
     stop_on_double_eol: bool = False
     prevent_newline_after_colon: bool = False
-    random_seed: int = Field(-1, ge=-1)
+    random_seed: int = Field(-1, ge=-1, le=2**64 - 1)
     no_log: bool = False
-    stop_token: int | None = None
+    stop_token: int | None = Field(None, ge=0)
 
 
 class MegatronApiResponse(BaseModel):
@@ -94,6 +94,9 @@ class MegatronApiResponse(BaseModel):
 def _is_openai(path: str) -> bool:
     return path.startswith("/v1/")
 
+
+_NUMBER_ERRORS = {"int_type": "must be an integer", "float_type": "must be a number"}
+"""pydantic's strict type errors that a JSON true/false gets where a number belongs."""
 
 RETRY_AFTER_SECONDS = 1
 """What a 503 (full queue) tells the client to wait before it tries again."""
@@ -303,7 +306,9 @@ def create_app(
         first = exc.errors()[0] if exc.errors() else {}
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         field = ".".join(location) or None
-        message = str(first.get("msg", "invalid request"))
+        message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if isinstance(first.get("input"), bool) and first.get("type") in _NUMBER_ERRORS:
+            message = f"{_NUMBER_ERRORS[first['type']]}, not {json.dumps(first['input'])}"
         if first.get("type") == "json_invalid":
             field = None
             message = f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"

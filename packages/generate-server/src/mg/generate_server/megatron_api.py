@@ -23,7 +23,7 @@ from typing import Any
 from mg.core.tokenizers import BaseTokenizer
 from mg.generate_server.async_bridge import Completion
 from mg.generate_server.errors import ApiError
-from mg.generate_server.sampling import SamplingParams
+from mg.generate_server.sampling import MAX_SEED, SamplingParams, choice_seed
 
 MAX_PROMPTS = 128
 
@@ -148,6 +148,8 @@ def parse_megatron_request(body: Any) -> MegatronRequest:
             raise ApiError("random_seed must be integer")
         if value < 0:
             raise ApiError("random_seed must be a positive integer")
+        if value > MAX_SEED:  # torch.Generator's seeds are 64-bit
+            raise ApiError(f"random_seed must be at most 2**64 - 1 ({MAX_SEED})")
         req.random_seed = value
     req.no_log = _bool_field(body, "no_log")
     if "beam_width" in body:
@@ -199,6 +201,11 @@ def build_jobs(
         raise ApiError(
             f"Too many tokens.  {max_len * len(prompts)} is greater than {limits.max_tokens_to_oom}"
         )
+    if req.stop_token is not None and not 0 <= req.stop_token < tokenizer.vocab_size:
+        raise ApiError(
+            f"stop_token must be a token id of this tokenizer (0..{tokenizer.vocab_size - 1}), "
+            f"not {req.stop_token}"
+        )
     stop_ids = {req.stop_token} if req.stop_token is not None else set()
     if eod is not None and eod >= 0 and req.stop_token is None:
         stop_ids.add(eod)
@@ -221,7 +228,7 @@ def build_jobs(
             top_p=req.top_p,
             top_p_decay=req.top_p_decay,
             top_p_bound=req.top_p_bound,
-            seed=req.random_seed + i if req.random_seed >= 0 else None,
+            seed=choice_seed(req.random_seed, i) if req.random_seed >= 0 else None,
             stop_token_ids=frozenset(stop_ids),
             stop_strings=stop_strings,
             banned_after=banned,

@@ -3,8 +3,8 @@
 OpenAI semantics: temperature 0 is greedy, top_p 1 is no filtering, the
 end-of-document token and stop strings end a choice with finish_reason
 "stop" and are not part of its text, `n` choices per prompt (choice index
-= prompt index · n + j), `seed` (+ the choice index) makes sampling
-repeatable, `echo` puts the prompt in front, `logprobs` reports each token's
+= prompt index · n + j), `seed` (+ the choice index, modulo 2**64) makes
+sampling repeatable, `echo` puts the prompt in front, `logprobs` reports each token's
 log-probability and the most likely alternatives.
 """
 
@@ -37,7 +37,7 @@ from mg.generate_server.openai_schema import (
     CompletionRequest,
     SamplingFields,
 )
-from mg.generate_server.sampling import SamplingParams
+from mg.generate_server.sampling import SamplingParams, choice_seed
 from mg.generate_server.text_stream import TextStream
 
 log = logging.getLogger("mg.generate_server")
@@ -147,7 +147,7 @@ class OpenAIService:
             greedy=req.temperature == 0,
             top_k=req.top_k,
             top_p=req.top_p if req.top_p < 1.0 else 0.0,
-            seed=None if req.seed is None else req.seed + index,
+            seed=None if req.seed is None else choice_seed(req.seed, index),
             stop_token_ids=self.stop_ids,
             stop_strings=tuple(req.stop_strings()),
             logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},

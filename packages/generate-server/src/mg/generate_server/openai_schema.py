@@ -2,26 +2,37 @@
 
 Field names, ranges and defaults are OpenAI's; `top_k` is an extension (as in
 vLLM and Megatron's own `/completions`), sent with `extra_body={"top_k": 40}`.
-Unknown fields are ignored, as OpenAI-compatible servers do.
+Unknown fields are ignored, as OpenAI-compatible servers do. Types are strict
+(pydantic's strict mode): `true` is no number, `"16"` and `16.0` are no token
+count, `1` is no boolean, so a mistyped field is a 400 naming it, never a
+silent 1 (Python's bool is an int); an integer is still a valid float.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
+MAX_SEED = 2**64 - 1  # torch.Generator's seeds are unsigned 64-bit (sampling.MAX_SEED)
+PROMPT_SHAPES = "text, a list of texts, a list of token ids, or a list of lists of token ids"
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -31,7 +42,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -67,6 +78,20 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, le=16)
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, value: object) -> object:
+        """One message for every wrong shape (the union's own names one error per member)."""
+        if isinstance(value, str) or value == []:
+            return value
+        if isinstance(value, list) and (
+            all(isinstance(p, str) for p in value)
+            or all(_is_token_id(p) for p in value)
+            or all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in value)
+        ):
+            return value
+        raise ValueError(f"must be {PROMPT_SHAPES} (token ids are integers, not true/false)")
+
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
@@ -79,7 +104,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | None = None

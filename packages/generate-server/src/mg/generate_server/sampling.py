@@ -90,6 +90,16 @@ class RowState:
     """The tokens generated so far (presence and frequency penalties)."""
 
 
+MAX_SEED = 2**64 - 1
+"""The largest seed `torch.Generator.manual_seed` takes (seeds are unsigned 64-bit)."""
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of a request's `index`-th prompt or choice: `seed + index`, wrapped to stay
+    within the generator's 64 bits (a request may ask for seed MAX_SEED and n = 4)."""
+    return (seed + index) % (MAX_SEED + 1)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     generator = torch.Generator(device=device)
     if seed is None:
