@@ -23,10 +23,13 @@ from mg.core.models.te_spec import FP8Options
 from mg.core.parallel import watchdog
 from mg.core.parallel.construct import ConstructOptions, RecomputeOptions, construct
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
+from mg.core.parallel.fully_sharded import DTYPES, FullyShardedOptions
+from mg.core.parallel.fully_sharded_optimizer import FullyShardedOptimizer
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.trainer import checkpoint_io, distributed, model_parallel, upcycling
 from mg.trainer.arguments import Args
+from mg.trainer.arguments.fsdp import fsdp_dtypes
 from mg.trainer.arguments.model import selective_recompute_modules
 from mg.trainer.arguments.transformer_engine import fp8_options
 from mg.trainer.batch_schedule import BatchSchedule, train_iterations
@@ -129,6 +132,22 @@ def construct_options(
         transformer_engine=args.transformer_engine.transformer_impl == "transformer_engine",
         fp8=fp8_options(args),
         compile=t.torch_compile,
+        fully_sharded=fully_sharded_options(args),
+    )
+
+
+def fully_sharded_options(args: Args) -> FullyShardedOptions | None:
+    """--use-megatron-fsdp / --use-torch-fsdp2: the strategy, replicas and dtypes."""
+    f = args.fsdp
+    if not f.enabled:
+        return None
+    compute, reduce = fsdp_dtypes(args)
+    return FullyShardedOptions(
+        strategy=f.data_parallel_sharding_strategy,
+        replicas=f.num_distributed_optimizer_instances,
+        param_dtype=DTYPES[compute] if compute else None,
+        reduce_dtype=DTYPES[reduce] if reduce else None,
+        prefetch=args.distributed.overlap_param_gather,
     )
 
 
@@ -168,7 +187,10 @@ class OptimizerSetup:
     @property
     def distributed(self) -> bool:
         """Whether the optimizer shards its state and reduces gradients itself."""
-        return isinstance(self.optimizer, DistributedOptimizer | ExpertParallelDistributedOptimizer)
+        return isinstance(
+            self.optimizer,
+            DistributedOptimizer | ExpertParallelDistributedOptimizer | FullyShardedOptimizer,
+        )
 
 
 def setup_optimizer(args: Args, layout: ParallelLayout, model: nn.Module) -> OptimizerSetup:
@@ -179,14 +201,19 @@ def setup_optimizer(args: Args, layout: ParallelLayout, model: nn.Module) -> Opt
         t.global_batch_size, t.micro_batch_size, args.data_parallel_size, t.rampup_batch_size
     )
     train_iters = train_iterations(args, batches)
-    optimizer = build_optimizer(
-        model,
-        o,
-        args.distributed,
-        layout.dp_cp_group,
-        expert_groups=(layout.expert_dp_group, layout.ep_group) if layout.experts_apart else None,
-        **model_parallel.pipeline_optimizer_options(model, layout),
-    )
+    if args.fsdp.enabled:  # the torch optimizer over the shards fully_shard left
+        optimizer = FullyShardedOptimizer(build_optimizer(model, o), model)
+    else:
+        optimizer = build_optimizer(
+            model,
+            o,
+            args.distributed,
+            layout.dp_cp_group,
+            expert_groups=(
+                (layout.expert_dp_group, layout.ep_group) if layout.experts_apart else None
+            ),
+            **model_parallel.pipeline_optimizer_options(model, layout),
+        )
     scheduler = build_scheduler(args, optimizer, train_iters)
     scaler = build_loss_scaler(
         t.fp16,

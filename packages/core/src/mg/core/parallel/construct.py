@@ -22,11 +22,13 @@ Transformer Engine put in place.
 | 9 | Transformer Engine | `transformer_engine` (--transformer-impl transformer_engine) |
 | 10 | recompute | `recompute` (--recompute-*) / `moe_layer_recompute` |
 | 11 | compile | `compile` (--torch-compile) |
+| 12 | fully sharded data parallel | `fully_sharded` (--use-megatron-fsdp), dp × cp > 1 |
 
 Evaluation and serving read a checkpoint into their layout through the same
 function with `LOADING_STEPS` (their subset); a dense upcycling twin runs it
-with fewer options set. Data parallelism (DDP or the
-distributed optimizer) wraps the result afterwards, in the trainer.
+with fewer options set. Data parallelism (DDP or the distributed optimizer) wraps
+the result afterwards, in the trainer; fully sharded data parallelism is a step
+instead, since the optimizer must be built over the shards it leaves.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ from mg.core.models.te_spec import FP8Options, apply_transformer_engine
 from mg.core.models.vocab_mask import set_real_vocab_size
 from mg.core.parallel.context_parallel import apply_context_parallel
 from mg.core.parallel.expert_parallel import apply_expert_parallel
+from mg.core.parallel.fully_sharded import (
+    FullyShardedOptions,
+    apply_fully_shard,
+    data_parallel_mesh,
+)
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.materialize import materialize, to_keeping_marks
 from mg.core.parallel.pipeline import PipelineChunk, split_model
@@ -87,6 +94,7 @@ class ConstructOptions:
     transformer_engine: bool = False
     fp8: FP8Options | None = None
     compile: bool = False
+    fully_sharded: FullyShardedOptions | None = None
 
 
 @dataclass
@@ -215,6 +223,16 @@ def compile_each_layer(built: UnderConstruction, options: ConstructOptions) -> N
     compile_layers(nn.ModuleList(built.parts), options.device)
 
 
+def shard_fully(built: UnderConstruction, options: ConstructOptions) -> None:
+    """FSDP2 over the data × context ranks, one unit per layer (`mg.core.parallel.
+    fully_sharded`). Last: it replaces the parameters the optimizer is then built over,
+    and wraps whatever modules the other steps left."""
+    root = options.layout.tp_mesh._get_root_mesh()  # the mesh every parallel dim is cut from
+    apply_fully_shard(
+        built.model, data_parallel_mesh(root, options.fully_sharded), options.fully_sharded
+    )
+
+
 @dataclass(frozen=True)
 class Step:
     name: str
@@ -242,6 +260,11 @@ STEPS: tuple[Step, ...] = (
         recompute,
     ),
     Step("compile", lambda o: o.compile, compile_each_layer),
+    Step(
+        "fully sharded data parallel",
+        lambda o: o.fully_sharded is not None and o.layout.dp * o.layout.cp > 1,
+        shard_fully,
+    ),
 )
 """The construction order, once (see the table in the module docstring)."""
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from mg.trainer.arguments.checkpointing import CheckpointArgs
 from mg.trainer.arguments.data import DataArgs
+from mg.trainer.arguments.fsdp import FullyShardedArgs
 from mg.trainer.arguments.learning_rate import OptimizerArgs
 from mg.trainer.arguments.logging import LoggingArgs
 from mg.trainer.arguments.mamba import MambaArgs
@@ -31,6 +32,7 @@ class Args:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     distributed: DistributedArgs = field(default_factory=DistributedArgs)
+    fsdp: FullyShardedArgs = field(default_factory=FullyShardedArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
     # Set by --use-checkpoint-args (mg.trainer.arguments.checkpoint_args), not by flags.
@@ -64,6 +66,7 @@ GROUPS: dict[str, type] = {
     "checkpoint": CheckpointArgs,
     "logging": LoggingArgs,
     "distributed": DistributedArgs,
+    "fsdp": FullyShardedArgs,
     "mamba": MambaArgs,
     "moe": MoEArgs,
 }

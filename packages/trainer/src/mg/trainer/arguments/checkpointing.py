@@ -72,7 +72,7 @@ def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--ckpt-format",
         default="torch_dist",
-        choices=["torch", "torch_dist"],
+        choices=["torch", "torch_dist", "fsdp_dtensor"],
         help="Checkpoint format: torch_dist (the default, as in Megatron: "
         "torch.distributed.checkpoint, saved in parallel and loadable into any TP/PP/DP "
         "layout) or torch (one mp_rank_TT[_PPP]/model_optim_rng.pt file per model-parallel "

@@ -41,6 +41,32 @@ def _full_recompute(a: Args) -> bool:
     return a.model.recompute_granularity == "full"
 
 
+def _fsdp(a: Args) -> bool:
+    return a.fsdp.enabled
+
+
+def _fsdp_dtypes_set(a: Args) -> bool:
+    f = a.fsdp
+    return (
+        f.megatron_fsdp_main_params_dtype != "fp32"
+        or f.megatron_fsdp_main_grads_dtype != "auto"
+        or f.megatron_fsdp_grad_comm_dtype != "auto"
+        or f.outer_dp_sharding_strategy != "no_shard"
+    )
+
+
+def _fsdp_not_yet(flag: str, applies: Callable[[Args], bool], with_what: str) -> Conflict:
+    """FSDP with what mg-train does not yet run with it (Megatron does)."""
+    return Conflict(
+        "--use-megatron-fsdp",
+        flag,
+        lambda a: _fsdp(a) and applies(a),
+        f"--use-megatron-fsdp / --use-torch-fsdp2 with {with_what} is not supported yet; "
+        "drop one of them",
+        run_only=True,
+    )
+
+
 CONFLICTS: tuple[Conflict, ...] = (
     # --- precision ------------------------------------------------------------------------
     Conflict(
@@ -108,7 +134,7 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda a: (
             _tp(a) > 1
             and a.distributed.overlap_grad_reduce
-            and not a.distributed.use_distributed_optimizer
+            and not (a.distributed.use_distributed_optimizer or _fsdp(a))
         ),
         "--overlap-grad-reduce with --tensor-model-parallel-size > 1 needs "
         "--use-distributed-optimizer (the plain data-parallel path reduces after backward)",
@@ -120,7 +146,7 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda a: (
             (_pp(a) > 1 or a.distributed.num_layers_per_virtual_pipeline_stage is not None)
             and a.distributed.overlap_grad_reduce
-            and not a.distributed.use_distributed_optimizer
+            and not (a.distributed.use_distributed_optimizer or _fsdp(a))
         ),
         "--overlap-grad-reduce with --pipeline-model-parallel-size > 1 needs "
         "--use-distributed-optimizer (the plain data-parallel path reduces after the schedule)",
@@ -130,9 +156,11 @@ CONFLICTS: tuple[Conflict, ...] = (
         "--overlap-param-gather",
         "--use-distributed-optimizer",
         lambda a: (
-            a.distributed.overlap_param_gather and not a.distributed.use_distributed_optimizer
+            a.distributed.overlap_param_gather
+            and not (a.distributed.use_distributed_optimizer or _fsdp(a))
         ),
-        "--overlap-param-gather only works with --use-distributed-optimizer",
+        "--overlap-param-gather only works with --use-distributed-optimizer or "
+        "--use-megatron-fsdp (as in Megatron)",
     ),
     Conflict(
         "--pipeline-model-parallel-size",
@@ -164,6 +192,94 @@ CONFLICTS: tuple[Conflict, ...] = (
         "without full logits); drop the flag",
         run_only=True,
     ),
+    # --- fully sharded data parallel ----------------------------------------------------------
+    Conflict(
+        "--use-megatron-fsdp",
+        "--use-torch-fsdp2",
+        lambda a: a.fsdp.use_megatron_fsdp and a.fsdp.use_torch_fsdp2,
+        "--use-megatron-fsdp and --use-torch-fsdp2 cannot both be set (one FSDP); drop one",
+    ),
+    Conflict(
+        "--data-parallel-sharding-strategy",
+        "--use-megatron-fsdp",
+        lambda a: a.fsdp.data_parallel_sharding_strategy != "no_shard" and not _fsdp(a),
+        "--data-parallel-sharding-strategy other than no_shard needs --use-megatron-fsdp or "
+        "--use-torch-fsdp2 (use --use-distributed-optimizer for ZeRO-1 without FSDP)",
+    ),
+    Conflict(
+        "--num-distributed-optimizer-instances",
+        "--use-megatron-fsdp",
+        lambda a: a.fsdp.num_distributed_optimizer_instances > 1 and not _fsdp(a),
+        "--num-distributed-optimizer-instances > 1 needs --use-megatron-fsdp or "
+        "--use-torch-fsdp2 (mg-train's distributed optimizer is one instance)",
+    ),
+    Conflict(
+        "--megatron-fsdp-main-params-dtype",
+        "--use-megatron-fsdp",
+        lambda a: _fsdp_dtypes_set(a) and not _fsdp(a),
+        "--megatron-fsdp-main-params-dtype, --megatron-fsdp-main-grads-dtype, "
+        "--megatron-fsdp-grad-comm-dtype and --outer-dp-sharding-strategy need "
+        "--use-megatron-fsdp or --use-torch-fsdp2",
+    ),
+    Conflict(
+        "--use-megatron-fsdp",
+        "--pipeline-model-parallel-size",
+        lambda a: _fsdp(a) and _pp(a) > 1,
+        "--use-megatron-fsdp / --use-torch-fsdp2 is not supported with pipeline parallelism "
+        "(--pipeline-model-parallel-size > 1), as in Megatron",
+    ),
+    Conflict(
+        "--use-torch-fsdp2",
+        "--expert-model-parallel-size",
+        lambda a: a.fsdp.use_torch_fsdp2 and a.moe.expert_model_parallel_size > 1,
+        "--use-torch-fsdp2 is not supported with expert parallelism "
+        "(--expert-model-parallel-size > 1), as in Megatron",
+    ),
+    Conflict(
+        "--use-torch-fsdp2",
+        "--use-distributed-optimizer",
+        lambda a: a.fsdp.use_torch_fsdp2 and a.distributed.use_distributed_optimizer,
+        "--use-torch-fsdp2 is not supported with --use-distributed-optimizer (FSDP shards the "
+        "optimizer state itself), as in Megatron",
+    ),
+    Conflict(
+        "--use-torch-fsdp2",
+        "--fp16",
+        lambda a: a.fsdp.use_torch_fsdp2 and a.training.fp16,
+        "--use-torch-fsdp2 is not supported with --fp16, as in Megatron; use --bf16",
+    ),
+    Conflict(
+        "--use-torch-fsdp2",
+        "--untie-embeddings-and-output-weights",
+        lambda a: a.fsdp.use_torch_fsdp2 and not a.model.untie_embeddings_and_output_weights,
+        "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights, as in Megatron",
+    ),
+    Conflict(
+        "--use-torch-fsdp2",
+        "--ckpt-format",
+        lambda a: a.fsdp.use_torch_fsdp2 and a.checkpoint.ckpt_format == "torch",
+        "--use-torch-fsdp2 needs --ckpt-format torch_dist or fsdp_dtensor (a torch "
+        "checkpoint is one file per model-parallel rank, without the data-parallel shards)",
+    ),
+    Conflict(
+        "--use-megatron-fsdp",
+        "--ckpt-format",
+        lambda a: a.fsdp.use_megatron_fsdp and a.checkpoint.ckpt_format != "fsdp_dtensor",
+        "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor, as in Megatron",
+    ),
+    _fsdp_not_yet(
+        "--expert-model-parallel-size",
+        lambda a: a.moe.expert_model_parallel_size > 1,
+        "expert parallelism (--expert-model-parallel-size > 1)",
+    ),
+    _fsdp_not_yet("--context-parallel-size", lambda a: _cp(a) > 1, "--context-parallel-size > 1"),
+    _fsdp_not_yet(
+        "--transformer-impl",
+        lambda a: a.transformer_engine.transformer_impl == "transformer_engine",
+        "--transformer-impl transformer_engine",
+    ),
+    _fsdp_not_yet("--torch-compile", lambda a: a.training.torch_compile, "--torch-compile"),
+    _fsdp_not_yet("mg-train bert", lambda a: a.family in ("bert", "t5"), "mg-train bert or t5"),
     # --- model ----------------------------------------------------------------------------
     Conflict(
         "--use-rope-scaling",

@@ -33,8 +33,6 @@ class DistributedArgs:
     distributed_backend: str | None = None
     ddp_bucket_size: int | None = None
     grad_reduce_in_bf16: bool = False
-    use_megatron_fsdp: bool = False
-    data_parallel_sharding_strategy: str = "no_shard"
     cp_comm_type: list[str] = field(default_factory=lambda: ["p2p"])
     tp_comm_overlap: bool = False
     # Filled from the torchrun environment, not from flags.
@@ -103,19 +101,6 @@ def add_parallel_flags(p: argparse._ArgumentGroup) -> None:
         help="Default: nccl on GPU, gloo on CPU.",
     )
     p.add_argument("--ddp-bucket-size", type=int, help="Elements per DDP bucket (with overlap).")
-    p.add_argument(
-        "--use-megatron-fsdp",
-        action="store_true",
-        help="Refused: mg-train has no Megatron FSDP; --use-distributed-optimizer shards the "
-        "optimizer state (ZeRO-1).",
-    )
-    p.add_argument(
-        "--data-parallel-sharding-strategy",
-        default="no_shard",
-        choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
-        help="Megatron FSDP's sharding; mg-train takes no_shard (plain data parallelism, "
-        "with --use-distributed-optimizer for ZeRO-1).",
-    )
     p.add_argument(
         "--cp-comm-type",
         nargs="+",
@@ -255,16 +240,6 @@ def check_pipeline_and_context(args: Args) -> None:
 
 def check_distributed_optimizer(args: Args) -> None:
     d = args.distributed
-    if d.use_megatron_fsdp:
-        fail(
-            "--use-megatron-fsdp: mg-train has no Megatron FSDP; use "
-            "--use-distributed-optimizer (optimizer state sharded over data-parallel ranks)"
-        )
-    if d.data_parallel_sharding_strategy != "no_shard":
-        fail(
-            f"--data-parallel-sharding-strategy {d.data_parallel_sharding_strategy} is Megatron "
-            "FSDP's; mg-train takes no_shard (add --use-distributed-optimizer for ZeRO-1)"
-        )
     if any(kind != "p2p" for kind in d.cp_comm_type):
         fail(
             f"--cp-comm-type {' '.join(d.cp_comm_type)}: mg-train's context parallelism is "

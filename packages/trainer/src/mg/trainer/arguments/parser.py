@@ -20,6 +20,7 @@ from mg.trainer.arguments import (
     checkpointing,
     combinations,
     data,
+    fsdp,
     learning_rate,
     logging,
     mamba,
@@ -44,6 +45,7 @@ FLAG_GROUPS = (
     ("checkpointing", checkpointing.add_checkpointing_flags),
     ("logging", logging.add_logging_flags),
     ("distributed", parallel.add_parallel_flags),
+    ("fully sharded data parallel", fsdp.add_fsdp_flags),
     ("mamba and hybrid models (mg-train mamba)", mamba.add_mamba_flags),
     ("mixture of experts", moe.add_moe_flags),
 )
@@ -131,6 +133,7 @@ def finalize(args: Args) -> None:
     """Fill the values Megatron derives from others (GBS default, recompute shortcut)."""
     model.finalize_model(args)
     parallel.finalize_parallel(args)
+    fsdp.finalize_fsdp(args)
     training.finalize_training(args)
     data.finalize_data(args)
 
@@ -172,6 +175,7 @@ def validate(args: Args) -> None:
         training.check_fusion_and_compile(args)
     transformer_engine.check_transformer_engine(args)
     parallel.check_distributed_optimizer(args)
+    fsdp.check_fsdp(args)
     checkpointing.check_initialization(args)
     model.check_model(args)
     training.check_training(args)

@@ -1,0 +1,181 @@
+"""Fully sharded data parallelism on PyTorch's FSDP2 (`fully_shard`, DTensor parameters).
+
+Megatron's `--use-megatron-fsdp` and `--use-torch-fsdp2` both land here: one
+implementation, PyTorch's own, not a hand-written sharder. `apply_fully_shard`
+makes one FSDP unit of each transformer layer (the children of every `layers`
+list: GPT, BERT and T5 stacks, Mamba hybrids, MoE layers), one of the embedding,
+and the root unit, which holds the output layer and the final norm. The output
+head reads its weight as a tensor (`output_weight()`), not through a module call,
+so it must stay gathered for the whole forward: the root's unit is. A tied
+embedding stays in the root unit too, for the same reason.
+
+Megatron's `--data-parallel-sharding-strategy` in FSDP2's terms:
+
+| strategy | FSDP2 | between forward and backward |
+| --- | --- | --- |
+| `no_shard` | a (replicate = DP, shard = 1) mesh | all of it, always (DDP) |
+| `optim` | as `optim_grads` (see below) | a unit gathered once, kept |
+| `optim_grads` | `reshard_after_forward=False` | a unit gathered once, kept |
+| `optim_grads_params` | `reshard_after_forward=True` (ZeRO-3) | re-gathered for backward |
+
+FSDP2 cannot keep whole gradients beside a sharded optimizer state, so `optim`
+runs as `optim_grads`: its gradients are sharded too (less memory, the same numbers).
+
+Between steps every sharded strategy keeps 1/DP of the parameters; `optim` and
+`optim_grads` differ from ZeRO-3 in holding each unit gathered from its forward
+to its backward. The numbers are the same at every strategy. With
+`replicas` > 1 (`--num-distributed-optimizer-instances`) the data-parallel ranks
+form a (replicate, shard) mesh: sharded within groups of DP / replicas ranks,
+replicated across them (HSDP). Data parallelism spans data × context ranks, as
+Megatron's gradient reduction does; with tensor parallelism the parameters are
+already DTensors on the tensor-parallel mesh, and FSDP shards them over the
+data × context dim of the same root mesh (2-D).
+
+Mixed precision is FSDP2's `MixedPrecisionPolicy`: the sharded parameters stay
+fp32 (the main copy the optimizer steps), units are gathered and computed in
+`param_dtype` (bf16 under --bf16), and gradients are reduce-scattered (and
+summed over micro-batches without sync) in `reduce_dtype`.
+
+This is a construction step (`mg.core.parallel.construct`), the last one, and
+not a wrapper in the trainer as DDP is: `fully_shard` replaces every parameter
+by a DTensor shard, so the optimizer must be built after it, over those; and it
+must see the modules every other step left (Transformer Engine's, recompute's
+wrappers, compiled layers), as torchtitan's `apply_fsdp` follows TP, activation
+checkpointing and compile.
+
+Gradient accumulation: `no_gradient_sync` around every micro-batch's backward but
+the last; each unit's gradients are then reduced once, as its last backward ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class FullyShardedOptions:
+    """What `apply_fully_shard` needs: the strategy (Megatron's name), the number of
+    replicas (HSDP), the dtypes, and whether to prefetch the next unit's all-gather."""
+
+    strategy: str = "optim_grads_params"
+    replicas: int = 1
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown sharding strategy {self.strategy!r}; one of {STRATEGIES}")
+
+
+def data_parallel_mesh(root: DeviceMesh, options: FullyShardedOptions) -> DeviceMesh:
+    """The mesh FSDP shards over: `root`'s flattened data × context dim ("dp_cp"), 1-D, or
+    (replicate, shard) for `no_shard` (shard size 1) and for HSDP (`replicas` > 1)."""
+    mesh = root["dp_cp"]
+    size = mesh.size()
+    replicas = size if options.strategy == "no_shard" else options.replicas
+    if replicas == 1:
+        return mesh
+    if size % replicas:
+        raise ValueError(f"{replicas} replicas do not divide {size} data-parallel ranks")
+    return mesh._unflatten(0, (replicas, size // replicas), ("dp_replicate", "dp_shard"))
+
+
+def units(model: nn.Module) -> list[nn.Module]:
+    """The modules that become FSDP units below the root, in forward order: the embedding
+    (unless the output layer reads its weight) and every layer of every `layers` list."""
+    found: list[nn.Module] = []
+    embedding = getattr(model, "embedding", None)
+    if embedding is not None and getattr(model, "output_layer", None) is not None:
+        found.append(embedding)  # untied: the output layer has a weight of its own
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, nn.ModuleList):
+            found.extend(module)
+    return found
+
+
+def apply_fully_shard(model: nn.Module, mesh: DeviceMesh, options: FullyShardedOptions) -> None:
+    """Make `model` fully sharded over `mesh` (see the module docstring): one unit per
+    layer and the embedding, then the root."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype
+    )
+    reshard = options.strategy == "optim_grads_params"
+    inner = units(model)
+    for i, module in enumerate(inner):
+        # the last layer's backward follows its forward at once: keep it gathered
+        last = i == len(inner) - 1
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not last, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if options.prefetch and len(inner) > 1:  # --overlap-param-gather: the next unit's
+        for current, following in zip(inner, inner[1:], strict=False):  # all-gather early
+            current.set_modules_to_forward_prefetch([following])
+            following.set_modules_to_backward_prefetch([current])
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate this backward's gradients unreduced (every micro-batch but the last)."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def grad_norm_squares(grads: Iterable[Tensor]) -> Tensor:
+    """The sum of squares of all gradients as if unsharded (float64, the same on every
+    rank): each DTensor's local squares are summed over the mesh dims it is sharded on,
+    one collective per (mesh, dims); replicated dims count once."""
+    total = torch.zeros((), dtype=torch.float64)
+    sharded: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, Tensor]] = {}
+    for grad in grads:
+        if not isinstance(grad, DTensor):
+            total += (torch.linalg.vector_norm(grad.double()) ** 2).cpu()
+            continue
+        if any(p.is_partial() for p in grad.placements):
+            raise ValueError(f"a gradient is still a partial sum ({grad.placements})")
+        square = torch.linalg.vector_norm(grad.to_local().double()) ** 2
+        dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
+        key = (id(grad.device_mesh), dims)
+        mesh, sum_ = sharded.get(key, (grad.device_mesh, torch.zeros_like(square)))
+        sharded[key] = (mesh, sum_ + square)
+    for (_, dims), (mesh, sum_) in sharded.items():
+        for dim in dims:
+            dist.all_reduce(sum_, group=mesh.get_group(dim))
+        total += sum_.cpu()
+    return total
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so that their global norm is at most `max_norm` (> 0); returns
+    the norm before clipping (a non-finite norm is returned and nothing is scaled)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = math.sqrt(float(grad_norm_squares(grads)))
+    if max_norm > 0 and math.isfinite(norm):
+        coefficient = max_norm / (norm + 1e-6)
+        if coefficient < 1.0:
+            for grad in grads:
+                _local(grad).mul_(coefficient)
+    return norm
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -1,0 +1,95 @@
+"""The optimizer of a fully sharded model, with the distributed optimizer's interface.
+
+The torch optimizer inside steps the DTensor shards `fully_shard` left, so each
+rank keeps the state of its shard only. Around it, what the training step asks
+of any optimizer that reduces gradients itself (`DistributedOptimizer`'s
+methods): `no_sync` for every micro-batch but the last, `finish_grad_sync`,
+`unscale_and_check` under loss scaling and `clip_grad_norm` over every shard.
+The trainer then needs no branch of its own for FSDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mg.core.parallel.fully_sharded import clip_grad_norm, no_gradient_sync
+
+
+class FullyShardedOptimizer:
+    """`optimizer` over the parameters of `model`, which `apply_fully_shard` sharded (or a
+    model left whole: one data-parallel rank)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+        self.optimizer = optimizer
+        self.model = model
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups: the LR scheduler sets `lr` here."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate this micro-batch's gradients without reducing them."""
+        return no_gradient_sync(self.model)
+
+    def finish_grad_sync(self) -> None:
+        """Nothing left: FSDP reduce-scattered each unit's gradients as its last backward
+        ended."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _params(self) -> Iterator[nn.Parameter]:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    @torch.no_grad()
+    def unscale_and_check(self, scale: float) -> bool:
+        """Divide the shards' gradients by the loss scale; True if any rank found inf/NaN."""
+        found = torch.zeros((), dtype=torch.float32)
+        for param in self._params():
+            if param.grad is None:
+                continue
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            if scale != 1.0:
+                grad.mul_(1.0 / scale)
+            found = torch.maximum(found, (~torch.isfinite(grad)).any().float().cpu())
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            device = _collective_device()
+            found = found.to(device)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return bool(found > 0)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The global L2 norm over every shard (before clipping), clipped to `max_norm` if
+        > 0; NaN when it is not finite (the step is skipped)."""
+        norm = clip_grad_norm(list(self._params()), max_norm)
+        return norm if math.isfinite(norm) else float("nan")
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+
+def _collective_device() -> torch.device:
+    """NCCL reduces CUDA tensors only; gloo takes CPU tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
