@@ -1,9 +1,14 @@
 """Loss and perplexity on a split of an indexed dataset, as the trainer's validation computes it.
 
 Samples come from ``build_gpt_datasets`` with the same ``--split``/``--seed``/
-``--seq-length`` as training, so ``mg-eval ppl`` on the valid split reproduces
-the validation loss mg-train logs: the per-token loss times the sample's
-``loss_mask``, summed over all samples and divided by the mask's sum.
+``--seq-length`` as training and the same formula as the trainer's validation:
+the per-token loss times the sample's ``loss_mask``, summed over all samples and
+divided by the mask's sum. The same samples give the same loss; but mg-train's
+validation scores the next ``--eval-iters x --global-batch-size`` samples each
+time, from a split built for all its validations (several passes over a small
+split, cut into samples across the passes), while mg-eval scores the first
+``--eval-iters x --micro-batch-size`` samples of one pass (default: all of it).
+So both lines name the samples they scored.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ class PplResult:
     num_samples: int
     num_tokens: int
     split: str
+    split_samples: int
+    """Samples in one pass over the split: ``num_samples`` of them were scored."""
 
     def metrics(self) -> dict[str, float | int | str]:
         return dict(vars(self))
@@ -103,4 +110,5 @@ def evaluate_ppl(
     if mask_sum == 0:
         raise EvalInputError("every token of the evaluated samples is masked; nothing to score")
     loss = loss_sum / mask_sum
-    return PplResult(loss, math.exp(min(20.0, loss)), count, int(mask_sum), split_name)
+    ppl = math.exp(min(20.0, loss))
+    return PplResult(loss, ppl, count, int(mask_sum), split_name, len(dataset))

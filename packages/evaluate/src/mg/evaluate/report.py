@@ -27,8 +27,22 @@ def megatron_line(task: str, metrics: dict[str, Any]) -> str:
         text += f"avg accuracy: {metrics['accuracy']:.4E}"
     else:
         text += f"lm loss: {metrics['loss']:.6E} | lm loss PPL: {metrics['ppl']:.6E} | "
+        if "split_samples" in metrics:
+            text += _samples_field(metrics)
     rule = "-" * (len(text) + 1)
     return f"{rule}\n{text}\n{rule}"
+
+
+def _samples_field(metrics: dict[str, Any]) -> str:
+    """Which samples were scored: mg-train's validation line names its own, which are
+    other samples (the next --eval-iters x --global-batch-size each time), hence
+    another loss unless the samples are the same."""
+    count, total, split = metrics["num_samples"], metrics["split_samples"], metrics["split"]
+    which = "all of them" if count == total else f"the first {count}"
+    return (
+        f"samples: 0-{count - 1} of the {total} in one pass over the {split} split ({which}; "
+        "mg-train's validation line names the samples it scored) | "
+    )
 
 
 def write_report(path: str | Path, task: str, metrics: dict[str, Any], **context: Any) -> dict:
