@@ -71,6 +71,9 @@ def _run_partition(job: PartitionJob, messages, parent_pid: int) -> None:  # in 
         messages.put(("done", job.index, stats))
     except (LineRejectedError, WorkerDiedError) as err:
         messages.put(("error", job.index, str(err)))
+    except OSError as err:  # the output (disk full, ...): the parent words it
+        left = getattr(err, "left_behind", [])
+        messages.put(("oserror", job.index, err.errno, err.strerror, left))
     except Exception:
         crash = f"partition {job.index} crashed:\n{traceback.format_exc()}"
         messages.put(("error", job.index, crash))
@@ -162,6 +165,11 @@ def _collect(processes, messages, on_progress: Callable[[int, int, int], None]) 
             on_progress(*payload)
         elif kind == "done":
             results[index] = payload[0]
+        elif kind == "oserror":
+            number, reason, left = payload
+            failure = OSError(number, reason)
+            failure.left_behind = left  # type: ignore[attr-defined]
+            raise failure
         else:
             raise PartitionFailedError(payload[0])
     return [results[i] for i in range(len(processes))]

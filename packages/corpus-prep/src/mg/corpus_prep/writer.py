@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from mg.corpus_prep.encoder import EncodedChunk
+from mg.indexed_dataset.builder import note_left_behind
 from mg.indexed_dataset.format import IndexedDatasetBuilder
 
 
@@ -29,8 +30,8 @@ class DatasetWriter:
         try:
             for key, path in self.prefixes.items():
                 self.builders[key] = IndexedDatasetBuilder(path + ".bin", dtype)
-        except BaseException:
-            self.abort()
+        except BaseException as err:
+            note_left_behind(err, self.abort())
             raise
 
     def write(self, chunk: EncodedChunk) -> None:
@@ -53,19 +54,24 @@ class DatasetWriter:
         try:
             for key, builder in self.builders.items():
                 builder.finalize(self.prefixes[key] + ".idx")
-        except BaseException:
-            self.abort()
+        except BaseException as err:
+            note_left_behind(err, self.abort())
             raise
         return dict(self.prefixes)
 
-    def abort(self) -> None:
+    def abort(self) -> list[str]:
+        """Delete every unfinished builder's temporary files; returns those that stayed."""
+        left: list[str] = []
         for builder in self.builders.values():
             if not builder.finalized:
-                builder.abort()
+                left += builder.abort()
+        return left
 
     def __enter__(self) -> DatasetWriter:
         return self
 
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is not None:
+    def __exit__(self, exc_type: object, exc_value: BaseException | None, *rest: object) -> None:
+        if exc_value is not None:
+            note_left_behind(exc_value, self.abort())
+        elif exc_type is not None:
             self.abort()

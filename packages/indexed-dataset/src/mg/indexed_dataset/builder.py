@@ -43,12 +43,29 @@ def temporary_path(final_path: str) -> str:
     return f"{final_path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
-def _discard(stream: IO[bytes], paths: list[str]) -> None:
-    """Close `stream` and delete `paths`; run on abort, on error and when a builder is lost."""
-    stream.close()
+def _discard(stream: IO[bytes], paths: list[str]) -> list[str]:
+    """Close `stream` and delete `paths`; run on abort, on error and when a builder is lost.
+
+    Returns the paths that could not be deleted. Closing flushes the buffered
+    tail, which fails again on a full disk; the files are deleted all the same.
+    """
+    with contextlib.suppress(OSError):
+        stream.close()  # closes the descriptor even when the flush before it fails
+    left = []
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            left.append(path)
+    return left
+
+
+def note_left_behind(err: BaseException, paths: list[str]) -> None:
+    """Record on `err` the temporary files an abort could not delete (`left_behind`)."""
+    if paths:
+        err.left_behind = [*getattr(err, "left_behind", []), *paths]  # type: ignore[attr-defined]
 
 
 class IndexedDatasetBuilder:
@@ -117,7 +134,7 @@ class IndexedDatasetBuilder:
         return np.ascontiguousarray(array_in, dtype=self.dtype).reshape(-1)
 
     def _check_open(self) -> None:
-        if self._bin.closed:
+        if self._bin.closed or not self._cleanup.alive and not self.finalized:
             state = "finalized" if self.finalized else "aborted"
             raise IndexedDatasetError(f"{self.bin_path}: the builder is already {state}")
 
@@ -249,8 +266,8 @@ class IndexedDatasetBuilder:
                 os.fsync(stream.fileno())
             os.replace(self._bin_temporary, self.bin_path)
             os.replace(idx_temporary, idx_path)
-        except BaseException:
-            self.abort()
+        except BaseException as err:
+            note_left_behind(err, self.abort())
             raise
         self._cleanup.detach()
         self.finalized = True
@@ -277,9 +294,13 @@ class IndexedDatasetBuilder:
         if self.multimodal:
             stream.write(memoryview(np.frombuffer(self._modes, dtype=MODE_DTYPE)).cast("B"))
 
-    def abort(self) -> None:
-        """Give up the build: close and delete the temporary files. Safe to call twice."""
-        self._cleanup()
+    def abort(self) -> list[str]:
+        """Give up the build: close and delete the temporary files. Safe to call twice.
+
+        Returns the temporary files that could not be deleted (none, normally).
+        """
+        left = self._cleanup()
+        return left or []
 
     def __enter__(self) -> IndexedDatasetBuilder:
         return self
@@ -290,7 +311,9 @@ class IndexedDatasetBuilder:
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if exc_type is not None:
+        if exc_value is not None:
+            note_left_behind(exc_value, self.abort())
+        elif exc_type is not None:
             self.abort()
         elif not self._bin.closed:  # neither finalized nor aborted inside the block
             self.finalize()
