@@ -49,6 +49,7 @@ from mg.trainer import (
 from mg.trainer.arguments import Args
 from mg.trainer.checkpointing import TrainState
 from mg.trainer.families import collate, get_family
+from mg.trainer.heartbeat import HEARTBEAT_SECONDS, Heartbeat
 from mg.trainer.logging_utils import (
     perplexity,
     training_log_line,
@@ -74,24 +75,33 @@ class TrainResult:
     exit_reason: str = "done"
 
 
-class _SigtermFlag:
-    """Set by SIGTERM; the loop saves and exits at the end of the iteration."""
+class _ExitSignals:
+    """SIGTERM and SIGINT (Ctrl-C) set a flag; the loop saves and exits cleanly at the end
+    of the iteration, as Megatron's `--exit-signal-handler` does. A second Ctrl-C stops at
+    once (KeyboardInterrupt), for a save that takes too long."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
-        self.received = False
-        self._previous: Any = None
+        self.received: int = 0  # the signal's number, 0 for none
+        self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> _SigtermFlag:
-        with contextlib.suppress(ValueError):  # not the main thread: no handler
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+    def __enter__(self) -> _ExitSignals:
+        for signum in self.SIGNALS:
+            with contextlib.suppress(ValueError):  # not the main thread: no handler
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self.received:  # no print here: the main thread may be inside one
+            self.received = signum
 
     def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            if previous is not None:
+                signal.signal(signum, previous)
 
 
 def _samples(items: list[Any]) -> list[Any]:
@@ -158,6 +168,8 @@ def _autocast(
 
 class Trainer:
     """One training run: built from `Args`, run with `train()`."""
+
+    heartbeat_seconds = HEARTBEAT_SECONDS  # a line when none has appeared for this long
 
     def __init__(self, args: Args) -> None:
         """The setup stages in order (`mg.trainer.stages`): environment and layout,
@@ -451,7 +463,13 @@ class Trainer:
         saved_at = -1
         interval_time, interval_losses, interval_iters, interval_nan = time.time(), [], 0, 0
         interval_extra: dict[str, list[float]] = {}
-        with _SigtermFlag() as sigterm:
+        heartbeat = Heartbeat(
+            args.logging.log_interval,
+            self.train_iters,
+            emit=(lambda line: print(line, flush=True)) if self.is_log_rank else (lambda _: None),
+            interval=self.heartbeat_seconds,
+        )
+        with _ExitSignals() as exit_signals:
             while self.state.iteration < self.train_iters:
                 self.housekeeping.before_iteration()
                 loss, grad_norm, skipped, gbs = self.train_step()
@@ -512,6 +530,7 @@ class Trainer:
                             ),
                             flush=True,
                         )
+                    heartbeat.logged()
                     self.writer.scalars(
                         {"iteration-time": elapsed, "throughput": throughput}, st.iteration
                     )
@@ -522,17 +541,25 @@ class Trainer:
                         0,
                     )
                     interval_extra = {}
+                heartbeat.after_iteration(st.iteration, st.consumed_train_samples)
                 if self.valid_data is not None and st.iteration % t.eval_interval == 0:
                     self._validate_and_log(f"iteration {st.iteration}", result)
+                    heartbeat.logged()
                 self.housekeeping.after_iteration(st.iteration)
                 if on_iteration is not None:
                     on_iteration(self)
                 if c.save and c.save_interval and st.iteration % c.save_interval == 0:
                     self.save()
                     saved_at = st.iteration
-                reason = self._exit_reason(start, sigterm.received)
+                reason = self._exit_reason(start, exit_signals.received)
                 if reason:
                     if c.save and saved_at != st.iteration:
+                        if self.env.is_main and reason.startswith("received"):
+                            print(
+                                f" {reason}: saving a checkpoint at iteration {st.iteration} "
+                                "before exiting (Ctrl-C again stops at once, without saving)",
+                                flush=True,
+                            )
                         self.save()
                         saved_at = st.iteration
                     result.exit_reason = reason
@@ -541,8 +568,8 @@ class Trainer:
                     self.finish_saves()
                     self.writer.close()
                     return result
-            # still under the SIGTERM flag: a SIGTERM during the last save, or while an
-            # async save finishes, lets it finish instead of killing the process
+            # still under the signal flag: a SIGTERM or SIGINT during the last save, or while
+            # an async save finishes, lets it finish instead of killing the process
             if self.valid_data is not None and self.state.iteration % t.eval_interval != 0:
                 self._validate_and_log(
                     f"iteration {self.state.iteration} on validation set", result
@@ -553,11 +580,12 @@ class Trainer:
             self.writer.close()
         return result
 
-    def _exit_reason(self, start: float, sigterm: bool) -> str | None:
+    def _exit_reason(self, start: float, received: int) -> str | None:
         t = self.args.training
         iteration = self.state.iteration
-        if distributed.all_reduce_max(float(sigterm)) > 0:
-            return "received SIGTERM"
+        # the same on every rank: the highest signal number any rank received
+        if signum := int(distributed.all_reduce_max(float(received))):
+            return f"received {signal.Signals(signum).name}"
         if t.exit_interval and iteration % t.exit_interval == 0:
             return f"--exit-interval {t.exit_interval}"
         if t.exit_duration_in_mins is not None:
