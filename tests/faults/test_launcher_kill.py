@@ -1,0 +1,153 @@
+"""Killing a tool kills the tool: `bin/mg-*` exec the tool itself, so a `kill -9` of the
+PID a user, Slurm or cron started leaves no process of it behind, and a dataset being
+written is never published afterwards. Under `just`, a recipe's last line execs the
+launcher, and the tool dies with just too (Linux's parent-death signal)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from fault_helpers import TINY_MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS_PATH = os.pathsep.join(
+    [str(ROOT / ".tools" / "venv" / "bin"), str(ROOT / ".tools" / "target" / "bin"),
+     os.environ.get("PATH", "")]
+)  # fmt: skip
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+    pytest.mark.skipif(shutil.which("uv", path=TOOLS_PATH) is None, reason="bin/ needs uv"),
+]
+
+
+def _processes_naming(marker: str) -> list[int]:
+    """PIDs of every live process whose command line holds `marker` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _kill_and_check_gone(process: subprocess.Popen, marker: str) -> None:
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    # the tool's own workers die with it (PR_SET_PDEATHSIG): give the kernel a moment
+    deadline = time.monotonic() + 5
+    while _processes_naming(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _processes_naming(marker)
+    for pid in left:  # never leave a stray behind for the next test
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes of the killed tool still running: {left}"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 60 MB of loose JSON: well over ten seconds of tokenizing on one worker."""
+    path = tmp_path_factory.mktemp("launcher-kill") / "corpus.jsonl"
+    line = json.dumps({"text": " ".join(str(i % 120 + 1) for i in range(500))}) + "\n"
+    path.write_text(line * 40_000)
+    return path
+
+
+def _tokenize_argv(corpus: Path, prefix: Path) -> list[str]:
+    return [
+        "tokenize", "--input", str(corpus), "--output-prefix", str(prefix),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--workers", "2",
+    ]  # fmt: skip
+
+
+def _started_writing(folder: Path) -> Callable[[], bool]:
+    return lambda: any(p.name.endswith(".tmp") for p in folder.iterdir())
+
+
+def _published(prefix: Path) -> list[str]:
+    return [
+        str(p) for p in prefix.parent.glob(f"{prefix.name}_text_document.*") if p.suffix != ".tmp"
+    ]
+
+
+def test_kill_9_of_bin_mg_prep_stops_the_tokenizer_and_publishes_nothing(corpus, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    prefix = out / "corpus"
+    process = subprocess.Popen(
+        [str(ROOT / "bin" / "mg-prep"), *_tokenize_argv(corpus, prefix)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(_started_writing(out), 120, "mg-prep to start writing")
+        assert len(_processes_naming(str(prefix))) >= 2  # the tool and its tokenizer workers
+    finally:
+        _kill_and_check_gone(process, str(prefix))
+    time.sleep(2)  # a surviving tool would rename its finished files into place now
+    assert _published(prefix) == []
+
+
+def test_kill_9_of_bin_mg_train_stops_training(tmp_path):
+    save = tmp_path / "ckpt"
+    log = tmp_path / "train.log"
+    argv = [
+        "gpt", *TINY_MODEL, "--lr", "1e-3", "--mock-data", "--vocab-size", "127",
+        "--data-cache-path", str(tmp_path / "cache"), "--micro-batch-size", "2",
+        "--train-iters", "1000000", "--eval-iters", "0", "--log-interval", "1",
+        "--save", str(save), "--save-interval", "1000000",
+    ]  # fmt: skip
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [str(ROOT / "bin" / "mg-train"), *argv], stdout=sink, stderr=subprocess.STDOUT
+        )
+        try:
+            _wait_for(lambda: "iteration" in log.read_text(), 180, "mg-train's first iteration")
+        finally:
+            _kill_and_check_gone(process, str(save))
+
+
+def test_kill_9_of_just_stops_the_recipe_tool(corpus, tmp_path):
+    just = shutil.which("just", path=TOOLS_PATH)
+    if just is None or shutil.which("setpriv") is None:
+        pytest.skip("needs just and util-linux's setpriv")
+    out = tmp_path / "out"
+    out.mkdir()
+    prefix = out / "corpus"
+    justfile = tmp_path / "justfile"
+    justfile.write_text(f"prep *args:\n    exec {ROOT / 'bin' / 'mg-prep'} {{{{args}}}}\n")
+    process = subprocess.Popen(
+        [just, "--justfile", str(justfile), "prep", *_tokenize_argv(corpus, prefix)],
+        env=dict(os.environ, PATH=TOOLS_PATH),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(_started_writing(out), 120, "mg-prep under just to start writing")
+    finally:
+        _kill_and_check_gone(process, str(prefix))
+    time.sleep(2)
+    assert _published(prefix) == []
