@@ -151,3 +151,19 @@ def test_kill_9_of_just_stops_the_recipe_tool(corpus, tmp_path):
         _kill_and_check_gone(process, str(prefix))
     time.sleep(2)
     assert _published(prefix) == []
+
+
+def test_mgw_becomes_just(tmp_path):
+    """`python3 mgw ...` execs just: the PID started is just's, which passes SIGTERM on to
+    the recipe's tool (and a recipe's tool dies with just, above)."""
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "mgw"), "--command", "sleep", "30"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    comm = Path(f"/proc/{process.pid}/comm")
+    try:
+        _wait_for(lambda: comm.read_text().strip() == "just", 60, "mgw to exec just")
+    finally:
+        process.terminate()  # just forwards SIGTERM to sleep and exits with it
+        process.wait(timeout=30)
