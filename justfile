@@ -131,13 +131,16 @@ train *args: setup
 eval *args: setup
     exec bin/mg-eval {{args}}
 
-# continue training an imported model (model and tokenizer from the checkpoint; add e.g. --seq-length 512):
-#   just finetune ckpt/imported ckpt/finetuned data/corpus_text_document
+# continue training a checkpoint, its model and tokenizer, on a dataset prefix (add e.g. --seq-length 512): just finetune ckpt/imported ckpt/finetuned data/corpus_text_document
 finetune load save data *args: setup
     exec bin/mg-train gpt --use-checkpoint-args --finetune --load {{load}} --save {{save}} --data-path {{data}} \
         --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 1e-4 {{args}}
 
-# GPU benchmark: Megatron's 1.3B GPT on mock data with bf16 (and FP8 with Transformer Engine) on every GPU here,
-# MFU per iteration -> bench/results/gpu-<device>.md; exits 0 with a message without CUDA (--device cpu: smoke run)
+# continue training a checkpoint on the blend.txt that `just refresh` (mg-prep refresh) publishes in its output folder: just finetune-refresh ckpt/imported ckpt/finetuned refresh-out
+finetune-refresh load save refresh_dir *args: setup
+    exec bin/mg-train gpt --use-checkpoint-args --finetune --load {{load}} --save {{save}} --data-args-path {{refresh_dir}}/blend.txt \
+        --split 90,10,0 --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 1e-4 {{args}}
+
+# GPU benchmark: Megatron's 1.3B GPT on mock data, bf16 (and FP8 with Transformer Engine) on every GPU here, MFU per iteration -> bench/results/gpu-<device>.md (without CUDA: a message; --device cpu: a smoke run)
 bench-gpu *args: setup
     exec uv run --frozen python bench/bench_gpu.py {{args}}
