@@ -1,0 +1,163 @@
+"""mg-train --use-megatron-fsdp / --use-torch-fsdp2 (FSDP2) on gloo ranks equals one process.
+
+Tolerance (fp32): 1e-5 relative on losses and 1e-4 on grad norms, as for DDP and the
+distributed optimizer (test_ddp.py, test_dist_opt.py): the reduce-scatter sums the
+micro-batches' gradients in another order than one process accumulating them, a
+~1e-7 relative difference per step that AdamW carries through the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mg.core.testing.launch import launch_workers
+from mg.trainer.arguments import ArgumentError, parse_args
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+FLAGS = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-4
+
+
+def _run_ranks(argvs: list[list[str]], world_size: int, out: Path) -> list[dict]:
+    launch_workers(str(WORKER), world_size, [str(out), json.dumps(argvs)], timeout=600)
+    return json.loads(out.read_text())
+
+
+def _assert_close(reference: list[float], got: list[float], rtol: float) -> None:
+    assert len(reference) == len(got)
+    for a, b in zip(reference, got, strict=True):
+        assert abs(a - b) <= rtol * abs(a), (reference, got)
+
+
+def _strategy(name: str) -> list[str]:
+    return [*FSDP, "--data-parallel-sharding-strategy", name]
+
+
+def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
+    """Global batch 8: one process (4 micro-batches of 2) vs DP=2 (2 micro-batches each,
+    the first without gradient sync) with parameters sharded (ZeRO-3, prefetching the
+    next layer's all-gather) and not sharded at all: the same losses and grad norms;
+    each rank holds half the parameters, or all of them; 3 units (2 layers, the root)."""
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=6)
+    one = train(argv)
+    zero3, replicated = _run_ranks(
+        [[*argv, *_strategy("optim_grads_params")], [*argv, *_strategy("no_shard")]],
+        2,
+        tmp_path / "two.json",
+    )
+    for run in (zero3, replicated):
+        _assert_close(one.losses, run["losses"], LOSS_RTOL)
+        _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)
+        assert run["units"] == 3
+    assert sum(zero3["shares"]) == zero3["numel"]
+    assert max(zero3["shares"]) - min(zero3["shares"]) <= zero3["numel"] // 10
+    assert zero3["prefetching"] == 1  # layer 1 starts layer 2's gather
+    assert replicated["shares"] == [replicated["numel"]] * 2
+    assert replicated["prefetching"] == 0
+
+
+@pytest.mark.slow
+def test_dp4_each_strategy_tp_and_hsdp_match_one_process(tmp_path, mock_argv, train) -> None:
+    """20 iterations on 4 ranks, one launch: DP=4 at each strategy, DP=2 × TP=2 with
+    sequence parallelism, HSDP (2 replicas of 2 shards), and ZeRO-3 with full activation
+    recompute and an untied output layer (its own embedding unit) under
+    --use-torch-fsdp2: every run equals one process."""
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=16, iters=20)
+    untied = [*argv, "--untie-embeddings-and-output-weights"]
+    one = train(argv)
+    one_untied = train(untied)
+    strategies = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+    runs = _run_ranks(
+        [
+            *([*argv, *_strategy(s)] for s in strategies),
+            [
+                *argv,
+                *_strategy("optim_grads_params"),
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+            ],
+            [*argv, *_strategy("optim_grads"), "--num-distributed-optimizer-instances", "2"],
+            [
+                *untied,
+                "--use-torch-fsdp2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+        ],
+        4,
+        tmp_path / "four.json",
+    )
+    for run in runs[:-1]:
+        _assert_close(one.losses, run["losses"], LOSS_RTOL)
+        _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)
+    _assert_close(one_untied.losses, runs[-1]["losses"], LOSS_RTOL)
+    _assert_close(one_untied.grad_norms, runs[-1]["grad_norms"], NORM_RTOL)
+    no_shard, optim, optim_grads, zero3, tp, hsdp, untied_run = runs
+    assert no_shard["shares"] == [no_shard["numel"]] * 4
+    for run in (optim, optim_grads, zero3, untied_run):
+        assert sum(run["shares"]) == run["numel"]
+    assert sum(tp["shares"]) == tp["numel"]  # 2 × 2 ranks hold one copy between them
+    assert sum(hsdp["shares"]) == 2 * hsdp["numel"]  # two replicas of the shards
+    assert untied_run["units"] == 4  # 2 layers, the embedding, the root
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--use-megatron-fsdp"], "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor"),
+        (
+            ["--use-torch-fsdp2", "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+            "cannot both be set",
+        ),
+        (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
+        (["--num-distributed-optimizer-instances", "2"], "needs --use-megatron-fsdp"),
+        (["--use-torch-fsdp2"], "--use-torch-fsdp2 needs --untie-embeddings-and-output-weights"),
+        (
+            [*FSDP, "--pipeline-model-parallel-size", "2"],
+            "not supported with pipeline parallelism",
+        ),
+        (
+            ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--fp16"],
+            "--use-torch-fsdp2 is not supported with --fp16",
+        ),
+        (
+            [
+                "--use-torch-fsdp2",
+                "--untie-embeddings-and-output-weights",
+                "--use-distributed-optimizer",
+            ],
+            "--use-torch-fsdp2 is not supported with --use-distributed-optimizer",
+        ),
+        (
+            [*FSDP, "--megatron-fsdp-main-params-dtype", "bf16"],
+            "--megatron-fsdp-main-params-dtype bf16",
+        ),
+    ],
+)
+def test_refused_combinations(tmp_path, mock_argv, flags, message) -> None:
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(mock_argv(tmp_path, *flags), world_size=4)
+
+
+def test_strategy_implies_megatrons_overlap(tmp_path, mock_argv) -> None:
+    """As in Megatron: optim_grads overlaps the gradient reduction, optim_grads_params also
+    the parameter gather; --use-torch-fsdp2 shards everything unless told otherwise."""
+    grads = parse_args(mock_argv(tmp_path, *_strategy("optim_grads")))
+    assert grads.distributed.overlap_grad_reduce and not grads.distributed.overlap_param_gather
+    params = parse_args(mock_argv(tmp_path, *_strategy("optim_grads_params")))
+    assert params.distributed.overlap_param_gather
+    torch2 = parse_args(
+        mock_argv(tmp_path, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights")
+    )
+    assert torch2.fsdp.data_parallel_sharding_strategy == "optim_grads_params"
+    assert parse_args(mock_argv(tmp_path)).fsdp.data_parallel_sharding_strategy == "no_shard"
