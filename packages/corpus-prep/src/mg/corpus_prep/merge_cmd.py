@@ -4,16 +4,21 @@
 
 A folder contributes every `.bin`/`.idx` pair in it in sorted name order,
 as Megatron merges a folder; a prefix (or a `.bin`/`.idx` path) contributes
-that one dataset. Inputs are merged in the order given. All inputs must hold
-tokens of one dtype; the output appears only once it is complete.
+that one dataset. When PREFIX.bin/.idx exist and a folder PREFIX/ too (mg-train
+keeps its index cache in PREFIX/cache/), the dataset is merged and a line says
+so. Inputs are merged in the order given. All inputs must hold tokens of one
+dtype; the output appears only once it is complete, and replaces an existing
+dataset of the same name (a line says so).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from mg.corpus_prep.cli import UserError, refuse_own_input
+from mg.corpus_prep.output_faults import cannot_write, existing_dataset
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +55,16 @@ def resolve_inputs(inputs: list[str], output_prefix: str) -> list[str]:
     output = os.path.abspath(output_prefix)
     prefixes: list[str] = []
     for item in inputs:
-        if os.path.isdir(item):
+        prefix = _strip_suffix(item)
+        is_dataset = all(os.path.isfile(prefix + suffix) for suffix in (".bin", ".idx"))
+        if is_dataset and os.path.isdir(item):
+            print(
+                f"mg-prep merge: {item} is a dataset ({item}.bin/.idx) and a folder; "
+                f"merging the dataset (name the folder as {os.path.join(item, '')} to merge "
+                "the datasets in it)",
+                file=sys.stderr,
+            )
+        if os.path.isdir(item) and not is_dataset:
             try:
                 found = list_dataset_prefixes(item)
             except IndexedDatasetError as err:
@@ -60,7 +74,6 @@ def resolve_inputs(inputs: list[str], output_prefix: str) -> list[str]:
                 raise UserError(f"{item}: the folder holds no .bin/.idx datasets")
             prefixes.extend(found)
             continue
-        prefix = _strip_suffix(item)
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
         if missing:
             raise UserError(
@@ -72,7 +85,7 @@ def resolve_inputs(inputs: list[str], output_prefix: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: numpy only once the flags are parsed (`mg-prep merge --help` stays instant)
-    from mg.indexed_dataset.format import IndexedDataset, IndexedDatasetError, merge_datasets
+    from mg.indexed_dataset.format import IndexedDataset, IndexedDatasetError
 
     prefixes = resolve_inputs(args.input, args.output_prefix)
     # a folder's own copy of the output is already left out; a named input is refused
@@ -80,10 +93,9 @@ def run(args: argparse.Namespace) -> int:
         [("--output-prefix", args.output_prefix + suffix) for suffix in (".bin", ".idx")],
         [("--input", prefix + suffix) for prefix in prefixes for suffix in (".bin", ".idx")],
     )
-    output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(output_dir, exist_ok=True)
+    replacing = existing_dataset(args.output_prefix)
     try:
-        merge_datasets(prefixes, args.output_prefix, multimodal=args.multimodal)
+        _write(prefixes, args.output_prefix, args.multimodal)
         with IndexedDataset(args.output_prefix, multimodal=args.multimodal) as merged:
             documents, sequences, tokens = merged.num_documents, len(merged), merged.num_tokens
             dtype = merged.dtype.name
@@ -93,4 +105,22 @@ def run(args: argparse.Namespace) -> int:
         f"mg-prep merge: {len(prefixes)} datasets -> {args.output_prefix}.bin/.idx: "
         f"{documents:,} documents, {sequences:,} sequences, {tokens:,} tokens ({dtype})"
     )
+    if replacing:  # as Megatron's merge_datasets.py, which does it silently
+        print(f"mg-prep merge: replaced the existing {args.output_prefix}.bin/.idx")
     return 0
+
+
+def _write(prefixes: list[str], output_prefix: str, multimodal: bool) -> None:
+    """merge_datasets, with the output's OSErrors (full disk, read-only folder, a path
+    through a file) as one-line UserErrors; the builder has removed its temporaries."""
+    # lazy: numpy only once the flags are parsed (`mg-prep merge --help` stays instant)
+    from mg.indexed_dataset.format import merge_datasets
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+        merge_datasets(prefixes, output_prefix, multimodal=multimodal)
+    except OSError as err:
+        inputs = {prefix + suffix for prefix in prefixes for suffix in (".bin", ".idx")}
+        if err.filename and os.fspath(err.filename) in inputs:  # an input, not the output
+            raise UserError(f"{err.filename}: cannot read ({err.strerror or err})") from err
+        raise UserError(cannot_write(output_prefix, err)) from err
