@@ -167,3 +167,20 @@ def test_mgw_becomes_just(tmp_path):
     finally:
         process.terminate()  # just forwards SIGTERM to sleep and exits with it
         process.wait(timeout=30)
+
+
+def test_launcher_without_uv_says_how_to_get_it(tmp_path):
+    system_path = "/usr/bin:/bin"
+    if shutil.which("uv", path=system_path):
+        pytest.skip("uv is installed system-wide")
+    (tmp_path / "bin").mkdir()
+    for name in ("_launch", "mg-prep"):
+        shutil.copy2(ROOT / "bin" / name, tmp_path / "bin" / name)
+    result = subprocess.run(
+        [str(tmp_path / "bin" / "mg-prep"), "--help"],
+        env={"PATH": system_path, "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 127
+    assert result.stderr == f"uv not found: run 'python3 mgw setup' in {tmp_path} first\n"
