@@ -24,6 +24,7 @@ from mg.evaluate import distributed
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.model_parallel import EvalModel
 from mg.evaluate.progress import progress
+from mg.evaluate.token_check import check_vocabulary
 from mg.indexed_dataset import GPTDatasetConfig, IndexedDatasetError, build_gpt_datasets
 
 SPLITS = ("train", "valid", "test")
@@ -87,6 +88,7 @@ def evaluate_ppl(
     model = EvalModel.whole(model)
     group = model.layout.dp_group
     num_samples = None if eval_iters is None else eval_iters * micro_batch_size
+    check_vocabulary(data_path, model, tokenizer)
     dataset = build_split(
         data_path, split_name, seq_length, split, seed, num_samples, tokenizer.eod, cache_path
     )

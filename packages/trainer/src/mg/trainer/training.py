@@ -38,7 +38,8 @@ from mg.core.parallel.pipeline import (
     clip_grad_norm_across_stages,
 )
 from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
-from mg.indexed_dataset import samples_per_split
+from mg.indexed_dataset import parse_data_path, read_blend_file, samples_per_split
+from mg.indexed_dataset.token_range import check_token_ids
 from mg.trainer import (
     checkpoint_io,
     distributed,
@@ -211,6 +212,7 @@ class Trainer:
             train_iters=self.train_iters,
             train_samples=t.train_samples,
         )
+        self._check_token_ids()
         train, valid, _ = self.family.build_datasets(self.args, self.tokenizer, num_samples)
         workers = self.args.data.num_workers
         self.train_data = _batches(
@@ -233,6 +235,22 @@ class Trainer:
             )
             if valid is not None and len(valid) > 0 and t.eval_iters > 0
             else None
+        )
+
+    def _check_token_ids(self) -> None:
+        """Every dataset's ids fit the embedding (else an IndexError in some later step)."""
+        d = self.args.data
+        if d.mock_data:
+            return
+        blend = (
+            read_blend_file(d.data_args_path) if d.data_args_path else parse_data_path(d.data_path)
+        )
+        rows = self.model_config.vocab_size
+        check_token_ids(
+            blend.prefixes,
+            rows,
+            f"the model's embedding (the tokenizer's {self.tokenizer.vocab_size} ids, padded "
+            f"to {rows} rows)",
         )
 
     # --- one iteration ------------------------------------------------------------------------

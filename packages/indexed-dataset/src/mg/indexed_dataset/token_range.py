@@ -1,0 +1,47 @@
+"""Token ids against a model's vocabulary, checked before any step runs.
+
+A dataset made with another tokenizer (or for a larger vocabulary) holds ids the
+model's embedding has no row for; the first batch that meets one fails deep in
+the forward with an ``IndexError``, possibly hours in. The tools check each
+dataset's largest id first: one pass over the ``.bin`` (memory-mapped, in
+chunks), skipped when the file's dtype cannot hold an id that large.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from mg.indexed_dataset.errors import IndexedDatasetError
+from mg.indexed_dataset.reader import IndexedDataset
+
+_CHUNK = 1 << 24  # tokens per read: bounded memory on any dataset size
+
+
+def max_token_id(dataset: IndexedDataset) -> int:
+    """The largest token id in the dataset's ``.bin`` (-1 for an empty one)."""
+    if dataset.num_tokens == 0:
+        return -1
+    tokens = np.memmap(dataset.bin_path, dtype=dataset.dtype, mode="r")
+    return max(int(tokens[i : i + _CHUNK].max()) for i in range(0, len(tokens), _CHUNK))
+
+
+def check_token_ids(prefixes: Iterable[str], vocab_size: int, vocabulary: str) -> None:
+    """Refuse a dataset holding an id >= ``vocab_size``; ``vocabulary`` says whose it is
+    (e.g. "the model's embedding (the tokenizer's 127 ids, padded to 128 rows)")."""
+    for prefix in prefixes:
+        dataset = IndexedDataset(prefix, validate=False)
+        try:
+            if np.iinfo(dataset.dtype).max < vocab_size:
+                continue  # no id the file can hold is out of range
+            top = max_token_id(dataset)
+        finally:
+            dataset.close()
+        if top >= vocab_size:
+            raise IndexedDatasetError(
+                f"{dataset.bin_path}: holds token id {top}, beyond {vocabulary}: ids must be "
+                f"below {vocab_size}; the data was made with another tokenizer. Re-run mg-prep "
+                "with this model's tokenizer, or pick the tokenizer (and vocabulary size) the "
+                "data was made with"
+            )
