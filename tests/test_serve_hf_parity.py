@@ -86,7 +86,7 @@ def mg_serve(load: Path) -> Iterator[str]:
         text=True,
     )
     try:
-        line = proc.stdout.readline()
+        line = next((x for x in proc.stdout if "listening on" in x), "")  # after progress
         match = re.search(r"listening on (http://\S+)", line)
         assert match, line + (proc.stdout.read() if proc.poll() is not None else "")
         yield match.group(1)

@@ -224,7 +224,7 @@ def test_mg_serve_command_serves_a_hybrid(tmp_path: Path) -> None:
         text=True,
     )
     try:
-        line = proc.stdout.readline()
+        line = next((x for x in proc.stdout if "listening on" in x), "")  # after progress
         match = re.search(r"listening on (http://\S+)", line)
         assert match, line + (proc.stdout.read() if proc.poll() is not None else "")
         assert "Mamba state per sequence, no prefix caching" in line

@@ -36,7 +36,7 @@ HOW = ("truncated", "empty", "html", "scrambled")
 ITERATION_FLAG = {
     "mg-train": "--ckpt-step",
     "mg-eval": "--ckpt-step",
-    "mg-serve": "--iteration",
+    "mg-serve": "--ckpt-step",
     "mg-convert inspect": "--ckpt-step",
     "mg-convert export-hf": "--ckpt-step",
 }

@@ -27,8 +27,15 @@ from mg.core.help_format import DefaultsHelpFormatter
 from mg.generate_server.client import run_client
 from mg.generate_server.errors import ServeSetupError
 from mg.generate_server.memory_size import parse_memory
+from mg.generate_server.startup_log import StartupLog, quiet_progress_bars_in_logs
 
 log = logging.getLogger("mg.generate_server")
+
+
+def _ckpt_step(value: str) -> int | str:
+    if value == "release" or (value.isdigit() and value.isascii()):
+        return value if value == "release" else int(value)
+    raise argparse.ArgumentTypeError(f"expected an iteration number or 'release', got {value!r}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument("--load", required=True, help="checkpoint folder (mg-train/mg-convert)")
-    parser.add_argument("--iteration", default=None, help="iteration to load (default: latest)")
+    parser.add_argument(
+        "--ckpt-step",
+        "--iteration",
+        dest="ckpt_step",
+        type=_ckpt_step,
+        default=None,
+        metavar="N",
+        help="iteration to load, an int or 'release' (Megatron's name; --iteration is an "
+        "alias). Default: latest_checkpointed_iteration.txt",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=5000, help="port (0: any free port)")
     parser.add_argument(
@@ -143,7 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to receive a request body; a slower client gets a 408",
     )
     parser.add_argument(
-        "--max-waiting-requests", type=int, default=256, help="queue length before 503s"
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="requests queued for the engine; past that a request is answered 503 with "
+        "Retry-After (before any stream starts)",
     )
     parser.add_argument(
         "--request-timeout", type=float, default=300.0, help="seconds before a request is cancelled"
@@ -199,8 +219,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_waiting_requests < 0:
-        parser.error("--max-waiting-requests must be >= 0")
+    if args.max_waiting_requests < 1:  # every request passes through the queue
+        parser.error("--max-waiting-requests must be >= 1 (0 would refuse every request)")
     if args.inference_max_seq_length is not None and args.inference_max_seq_length < 2:
         parser.error("--inference-max-seq-length must be >= 2")
     if args.max_tokens_to_generate is not None and args.max_tokens_to_generate < 0:
@@ -265,8 +285,11 @@ def _check_fp8(device) -> None:
         raise ServeSetupError(f"--kv-cache-dtype fp8: {err}") from None
 
 
-def serve(args: argparse.Namespace) -> None:
-    """One process, or one rank of `torchrun --nproc-per-node T` (rank 0 serves HTTP)."""
+def serve(args: argparse.Namespace, steps: StartupLog | None = None) -> None:
+    """One process, or one rank of `torchrun --nproc-per-node T` (rank 0 serves HTTP);
+    `steps` logs each loading step as it begins."""
+    steps = steps or StartupLog()
+    steps.step("importing torch and the serving code")
     # lazy: torch and the serving code only once the flags are good (--help stays instant)
     import torch
     import torch.distributed as dist
@@ -308,9 +331,13 @@ def serve(args: argparse.Namespace) -> None:
         _check_fp8(device)
     env = init_tensor_parallel(tp, device, args.distributed_timeout_minutes)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
+    which = "latest iteration" if args.ckpt_step is None else f"iteration {args.ckpt_step}"
+    steps.step("reading checkpoint %s (%s) and building its model on %s", args.load, which, device)
     loaded = load_for_serving(
-        args.load, device=str(device), dtype=dtype, iteration=args.iteration, layout=env.layout
+        args.load, device=str(device), dtype=dtype, iteration=args.ckpt_step, layout=env.layout
     )
+    parameters = sum(p.numel() for p in loaded.model.parameters())
+    steps.step("model built: %s, %s parameters", type(loaded.model).__name__, f"{parameters:,}")
     set_attention_backend(loaded.model, backend, loaded.config)
     if args.enable_prefix_caching and isinstance(loaded.model, MambaModel):
         raise ServeSetupError(
@@ -333,6 +360,9 @@ def serve(args: argparse.Namespace) -> None:
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         num_blocks = int(agreed)
     pool = (num_blocks, args.kv_cache_block_size, kv_cache_dtype)
+    steps.step(
+        "setting up the KV cache (%d blocks of %d positions)", num_blocks, args.kv_cache_block_size
+    )
     if args.enable_cuda_graph:
         runner = _graph_runner(args, loaded, device, tp, max_length, pool)
     elif args.enable_torch_compile:
@@ -347,20 +377,25 @@ def serve(args: argparse.Namespace) -> None:
         )
     runner.num_threads = threads
     runner.attention_backend = backend
+    steps.step("choosing decode attention (a C++ kernel is built once, then cached)")
     decode_attention = runner.choose_decode_attention()
     if runner.cache_decode_kernel is None and decode_attention != GATHERED:
         log.warning("decode attention: %s", decode_attention)  # why the kernel is not used
     if type(runner) is ModelRunner and device.type == "cpu":
+        steps.step("preparing CPU kernels (packed weights, fused decode steps)")
         _pack_and_fuse(runner)
     drafter = None
     if args.draft_load is not None:
+        steps.step("reading the draft model %s", args.draft_load)
         drafter = _drafter(args, loaded, runner, device, dtype, tp)
     if args.enable_torch_compile:
+        steps.step("compiling decode steps with torch.compile (minutes on a small CPU)")
         runner.compile_buckets()  # before the server listens: no request pays it
     if device.type == "cpu":
         release_freed_heap()
     if env.is_driver:
-        _serve_http(args, loaded, runner, max_length, tp, drafter)
+        steps.step("starting the engine and the HTTP server")
+        _serve_http(args, loaded, runner, max_length, tp, drafter, steps)
     else:
         run_worker(runner)
     if dist.is_initialized():
@@ -472,7 +507,13 @@ def _drafter(args: argparse.Namespace, loaded, runner, device, dtype: str | None
 
 
 def _serve_http(
-    args: argparse.Namespace, loaded, runner, max_length: int, tp: int, drafter=None
+    args: argparse.Namespace,
+    loaded,
+    runner,
+    max_length: int,
+    tp: int,
+    drafter=None,
+    steps: StartupLog | None = None,
 ) -> None:
     """Rank 0: the engine over `runner`, the app, and uvicorn until SIGINT/SIGTERM."""
     # lazy: the web server and the engine only once the flags are good (--help stays instant)
@@ -532,7 +573,8 @@ def _serve_http(
             f"{args.inference_max_requests} sequences, KV cache {runner.num_blocks} blocks x "
             f"{runner.block_size} = {pool} positions{kv_dtype}) "
             f"listening on http://{args.host}:{port} "
-            f"[{endpoints}, GET /health, /metrics, /docs]",
+            f"[{endpoints}, GET /health, /metrics, /docs]"
+            + (f" after {steps.elapsed():.1f} s of start-up" if steps is not None else ""),
             flush=True,
         )
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
@@ -571,7 +613,37 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _check_load_folders(args: argparse.Namespace) -> None:
+    """--load and --draft-load, checked before torch is imported (seconds on a slow machine):
+    a folder that is not there, or a Hugging Face folder given as a checkpoint, named with
+    how to convert it (loading would only find no latest_checkpointed_iteration.txt)."""
+    for flag, value in (("--load", args.load), ("--draft-load", args.draft_load)):
+        if value is not None and not Path(value).is_dir():
+            what = "is a file, not a folder" if Path(value).exists() else "does not exist"
+            raise ServeSetupError(
+                f"{flag} {value} {what}; give the checkpoint folder mg-train --save or "
+                "mg-convert wrote"
+            )
+        if value is not None and _is_hugging_face_folder(Path(value)):
+            raise ServeSetupError(
+                f"{flag} {value} is a Hugging Face folder (config.json + weights), not an mg "
+                f"checkpoint; convert it first: mg-convert import-hf {value} --save <ckpt>, "
+                f"then {flag} <ckpt>"
+            )
+
+
+def _is_hugging_face_folder(folder: Path) -> bool:
+    if not (folder / "config.json").is_file():
+        return False
+    if (folder / "latest_checkpointed_iteration.txt").exists() or any(folder.glob("iter_*")):
+        return False  # an mg / Megatron checkpoint (that happens to hold a config.json)
+    weights = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+    return any(any(folder.glob(pattern)) for pattern in weights)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    steps = StartupLog()
+    quiet_progress_bars_in_logs()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "cli":
         client = argparse.ArgumentParser(
@@ -586,9 +658,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     _check(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     try:
-        serve(args)
+        _check_load_folders(args)
+        serve(args, steps)
     except ServeSetupError as err:
-        print(f"mg-serve: {err}", file=sys.stderr)
+        print(f"mg-serve: error: {err}", file=sys.stderr)
         sys.exit(2)
 
 

@@ -61,7 +61,8 @@ def load_for_serving(
                 model = model.to(torch_dtype)
             model = model.to(device).eval()
     except CheckpointError as exc:
-        raise ServeSetupError(user_message(exc, "--iteration N")) from None
+        message = user_message(exc, "--ckpt-step N")
+        raise ServeSetupError(message.replace("pass iteration=N", "pass --ckpt-step N")) from None
     except TensorParallelError as err:
         raise ServeSetupError(f"cannot serve with tensor parallelism: {err}") from None
     if tokenizer_config is None:
