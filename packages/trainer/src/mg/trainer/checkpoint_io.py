@@ -12,8 +12,8 @@ and writer here:
   into (`checkpointing_dist`), its keys in the layout the model's configuration
   gives (Megatron-Core's for a GPT, local or Transformer Engine spec; mg's
   per-parameter one for MoE, Mamba, BERT and T5), read in either layout;
-- `fsdp_dtensor` (Megatron-FSDP's): named, with no reader or writer yet, so a run
-  asking for it is refused at start-up.
+- `fsdp_dtensor`: a torch_dist folder with the state-dict API's keys, FSDP's shards
+  as they are (`checkpointing_fsdp`); the one format a fully sharded run reads.
 
 `resume` finds the format on disk (whatever `--ckpt-format` says), `save` writes
 the one asked for.
@@ -30,22 +30,27 @@ from torch import nn
 from mg.core.checkpoint import checkpoint_dir, read_latest_iteration
 from mg.core.checkpoint.dist_format import PendingSave, is_torch_dist
 from mg.core.checkpoint.formats import TORCH, TORCH_DIST, check_savable, require_writer
+from mg.core.checkpoint.fsdp_dtensor import FSDP_DTENSOR, is_fsdp_dtensor
 from mg.core.checkpoint.layout import CheckpointError, Iteration
 from mg.core.models.config import TransformerConfig
 from mg.core.parallel.layout import ParallelLayout
-from mg.trainer import checkpointing, checkpointing_dist
+from mg.trainer import checkpointing, checkpointing_dist, checkpointing_fsdp
 from mg.trainer.checkpointing import TrainState
 
 __all__ = ["PendingSave", "TrainState", "check_savable", "resume", "save", "saved_format"]
 
 
 def saved_format(load: str, iteration: Iteration | None = None) -> str | None:
-    """The format of `load`'s latest checkpoint (or of `iteration`): `torch_dist` for a
-    complete DCP folder, `torch` otherwise; None when `load` names no checkpoint."""
+    """The format of `load`'s latest checkpoint (or of `iteration`): `fsdp_dtensor` for a
+    complete DCP folder whose common.pt says so, `torch_dist` for another, `torch`
+    otherwise; None when `load` names no checkpoint."""
     iteration = read_latest_iteration(load) if iteration is None else iteration
     if iteration is None:
         return None
-    return TORCH_DIST if is_torch_dist(checkpoint_dir(load, iteration)) else TORCH
+    folder = checkpoint_dir(load, iteration)
+    if is_fsdp_dtensor(folder):
+        return FSDP_DTENSOR
+    return TORCH_DIST if is_torch_dist(folder) else TORCH
 
 
 def resume(
@@ -76,7 +81,10 @@ def resume(
         "load_rng": load_rng,
         "iteration": iteration,
     }
-    if saved_format(load, iteration) == TORCH_DIST:
+    found = saved_format(load, iteration)
+    if found == FSDP_DTENSOR or checkpointing_fsdp.is_fully_sharded(model):  # or its refusal
+        return checkpointing_fsdp.resume(load, **what)
+    if found == TORCH_DIST:
         rng_shard = layout.shard_name if layout is not None else None
         return checkpointing_dist.resume(load, **what, rng_shard=rng_shard)
     # no checkpoint at all (None) is the torch reader's to report, as it always was
@@ -122,6 +130,11 @@ def save(
         "save_optim": save_optim,
         "save_rng": save_rng,
     }
+    if ckpt_format == FSDP_DTENSOR:
+        parallel = {} if layout is None else {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp}
+        return checkpointing_fsdp.save(
+            save_dir, state, **common, parallel=parallel, async_save=async_save
+        )
     if ckpt_format == TORCH_DIST:
         parallel = {} if layout is None else {"tp": layout.tp, "pp": layout.pp, "cp": layout.cp}
         rng_shard = layout.shard_name if layout is not None else None

@@ -4,7 +4,7 @@
 | --- | --- | --- | --- |
 | `torch` | `mp_rank_TT[_PPP]/model_optim_rng.pt` per model-parallel rank | yes | yes |
 | `torch_dist` | a torch.distributed.checkpoint folder (`dist_format`) | yes | yes |
-| `fsdp_dtensor` | Megatron-FSDP's DTensor checkpoint | no | no |
+| `fsdp_dtensor` | a torch_dist folder with the state-dict API's keys (`fsdp_dtensor`) | yes | yes |
 
 A `torch_dist` folder keys its tensors in one of two layouts:
 
@@ -34,7 +34,7 @@ TORCH = "torch"
 TORCH_DIST = "torch_dist"
 FSDP_DTENSOR = "fsdp_dtensor"
 FORMATS = (TORCH, TORCH_DIST, FSDP_DTENSOR)
-WRITTEN = (TORCH, TORCH_DIST)  # the formats with a writer (and a reader)
+WRITTEN = (TORCH, TORCH_DIST, FSDP_DTENSOR)  # the formats with a writer (and a reader)
 
 
 class DistLayout(enum.Enum):
@@ -64,19 +64,13 @@ def check_savable(ckpt_format: str, config: TransformerConfig, *, family: str) -
     Meant for start-up, right after the model's config is built: a run learns before
     training, not at its first save, that its checkpoints cannot be written."""
     require_writer(ckpt_format)
-    if ckpt_format == TORCH:
+    if ckpt_format in (TORCH, FSDP_DTENSOR):  # fsdp_dtensor: the state-dict API's keys
         return None
     return dist_layout(family, config)
 
 
 def require_writer(ckpt_format: str) -> None:
     """Refuse, in one line naming `--ckpt-format`, a format that has no writer."""
-    if ckpt_format == FSDP_DTENSOR:
-        raise CheckpointError(
-            f"--ckpt-format {FSDP_DTENSOR}: Megatron-FSDP's checkpoint format is not written "
-            f"by mg yet; use --ckpt-format {TORCH_DIST} (Megatron's layout, loads into any "
-            f"tensor-, pipeline- or data-parallel layout) or --ckpt-format {TORCH}"
-        )
     if ckpt_format not in WRITTEN:
         raise CheckpointError(
             f"--ckpt-format {ckpt_format}: not a checkpoint format; use {TORCH_DIST} or {TORCH}"

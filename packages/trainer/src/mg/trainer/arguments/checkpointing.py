@@ -75,8 +75,9 @@ def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
         choices=["torch", "torch_dist", "fsdp_dtensor"],
         help="Checkpoint format: torch_dist (the default, as in Megatron: "
         "torch.distributed.checkpoint, saved in parallel and loadable into any TP/PP/DP "
-        "layout) or torch (one mp_rank_TT[_PPP]/model_optim_rng.pt file per model-parallel "
-        "rank). --load reads either, whatever --ckpt-format says.",
+        "layout), torch (one mp_rank_TT[_PPP]/model_optim_rng.pt file per model-parallel "
+        "rank) or fsdp_dtensor (with FSDP: each rank writes its shards; loads at any data-"
+        "parallel size, with or without FSDP). --load reads any, whatever --ckpt-format says.",
     )
     p.add_argument(
         "--no-initialization",

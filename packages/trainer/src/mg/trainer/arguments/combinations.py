@@ -267,6 +267,21 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda a: a.fsdp.use_megatron_fsdp and a.checkpoint.ckpt_format != "fsdp_dtensor",
         "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor, as in Megatron",
     ),
+    Conflict(
+        "--ckpt-format fsdp_dtensor",
+        "--use-megatron-fsdp",
+        lambda a: a.checkpoint.ckpt_format == "fsdp_dtensor" and a.checkpoint.save and not _fsdp(a),
+        "--ckpt-format fsdp_dtensor is saved by fully sharded runs: add --use-megatron-fsdp "
+        "(or --use-torch-fsdp2), or save --ckpt-format torch_dist",
+    ),
+    Conflict(
+        "--use-megatron-fsdp",
+        "--ckpt-format torch_dist",
+        lambda a: _fsdp(a) and a.checkpoint.save and a.checkpoint.ckpt_format == "torch_dist",
+        "--use-megatron-fsdp / --use-torch-fsdp2 save --ckpt-format fsdp_dtensor only for now "
+        "(--ckpt-format torch_dist is not written from FSDP's shards yet)",
+        run_only=True,
+    ),
     _fsdp_not_yet(
         "--expert-model-parallel-size",
         lambda a: a.moe.expert_model_parallel_size > 1,

@@ -1,0 +1,64 @@
+"""`--ckpt-format fsdp_dtensor`: a model and its optimizer as PyTorch's state-dict API sees them.
+
+    <save>/iter_0000200/  a torch_dist folder (`dist_format`: DCP shards, common.pt,
+                          metadata.json written last), whose common.pt says
+                          checkpoint_format = fsdp_dtensor
+
+The tensors are `torch.distributed.checkpoint.state_dict`'s: `model.<name>` for each
+parameter and buffer, `optimizer.state.<name>.<exp_avg|exp_avg_sq|step>` and
+`optimizer.param_groups`, keyed by the parameters' names whatever wraps them. Under
+FSDP they are DTensors: every rank writes its own shards, DCP records each tensor's
+global shape, and no rank gathers the whole model. A load asks for this run's
+tensors, sharded or whole, and DCP reads the chunks that overlap them: the same
+checkpoint loads at another data-parallel size, or into a run without FSDP.
+(The keys are mg's per-parameter `torch_dist` ones, so readers of that layout read
+the weights too.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from mg.core.checkpoint.dist_format import COMMON_FILENAME, is_torch_dist
+from mg.core.checkpoint.serialization import load_file
+
+FSDP_DTENSOR = "fsdp_dtensor"
+FORMAT_KEY = "checkpoint_format"
+"""The common.pt entry that tells this format from a plain torch_dist folder."""
+
+
+def is_fsdp_dtensor(folder: str | Path) -> bool:
+    """True for a complete fsdp_dtensor iteration folder."""
+    if not is_torch_dist(folder):
+        return False
+    common = load_file(Path(folder) / COMMON_FILENAME, allow_pickle=True)
+    return common.get(FORMAT_KEY) == FSDP_DTENSOR
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """This rank's model (and optimizer) tensors, keyed as the module docstring says: what
+    a save writes, and what a load fills (collective under FSDP)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:  # a fresh optimizer's state is created (zeros) to be filled
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def load_sharded_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+) -> None:
+    """Put what a load filled (`sharded_state`'s dict) into the model and optimizer."""
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
