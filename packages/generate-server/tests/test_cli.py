@@ -186,6 +186,9 @@ def test_bad_flags(checkpoint, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--load", str(checkpoint), "--api-key", " "])
     assert "--api-key (or $MG_SERVE_API_KEY) is empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--load", str(checkpoint), "--max-waiting-requests", "0"])
+    assert "--max-waiting-requests must be >= 1" in capsys.readouterr().err
 
 
 def test_interactive_client(server) -> None:
