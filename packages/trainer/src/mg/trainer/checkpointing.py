@@ -41,6 +41,7 @@ from mg.core.parallel.dtensor_layout import shard_like
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.megatron_buffers import megatron_buffers, torch_optimizer_state
 from mg.core.parallel.pipeline import shared_embedding_weight
+from mg.core.quantization.apply import recorded_quantization
 from mg.trainer import distributed
 from mg.trainer.model_parallel import PipelineModel
 
@@ -179,7 +180,7 @@ def _compact(value: Any) -> Any:
 def _load_model_states(model: nn.Module, ckpt: dict[str, Any], path: str) -> None:
     chunks = _chunks(model)
     if chunks is None:
-        distributed.unwrap(model).load_state_dict(ckpt["model"])
+        _load_fitting(distributed.unwrap(model), ckpt["model"], path)
         return
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     missing = [k for k in keys if k not in ckpt]
@@ -189,7 +190,45 @@ def _load_model_states(model: nn.Module, ckpt: dict[str, Any], path: str) -> Non
             "different --num-layers-per-virtual-pipeline-stage (use the same value to load it)"
         )
     for chunk, key in zip(chunks, keys, strict=True):
-        chunk.load_state_dict(ckpt[key])
+        _load_fitting(chunk, ckpt[key], path)
+
+
+def _load_fitting(module: nn.Module, saved: dict[str, Any], path: str) -> None:
+    """`load_state_dict`, its many-line RuntimeError (one line per tensor) summed up in one
+    line that is the same on every rank: the shapes compared are the global ones."""
+    try:
+        module.load_state_dict(saved)
+    except RuntimeError as error:
+        raise CheckpointError(
+            f"{path}: the checkpoint's weights do not fit this run's model "
+            f"({weights_mismatch(module.state_dict(), saved, error)}); resume with the model "
+            "flags it was saved with (--use-checkpoint-args reads them from it), or start a "
+            "new run with another --save"
+        ) from None
+
+
+def weights_mismatch(model: dict[str, Any], saved: dict[str, Any], error: Exception) -> str:
+    """What differs between a model's state dict and a checkpoint's, in a few words."""
+    differ = [
+        f"{name}: {tuple(saved[name].shape)} in the checkpoint, {tuple(value.shape)} in the model"
+        for name, value in model.items()
+        if name in saved
+        and hasattr(value, "shape")
+        and hasattr(saved[name], "shape")
+        and tuple(value.shape) != tuple(saved[name].shape)
+    ]
+    missing = [name for name in model if name not in saved]
+    unexpected = [name for name in saved if name not in model]
+    parts = []
+    if differ:
+        parts.append(f"{len(differ)} tensors differ in shape, e.g. {differ[0]}")
+    if missing:
+        parts.append(f"{len(missing)} missing from the checkpoint, e.g. {missing[0]}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} not in the model, e.g. {unexpected[0]}")
+    if not parts:  # something else load_state_dict refused
+        return str(error).strip().splitlines()[-1].strip()
+    return "; ".join(parts)
 
 
 def _check_group_count(groups: list[Any], optimizer: Any, load_dir: str) -> None:
@@ -354,6 +393,13 @@ def resume(
         pp_rank=position.get("pp_rank", 0),
         ep_rank=position.get("ep_rank", 0),
     )
+    quantization = recorded_quantization(ckpt)
+    if quantization is not None:
+        raise CheckpointError(
+            f"{load_dir} is a quantized checkpoint (mg-quantize, {quantization.recipe}): "
+            "mg-train trains full-precision weights. --load the checkpoint it was quantized "
+            "from, or evaluate / serve this one with mg-eval / mg-serve"
+        )
     saved = (ckpt.get("mg") or {}).get("parallel") or {}
     if saved.get("ep", 1) != position.get("ep_size", 1):
         raise ValueError(
