@@ -69,6 +69,9 @@ def assert_same_ids(tokenizer, texts=TEXTS) -> None:
         tokenizer.piece_chars = SMALL
         assert tokenizer.tokenize(text) == whole
         assert tokenizer.tokenize_batch([text, "short"])[0] == whole
+        parts = list(tokenizer.tokenize_in_pieces(text))
+        assert len(parts) > 3 or not getattr(tokenizer, "_cuttable", True)
+        assert [i for ids in parts for i in ids] == whole
 
 
 # --- where the cuts fall ----------------------------------------------------------------------

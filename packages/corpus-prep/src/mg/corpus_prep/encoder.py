@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mg.core.tokenizers import TokenizerConfig
+from mg.core.tokenizers.long_text import PIECE_CHARS
 from mg.corpus_prep.splitter import SentenceSplitter, SplitterSpec, build_splitter
 from mg.corpus_prep.tokenizer_args import build_tokenizer_from_config
 
@@ -113,6 +114,8 @@ class EncodedChunk:
 
 
 Document = dict[str, "str | list[str]"]
+# One sequence's ids: a list, or for a long text an array of the output dtype.
+Ids = list[int] | np.ndarray
 
 
 def json_type_name(value: object) -> str:
@@ -233,7 +236,7 @@ class DocumentEncoder:
         sentences: dict[str, list[list[str]]],
         chunk: Chunk,
         rejected: list[Rejected],
-    ) -> tuple[dict[str, list[list[list[int]]]], bool]:
+    ) -> tuple[dict[str, list[list[Ids]]], bool]:
         """Token ids per key, document and sentence; one batch call per key when possible."""
         keys = self.spec.json_keys
         try:
@@ -255,16 +258,28 @@ class DocumentEncoder:
                 result[key].append(per_key[key])
         return result, True
 
-    def _tokenize_documents(self, documents: list[list[str]]) -> list[list[list[int]]]:
+    def _tokenize_documents(self, documents: list[list[str]]) -> list[list[Ids]]:
         # One call per sentence, not tokenize_batch: batch paths start threads of
         # their own (tiktoken: a pool of 8), and one worker should use one core.
         tokenize = self.tokenizer.tokenize
-        ids = [tokenize(sentence) for doc in documents for sentence in doc]
+        ids = [
+            tokenize(sentence) if len(sentence) <= PIECE_CHARS else self._long(sentence)
+            for doc in documents
+            for sentence in doc
+        ]
         out, start = [], 0
         for doc in documents:
             out.append(ids[start : start + len(doc)])
             start += len(doc)
         return out
+
+    def _long(self, text: str) -> np.ndarray:
+        """A long text's ids straight into the output dtype, piece by piece: as one list
+        of Python ints a 50 MB document's 12 million ids would take 500 MB."""
+        parts = [
+            np.asarray(ids, dtype=self.dtype) for ids in self.tokenizer.tokenize_in_pieces(text)
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
 
     def _accepted_linenos(self, chunk: Chunk, rejected: list[Rejected]) -> list[int]:
         """Line numbers of the documents that were parsed and split (in order)."""
@@ -275,21 +290,27 @@ class DocumentEncoder:
             if raw.strip() and chunk.first_lineno + i not in bad
         ]
 
-    def _assemble(self, documents: list[list[list[int]]]) -> KeyTokens:
+    def _assemble(self, documents: list[list[Ids]]) -> KeyTokens:
         lengths: list[int] = []
         doc_sequences: list[int] = []
         doc_tokens: list[int] = []
-        pieces: list[list[int]] = []
+        pieces: list[Ids] = []
         for doc in documents:
             kept = [ids for ids in doc if len(ids) > 0]
             if kept and self.spec.append_eod:
-                kept[-1] = [*kept[-1], self.eod]
+                last = kept[-1]
+                kept[-1] = (
+                    np.append(last, self.eod) if isinstance(last, np.ndarray) else [*last, self.eod]
+                )
             lengths.extend(len(ids) for ids in kept)
             doc_sequences.append(len(kept))
             doc_tokens.append(sum(len(ids) for ids in kept))
             pieces.extend(kept)
         total = sum(doc_tokens)
-        tokens = np.fromiter(itertools.chain.from_iterable(pieces), self.dtype, count=total)
+        if any(isinstance(ids, np.ndarray) for ids in pieces):  # a long text among them
+            tokens = np.concatenate([np.asarray(ids, dtype=self.dtype) for ids in pieces])
+        else:
+            tokens = np.fromiter(itertools.chain.from_iterable(pieces), self.dtype, count=total)
         return KeyTokens(
             tokens,
             np.asarray(lengths, dtype=np.int32),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -43,6 +43,11 @@ class Tokenizer(Protocol):
         """``[tokenize(t) for t in texts]``, through the library's batch path."""
         ...
 
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        """The ids of ``tokenize(text)`` as consecutive lists: a 50 MB document's
+        ids need never all exist at once as Python ints (40 bytes each)."""
+        ...
+
     def detokenize(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, as Megatron's ``tokenizer.detokenize(ids)``."""
         ...
@@ -77,6 +82,9 @@ class BaseTokenizer:
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(text) for text in texts]
+
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        yield self.tokenize(text)
 
     def has_long_text(self, texts: list[str]) -> bool:
         """Whether a batch must go text by text, for one of them to be encoded in pieces."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from .base import BaseTokenizer, as_id_list, require_file
-from .long_text import encode_in_pieces
+from .long_text import encode_in_pieces, iter_encoded
 
 EOD_TOKEN = "<|endoftext|>"
 
@@ -124,6 +124,9 @@ class GPT2BPETokenizer(BaseTokenizer):
         # In pieces cut where GPT-2's pattern splits anyway: whole, tokenizers keeps
         # ~330 bytes a token (9.5 GB for a 50 MB document).
         return encode_in_pieces(text, self._encode, self.piece_chars)
+
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        return iter_encoded(text, self._encode, self.piece_chars)
 
     def _encode(self, text: str) -> list[int]:
         if self._tiktoken is not None:

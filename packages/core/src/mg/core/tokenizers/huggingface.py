@@ -12,7 +12,7 @@ transformers tokenizer runs, and read the special tokens from
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,18 +116,22 @@ class HuggingFaceTokenizer(BaseTokenizer):
     def tokenize(self, text: str) -> list[int]:
         if self._tokenizer is not None:
             if len(text) > self.piece_chars and self._cuttable:
-                return self._encode_in_pieces(text)
+                return [i for ids in self._iter_pieces(text) for i in ids]
             return self._tokenizer.encode(text, add_special_tokens=True).ids
         return list(self._transformers(text).input_ids)
 
-    def _encode_in_pieces(self, text: str) -> list[int]:
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        if self._tokenizer is not None and len(text) > self.piece_chars and self._cuttable:
+            return self._iter_pieces(text)
+        return iter([self.tokenize(text)])
+
+    def _iter_pieces(self, text: str) -> Iterator[list[int]]:
         """The ids of ``encode(text)``, a piece at a time (long_text): the special tokens
         the post-processor puts before the text come with the first piece, those after it
         with the last."""
         assert self._tokenizer is not None
         bounds = [0, *cut_points(text, self.piece_chars, self._added), len(text)]
         last = len(bounds) - 2
-        ids: list[int] = []
         for k, (start, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
             encoding = self._tokenizer.encode(text[start:end], add_special_tokens=k in (0, last))
             piece_ids, sequence = encoding.ids, encoding.sequence_ids
@@ -138,8 +142,7 @@ class HuggingFaceTokenizer(BaseTokenizer):
             elif k == last and k:  # keep the specials after, drop those in front
                 while begin < stop and sequence[begin] is None:
                     begin += 1
-            ids.extend(piece_ids[begin:stop])
-        return ids
+            yield piece_ids[begin:stop]
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         if self.has_long_text(texts):

@@ -102,6 +102,20 @@ def iter_pieces(
         yield text[a:b]
 
 
+def iter_encoded(
+    text: str,
+    encode: Callable[[str], list[int]],
+    piece_chars: int = PIECE_CHARS,
+    avoid: tuple[str, ...] = (),
+) -> Iterator[list[int]]:
+    """``encode(text)`` as consecutive lists of ids, one per piece of a long text."""
+    if len(text) <= piece_chars:
+        yield encode(text)
+        return
+    for piece in iter_pieces(text, piece_chars, avoid):
+        yield encode(piece)
+
+
 def encode_in_pieces(
     text: str,
     encode: Callable[[str], list[int]],
@@ -112,6 +126,6 @@ def encode_in_pieces(
     if len(text) <= piece_chars:
         return encode(text)
     ids: list[int] = []
-    for piece in iter_pieces(text, piece_chars, avoid):
-        ids.extend(encode(piece))
+    for piece_ids in iter_encoded(text, encode, piece_chars, avoid):
+        ids.extend(piece_ids)
     return ids

@@ -18,7 +18,7 @@ in what they add around it:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import sentencepiece
@@ -63,11 +63,15 @@ class _SentencePieceBase(BaseTokenizer):
         """``sp.encode(text)``, in pieces for a long text when the model allows it."""
         if len(text) <= self.piece_chars or self._cut_space is None:
             return self._sp.encode(text)
-        ids: list[int] = []
+        return [i for ids in self._encode_pieces(text) for i in ids]
+
+    def _encode_pieces(self, text: str) -> Iterator[list[int]]:
+        if len(text) <= self.piece_chars or self._cut_space is None:
+            yield self._sp.encode(text)
+            return
         for k, piece in enumerate(iter_pieces(text, self.piece_chars)):
             # Every piece after the first starts with the space it was cut at.
-            ids.extend(self._sp.encode(piece[1:] if k and self._cut_space == "strip" else piece))
-        return ids
+            yield self._sp.encode(piece[1:] if k and self._cut_space == "strip" else piece)
 
     def _encode_all(self, texts: list[str]) -> list[list[int]]:
         if self.has_long_text(texts):
@@ -154,6 +158,13 @@ class SentencePieceTokenizer(_SentencePieceBase):
         pieces, specials = self._segments(text)
         return _interleave(self._encode_all(pieces), specials)
 
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        pieces, specials = self._segments(text)
+        yield from self._encode_pieces(pieces[0])
+        for special, piece in zip(specials, pieces[1:], strict=True):
+            yield [special]
+            yield from self._encode_pieces(piece)
+
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         split = [self._segments(text) for text in texts]
         encoded = self._encode_all([p for pieces, _ in split for p in pieces])
@@ -200,6 +211,9 @@ class GPTSentencePieceTokenizer(_SentencePieceBase):
     def tokenize(self, text: str) -> list[int]:
         return self._encode(text)
 
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        return self._encode_pieces(text)
+
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return self._encode_all(list(texts))
 
@@ -214,6 +228,10 @@ class Llama2Tokenizer(GPTSentencePieceTokenizer):
 
     def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         return self._wrap(self._encode(text), bos, eos)
+
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        yield [self.bos]
+        yield from self._encode_pieces(text)
 
     def tokenize_batch(
         self, texts: list[str], bos: bool = True, eos: bool = False

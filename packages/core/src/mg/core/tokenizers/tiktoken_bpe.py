@@ -17,13 +17,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import tiktoken
 
 from .base import BaseTokenizer, as_id_list, require_file
-from .long_text import encode_in_pieces
+from .long_text import encode_in_pieces, iter_encoded
 
 PATTERN_V1 = r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
 PATTERN_V2 = (
@@ -118,6 +118,9 @@ class TikTokenizer(BaseTokenizer):
     def tokenize(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         ids = encode_in_pieces(text, self._encoding.encode_ordinary, self.piece_chars)
         return self._wrap(ids, bos, eos)
+
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        return iter_encoded(text, self._encoding.encode_ordinary, self.piece_chars)
 
     def tokenize_batch(
         self, texts: list[str], bos: bool = False, eos: bool = False

@@ -21,7 +21,7 @@ Unicode 14 (Python 3.11) follow the newer tables, i.e. Megatron run on Python
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Regex, normalizers, pre_tokenizers
@@ -29,7 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordPiece
 
 from .base import BaseTokenizer, as_id_list, clean_up_tokenization, require_file
-from .long_text import encode_in_pieces
+from .long_text import encode_in_pieces, iter_encoded
 
 # Removed before anything else (Megatron's _clean_text): NUL, U+FFFD and every
 # Cc/Cf character except the tab and newlines, which count as whitespace.
@@ -136,6 +136,9 @@ class BertWordPieceTokenizer(BaseTokenizer):
         # In pieces cut at spaces (which always end a word): whole, tokenizers keeps
         # ~330 bytes a token.
         return encode_in_pieces(text, self._encode, self.piece_chars)
+
+    def tokenize_in_pieces(self, text: str) -> Iterator[list[int]]:
+        return iter_encoded(text, self._encode, self.piece_chars)
 
     def _encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
