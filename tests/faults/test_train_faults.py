@@ -139,7 +139,7 @@ def test_zero_document_dataset_is_a_clean_error(tmp_path, capsys) -> None:
     builder.finalize(f"{prefix}.idx")
     assert exit_code(lambda: main(_dataset_argv(tmp_path, prefix))) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"mg-train: error: --data-path {prefix}: the split has 0 documents")
+    assert err.startswith(f"mg-train: error: --data-path {prefix}: the dataset has 0 documents")
     assert "Traceback" not in err
 
 

@@ -112,6 +112,11 @@ def check_data(args: Args) -> None:
         fail("no data: give --data-path, --data-args-path (a blend file) or --mock-data")
     if d.data_path and d.data_args_path:
         fail("give --data-path or --data-args-path, not both")
+    if d.data_args_path and os.path.isdir(d.data_args_path):
+        fail(
+            f"--data-args-path {d.data_args_path} is a folder; pass the blend file in it "
+            f"(mg-prep refresh writes {os.path.join(d.data_args_path, 'blend.txt')})"
+        )
     if d.data_args_path and not os.path.isfile(d.data_args_path):
         fail(f"--data-args-path {d.data_args_path}: file not found")
     if d.tokenizer_type is None:
@@ -137,9 +142,87 @@ def check_data(args: Args) -> None:
             fail(str(error))
         source = "--data-args-path" if d.data_args_path else "--data-path"
         for prefix in blend.prefixes:
+            if source == "--data-path":
+                _not_a_blend(prefix)
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(prefix + ext):
                     fail(
                         f"{source}: {prefix}{ext} not found (a prefix is the path without "
                         ".bin/.idx, as mg-prep writes it)"
                     )
+        # gpt and mamba datasets split sequences by --split; a dry run builds none
+        if args.family in ("gpt", "mamba") and not args.training.dry_run:
+            check_splits(blend.prefixes, d.split or "969, 30, 1", source)
+
+
+def _not_a_blend(prefix: str) -> None:
+    """A blend file or an mg-prep refresh folder given to --data-path, said so."""
+    refresh_blend = os.path.join(prefix, "blend.txt")
+    if os.path.isdir(prefix) and os.path.isfile(refresh_blend):
+        fail(
+            f"--data-path {prefix} is an mg-prep refresh folder, not a dataset prefix: pass "
+            f"its blend file, --data-args-path {refresh_blend}"
+        )
+    if os.path.isfile(prefix) and not prefix.endswith((".bin", ".idx")):
+        fail(
+            f"--data-path {prefix} is a file, not a dataset prefix: a blend file ('weight "
+            f"prefix' per line, as mg-prep refresh writes) goes to --data-args-path {prefix}"
+        )
+
+
+_SPLIT_NAMES = ("train", "validation", "test")
+
+
+def check_splits(prefixes: tuple[str, ...], split: str, source: str) -> None:
+    """Every split --split gives a share must hold tokens in every dataset of the blend.
+
+    Megatron splits each dataset's sequences by the split's fractions, rounded; a small
+    dataset (one refresh shard) can get none for a small share and fails only once the
+    datasets are built, after the checkpoint has loaded. Reading the .idx files here
+    costs a moment and names the dataset, the split and the fix."""
+    # lazy: --help stays instant (mg.indexed_dataset imports numpy)
+    from mg.indexed_dataset import IndexedDataset, IndexedDatasetError, parse_split
+    from mg.indexed_dataset.split import split_matrix, split_range
+
+    try:
+        bookends = split_matrix(parse_split(split))
+    except ValueError as error:
+        fail(f"--split: {error}")
+    for prefix in prefixes:
+        try:
+            lengths = IndexedDataset(prefix).sequence_lengths
+        except IndexedDatasetError as error:
+            fail(f"{source}: {error}")
+        if not int(lengths.sum()):
+            fail(
+                f"{source} {prefix}: the dataset has {len(lengths)} documents and no tokens: "
+                "nothing to train on; tokenize a corpus with text into it (mg-prep)"
+            )
+        for index, ends in enumerate(bookends):
+            if ends is None:
+                continue
+            ids = split_range(ends, len(lengths))
+            if len(ids) and int(lengths[ids].sum()):
+                continue
+            fail(_empty_split_message(prefix, len(lengths), split, index, len(ids), source))
+
+
+def _empty_split_message(
+    prefix: str, sequences: int, split: str, index: int, count: int, source: str
+) -> str:
+    name = _SPLIT_NAMES[index]
+    what = f"none of its {sequences} sequences" if count == 0 else f"{count} sequences, no tokens"
+    fields = [f.strip() for f in split.replace("/", ",").split(",")]
+    fields += ["0"] * (3 - len(fields))
+    fields[index] = "0"
+    if index == 0 or not any(float(f or 0) > 0 for f in fields):
+        fix = "give the train split a larger share of --split, or train on larger datasets"
+    else:
+        fix = (
+            f"give {name} no share (--split {','.join(fields)}), a larger share, or train on "
+            "larger datasets"
+        )
+    return (
+        f"{source} {prefix}: --split {split} gives its {name} split {what}; every split with "
+        f"a share needs tokens in every dataset of the blend: {fix}"
+    )
