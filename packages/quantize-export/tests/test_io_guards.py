@@ -108,16 +108,19 @@ def test_report_inside_save_arrives_with_the_output(ckpt, tmp_path, capsys) -> N
     assert load_model(save)[0] is not None
 
 
-def test_gguf_export_of_an_moe_model_is_refused_by_name_before_work(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("fmt", ["gguf", "hf", "trtllm"])
+def test_export_of_an_moe_model_is_refused_by_name_before_work(fmt, tmp_path, capsys) -> None:
+    """Each exporter writes dense MLPs only; it used to crash on the MoELayer (GGUF) or on
+    the experts' names (hf, trtllm) after calibrating and quantizing."""
     torch.manual_seed(0)
     config = tiny_llama(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
     folder = tmp_path / "moe"
     save_model(folder, GPTModel(config), config, None)
     code, err = _run(capsys, "--load", str(folder), "--save", str(tmp_path / "q"),
-                     "--export-format", "gguf")  # fmt: skip
+                     "--export-format", fmt)  # fmt: skip
     assert code == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert "decoder.layers.0.mlp (MoELayer) cannot be written" in err, err
+    assert f"--export-format {fmt}: decoder.layers.0.mlp (MoELayer) cannot be written" in err
     assert not (tmp_path / "q").exists()
     assert not list(tmp_path.glob(".q.*"))
 

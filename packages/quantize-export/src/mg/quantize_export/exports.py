@@ -9,9 +9,16 @@ from torch import nn
 from mg.core.models import TransformerConfig
 from mg.core.quantization import QuantizationConfig
 from mg.core.tokenizers.config import TokenizerConfig
-from mg.quantize_export.gguf_export import check_gguf_model, default_gguf_type, write_gguf
+from mg.quantize_export.errors import QuantizeInputError
+from mg.quantize_export.gguf_export import default_gguf_type, gguf_architecture, write_gguf
 from mg.quantize_export.hf_export import hf_architecture, write_hf
 from mg.quantize_export.trtllm_export import quant_algo, write_trtllm
+
+# What each exporter reads from every decoder layer: part -> attributes it must have.
+# An MoE layer (router + experts, no linear_fc1), q/k norms or, for GGUF, norms fused
+# into the next linear (Transformer Engine's layer spec) are not what they write.
+_HF_PARTS = {"self_attention": ("linear_qkv", "linear_proj"), "mlp": ("linear_fc1", "linear_fc2")}
+_GGUF_PARTS = {**_HF_PARTS, "input_layernorm": ("weight",), "pre_mlp_layernorm": ("weight",)}
 
 
 def check_export(
@@ -19,11 +26,31 @@ def check_export(
 ) -> None:
     """Refuse (QuantizeInputError) before quantizing what the export could not write."""
     if fmt == "gguf":
-        check_gguf_model(model, config)
+        gguf_architecture(config)
     else:
         hf_architecture(config)
+    _refuse_unwritable_layers(fmt, model, _GGUF_PARTS if fmt == "gguf" else _HF_PARTS)
     if fmt == "trtllm":
         quant_algo(quantization)
+
+
+def _refuse_unwritable_layers(fmt: str, model: nn.Module, parts: dict) -> None:
+    """Name the first layer part the exporter cannot write (it would crash at the end of
+    the run, after calibration and quantization)."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    for i, layer in enumerate(layers if layers is not None else ()):
+        for part, needs in parts.items():
+            module = getattr(layer, part, None)
+            qk_norms = getattr(module, "q_layernorm", None) is not None
+            if qk_norms or any(getattr(module, need, None) is None for need in needs):
+                kind = type(module).__name__ + (" with q/k norms" if qk_norms else "")
+                raise QuantizeInputError(
+                    f"--export-format {fmt}: decoder.layers.{i}.{part} ({kind}) cannot be "
+                    f"written: the {fmt} export writes dense layers (attention, an MLP"
+                    + (", norms as modules" if fmt == "gguf" else "")
+                    + f"); drop --export-format {fmt} (the quantized checkpoint is still "
+                    "written)"
+                )
 
 
 def export(

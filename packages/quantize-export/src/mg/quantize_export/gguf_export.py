@@ -68,34 +68,6 @@ def gguf_architecture(config: TransformerConfig) -> str:
     )
 
 
-def check_gguf_model(model: nn.Module, config: TransformerConfig) -> None:
-    """Refuse, naming the module, a model :func:`write_gguf` cannot write: before the run
-    calibrates or quantizes anything. It writes per layer one attention (linear_qkv,
-    linear_proj, no q/k norms), one dense MLP (linear_fc1, linear_fc2) and the two norms
-    as modules: an MoE layer (router + experts), a Mamba mixer or norms fused into the
-    next linear (Transformer Engine's layer spec) are not that."""
-    gguf_architecture(config)
-    parts = {
-        "self_attention": ("linear_qkv", "linear_proj"),
-        "mlp": ("linear_fc1", "linear_fc2"),
-        "input_layernorm": ("weight",),
-        "pre_mlp_layernorm": ("weight",),
-    }
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    for i, layer in enumerate(layers if layers is not None else ()):
-        for part, needs in parts.items():
-            module = getattr(layer, part, None)
-            qk_norms = getattr(module, "q_layernorm", None) is not None
-            if qk_norms or any(getattr(module, need, None) is None for need in needs):
-                kind = type(module).__name__ + (" with q/k norms" if qk_norms else "")
-                raise QuantizeInputError(
-                    f"--export-format gguf: decoder.layers.{i}.{part} ({kind}) cannot be "
-                    "written: the GGUF export writes dense layers (attention, an MLP, norms as "
-                    "modules); drop --export-format gguf (the quantized checkpoint is still "
-                    "written)"
-                )
-
-
 def _encode_linear(module: nn.Module, gguf_type: str) -> tuple[str, np.ndarray]:
     """A linear's [out, in] weight as rows of GGUF data."""
     if gguf_type == "Q8_0" and isinstance(module, Int8WeightOnlyLinear):
