@@ -1,6 +1,7 @@
 """The generation engine: continuous batching over a paged KV cache, in one thread.
 
-Requests arrive from any thread (`submit`). The engine thread loops over
+Requests arrive from any thread (`submit`; a client request's sequences together,
+all or none, with `submit_many`). The engine thread loops over
 steps; each step is one packed forward (`ModelRunner.forward`) planned under a
 token budget (`max_num_batched_tokens`):
 
