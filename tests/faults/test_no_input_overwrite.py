@@ -124,22 +124,11 @@ def test_prep_refuses_its_input_as_output(work, capsys) -> None:
         ),  # fmt: skip
         f"--output-dir {corpus}/shards lies inside the input --input-dir {corpus}",
     )
+    train = ["train-tokenizer", "--type", "byte-level-bpe", "--vocab-size", "300"]
     _refused(
         capsys,
-        lambda: main(
-            [
-                "train-tokenizer",
-                "--input",
-                f"{corpus}/a.jsonl",
-                "--type",
-                "byte-level-bpe",
-                "--vocab-size",
-                "300",
-                "--output-dir",
-                str(work),
-            ]
-        ),  # fmt: skip
-        f"--output-dir {work} contains the input --input {corpus}/a.jsonl",
+        lambda: main([*train, "--input", str(corpus), "--output-dir", str(corpus)]),
+        f"--output-dir {corpus} is the input --input {corpus}",
     )
     assert tree_digest(work) == before
 

@@ -59,6 +59,15 @@ def test_unset_flags_and_apart_paths_pass(tree: Path) -> None:
     assert output_clash([("--save", ckpt)], [("--calib-data-path", None)]) is None
 
 
+def test_a_folder_written_into_may_hold_an_input(tree: Path) -> None:
+    """Files written into a folder above the input replace nothing; the folder itself or
+    one inside the input still clash."""
+    ckpt = tree / "runs" / "ckpt"
+    assert output_clash([("--output-dir", tree)], [("--input", ckpt)], files_into=True) is None
+    assert output_clash([("--output-dir", ckpt)], [("--input", ckpt)], files_into=True)
+    assert output_clash([("--output-dir", ckpt / "t")], [("--input", ckpt)], files_into=True)
+
+
 def test_globs_expand_to_their_matches(tree: Path) -> None:
     (tree / "other" / "a.jsonl").write_text("{}\n")
     message = output_clash(

@@ -65,9 +65,15 @@ def expand(path: PathLike) -> list[str]:
     return [text]
 
 
-def output_clash(outputs: Iterable[Named], inputs: Iterable[Named]) -> str | None:
+def output_clash(
+    outputs: Iterable[Named], inputs: Iterable[Named], *, files_into: bool = False
+) -> str | None:
     """The first output that is, contains or lies inside an input, as a one-line message
-    naming both flags and what to do; None when every output stands apart."""
+    naming both flags and what to do; None when every output stands apart.
+
+    ``files_into``: the outputs are folders the tool writes named files into and never
+    replaces whole (a tokenizer's files, refresh's shards), so one may hold an input.
+    """
     sources = [(flag, path) for flag, path in inputs if path is not None]
     for out_flag, output in outputs:
         if output is None:
@@ -75,7 +81,7 @@ def output_clash(outputs: Iterable[Named], inputs: Iterable[Named]) -> str | Non
         for in_flag, given in sources:
             for source in expand(given):
                 kind = relation(output, source)
-                if kind is None:
+                if kind is None or (files_into and kind == "contains"):
                     continue
                 phrase, harm = _PHRASES[kind]
                 named = os.fspath(given) if source == os.fspath(given) else f"{given} ({source})"

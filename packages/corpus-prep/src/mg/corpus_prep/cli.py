@@ -38,9 +38,10 @@ class UserError(Exception):
     """A problem with the user's input; printed as ``mg-prep: error: ...`` without a traceback."""
 
 
-def refuse_own_input(outputs: list[Named], inputs: list[Named]) -> None:
-    """Raise UserError when an output is, holds or lies inside an input (nothing written yet)."""
-    clash = output_clash(outputs, inputs)
+def refuse_own_input(outputs: list[Named], inputs: list[Named], files_into: bool = False) -> None:
+    """Raise UserError when an output is, holds or lies inside an input (nothing written yet);
+    `files_into`: output folders that files are written into may hold an input."""
+    clash = output_clash(outputs, inputs, files_into=files_into)
     if clash:
         raise UserError(clash)
 

@@ -71,7 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    refuse_own_input([("--output-dir", args.output_dir)], [("--input-dir", args.input_dir)])
+    refuse_own_input(
+        [("--output-dir", args.output_dir)], [("--input-dir", args.input_dir)], files_into=True
+    )
     options = output_options(args, args.tokenize_dests)
     config = RefreshConfig(
         input_dir=args.input_dir,

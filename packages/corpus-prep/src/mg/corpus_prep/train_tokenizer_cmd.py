@@ -97,7 +97,9 @@ class CountingTexts:
 
 
 def run(args: argparse.Namespace) -> int:
-    refuse_own_input([("--output-dir", args.output_dir)], [("--input", i) for i in args.input])
+    refuse_own_input(
+        [("--output-dir", args.output_dir)], [("--input", i) for i in args.input], files_into=True
+    )
     if args.vocab_size < 1:
         raise UserError(f"--vocab-size must be positive, got {args.vocab_size}")
     options = options_from_args(args)
