@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -130,3 +131,40 @@ def test_100_concurrent_streams_all_complete(loaded, start_server) -> None:
         results = asyncio.run(_many(running.url, [("/v1/completions", body)] * 100))
     refused, streamed = _check_all(results)
     assert (refused, streamed) == (0, 100)
+
+
+def test_a_request_is_queued_whole_or_not_at_all(loaded) -> None:
+    from mg.generate_server.engine import EngineFullError, GenerationEngine
+    from mg.generate_server.runner import ModelRunner
+    from mg.generate_server.sampling import SamplingParams
+
+    engine = GenerationEngine(
+        ModelRunner(loaded.model, 1, 64), loaded.tokenizer.detokenize, 50257, max_waiting=2
+    )
+    long = SamplingParams(max_new_tokens=50, greedy=True)
+
+    def quiet(event) -> None:
+        pass
+
+    try:
+        handles = engine.submit_many([([1], long, quiet)])
+        deadline = time.monotonic() + 30
+        while engine.num_active == 0:  # the first runs; the rest wait behind it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        handles += engine.submit_many([([2], long, quiet)])
+        with pytest.raises(EngineFullError, match="1 requests are already waiting"):
+            engine.submit_many([([3], long, quiet), ([4], long, quiet)])
+        assert engine.num_waiting == 1  # neither of the refused pair was queued
+        for handle in handles:
+            handle.cancel()
+        while engine.num_active or engine.num_waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        # a request larger than the whole queue is taken when the queue is empty
+        handles = engine.submit_many([([5 + i], long, quiet) for i in range(3)])
+        assert len(handles) == 3
+        for handle in handles:
+            handle.cancel()
+    finally:
+        engine.shutdown()
