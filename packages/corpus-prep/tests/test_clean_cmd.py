@@ -11,7 +11,8 @@ import pytest
 import zstandard
 
 from mg.core.fixtures import fixture_path
-from mg.corpus_prep.clean_cmd import add_cleaning_arguments, cleaning_options
+from mg.corpus_prep.clean_cmd import cleaning_options
+from mg.corpus_prep.clean_flags import add_cleaning_arguments
 from mg.corpus_prep.cleaning import CleanOptions
 from mg.corpus_prep.cli import main
 

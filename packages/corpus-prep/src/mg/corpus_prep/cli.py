@@ -1,9 +1,10 @@
 """`mg-prep`: raw corpora to Megatron indexed datasets.
 
-Each subcommand lives in its own module exposing ``register(subparsers)``,
-which adds its parser and sets ``func`` (called with the parsed namespace,
-returning the exit status). Modules are imported lazily so that
-``mg-prep inspect`` does not pay for the tokenizer stack.
+Each subcommand has a light module exposing ``register(subparsers)``, which
+adds its parser and sets ``func`` (called with the parsed namespace, returning
+the exit status); ``func`` is usually `run_later`, which imports the module
+that does the work (numpy, the tokenizer stack, ftfy) only then, so that every
+``--help`` answers at once. Only the chosen subcommand's module is imported.
 
 With no subcommand, ``mg-prep`` is ``mg-prep tokenize``: the argument list of
 a ``python tools/preprocess_data.py ...`` line works as ``mg-prep ...``.
@@ -15,18 +16,19 @@ import argparse
 import importlib
 import signal
 import sys
+from collections.abc import Callable
 
 from mg.core.io_paths import Named, output_clash
 from mg.corpus_prep import interrupts
 
 # subcommand -> module under mg.corpus_prep that registers it
 SUBCOMMANDS: dict[str, str] = {
-    "tokenize": "tokenize_cmd",
-    "clean": "clean_cmd",
+    "tokenize": "tokenize_flags",
+    "clean": "clean_flags",
     "merge": "merge_cmd",
-    "inspect": "inspect_cmd",
-    "train-tokenizer": "train_tokenizer_cmd",
-    "refresh": "refresh_cmd",
+    "inspect": "inspect_flags",
+    "train-tokenizer": "train_tokenizer_flags",
+    "refresh": "refresh_flags",
 }
 
 
@@ -44,6 +46,15 @@ def refuse_own_input(outputs: list[Named], inputs: list[Named], files_into: bool
     clash = output_clash(outputs, inputs, files_into=files_into)
     if clash:
         raise UserError(clash)
+
+
+def run_later(module_name: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand's ``func``: ``mg.corpus_prep.<module_name>.run``, imported when called."""
+
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(f"mg.corpus_prep.{module_name}").run(args)
+
+    return run
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -1,13 +1,7 @@
 """`mg-prep inspect`: what is in an indexed dataset, checked, with decoded samples.
 
-    mg-prep inspect data/corpus_text_document --tokenizer-type GPT2BPETokenizer \\
-        --vocab-file vocab.json --merge-file merges.txt --samples 3
-
-prints the counts (documents, sequences, tokens), dtype and file sizes, the
-length distribution of documents and sequences (percentiles and a histogram
-in powers of two), and, given a tokenizer, a few documents decoded. Opening
-the dataset validates it in full; a broken file is reported by name, with
-what is wrong, instead of a traceback.
+The run; the flags and the command's description are in `inspect_flags`, which
+`mg-prep inspect --help` reads without importing this module's dependencies.
 """
 
 from __future__ import annotations
@@ -20,7 +14,6 @@ import numpy as np
 
 from mg.corpus_prep.cli import UserError
 from mg.corpus_prep.tokenizer_args import (
-    add_tokenizer_args,
     build_tokenizer_from_config,
     config_from_args,
 )
@@ -29,29 +22,6 @@ from mg.indexed_dataset.format import IndexedDataset, IndexedDatasetError
 BAR_WIDTH = 40
 VISIBLE_WHITESPACE = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
 PERCENTILES = (10, 50, 90, 99)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "inspect",
-        help="summarise and validate an indexed dataset, decode samples",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("prefix", help="dataset prefix (or its .bin/.idx path)")
-    parser.add_argument(
-        "--samples",
-        type=int,
-        default=3,
-        help="documents to show, evenly spaced (default 3; decoded with a tokenizer, else as ids)",
-    )
-    parser.add_argument(
-        "--max-chars", type=int, default=300, help="characters shown per sample (default 300)"
-    )
-    parser.add_argument("--multimodal", action="store_true", help="the dataset has modes")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_tokenizer_args(parser, required=False)
-    parser.set_defaults(func=run)
 
 
 def document_lengths(sequence_lengths: np.ndarray, document_indices: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from mg.corpus_prep import tokenize_cmd
+from mg.corpus_prep import tokenize_flags
 from mg.corpus_prep.refresh_plan import sha256_of_file
 
 # Per-file flags that refresh sets itself.
@@ -39,7 +39,7 @@ NOT_IN_FINGERPRINT = {
 def add_tokenize_arguments(parser: argparse.ArgumentParser) -> list[str]:
     """Give `parser` tokenize's flags (minus the per-file ones); return their dests."""
     before = {action.dest for action in parser._actions}
-    tokenize_cmd.add_tokenize_arguments(parser, input_output=False)
+    tokenize_flags.add_tokenize_arguments(parser, input_output=False)
     return [action.dest for action in parser._actions if action.dest not in before]
 
 
@@ -48,6 +48,8 @@ def tokenize_file(args: argparse.Namespace, path: str, output_prefix: str) -> No
     per_file = argparse.Namespace(**vars(args))
     per_file.input = [path]
     per_file.output_prefix = output_prefix
+    from mg.corpus_prep import tokenize_cmd  # lazy: `mg-prep refresh --help` stays instant
+
     status = tokenize_cmd.run(per_file)
     if status:
         raise RuntimeError(f"mg-prep tokenize exited with status {status} on {path}")
