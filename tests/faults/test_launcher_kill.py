@@ -184,3 +184,50 @@ def test_launcher_without_uv_says_how_to_get_it(tmp_path):
     )
     assert result.returncode == 127
     assert result.stderr == f"uv not found: run 'python3 mgw setup' in {tmp_path} first\n"
+
+
+def test_launcher_syncs_only_when_the_lock_changed_and_execs_the_tool(tmp_path):
+    """In a workspace made of stand-ins (a uv that logs its calls, a tool that prints its
+    PID): the first start syncs, later ones do not until uv.lock is newer, and the tool
+    runs as the PID that was started."""
+    root = tmp_path / "ws"
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(ROOT / "bin" / "_launch", root / "bin" / "_launch")
+    launcher = '#!/bin/sh\nexec "$(dirname "$0")/_launch" mg-demo "$@"\n'
+    (root / "bin" / "mg-demo").write_text(launcher)
+    (root / "pyproject.toml").write_text("[project]\nname = 'ws'\n")
+    (root / "uv.lock").write_text("version = 1\n")
+    earlier = time.time() - 60  # the stamp compares by mtime, to the second with some shells
+    for name in ("pyproject.toml", "uv.lock"):
+        os.utime(root / name, (earlier, earlier))
+    uv = root / ".tools" / "venv" / "bin" / "uv"
+    tool = root / ".venv" / "bin" / "mg-demo"
+    for path, text in (
+        (uv, f'#!/bin/sh\necho "$@" >> {tmp_path / "uv.log"}\n'),
+        (tool, "#!/bin/sh\nprintf 'pid %s' $$; printf ' [%s]' \"$@\"; echo\n"),
+    ):
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+    for path in (root / "bin" / "mg-demo", uv, tool):
+        path.chmod(0o755)
+
+    def start() -> tuple[int, str]:
+        process = subprocess.Popen(
+            [str(root / "bin" / "mg-demo"), "a b", "c"], stdout=subprocess.PIPE, text=True
+        )
+        out, _ = process.communicate(timeout=30)
+        return process.pid, out
+
+    def syncs() -> int:
+        log = tmp_path / "uv.log"
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    pid, out = start()
+    assert out == f"pid {pid} [a b] [c]\n"  # the tool itself, with the arguments as given
+    assert syncs() == 1
+    start()
+    assert syncs() == 1
+    later = time.time() + 5
+    os.utime(root / "uv.lock", (later, later))
+    start()
+    assert syncs() == 2
