@@ -15,6 +15,8 @@ import pytest
 
 from mg.core.testing.launch import launch_workers
 from mg.trainer.arguments import ArgumentError, parse_args
+from mg.trainer.dry_run import report
+from mg.trainer.fsdp_dry_run import per_rank_bytes
 
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 FLAGS = ["--attention-dropout", "0", "--hidden-dropout", "0"]
@@ -59,6 +61,9 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
     assert zero3["prefetching"] == 1  # layer 1 starts layer 2's gather
     assert replicated["shares"] == [replicated["numel"]] * 2
     assert replicated["prefetching"] == 0
+    # the dry run's plan of a rank's weights is what each rank holds (to the uneven chunk)
+    planned = per_rank_bytes("optim_grads_params", zero3["numel"], 2, 4, 0, 0, prefetch=True)
+    assert abs(planned["weights"] - 4 * max(zero3["shares"])) <= 4 * zero3["numel"] // 100
 
 
 @pytest.mark.slow
@@ -181,3 +186,26 @@ def test_fsdp_dtensor_resumes_bitwise_and_loads_without_fsdp(tmp_path, mock_argv
     plain = train([*argv, "--load", ckpt, "--ckpt-step", "4"])
     _assert_close(whole["losses"][4:], plain.losses, LOSS_RTOL)
     _assert_close(whole["grad_norms"][4:], plain.grad_norms, NORM_RTOL)
+
+
+def test_dry_run_plans_each_strategy(tmp_path, mock_argv) -> None:
+    """WORLD_SIZE=8 (DP 8), ZeRO-3: the weights, gradients and optimizer state of the
+    sharded strategies are no_shard's / 8; what is gathered shrinks at ZeRO-3 only."""
+    flags = [*_strategy("optim_grads_params"), "--dry-run", "--num-layers", "4"]
+    flags += ["--hidden-size", "256", "--ffn-hidden-size", "1024"]
+    text = report(parse_args(mock_argv(tmp_path, *flags, mbs=2, gbs=16), world_size=8))
+    assert (
+        "fully sharded data parallel (--use-megatron-fsdp, optim_grads_params): shards over 8"
+        in text
+    )
+    rows = {}
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0] in ("no_shard", "optim", "optim_grads", "optim_grads_params"):
+            rows[words[0]] = [float(w) for w in words[1:6]]
+    no_shard, optim, optim_grads, zero3 = (rows[k] for k in rows)
+    for sharded in (optim, optim_grads, zero3):
+        for part in range(3):  # weights, grads, optimizer state: 1/8 (to the printed digit)
+            assert abs(sharded[part] - no_shard[part] / 8) <= 0.051
+    assert optim[3] == optim_grads[3] == no_shard[3] > zero3[3]
+    assert no_shard[4] > optim[4] == optim_grads[4] > zero3[4]

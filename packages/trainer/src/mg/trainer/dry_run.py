@@ -27,6 +27,7 @@ from mg.trainer.arguments.model import selective_recompute_modules
 from mg.trainer.encoder_dry_run import encoder_dry_run_report
 from mg.trainer.families import get_family
 from mg.trainer.family_mamba import dry_run_report
+from mg.trainer.fsdp_dry_run import fsdp_lines
 from mg.trainer.padded_vocab import padded_vocab_size
 
 _GIB = 2**30
@@ -168,6 +169,7 @@ def report(args: Args) -> str:
         f"theoretical memory footprints: weight and optimizer={weights_and_optimizer / 2**20:.2f} "
         f"MB, activation={stage.activations / 2**20:.2f} MB, total={stage.total / 2**20:.2f} MB"
     )
+    lines += fsdp_lines(args, config, stage.parameters)
     if t.bf16 or t.fp16:
         megatron = estimate(args, config, param_dtype=act_dtype).most_loaded
         lines.append(
