@@ -16,14 +16,18 @@ How a save stays atomic (several ranks, one shared file system):
 
 1. the writer of ``latest`` (global rank 0) empties ``iter_XXXXXXX.tmp/``; barrier;
 2. each rank writes its ``mp_rank_*/model_optim_rng.pt`` inside it, through a
-   temporary file that is fsynced and renamed into place; barrier;
+   temporary file that is fsynced and renamed into place; barrier; each rank looks
+   for every rank's file there (a write that failed left none); barrier;
 3. the writer renames ``iter_XXXXXXX.tmp/`` to ``iter_XXXXXXX/`` (an existing copy
    of that iteration is first moved to ``iter_XXXXXXX.old/`` and deleted after),
    then rewrites ``latest_checkpointed_iteration.txt`` via a temporary file and
    ``os.replace``; barrier.
 
 A crash anywhere before step 3 leaves only a ``.tmp`` folder, which no reader
-takes for a checkpoint, and the pointer still names the previous save.
+takes for a checkpoint, and the pointer still names the previous save. A write
+that fails (a full disk) is cleaned up instead: every rank sees the same files
+in step 2, so if one is missing they all know; the staging folder is removed and
+every rank raises a :class:`SaveError` that says the previous checkpoint is intact.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from mg.core.checkpoint.layout import (
     scan_rank_dirs,
     tracker_file,
 )
+from mg.core.checkpoint.save_errors import SaveError, describe_write_error, save_failed
 from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
 
 CHECKPOINT_VERSION = 3.0  # Megatron's; < 3.0 means a different QKV layout
@@ -122,6 +127,13 @@ class _Staging:
         shutil.rmtree(self.staging, ignore_errors=True)
         self.staging.mkdir()
 
+    def complete(self, rank_dirs: list[str]) -> bool:
+        """Every rank's model file is in the staging folder (read the same by every rank)."""
+        return all((self.staging / name / MODEL_FILENAME).is_file() for name in rank_dirs)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
     def write(
         self,
         state: Mapping[str, Any],
@@ -132,12 +144,21 @@ class _Staging:
         extra_files: Mapping[str, Any] | None = None,
     ) -> Path:
         folder = self.staging / rank_dir
-        folder.mkdir(exist_ok=True)
-        save_file(_complete_state(state, self.iteration, tp, pp, ep), folder / MODEL_FILENAME)
-        for name, content in (extra_files or {}).items():
-            save_file(content, folder / name)
-        fsync_dir(self.staging)
+        try:
+            folder.mkdir(exist_ok=True)
+            # the extra files first: the model file's presence means "this rank wrote all"
+            for name, content in (extra_files or {}).items():
+                save_file(content, folder / name)
+            save_file(_complete_state(state, self.iteration, tp, pp, ep), folder / MODEL_FILENAME)
+            fsync_dir(self.staging)
+        except (OSError, RuntimeError) as error:  # torch.save reports ENOSPC as RuntimeError
+            (folder / MODEL_FILENAME).unlink(missing_ok=True)
+            raise self.failed(describe_write_error(error)) from None
         return self.final / rank_dir / MODEL_FILENAME
+
+    def failed(self, reason: str) -> SaveError:
+        """The error of a save that was discarded, naming what is left as it was."""
+        return save_failed(self.save_dir, self.iteration, self.staging, reason)
 
     def commit(self, update_latest: bool = True) -> None:
         if not self.staging.is_dir():
@@ -204,9 +225,25 @@ def save_checkpoint(
     if is_writer_of_latest:
         staging.reset()
     sync()
+    failure: SaveError | None = None
     if state is not None:
-        staging.write(state, rank_dir, tp_size, pp_size, ep_size, extra_files)
+        try:
+            staging.write(state, rank_dir, tp_size, pp_size, ep_size, extra_files)
+        except SaveError as error:  # raised below, once every rank knows
+            failure = error
     sync()
+    expected = [
+        rank_dirname(t, p, pp_size, e, ep_size)
+        for t in range(tp_size)
+        for p in range(pp_size)
+        for e in range(ep_size)
+    ]
+    complete = failure is None and staging.complete(expected)
+    sync()  # every rank has looked before the folder is renamed or removed
+    if not complete:
+        if is_writer_of_latest:
+            staging.discard()
+        raise failure or staging.failed("another rank could not write its part; see its error")
     if is_writer_of_latest:
         staging.commit(update_latest)
     sync()
@@ -234,8 +271,13 @@ def save_checkpoint_shards(
     ep_size = max(ep_size, 1 + max(k[2] for k in keys))
     staging = _Staging(save_dir, iteration)
     staging.reset()
-    for (tp, pp, ep), state in zip(keys, shards.values(), strict=True):
-        staging.write(state, rank_dirname(tp, pp, pp_size, ep, ep_size), tp_size, pp_size, ep_size)
+    try:
+        for (tp, pp, ep), state in zip(keys, shards.values(), strict=True):
+            name = rank_dirname(tp, pp, pp_size, ep, ep_size)
+            staging.write(state, name, tp_size, pp_size, ep_size)
+    except SaveError:
+        staging.discard()
+        raise
     staging.commit(update_latest)
     return staging.final
 
