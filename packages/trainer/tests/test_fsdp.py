@@ -209,3 +209,33 @@ def test_dry_run_plans_each_strategy(tmp_path, mock_argv) -> None:
             assert abs(sharded[part] - no_shard[part] / 8) <= 0.051
     assert optim[3] == optim_grads[3] == no_shard[3] > zero3[3]
     assert no_shard[4] > optim[4] == optim_grads[4] > zero3[4]
+
+
+# Megatron's examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: its FSDP block
+LLAMA3_FSDP_RECIPE = [
+    "--use-megatron-fsdp",
+    "--data-parallel-sharding-strategy",
+    "optim_grads_params",
+    "--no-gradient-accumulation-fusion",
+    "--calculate-per-token-loss",
+    "--init-model-with-meta-device",
+    "--ckpt-format",
+    "fsdp_dtensor",
+    "--use-nccl-ub",
+    "--fsdp-double-buffer",
+    "--fsdp-manual-registration",
+    "--use-distributed-optimizer",
+    "--overlap-grad-reduce",
+    "--overlap-param-gather",
+    "--untie-embeddings-and-output-weights",
+    "--bf16",
+]
+
+
+def test_megatron_fsdp_recipe_flags_plan(tmp_path, mock_argv) -> None:
+    text = report(
+        parse_args(mock_argv(tmp_path, *LLAMA3_FSDP_RECIPE, "--dry-run", mbs=1), world_size=8)
+    )
+    assert "fully sharded data parallel (--use-megatron-fsdp, optim_grads_params)" in text
+    with pytest.raises(ArgumentError, match="--fsdp-double-buffer.* need --use-megatron-fsdp"):
+        parse_args(mock_argv(tmp_path, "--fsdp-double-buffer"))

@@ -48,7 +48,10 @@ def _fsdp(a: Args) -> bool:
 def _fsdp_dtypes_set(a: Args) -> bool:
     f = a.fsdp
     return (
-        f.megatron_fsdp_main_params_dtype != "fp32"
+        f.fsdp_double_buffer
+        or f.use_nccl_ub
+        or f.fsdp_manual_registration
+        or f.megatron_fsdp_main_params_dtype != "fp32"
         or f.megatron_fsdp_main_grads_dtype != "auto"
         or f.megatron_fsdp_grad_comm_dtype != "auto"
         or f.outer_dp_sharding_strategy != "no_shard"
@@ -218,8 +221,9 @@ CONFLICTS: tuple[Conflict, ...] = (
         "--use-megatron-fsdp",
         lambda a: _fsdp_dtypes_set(a) and not _fsdp(a),
         "--megatron-fsdp-main-params-dtype, --megatron-fsdp-main-grads-dtype, "
-        "--megatron-fsdp-grad-comm-dtype and --outer-dp-sharding-strategy need "
-        "--use-megatron-fsdp or --use-torch-fsdp2",
+        "--megatron-fsdp-grad-comm-dtype, --outer-dp-sharding-strategy, --fsdp-double-buffer, "
+        "--use-nccl-ub and --fsdp-manual-registration need --use-megatron-fsdp or "
+        "--use-torch-fsdp2",
     ),
     Conflict(
         "--use-megatron-fsdp",

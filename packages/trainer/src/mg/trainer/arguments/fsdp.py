@@ -44,6 +44,9 @@ class FullyShardedArgs:
     megatron_fsdp_main_params_dtype: str = "fp32"
     megatron_fsdp_main_grads_dtype: str = "auto"
     megatron_fsdp_grad_comm_dtype: str = "auto"
+    fsdp_double_buffer: bool = False
+    use_nccl_ub: bool = False
+    fsdp_manual_registration: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -104,6 +107,24 @@ def add_fsdp_flags(p: argparse._ArgumentGroup) -> None:
         default="auto",
         choices=DTYPES,
         help="The dtype gradients are reduce-scattered in (auto: as the main grads).",
+    )
+
+    p.add_argument(
+        "--fsdp-double-buffer",
+        action="store_true",
+        help="Accepted for Megatron FSDP's recipes: FSDP2 allocates each unit's all-gather "
+        "and reduce-scatter buffers itself, two units' at a time when prefetching.",
+    )
+    p.add_argument(
+        "--use-nccl-ub",
+        action="store_true",
+        help="Accepted for Megatron FSDP's recipes: FSDP2's collectives use PyTorch's own "
+        "NCCL buffers (no user-buffer registration).",
+    )
+    p.add_argument(
+        "--fsdp-manual-registration",
+        action="store_true",
+        help="Accepted with --use-nccl-ub (see there).",
     )
 
 
