@@ -169,7 +169,7 @@ def test_overwrite_never_deletes_the_input(artifacts, tmp_path, capsys) -> None:
         argv = ["export-hf", "--load", str(load), "--save", str(save), "--overwrite"]
         code, _, err = _run(argv, capsys)
         assert code == 2, err
-        assert "choose another --save" in err, err
+        assert "choose a --save outside --load" in err, err
     assert tree_digest(load) == before
 
 
@@ -198,3 +198,20 @@ def test_import_hf_overwrite_replaces_an_earlier_import(artifacts, tmp_path, cap
     assert code == 0, err
     assert tree_digest(save) == first
     assert not (save / "iter_0000009").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "abc"])
+def test_bad_ckpt_step_is_one_line_naming_the_flag(artifacts, value: str, capsys) -> None:
+    code, _, err = _run(["inspect", str(artifacts / "torch"), "--ckpt-step", value], capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert f"argument --ckpt-step/--iteration: {value!r} is not a saved iteration" in err, err
+
+
+def test_damaged_tracker_names_ckpt_step(artifacts, tmp_path, capsys) -> None:
+    load = tmp_path / "torch"
+    shutil.copytree(artifacts / "torch", load)
+    (load / "latest_checkpointed_iteration.txt").write_text("garbage\n")
+    code, _, err = _run(["export-hf", "--load", str(load), "--save", str(tmp_path / "h")], capsys)
+    assert code == 2, err
+    assert "or pass --ckpt-step N." in err and "explicit iteration" not in err, err

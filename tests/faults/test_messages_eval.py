@@ -137,3 +137,26 @@ def test_ppl_and_validation_name_their_samples_and_agree_on_the_same(
     assert match and match.group(4) == "all of them"
     assert int(match.group(2)) == per_pass - 1
     assert float(match.group(1)) != valid_loss  # other samples, another loss
+
+
+def test_bad_ckpt_step_is_one_line_naming_the_flag(artifacts, tmp_path, capsys) -> None:
+    for value in ("0", "-3", "abc"):
+        argv = _ppl_argv(artifacts / "torch", artifacts / "data_text_document", tmp_path / "c")
+        capsys.readouterr()
+        assert exit_code(lambda a=argv, v=value: evaluate([*a, "--ckpt-step", v])) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert f"argument --ckpt-step: {value!r} is not a saved iteration" in err, err
+
+
+def test_damaged_tracker_names_ckpt_step(artifacts, tmp_path, capsys) -> None:
+    import shutil
+
+    load = tmp_path / "torch"
+    shutil.copytree(artifacts / "torch", load)
+    (load / "latest_checkpointed_iteration.txt").write_text("garbage\n")
+    argv = _ppl_argv(load, artifacts / "data_text_document", tmp_path / "c")
+    capsys.readouterr()
+    assert exit_code(lambda: evaluate(argv)) == 2
+    err = capsys.readouterr().err
+    assert "or pass --ckpt-step N." in err and "explicit iteration" not in err, err

@@ -35,7 +35,18 @@ EPILOG = """examples:
 
 
 def _iteration(text: str) -> int | str:
-    return text if text == "release" else int(text)
+    """A saved iteration (an int > 0) or 'release'; argparse names the flag otherwise."""
+    if text == "release":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a saved iteration: give an int > 0 or 'release'"
+        )
+    return value
 
 
 def _ckpt_step_flag(p: argparse.ArgumentParser) -> None:
@@ -313,6 +324,7 @@ def _hint(exc: BaseException, args: argparse.Namespace) -> str:
     if not hasattr(args, "iteration"):
         return text.replace(", or load another iteration.", ".")
     text = text.replace("pass iteration=N to load one of them", "pick one with --ckpt-step N")
+    text = text.replace("or pass an explicit iteration.", "or pass --ckpt-step N.")
     if text.endswith("load another iteration."):
         text = text[:-1] + " (--ckpt-step N)."
     return text
@@ -334,9 +346,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fail(args.command, clash)
     save = getattr(args, "save", None)
     if save is not None:  # before anything is read: an output in the way fails at once
-        sources = [args.load] if hasattr(args, "load") else [args.src]
         try:
-            check_save(save, args.overwrite, [s for s in sources if os.path.exists(s)])
+            check_save(save, args.overwrite)
         except ConvertError as exc:
             _fail(args.command, str(exc))
     # lazy: torch only once the flags are good, so --help stays instant

@@ -8,8 +8,9 @@ renamed away, the new one renamed in and the old one deleted. A failure at any
 point before that leaves the old folder as it was.
 
 `--overwrite` deletes, so it replaces only what looks like an earlier output (an
-mg or Megatron checkpoint, a Hugging Face folder), never a folder that holds an
-input of the run or other files.
+mg or Megatron checkpoint, a Hugging Face folder), never a folder with other
+files. (A `--save` that is, holds or lies inside the input is refused before,
+by core's `io_paths` check, with or without `--overwrite`.)
 
 Standard library only: the CLI runs these checks before torch is imported.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,12 +45,7 @@ def _looks_like_output(folder: Path) -> bool:
     )
 
 
-def _overlaps(a: Path, b: Path) -> bool:
-    a, b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
-    return a == b or a in b.parents or b in a.parents
-
-
-def check_save(save: str | Path, overwrite: bool, sources: Iterable[str | Path] = ()) -> None:
+def check_save(save: str | Path, overwrite: bool) -> None:
     """Refuse an existing `--save` without `--overwrite`, and anything `--overwrite` must
     not delete; say what to do. Runs before anything is read."""
     save = Path(save)
@@ -65,12 +61,6 @@ def check_save(save: str | Path, overwrite: bool, sources: Iterable[str | Path] 
             f"--save {save} is a file; --overwrite replaces only an output folder: choose "
             "another --save"
         )
-    for source in sources:
-        if _overlaps(save, Path(source)):
-            raise ConvertError(
-                f"--save {save} is, holds or lies inside the input {source}; --overwrite would "
-                "delete what this run reads: choose another --save"
-            )
     if not _looks_like_output(save):
         shown = ", ".join(sorted(p.name for p in save.iterdir())[:3])
         raise ConvertError(

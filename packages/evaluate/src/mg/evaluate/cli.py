@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mg.core.io_paths import output_clash
+from mg.evaluate.checkpoint_flags import ckpt_step
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.harness_cli import add_harness_task
@@ -28,10 +29,6 @@ if TYPE_CHECKING:  # torch and the model code load only once the flags are parse
     from mg.core.tokenizers.base import BaseTokenizer
     from mg.evaluate.model_parallel import EvalModel
 from mg.evaluate.report import megatron_line, write_report
-
-
-def _iteration(value: str) -> int | str:
-    return value if value == "release" else int(value)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +41,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--ckpt-step",
-        type=_iteration,
+        type=ckpt_step,
         default=None,
         metavar="N",
         help="iteration to load (an int or 'release'); default: latest_checkpointed_iteration.txt",
@@ -290,6 +287,7 @@ def user_hint(exc: BaseException, args: argparse.Namespace) -> str:
     if not hasattr(args, "ckpt_step"):
         return text.replace(", or load another iteration.", ".")
     text = text.replace("pass iteration=N to load one of them", "pick one with --ckpt-step N")
+    text = text.replace("or pass an explicit iteration.", "or pass --ckpt-step N.")
     if text.endswith("load another iteration."):
         text = text[:-1] + " (--ckpt-step N)."
     return text

@@ -12,6 +12,7 @@ import argparse
 from typing import Any
 
 from mg.core.help_format import DefaultsHelpFormatter
+from mg.evaluate.checkpoint_flags import ckpt_step
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.parallel_flags import add_model_parallel_flags, check_bert_task_layout
 
@@ -53,7 +54,9 @@ def add_finetune_tasks(sub: argparse._SubParsersAction) -> None:
             metavar="DIR",
             help="BERT checkpoint (mg-train bert --save, or mg-convert import-hf of a BERT)",
         )
-        g.add_argument("--ckpt-step", default=None, metavar="N", help="iteration to load")
+        g.add_argument(
+            "--ckpt-step", type=ckpt_step, default=None, metavar="N", help="iteration to load"
+        )
         g.add_argument("--train-data", nargs="+", required=True, help=_DATA_HELP[task])
         g.add_argument("--valid-data", nargs="+", required=True, help=_DATA_HELP[task])
         g.add_argument(
@@ -129,11 +132,9 @@ def run_finetune_task(args: argparse.Namespace) -> tuple[dict[str, Any], dict[st
     from mg.evaluate.race import NUM_CHOICES, race_samples
 
     _check(args)
-    step = args.ckpt_step
-    step = int(step) if step is not None and step != "release" else step
     loaded = load_bert_for_finetune(
         args.pretrained_checkpoint,
-        step,
+        args.ckpt_step,
         {name: getattr(args, name) for name in TOKENIZER_FIELDS},
         {"hidden_dropout": args.hidden_dropout, "attention_dropout": args.attention_dropout},
     )

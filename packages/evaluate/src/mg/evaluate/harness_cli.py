@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from mg.evaluate.checkpoint_flags import ckpt_step
 from mg.evaluate.errors import EvalInputError
 
 
@@ -21,7 +22,9 @@ def add_harness_task(sub: argparse._SubParsersAction) -> None:
         "`python -m mg.evaluate.lm_eval_adapter run --model mg --model_args load=DIR --tasks ...`.",
     )
     p.add_argument("--load", required=True, metavar="DIR", help="GPT checkpoint folder")
-    p.add_argument("--ckpt-step", default=None, metavar="N", help="iteration to load")
+    p.add_argument(
+        "--ckpt-step", type=ckpt_step, default=None, metavar="N", help="iteration to load"
+    )
     p.add_argument(
         "--tasks", required=True, nargs="+", help="task names (lm_eval ls tasks), or comma lists"
     )
