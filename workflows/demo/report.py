@@ -31,6 +31,17 @@ TRAIN = re.compile(
     r".*? lm loss: ([\d.E+-]+) \|"
 )
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
+# which validation samples the line scored (mg-train names them; mg-eval ppl scores others)
+VALID_SAMPLES = re.compile(r"\| samples: (\d+)-(\d+) of the (\d+) built from the validation split")
+
+
+def last_valid_samples(path: Path) -> str:
+    """' on samples A-B of the N built from the split', from the last validation line."""
+    found = VALID_SAMPLES.findall(path.read_text(encoding="utf-8", errors="replace"))
+    if not found:
+        return ""
+    first, last, built = found[-1]
+    return f", samples {first}-{last} of the {built} built from the validation split"
 
 
 def read_log(path: Path) -> tuple[list[dict], list[tuple[int, float]]]:
@@ -161,13 +172,22 @@ def main() -> None:
             f"training {train[-1]['loss']:.3f}, validation {final:.3f} nats/token "
             f"({unigram - final:.2f} below the unigram level)",
         ),
-        ("perplexity", f"{math.exp(min(final, 20)):,.1f} (validation)"),
+        (
+            "perplexity",
+            f"{math.exp(min(final, 20)):,.1f} (mg-train's last validation"
+            f"{last_valid_samples(args.train_log)})",
+        ),
     ]
     float_ppl = None
     if args.eval_report and args.eval_report.is_file():
         metrics = last_metrics(args.eval_report)
         float_ppl = metrics.get("ppl")
         shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if isinstance(v, float))
+        if "split_samples" in metrics:  # other samples than the validation's: another number
+            shown += (
+                f" (samples 0-{metrics['num_samples'] - 1} of the {metrics['split_samples']} "
+                f"in one pass over the {metrics['split']} split)"
+            )
         rows.append(("mg-eval ppl", shown))
     if args.quantized_report and args.quantized_report.is_file():
         row = quantized_row(float_ppl, args.quantized_report, args.quantize_report)
