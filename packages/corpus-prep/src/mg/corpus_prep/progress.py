@@ -1,7 +1,10 @@
 """What `mg-prep tokenize` tells the user while it runs and when it is done.
 
 Three outputs, all on stderr:
-- a tqdm bar (terminals only) with MB/s, documents/s and tokens/s;
+- on a terminal, a tqdm bar with MB/s, documents/s and tokens/s; elsewhere (a
+  log file, a pipe, a batch job) no bar, whose carriage returns would clutter
+  the log, but a plain line every `PLAIN_EVERY` seconds with the same figures
+  and the ETA (`--no-progress-bar` turns both off);
 - Megatron's `--log-interval` lines, `Processed N documents (X docs/s, Y MB/s).`,
   plus tokens/s, so that scripts that grep Megatron's log keep working;
 - a summary: documents, tokens, what was skipped and why, time, throughput.
@@ -21,6 +24,7 @@ from tqdm import tqdm
 from mg.corpus_prep.stats import RunStats
 
 MIB = 1 << 20
+PLAIN_EVERY = 30.0  # seconds between plain progress lines when stderr is not a terminal
 
 # No tqdm monitor thread: the pipeline forks worker processes after the bar exists.
 tqdm.monitor_interval = 0
@@ -44,14 +48,18 @@ class Progress:
         log_interval: int,
         show_bar: bool | None = None,
         stream: TextIO | None = None,
+        plain_every: float = PLAIN_EVERY,
     ) -> None:
         self.stream = stream or sys.stderr
         self.log_interval = log_interval
+        self.total_bytes = total_bytes
         self.start = time.perf_counter()
         self.documents = 0
         self.nbytes = 0
         self.tokens = 0
         self._next_log = log_interval
+        self.plain_every = plain_every
+        self._next_plain = self.start + plain_every
         # show_bar None: only on a terminal (tqdm's own rule).
         self.bar = tqdm(
             total=total_bytes,
@@ -64,6 +72,8 @@ class Progress:
             smoothing=0.1,
             desc="tokenize",
         )
+        # Plain lines where the bar would be, unless --no-progress-bar said no progress.
+        self.plain = show_bar is None and self.bar.disable
 
     def update(self, documents: int, nbytes: int, tokens: int) -> None:
         self.documents += documents
@@ -79,6 +89,27 @@ class Progress:
         if self.log_interval and self.documents >= self._next_log:
             self._log_line(elapsed)
             self._next_log = (self.documents // self.log_interval + 1) * self.log_interval
+        now = self.start + elapsed
+        if self.plain and now >= self._next_plain:
+            self.stream.write(self.plain_line(elapsed) + "\n")
+            self.stream.flush()
+            self._next_plain = now + self.plain_every
+
+    def plain_line(self, elapsed: float) -> str:
+        """`tokenize: 12.0 of 50.0 MB (24%), 3,072 documents (...); ETA 0:01:02`."""
+        rate = self.nbytes / elapsed
+        done = f"{self.nbytes / MIB:,.1f} MB"
+        eta = ""
+        if self.total_bytes:
+            done = f"{self.nbytes / MIB:,.1f} of {self.total_bytes / MIB:,.1f} MB"
+            done += f" ({100 * self.nbytes / self.total_bytes:.0f}%)"
+            if rate > 0:
+                left = max(self.total_bytes - self.nbytes, 0) / rate
+                eta = f"; ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
+        return (
+            f"tokenize: {done}, {self.documents:,} documents ({self.documents / elapsed:,.0f} "
+            f"docs/s, {rate / MIB:.2f} MB/s, {self.tokens / elapsed:,.0f} tokens/s){eta}"
+        )
 
     def _log_line(self, elapsed: float) -> None:
         tqdm.write(

@@ -150,5 +150,6 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         dest="progress_bar",
         action="store_false",
         default=None,
-        help="no progress bar (it is shown only on a terminal anyway)",
+        help="no progress bar on a terminal, and no plain progress line every 30 s "
+        "elsewhere (the --log-interval lines stay)",
     )
