@@ -4,13 +4,14 @@ The tensors go through `mg.core.checkpoint.dist_format` (torch.distributed.check
 every rank writing its own shards, so the checkpoint loads into any tensor-,
 pipeline- or data-parallel layout. The key layout follows from the model's family
 and configuration (`mg.core.checkpoint.formats.dist_layout`), never from its
-parameter names: a GPT, dense or MoE, with the local layer spec or Transformer
-Engine's, is stored as Megatron-Core stores it (`mg.core.checkpoint.megatron_dist`:
-its `sharded_state_dict` keys, layers stacked along a leading axis, routed experts on
-an expert axis under their global numbers, `_extra_state` objects holding TE's
-modules' own), so Megatron-LM loads mg's weights and mg loads Megatron-LM's; other
-models (Mamba, BERT, T5) keep mg's earlier per-parameter keys (`model.<name>`). A load reads either layout, told apart by the stored keys,
-so GPT checkpoints saved per parameter before still resume.
+parameter names: a GPT (dense or MoE, the local layer spec or Transformer Engine's),
+a BERT and a T5 are stored as Megatron-Core stores them
+(`mg.core.checkpoint.megatron_dist`: its `sharded_state_dict` keys, layers stacked
+along a leading axis, routed experts on an expert axis under their global numbers,
+`_extra_state` objects holding TE's modules' own), so Megatron-LM loads mg's weights
+and mg loads Megatron-LM's; other models (Mamba) keep mg's earlier per-parameter keys
+(`model.<name>`). A load reads either layout, told apart by the stored keys, so
+checkpoints saved per parameter before still resume.
 
 What carries over between mg and Megatron-LM, both ways: the weights, the iteration,
 the consumed-sample counters (in `args`) and, in the same TP × PP layout, the random
@@ -261,7 +262,8 @@ def save(
     `rng_shard` names this rank's (tensor, pipeline) position: its generators, which
     differ between those positions (the default ones per pipeline stage, the
     tensor-parallel dropout stream per tensor rank), are stored under it."""
-    model = _named_globally(distributed.unwrap(model))
+    unwrapped = distributed.unwrap(model)
+    model = _named_globally(unwrapped)
     if isinstance(optimizer, _SHARDED):
         optimizer.finish_param_sync()  # the model's weights are complete only after this
     named = _state_dict(model)
@@ -271,7 +273,7 @@ def save(
     megatron = layout is DistLayout.MEGATRON
     if megatron:
         model_state = _megatron_state(
-            rename_keys(named, experts), _model_config(model), extra_state=True
+            rename_keys(named, experts), _model_config(unwrapped), extra_state=True
         )
         sharded: dict[str, Any] = {**model_state.tensors, **model_state.objects}
     else:

@@ -9,11 +9,11 @@
 A `torch_dist` folder keys its tensors in one of two layouts:
 
 - `DistLayout.MEGATRON`, Megatron-Core's `sharded_state_dict` keys
-  (`megatron_dist`): what Megatron-LM reads and writes. A GPT, dense or MoE, is
-  written in it, with the local layer spec or Transformer Engine's (whose fused norms and
-  `_extra_state` objects are Megatron's own TE-spec keys).
+  (`megatron_dist`): what Megatron-LM reads and writes. A GPT, dense or MoE, a BERT
+  and a T5 are written in it, with the local layer spec or Transformer Engine's
+  (whose fused norms and `_extra_state` objects are Megatron's own TE-spec keys).
 - `DistLayout.PER_PARAMETER`, mg's earlier `model.<name>` keys: written for the
-  models whose Megatron layout mg-train does not write (Mamba, BERT, T5), and read
+  models whose Megatron layout mg-train does not write (Mamba), and read
   for any model (GPTs saved that way before too).
 
 The layout follows from the model's family and configuration (`dist_layout`),
@@ -45,13 +45,13 @@ class DistLayout(enum.Enum):
 
 
 # The families whose Megatron layout mg-train writes (mg.trainer's family names).
-MEGATRON_LAYOUT_FAMILIES = ("gpt",)
+MEGATRON_LAYOUT_FAMILIES = ("gpt", "bert", "t5")
 
 
 def dist_layout(family: str, config: TransformerConfig) -> DistLayout:
     """The key layout a `torch_dist` save of a `family` model with `config` is written in:
-    Megatron-Core's for a GPT, dense or MoE, with either layer spec
-    (`config.transformer_impl`)."""
+    Megatron-Core's for a GPT (dense or MoE, either layer spec: `config.transformer_impl`),
+    a BERT and a T5."""
     if family not in MEGATRON_LAYOUT_FAMILIES:
         return DistLayout.PER_PARAMETER
     return DistLayout.MEGATRON

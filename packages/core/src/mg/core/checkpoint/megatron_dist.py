@@ -45,6 +45,7 @@ from mg.core.checkpoint.global_chunks import (
 from mg.core.checkpoint.megatron_sharded_keys import (
     EXPERTS_KEY,
     ShardedKey,
+    megatron_aliases,
     megatron_sharded_key,
 )
 from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
@@ -58,6 +59,9 @@ _EXTRA_STATE_MODULES = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
     "self_attention.core_attention",
+    "cross_attention.linear_q",
+    "cross_attention.linear_kv",
+    "cross_attention.linear_proj",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
     "mlp.shared_experts.linear_fc1",
@@ -81,7 +85,9 @@ _SUPPORTED_MOE = re.compile(
     r"|experts\.linear_fc[12]\.(weight|bias)\d+"
     r"|shared_experts\.(linear_fc[12]\.(weight|bias)|gate_weight))$"
 )
-_LAYER_LINEAR = re.compile(r"^decoder\.layers\.\d+\.(.+)\.weight\d*$")
+# The output layers outside the layers that have one (a BERT's, a T5's LM head's).
+_HEAD_LINEARS = ("output_layer", "lm_head.output_layer")
+_LAYER_LINEAR = re.compile(r"^(?:encoder|decoder)\.layers\.\d+\.(.+)\.weight\d*$")
 # A layer key's fused-norm names (both specs store them so) -> the local spec's modules.
 _UNFUSED_NORMS = (
     ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
@@ -177,6 +183,8 @@ def megatron_model_state(
                 copies.append((tensor, same[0]))
             else:
                 held.append((tensor, offset))
+    for key, alias in megatron_aliases(list(pieces)).items():  # the same tensor, twice
+        pieces[alias], shapes[alias] = pieces[key], shapes[key]
     state = ModelState({key: GlobalChunks(shapes[key], parts) for key, parts in pieces.items()})
     state.copies = copies
     for name in extras:
@@ -188,6 +196,8 @@ def megatron_model_state(
         state.objects = extra_state_objects(weights, num_layers, num_experts, layer_keys)
         for key, name in state.extra_states.items():
             state.objects[key] = sharded_object(extras[name])
+        for key, alias in megatron_aliases(list(state.objects)).items():
+            state.objects[alias] = state.objects[key]
     return state
 
 
@@ -229,6 +239,10 @@ def extra_state_objects(
     `shard_3_24`, a routed expert's `shard_3.5_24.8`, none: `shard_0_1`), each holding None."""
     out: dict[str, io.BytesIO] = {}
     for name in names:
+        module = name.rpartition(".")[0]
+        if module in _HEAD_LINEARS:  # one object, no layer axis
+            out[f"{module}.{EXTRA_STATE}/shard_0_1"] = sharded_object(None)
+            continue
         match = _LAYER_LINEAR.match(name)
         if not match:
             continue
@@ -270,55 +284,69 @@ def _is_model_tensor(key: str) -> bool:
     return not key.startswith(("optimizer.", "rng_state")) and "/" not in key
 
 
-_NUMBERED_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_BLOCKS = ("encoder", "decoder")  # in the model's order
+_BLOCK_LAYER = re.compile(r"^(encoder|decoder)\.layers\.(?:(\d+)\.)?(.+)$")
 
 
-def _expert_name(layer: int, rest: str, expert: int, grouped: bool) -> str:
-    """Our name of routed expert `expert`'s tensor (`rest`: Megatron's `mlp.experts.experts.`
-    key tail), sequential (`local_experts.N.linear_fc1.weight`) or grouped (`weightN`)."""
+def _expert_name(layers: str, rest: str, expert: int, grouped: bool) -> str:
+    """Our name of routed expert `expert`'s tensor (`layers`: its layer's name,
+    `decoder.layers.3`; `rest`: Megatron's `mlp.experts.experts.` key tail), sequential
+    (`local_experts.N.linear_fc1.weight`) or grouped (`weightN`)."""
     tail = rest[len(EXPERTS_KEY) :]  # linear_fc1.weight
     if grouped:
-        return f"decoder.layers.{layer}.mlp.experts.{tail}{expert}"
-    return f"decoder.layers.{layer}.mlp.experts.local_experts.{expert}.{tail}"
+        return f"{layers}.mlp.experts.{tail}{expert}"
+    return f"{layers}.mlp.experts.local_experts.{expert}.{tail}"
 
 
 def stored_parameters(metadata: Metadata, grouped: bool = False) -> dict[str, StoredParameter]:
     """Our parameter names (whole model, layers numbered from 0) of a Megatron-layout
     checkpoint's model tensors, with where each lives; in the model's order (embeddings,
-    layer by layer, then the final norm and output layer). Layer-stacked keys and keys
-    per numbered layer (a model whose layers differ) alike; routed experts (an expert
-    axis after the layer's) under sequential names, or grouped GEMM's with `grouped`."""
+    the encoder's layers and its other tensors, the decoder's alike, then the heads).
+    Layer-stacked keys and keys per numbered layer (a model whose layers differ) alike;
+    routed experts (an expert axis after the layer's) under sequential names, or grouped
+    GEMM's with `grouped`."""
     first: dict[str, StoredParameter] = {}
     last: dict[str, StoredParameter] = {}
-    layers: dict[int, dict[str, StoredParameter]] = {}
+    layers: dict[str, dict[int, dict[str, StoredParameter]]] = {b: {} for b in _BLOCKS}
+    rest_of: dict[str, dict[str, StoredParameter]] = {b: {} for b in _BLOCKS}
+    aliases = set(megatron_aliases(metadata.state_dict_metadata).values())  # stored twice
     for key, meta in metadata.state_dict_metadata.items():
         if not isinstance(meta, TensorStorageMetadata) or not _is_model_tensor(key):
             continue
+        if key in aliases:
+            continue
         dtype = meta.properties.dtype
-        if key.startswith("decoder.layers."):
-            numbered = _NUMBERED_LAYER.match(key)
-            if numbered:  # one layer's key: no layer axis
-                spans, rest = [(int(numbered[1]), None)], numbered[2]
-            else:
-                rest = key[len("decoder.layers.") :]
-                spans = [(layer, layer) for layer in range(meta.size[0])]
-            for layer, along in spans:
-                own = meta.size[0 if along is None else 1 :]
-                if rest.startswith(EXPERTS_KEY):
-                    for expert in range(own[0]):
-                        name = _expert_name(layer, rest, expert, grouped)
-                        where = StoredParameter(key, along, torch.Size(own[1:]), dtype, expert)
-                        layers.setdefault(layer, {})[name] = where
-                    continue
-                name = f"decoder.layers.{layer}.{our_layer_name(rest)}"
-                where = StoredParameter(key, along, torch.Size(own), dtype)
-                layers.setdefault(layer, {})[name] = where
-        else:
+        block = _BLOCK_LAYER.match(key)
+        if block is None:
             where = StoredParameter(key, None, torch.Size(meta.size), dtype)
-            (first if key.startswith("embedding.") else last)[key] = where
+            head = key.partition(".")[0]
+            if head in rest_of:  # the block's final norm
+                rest_of[head][key] = where
+            else:
+                (first if key.startswith("embedding.") else last)[key] = where
+            continue
+        name, numbered, rest = block.groups()
+        if numbered is not None:  # one layer's key: no layer axis
+            spans = [(int(numbered), None)]
+        else:
+            spans = [(layer, layer) for layer in range(meta.size[0])]
+        for layer, along in spans:
+            own = meta.size[0 if along is None else 1 :]
+            held = layers[name].setdefault(layer, {})
+            prefix = f"{name}.layers.{layer}"
+            if rest.startswith(EXPERTS_KEY):
+                for expert in range(own[0]):
+                    ours = _expert_name(prefix, rest, expert, grouped)
+                    held[ours] = StoredParameter(key, along, torch.Size(own[1:]), dtype, expert)
+                continue
+            held[f"{prefix}.{our_layer_name(rest)}"] = StoredParameter(
+                key, along, torch.Size(own), dtype
+            )
     out = dict(first)
-    for layer in sorted(layers):
-        out.update(layers[layer])
+    for name in _BLOCKS:
+        for layer in sorted(layers[name]):
+            out.update(layers[name][layer])
+        out.update(rest_of[name])
     out.update(last)
     return out
 

@@ -1,9 +1,10 @@
-"""Megatron-Core's `sharded_state_dict` keys for our GPT parameter names.
+"""Megatron-Core's `sharded_state_dict` keys for our parameter names (GPT, BERT, T5).
 
 Megatron's `torch_dist` checkpoints do not store one tensor per layer: every
 transformer layer's tensor of one kind is a slice of one global tensor with a
 leading layer axis (`decoder.layers.self_attention.linear_qkv.weight` of shape
-[num_layers, 3h', h]), each pipeline stage writing the rows of its layers. The
+[num_layers, 3h', h]; a BERT's and a T5's `encoder.layers.…` alike, each block on
+its own axis), each pipeline stage writing the rows of its layers. The
 local layer spec (ours) also stores its pre-attention and pre-MLP norms under
 the Transformer Engine spec's names, where they are fused into the next linear
 (`input_layernorm.weight` -> `self_attention.linear_qkv.layer_norm_weight`), so
@@ -20,9 +21,10 @@ DTensors already say.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")
 
 # Megatron's local spec (`get_gpt_layer_local_spec`): `sharded_state_dict_keys_map`.
 _FUSED_NORMS = (
@@ -64,6 +66,29 @@ class ShardedKey:
         return len(self.prepended)
 
 
+# megatron-core's T5Model also holds its LM head's output layer and its position table as
+# attributes of its own (`self.output_layer = self.lm_head.output_layer`,
+# `self.position_embeddings`), so its sharded_state_dict stores each under both names.
+_T5_ALIASES = (
+    ("lm_head.output_layer.", "output_layer."),
+    ("embedding.position_embeddings.", "position_embeddings."),
+)
+
+
+def megatron_aliases(keys: Iterable[str]) -> dict[str, str]:
+    """The second key Megatron-Core stores some of `keys` (its sharded keys) under: a T5's
+    (a model with an `lm_head.output_layer`) output layer and position table."""
+    keys = list(keys)
+    if not any(k.startswith("lm_head.output_layer.") for k in keys):
+        return {}
+    return {
+        key: alias + key[len(prefix) :]
+        for key in keys
+        for prefix, alias in _T5_ALIASES
+        if key.startswith(prefix)
+    }
+
+
 def per_layer_keys(moe_layer_freq: int | list[int] | None) -> bool:
     """Megatron-Core's `non_homogeneous_layers`: a model whose layers differ (MoE every
     N-th layer, N > 1, or a per-layer list) keys each layer's tensors by its number
@@ -82,8 +107,9 @@ def megatron_sharded_key(
     layer_keys: bool = False,
 ) -> ShardedKey:
     """The sharded key of our global parameter `name` (layers numbered over the whole
-    model). `tied_output`: the output layer shares the embedding's weight. A routed
-    expert's tensor gets an expert axis of `num_experts` after the layer axis (SequentialMLP's
+    model; an encoder's and a decoder's each over its own axis of `num_layers`).
+    `tied_output`: the output layer shares the embedding's weight. A routed expert's
+    tensor gets an expert axis of `num_experts` after the layer axis (SequentialMLP's
     `decoder.layers.mlp.experts.experts.linear_fc1.weight` of [L, E, 2F, h]); `layer_keys`
     (`per_layer_keys`) keys layers by number, with no layer axis."""
     if tied_output and name == "output_layer.weight":
@@ -91,7 +117,7 @@ def megatron_sharded_key(
     match = _LAYER.match(name)
     if match is None:
         return ShardedKey(name)
-    layer, rest = int(match.group(1)), match.group(2)
+    block, layer, rest = match.group(1), int(match.group(2)), match.group(3)
     for ours, theirs in _FUSED_NORMS:
         if rest.startswith(ours):
             rest = theirs + rest[len(ours) :]
@@ -106,5 +132,5 @@ def megatron_sharded_key(
             expert, rest = int(routed["num"]), f"{EXPERTS_KEY}{routed['gfc']}.{routed['gkind']}"
     experts = num_experts if expert is not None else None
     if layer_keys:
-        return ShardedKey(f"decoder.layers.{layer}.{rest}", None, None, expert, experts)
-    return ShardedKey(f"decoder.layers.{rest}", layer, num_layers, expert, experts)
+        return ShardedKey(f"{block}.layers.{layer}.{rest}", None, None, expert, experts)
+    return ShardedKey(f"{block}.layers.{rest}", layer, num_layers, expert, experts)
