@@ -70,6 +70,7 @@ from mg.core.checkpoint.megatron_dist import (
     stored_parameters,
 )
 from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
+from mg.core.checkpoint.save_errors import describe_write_error, save_failed
 from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
 
 COMMON_FILENAME = "common.pt"
@@ -249,16 +250,28 @@ def save_dist_checkpoint(
     no_dist = not dist.is_initialized()
     common_state = {**(common or {}), "iteration": 0 if iteration == RELEASE else iteration}
     if not async_save:
-        with single_process_is_intended():
-            dcp.save(
-                state,
-                checkpoint_id=staging,
-                process_group=process_group,
-                planner=_SavePlanner(),
-                no_dist=no_dist,
-            )
-        if is_main:
-            _commit(save_dir, final, staging, common_state)
+        failure: BaseException | None = None
+        try:
+            with single_process_is_intended():
+                dcp.save(
+                    state,
+                    checkpoint_id=staging,
+                    process_group=process_group,
+                    planner=_SavePlanner(),
+                    no_dist=no_dist,
+                )
+            if is_main:
+                _commit(save_dir, final, staging, common_state)
+        except (OSError, RuntimeError, dcp.api.CheckpointException) as error:  # a full disk
+            failure = error  # DCP fails on every rank; a commit on rank 0 only: see below
+        _barrier(process_group)
+        # every rank reads the same answer from the shared folder: committed or not
+        if failure is not None or not final.is_dir() or staging.exists():
+            _barrier(process_group)  # every rank has looked before the folder goes
+            if is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+            reason = describe_write_error(failure) if failure else "another rank could not write"
+            raise save_failed(save_dir, iteration, staging, reason) from None
         _barrier(process_group)
         return PendingSave(None, final)
     with single_process_is_intended():
