@@ -33,7 +33,10 @@ def describe_write_error(error: BaseException) -> str:
     failures = getattr(error, "failures", None)  # DCP's CheckpointException: rank -> error
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
-        return describe_write_error(getattr(first, "exc", first))
+        first = first[0] if isinstance(first, tuple) and first else first  # (error, traceback)
+        first = getattr(first, "exc", first)  # DCP's _WrappedException
+        if isinstance(first, BaseException):
+            return describe_write_error(first)
     if isinstance(error, OSError) and error.strerror:
         return error.strerror.lower() if error.errno == errno.ENOSPC else error.strerror
     cause = error.__cause__ or error.__context__
