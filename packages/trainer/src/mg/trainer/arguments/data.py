@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from mg.trainer.arguments.errors import fail
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from mg.trainer.arguments.args import Args
 
 
@@ -190,21 +192,31 @@ def check_splits(prefixes: tuple[str, ...], split: str, source: str) -> None:
         fail(f"--split: {error}")
     for prefix in prefixes:
         try:
-            lengths = IndexedDataset(prefix).sequence_lengths
+            with IndexedDataset(prefix) as dataset:
+                lengths = dataset.sequence_lengths
+                total = int(lengths.sum(dtype="int64"))
+                shares = [
+                    None if ends is None else _share(lengths, split_range(ends, len(lengths)))
+                    for ends in bookends
+                ]
+                sequences = len(lengths)
         except IndexedDatasetError as error:
             fail(f"{source}: {error}")
-        if not int(lengths.sum()):
+        if not total:
             fail(
-                f"{source} {prefix}: the dataset has {len(lengths)} documents and no tokens: "
+                f"{source} {prefix}: the dataset has {sequences} documents and no tokens: "
                 "nothing to train on; tokenize a corpus with text into it (mg-prep)"
             )
-        for index, ends in enumerate(bookends):
-            if ends is None:
-                continue
-            ids = split_range(ends, len(lengths))
-            if len(ids) and int(lengths[ids].sum()):
-                continue
-            fail(_empty_split_message(prefix, len(lengths), split, index, len(ids), source))
+        for index, share in enumerate(shares):
+            if share is not None and not share[1]:
+                fail(_empty_split_message(prefix, sequences, split, index, share[0], source))
+
+
+def _share(lengths: np.ndarray, ids: np.ndarray) -> tuple[int, int]:
+    """(sequences, tokens) of one split: a contiguous range of sequence ids."""
+    if not len(ids):
+        return 0, 0
+    return len(ids), int(lengths[ids[0] : ids[-1] + 1].sum(dtype="int64"))
 
 
 def _empty_split_message(
