@@ -104,6 +104,7 @@ def test_the_order_is_written_once() -> None:
         "Transformer Engine",
         "recompute",
         "compile",
+        "fully sharded data parallel",
     ]
     options = ConstructOptions(
         layout=ParallelLayout(),

@@ -16,7 +16,7 @@ Transformer Engine put in place.
 | 3 | tensor parallel | tp > 1 |
 | 4 | context parallel | cp > 1 |
 | 5 | pipeline split | pp > 1 |
-| 6 | materialize | always (storage for a meta model, or `.to(device)`) |
+| 6 | materialize | always (storage for a meta model, or `.to(device)`; under FSDP at 12) |
 | 7 | expert parallel | experts live apart (ep > 1 or an etp below tp) |
 | 8 | MoE aux-loss groups | more than one rank per pipeline stage |
 | 9 | Transformer Engine | `transformer_engine` (--transformer-impl transformer_engine) |
@@ -157,7 +157,14 @@ def split_pipeline(built: UnderConstruction, options: ConstructOptions) -> None:
 def give_storage(built: UnderConstruction, options: ConstructOptions) -> None:
     """Storage on the rank's device for what this rank holds, initialised to the single-
     process model's values (`mg.core.parallel.materialize`). After the split: a rank
-    allocates its stage only. Steps after it see real tensors."""
+    allocates its stage only. Steps after it see real tensors, except under FSDP: a meta
+    model is given storage by the fully sharded step, for its shards only."""
+    if built.on_meta and fully_sharded_here(options):
+        return
+    _give_storage(built, options)
+
+
+def _give_storage(built: UnderConstruction, options: ConstructOptions) -> None:
     if built.on_meta:
         materialize(
             built.parts,
@@ -231,6 +238,13 @@ def shard_fully(built: UnderConstruction, options: ConstructOptions) -> None:
     apply_fully_shard(
         built.model, data_parallel_mesh(root, options.fully_sharded), options.fully_sharded
     )
+    if built.on_meta:  # storage for this rank's shards only: no rank holds the whole model
+        _give_storage(built, options)
+
+
+def fully_sharded_here(options: ConstructOptions) -> bool:
+    """FSDP asked for, over more than one data × context rank (one rank: nothing to shard)."""
+    return options.fully_sharded is not None and options.layout.dp * options.layout.cp > 1
 
 
 @dataclass(frozen=True)
@@ -260,11 +274,7 @@ STEPS: tuple[Step, ...] = (
         recompute,
     ),
     Step("compile", lambda o: o.compile, compile_each_layer),
-    Step(
-        "fully sharded data parallel",
-        lambda o: o.fully_sharded is not None and o.layout.dp * o.layout.cp > 1,
-        shard_fully,
-    ),
+    Step("fully sharded data parallel", fully_sharded_here, shard_fully),
 )
 """The construction order, once (see the table in the module docstring)."""
 

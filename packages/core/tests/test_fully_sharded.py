@@ -1,0 +1,106 @@
+"""Fully sharded construction on 2 gloo ranks: a meta model is sharded before it gets storage,
+so each rank allocates half of it, and the shards are the single-process model's values.
+
+This file is also the rank worker (`python test_fully_sharded.py OUT`). Each rank builds
+a tiny Llama on the meta device and runs `construct` with FSDP (ZeRO-3); it reports the
+parameter elements it holds, whether every full tensor equals the model built whole with
+the same seed (built after the check, so it cannot hide the peak), the FSDP units, and
+the gradient norm over the shards after one backward of the same batch on both ranks
+(gradients averaged over equal ranks: the single-process model's norm).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from mg.core.models import GPTModel, presets
+from mg.core.parallel.construct import ConstructOptions, construct
+from mg.core.parallel.fully_sharded import FullyShardedOptions, grad_norm_squares, units
+from mg.core.parallel.layout import build_parallel_layout
+from mg.core.testing.launch import launch_workers
+
+SEED = 1234
+
+
+def _config():
+    return presets.tiny_llama(
+        num_layers=3, hidden_size=32, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=48
+    )
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def _worker(out: str) -> None:
+    dist.init_process_group("gloo")
+    layout = build_parallel_layout(2, dist.get_rank())
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        model = GPTModel(_config())
+    options = ConstructOptions(
+        layout=layout,
+        device=torch.device("cpu"),
+        seed=SEED,
+        fully_sharded=FullyShardedOptions("optim_grads_params"),
+    )
+    model = construct(model, options)
+    held = sum(p.to_local().numel() for p in model.parameters())
+    full = {name: p.full_tensor() for name, p in model.named_parameters()}
+    tokens = _batch()
+    model(tokens, labels=tokens).mean().backward()
+    norm = float(grad_norm_squares([p.grad for p in model.parameters()]).sqrt())
+    torch.manual_seed(SEED)
+    reference = GPTModel(_config())
+    equal = all(torch.equal(full[n], p) for n, p in reference.named_parameters())
+    reference(tokens, labels=tokens).mean().backward()
+    expected = float(
+        torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    )
+    result = {
+        "held": held,
+        "numel": sum(p.numel() for p in reference.parameters()),
+        "equal": equal,
+        "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+        "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
+        "norm": norm,
+        "expected_norm": expected,
+    }
+    gathered = [None, None]
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_meta_model_is_sharded_before_storage_and_equals_one_process(tmp_path) -> None:
+    out = tmp_path / "ranks.json"
+    launch_workers(__file__, 2, [str(out)], timeout=300)
+    ranks = json.loads(out.read_text())
+    numel = ranks[0]["numel"]
+    assert sum(r["held"] for r in ranks) == numel  # one copy between the two ranks
+    for r in ranks:
+        assert r["equal"] and r["dtensors"]
+        assert r["units"] == 1 + 3 + 1  # the (untied) embedding, 3 layers, the root
+        assert r["norm"] == pytest.approx(r["expected_norm"], rel=1e-5)
+
+
+def test_units_are_the_layers_and_an_untied_embedding() -> None:
+    with torch.device("meta"):
+        tied = GPTModel(presets.tiny_gpt2(num_layers=2))  # the output head reads the embedding
+        untied = GPTModel(_config())
+    assert units(tied) == list(tied.decoder.layers)
+    assert units(untied) == [untied.embedding, *untied.decoder.layers]
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
