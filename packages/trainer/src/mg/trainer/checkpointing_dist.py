@@ -382,6 +382,36 @@ def _restore_extra_states(model: nn.Module, state: ModelState, loaded: dict[str,
             model.get_submodule(name.removesuffix(f".{EXTRA_STATE}")).set_extra_state(data)
 
 
+def _foreign_optimizer_refusal(folder: Path, common: dict[str, Any]) -> str:
+    """Megatron-LM's optimizer state is not read here; a save without any is said to be so."""
+    if "optimizer" not in common and not stored_keys(folder, "optimizer"):
+        return (
+            f"{folder} holds no optimizer state (saved by Megatron-LM or megatron-core without "
+            "it, e.g. with --no-save-optim); resume with --no-load-optim (weights, iteration "
+            "and consumed samples carry over) or --finetune"
+        )
+    return (
+        f"{folder} was saved by Megatron-LM, whose optimizer state (its distributed "
+        "optimizer's buffers) mg does not read; load it with --no-load-optim (weights, "
+        "iteration and consumed samples carry over) or --finetune"
+    )
+
+
+def _saved_iteration(common: dict[str, Any], folder: Path, iteration: Any) -> int:
+    """common.pt's iteration; a bare `dist_checkpointing.save` (no Megatron-LM args) records
+    none, so the folder's name gives it, said in one line."""
+    if "iteration" in common:
+        return int(common["iteration"])
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(
+            f" note: {folder}/common.pt records no iteration (a bare dist_checkpointing.save, "
+            f"without Megatron-LM's args): resuming at iteration {iteration} from the folder's "
+            "name, consumed samples from 0",
+            flush=True,
+        )
+    return int(iteration)
+
+
 def resume(
     load_dir: str,
     *,
@@ -406,13 +436,10 @@ def resume(
     want_optim = load_optim and not finetune
     # DCP unpickles the folder's objects (rng_state) anyway: its common.pt is read alike
     # (Megatron-LM pickles enums in its args)
-    foreign = "mg" not in load_common(folder, allow_pickle=True)  # saved by Megatron-LM
+    common = load_common(folder, allow_pickle=True)
+    foreign = "mg" not in common  # saved by Megatron-LM
     if foreign and want_optim:
-        raise CheckpointError(
-            f"{folder} was saved by Megatron-LM, whose optimizer state (its distributed "
-            "optimizer's buffers) mg does not read; load it with --no-load-optim (weights, "
-            "iteration and consumed samples carry over) or --finetune"
-        )
+        raise CheckpointError(_foreign_optimizer_refusal(folder, common))
     megatron = checkpoint_is_megatron_layout(folder)
     named = _state_dict(model)
     experts = global_expert_names(model)  # expert parallelism: experts by global number
@@ -462,7 +489,7 @@ def resume(
         _restore_rng(common["rng_state"], sharded.get("rng", {}).get(rng_shard, {}))
     saved = common.get("args")
     return TrainState(
-        iteration=int(common["iteration"]),
+        iteration=_saved_iteration(common, folder, iteration),
         consumed_train_samples=int(getattr(saved, "consumed_train_samples", 0)),
         consumed_valid_samples=int(getattr(saved, "consumed_valid_samples", 0)),
         skipped_iterations=int(getattr(saved, "skipped_train_iterations", 0)),
