@@ -89,7 +89,8 @@ def summarize_torch_dist(folder: Path, iteration: Iteration) -> dict[str, Any]:
         tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
     else:
         parallel = {}
-        tp = args.get("tensor_model_parallel_size") or 1
+        # a bare dist_checkpointing.save records no args: the shards say how it was split
+        tp = args.get("tensor_model_parallel_size") or saved_tensor_parallel(metadata)
         pp = args.get("pipeline_model_parallel_size") or 1
         model_config = _megatron_config(common, folder)
     keys = (
@@ -115,6 +116,20 @@ def summarize_torch_dist(folder: Path, iteration: Iteration) -> dict[str, Any]:
         "parallel": parallel or {"tp": tp, "pp": pp},
         "args": plain_args(args),
     }
+
+
+# Tensors Megatron-Core splits over tensor-parallel ranks along dim 0 and never over pipeline
+# stages (the vocabulary rows of the first and last stage's embedding and output layer).
+_VOCAB_PARALLEL = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def saved_tensor_parallel(metadata: Any) -> int:
+    """The tensor-parallel size a torch_dist checkpoint was saved at, from DCP's index:
+    the number of row chunks of the vocabulary-parallel embedding (1 if it has none)."""
+    for key, item in metadata.state_dict_metadata.items():
+        if key.endswith(_VOCAB_PARALLEL) and isinstance(item, TensorStorageMetadata):
+            return max(1, len({chunk.offsets[0] for chunk in item.chunks}))
+    return 1
 
 
 def _megatron_config(common: dict[str, Any], folder: Path) -> dict[str, Any] | None:
