@@ -160,3 +160,20 @@ def test_damaged_tracker_names_ckpt_step(artifacts, tmp_path, capsys) -> None:
     assert exit_code(lambda: evaluate(argv)) == 2
     err = capsys.readouterr().err
     assert "or pass --ckpt-step N." in err and "explicit iteration" not in err, err
+
+
+def test_library_bars_stay_out_of_a_log(monkeypatch) -> None:
+    """lm-eval draws plain tqdm bars (disable=False): quieted around the harness's call."""
+    from tqdm import tqdm
+
+    from mg.evaluate.progress import library_bars_on_terminal_only
+
+    log = _LogStream()
+    monkeypatch.setattr("sys.stderr", log)
+    with library_bars_on_terminal_only():
+        for _ in tqdm(range(3), desc="Building contexts", disable=False):
+            pass
+    assert log.text == "", repr(log.text)
+    for _ in tqdm(range(3), desc="outside", file=log):  # restored after the block
+        pass
+    assert "\r" in log.text

@@ -12,6 +12,7 @@ from typing import Any
 
 from mg.evaluate.checkpoint_flags import ckpt_step
 from mg.evaluate.errors import EvalInputError
+from mg.evaluate.progress import library_bars_on_terminal_only
 
 
 def add_harness_task(sub: argparse._SubParsersAction) -> None:
@@ -98,18 +99,19 @@ def run_harness(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any
         tokenizer_model=args.tokenizer_model,
         attention_backend=backend,
     )
-    out = lm_eval.simple_evaluate(
-        model=model,
-        tasks=tasks,
-        num_fewshot=args.num_fewshot,
-        limit=args.limit,
-        task_manager=manager,
-        log_samples=False,
-        random_seed=args.seed,
-        numpy_random_seed=args.seed,
-        torch_random_seed=args.seed,
-        fewshot_random_seed=args.seed,
-    )
+    with library_bars_on_terminal_only():
+        out = lm_eval.simple_evaluate(
+            model=model,
+            tasks=tasks,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            task_manager=manager,
+            log_samples=False,
+            random_seed=args.seed,
+            numpy_random_seed=args.seed,
+            torch_random_seed=args.seed,
+            fewshot_random_seed=args.seed,
+        )
     metrics = {"results": out["results"], "n-samples": out.get("n-samples", {})}
     context = dict(tasks=tasks, num_fewshot=args.num_fewshot, limit=args.limit)
     return metrics, context
