@@ -141,7 +141,7 @@ def test_builder_abort_on_a_full_disk_deletes_its_temporary(tmp_path) -> None:
 
 def test_merge_on_a_full_disk(datasets, tmp_path) -> None:
     disk = tmp_path / "disk"
-    output = disk / "merged"
+    output = disk / "new" / "folders" / "merged"  # made by the merge, removed when it fails
     result, listing = run_on_small_disk(
         disk, "size=256k", mg_prep("merge", "--input", *datasets, "--output-prefix", str(output))
     )
@@ -184,7 +184,7 @@ def test_merge_through_a_file(datasets, tmp_path) -> None:
 @pytest.mark.parametrize("layout", [["--workers", "1"], ["--workers", "2", "--partitions", "2"]])
 def test_tokenize_on_a_full_disk(corpus, tmp_path, layout) -> None:
     disk = tmp_path / "disk"
-    output = disk / "c"
+    output = disk / "new" / "c"  # a folder made by the run, removed when it fails
     argv = mg_prep(
         "tokenize", "--input", str(corpus), "--output-prefix", str(output), *GPT2, *layout
     )

@@ -18,7 +18,12 @@ import os
 import sys
 
 from mg.corpus_prep.cli import UserError, refuse_own_input
-from mg.corpus_prep.output_faults import cannot_write, existing_dataset
+from mg.corpus_prep.output_faults import (
+    cannot_write,
+    existing_dataset,
+    missing_folders,
+    remove_folders,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -116,10 +121,15 @@ def _write(prefixes: list[str], output_prefix: str, multimodal: bool) -> None:
     # lazy: numpy only once the flags are parsed (`mg-prep merge --help` stays instant)
     from mg.indexed_dataset.format import merge_datasets
 
+    folder = os.path.dirname(os.path.abspath(output_prefix))
+    created = missing_folders(folder)
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
         merge_datasets(prefixes, output_prefix, multimodal=multimodal)
-    except OSError as err:
+    except BaseException as err:
+        remove_folders(created)  # a failed merge leaves no folder it made either
+        if not isinstance(err, OSError):
+            raise
         inputs = {prefix + suffix for prefix in prefixes for suffix in (".bin", ".idx")}
         if err.filename and os.fspath(err.filename) in inputs:  # an input, not the output
             raise UserError(f"{err.filename}: cannot read ({err.strerror or err})") from err

@@ -44,6 +44,25 @@ def cannot_write(output: str, err: OSError) -> str:
     return f"{output}: cannot write ({reason}){'; ' + advice if advice else ''}; {cleanup}"
 
 
+def missing_folders(path: str) -> list[str]:
+    """The folders that creating `path` (a folder) would create, innermost first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_folders(folders: list[str]) -> None:
+    """Remove these folders (innermost first) where a failed run left them empty."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            return
+
+
 def existing_dataset(prefix: str) -> bool:
     """Whether `prefix.bin` or `prefix.idx` exists (and would be replaced)."""
     return os.path.exists(prefix + ".bin") or os.path.exists(prefix + ".idx")

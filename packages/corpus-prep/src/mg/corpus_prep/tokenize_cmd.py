@@ -16,7 +16,13 @@ import numpy as np
 from mg.corpus_prep import interrupts, pipeline
 from mg.corpus_prep.cli import UserError, refuse_own_input
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
-from mg.corpus_prep.output_faults import cannot_write, existing_dataset, final_name
+from mg.corpus_prep.output_faults import (
+    cannot_write,
+    existing_dataset,
+    final_name,
+    missing_folders,
+    remove_folders,
+)
 from mg.corpus_prep.partitions import PartitionFailedError, run_partitioned
 from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError
 from mg.corpus_prep.progress import Progress, format_summary, info, warn
@@ -139,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         splitter=_splitter_spec(args, segments),
         dtype=dtype.name,
     )
+    created = missing_folders(os.path.dirname(os.path.abspath(args.output_prefix)))
     _make_output_folder(args.output_prefix)
     total = sum(s.size for s in sources) if all(s.compression == "none" for s in sources) else None
     info(
@@ -151,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(total, args.log_interval, args.progress_bar)
     try:
         stats, outputs = _tokenize(args, sources, spec, level, dtype, progress)
+    except BaseException:
+        remove_folders(created)  # a failed run leaves no folder it made either
+        raise
     finally:
         elapsed = progress.close()
     info(format_summary(stats, elapsed, outputs, dtype.name))
