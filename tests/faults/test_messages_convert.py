@@ -215,3 +215,17 @@ def test_damaged_tracker_names_ckpt_step(artifacts, tmp_path, capsys) -> None:
     code, _, err = _run(["export-hf", "--load", str(load), "--save", str(tmp_path / "h")], capsys)
     assert code == 2, err
     assert "or pass --ckpt-step N." in err and "explicit iteration" not in err, err
+
+
+def test_config_field_of_the_wrong_type_is_named(artifacts, tmp_path, capsys) -> None:
+    source = tmp_path / "hf"
+    shutil.copytree(artifacts / "hf", source)
+    config = json.loads((source / "config.json").read_text())
+    config["n_embd"] = None
+    (source / "config.json").write_text(json.dumps(config))
+
+    code, _, err = _run(["import-hf", str(source), "--save", str(tmp_path / "ck")], capsys)
+
+    assert code == 2, err
+    assert f"{source / 'config.json'}: a field holds a value of the wrong type" in err, err
+    assert "null there: " in err and "n_embd" in err and "download config.json again" in err

@@ -86,7 +86,14 @@ def model_config_from_hf(
             "is incomplete or from another model. Download config.json again (or write it "
             "with transformers' save_pretrained), or add the field"
         ) from None
-    except (TypeError, ValueError) as exc:
+    except TypeError as exc:  # a field of the wrong type (null, a string) met arithmetic
+        nulls = [key for key, value in hf_config.items() if value is None]
+        among = f"; null there: {', '.join(nulls)}" if nulls else ""
+        raise ConvertError(
+            f"{path}: a field holds a value of the wrong type ({exc}){among}. Give it the "
+            "number a config of this model needs, or download config.json again"
+        ) from None
+    except ValueError as exc:
         raise ConvertError(f"{path}: {exc}") from None
     hf_vocab = config.vocab_size
     extra = dict(config.extra, hf_vocab_size=hf_vocab, hf_config=hf_config)
