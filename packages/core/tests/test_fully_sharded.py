@@ -4,9 +4,10 @@ so each rank allocates half of it, and the shards are the single-process model's
 This file is also the rank worker (`python test_fully_sharded.py OUT`). Each rank builds
 a tiny Llama on the meta device and runs `construct` with FSDP (ZeRO-3); it reports the
 parameter elements it holds, whether every full tensor equals the model built whole with
-the same seed (built after the check, so it cannot hide the peak), the FSDP units, and
-the gradient norm over the shards after one backward of the same batch on both ranks
-(gradients averaged over equal ranks: the single-process model's norm).
+the same seed (built after the check, so it cannot hide the peak), the FSDP units, the
+reduce-scatters of two micro-batches (none for the first, under `no_gradient_sync`), and
+the gradient norm over the shards after them, the same batch on both ranks (gradients
+averaged over equal ranks: the single-process model's norm).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from torch.distributed.tensor import DTensor
 
 from mg.core.models import GPTModel, presets
 from mg.core.parallel.construct import ConstructOptions, construct
-from mg.core.parallel.fully_sharded import FullyShardedOptions, grad_norm_squares, units
+from mg.core.parallel.fully_sharded import (
+    FullyShardedOptions,
+    grad_norm_squares,
+    no_gradient_sync,
+    units,
+)
 from mg.core.parallel.layout import build_parallel_layout
 from mg.core.testing.launch import launch_workers
 
@@ -56,12 +62,20 @@ def _worker(out: str) -> None:
     held = sum(p.to_local().numel() for p in model.parameters())
     full = {name: p.full_tensor() for name, p in model.named_parameters()}
     tokens = _batch()
+    reduced: list[int] = []  # FSDP2's reduce-scatters, counted
+    original = dist.reduce_scatter_single
+    dist.reduce_scatter_single = lambda *a, **k: (reduced.append(1), original(*a, **k))[1]
+    with no_gradient_sync(model):  # two micro-batches: the first without a reduction
+        model(tokens, labels=tokens).mean().backward()
+    first = len(reduced)
     model(tokens, labels=tokens).mean().backward()
+    dist.reduce_scatter_single = original
     norm = float(grad_norm_squares([p.grad for p in model.parameters()]).sqrt())
     torch.manual_seed(SEED)
     reference = GPTModel(_config())
     equal = all(torch.equal(full[n], p) for n, p in reference.named_parameters())
-    reference(tokens, labels=tokens).mean().backward()
+    for _ in range(2):
+        reference(tokens, labels=tokens).mean().backward()
     expected = float(
         torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
     )
@@ -72,6 +86,7 @@ def _worker(out: str) -> None:
         "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
         "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
         "norm": norm,
+        "reductions": [first, len(reduced) - first],
         "expected_norm": expected,
     }
     gathered = [None, None]
@@ -92,6 +107,7 @@ def test_meta_model_is_sharded_before_storage_and_equals_one_process(tmp_path) -
         assert r["equal"] and r["dtensors"]
         assert r["units"] == 1 + 3 + 1  # the (untied) embedding, 3 layers, the root
         assert r["norm"] == pytest.approx(r["expected_norm"], rel=1e-5)
+        assert r["reductions"] == [0, 5]  # one per unit, after the last micro-batch only
 
 
 def test_units_are_the_layers_and_an_untied_embedding() -> None:

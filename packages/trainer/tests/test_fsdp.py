@@ -211,6 +211,21 @@ def test_dry_run_plans_each_strategy(tmp_path, mock_argv) -> None:
     assert no_shard[4] > optim[4] == optim_grads[4] > zero3[4]
 
 
+@pytest.mark.slow
+def test_dp4_fsdp_dtensor_loads_at_dp2_and_in_one_process(tmp_path, mock_argv, train) -> None:
+    """A DP=4 ZeRO-3 save at iteration 3, loaded at DP=2 with FSDP and by one process
+    without it: both continue as the uninterrupted DP=4 run."""
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=16, iters=6)
+    ckpt = str(tmp_path / "ckpt")
+    zero3 = [*argv, *_strategy("optim_grads_params")]
+    (four,) = _run_ranks([[*zero3, "--save", ckpt, "--save-interval", "3"]], 4, tmp_path / "4.json")
+    (two,) = _run_ranks([[*zero3, "--load", ckpt, "--ckpt-step", "3"]], 2, tmp_path / "2.json")
+    one = train([*argv, "--load", ckpt, "--ckpt-step", "3"])
+    for run in (two, {"losses": one.losses, "grad_norms": one.grad_norms}):
+        _assert_close(four["losses"][3:], run["losses"], LOSS_RTOL)
+        _assert_close(four["grad_norms"][3:], run["grad_norms"], NORM_RTOL)
+
+
 # Megatron's examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: its FSDP block
 LLAMA3_FSDP_RECIPE = [
     "--use-megatron-fsdp",
