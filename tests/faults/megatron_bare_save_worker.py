@@ -6,8 +6,8 @@ Builds Megatron's GPT for the config in WORK/config.json and saves it twice:
 
 - WORK/bare/iter_0000005: a bare ``dist_checkpointing.save(model.sharded_state_dict())``,
   as megatron-core's run_simple_mcore_train_loop.py saves (no args, no iteration);
-- WORK/lm/iter_0000010: as Megatron-LM's save_checkpoint with --no-save-optim (args,
-  iteration, rng_state; no optimizer state).
+- WORK/lm/iter_0000010: as Megatron-LM's save_checkpoint with --no-save-optim (args with
+  the NullTokenizer's, iteration, rng_state; no optimizer state).
 
 Each with the tracker file beside it.
 """
@@ -30,6 +30,7 @@ from mg.core.testing.megatron_dist_checkpoint import (
     save_like_megatron_lm,
 )
 from mg.core.testing.megatron_reference import megatron_cpu_patches, megatron_gpt_model
+from mg.core.tokenizers.config import TokenizerConfig
 
 _SHARED = Path(__file__).parents[2] / "packages/ckpt-convert/tests/megatron_parallel_worker.py"
 _spec = importlib.util.spec_from_file_location("megatron_parallel_worker", _SHARED)
@@ -55,7 +56,8 @@ def main() -> None:
             dist.barrier()
             if dist.get_rank() == 0:
                 (bare.parent / "latest_checkpointed_iteration.txt").write_text("5")
-            args = megatron_args_from_config(config, None, tp=2, pp=1)
+            tokenizer = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=127)
+            args = megatron_args_from_config(config, tokenizer, tp=2, pp=1)
             args.consumed_train_samples, args.ckpt_format = 40, "torch_dist"
             tp_rank = parallel_state.get_tensor_model_parallel_rank()
             save_like_megatron_lm(work / "lm", model, args, 10, position=(0, tp_rank), sizes=(1, 2))

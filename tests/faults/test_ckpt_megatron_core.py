@@ -5,6 +5,8 @@
   --no-load-rng at the iteration its folder names (was a ``KeyError: 'iteration'``
   traceback), and ``mg-convert inspect`` reports the TP=2 it was saved at, read from
   the sharded metadata (was TP=1);
+- mg-eval evaluates a Megatron-LM save as it is: the model its args describe (it
+  refused one: no model config recorded, and the enums in its args);
 - a Megatron-LM save without optimizer state, resumed without --no-load-optim, is
   refused for what it is: it holds no optimizer state (it was refused as holding
   Megatron's optimizer state).
@@ -81,3 +83,23 @@ def test_megatron_lm_save_without_optimizer_state_is_named_so(saves, tmp_path, c
     (line,) = err.strip().splitlines()
     assert line.startswith("mg-train: error:") and "holds no optimizer state" in line, line
     assert "--no-load-optim" in line and "whose optimizer state" not in line, line
+
+
+def test_mg_eval_reads_a_megatron_lm_save(saves, artifacts, tmp_path, capsys) -> None:
+    from mg.evaluate.cli import main
+
+    argv = [
+        "ppl",
+        "--load",
+        str(saves / "lm"),
+        "--data-path",
+        str(artifacts / "data_text_document"),
+    ]
+    argv += ["--split", "50,50,0", "--eval-iters", "1", "--data-cache-path", str(tmp_path)]
+    capsys.readouterr()
+
+    code = exit_code(lambda: main(argv))
+
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "Traceback" not in err and "ppl" in out.lower(), out

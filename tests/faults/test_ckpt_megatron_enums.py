@@ -86,6 +86,16 @@ def unsafe_names(path: Path) -> list[str]:
     return torch.serialization.get_unsafe_globals_in_checkpoint(path)
 
 
+@pytest.fixture(autouse=True)
+def no_registered_megatron_globals():
+    """As in a tool's process: megatron-core, once imported by another test, registers its
+    enums with torch's weights-only loader for the whole process."""
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    yield
+    torch.serialization.add_safe_globals(registered)
+
+
 def test_common_pt_with_megatron_enums_reads_as_names(artifacts, tmp_path) -> None:
     from mg.core.checkpoint.dist_format import load_common
 

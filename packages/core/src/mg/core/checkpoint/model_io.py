@@ -26,7 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_full_state
+from mg.core.checkpoint.dist_format import (
+    is_torch_dist,
+    load_common,
+    load_full_state,
+    stored_keys,
+)
 from mg.core.checkpoint.ep_merge import (
     merge_expert_parallel,
     rank_files_present,
@@ -34,6 +39,7 @@ from mg.core.checkpoint.ep_merge import (
     with_dense_from,
 )
 from mg.core.checkpoint.layout import RELEASE, CheckpointError, Iteration, scan_rank_dirs
+from mg.core.checkpoint.megatron_args import megatron_source_state
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.torch_format import (
     find_rank_file,
@@ -95,7 +101,7 @@ def load_model(
     iteration = resolve_iteration(load_dir, iteration)
     folder = iteration_dir(load_dir, iteration)
     if is_torch_dist(folder):
-        state, path = load_common(folder), folder
+        state, path = _described(load_common(folder), folder), folder
         weights_of = lambda config: load_full_state(  # noqa: E731 (read after the config check)
             folder, grouped=bool(getattr(config, "moe_grouped_gemm", False))
         )
@@ -120,6 +126,25 @@ def load_model(
     extra = {k: v for k, v in state.items() if k not in ("model", "optimizer", "args")}
     info = ModelInfo(load_dir, iteration, path, state.get("args"), extra)
     return model.eval(), config, tokenizer_config, info
+
+
+def _described(common: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A torch_dist common.pt with ``mg``'s record of the model: mg's own, or for a save by
+    Megatron-LM the one its args describe (as import-megatron reads them), its layers
+    named by the Transformer Engine spec when the stored keys are (Megatron-LM's default)."""
+    if (common.get("mg") or {}).get("model_config") or common.get("args") is None:
+        return common
+    _, described, _, _ = megatron_source_state(common, folder)
+    if stored_keys(folder, "decoder.layers.") & _TE_FUSED_KEYS:
+        described["mg"]["model_config"]["transformer_impl"] = "transformer_engine"
+    return {**common, "mg": described["mg"]}
+
+
+# a TE-spec layer's fused norm (Megatron-Core's stacked keys)
+_TE_FUSED_KEYS = {
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+}
 
 
 def model_configs(
