@@ -15,7 +15,7 @@ import random
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from mg.core.fixtures import fixture_dir, fixture_path
 from mg.core.tokenizers import (
@@ -248,3 +248,29 @@ def test_sentencepiece_trained_models(tmp_path):
 def test_tiktokenizer():
     tokenizer = TikTokenizer(fixture_path("gpt2-tiktoken", "gpt2.tiktoken"), pattern="v2")
     assert_same_ids(tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("pre_tokenizer", "normalizer"),
+    [
+        (pre_tokenizers.Metaspace(), None),
+        (pre_tokenizers.Metaspace(prepend_scheme="first"), None),
+        (
+            pre_tokenizers.Whitespace(),
+            normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]),
+        ),
+    ],
+    ids=["metaspace", "metaspace-first", "whitespace-nfkc-lower"],
+)
+def test_hf_other_pre_tokenizers(pre_tokenizer, normalizer, tmp_path):
+    tokenizer = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizer
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<unk>"], show_progress=False)
+    text = fixture_path("botchan", "botchan.txt").read_text("utf-8")
+    tokenizer.train_from_iterator(text.splitlines(), trainer)
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    loaded = HuggingFaceTokenizer(tmp_path)
+    assert loaded._cuttable
+    assert_same_ids(loaded)
