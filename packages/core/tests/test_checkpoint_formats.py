@@ -12,6 +12,7 @@ import torch
 from mg.core.checkpoint import CheckpointError
 from mg.core.checkpoint.formats import DistLayout, check_savable, dist_layout
 from mg.core.checkpoint.megatron_dist import megatron_model_state
+from mg.core.checkpoint.megatron_sharded_keys import key_layout
 from mg.core.models.gpt import GPTModel
 from mg.core.testing.megatron_reference import tiny_config
 
@@ -23,8 +24,10 @@ def test_the_layout_follows_from_family_and_configuration() -> None:
     assert dist_layout("gpt", dense) is DistLayout.MEGATRON
     assert dist_layout("gpt", te) is DistLayout.MEGATRON
     assert dist_layout("gpt", moe) is DistLayout.MEGATRON
-    for family in ("mamba",):
-        assert dist_layout(family, dense) is DistLayout.PER_PARAMETER
+    for family in ("bert", "t5", "mamba"):  # every family: Megatron's layout
+        assert dist_layout(family, dense) is DistLayout.MEGATRON
+    with pytest.raises(CheckpointError, match=r"^--ckpt-format torch_dist: a 'vlm' model"):
+        dist_layout("vlm", dense)  # a family must declare its layout
     assert check_savable("torch", te, family="gpt") is None
     assert check_savable("torch_dist", te, family="gpt") is DistLayout.MEGATRON
 
@@ -52,10 +55,9 @@ def test_both_layer_specs_have_the_same_megatron_keys(shape) -> None:
             name = name.replace(norm, fused)
         weights[name] = value
     te_named = {**weights, "decoder.layers.0.self_attention.linear_qkv._extra_state": b"fp8"}
-    tied = not local_config.untie_embeddings_and_output_weights
-    layers = local_config.num_layers
-    ours = megatron_model_state(local.state_dict(), layers, tied=tied, extra_state=True)
-    theirs = megatron_model_state(te_named, layers, tied=tied, extra_state=True)
+    layout = key_layout(local_config)
+    ours = megatron_model_state(local.state_dict(), layout, extra_state=True)
+    theirs = megatron_model_state(te_named, layout, extra_state=True)
     assert ours.tensors.keys() == theirs.tensors.keys()
     for key, chunks in ours.tensors.items():
         assert chunks.global_shape == theirs.tensors[key].global_shape

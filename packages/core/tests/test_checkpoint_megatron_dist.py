@@ -14,7 +14,8 @@ from mg.core.checkpoint.dist_format import (
     save_dist_checkpoint,
 )
 from mg.core.checkpoint.dist_stream import StreamingDistWriter
-from mg.core.checkpoint.megatron_dist import megatron_model_state, supports_megatron_layout
+from mg.core.checkpoint.megatron_dist import megatron_model_state
+from mg.core.checkpoint.megatron_sharded_keys import key_layout
 from mg.core.checkpoint.reader_guard import read_dcp_metadata
 from mg.core.models.gpt import GPTModel
 from mg.core.testing.megatron_reference import tiny_config
@@ -47,15 +48,12 @@ def test_whole_and_streamed_saves_read_back_bit_exact(tmp_path, shape) -> None:
     model = _model(shape)
     config = model.config
     weights = model.state_dict()
-    tied = not config.untie_embeddings_and_output_weights
-    assert supports_megatron_layout(weights)
-    state = megatron_model_state(weights, config.num_layers, tied=tied, extra_state=True)
+    layout = key_layout(config)
+    state = megatron_model_state(weights, layout, extra_state=True)
     save_dist_checkpoint(tmp_path / "whole", 1, {**state.tensors, **state.objects}, {})
     writer = StreamingDistWriter(tmp_path / "streamed", 1)
     for group in _groups(list(weights)):
-        part = megatron_model_state(
-            {n: weights[n] for n in group}, config.num_layers, tied=tied, extra_state=True
-        )
+        part = megatron_model_state({n: weights[n] for n in group}, layout, extra_state=True)
         writer.add({**part.tensors, **part.objects})
     writer.finish({})
     whole = read_dcp_metadata(tmp_path / "whole" / "iter_0000001").state_dict_metadata
@@ -72,16 +70,5 @@ def test_whole_and_streamed_saves_read_back_bit_exact(tmp_path, shape) -> None:
         assert list(read) == list(weights)  # our names, the model's order
         assert all(torch.equal(read[k], weights[k]) for k in weights)
     fresh = GPTModel(config)
-    load_model_tensors(
-        tmp_path / "streamed" / "iter_0000001",
-        fresh.state_dict(),
-        config.num_layers,
-        tied=tied,
-    )
+    load_model_tensors(tmp_path / "streamed" / "iter_0000001", fresh.state_dict(), config)
     assert all(torch.equal(fresh.state_dict()[k], weights[k]) for k in weights)
-
-
-def test_other_models_keep_the_per_parameter_layout() -> None:
-    assert not supports_megatron_layout(["decoder.layers.0.mlp.router.weight"])
-    assert not supports_megatron_layout(["decoder.layers.0.mixer.in_proj.weight"])
-    assert not supports_megatron_layout([])

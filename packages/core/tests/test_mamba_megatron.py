@@ -66,7 +66,17 @@ def megatron(tmp_path_factory):
     patches.undo()
 
 
-def _megatron_mamba_model(ours: MambaConfig):
+# The Transformer Engine spec's names of the local slots' norms (its fused linears)
+_TE_KEYS = {
+    "mamba": {"norm.": "mixer.in_proj.layer_norm_"},
+    "attention": {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"},
+    "mlp": {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
+}
+
+
+def _megatron_mamba_model(ours: MambaConfig, te_keys: bool = False):
+    """megatron-core's MambaModel with our config's shapes; `te_keys`: its sharded keys
+    those of Megatron-LM's Transformer Engine spec (norms under their fused linears)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.mamba.mamba_model import MambaModel as MegatronMambaModel
     from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
@@ -109,7 +119,10 @@ def _megatron_mamba_model(ours: MambaConfig):
             mamba_layer=ModuleSpec(
                 module=MambaLayer,
                 submodules=MambaLayerSubmodules(
-                    norm=WrappedTorchNorm, mixer=mixer, mamba_bda=get_bias_dropout_add
+                    norm=WrappedTorchNorm,
+                    mixer=mixer,
+                    mamba_bda=get_bias_dropout_add,
+                    sharded_state_dict_keys_map=_TE_KEYS["mamba"] if te_keys else {},
                 ),
             ),
             attention_layer=ModuleSpec(
@@ -118,12 +131,16 @@ def _megatron_mamba_model(ours: MambaConfig):
                     input_layernorm=WrappedTorchNorm,
                     self_attention=attention,
                     self_attn_bda=get_bias_dropout_add,
+                    sharded_state_dict_keys_map=_TE_KEYS["attention"] if te_keys else {},
                 ),
             ),
             mlp_layer=ModuleSpec(
                 module=MLPLayer,
                 submodules=TransformerLayerSubmodules(
-                    pre_mlp_layernorm=WrappedTorchNorm, mlp=mlp, mlp_bda=get_bias_dropout_add
+                    pre_mlp_layernorm=WrappedTorchNorm,
+                    mlp=mlp,
+                    mlp_bda=get_bias_dropout_add,
+                    sharded_state_dict_keys_map=_TE_KEYS["mlp"] if te_keys else {},
                 ),
             ),
         ),
@@ -274,3 +291,51 @@ def test_attention_and_mlp_layers_equal_megatron(megatron):
         expected = reference(ids, positions, None)
         got = ours(ids)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+
+def test_torch_dist_in_megatron_layout_megatron_core_loads(megatron, tmp_path, monkeypatch):
+    """Our hybrid's `torch_dist` save is in Megatron-Core's layout (what mg-train writes):
+    each layer keyed by number, the mixer's in_proj and conv1d split into their named row
+    blocks (`mixer.in_proj.weight.z` … `.dt`), the norms under the TE spec's fused names.
+    The stored keys and global shapes are megatron-core's own `sharded_state_dict()`'s,
+    its `dist_checkpointing.load` fills its MambaModel with our weights bit for bit, and
+    mg reads the folder back to the same tensors under our names."""
+    from mg.core.checkpoint.dist_format import load_full_state, save_dist_checkpoint
+    from mg.core.checkpoint.megatron_dist import megatron_model_state
+    from mg.core.checkpoint.megatron_sharded_keys import key_layout
+    from mg.core.checkpoint.reader_guard import read_dcp_metadata
+    from mg.core.testing.megatron_dist_checkpoint import (
+        dist_checkpointing_cpu_patches,
+        load_into_megatron,
+        megatron_sharded_keys,
+    )
+
+    config = _config(hybrid_override_pattern="M*-M-", untie_embeddings_and_output_weights=True)
+    torch.manual_seed(0)
+    ours = MambaModel(config)
+    weights = ours.state_dict()
+    state = megatron_model_state(weights, key_layout(config), extra_state=True)
+    save_dist_checkpoint(tmp_path / "ckpt", 1, {**state.tensors, **state.objects}, {})
+    folder = tmp_path / "ckpt" / "iter_0000001"
+    stored = {
+        key: tuple(meta.size)
+        for key, meta in read_dcp_metadata(folder).state_dict_metadata.items()
+        if hasattr(meta, "size") and "/" not in key
+    }
+    inner, groups = config.mamba_d_inner, config.mamba_num_groups * config.mamba_state_dim
+    assert stored["decoder.layers.0.mixer.in_proj.weight.z"] == (inner, config.hidden_size)
+    assert stored["decoder.layers.3.mixer.conv1d.weight.B"] == (groups, 1, 4)
+
+    theirs = _megatron_mamba_model(config, te_keys=True)
+    tensors, objects = megatron_sharded_keys(theirs)
+    assert stored == tensors
+    assert objects <= set(read_dcp_metadata(folder).state_dict_metadata)
+    dist_checkpointing_cpu_patches(monkeypatch)
+    load_into_megatron(folder, theirs)
+    loaded = {k: v for k, v in theirs.state_dict().items() if not k.endswith("_extra_state")}
+    assert loaded.keys() == weights.keys()
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, weights[name]), name
+    back = load_full_state(folder)
+    assert list(back) == list(weights)
+    assert all(torch.equal(back[k], weights[k]) for k in weights)

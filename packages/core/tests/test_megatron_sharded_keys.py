@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from mg.core.checkpoint.megatron_sharded_keys import ShardedKey, megatron_sharded_key
+from mg.core.checkpoint.megatron_sharded_keys import KeyLayout, ShardedKey, megatron_sharded_key
 from mg.core.models.gpt import GPTModel
 from mg.core.testing.megatron_reference import TINY_SHAPES, tiny_config
 
@@ -37,7 +37,7 @@ def test_keys_layer_axis_and_shapes_match_megatron_core(tmp_path, shape) -> None
     ours = dict(GPTModel(config).named_parameters())
     assert set(ours) == set(theirs)
     for name, param in ours.items():
-        mapped = megatron_sharded_key(name, config.num_layers)
+        mapped = megatron_sharded_key(name, KeyLayout(config.num_layers))
         for sharded in theirs[name]:
             assert sharded.key == mapped.key, name
             assert sharded.prepend_axis_num == mapped.prepend_axis_num, name
@@ -49,7 +49,9 @@ def test_keys_layer_axis_and_shapes_match_megatron_core(tmp_path, shape) -> None
 
 def test_tied_output_layer_and_a_later_layer() -> None:
     embedding = ShardedKey("embedding.word_embeddings.weight")
-    assert megatron_sharded_key("output_layer.weight", 4, tied_output=True) == embedding
-    assert megatron_sharded_key("output_layer.weight", 4) == ShardedKey("output_layer.weight")
-    dense = megatron_sharded_key("decoder.layers.3.pre_mlp_layernorm.weight", 4)
+    tied = KeyLayout(4, tied_output=True)
+    assert megatron_sharded_key("output_layer.weight", tied) == embedding
+    untied = megatron_sharded_key("output_layer.weight", KeyLayout(4))
+    assert untied == ShardedKey("output_layer.weight")
+    dense = megatron_sharded_key("decoder.layers.3.pre_mlp_layernorm.weight", KeyLayout(4))
     assert dense == ShardedKey("decoder.layers.mlp.linear_fc1.layer_norm_weight", 3, 4)

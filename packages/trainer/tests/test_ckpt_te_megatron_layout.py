@@ -117,9 +117,9 @@ def test_layout_follows_from_the_configuration() -> None:
     )
     moe = _config(num_moe_experts=4, moe_router_topk=2)
     assert checkpoint_io.check_savable("torch_dist", moe, family="gpt") is DistLayout.MEGATRON
-    for family in ("mamba",):
+    for family in ("bert", "t5", "mamba"):
         layout = checkpoint_io.check_savable("torch_dist", _config(), family=family)
-        assert layout is DistLayout.PER_PARAMETER
+        assert layout is DistLayout.MEGATRON
     assert checkpoint_io.check_savable("torch", te, family="gpt") is None
 
 

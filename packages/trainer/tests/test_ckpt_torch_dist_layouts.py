@@ -5,25 +5,27 @@ uninterrupted run; so does the new layout."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-import mg.trainer.checkpointing_dist as checkpointing_dist
 from mg.core.checkpoint.dist_format import stored_keys
-from mg.core.checkpoint.formats import DistLayout
+
+sys.path.insert(0, str(Path(__file__).parent))
+from earlier_layout import rewrite_as_earlier_layout  # noqa: E402
 
 EVAL = ("--eval-interval", "5", "--eval-iters", "1")
 
 
 @pytest.mark.parametrize("layout", ["megatron", "earlier"])
-def test_both_layouts_resume_bitwise(tmp_path, mock_argv, train, monkeypatch, layout) -> None:
+def test_both_layouts_resume_bitwise(tmp_path, mock_argv, train, layout) -> None:
     straight = train(mock_argv(tmp_path, *EVAL, "--hidden-dropout", "0.2", iters=8))
     ckpt = str(tmp_path / "ckpt")
     argv = mock_argv(tmp_path, *EVAL, "--hidden-dropout", "0.2", "--save", ckpt, iters=8)
-    with monkeypatch.context() as patch:
-        if layout == "earlier":  # how mg saved a GPT before
-            per_parameter = lambda family, config: DistLayout.PER_PARAMETER  # noqa: E731
-            patch.setattr(checkpointing_dist, "dist_layout", per_parameter)
-        first = train([*argv, "--exit-interval", "4"])
+    first = train([*argv, "--exit-interval", "4"])
+    if layout == "earlier":  # how mg saved a GPT before
+        rewrite_as_earlier_layout(tmp_path / "ckpt", 4)
     keys = stored_keys(tmp_path / "ckpt" / "iter_0000004")
     if layout == "earlier":
         assert "model.decoder.layers.0.mlp.linear_fc1.weight" in keys

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from mg.core.checkpoint.megatron_sharded_keys import megatron_sharded_key
+from mg.core.checkpoint.megatron_sharded_keys import KeyLayout, megatron_sharded_key
 from mg.core.testing.launch import launch_workers
 
 PROBE_WORKER = Path(__file__).with_name("torch_dist_probe_worker.py")
@@ -147,7 +147,7 @@ def test_state_is_stored_by_name_in_global_shapes_and_chunked(four) -> None:
         "output_layer.weight",
         "decoder.final_layernorm.weight",
     ):
-        sharded = megatron_sharded_key(name, num_layers)
+        sharded = megatron_sharded_key(name, KeyLayout(num_layers))
         model = keys[sharded.key].size[sharded.prepend_axis_num :]
         for moment in ("exp_avg", "exp_avg_sq"):
             stored = keys[f"optimizer.state.{name}.{moment}"]

@@ -26,12 +26,11 @@ from mg.ckpt_convert.export_hf import group_megatron
 from mg.ckpt_convert.layout_plan import TargetLayout, plan_target, target_state, target_tensors
 from mg.ckpt_convert.reshard import write_torch
 from mg.ckpt_convert.staging import check_target, staged_dir
-from mg.core.checkpoint.dist_format import save_dist_checkpoint
 from mg.core.checkpoint.dist_stream import StreamingDistWriter
-from mg.core.checkpoint.formats import DistLayout, dist_layout
+from mg.core.checkpoint.formats import dist_layout
 from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.megatron_dist import megatron_model_state
-from mg.core.checkpoint.megatron_sharded_keys import per_layer_keys
+from mg.core.checkpoint.megatron_sharded_keys import key_layout
 from mg.core.models.mamba import MambaConfig
 
 FORMATS = ("torch", "torch_dist")
@@ -55,33 +54,20 @@ def write_torch_dist(
 ) -> Path:
     """Write ``source`` as a `torch_dist` checkpoint (one process); the iteration folder.
 
-    The key layout follows from the model's family and configuration (core's
-    `dist_layout`): a GPT, dense or MoE, local or Transformer Engine spec, goes in
-    Megatron-Core's layout, one layer at a time (`StreamingDistWriter`: no more than a
-    layer is held); other models in mg's per-parameter layout, whole. ``common``
-    (common.pt) defaults to the source's entries updated to the target."""
+    Every family goes in Megatron-Core's key layout (core's `dist_layout` and
+    `key_layout`, from the model's family and configuration), one layer at a time
+    (`StreamingDistWriter`: no more than a layer is held). ``common`` (common.pt)
+    defaults to the source's entries updated to the target."""
     if common is None:
         common = target_state(source, target)
     config = target.config
-    if dist_layout(_family(source), config) is not DistLayout.MEGATRON:
-        weights = target_tensors(source, target, source.names)
-        pending = save_dist_checkpoint(save_dir, iteration, {"model": weights}, common)
-        copy_tokenizer_files(source, save_dir)
-        return pending.wait()
-    tied = not config.untie_embeddings_and_output_weights
+    dist_layout(_family(source), config)  # refuses a family without Megatron's layout
     writer = StreamingDistWriter(save_dir, iteration)
     for group in group_megatron(source.names):
         if not group:
             continue
         tensors = target_tensors(source, target, group)
-        state = megatron_model_state(
-            tensors,
-            config.num_layers,
-            tied=tied,
-            extra_state=True,
-            num_experts=config.num_moe_experts,
-            layer_keys=per_layer_keys(config.moe_layer_freq) if config.num_moe_experts else False,
-        )
+        state = megatron_model_state(tensors, key_layout(config), extra_state=True)
         writer.add({**state.tensors, **state.objects})
         source.release()  # what this layer read leaves memory with it
     pending = writer.finish({**common, "content_metadata": {"singleton_local_shards": False}})

@@ -4,14 +4,15 @@ The tensors go through `mg.core.checkpoint.dist_format` (torch.distributed.check
 every rank writing its own shards, so the checkpoint loads into any tensor-,
 pipeline- or data-parallel layout. The key layout follows from the model's family
 and configuration (`mg.core.checkpoint.formats.dist_layout`), never from its
-parameter names: a GPT (dense or MoE, the local layer spec or Transformer Engine's),
-a BERT and a T5 are stored as Megatron-Core stores them
-(`mg.core.checkpoint.megatron_dist`: its `sharded_state_dict` keys, layers stacked
-along a leading axis, routed experts on an expert axis under their global numbers,
-`_extra_state` objects holding TE's modules' own), so Megatron-LM loads mg's weights
-and mg loads Megatron-LM's; other models (Mamba) keep mg's earlier per-parameter keys
-(`model.<name>`). A load reads either layout, told apart by the stored keys, so
-checkpoints saved per parameter before still resume.
+parameter names: every family (a GPT, dense or MoE, with the local layer spec or
+Transformer Engine's; a BERT; a T5; a hybrid Mamba) is stored as Megatron-Core stores
+it (`mg.core.checkpoint.megatron_dist`: its `sharded_state_dict` keys, layers stacked
+along a leading axis or keyed by number, routed experts on an expert axis under their
+global numbers, a Mamba mixer's fused tensors in named row blocks, `_extra_state`
+objects holding TE's modules' own), so Megatron-LM loads mg's weights and mg loads
+Megatron-LM's. mg's earlier per-parameter layout (`model.<name>`) is read only: a
+load reads either layout, told apart by the stored keys, so checkpoints saved that
+way before still resume.
 
 What carries over between mg and Megatron-LM, both ways: the weights, the iteration,
 the consumed-sample counters (in `args`) and, in the same TP × PP layout, the random
@@ -67,7 +68,7 @@ from mg.core.checkpoint.dist_format import (
     stored_keys,
     stored_tensors,
 )
-from mg.core.checkpoint.formats import DistLayout, dist_layout
+from mg.core.checkpoint.formats import dist_layout
 from mg.core.checkpoint.layout import CheckpointError
 from mg.core.checkpoint.megatron_dist import (
     EXTRA_STATE,
@@ -76,9 +77,8 @@ from mg.core.checkpoint.megatron_dist import (
     megatron_model_state,
     sharded_object,
 )
-from mg.core.checkpoint.megatron_sharded_keys import per_layer_keys
+from mg.core.checkpoint.megatron_sharded_keys import key_layout
 from mg.core.models.config import TransformerConfig
-from mg.core.models.mamba import decoder_config_from_dict
 from mg.core.models.moe.expert_names import (
     global_expert_names,
     inverse,
@@ -121,16 +121,8 @@ def _megatron_state(
     named: dict[str, Any], config: TransformerConfig, *, extra_state: bool = False
 ) -> ModelState:
     """`named` (experts under their global numbers) keyed as Megatron-Core keys `config`'s
-    model: an MoE's routed experts on an expert axis, its layers keyed by number where
-    they differ (`per_layer_keys`)."""
-    moe: dict[str, Any] = {}
-    if config.num_moe_experts:
-        moe = {
-            "num_experts": config.num_moe_experts,
-            "layer_keys": per_layer_keys(config.moe_layer_freq),
-        }
-    tied = not config.untie_embeddings_and_output_weights
-    return megatron_model_state(named, config.num_layers, tied=tied, extra_state=extra_state, **moe)
+    model (`key_layout`)."""
+    return megatron_model_state(named, key_layout(config), extra_state=extra_state)
 
 
 def _names(model: nn.Module, optimizer: DistributedOptimizer) -> list[str]:
@@ -268,16 +260,10 @@ def save(
         optimizer.finish_param_sync()  # the model's weights are complete only after this
     named = _state_dict(model)
     experts = global_expert_names(model)  # expert parallelism: experts by global number
-    family = args_flat["model_family"]
-    layout = dist_layout(family, decoder_config_from_dict(dict(model_config)))
-    megatron = layout is DistLayout.MEGATRON
-    if megatron:
-        model_state = _megatron_state(
-            rename_keys(named, experts), _model_config(unwrapped), extra_state=True
-        )
-        sharded: dict[str, Any] = {**model_state.tensors, **model_state.objects}
-    else:
-        sharded = {"model": rename_keys(named, experts)}
+    config = _model_config(unwrapped)
+    dist_layout(args_flat["model_family"], config)  # Megatron-Core's, for every family
+    model_state = _megatron_state(rename_keys(named, experts), config, extra_state=True)
+    sharded: dict[str, Any] = {**model_state.tensors, **model_state.objects}
     if save_optim:
         sharded["optimizer"] = rename_optimizer_state(_optimizer_state(model, optimizer), experts)
     common = {
@@ -295,18 +281,14 @@ def save(
     if save_optim:
         common["opt_param_scheduler"] = scheduler.state_dict()
         common["grad_scaler"] = loss_scaler.state_dict()
-    if megatron:
-        common["content_metadata"] = {"singleton_local_shards": False}
-    if save_rng and megatron and rng_shard is not None:
+    common["content_metadata"] = {"singleton_local_shards": False}
+    if save_rng and rng_shard is not None:
         # Megatron's: one object per (pipeline, tensor) position, shared by its DP ranks.
         sizes = (int(parallel.get("pp", 1)), int(parallel.get("tp", 1)))
         key = rng_state_key(_position(rng_shard), sizes)
         sharded[key] = sharded_object([get_rng_state(tracker_states())])  # rng_state_list
-    elif save_rng:
-        # Rank 0's, where Megatron keeps it: what a resume in another layout restores.
+    elif save_rng:  # no position given: rank 0's, where Megatron's torch format keeps it
         common["rng_state"] = [get_rng_state()]
-        if rng_shard is not None:
-            sharded["rng"] = {rng_shard: _position_rng()}
     return save_dist_checkpoint(save_dir, state.iteration, sharded, common, async_save=async_save)
 
 
@@ -341,14 +323,6 @@ def _megatron_rng_request(folder: Path, rng_shard: str) -> tuple[str | None, boo
         return own[0], True
     first = [k for k in stored if k.split("_")[2] == "0.0"]
     return (first[0], False) if first else (None, False)
-
-
-def _position_rng() -> dict[str, Any]:
-    """This (tensor, pipeline) position's generators: the tensor-parallel streams as
-    tensors, and the default generators (Python, NumPy, torch CPU, CUDA) pickled into
-    one DCP object. Data-parallel peers hold equal states (seeded alike, the same
-    dropout draws), so DCP keeping one copy of the entry loses nothing."""
-    return {**tracker_states(), _RNG_STATE: pickle.dumps(get_rng_state())}
 
 
 def _position_rng_request(folder: Path, position: str) -> dict[str, Any]:

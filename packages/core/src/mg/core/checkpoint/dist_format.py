@@ -69,9 +69,11 @@ from mg.core.checkpoint.megatron_dist import (
     read_parameters,
     stored_parameters,
 )
+from mg.core.checkpoint.megatron_sharded_keys import key_layout
 from mg.core.checkpoint.reader_guard import guard_dcp_load, read_dcp_metadata
 from mg.core.checkpoint.save_errors import describe_write_error, save_failed
 from mg.core.checkpoint.serialization import atomic_write, fsync_dir, load_file, save_file
+from mg.core.models.config import TransformerConfig
 
 COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = "metadata.json"
@@ -466,16 +468,15 @@ def _set_nested(root: dict[str, Any], dotted: str, value: Any) -> None:
 def load_model_tensors(
     folder: str | Path,
     named: Mapping[str, Tensor],
-    num_layers: int,
+    config: TransformerConfig,
     *,
-    tied: bool,
     process_group: Any = None,
 ) -> dict[str, Any]:
-    """Fill `named` (our global names → this rank's tensors or DTensors) from a torch_dist
-    checkpoint of either layout, collectively; returns common.pt."""
+    """Fill `named` (our global names → this rank's tensors or DTensors) of a model with
+    `config` from a torch_dist checkpoint of either layout, collectively; returns common.pt."""
     if not is_megatron_layout(read_dcp_metadata(folder)):
         return load_dist_checkpoint(folder, {"model": dict(named)}, process_group=process_group)
-    state = megatron_model_state(named, num_layers, tied=tied)
+    state = megatron_model_state(named, key_layout(config))
     common = load_dist_checkpoint(folder, dict(state.tensors), process_group=process_group)
     state.finish_load()
     return common

@@ -9,12 +9,12 @@
 A `torch_dist` folder keys its tensors in one of two layouts:
 
 - `DistLayout.MEGATRON`, Megatron-Core's `sharded_state_dict` keys
-  (`megatron_dist`): what Megatron-LM reads and writes. A GPT, dense or MoE, a BERT
-  and a T5 are written in it, with the local layer spec or Transformer Engine's
-  (whose fused norms and `_extra_state` objects are Megatron's own TE-spec keys).
-- `DistLayout.PER_PARAMETER`, mg's earlier `model.<name>` keys: written for the
-  models whose Megatron layout mg-train does not write (Mamba), and read
-  for any model (GPTs saved that way before too).
+  (`megatron_dist`, `megatron_sharded_keys.key_layout`): what Megatron-LM reads and
+  writes, and what mg writes for every family — a GPT (dense or MoE, the local
+  layer spec or Transformer Engine's, whose fused norms and `_extra_state` objects
+  are Megatron's own TE-spec keys), a BERT, a T5 and a hybrid Mamba.
+- `DistLayout.PER_PARAMETER`, mg's earlier `model.<name>` keys: read only (older
+  checkpoints of any family), never written.
 
 The layout follows from the model's family and configuration (`dist_layout`),
 never from its parameter names, so a model saves in the layout its configuration
@@ -44,16 +44,20 @@ class DistLayout(enum.Enum):
     PER_PARAMETER = "mg's per-parameter keys (model.<name>)"
 
 
-# The families whose Megatron layout mg-train writes (mg.trainer's family names).
-MEGATRON_LAYOUT_FAMILIES = ("gpt", "bert", "t5")
+# The families whose Megatron layout mg writes (mg.trainer's family names): all of them; a
+# new family declares its layout here (and its keys in `megatron_sharded_keys`).
+MEGATRON_LAYOUT_FAMILIES = ("gpt", "bert", "t5", "mamba")
 
 
 def dist_layout(family: str, config: TransformerConfig) -> DistLayout:
     """The key layout a `torch_dist` save of a `family` model with `config` is written in:
-    Megatron-Core's for a GPT (dense or MoE, either layer spec: `config.transformer_impl`),
-    a BERT and a T5."""
+    Megatron-Core's (`key_layout(config)` says how). A family without one is refused in one
+    line naming `--ckpt-format`."""
     if family not in MEGATRON_LAYOUT_FAMILIES:
-        return DistLayout.PER_PARAMETER
+        raise CheckpointError(
+            f"--ckpt-format {TORCH_DIST}: a {family!r} model has no Megatron-Core key layout "
+            f"to be written in; use --ckpt-format {TORCH}"
+        )
     return DistLayout.MEGATRON
 
 

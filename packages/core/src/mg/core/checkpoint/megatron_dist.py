@@ -16,11 +16,12 @@ copies nothing and a load writes into the model. Transformer Engine's modules
 also keep an `_extra_state` entry in their state dict (FP8 scaling state): it is
 the value of their ShardedObject, as Megatron-Core stores it.
 
-Which models are written in this layout is decided from their configuration
-(`formats.dist_layout`), not from their parameter names. mg's earlier
-`torch_dist` checkpoints stored one tensor per parameter under `model.<name>`
-(still what mg-train writes for the models Megatron's layout is not written for);
-`is_megatron_layout` tells the two apart by the stored keys and the readers take both.
+How a model is keyed is decided from its configuration (`megatron_sharded_keys.
+key_layout`), not from its parameter names; a hybrid Mamba's mixer tensors that
+Megatron-Core splits into named row blocks are cut into them (`_split_rows`) and read
+back whole. mg's earlier `torch_dist` checkpoints stored one tensor per parameter under
+`model.<name>`; nothing writes that layout now, `is_megatron_layout` tells the two apart
+by the stored keys and the readers take both.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from mg.core.checkpoint.global_chunks import (
 )
 from mg.core.checkpoint.megatron_sharded_keys import (
     EXPERTS_KEY,
+    FUSED_NORMS,
+    MAMBA_SPLITS,
+    KeyLayout,
     ShardedKey,
     megatron_aliases,
     megatron_sharded_key,
@@ -62,6 +66,8 @@ _EXTRA_STATE_MODULES = (
     "cross_attention.linear_q",
     "cross_attention.linear_kv",
     "cross_attention.linear_proj",
+    "mixer.in_proj",
+    "mixer.out_proj",
     "mlp.linear_fc1",
     "mlp.linear_fc2",
     "mlp.shared_experts.linear_fc1",
@@ -69,30 +75,11 @@ _EXTRA_STATE_MODULES = (
     "mlp.experts.experts.linear_fc1",
     "mlp.experts.experts.linear_fc2",
 )
-# Our GPT parameter names that have a Megatron-Core key (dense GPT, local layer spec).
-_SUPPORTED = re.compile(
-    r"^(embedding\.(word|position)_embeddings\.weight"
-    r"|output_layer\.weight"
-    r"|decoder\.final_layernorm\.(weight|bias)"
-    r"|decoder\.layers\.\d+\.(input_layernorm|pre_mlp_layernorm|self_attention\.q_layernorm"
-    r"|self_attention\.k_layernorm|self_attention\.linear_qkv|self_attention\.linear_proj"
-    r"|mlp\.linear_fc1|mlp\.linear_fc2)\.(weight|bias))$"
-)
-# An MoE layer's tensors (router, routed experts sequential or grouped, shared experts)
-_SUPPORTED_MOE = re.compile(
-    r"^decoder\.layers\.\d+\.mlp\.(router\.(weight|expert_bias)"
-    r"|experts\.local_experts\.\d+\.linear_fc[12]\.(weight|bias)"
-    r"|experts\.linear_fc[12]\.(weight|bias)\d+"
-    r"|shared_experts\.(linear_fc[12]\.(weight|bias)|gate_weight))$"
-)
 # The output layers outside the layers that have one (a BERT's, a T5's LM head's).
 _HEAD_LINEARS = ("output_layer", "lm_head.output_layer")
 _LAYER_LINEAR = re.compile(r"^(?:encoder|decoder)\.layers\.\d+\.(.+)\.weight\d*$")
 # A layer key's fused-norm names (both specs store them so) -> the local spec's modules.
-_UNFUSED_NORMS = (
-    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
-    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
-)
+_UNFUSED_NORMS = tuple((theirs, ours) for ours, theirs in FUSED_NORMS)
 
 
 def our_layer_name(rest: str) -> str:
@@ -101,19 +88,6 @@ def our_layer_name(rest: str) -> str:
         if rest.startswith(fused):
             return ours + rest[len(fused) :]
     return rest
-
-
-def supports_megatron_layout(names: Iterable[str], moe: bool = False) -> bool:
-    """Whether every name is a local-spec GPT parameter with a Megatron-Core key: a dense
-    GPT's, and with `moe` an MoE GPT's too.
-
-    mg-convert's check of a source's names. mg-train does not use it: its layout comes
-    from the model's configuration (`formats.dist_layout`), under which a TE-spec GPT
-    (`linear_qkv.layer_norm_weight`, `_extra_state`) is written in Megatron's layout too."""
-    names = list(names)
-    return bool(names) and all(
-        _SUPPORTED.match(n) or (moe and _SUPPORTED_MOE.match(n)) for n in names
-    )
 
 
 @dataclass
@@ -143,21 +117,14 @@ def is_extra_state(name: str) -> bool:
 
 
 def megatron_model_state(
-    named: Mapping[str, Any],
-    num_layers: int,
-    *,
-    tied: bool,
-    extra_state: bool = False,
-    num_experts: int | None = None,
-    layer_keys: bool = False,
+    named: Mapping[str, Any], layout: KeyLayout, *, extra_state: bool = False
 ) -> ModelState:
     """`named` (our global parameter names → this rank's tensors or DTensors, views that a
-    load writes into) keyed as Megatron-Core keys them. Its `_extra_state` entries (a
-    state dict's, under Transformer Engine) are objects, not tensors: their keys are in
-    `ModelState.extra_states`. `extra_state` adds the layers' `_extra_state` objects
-    for a save: the entries' values where `named` has them, None elsewhere (as the
-    local spec's linears hold). An MoE gives `num_experts` and `layer_keys`
-    (`per_layer_keys` of its `moe_layer_freq`)."""
+    load writes into) keyed as Megatron-Core keys them in `layout` (`key_layout` of the
+    model's config). Its `_extra_state` entries (a state dict's, under Transformer
+    Engine) are objects, not tensors: their keys are in `ModelState.extra_states`.
+    `extra_state` adds the layers' `_extra_state` objects for a save: the entries'
+    values where `named` has them, None elsewhere (as the local spec's linears hold)."""
     pieces: dict[str, list[tuple[Tensor, tuple[int, ...]]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     copies: list[tuple[Tensor, Tensor]] = []
@@ -165,40 +132,64 @@ def megatron_model_state(
     for name, value in named.items():
         if name in extras:
             continue
-        sharded = megatron_sharded_key(
-            name, num_layers, tied_output=tied, num_experts=num_experts, layer_keys=layer_keys
-        )
-        shape = tuple(value.shape)
-        parts = tensor_pieces(value)
-        if sharded.prepended:
-            index = tuple(i for i, _ in sharded.prepended)
-            shape = (*(size for _, size in sharded.prepended), *shape)
-            lead = (1,) * len(index)
-            parts = [(t.reshape(*lead, *t.shape), (*index, *o)) for t, o in parts]
-        shapes.setdefault(sharded.key, shape)
-        held = pieces.setdefault(sharded.key, [])
-        for tensor, offset in parts:
-            same = [t for t, o in held if tuple(o) == tuple(offset)]
-            if same:  # a replica on this rank (tied output layer): filled from the first
-                copies.append((tensor, same[0]))
-            else:
-                held.append((tensor, offset))
+        sharded = megatron_sharded_key(name, layout)
+        for key, shape, parts in _split_rows(sharded, tuple(value.shape), tensor_pieces(value)):
+            if sharded.prepended:
+                index = tuple(i for i, _ in sharded.prepended)
+                shape = (*(size for _, size in sharded.prepended), *shape)
+                lead = (1,) * len(index)
+                parts = [(t.reshape(*lead, *t.shape), (*index, *o)) for t, o in parts]
+            shapes.setdefault(key, shape)
+            held = pieces.setdefault(key, [])
+            for tensor, offset in parts:
+                same = [t for t, o in held if tuple(o) == tuple(offset)]
+                if same:  # a replica on this rank (tied output layer): filled from the first
+                    copies.append((tensor, same[0]))
+                else:
+                    held.append((tensor, offset))
     for key, alias in megatron_aliases(list(pieces)).items():  # the same tensor, twice
         pieces[alias], shapes[alias] = pieces[key], shapes[key]
     state = ModelState({key: GlobalChunks(shapes[key], parts) for key, parts in pieces.items()})
     state.copies = copies
     for name in extras:
         module = name.removesuffix(f".{EXTRA_STATE}")
-        key = extra_state_key(module, num_layers, num_experts, layer_keys)
-        state.extra_states[key] = name
+        state.extra_states[extra_state_key(module, layout)] = name
     if extra_state:
         weights = [name for name in named if name not in extras]
-        state.objects = extra_state_objects(weights, num_layers, num_experts, layer_keys)
+        state.objects = extra_state_objects(weights, layout)
         for key, name in state.extra_states.items():
             state.objects[key] = sharded_object(extras[name])
         for key, alias in megatron_aliases(list(state.objects)).items():
             state.objects[alias] = state.objects[key]
     return state
+
+
+Pieces = list[tuple[Tensor, tuple[int, ...]]]
+
+
+def _split_rows(
+    sharded: ShardedKey, shape: tuple[int, ...], parts: Pieces
+) -> list[tuple[str, tuple[int, ...], Pieces]]:
+    """(key, global shape, pieces) of each tensor a parameter is stored as: itself, or
+    the row blocks Megatron-Core stores apart (`sharded.splits`, a Mamba mixer's
+    `in_proj.weight.z` …), each piece of ours cut where the blocks meet."""
+    if not sharded.splits:
+        return [(sharded.key, shape, parts)]
+    out = []
+    first = 0
+    for suffix, rows in sharded.splits:
+        cut = []
+        for tensor, offset in parts:
+            start = max(first, offset[0])
+            stop = min(first + rows, offset[0] + tensor.shape[0])
+            if start < stop:
+                piece = tensor.narrow(0, start - offset[0], stop - start)
+                cut.append((piece, (start - first, *offset[1:])))
+        out.append((f"{sharded.key}.{suffix}", (rows, *shape[1:]), cut))
+        first += rows
+    if first != shape[0]:
+        raise ValueError(f"{sharded.key}: row blocks of {first} rows, the tensor has {shape[0]}")
+    return out
 
 
 def sharded_object(data: Any) -> io.BytesIO:
@@ -216,24 +207,15 @@ def _object_shard(sharded: ShardedKey) -> str:
     return ".".join(str(i) for i, _ in axes) + "_" + ".".join(str(n) for _, n in axes)
 
 
-def extra_state_key(
-    module: str, num_layers: int, num_experts: int | None = None, layer_keys: bool = False
-) -> str:
+def extra_state_key(module: str, layout: KeyLayout) -> str:
     """The DCP key of Megatron-Core's `_extra_state` ShardedObject of our module `module`
     (`decoder.layers.3.self_attention.linear_qkv`): `<key>._extra_state/shard_3_24`."""
-    sharded = megatron_sharded_key(
-        f"{module}.weight", num_layers, num_experts=num_experts, layer_keys=layer_keys
-    )
+    sharded = megatron_sharded_key(f"{module}.weight", layout)
     key = sharded.key.removesuffix(".weight")
     return f"{key}.{EXTRA_STATE}/shard_{_object_shard(sharded)}"
 
 
-def extra_state_objects(
-    names: Iterable[str],
-    num_layers: int,
-    num_experts: int | None = None,
-    layer_keys: bool = False,
-) -> dict[str, io.BytesIO]:
+def extra_state_objects(names: Iterable[str], layout: KeyLayout) -> dict[str, io.BytesIO]:
     """Megatron-Core's `_extra_state` ShardedObjects of the layers in `names`, keyed by
     their DCP key (`<key>/shard_<offsets>_<sizes>` over the prepended axes: the layer's
     `shard_3_24`, a routed expert's `shard_3.5_24.8`, none: `shard_0_1`), each holding None."""
@@ -246,9 +228,7 @@ def extra_state_objects(
         match = _LAYER_LINEAR.match(name)
         if not match:
             continue
-        sharded = megatron_sharded_key(
-            name, num_layers, num_experts=num_experts, layer_keys=layer_keys
-        )
+        sharded = megatron_sharded_key(name, layout)
         module = sharded.key.removesuffix(".weight")
         modules = [module]
         if module.endswith("self_attention.linear_qkv"):
@@ -273,6 +253,9 @@ class StoredParameter:
     shape: torch.Size  # the parameter's own shape (without the prepended axes)
     dtype: torch.dtype
     expert: int | None = None  # a routed expert's index along the expert axis
+    # Row blocks stored apart (a Mamba mixer's `in_proj.weight.z` …): (their key, rows)
+    # in order; `key` is then their common stem.
+    parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def index(self) -> tuple[int, ...]:
@@ -339,6 +322,23 @@ def stored_parameters(metadata: Metadata, grouped: bool = False) -> dict[str, St
                     ours = _expert_name(prefix, rest, expert, grouped)
                     held[ours] = StoredParameter(key, along, torch.Size(own[1:]), dtype, expert)
                 continue
+            stem, _, block_name = rest.rpartition(".")
+            if block_name in MAMBA_SPLITS.get(stem, ()):  # one row block of a split tensor
+                ours = f"{prefix}.{stem}"
+                blocks = held.get(ours)
+                order = MAMBA_SPLITS[stem]  # the blocks in the tensor's row order
+                parts = tuple(
+                    sorted(
+                        (*(blocks.parts if blocks else ()), (key, own[0])),
+                        key=lambda part: order.index(part[0].rpartition(".")[2]),
+                    )
+                )
+                rows = sum(n for _, n in parts)
+                shape = torch.Size((rows, *own[1:]))
+                held[ours] = StoredParameter(
+                    key.removesuffix(f".{block_name}"), along, shape, dtype, parts=parts
+                )
+                continue
             held[f"{prefix}.{our_layer_name(rest)}"] = StoredParameter(
                 key, along, torch.Size(own), dtype
             )
@@ -363,8 +363,12 @@ def read_parameters(
         tensor = torch.empty(where.shape, dtype=where.dtype)
         out[name] = tensor
         index = where.index
-        piece = tensor.reshape(*(1,) * len(index), *tensor.shape)
-        pieces.setdefault(where.key, []).append((piece, (*index, *(0,) * tensor.dim())))
+        first = 0
+        for key, rows in where.parts or ((where.key, where.shape[0] if where.shape else 0),):
+            block = tensor.narrow(0, first, rows) if where.parts else tensor
+            piece = block.reshape(*(1,) * len(index), *block.shape)
+            pieces.setdefault(key, []).append((piece, (*index, *(0,) * tensor.dim())))
+            first += rows
     if not pieces:
         return out
     metadata = read_dcp_metadata(folder).state_dict_metadata

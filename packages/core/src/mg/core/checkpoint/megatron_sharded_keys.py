@@ -1,4 +1,4 @@
-"""Megatron-Core's `sharded_state_dict` keys for our parameter names (GPT, BERT, T5).
+"""Megatron-Core's `sharded_state_dict` keys for our parameter names (GPT, BERT, T5, Mamba).
 
 Megatron's `torch_dist` checkpoints do not store one tensor per layer: every
 transformer layer's tensor of one kind is a slice of one global tensor with a
@@ -12,10 +12,16 @@ both specs read the same checkpoint. And the last pipeline stage's copy of a
 tied output layer is stored under the embedding's key (Megatron marks it a
 replica, so the first stage's copy is what is written).
 
-`megatron_sharded_key` gives, for one of our global parameter names, the key,
-the layer index along the prepended axis and the number of layers; the tensor
-axes after it are the parameter's own, sharded over tensor parallelism as our
-DTensors already say.
+A hybrid Mamba model (Megatron-Core's `MambaStack`) keys each layer by its number,
+its layers differing, and its mixer splits two fused tensors into named row blocks
+(`mixer.in_proj.weight.z` … `.dt`, `mixer.conv1d.weight.x`/`.B`/`.C`), each
+tensor-parallel rank holding its slice of every block.
+
+What the keys depend on comes from the model's configuration (`key_layout`), and
+`megatron_sharded_key` gives, for one of our global parameter names, the key, the
+layer index along the prepended axis and the number of layers, and the row blocks
+it is split into; the tensor axes after it are the parameter's own, sharded over
+tensor parallelism as our DTensors already say.
 """
 
 from __future__ import annotations
@@ -24,13 +30,25 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from mg.core.models.config import TransformerConfig
+from mg.core.models.mamba.config import MambaConfig
+
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")
 
-# Megatron's local spec (`get_gpt_layer_local_spec`): `sharded_state_dict_keys_map`.
-_FUSED_NORMS = (
+# Megatron's local spec (`get_gpt_layer_local_spec`): `sharded_state_dict_keys_map`; a
+# Mamba layer's norm is fused into its mixer's in_proj as Megatron-LM's TE spec has it.
+FUSED_NORMS = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+    ("norm.", "mixer.in_proj.layer_norm_"),
 )
+# Megatron-Core's MambaMixer.sharded_state_dict: the fused tensors it splits, row blocks
+# in order (their sizes: `key_layout`).
+MAMBA_SPLITS = {
+    "mixer.in_proj.weight": ("z", "x", "B", "C", "dt"),
+    "mixer.conv1d.weight": ("x", "B", "C"),
+    "mixer.conv1d.bias": ("x", "B", "C"),
+}
 
 
 # A routed expert's tensor, sequential (`local_experts.N.linear_fc1.weight`) or grouped
@@ -52,6 +70,7 @@ class ShardedKey:
     num_layers: int | None = None  # that axis' global size
     expert: int | None = None  # a routed expert's index along the expert axis (after it)
     num_experts: int | None = None
+    splits: tuple[tuple[str, int], ...] = ()  # row blocks stored apart: (key suffix, rows)
 
     @property
     def prepended(self) -> tuple[tuple[int, int], ...]:
@@ -89,6 +108,41 @@ def megatron_aliases(keys: Iterable[str]) -> dict[str, str]:
     }
 
 
+@dataclass(frozen=True)
+class KeyLayout:
+    """What a model's Megatron-Core keys depend on, from its configuration (`key_layout`).
+
+    `num_layers`: each block's layer axis; `tied_output`: the output layer shares the
+    embedding's weight; `num_experts`: the routed experts' axis; `layer_keys`: layers
+    keyed by number, with no layer axis; `row_splits`: a layer tensor's tail → its row
+    blocks (key suffix, rows), stored as separate tensors."""
+
+    num_layers: int
+    tied_output: bool = False
+    num_experts: int | None = None
+    layer_keys: bool = False
+    row_splits: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+
+
+def key_layout(config: TransformerConfig) -> KeyLayout:
+    """The key layout of a model with `config`: a GPT's, BERT's or T5's layers stacked
+    (by number where an MoE's layers differ: `per_layer_keys`), a hybrid Mamba's by
+    number with its mixer's fused tensors split (`MAMBA_SPLITS`)."""
+    tied = not config.untie_embeddings_and_output_weights
+    experts = config.num_moe_experts or None
+    if not isinstance(config, MambaConfig):
+        moe_layers = per_layer_keys(config.moe_layer_freq) if experts else False
+        return KeyLayout(config.num_layers, tied, experts, moe_layers)
+    inner = config.mamba_d_inner
+    groups = config.mamba_num_groups * config.mamba_state_dim
+    rows = {"z": inner, "x": inner, "B": groups, "C": groups, "dt": config.mamba_num_heads}
+    splits = tuple(
+        (tail, tuple((suffix, rows[suffix]) for suffix in suffixes))
+        for tail, suffixes in MAMBA_SPLITS.items()
+    )
+    return KeyLayout(config.num_layers, tied, experts, True, splits)
+
+
 def per_layer_keys(moe_layer_freq: int | list[int] | None) -> bool:
     """Megatron-Core's `non_homogeneous_layers`: a model whose layers differ (MoE every
     N-th layer, N > 1, or a per-layer list) keys each layer's tensors by its number
@@ -98,39 +152,32 @@ def per_layer_keys(moe_layer_freq: int | list[int] | None) -> bool:
     return isinstance(moe_layer_freq, int) and moe_layer_freq > 1
 
 
-def megatron_sharded_key(
-    name: str,
-    num_layers: int,
-    *,
-    tied_output: bool = False,
-    num_experts: int | None = None,
-    layer_keys: bool = False,
-) -> ShardedKey:
+def megatron_sharded_key(name: str, layout: KeyLayout) -> ShardedKey:
     """The sharded key of our global parameter `name` (layers numbered over the whole
-    model; an encoder's and a decoder's each over its own axis of `num_layers`).
-    `tied_output`: the output layer shares the embedding's weight. A routed expert's
-    tensor gets an expert axis of `num_experts` after the layer axis (SequentialMLP's
-    `decoder.layers.mlp.experts.experts.linear_fc1.weight` of [L, E, 2F, h]); `layer_keys`
-    (`per_layer_keys`) keys layers by number, with no layer axis."""
-    if tied_output and name == "output_layer.weight":
+    model; an encoder's and a decoder's each over its own axis) in `layout`. A routed
+    expert's tensor gets an expert axis after the layer axis (SequentialMLP's
+    `decoder.layers.mlp.experts.experts.linear_fc1.weight` of [L, E, 2F, h]); a tensor
+    of `layout.row_splits` its row blocks."""
+    if layout.tied_output and name == "output_layer.weight":
         return ShardedKey("embedding.word_embeddings.weight")
     match = _LAYER.match(name)
     if match is None:
         return ShardedKey(name)
     block, layer, rest = match.group(1), int(match.group(2)), match.group(3)
-    for ours, theirs in _FUSED_NORMS:
+    for ours, theirs in FUSED_NORMS:
         if rest.startswith(ours):
             rest = theirs + rest[len(ours) :]
             break
+    splits = dict(layout.row_splits).get(rest, ())
     expert = None
     if routed := _ROUTED_EXPERT.match(rest):
-        if num_experts is None:
+        if layout.num_experts is None:
             raise ValueError(f"{name}: a routed expert's key needs the number of experts")
         if routed["seq"] is not None:
             expert, rest = int(routed["seq"]), f"{EXPERTS_KEY}{routed['fc']}.{routed['kind']}"
         else:
             expert, rest = int(routed["num"]), f"{EXPERTS_KEY}{routed['gfc']}.{routed['gkind']}"
-    experts = num_experts if expert is not None else None
-    if layer_keys:
-        return ShardedKey(f"{block}.layers.{layer}.{rest}", None, None, expert, experts)
-    return ShardedKey(f"{block}.layers.{rest}", layer, num_layers, expert, experts)
+    experts = layout.num_experts if expert is not None else None
+    if layout.layer_keys:
+        return ShardedKey(f"{block}.layers.{layer}.{rest}", None, None, expert, experts, splits)
+    return ShardedKey(f"{block}.layers.{rest}", layer, layout.num_layers, expert, experts, splits)

@@ -113,8 +113,7 @@ def load_model_part(
 def _read_dist(folder: Path, owned: Mapping[str, list[Tensor]], config: TransformerConfig) -> None:
     """DCP reads each owned tensor's region; copies (the tied one) take the first's values."""
     request = {name: tensors[0] for name, tensors in owned.items()}
-    tied = not config.untie_embeddings_and_output_weights
-    load_model_tensors(folder, request, config.num_layers, tied=tied)
+    load_model_tensors(folder, request, config)
     for tensors in owned.values():
         for copy in tensors[1:]:
             _local(copy).copy_(_local(tensors[0]))

@@ -100,8 +100,12 @@ def megatron_sharded_keys(model: torch.nn.Module) -> tuple[dict[str, tuple[int, 
             objects.add(value.unique_key)
         elif isinstance(value, ShardedTensorFactory):
             built = value.build()
-            first = next(iter(built.values())) if isinstance(built, dict) else built[0]
-            tensors[value.key] = tuple(first.global_shape[:-2]) + tuple(value.data.shape)
+            built = list(built.values()) if isinstance(built, dict) else list(built)
+            if len({b.key for b in built}) > 1:  # split into named row blocks (Mamba's)
+                tensors.update({b.key: tuple(b.global_shape) for b in built})
+            else:  # chunks of one tensor (SwiGLU's [gate; up])
+                shape = tuple(built[0].global_shape[:-2]) + tuple(value.data.shape)
+                tensors[value.key] = shape
         elif isinstance(value, ShardedTensor):
             tensors[value.key] = tuple(value.global_shape)
     return tensors, objects
