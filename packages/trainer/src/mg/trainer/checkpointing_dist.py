@@ -88,7 +88,7 @@ from mg.core.models.moe.expert_names import (
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
-from mg.core.parallel.pipeline import global_view
+from mg.core.parallel.pipeline import global_parameter_name, global_view
 from mg.core.parallel.row_blocks import ROW_BLOCKS, row_blocks
 from mg.trainer import distributed
 from mg.trainer.checkpointing import TrainState
@@ -144,15 +144,35 @@ def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return _by_name(optimizer.sharded_state(), _names(model, optimizer))
 
 
-def _state_dict(model: nn.Module) -> dict[str, Any]:
-    """`model.state_dict()`, whose tensors (detached copies of the parameters) keep the
-    row blocks of a parameter sharded by them (`_with_row_blocks`)."""
+def _state_dict(model: nn.Module, unwrapped: nn.Module) -> dict[str, Any]:
+    """`model.state_dict()` (`model`: `unwrapped` named globally), whose tensors (detached
+    copies of the parameters) keep the row blocks of a parameter sharded by them
+    (`_with_row_blocks`), with every module's `_extra_state` (Transformer Engine's)
+    under its whole-model name: a pipeline rank's global view holds tensors only."""
     named = model.state_dict()
     for name, param in model.named_parameters():
         blocks = row_blocks(param)
         if blocks is not None and name in named:
             setattr(named[name], ROW_BLOCKS, blocks)
+    for key, module in _extra_state_modules(unwrapped).items():
+        named.setdefault(key, module.get_extra_state())
     return named
+
+
+def _extra_state_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules that keep an `_extra_state` (Transformer Engine's FP8 scaling state), by
+    their whole-model state-dict key (a pipeline rank's chunks' under global names)."""
+    pipeline = isinstance(model, PipelineModel)
+    out: dict[str, nn.Module] = {}
+    for chunk in model.chunks if pipeline else [model]:
+        for name, module in chunk.named_modules():
+            if type(module).get_extra_state is nn.Module.get_extra_state:
+                continue
+            key = f"{name}.{EXTRA_STATE}" if name else EXTRA_STATE
+            key = global_parameter_name(chunk, key) if pipeline else key
+            if key is not None:
+                out[key] = module
+    return out
 
 
 def _with_row_blocks(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +278,7 @@ def save(
     model = _named_globally(unwrapped)
     if isinstance(optimizer, _SHARDED):
         optimizer.finish_param_sync()  # the model's weights are complete only after this
-    named = _state_dict(model)
+    named = _state_dict(model, unwrapped)
     experts = global_expert_names(model)  # expert parallelism: experts by global number
     config = _model_config(unwrapped)
     dist_layout(args_flat["model_family"], config)  # Megatron-Core's, for every family
@@ -348,12 +368,13 @@ def _restore_rng(common_state: Any, position: dict[str, Any]) -> None:
 def _restore_extra_states(model: nn.Module, state: ModelState, loaded: dict[str, Any]) -> None:
     """Hand each module its loaded `_extra_state` (Transformer Engine's FP8 scaling state),
     as `load_state_dict` would; one stored as None (a local-spec save) is left alone."""
+    modules = _extra_state_modules(model)
     for key, name in state.extra_states.items():
         if key not in loaded:
             continue
         (data,) = loaded[key]  # the ShardedObject's data
         if data is not None:
-            model.get_submodule(name.removesuffix(f".{EXTRA_STATE}")).set_extra_state(data)
+            modules[name].set_extra_state(data)
 
 
 def _foreign_optimizer_refusal(folder: Path, common: dict[str, Any]) -> str:
@@ -415,7 +436,7 @@ def resume(
     if foreign and want_optim:
         raise CheckpointError(_foreign_optimizer_refusal(folder, common))
     megatron = checkpoint_is_megatron_layout(folder)
-    named = _state_dict(model)
+    named = _state_dict(model, unwrapped)
     experts = global_expert_names(model)  # expert parallelism: experts by global number
     model_state = None
     if megatron:
@@ -441,7 +462,7 @@ def resume(
     common = load_dist_checkpoint(folder, sharded, allow_pickle=True)
     if model_state is not None:
         model_state.finish_load()
-        _restore_extra_states(model, model_state, sharded)
+        _restore_extra_states(unwrapped, model_state, sharded)
     if want_optim:
         loaded = rename_optimizer_state(sharded["optimizer"], inverse(experts))
         _load_optimizer(model, optimizer, loaded, load_dir)
