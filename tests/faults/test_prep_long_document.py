@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -46,25 +48,53 @@ def tree_rss(root: int) -> int:
     return sum(rss.get(pid, 0) for pid in tree)
 
 
-@pytest.mark.slow
-def test_a_50_mb_document_with_a_trained_gpt2_vocabulary_stays_under_1_5_gb(tmp_path) -> None:
+def trained_gpt2_vocab(folder: Path) -> Path:
+    """OpenAI's GPT-2 vocab.json with two ids swapped: the `tokenizers` engine runs it."""
     vocab = json.loads(fixture_path("gpt2-bpe", "vocab.json").read_text("utf-8"))
-    vocab["Ġthe"], vocab["Ġand"] = vocab["Ġand"], vocab["Ġthe"]  # ids no longer follow merges
-    (tmp_path / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    vocab["Ġthe"], vocab["Ġand"] = vocab["Ġand"], vocab["Ġthe"]
+    path = folder / "vocab.json"
+    path.write_text(json.dumps(vocab), encoding="utf-8")
+    return path
+
+
+def one_document(path: Path, megabytes: int) -> Path:
     texts = [fixture_path("botchan", "botchan.txt").read_text("utf-8")]
     texts += [p.read_text("utf-8") for p in sorted(fixture_dir("shakespeare").glob("*.txt"))]
     block = "\n\n".join(texts)
-    text = block * (50 * (1 << 20) // len(block) + 1)
-    corpus = tmp_path / "one.jsonl"
-    corpus.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
-    del text, block, texts, vocab
-    argv = [
+    text = block * (megabytes * (1 << 20) // len(block) + 1)
+    path.write_text(json.dumps({"text": text}) + "\n", encoding="utf-8")
+    return path
+
+
+def tokenize_argv(corpus: Path, vocab: Path, output: Path) -> list[str]:
+    return [
         sys.executable, "-m", "mg.corpus_prep", "tokenize", "--input", str(corpus),
-        "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", str(tmp_path / "vocab.json"),
-        "--merge-file", str(fixture_path("gpt2-bpe", "merges.txt")),
+        "--output-prefix", str(output), "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", str(vocab), "--merge-file", str(fixture_path("gpt2-bpe", "merges.txt")),
         "--workers", "1", "--append-eod",
     ]  # fmt: skip
+
+
+def test_sigterm_during_a_huge_document_stops_at_once(tmp_path) -> None:
+    """The worker is stopped, not waited for: encoding 30 MB takes it tens of seconds."""
+    corpus = one_document(tmp_path / "one.jsonl", 30)
+    argv = tokenize_argv(corpus, trained_gpt2_vocab(tmp_path), tmp_path / "out")
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(4)  # the worker has the document
+    assert process.poll() is None, process.communicate()[0]
+    sent = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    log, _ = process.communicate(timeout=120)
+    assert time.perf_counter() - sent < 5, log
+    assert process.returncode == 128 + signal.SIGTERM, log
+    assert "interrupted (SIGTERM); nothing was published." in log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.jsonl", "vocab.json"]
+
+
+@pytest.mark.slow
+def test_a_50_mb_document_with_a_trained_gpt2_vocabulary_stays_under_1_5_gb(tmp_path) -> None:
+    corpus = one_document(tmp_path / "one.jsonl", 50)
+    argv = tokenize_argv(corpus, trained_gpt2_vocab(tmp_path), tmp_path / "out")
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak, done = [0], threading.Event()
 

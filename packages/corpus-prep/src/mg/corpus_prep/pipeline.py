@@ -143,6 +143,12 @@ def encode_in_order(
                 yield oldest()
         while pending:
             yield oldest()
+    except BaseException:
+        # An interrupt, an error, or the consumer gave up: stop the workers now rather
+        # than after the chunk each is on (one huge document takes minutes).
+        for process in list((executor._processes or {}).values()):
+            process.terminate()
+        raise
     finally:
         executor.shutdown(wait=True, cancel_futures=True)
 

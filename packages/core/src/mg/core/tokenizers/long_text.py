@@ -36,8 +36,11 @@ from collections.abc import Callable, Iterator
 from functools import lru_cache
 
 # Texts up to this many characters are encoded whole; longer ones in pieces of
-# about this size (~250,000 tokens: tens of MB of engine state, not gigabytes).
-PIECE_CHARS = 1 << 20
+# about this size (~16,000 tokens: a few MB of engine state, not gigabytes). Smaller
+# pieces are also faster than larger ones: on 4 MB of text, 64 KiB pieces took
+# 0.5-0.8x the time of 1 MiB pieces with SentencePiece, WordPiece and tokenizers'
+# BPE (tiktoken: about the same).
+PIECE_CHARS = 1 << 16
 
 # A space with a non-space on both sides (Python's idea of space: refined below).
 _CANDIDATE = re.compile(r"(?<=\S) (?=\S)")
