@@ -19,6 +19,7 @@ from mg.core.io_paths import output_clash
 
 EPILOG = """examples:
   mg-convert import-hf ./Llama-3.2-1B --save ckpt/llama
+  mg-convert import-gguf SmolLM2-135M-Instruct.Q4_1.gguf --save ckpt/smollm2
   mg-convert export-hf --load ckpt/llama --save ./llama-hf --shard-size 2GB
   mg-convert inspect ckpt/llama
   mg-convert import-megatron --load megatron_ckpt --save ckpt/from-megatron
@@ -78,6 +79,15 @@ def _import_hf(args: argparse.Namespace) -> None:
     from mg.ckpt_convert.import_hf import import_hf
 
     path = import_hf(args.src, args.save, args.dtype, args.make_vocab_size_divisible_by)
+    warn_if_nonfinite(path, args.src)
+
+
+def _import_gguf(args: argparse.Namespace) -> None:
+    # lazy: the subcommand's module imports torch and gguf; --help stays instant
+    from mg.ckpt_convert.finite_check import warn_if_nonfinite
+    from mg.ckpt_convert.import_gguf import import_gguf
+
+    path = import_gguf(args.src, args.save, args.dtype, args.make_vocab_size_divisible_by)
     warn_if_nonfinite(path, args.src)
 
 
@@ -236,6 +246,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_import_hf)
 
     p = sub.add_parser(
+        "import-gguf",
+        help="llama.cpp GGUF file (Llama/Mistral/Qwen2/Qwen3) → mg checkpoint",
+        description="Convert a GGUF file into an mg `torch` checkpoint (iteration 'release'): "
+        "weights dequantized (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K), llama.cpp's q/k row "
+        "permutation undone, the vocabulary, special tokens and chat template written as "
+        "SAVE/tokenizer/tokenizer.json.",
+    )
+    p.add_argument("src", metavar="GGUF_FILE", help="the .gguf file")
+    p.add_argument("--save", required=True, help="new checkpoint folder (see --overwrite)")
+    _overwrite_flag(p)
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="dtype of the stored weights (default fp32: every dequantized value exactly)",
+    )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the embedding rows to a multiple of this, as Megatron does (default 128)",
+    )
+    p.set_defaults(run=_import_gguf)
+
+    p = sub.add_parser(
         "export-hf",
         help="mg checkpoint → Hugging Face folder transformers loads",
         description="Write config.json, model.safetensors (or shards + index), "
@@ -334,6 +369,8 @@ def _own_input(args: argparse.Namespace) -> str | None:
     """A --save that is, holds or lies inside the input, in one line (None when apart)."""
     if args.command == "import-hf":  # SRC may be a Hub repo id, not a path
         source = ("SRC", args.src if os.path.exists(args.src) else None)
+    elif args.command == "import-gguf":
+        source = ("GGUF_FILE", args.src)
     else:
         source = ("--load", getattr(args, "load", None))
     return output_clash([("--save", getattr(args, "save", None))], [source])
