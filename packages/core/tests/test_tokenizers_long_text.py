@@ -259,8 +259,9 @@ def test_tiktokenizer():
             pre_tokenizers.Whitespace(),
             normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()]),
         ),
+        (pre_tokenizers.ByteLevel(add_prefix_space=True), None),
     ],
-    ids=["metaspace", "metaspace-first", "whitespace-nfkc-lower"],
+    ids=["metaspace", "metaspace-first", "whitespace-nfkc-lower", "byte-level-prefix-space"],
 )
 def test_hf_other_pre_tokenizers(pre_tokenizer, normalizer, tmp_path):
     tokenizer = HFTokenizer(models.BPE(unk_token="<unk>"))
