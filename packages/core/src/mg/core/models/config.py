@@ -11,13 +11,14 @@ right away, so an invalid shape fails where it is written, not deep in a forward
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
-Activation = Literal["gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu"]
+Activation = Literal["gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu", "geglu_tanh"]
 AttentionBackend = Literal["auto", "flash", "fused", "unfused", "local"]
 TransformerImpl = Literal["local", "transformer_engine"]
 LayerOrder = Literal["pre_ln", "post_ln"]
@@ -29,8 +30,8 @@ MoEDispatcher = Literal["allgather", "alltoall"]
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu", "geglu_tanh")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 LAYER_ORDERS = ("pre_ln", "post_ln")
@@ -121,7 +122,8 @@ class TransformerConfig:
     """MLP activation. "gelu" is the exact (erf) GELU, Megatron's `F.gelu`;
     "gelu_tanh" is the tanh approximation GPT-2 was trained with (HF "gelu_new")
     and also what Megatron's fused bias-GELU kernel computes. "swiglu"/"geglu" are
-    gated: linear_fc1 produces [gate; up] and the MLP computes act(gate) * up."""
+    gated: linear_fc1 produces [gate; up] and the MLP computes act(gate) * up;
+    "geglu_tanh" is GeGLU with the tanh GELU (Gemma's `gelu_pytorch_tanh`)."""
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     """Bias on linear_qkv only (Qwen-style), with add_bias_linear False."""
@@ -142,6 +144,28 @@ class TransformerConfig:
     """Sliding-window attention as (left, right), flash-attn's convention: query i
     sees keys i-left .. i+right. A decoder needs right == 0. HF Mistral's
     `sliding_window = W` is (W - 1, 0)."""
+    window_attn_skip_freq: int | list[int] | None = None
+    """Megatron's `--window-attn-skip-freq`: which layers keep full attention when
+    window_size is set. N: every N-th layer (layers N, 2N, ... counted from 1) is
+    global, the others slide (Gemma 3's sliding_window_pattern=6 is 6); a list: one
+    0/1 per layer, 1 = sliding window (Megatron's convention). None: all layers slide."""
+    rotary_base_local: float | None = None
+    """RoPE base of the sliding-window layers (Gemma 3's `rope_local_base_freq`); the
+    global layers keep rotary_base with rope_scaling / rotary_seq_len_interpolation_factor.
+    None: every layer uses the one RoPE."""
+    rotary_seq_len_interpolation_factor: float | None = None
+    """Megatron's `--rotary-seq-len-interpolation-factor`: linear RoPE scaling, the
+    inverse frequencies divided by it (HF `rope_type: "linear"`, `factor`)."""
+    softmax_scale: float | None = None
+    """Megatron's `softmax_scale`: the attention logits' scale; None is 1/√kv_channels.
+    Gemma's `query_pre_attn_scalar` q is q**-0.5."""
+    sandwich_norms: bool = False
+    """A norm also after attention and after the MLP, on each branch before its residual
+    add (Gemma 2/3): `post_self_attn_layernorm` and `post_mlp_layernorm` (HF's
+    post_attention_layernorm / post_feedforward_layernorm). GPTModel only."""
+    scale_embeddings_by_sqrt_hidden: bool = False
+    """Multiply the word embeddings by √hidden_size, rounded to the embedding's dtype
+    first, as Gemma does (`normalizer = hidden**0.5`)."""
     attention_backend: AttentionBackend = "auto"
     """Megatron's `--attention-backend` (its AttnBackend names): which attention kernel
     runs; see `mg.core.models.attention_backend`. It does not change the weights."""
@@ -345,6 +369,7 @@ class TransformerConfig:
                     f"a causal decoder needs (left >= 0, right == 0), got {self.window_size}; "
                     "HF Mistral's sliding_window=W is window_size=(W - 1, 0)",
                 )
+        self._validate_layer_variants(fail)
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -353,6 +378,64 @@ class TransformerConfig:
             fail("init_method_std", f"must be positive, got {self.init_method_std}")
         if self.num_moe_experts is not None:
             self._validate_moe(fail)
+
+    def _validate_layer_variants(self, fail: Callable[[str, str], None]) -> None:
+        """The local/global attention pattern, the second RoPE base, the scales and the
+        sandwich norms (Gemma 3's pieces)."""
+        freq = self.window_attn_skip_freq
+        if freq is not None:
+            if self.window_size is None:
+                fail("window_attn_skip_freq", "needs window_size (there is no window to skip)")
+            if isinstance(freq, int):
+                if freq <= 0:
+                    fail("window_attn_skip_freq", f"must be a positive integer, got {freq}")
+            elif len(freq) != self.num_layers or any(x not in (0, 1) for x in freq):
+                fail(
+                    "window_attn_skip_freq",
+                    f"a pattern needs one 1 (sliding window) or 0 (global) per layer "
+                    f"({self.num_layers}), got {list(freq)}",
+                )
+        if self.rotary_base_local is not None:
+            if self.position_embedding_type != "rope" or self.window_size is None:
+                fail("rotary_base_local", "applies to the sliding-window layers of a RoPE model")
+            if self.rotary_base_local <= 0:
+                fail("rotary_base_local", f"must be positive, got {self.rotary_base_local}")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and (factor <= 0 or self.position_embedding_type != "rope"):
+            fail("rotary_seq_len_interpolation_factor", "must be positive, with RoPE")
+        if factor is not None and self.rope_scaling is not None:
+            fail("rotary_seq_len_interpolation_factor", "choose it or rope_scaling, not both")
+        if self.softmax_scale is not None and self.softmax_scale <= 0:
+            fail("softmax_scale", f"must be positive, got {self.softmax_scale}")
+        if self.sandwich_norms and self.transformer_impl == "transformer_engine":
+            fail(
+                "sandwich_norms",
+                "not with transformer_impl='transformer_engine' yet (the TE spec fuses the "
+                "pre-norms only); use --transformer-impl local",
+            )
+
+    def is_window_layer(self, layer_number: int) -> bool:
+        """Whether layer `layer_number` (1-based) attends through the sliding window:
+        Megatron's `is_layer_window_attention` rule."""
+        if self.window_size is None:
+            return False
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return True
+        if isinstance(freq, int):
+            return layer_number % freq != 0
+        return bool(freq[layer_number - 1])
+
+    def layer_window_size(self, layer_number: int) -> tuple[int, int] | None:
+        """The sliding window of layer `layer_number` (1-based); None: global attention."""
+        return self.window_size if self.is_window_layer(layer_number) else None
+
+    @property
+    def attention_softmax_scale(self) -> float:
+        """The scale of q·kᵀ: softmax_scale, or Megatron's default 1/√kv_channels."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
+        return 1.0 / math.sqrt(self.kv_channels)
 
     @property
     def moe_layer_pattern(self) -> list[bool]:

@@ -7,7 +7,8 @@ that computes attention from already-projected, already-rotated q, k, v.
 Contract of every backend module:
     forward(query [b, s, heads, d], key [b, s, groups, d], value [b, s, groups, d],
             attention_mask: bool [b|1, 1, s, s] | None) -> [b, s, heads * d]
-Attention is causal (and windowed when `config.window_size` is set) unless
+Attention is causal (and windowed on the layers `config.layer_window_size` gives a
+window: all of them, or the sliding ones of a local/global pattern) unless
 the module is built with `causal=False` (BERT and the T5 encoder, T5 cross
 attention, where the key length may differ from the query length). An
 `attention_mask` follows Megatron's convention: True marks a position that may
@@ -25,8 +26,8 @@ no weights), which is how a reader picks the kernels of the machine it runs on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
-import math
 from types import ModuleType
 
 import torch
@@ -82,9 +83,9 @@ class SDPAttention(nn.Module):
         self.causal = causal
         self.num_heads = config.num_attention_heads
         self.num_groups = config.num_query_groups
-        self.window_size = config.window_size if causal else None
+        self.window_size = config.layer_window_size(layer_number) if causal else None
         self.dropout = config.attention_dropout
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = config.attention_softmax_scale
         self.backend = config.attention_backend
         self._kernels = sdpa_kernels(self.backend)
 
@@ -157,9 +158,9 @@ class FlashAttention(nn.Module):
         flash_attn = require_gpu_package("flash_attn", "flash-attn", "--attention-backend flash")
         self._flash_attn_func = flash_attn.flash_attn_func
         self.causal = causal
-        self.window_size = (config.window_size if causal else None) or (-1, -1)
+        self.window_size = (config.layer_window_size(layer_number) if causal else None) or (-1, -1)
         self.dropout = config.attention_dropout
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = config.attention_softmax_scale
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None
@@ -207,9 +208,32 @@ def build_te_core_attention(
     )
     set_nvte_environment(config.attention_backend)
 
-    class TEDotProductAttention(te.DotProductAttention):
+    module = _te_attention_class(te.DotProductAttention)(
+        num_attention_heads=config.num_attention_heads,
+        kv_channels=config.kv_channels,
+        num_gqa_groups=config.num_query_groups,
+        attention_dropout=config.attention_dropout,
+        qkv_format="bshd",
+        attn_mask_type="causal" if causal else "no_mask",
+        window_size=config.layer_window_size(layer_number) if causal else None,
+        layer_number=layer_number,
+        softmax_scale=config.attention_softmax_scale,
+        **parallel.attention_kwargs(),
+    )
+    module.fork_dropout = parallel.tp_size > 1 and config.attention_dropout > 0
+    return module
+
+
+@functools.cache
+def _te_attention_class(base: type) -> type:
+    """Our subclass of TE's DotProductAttention (`base`), made once."""
+
+    class TEDotProductAttention(base):
         """TE's module (same state), taking our q, k, v: TE's kernels want contiguous
-        tensors of one dtype, and a split of the fused QKV output is a strided view."""
+        tensors of one dtype, and a split of the fused QKV output is a strided view.
+        `fork_dropout`: its dropout draws from the per-rank stream (tensor parallelism)."""
+
+        fork_dropout = False
 
         def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None):
             if attention_mask is not None:
@@ -223,23 +247,11 @@ def build_te_core_attention(
             if torch.is_autocast_enabled("cuda"):
                 dtype = torch.get_autocast_dtype("cuda")
             q, k, v = (t.to(dtype).contiguous() for t in (query, key, value))
-            stream = model_parallel_stream() if fork_dropout else None
+            stream = model_parallel_stream() if self.fork_dropout else None
             with stream.fork() if stream is not None else contextlib.nullcontext():
                 return super().forward(q, k, v)
 
-    fork_dropout = parallel.tp_size > 1 and config.attention_dropout > 0
-    return TEDotProductAttention(
-        num_attention_heads=config.num_attention_heads,
-        kv_channels=config.kv_channels,
-        num_gqa_groups=config.num_query_groups,
-        attention_dropout=config.attention_dropout,
-        qkv_format="bshd",
-        attn_mask_type="causal" if causal else "no_mask",
-        window_size=config.window_size if causal else None,
-        layer_number=layer_number,
-        softmax_scale=1.0 / math.sqrt(config.kv_channels),
-        **parallel.attention_kwargs(),
-    )
+    return TEDotProductAttention
 
 
 def build_core_attention(

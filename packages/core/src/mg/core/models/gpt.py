@@ -41,7 +41,7 @@ from mg.core.models.kv_cache import KVCache
 from mg.core.models.language_model import LanguageModel
 from mg.core.models.moe import MoELayer
 from mg.core.models.norms import build_norm_1p
-from mg.core.models.rope import apply_rotary_pos_emb
+from mg.core.models.rope import apply_rotary_pos_emb, layer_rotary
 from mg.core.models.te_spec import input_linear, uses_te_spec
 
 
@@ -50,7 +50,9 @@ def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
     over `size` channels (default: the hidden size)."""
     size = size or config.hidden_size
     if config.layernorm_zero_centered_gamma:
-        return build_norm_1p(config.normalization, size, config.layernorm_epsilon)
+        # Gemma's norms (the sandwich-norm models) compute in fp32 whatever the input
+        fp32 = config.sandwich_norms
+        return build_norm_1p(config.normalization, size, config.layernorm_epsilon, fp32)
     if config.normalization == "RMSNorm":
         return nn.RMSNorm(size, eps=config.layernorm_epsilon)
     return nn.LayerNorm(size, eps=config.layernorm_epsilon)
@@ -87,6 +89,8 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_number = layer_number
+        # a sliding-window layer takes the local RoPE tables where there are two (Gemma 3)
+        self.window_layer = config.is_window_layer(layer_number)
         self.num_heads = config.num_attention_heads
         self.num_groups = config.num_query_groups
         self.head_dim = config.kv_channels
@@ -117,11 +121,12 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         hidden: Tensor,
-        rotary: tuple[Tensor, Tensor] | None,
+        rotary: tuple[Tensor, ...] | None,
         attention_mask: Tensor | None,
         inference_cache: KVCache | None = None,
     ) -> Tensor:
         b, s, _ = hidden.shape
+        rotary = layer_rotary(rotary, self.window_layer)
         heads_per_group = self.num_heads // self.num_groups
         qkv = self.linear_qkv(hidden).view(
             b, s, self.num_groups, heads_per_group + 2, self.head_dim
@@ -153,6 +158,7 @@ _ACTIVATIONS = {
     "squared_relu": _squared_relu,
     "swiglu": F.silu,  # applied to the gate half
     "geglu": F.gelu,
+    "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma's gelu_pytorch_tanh
 }
 
 
@@ -193,7 +199,10 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """One pre-norm layer; `layer_number` is 1-based as in Megatron.
 
-    causal=False makes it an encoder layer (BERT, the T5 encoder)."""
+    causal=False makes it an encoder layer (BERT, the T5 encoder). With
+    `sandwich_norms` (Gemma 2/3) each branch is also normed before its residual add:
+        x = x + post_self_attn_layernorm(attention(input_layernorm(x)))
+        x = x + post_mlp_layernorm(mlp(pre_mlp_layernorm(x)))"""
 
     def __init__(self, config: TransformerConfig, layer_number: int, causal: bool = True) -> None:
         super().__init__()
@@ -207,11 +216,19 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = nn.Identity() if te and not is_moe else build_norm(config)
         # an MoE layer (router + experts) where moe_layer_freq says so, else the dense MLP
         self.mlp = MoELayer(config, layer_number) if is_moe else MLP(config, fused_norm=te)
+        sandwich = config.sandwich_norms
+        self.post_self_attn_layernorm = build_norm(config) if sandwich else None
+        self.post_mlp_layernorm = build_norm(config) if sandwich else None
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def init_weights(self, std: float, output_std: float) -> None:
-        for norm in (self.input_layernorm, self.pre_mlp_layernorm):
-            if not isinstance(norm, nn.Identity):
+        for norm in (
+            self.input_layernorm,
+            self.pre_mlp_layernorm,
+            self.post_self_attn_layernorm,
+            self.post_mlp_layernorm,
+        ):
+            if norm is not None and not isinstance(norm, nn.Identity):
                 norm.reset_parameters()
         self.self_attention.init_weights(std, output_std)
         self.mlp.init_weights(std, output_std)
@@ -228,8 +245,13 @@ class TransformerLayer(nn.Module):
         attention = self.self_attention(
             normed, rotary, attention_mask, inference_cache=inference_cache
         )
+        if self.post_self_attn_layernorm is not None:
+            attention = self.post_self_attn_layernorm(attention)
         hidden = hidden + self.hidden_dropout(attention)
-        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden))
+        if self.post_mlp_layernorm is not None:
+            mlp = self.post_mlp_layernorm(mlp)
+        return hidden + self.hidden_dropout(mlp)
 
 
 class TransformerBlock(nn.Module):

@@ -34,6 +34,12 @@ from torch import Tensor
 
 from mg.core.models.bert import bert_config_from_hf
 from mg.core.models.config import RopeScaling, TransformerConfig
+from mg.core.models.gemma3_hf import (
+    GEMMA3_CLASS,
+    GEMMA3_TYPE,
+    gemma3_config_from_hf,
+    gemma3_config_to_hf,
+)
 from mg.core.models.te_spec import te_spec_name
 
 # Weight tables ---------------------------------------------------------------
@@ -64,6 +70,9 @@ class HFArchitecture:
     """Keys outside the base model (never given `base_model_prefix`)."""
     tied_output_hf: str = "lm_head.weight"
     """The HF output weight that is only a copy of the embeddings when tied."""
+    zero_centered_norms: bool = False
+    """HF stores the norms as gamma - 1 itself (Gemma's x·(1 + w)), as Megatron's
+    `--apply-layernorm-1p` does: the norm weights are copied without the +1."""
 
 
 def _rule(megatron: str, *hf: str, layout: str = "copy", transpose: bool = False) -> WeightRule:
@@ -164,6 +173,22 @@ QWEN3 = dataclasses.replace(
         _rule(_L + "self_attention.q_layernorm.weight", _H + "self_attn.q_norm.weight"),
         _rule(_L + "self_attention.k_layernorm.weight", _H + "self_attn.k_norm.weight"),
     ),
+)
+
+# Gemma 3 (text): Qwen3's attention (q/k norms) and Llama's MLP, sandwich norms, and
+# zero-centred norm weights stored as they are (see mg.core.models.gemma3_hf).
+GEMMA3 = HFArchitecture(
+    model_type=GEMMA3_TYPE,
+    hf_class=GEMMA3_CLASS,
+    base_model_prefix="model.",
+    zero_centered_norms=True,
+    rules=(
+        *(r for r in QWEN3.rules if r.megatron != _L + "pre_mlp_layernorm.weight"),
+        _rule(_L + "post_self_attn_layernorm.weight", _H + "post_attention_layernorm.weight"),
+        _rule(_L + "pre_mlp_layernorm.weight", _H + "pre_feedforward_layernorm.weight"),
+        _rule(_L + "post_mlp_layernorm.weight", _H + "post_feedforward_layernorm.weight"),
+    ),
+    ignored_hf=(r"\.rotary_emb\.", r"\.embed_scale$"),
 )
 
 _E = "encoder.layers.{i}."
@@ -281,7 +306,7 @@ UNSUPPORTED_MODEL_TYPES: dict[str, str] = {}
 
 ARCHITECTURES: dict[str, HFArchitecture] = {
     a.model_type: a
-    for a in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, BERT)
+    for a in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, BERT, GEMMA3)
 }
 
 
@@ -450,7 +475,11 @@ def megatron_to_hf(
         if megatron_name not in megatron_state:
             continue
         tensor = megatron_state[megatron_name]
-        if config.layernorm_zero_centered_gamma and local_name.endswith("layernorm.weight"):
+        if (
+            config.layernorm_zero_centered_gamma
+            and not arch.zero_centered_norms
+            and local_name.endswith("layernorm.weight")
+        ):
             tensor = tensor + 1  # --apply-layernorm-1p stores gamma - 1; HF norms take gamma
         parts = _to_hf(rule, tensor, config)
         out.update(zip(hf_names, parts, strict=True))
@@ -589,6 +618,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
         )
         fields.update(_moe_fields_from_hf(base, c))
         model_type = base
+    elif model_type == GEMMA3_TYPE:
+        fields = gemma3_config_from_hf(c)
     else:
         raise ValueError(
             f"no HF mapping for model_type {model_type!r}; known: {sorted(ARCHITECTURES)}"
@@ -694,6 +725,11 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
     )
     if arch.model_type == "bert":
         return dict(common, **_bert_config_to_hf(c))
+    if arch.model_type == GEMMA3_TYPE:
+        return dict(common, **gemma3_config_to_hf(c))
+    variants = _layer_variants(c)
+    if variants:
+        raise ValueError(f"{arch.hf_class} has no {', '.join(variants)} (Gemma 3's pieces)")
     if arch.model_type == "gpt2":
         to_hf_act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
         if (
@@ -763,6 +799,21 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
             raise ValueError("MistralForCausalLM has no linear biases")
         out["sliding_window"] = c.window_size[0] + 1 if c.window_size is not None else None
     return out
+
+
+def _layer_variants(c: TransformerConfig) -> list[str]:
+    """The Gemma-style settings `c` uses, which only Gemma3ForCausalLM expresses."""
+    set_fields = (
+        "window_attn_skip_freq",
+        "rotary_base_local",
+        "rotary_seq_len_interpolation_factor",
+        "softmax_scale",
+    )
+    names = [name for name in set_fields if getattr(c, name) is not None]
+    names += [
+        name for name in ("sandwich_norms", "scale_embeddings_by_sqrt_hidden") if getattr(c, name)
+    ]
+    return names
 
 
 def _bert_config_to_hf(c: TransformerConfig) -> dict[str, Any]:

@@ -44,6 +44,8 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         window_size: tuple[int, int] | None = None,
+        layer_windows: list[tuple[int, int] | None] | None = None,
+        softmax_scale: float | None = None,
     ) -> None:
         shape = (num_layers, num_slots, max_length, num_groups, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
@@ -51,6 +53,9 @@ class KVCache:
         self.num_slots = num_slots
         self.max_length = max_length
         self.window_size = window_size
+        # per layer, where only some layers slide (Gemma 3's local/global pattern)
+        self.layer_windows = layer_windows or [window_size] * num_layers
+        self.softmax_scale = softmax_scale
         self._slots: Tensor | None = None
         self._starts: Tensor | None = None
 
@@ -59,6 +64,7 @@ class KVCache:
         """A cache shaped for `model` (a GPTModel), in its parameters' dtype and device."""
         attention = model.decoder.layers[0].self_attention
         weight = next(model.parameters())
+        config = model.config
         return cls(
             num_layers=len(model.decoder.layers),
             num_slots=num_slots,
@@ -67,7 +73,9 @@ class KVCache:
             head_dim=attention.head_dim,
             dtype=weight.dtype,
             device=weight.device,
-            window_size=model.config.window_size,
+            window_size=config.window_size,
+            layer_windows=[config.layer_window_size(i + 1) for i in range(config.num_layers)],
+            softmax_scale=config.attention_softmax_scale,
         )
 
     def bind(self, slots: Tensor, starts: Tensor) -> None:
@@ -99,8 +107,9 @@ class KVCache:
         values = self.values[layer_index, slots, :length]
         j = torch.arange(length, device=key.device)
         allowed = j[None, None, :] <= positions[:, :, None]  # [b, s, L]
-        if self.window_size is not None:
-            allowed &= j[None, None, :] >= positions[:, :, None] - self.window_size[0]
+        window = self.layer_windows[layer_index]
+        if window is not None:
+            allowed &= j[None, None, :] >= positions[:, :, None] - window[0]
         return keys, values, allowed[:, None]
 
     def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
@@ -108,12 +117,14 @@ class KVCache:
         of its queries [b, s, heads, d] over the cached prefix: the one method a model's
         attention calls on any inference cache (`PagedKVCache` has it too)."""
         key, value, allowed = self.update(layer_index, key, value)
-        return cached_attention(query, key, value, allowed)
+        return cached_attention(query, key, value, allowed, self.softmax_scale)
 
 
-def cached_attention(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor) -> Tensor:
-    """softmax(q kᵀ/√d) v over cached keys: query [b, s, heads, d], key/value
-    [b, L, groups, d], allowed [b, 1, s, L] → [b, s, heads·d]."""
+def cached_attention(
+    query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, scale: float | None = None
+) -> Tensor:
+    """softmax(q kᵀ·scale) v over cached keys (scale default 1/√d): query [b, s, heads, d],
+    key/value [b, L, groups, d], allowed [b, 1, s, L] → [b, s, heads·d]."""
     b, s, heads, d = query.shape
     q, k, v = (t.transpose(1, 2) for t in (query, key.to(query.dtype), value.to(query.dtype)))
     out = F.scaled_dot_product_attention(
@@ -121,7 +132,18 @@ def cached_attention(query: Tensor, key: Tensor, value: Tensor, allowed: Tensor)
         k,
         v,
         attn_mask=allowed,
-        scale=1.0 / math.sqrt(d),
+        scale=scale if scale is not None else 1.0 / math.sqrt(d),
         enable_gqa=key.shape[2] != heads,
     )
     return out.transpose(1, 2).reshape(b, s, heads * d)
+
+
+def check_paged_support(config: object) -> None:
+    """Refuse, by field, what the paged cache's attention does not compute yet: one
+    window and the 1/√d scale for every layer (so no local/global pattern, Gemma 3)."""
+    for name in ("window_attn_skip_freq", "softmax_scale"):
+        if getattr(config, name, None) is not None:
+            raise ValueError(
+                f"the paged KV cache (mg-serve) does not support {name} yet (a Gemma 3 "
+                "style model); use the slot KVCache (mg.core.models.kv_cache) or mg-eval"
+            )

@@ -59,6 +59,10 @@ class LanguageModelEmbedding(nn.Module):
             else None
         )
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        # Gemma: × √hidden, rounded to the embedding's dtype first (as HF's normalizer)
+        self.embedding_scale = (
+            config.hidden_size**0.5 if config.scale_embeddings_by_sqrt_hidden else None
+        )
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=std)
@@ -67,6 +71,8 @@ class LanguageModelEmbedding(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         hidden = self.word_embeddings(input_ids)
+        if self.embedding_scale is not None:
+            hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         if self.position_embeddings is not None:
             hidden = hidden + self.position_embeddings(position_ids)
         return self.embedding_dropout(hidden)

@@ -34,6 +34,18 @@ class RMSNorm1P(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
 
 
-def build_norm_1p(normalization: str, size: int, eps: float) -> nn.Module:
-    """The zero-centred norm of `normalization` ("LayerNorm" or "RMSNorm")."""
-    return RMSNorm1P(size, eps=eps) if normalization == "RMSNorm" else LayerNorm1P(size, eps=eps)
+class RMSNorm1PFP32(RMSNorm1P):
+    """Gemma's RMSNorm: x·rsqrt(mean(x²) + eps)·(1 + weight) computed in fp32 and cast
+    back to x's dtype (HF `Gemma3RMSNorm`), so 1 + weight is never rounded to bf16."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight.float() + 1
+        return F.rms_norm(x.float(), self.normalized_shape, weight, self.eps).type_as(x)
+
+
+def build_norm_1p(normalization: str, size: int, eps: float, fp32: bool = False) -> nn.Module:
+    """The zero-centred norm of `normalization` ("LayerNorm" or "RMSNorm"); `fp32`: an
+    RMSNorm that computes in fp32 whatever its input (Gemma's)."""
+    if normalization == "RMSNorm":
+        return RMSNorm1PFP32(size, eps=eps) if fp32 else RMSNorm1P(size, eps=eps)
+    return LayerNorm1P(size, eps=eps)

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mg.core.models.kv_cache import check_paged_support
 from mg.core.models.paged_attention_cpu import DecodeKernel, decode_kernel
 
 GATHERED = "SDPA over gathered blocks"
@@ -210,6 +211,7 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """A pool shaped for `model`'s attention layers (a GPTModel's every layer, a hybrid's
         attention layers; their local heads under tensor parallelism)."""
+        check_paged_support(model.config)
         layers = [layer for layer in model.decoder.layers if hasattr(layer, "self_attention")]
         attention = layers[0].self_attention
         weight = next(model.parameters())

@@ -37,29 +37,58 @@ def llama3_scale_inv_freq(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_inv_freq(config: TransformerConfig, device: torch.device | None = None) -> Tensor:
-    """Inverse frequencies [rotary_dim / 2] in fp32."""
+def rope_inv_freq(
+    config: TransformerConfig, device: torch.device | None = None, local: bool = False
+) -> Tensor:
+    """Inverse frequencies [rotary_dim / 2] in fp32; `local`: the sliding-window layers'
+    (base `rotary_base_local`, unscaled, as Gemma 3's local RoPE)."""
     dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    if local:
+        return 1.0 / (config.rotary_base_local**exponents)
     inv_freq = 1.0 / (config.rotary_base**exponents)
     if config.rope_scaling is not None:
         inv_freq = llama3_scale_inv_freq(inv_freq, config.rope_scaling)
+    if config.rotary_seq_len_interpolation_factor is not None:  # HF "linear" RoPE
+        inv_freq = inv_freq / config.rotary_seq_len_interpolation_factor
     return inv_freq
 
 
+def _tables(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    freqs = position_ids.float()[..., None] * inv_freq  # [b, s, rotary_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    return emb.cos(), emb.sin()
+
+
 class RotaryEmbedding(nn.Module):
-    """Computes the (cos, sin) tables for given positions; holds no state."""
+    """Computes the (cos, sin) tables for given positions; holds no state.
+
+    With `rotary_base_local` (two RoPE bases, Gemma 3) the tables are four:
+    (cos, sin, cos_local, sin_local), and each layer takes its pair
+    (`layer_rotary`); the decoder passes the tuple along as it is."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config
 
-    def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """position_ids [b, s] → fp32 cos, sin [b, s, 1, rotary_dim] (broadcast over heads)."""
-        inv_freq = rope_inv_freq(self.config, device=position_ids.device)
-        freqs = position_ids.float()[..., None] * inv_freq  # [b, s, rotary_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        return emb.cos(), emb.sin()
+    def forward(self, position_ids: Tensor) -> tuple[Tensor, ...]:
+        """position_ids [b, s] → fp32 cos, sin [b, s, 1, rotary_dim] (broadcast over heads),
+        then the local layers' pair where there is one."""
+        device = position_ids.device
+        tables = _tables(position_ids, rope_inv_freq(self.config, device=device))
+        if self.config.rotary_base_local is None:
+            return tables
+        return tables + _tables(position_ids, rope_inv_freq(self.config, device, local=True))
+
+
+def layer_rotary(
+    rotary: tuple[Tensor, ...] | None, window_layer: bool
+) -> tuple[Tensor, Tensor] | None:
+    """The (cos, sin) pair of one layer from `RotaryEmbedding`'s tables: the local pair
+    for a sliding-window layer where there are two."""
+    if rotary is None or len(rotary) == 2:
+        return rotary
+    return rotary[2:] if window_layer else rotary[:2]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
