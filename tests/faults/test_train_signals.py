@@ -128,3 +128,23 @@ def test_no_first_line_when_the_first_iteration_logs(tmp_path, capsys) -> None:
     assert main(train_argv(tmp_path / "cache", "--log-interval", "1", iters=2)) == 0
     out = capsys.readouterr().out
     assert FIRST_LINE not in out and "still training" not in out
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path) -> None:
+    process = _start_training(tmp_path)
+    try:
+        _read_until(process, FIRST_LINE)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+        process.send_signal(signal.SIGINT)  # may land after the save: then it exits 0
+        out, err = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+    assert process.returncode in (0, 130), err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    if process.returncode == 130:
+        (line,) = err.strip().splitlines()
+        assert line.startswith("mg-train: interrupted (Ctrl-C)"), line

@@ -9,8 +9,11 @@ exit status 2 as well, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+from collections.abc import Iterator
 
 from mg.trainer.arguments import ArgumentError, parse_args
 from mg.trainer.save_guard import (
@@ -76,12 +79,35 @@ def main(argv: list[str] | None = None) -> int:
             message = f"{flag} {' '.join(data)}: {message}"
         print(f"mg-train: error: {message}", file=sys.stderr, flush=True)
         return 2
+    except KeyboardInterrupt:  # before the loop's handler is in place, or a second Ctrl-C
+        print(
+            "mg-train: interrupted (Ctrl-C) before a checkpoint could be saved; the last one "
+            "in --save is as it was",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130
     finally:
-        import torch.distributed as dist  # lazy: --help stays instant (torch)
+        with _ctrl_c_ignored():  # exiting: a late Ctrl-C changes nothing
+            import torch.distributed as dist  # lazy: --help stays instant (torch)
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
     return 0
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored() -> Iterator[None]:
+    """SIGINT ignored inside, the caller's handler restored after (main may run in-process)."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals are not ours to handle
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _from_dataset(error: BaseException) -> bool:
