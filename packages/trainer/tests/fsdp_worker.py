@@ -36,6 +36,7 @@ if __name__ == "__main__":
             {
                 "losses": result.losses,
                 "grad_norms": result.grad_norms,
+                "validation": result.validation,
                 "shares": shares,
                 "numel": full,
                 "units": len(units),

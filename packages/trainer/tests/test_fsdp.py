@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from mg.core.checkpoint.model_io import load_model
 from mg.core.testing.launch import launch_workers
 from mg.trainer.arguments import ArgumentError, parse_args
 from mg.trainer.dry_run import report
@@ -45,7 +46,9 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
     the first without gradient sync) with parameters sharded (ZeRO-3, prefetching the
     next layer's all-gather) and not sharded at all: the same losses and grad norms;
     each rank holds half the parameters, or all of them; 3 units (2 layers, the root)."""
-    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=6)
+    argv = mock_argv(
+        tmp_path, *FLAGS, "--eval-interval", "3", "--eval-iters", "1", mbs=2, gbs=8, iters=6
+    )
     one = train(argv)
     zero3, replicated = _run_ranks(
         [[*argv, *_strategy("optim_grads_params")], [*argv, *_strategy("no_shard")]],
@@ -55,6 +58,8 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
     for run in (zero3, replicated):
         _assert_close(one.losses, run["losses"], LOSS_RTOL)
         _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)
+        _assert_close([v for _, v in one.validation], [v for _, v in run["validation"]], LOSS_RTOL)
+        assert len(run["validation"]) == 2
         assert run["units"] == 3
     assert sum(zero3["shares"]) == zero3["numel"]
     assert max(zero3["shares"]) - min(zero3["shares"]) <= zero3["numel"] // 10
@@ -174,7 +179,8 @@ def test_strategy_implies_megatrons_overlap(tmp_path, mock_argv) -> None:
 def test_fsdp_dtensor_resumes_bitwise_and_loads_without_fsdp(tmp_path, mock_argv, train) -> None:
     """DP=2 ZeRO-3 saves --ckpt-format fsdp_dtensor at iterations 4 and 8; a DP=2 run
     resumed from iteration 4 repeats iterations 5-8 bit for bit; one process without FSDP
-    loads the same shards (resharded by DCP) and continues as the uninterrupted run."""
+    loads the same shards (resharded by DCP) and continues as the uninterrupted run; the
+    readers of mg-eval and mg-serve read the weights."""
     argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=8)
     ckpt = str(tmp_path / "ckpt")
     zero3 = [*argv, *_strategy("optim_grads_params")]
@@ -184,6 +190,7 @@ def test_fsdp_dtensor_resumes_bitwise_and_loads_without_fsdp(tmp_path, mock_argv
     assert resumed["losses"] == whole["losses"][4:]
     assert resumed["grad_norms"] == whole["grad_norms"][4:]
     plain = train([*argv, "--load", ckpt, "--ckpt-step", "4"])
+    assert sum(p.numel() for p in load_model(ckpt)[0].parameters()) == whole["numel"]  # mg-eval's
     _assert_close(whole["losses"][4:], plain.losses, LOSS_RTOL)
     _assert_close(whole["grad_norms"][4:], plain.grad_norms, NORM_RTOL)
 
@@ -224,6 +231,30 @@ def test_dp4_fsdp_dtensor_loads_at_dp2_and_in_one_process(tmp_path, mock_argv, t
     for run in (two, {"losses": one.losses, "grad_norms": one.grad_norms}):
         _assert_close(four["losses"][3:], run["losses"], LOSS_RTOL)
         _assert_close(four["grad_norms"][3:], run["grad_norms"], NORM_RTOL)
+
+
+@pytest.mark.slow
+def test_dp4_fsdp_with_context_parallel_moe_and_mamba_match_one_process(
+    tmp_path, mock_argv, train
+) -> None:
+    """One 4-rank launch: ZeRO-3 over data × context ranks (CP=2 × DP=2), an MoE GPT
+    (4 experts, top-2, aux loss; experts on every rank) and a Mamba hybrid (M*M-), each
+    equal to one process."""
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=16, iters=10)
+    moe = [*argv, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+    mamba = ["mamba", *argv[1:], "--hybrid-override-pattern", "M*M-", "--num-layers", "4"]
+    mamba += ["--mamba-num-groups", "1", "--mamba-head-dim", "16"]
+    zero3 = _strategy("optim_grads_params")
+    runs = _run_ranks(
+        [[*argv, *zero3, "--context-parallel-size", "2"], [*moe, *zero3], [*mamba, *zero3]],
+        4,
+        tmp_path / "four.json",
+    )
+    for reference, run in zip((argv, moe, mamba), runs, strict=True):
+        one = train(reference)
+        _assert_close(one.losses, run["losses"], LOSS_RTOL)
+        _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)
+        assert sum(run["shares"]) == run["numel"]
 
 
 # Megatron's examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh: its FSDP block

@@ -291,7 +291,6 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda a: a.moe.expert_model_parallel_size > 1,
         "expert parallelism (--expert-model-parallel-size > 1)",
     ),
-    _fsdp_not_yet("--context-parallel-size", lambda a: _cp(a) > 1, "--context-parallel-size > 1"),
     _fsdp_not_yet(
         "--transformer-impl",
         lambda a: a.transformer_engine.transformer_impl == "transformer_engine",
