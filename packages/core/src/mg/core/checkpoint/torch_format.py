@@ -151,7 +151,7 @@ class _Staging:
                 save_file(content, folder / name)
             save_file(_complete_state(state, self.iteration, tp, pp, ep), folder / MODEL_FILENAME)
             fsync_dir(self.staging)
-        except (OSError, RuntimeError) as error:  # torch.save reports ENOSPC as RuntimeError
+        except Exception as error:  # a full disk (torch.save says RuntimeError), or any other
             (folder / MODEL_FILENAME).unlink(missing_ok=True)
             raise self.failed(describe_write_error(error)) from None
         return self.final / rank_dir / MODEL_FILENAME
