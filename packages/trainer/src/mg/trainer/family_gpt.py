@@ -22,6 +22,7 @@ from mg.indexed_dataset import (
     read_blend_file,
 )
 from mg.trainer.arguments import Args
+from mg.trainer.arguments.layer_variants import activation_of, layer_variant_config_fields
 from mg.trainer.arguments.moe import moe_config_fields
 
 
@@ -34,7 +35,7 @@ def gpt_config(args: Args, vocab_size: int):
         recorded["attention_backend"] = args.transformer_engine.attention_backend
         return TransformerConfig.from_dict(recorded)
     m = args.model
-    activation = "swiglu" if m.swiglu else "gelu"
+    activation = activation_of(m.swiglu, args.layer_variants)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -63,6 +64,7 @@ def gpt_config(args: Args, vocab_size: int):
         attention_backend=args.transformer_engine.attention_backend,
         transformer_impl=args.transformer_engine.transformer_impl,
         **moe_config_fields(args.moe),
+        **layer_variant_config_fields(args.layer_variants),
     )
 
 

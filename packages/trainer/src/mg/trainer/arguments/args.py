@@ -9,6 +9,7 @@ from typing import Any
 from mg.trainer.arguments.checkpointing import CheckpointArgs
 from mg.trainer.arguments.data import DataArgs
 from mg.trainer.arguments.fsdp import FullyShardedArgs
+from mg.trainer.arguments.layer_variants import LayerVariantArgs
 from mg.trainer.arguments.learning_rate import OptimizerArgs
 from mg.trainer.arguments.logging import LoggingArgs
 from mg.trainer.arguments.mamba import MambaArgs
@@ -25,6 +26,7 @@ class Args:
 
     family: str
     model: ModelArgs = field(default_factory=ModelArgs)
+    layer_variants: LayerVariantArgs = field(default_factory=LayerVariantArgs)
     transformer_engine: TransformerEngineArgs = field(default_factory=TransformerEngineArgs)
     data: DataArgs = field(default_factory=DataArgs)
     training: TrainingArgs = field(default_factory=TrainingArgs)
@@ -59,6 +61,7 @@ class Args:
 # Attribute of `Args` -> the dataclass its flags fill.
 GROUPS: dict[str, type] = {
     "model": ModelArgs,
+    "layer_variants": LayerVariantArgs,
     "transformer_engine": TransformerEngineArgs,
     "data": DataArgs,
     "training": TrainingArgs,

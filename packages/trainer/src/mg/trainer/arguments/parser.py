@@ -21,6 +21,7 @@ from mg.trainer.arguments import (
     combinations,
     data,
     fsdp,
+    layer_variants,
     learning_rate,
     logging,
     mamba,
@@ -38,6 +39,7 @@ FAMILIES = ("gpt", "bert", "t5", "mamba")
 # Help-section title -> the function that adds that group's flags (Megatron's order).
 FLAG_GROUPS = (
     ("model", model.add_model_flags),
+    ("layer variants: sliding window, Gemma 3", layer_variants.add_layer_variant_flags),
     ("transformer engine and attention kernels", transformer_engine.add_transformer_engine_flags),
     ("data and tokenizer", data.add_data_flags),
     ("training", training.add_training_flags),
@@ -167,6 +169,7 @@ def validate(args: Args) -> None:
     combinations.check_combinations(args)  # the pairs of flags that do not go together
     mamba.check_mamba(args)
     moe.check_moe(args)
+    layer_variants.check_layer_variants(args)
     if args.training.dry_run:
         parallel.check_dry_run_layout(args)
     else:

@@ -1,0 +1,94 @@
+"""mg-train gpt with the Gemma 3 flags: parsed into core's config, refused by name where
+they cannot apply, a run whose loss falls, and a resume equal to the straight run."""
+
+from __future__ import annotations
+
+import pytest
+
+from mg.trainer.arguments import ArgumentError, parse_args
+from mg.trainer.families import gpt_config
+
+GEMMA3 = [
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--apply-layernorm-1p",
+    "--qk-layernorm",
+    "--disable-bias-linear",
+    "--geglu",
+    "--openai-gelu",
+    "--sandwich-norms",
+    "--scale-embeddings-by-sqrt-hidden",
+    "--softmax-scale",
+    "0.2",
+    "--window-size",
+    "7,0",  # seq 32: the sliding layers see 8 of the keys
+    "--window-attn-skip-freq",
+    "2",
+    "--rotary-base",
+    "1000000",
+    "--rotary-base-local",
+    "10000",
+    "--rotary-seq-len-interpolation-factor",
+    "2",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
+
+
+def test_gemma3_flags_become_core_config_fields(tmp_path, mock_argv):
+    config = gpt_config(parse_args(mock_argv(tmp_path, *GEMMA3)), 128)
+    assert config.activation == "geglu_tanh"
+    assert config.window_size == (7, 0) and config.window_attn_skip_freq == 2
+    assert [config.is_window_layer(i) for i in (1, 2)] == [True, False]
+    assert (config.rotary_base, config.rotary_base_local) == (1e6, 1e4)
+    assert config.rotary_seq_len_interpolation_factor == 2.0
+    assert config.softmax_scale == 0.2 and config.attention_softmax_scale == 0.2
+    assert config.sandwich_norms and config.scale_embeddings_by_sqrt_hidden
+    plain = gpt_config(parse_args(mock_argv(tmp_path)), 128)
+    assert plain.activation == "gelu" and plain.window_size is None and not plain.sandwich_norms
+    list_form = ["--window-size", "7,0", "--window-attn-skip-freq", "[1]+[0]"]
+    assert gpt_config(parse_args(mock_argv(tmp_path, *list_form)), 128).window_attn_skip_freq == [
+        1,
+        0,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--window-attn-skip-freq", "2"], "--window-attn-skip-freq needs --window-size"),
+        (["--window-size", "7,1"], "--window-size 7,1: a decoder"),
+        (["--window-size", "7,0", "--window-attn-skip-freq", "[1]*3"], "one 0 or 1 per layer"),
+        (["--rotary-base-local", "1e4"], "--rotary-base-local needs --window-size"),
+        (["--geglu", "--swiglu"], "--geglu and --swiglu"),
+        (["--softmax-scale", "-1"], "--softmax-scale -1.0: must be positive"),
+        (
+            ["--sandwich-norms", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            "--sandwich-norms with --sequence-parallel",
+        ),
+    ],
+)
+def test_bad_gemma3_flags_are_refused_in_one_line(tmp_path, mock_argv, extra, message):
+    world = 2 if "--tensor-model-parallel-size" in extra else 1
+    with pytest.raises(ArgumentError, match=message) as info:
+        parse_args(mock_argv(tmp_path, *extra), world_size=world)
+    assert "\n" not in str(info.value)
+
+
+def test_gemma3_flag_for_bert_is_refused(tmp_path, mock_argv):
+    argv = ["bert", *mock_argv(tmp_path, "--sandwich-norms")[1:]]
+    with pytest.raises(ArgumentError, match="--sandwich-norms is supported for gpt, not bert"):
+        parse_args(argv)
+
+
+def test_gemma3_trains_and_resumes_bitwise(tmp_path, mock_argv, train):
+    straight = train(mock_argv(tmp_path, *GEMMA3, iters=8))
+    assert straight.losses[-1] < straight.losses[0] - 0.05
+    ckpt = str(tmp_path / "ckpt")
+    first = train(mock_argv(tmp_path, *GEMMA3, "--save", ckpt, "--exit-interval", "4", iters=8))
+    second = train(mock_argv(tmp_path, *GEMMA3, "--load", ckpt, iters=8))
+    assert first.losses + second.losses == straight.losses  # bitwise
