@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mg.core.checkpoint.dcp_index import write_portable_index
 from mg.core.checkpoint.global_chunks import (
     GlobalChunks,
     dcp_ready,
@@ -77,7 +78,6 @@ from mg.core.models.config import TransformerConfig
 
 COMMON_FILENAME = "common.pt"
 METADATA_FILENAME = "metadata.json"
-DCP_INDEX_FILENAME = ".metadata"
 # Megatron's metadata.json for a torch_dist checkpoint (dist_checkpointing/core.py).
 TORCH_DIST_METADATA = {
     "sharded_backend": "torch_dist",
@@ -124,7 +124,9 @@ def commit_staged(
 
 
 def _commit(save_dir: Path, final: Path, staging: Path, common: Mapping[str, Any]) -> None:
-    """Rank 0, once every rank's data is on disk: common.pt, metadata.json, rename, pointer."""
+    """Rank 0, once every rank's data is on disk: DCP's index in the form older torch
+    releases read (`dcp_index`), common.pt, metadata.json, rename, pointer."""
+    write_portable_index(staging)
     save_file(dict(common), staging / COMMON_FILENAME)
     atomic_write(
         staging / METADATA_FILENAME,

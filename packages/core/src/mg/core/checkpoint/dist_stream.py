@@ -23,8 +23,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from mg.core.checkpoint.dcp_index import DCP_INDEX_FILENAME
 from mg.core.checkpoint.dist_format import (
-    DCP_INDEX_FILENAME,
     PendingSave,
     commit_staged,
     save_planner,
