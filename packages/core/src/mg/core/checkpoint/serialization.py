@@ -106,7 +106,7 @@ def load_file(
         found = unsafe_globals(path)
     except Exception as exc:
         if not allow_pickle:  # not a zip archive: garbage, or a pre-1.6 torch.save file
-            raise _corrupt(path, refusal, legacy_hint=True) from exc
+            raise _corrupt(path, refusal) from exc
         found = []
     others = [name for name in found if not is_foreign(name)]
     if found and not others:  # Megatron-LM's enums only: read as names, weights-only
@@ -138,14 +138,10 @@ def load_file(
         raise _corrupt(path, exc) from exc
 
 
-def _corrupt(path: Path, exc: BaseException, legacy_hint: bool = False) -> CheckpointError:
-    error = corrupt_file_error(path, describe_exception(exc))
-    if legacy_hint:  # not a zip archive: garbage, or a pre-1.6 torch.save file
-        error.args = (
-            error.args[0] + " If it is an old (pre-zip) torch.save file you trust, "
-            "allow_pickle=True reads it.",
-        )
-    return error
+def _corrupt(path: Path, exc: BaseException) -> CheckpointError:
+    """Not a zip archive is garbage to every tool (a pre-1.6 torch.save file, full pickle,
+    is read only with allow_pickle=True, which no tool's flag sets: not offered here)."""
+    return corrupt_file_error(path, describe_exception(exc))
 
 
 def fsync_dir(path: Path) -> None:
