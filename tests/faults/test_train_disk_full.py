@@ -38,14 +38,16 @@ def _can_mount(tmp_path: Path) -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist", "torch_dist --async-save"])
 def test_save_on_a_full_disk_keeps_the_previous_checkpoint(fmt, tmp_path) -> None:
     if reason := _can_mount(tmp_path):
         pytest.skip(reason)
     disk, copy = tmp_path / "disk", tmp_path / "after"
     disk.mkdir()
     save = disk / "ckpt"
-    argv = train_argv(tmp_path / "cache", "--save", str(save), "--ckpt-format", fmt, iters=4)
+    argv = train_argv(
+        tmp_path / "cache", "--save", str(save), "--ckpt-format", *fmt.split(), iters=4
+    )
     argv += ["--save-interval", "2"]
     train = shlex.join([sys.executable, "-m", "mg.trainer.cli", *argv])
     # one checkpoint of the tiny model is ~270 KB: room for the first save, not the second

@@ -20,16 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from mg.core.checkpoint.dist_format import PendingSave
+from mg.core.checkpoint.layout import STAGING_SUFFIX
+from mg.core.checkpoint.save_errors import describe_write_error, save_failed
 from mg.core.models.flops import num_floating_point_operations
 from mg.core.models.te_spec import FP8Options, fp8_autocast
 from mg.core.parallel.construct import routed_tokens_group
@@ -444,11 +448,36 @@ class Trainer:
             print(f" {verb} checkpoint at iteration {self.state.iteration} to {c.save}", flush=True)
 
     def finish_saves(self) -> None:
-        """Wait for an --async-save in flight (before the next save and before exiting)."""
-        if self._pending_save is not None:
-            self._pending_save.wait()
-            distributed.barrier()
-            self._pending_save = None
+        """Wait for an --async-save in flight (before the next save and before exiting).
+
+        A save that failed on any rank (a full disk) is discarded on all of them: its
+        staging folder is removed and every rank raises the one SaveError."""
+        if self._pending_save is None:
+            return
+        pending, self._pending_save = self._pending_save, None
+        reason = None
+        try:
+            pending.wait()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # DCP's CheckpointException derives from BaseException
+            reason = describe_write_error(error)
+        if distributed.all_reduce_max(float(reason is not None)) > 0:  # also the barrier
+            staging = pending.path.with_name(pending.path.name + STAGING_SUFFIX)
+            if self.env.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise save_failed(
+                pending.path.parent,
+                self._iteration_of(pending.path),
+                staging,
+                reason or "another rank could not write its part; see its error",
+            )
+
+    @staticmethod
+    def _iteration_of(folder: Path) -> int | str:
+        """The iteration an `iter_XXXXXXX` (or `release`) folder holds."""
+        name = folder.name
+        return int(name.removeprefix("iter_")) if name.startswith("iter_") else name
 
     def _validate_and_log(self, prefix: str, result: TrainResult) -> None:
         first = self.state.consumed_valid_samples
