@@ -73,9 +73,13 @@ def unpermute(rows: Tensor, heads: int) -> Tensor:
 
 def open_reader(path: Path) -> Any:
     """`gguf.GGUFReader` on `path`, a one-line error for anything that is not GGUF."""
-    # lazy: gguf (and its numpy memmap reader) only when a GGUF file is converted
-    from gguf import GGUFReader
-
+    try:
+        # lazy: gguf (and its numpy memmap reader) only when a GGUF file is converted
+        from gguf import GGUFReader
+    except ImportError:
+        raise ConvertError(
+            "import-gguf needs the gguf package (llama.cpp's reader): pip install gguf"
+        ) from None
     if not path.is_file():
         raise ConvertError(f"{path} does not exist or is not a file: give a .gguf file")
     try:
