@@ -49,7 +49,7 @@ def test_mg_train_names_the_dataset_the_id_and_the_vocabulary(tmp_path, capsys) 
 
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("mg-train: error: "), line
-    assert f"{prefix}.bin" in line and f"token id {TOO_LARGE}" in line, line
+    assert f"{prefix}.bin" in line and f"largest token id is {TOO_LARGE}" in line, line
     assert "128" in line and "mg-prep" in line, line
     assert not (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").exists()
 
@@ -67,7 +67,7 @@ def test_mg_eval_names_the_dataset_the_id_and_the_vocabulary(artifacts, tmp_path
     assert exit_code(lambda: main(argv)) == 2
 
     line = _one_line(capsys.readouterr().err)
-    assert f"{prefix}.bin" in line and f"token id {top}" in line, line
+    assert f"{prefix}.bin" in line and f"largest token id is {top}" in line, line
     assert "vocabulary" in line and "mg-prep" in line, line
 
 
@@ -78,6 +78,7 @@ def test_ids_inside_the_vocabulary_pass(tmp_path) -> None:
     _dataset_with_id(prefix, 127)
     check_token_ids([str(prefix)], 128, "the model's vocabulary")
     with pytest.raises(
-        ValueError, match="token id 127, beyond the model's vocabulary: ids must be below 127"
+        ValueError,
+        match="largest token id is 127, beyond the model's vocabulary: ids must be below 127",
     ):
         check_token_ids([str(prefix)], 127, "the model's vocabulary")
