@@ -42,7 +42,6 @@ def check_token_ids(prefixes: Iterable[str], vocab_size: int, vocabulary: str) -
             raise IndexedDatasetError(
                 f"{dataset.bin_path}: its largest token id is {top}, beyond {vocabulary}: ids "
                 f"must be below {vocab_size}; the data was made with another tokenizer. Re-run "
-                "mg-prep "
-                "with this model's tokenizer, or pick the tokenizer (and vocabulary size) the "
-                "data was made with"
+                "mg-prep with this model's tokenizer, or pick the tokenizer (and vocabulary "
+                "size) the data was made with"
             )
