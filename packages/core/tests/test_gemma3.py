@@ -183,3 +183,23 @@ def test_gemma3_paged_cache_refused_by_name():
     model, _ = _convert(_hf_model(_hf_config()))
     with pytest.raises(ValueError, match="window_attn_skip_freq"):
         PagedKVCache.for_model(model, num_blocks=4, block_size=8)
+
+
+def test_gemma3_parameter_count_and_flops_know_the_pieces():
+    from mg.core.models.flops import num_floating_point_operations, num_parameters
+    from mg.core.models.memory import stage_parameters
+
+    _, config = _convert(_hf_model(_hf_config()))
+    model = GPTModel(config)
+    assert num_parameters(config) == sum(p.numel() for p in model.parameters())
+    assert stage_parameters(config)[0] == num_parameters(config)
+    # the sliding layers (2 of 4, window 5 of 24 keys) count fewer attention FLOPs
+    full = TransformerConfig.from_dict(
+        {**config.to_dict(), "window_size": None, "window_attn_skip_freq": None}
+        | {"rotary_base_local": None}
+    )
+    windowed = num_floating_point_operations(config, 1, SEQ)
+    unwindowed = num_floating_point_operations(full, 1, SEQ)
+    h, q = config.hidden_size, config.query_projection_size / config.hidden_size
+    keys_saved = 2 * (SEQ / 2 - (WINDOW - WINDOW**2 / (2 * SEQ)))  # two sliding layers
+    assert unwindowed - windowed == pytest.approx(12 * SEQ * h**2 * q * keys_saved / h)

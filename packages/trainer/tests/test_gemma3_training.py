@@ -92,3 +92,24 @@ def test_gemma3_trains_and_resumes_bitwise(tmp_path, mock_argv, train):
     first = train(mock_argv(tmp_path, *GEMMA3, "--save", ckpt, "--exit-interval", "4", iters=8))
     second = train(mock_argv(tmp_path, *GEMMA3, "--load", ckpt, iters=8))
     assert first.losses + second.losses == straight.losses  # bitwise
+
+
+def test_gemma3_dry_run_matches_a_real_cpu_run(tmp_path, mock_argv):
+    """The dry run counts the sandwich and q/k norms: its parameter count equals a real
+    run's, and its FLOPs count the sliding layers' windows."""
+    import dataclasses
+
+    from mg.core.models.flops import num_floating_point_operations
+    from mg.trainer.dry_run import estimate
+    from mg.trainer.training import Trainer
+
+    args = parse_args(mock_argv(tmp_path, *GEMMA3, mbs=2, gbs=2, iters=3))
+    trainer = Trainer(args)
+    trainer.train()
+    planned = estimate(args, trainer.model_config).stages[0]
+    assert planned.parameters == sum(p.numel() for p in trainer.model.parameters())
+    config = trainer.model_config
+    full = dataclasses.replace(
+        config, window_size=None, window_attn_skip_freq=None, rotary_base_local=None
+    )
+    assert num_floating_point_operations(config, 2) < num_floating_point_operations(full, 2)

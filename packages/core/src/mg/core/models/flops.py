@@ -44,7 +44,7 @@ def num_parameters(
     norm = 2 * h if c.normalization == "LayerNorm" else h
     qkv_out = c.query_projection_size + 2 * c.kv_projection_size
     attention = (
-        2 * norm
+        layer_norms(c)
         + h * qkv_out
         + (qkv_out if c.add_bias_linear or c.add_qkv_bias else 0)
         + c.query_projection_size * h
@@ -62,6 +62,25 @@ def num_parameters(
     return total
 
 
+def layer_norms(config: TransformerConfig) -> int:
+    """Norm parameters of one layer: the two pre-norms, Gemma's two post-norms with
+    sandwich_norms, and the per-head query/key norms with qk_layernorm."""
+    c = config
+    norm = 2 * c.hidden_size if c.normalization == "LayerNorm" else c.hidden_size
+    head_norm = 2 * c.kv_channels if c.normalization == "LayerNorm" else c.kv_channels
+    return (4 if c.sandwich_norms else 2) * norm + (2 * head_norm if c.qk_layernorm else 0)
+
+
+def attended_keys(config: TransformerConfig, layer_number: int, seq_length: int) -> float:
+    """Keys a query attends on average, as Megatron's causal count has it (s/2); a
+    sliding window of W keys attends W - W²/(2s) (the same integral, capped at W)."""
+    window = config.layer_window_size(layer_number)
+    keys = window[0] + 1 if window is not None else seq_length
+    if keys >= seq_length:
+        return seq_length / 2
+    return keys - keys * keys / (2 * seq_length)
+
+
 def num_floating_point_operations(
     config: TransformerConfig, batch_size: int, seq_length: int | None = None
 ) -> float:
@@ -72,8 +91,9 @@ def num_floating_point_operations(
     B global batch, s sequence, L layers, h hidden, q = kv_channels·heads / h,
     g = query groups / heads, k router top-k (1 for dense), γ = 1.5 for a gated
     MLP (Megatron's `--swiglu`) else 1, F ffn width, V padded vocabulary.
-    The s/(2h) term counts causal attention (half the score matrix). No
-    recompute FLOPs are counted: this is the MFU numerator.
+    The s/(2h) term counts causal attention (half the score matrix); a
+    sliding-window layer counts the keys its window lets it see instead
+    (`attended_keys`). No recompute FLOPs are counted: this is the MFU numerator.
 
     MoE layers (per `moe_layer_freq`) count F·k as moe_ffn_hidden_size · top-k
     plus the shared experts' width, as Megatron's `num_floating_point_operations`
@@ -85,14 +105,14 @@ def num_floating_point_operations(
     q = c.kv_channels * c.num_attention_heads / h
     g = c.num_query_groups / c.num_attention_heads
     gamma = 1.5 if c.gated_linear_unit else 1.0
-    attention_h2 = (1 + g + s / (2 * h)) * q
     dense_ffn = c.ffn_hidden_size  # k = 1
     moe_ffn = 0
     if c.num_moe_experts is not None:
         moe_ffn = c.moe_ffn_hidden_size * c.moe_router_topk
         moe_ffn += c.moe_shared_expert_intermediate_size or 0
     per_layers_h2 = sum(
-        attention_h2 + ((moe_ffn if moe else dense_ffn) / h) * gamma for moe in c.moe_layer_pattern
+        (1 + g + attended_keys(c, i + 1, s) / h) * q + ((moe_ffn if moe else dense_ffn) / h) * gamma
+        for i, moe in enumerate(c.moe_layer_pattern)
     )
     layers_term = 12 * batch_size * s * h**2 * per_layers_h2
     logits_term = 6 * batch_size * s * h * c.vocab_size

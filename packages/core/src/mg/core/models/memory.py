@@ -44,7 +44,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mg.core.models.config import TransformerConfig
-from mg.core.models.flops import mlp_parameters, num_floating_point_operations, num_parameters
+from mg.core.models.flops import (
+    layer_norms,
+    mlp_parameters,
+    num_floating_point_operations,
+    num_parameters,
+)
 
 Precision = Literal["fp32", "bf16", "fp16"]
 _ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -117,14 +122,14 @@ def layer_parameters(config: TransformerConfig, tp: int = 1) -> int:
     """Parameters of one dense transformer layer on one tensor-parallel rank."""
     c = config
     h = c.hidden_size
-    norm = 2 * h if c.normalization == "LayerNorm" else h
     qkv_out = c.query_projection_size + 2 * c.kv_projection_size
     fc1_out = c.ffn_hidden_size * (2 if c.gated_linear_unit else 1)
     split = h * qkv_out + c.query_projection_size * h + h * fc1_out + c.ffn_hidden_size * h
     split_bias = (qkv_out if c.add_bias_linear or c.add_qkv_bias else 0) + (
         fc1_out if c.add_bias_linear else 0
     )
-    replicated = 2 * norm + (2 * h if c.add_bias_linear else 0)  # row-parallel biases
+    # the norms (sandwich and q/k norms too) and the row-parallel biases
+    replicated = layer_norms(c) + (2 * h if c.add_bias_linear else 0)
     return (split + split_bias) // tp + replicated
 
 
@@ -219,6 +224,8 @@ def layer_activation_bytes(
     split = s * b * (qkv + mlp) * e
     if c.normalization == "RMSNorm":  # unfused RMSNorm also keeps its normalized input
         replicated += 2 * sbh * e
+    if c.sandwich_norms:  # the post-norms' inputs (and normalized inputs for RMSNorm)
+        replicated += (4 if c.normalization == "RMSNorm" else 2) * sbh * e
     if fused_attention:
         split += a * s * b * 4  # fp32 log-sum-exp per row
     elif recompute != "selective":
