@@ -82,3 +82,25 @@ def test_ids_inside_the_vocabulary_pass(tmp_path) -> None:
         match="largest token id is 127, beyond the model's vocabulary: ids must be below 127",
     ):
         check_token_ids([str(prefix)], 127, "the model's vocabulary")
+
+
+def test_ranks_share_the_pass(tmp_path, monkeypatch) -> None:
+    """Each of three ranks reads every third chunk; their max is the dataset's."""
+    from mg.indexed_dataset import IndexedDataset, token_range
+
+    prefix = tmp_path / "shared_text_document"
+    _dataset_with_id(prefix, TOO_LARGE)
+    monkeypatch.setattr(token_range, "_CHUNK", 64)  # 4,000 tokens: 63 chunks
+    dataset = IndexedDataset(str(prefix))
+    parts = [token_range.max_token_id(dataset, (rank, 3)) for rank in range(3)]
+
+    assert max(parts) == TOO_LARGE == token_range.max_token_id(dataset)
+    assert sorted(parts)[:2] == [125, 125]  # the other ranks' shares hold ordinary ids
+    with pytest.raises(ValueError, match=f"largest token id is {TOO_LARGE}"):
+        token_range.check_token_ids(
+            [str(prefix)],
+            128,
+            "the model's vocabulary",
+            part=(1, 3),
+            reduce_max=lambda _: max(parts),
+        )

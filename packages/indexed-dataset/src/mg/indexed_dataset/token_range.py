@@ -4,12 +4,14 @@ A dataset made with another tokenizer (or for a larger vocabulary) holds ids the
 model's embedding has no row for; the first batch that meets one fails deep in
 the forward with an ``IndexError``, possibly hours in. The tools check each
 dataset's largest id first: one pass over the ``.bin`` (memory-mapped, in
-chunks), skipped when the file's dtype cannot hold an id that large.
+chunks), skipped when the file's dtype cannot hold an id that large. Several
+processes (a distributed run's ranks) share the pass: each reads every
+``count``-th chunk and ``reduce_max`` (an all-reduce) gives them all the answer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -19,23 +21,36 @@ from mg.indexed_dataset.reader import IndexedDataset
 _CHUNK = 1 << 24  # tokens per read: bounded memory on any dataset size
 
 
-def max_token_id(dataset: IndexedDataset) -> int:
-    """The largest token id in the dataset's ``.bin`` (-1 for an empty one)."""
+def max_token_id(dataset: IndexedDataset, part: tuple[int, int] = (0, 1)) -> int:
+    """The largest token id in the dataset's ``.bin`` (-1 for an empty one); with
+    ``part`` = (index, count), in this process's share of its chunks only."""
     if dataset.num_tokens == 0:
         return -1
     tokens = np.memmap(dataset.bin_path, dtype=dataset.dtype, mode="r")
-    return max(int(tokens[i : i + _CHUNK].max()) for i in range(0, len(tokens), _CHUNK))
+    index, count = part
+    starts = range(index * _CHUNK, len(tokens), count * _CHUNK)
+    return max((int(tokens[i : i + _CHUNK].max()) for i in starts), default=-1)
 
 
-def check_token_ids(prefixes: Iterable[str], vocab_size: int, vocabulary: str) -> None:
+def check_token_ids(
+    prefixes: Iterable[str],
+    vocab_size: int,
+    vocabulary: str,
+    *,
+    part: tuple[int, int] = (0, 1),
+    reduce_max: Callable[[int], int] = lambda top: top,
+) -> None:
     """Refuse a dataset holding an id >= ``vocab_size``; ``vocabulary`` says whose it is
-    (e.g. "the model's embedding (the tokenizer's 127 ids, padded to 128 rows)")."""
+    (e.g. "the model's embedding (the tokenizer's 127 ids, padded to 128 rows)").
+
+    Collective with ``part``/``reduce_max``: every process calls it with the same
+    prefixes, its (rank, world size) and a max over the processes."""
     for prefix in prefixes:
         dataset = IndexedDataset(prefix, validate=False)
         try:
             if np.iinfo(dataset.dtype).max < vocab_size:
                 continue  # no id the file can hold is out of range
-            top = max_token_id(dataset)
+            top = reduce_max(max_token_id(dataset, part))
         finally:
             dataset.close()
         if top >= vocab_size:

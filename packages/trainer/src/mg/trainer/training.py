@@ -255,6 +255,8 @@ class Trainer:
             rows,
             f"the model's embedding (the tokenizer's {self.tokenizer.vocab_size} ids, padded "
             f"to {rows} rows)",
+            part=(self.env.rank, self.env.world_size),  # the ranks share the one pass
+            reduce_max=lambda top: int(distributed.all_reduce_max(float(top))),
         )
 
     # --- one iteration ------------------------------------------------------------------------
