@@ -24,8 +24,8 @@ VOCAB = 128
 WINDOW = 6
 
 
-def _make(folder) -> torch.nn.Module:
-    config = transformers.Gemma3TextConfig(
+def _config():
+    return transformers.Gemma3TextConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
@@ -39,8 +39,11 @@ def _make(folder) -> torch.nn.Module:
         query_pre_attn_scalar=16,
         rope_scaling={"rope_type": "linear", "factor": 8.0},
     )
+
+
+def _make(folder) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config)
+    model = transformers.Gemma3ForCausalLM(_config())
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.3 if "norm" in name else 0.1)
@@ -95,3 +98,14 @@ def test_gemma3_import_export_round_trip(tmp_path):
     source = json.loads((tmp_path / "hf" / "config.json").read_text())
     for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
         assert written[key] == source[key], key
+
+
+def test_a_trained_gemma3_shaped_model_exports_as_gemma3():
+    """A model trained by mg-train (no recorded HF type) with sandwich norms is Gemma 3's."""
+    import dataclasses
+
+    from mg.ckpt_convert.export_hf import guess_architecture
+    from mg.core.models.hf_mapping import config_from_hf
+
+    config = config_from_hf(json.loads(_config().to_json_string()))
+    assert guess_architecture(dataclasses.replace(config, extra={}), []) == "gemma3_text"
