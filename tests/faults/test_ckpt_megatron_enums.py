@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import pathlib
 import pickle
 import shutil
 import signal
@@ -70,6 +71,8 @@ def megatron_like_args(args: dict | argparse.Namespace) -> argparse.Namespace:
     values = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
     values["attention_backend"] = _EnumValue(_Named(*ATTN_BACKEND), 5)  # AttnBackend.auto
     values["exit_signal"] = signal.SIGTERM
+    values["save"] = pathlib.PosixPath("/checkpoints/gpt")
+    values["rerun"] = types.SimpleNamespace(mode="disabled")
     return argparse.Namespace(**values)
 
 
@@ -109,6 +112,7 @@ def test_common_pt_with_megatron_enums_reads_as_names(artifacts, tmp_path) -> No
     assert args.attention_backend == "auto"
     assert args.exit_signal == "SIGTERM"
     assert type(args.attention_backend) is str and type(args.exit_signal) is str
+    assert args.save == "/checkpoints/gpt" and args.rerun.mode == "disabled"
 
 
 @pytest.mark.parametrize("tool", ["mg-eval", "mg-convert inspect", "mg-convert export-hf"])

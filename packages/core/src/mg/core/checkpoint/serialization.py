@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import types
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ _np_core = getattr(np, "_core", None) or np.core  # numpy >= 2 renamed numpy.cor
 def _safe_globals() -> list[Any]:
     allowed: list[Any] = [
         argparse.Namespace,
+        types.SimpleNamespace,  # Megatron-LM's rerun state machine keeps one
         _np_core.multiarray._reconstruct,
         _np_core.multiarray.scalar,
         np.ndarray,
