@@ -51,7 +51,7 @@ def ours(gguf_file, tmp_path_factory):
     save = tmp_path_factory.mktemp("smollm2") / "ckpt"
     import_gguf(gguf_file, save, progress=False)
     model, config, tokenizer_config, _ = load_model(save)
-    return model.eval(), config, build_tokenizer(tokenizer_config)
+    return model.eval(), config, build_tokenizer(tokenizer_config), save
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def reference(gguf_file):
 
 
 def test_config(ours) -> None:
-    _, config, tokenizer = ours
+    _, config, tokenizer, _ = ours
     assert (config.num_layers, config.hidden_size, config.ffn_hidden_size) == (30, 576, 1536)
     assert (config.num_attention_heads, config.num_query_groups) == (9, 3)
     assert config.rotary_base == 100000.0 and not config.untie_embeddings_and_output_weights
@@ -81,7 +81,7 @@ def test_config(ours) -> None:
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_logits_equal_transformers(prompt, ours, reference) -> None:
-    model, _, tokenizer = ours
+    model, _, tokenizer, _ = ours
     hf_model, hf_tokenizer = reference
     ids = tokenizer.tokenize(prompt)
     assert ids == hf_tokenizer(prompt).input_ids
@@ -93,7 +93,7 @@ def test_logits_equal_transformers(prompt, ours, reference) -> None:
 
 
 def test_greedy_continuation_names_paris(ours) -> None:
-    model, _, tokenizer = ours
+    model, _, tokenizer, _ = ours
     ids = tokenizer.tokenize("The capital of France is")
     for _ in range(4):
         with torch.no_grad():
@@ -109,7 +109,7 @@ def _perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 
 def test_botchan_perplexity_equals_transformers(ours, reference) -> None:
-    model, _, tokenizer = ours
+    model, _, tokenizer, _ = ours
     hf_model, _ = reference
     text = _fixture("botchan", "botchan.txt").read_text(encoding="utf-8-sig")
     ids = torch.tensor([tokenizer.tokenize(text[:4000])[:512]])
@@ -120,3 +120,28 @@ def test_botchan_perplexity_equals_transformers(ours, reference) -> None:
     print(f"botchan, 512 tokens: perplexity {mine:.4f} (transformers {theirs:.4f})")
     assert abs(mine - theirs) / theirs <= 1e-3
     assert 5 < mine < 100  # a trained model on English prose
+
+
+def test_export_hf_gives_the_model_and_chat_template_back(ours, reference, tmp_path) -> None:
+    """export-hf of the imported checkpoint: transformers loads the folder (weights,
+    tokenizer, chat template) and computes the reference logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mg.ckpt_convert.export_hf import export_hf
+
+    _, _, tokenizer, save = ours
+    hf_model, _ = reference
+    export_hf(save, tmp_path / "hf", progress=False)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    chat = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat.startswith("<|im_start|>system\n") and chat.endswith("<|im_start|>assistant\n")
+    ids = hf_tokenizer(chat).input_ids
+    assert ids == tokenizer.tokenize(chat)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        diff = (loaded(x).logits - hf_model(x).logits).abs().max().item()
+    print(f"export-hf → transformers: max |Δlogits| = {diff:.2e}")
+    assert diff <= 1e-4

@@ -143,6 +143,12 @@ class GGUFWeights:
                 unknown.append(tensor.name)
             elif not (tie_output and name == "lm_head.weight"):
                 self._tensors[name] = tensor
+        if "rope_freqs.weight" in unknown:
+            raise ConvertError(
+                f"{path}: rope_freqs.weight holds RoPE frequency factors (Llama 3.1-style "
+                "scaling), which import-gguf does not read; import the Hugging Face model "
+                "with import-hf instead"
+            )
         if unknown:
             raise ConvertError(
                 f"{path}: tensors with no counterpart in a Llama / Mistral / Qwen2 / Qwen3 "
