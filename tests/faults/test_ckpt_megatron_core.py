@@ -103,3 +103,28 @@ def test_mg_eval_reads_a_megatron_lm_save(saves, artifacts, tmp_path, capsys) ->
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]
     assert "Traceback" not in err and "ppl" in out.lower(), out
+
+
+_EVAL = "import sys\nfrom mg.evaluate.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+def test_mg_eval_reads_a_megatron_lm_save_at_tp2(saves, artifacts, tmp_path) -> None:
+    """The same, each of two ranks reading its tensor-parallel part (load_model_part)."""
+    from mg.core.testing.launch import run_ranks
+
+    script = tmp_path / "mg_eval.py"
+    script.write_text(_EVAL)
+    argv = [
+        "ppl",
+        "--load",
+        str(saves / "lm"),
+        "--data-path",
+        str(artifacts / "data_text_document"),
+    ]
+    argv += ["--split", "50,50,0", "--eval-iters", "1", "--data-cache-path", str(tmp_path)]
+    argv += ["--tensor-model-parallel-size", "2"]
+
+    outcomes = run_ranks(str(script), 2, argv)
+
+    assert [o.returncode for o in outcomes] == [0, 0], [o.log[-2000:] for o in outcomes]
+    assert not any("Traceback" in o.log for o in outcomes)

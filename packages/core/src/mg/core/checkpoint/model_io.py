@@ -101,7 +101,7 @@ def load_model(
     iteration = resolve_iteration(load_dir, iteration)
     folder = iteration_dir(load_dir, iteration)
     if is_torch_dist(folder):
-        state, path = _described(load_common(folder), folder), folder
+        state, path = described_common(folder), folder
         weights_of = lambda config: load_full_state(  # noqa: E731 (read after the config check)
             folder, grouped=bool(getattr(config, "moe_grouped_gemm", False))
         )
@@ -128,10 +128,12 @@ def load_model(
     return model.eval(), config, tokenizer_config, info
 
 
-def _described(common: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """A torch_dist common.pt with ``mg``'s record of the model: mg's own, or for a save by
-    Megatron-LM the one its args describe (as import-megatron reads them), its layers
-    named by the Transformer Engine spec when the stored keys are (Megatron-LM's default)."""
+def described_common(folder: Path) -> dict[str, Any]:
+    """A torch_dist folder's common.pt with ``mg``'s record of the model: mg's own, or for
+    a save by Megatron-LM the one its args describe (as import-megatron reads them), its
+    layers named by the Transformer Engine spec when the stored keys are (Megatron-LM's
+    default)."""
+    common = load_common(folder)
     if (common.get("mg") or {}).get("model_config") or common.get("args") is None:
         return common
     _, described, _, _ = megatron_source_state(common, folder)

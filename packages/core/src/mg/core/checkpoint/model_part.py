@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_model_tensors
+from mg.core.checkpoint.dist_format import is_torch_dist, load_model_tensors
 from mg.core.checkpoint.layout import CheckpointError, Iteration
-from mg.core.checkpoint.model_io import ModelInfo, model_chunks, model_configs
+from mg.core.checkpoint.model_io import ModelInfo, described_common, model_chunks, model_configs
 from mg.core.checkpoint.pp_split import merge_pipeline
 from mg.core.checkpoint.serialization import load_file
 from mg.core.checkpoint.torch_format import (
@@ -81,7 +81,7 @@ def load_model_part(
     folder = iteration_dir(load_dir, iteration)
     dist_format = is_torch_dist(folder)
     if dist_format:
-        state, path = load_common(folder), folder
+        state, path = described_common(folder), folder
     else:
         path, _ = find_rank_file(folder)
         state = load_file(path, mmap=True)
