@@ -198,7 +198,7 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% en
 EOS = TOKENS.index("<|endoftext|>")
 
 
-def hf_model(arch: str, tied: bool = False):
+def hf_model(arch: str, tied: bool = False, rope_scaling: dict | None = None):
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -227,6 +227,7 @@ def hf_model(arch: str, tied: bool = False):
         rope_theta=20000.0,
         tie_word_embeddings=tied,
         attn_implementation="eager",
+        **({"rope_scaling": dict(rope_scaling)} if rope_scaling else {}),  # it adds keys
     )
     torch.manual_seed(0)
     model = model_class(config)
@@ -262,7 +263,26 @@ def gguf_name(name: str) -> str:
     return f"blk.{layer}.{_GGUF_NAMES[rest]}"
 
 
-def write_gguf(path: Path, arch: str, model, kind: str = "F32", seed: int = 0) -> dict:
+def llama3_rope_freqs(head_dim: int, base: float, scaling: dict) -> np.ndarray:
+    """convert_hf_to_gguf.py's rope_freqs.weight for a llama3 `rope_scaling`."""
+    factor, low = scaling["factor"], scaling["low_freq_factor"]
+    high, old = scaling["high_freq_factor"], scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(
+    path: Path, arch: str, model, kind: str = "F32", seed: int = 0, rope: dict | None = None
+) -> dict:
     """The file llama.cpp's converter writes for `model` (q/k permuted for llama),
     with its 2-D tensors in `kind`; quantized types get random blocks instead of the
     model's weights. Returns the HF tensors the file holds (dequantized, unpermuted)."""
@@ -295,6 +315,8 @@ def write_gguf(path: Path, arch: str, model, kind: str = "F32", seed: int = 0) -
     writer.add_pad_token_id(EOS)
     writer.add_add_bos_token(False)
     writer.add_chat_template(TEMPLATE)
+    if rope:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config.head_dim, 20000.0, rope))
     expected = {}
     for i, (name, tensor) in enumerate(model.state_dict().items()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -354,6 +376,50 @@ def test_architecture_logits_equal_transformers(arch: str, tied: bool, tmp_path:
     diff = (got - expected).abs().max().item()
     print(f"{arch} tied={tied}: max |Δlogits| = {diff:.2e}")
     assert diff <= 1e-4
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path: Path) -> None:
+    model = hf_model("llama", rope_scaling=LLAMA3_ROPE)
+    write_gguf(tmp_path / "m.gguf", "llama", model, rope=LLAMA3_ROPE)
+    import_gguf(tmp_path / "m.gguf", tmp_path / "ckpt", progress=False)
+    ours, config, _, _ = load_model(tmp_path / "ckpt")
+    scaling = config.rope_scaling
+    assert (scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor) == (8, 1, 4)
+    assert scaling.original_max_position_embeddings == 16
+    ids = torch.randint(0, VOCAB - 10, (1, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(ids)[..., :VOCAB] - model(ids).logits).abs().max().item()
+    assert diff <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "base", "factor", "high", "original"),
+    [
+        (128, 500000.0, 8.0, 4.0, 8192),  # Llama 3.1 8B
+        (64, 500000.0, 32.0, 4.0, 8192),  # Llama 3.2 1B
+        (128, 500000.0, 4.0, 2.5, 1000),  # unusual numbers: fitted, not looked up
+    ],
+)
+def test_llama3_parameters_recovered(head_dim, base, factor, high, original) -> None:
+    from mg.ckpt_convert.gguf_rope import llama3_scaling
+
+    scaling = dict(
+        LLAMA3_ROPE, factor=factor, high_freq_factor=high, original_max_position_embeddings=original
+    )
+    got = llama3_scaling(llama3_rope_freqs(head_dim, base, scaling), head_dim, base)
+    assert got == scaling
+    assert llama3_scaling(np.ones(head_dim // 2, np.float32), head_dim, base) == {}
+    noise = np.random.default_rng(0).uniform(1, 3, head_dim // 2)
+    assert llama3_scaling(noise, head_dim, base) is None
 
 
 @pytest.mark.parametrize("kind", ["F16", "BF16", *BLOCKS])

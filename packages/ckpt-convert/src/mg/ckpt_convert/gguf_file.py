@@ -51,6 +51,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+ROPE_FREQS = "rope_freqs.weight"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -139,16 +140,12 @@ class GGUFWeights:
         unknown = []
         for tensor in reader.tensors:
             name = hf_name(tensor.name)
+            if tensor.name == ROPE_FREQS:  # read into the config (gguf_rope), not a weight
+                continue
             if name is None:
                 unknown.append(tensor.name)
             elif not (tie_output and name == "lm_head.weight"):
                 self._tensors[name] = tensor
-        if "rope_freqs.weight" in unknown:
-            raise ConvertError(
-                f"{path}: rope_freqs.weight holds RoPE frequency factors (Llama 3.1-style "
-                "scaling), which import-gguf does not read; import the Hugging Face model "
-                "with import-hf instead"
-            )
         if unknown:
             raise ConvertError(
                 f"{path}: tensors with no counterpart in a Llama / Mistral / Qwen2 / Qwen3 "

@@ -20,7 +20,8 @@ from pathlib import Path
 from mg.ckpt_convert.architectures import model_config_of_hf
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.gguf_config import generation_config_of, gguf_architecture, hf_config_of_gguf
-from mg.ckpt_convert.gguf_file import GGUFWeights, metadata, open_reader
+from mg.ckpt_convert.gguf_file import ROPE_FREQS, GGUFWeights, dequantized, metadata, open_reader
+from mg.ckpt_convert.gguf_rope import llama3_scaling
 from mg.ckpt_convert.gguf_tokenizer import write_tokenizer
 from mg.ckpt_convert.import_hf import DTYPES, TOKENIZER_DIR, convert_weights
 from mg.ckpt_convert.staging import check_target, staged_dir
@@ -55,13 +56,32 @@ def _vocab_size(meta: dict, reader, arch: str) -> int:
     return int(embedding.shape[-1])
 
 
+def rope_scaling_of(meta: dict, reader, path: Path, arch: str) -> dict | None:
+    """Llama 3.1-style scaling from rope_freqs.weight (None when the file has none)."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    heads = int(meta.get(f"{arch}.attention.head_count", 1))
+    head_dim = int(meta.get(f"{arch}.embedding_length", 0)) // heads
+    head_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    scaling = llama3_scaling(dequantized(tensor, path).numpy(), head_dim, base)
+    if scaling is None:
+        raise ConvertError(
+            f"{path}: {ROPE_FREQS} holds RoPE frequency factors that no Llama 3.1-style "
+            "(llama3) scaling reproduces; import the Hugging Face model with import-hf"
+        )
+    return scaling
+
+
 def model_config_of_gguf(
     meta: dict, reader, path: Path, tied: bool, make_vocab_size_divisible_by: int
 ) -> TransformerConfig:
     """The file's TransformerConfig, with Megatron's padded vocabulary and import-hf's
     ``extra`` (hf_model_type, hf_vocab_size, hf_config, hf_generation_config)."""
     arch = gguf_architecture(meta, path)
-    hf_config = hf_config_of_gguf(meta, path, tied, _vocab_size(meta, reader, arch))
+    rope_scaling = rope_scaling_of(meta, reader, path, arch)
+    hf_config = hf_config_of_gguf(meta, path, tied, _vocab_size(meta, reader, arch), rope_scaling)
     try:
         config = model_config_of_hf(hf_config)
     except ValueError as exc:
