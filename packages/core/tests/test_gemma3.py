@@ -179,10 +179,28 @@ def test_gemma3_slot_cache_decodes_as_the_full_forward():
     assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
 
-def test_gemma3_paged_cache_refused_by_name():
-    model, _ = _convert(_hf_model(_hf_config()))
-    with pytest.raises(ValueError, match="window_attn_skip_freq"):
-        PagedKVCache.for_model(model, num_blocks=4, block_size=8)
+def test_gemma3_paged_cache_decodes_as_the_full_forward():
+    """The paged cache keeps each layer's window (prefill chunks and decode rows alike)
+    and the softmax scale."""
+    from mg.core.models.paged_kv_cache import PagedSegment
+
+    hf = _hf_model(_hf_config())
+    model, _ = _convert(hf)
+    ids = _ids()[:1]
+    cache = PagedKVCache.for_model(model, num_blocks=8, block_size=4)
+    assert cache.layer_windows == [(WINDOW - 1, 0), None, (WINDOW - 1, 0), None]
+    blocks = list(range(SEQ // 4))
+    with torch.no_grad():
+        full = model(ids)
+        steps = []
+        for start, length in ((0, 7), (7, 6)):  # two prefill chunks, the second cached
+            cache.bind([PagedSegment(0, length, start, blocks)])
+            positions = torch.arange(start, start + length)[None]
+            steps.append(model(ids[:, start : start + length], positions, inference_cache=cache))
+        for t in range(13, SEQ):
+            cache.bind([PagedSegment(0, 1, t, blocks)])
+            steps.append(model(ids[:, t : t + 1], torch.tensor([[t]]), inference_cache=cache))
+    assert (torch.cat(steps, dim=1) - full).abs().max().item() < 1e-5
 
 
 def test_gemma3_parameter_count_and_flops_know_the_pieces():

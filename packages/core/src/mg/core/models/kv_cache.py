@@ -136,14 +136,3 @@ def cached_attention(
         enable_gqa=key.shape[2] != heads,
     )
     return out.transpose(1, 2).reshape(b, s, heads * d)
-
-
-def check_paged_support(config: object) -> None:
-    """Refuse, by field, what the paged cache's attention does not compute yet: one
-    window and the 1/√d scale for every layer (so no local/global pattern, Gemma 3)."""
-    for name in ("window_attn_skip_freq", "softmax_scale"):
-        if getattr(config, name, None) is not None:
-            raise ValueError(
-                f"the paged KV cache (mg-serve) does not support {name} yet (a Gemma 3 "
-                "style model); use the slot KVCache (mg.core.models.kv_cache) or mg-eval"
-            )

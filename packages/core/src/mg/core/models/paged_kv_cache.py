@@ -46,7 +46,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mg.core.models.kv_cache import check_paged_support
 from mg.core.models.paged_attention_cpu import DecodeKernel, decode_kernel
 
 GATHERED = "SDPA over gathered blocks"
@@ -101,8 +100,9 @@ class _Prefill:
     length: int
     context: int
     blocks: Tensor
-    mask: Tensor | None
-    """None: a chunk from position 0 (plain causal attention, no window)."""
+    masks: dict[tuple[int, int] | None, Tensor | None]
+    """Per sliding window (None: global) of the model's layers; a mask None: a chunk
+    from position 0 (plain causal attention, no window)."""
 
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -158,6 +158,8 @@ class PagedKVCache:
         device: torch.device | str | None = None,
         window_size: tuple[int, int] | None = None,
         fp8: bool = False,
+        layer_windows: Sequence[tuple[int, int] | None] | None = None,
+        softmax_scale: float | None = None,
     ) -> None:
         device = torch.device(device or "cpu")
         shape = (num_layers, num_blocks, block_size, num_groups, head_dim)
@@ -173,6 +175,11 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_heads = num_heads
         self.window_size = window_size
+        # each layer's window, where only some layers slide (Gemma 3's local/global
+        # pattern): the masks are built once per bind for each distinct window
+        self.layer_windows = list(layer_windows or [window_size] * num_layers)
+        self._windows = list(dict.fromkeys(self.layer_windows))
+        self.softmax_scale = softmax_scale
         self.device = device
         self.decode_kernel: DecodeKernel | None = None
         """Decode rows' attention read in place (`use_cpu_decode_kernel`); None: SDPA over
@@ -211,10 +218,14 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """A pool shaped for `model`'s attention layers (a GPTModel's every layer, a hybrid's
         attention layers; their local heads under tensor parallelism)."""
-        check_paged_support(model.config)
         layers = [layer for layer in model.decoder.layers if hasattr(layer, "self_attention")]
         attention = layers[0].self_attention
         weight = next(model.parameters())
+        config = model.config
+        windows = None
+        if getattr(config, "window_attn_skip_freq", None) is not None:
+            numbers = [layer.self_attention.layer_number for layer in layers]
+            windows = [config.layer_window_size(number) for number in numbers]
         return cls(
             num_layers=len(layers),
             num_blocks=num_blocks,
@@ -224,8 +235,10 @@ class PagedKVCache:
             num_heads=attention.num_heads,
             dtype=weight.dtype,
             device=weight.device,
-            window_size=model.config.window_size,
+            window_size=config.window_size,
             fp8=fp8,
+            layer_windows=windows,
+            softmax_scale=getattr(config, "softmax_scale", None),
         )
 
     def bind(self, segments: Sequence[PagedSegment]) -> None:
@@ -256,7 +269,10 @@ class PagedKVCache:
                         s.query_length,
                         s.context_start,
                         torch.tensor(s.blocks[:nb], device=device),
-                        self._mask([s], s.query_length, nb * bs, chunk=True),
+                        {
+                            w: self._mask([s], s.query_length, nb * bs, chunk=True, window=w)
+                            for w in self._windows
+                        },
                     )
                 )
         self._num_tokens = expected
@@ -275,8 +291,8 @@ class PagedKVCache:
             self._decode_tables = torch.tensor(tables, device=device)
             self._decode_lengths = torch.tensor([s.context_length for s in decodes], device=device)
             self._decode_segments = decodes
-            self._decode_mask = None  # built where first needed: the CPU kernel needs none
-        self._decode_bias = None
+            self._decode_masks = {}  # built where first needed: the CPU kernel needs none
+        self._decode_biases = {}
         self._bound = True
 
     def bind_static(
@@ -297,9 +313,9 @@ class PagedKVCache:
         padded = list(segments) + [PagedSegment(i, 1, 0, [pad_block]) for i in range(n, rows)]
         slots = [s.blocks[s.context_start // bs] * bs + s.context_start % bs for s in padded]
         tables = [list(s.blocks[:width]) + [pad_block] * (width - len(s.blocks)) for s in padded]
-        mask = self._mask(padded, 1, width * bs, chunk=False)
+        masks = [self._mask(padded, 1, width * bs, chunk=False, window=w) for w in self._windows]
         lengths = [s.context_length for s in padded]
-        fresh = (torch.tensor(slots), torch.tensor(tables), mask, torch.tensor(lengths))
+        fresh = (torch.tensor(slots), torch.tensor(tables), torch.tensor(lengths), *masks)
         static = getattr(self, "_static", {})
         self._static = static
         if rows not in static or static[rows][1].shape[1] != width:
@@ -307,25 +323,31 @@ class PagedKVCache:
         else:
             for into, value in zip(static[rows], fresh, strict=True):
                 into.copy_(value, non_blocking=True)
-        self._slots, self._decode_tables, self._decode_mask, self._decode_lengths = static[rows]
+        self._slots, self._decode_tables, self._decode_lengths, *masks = static[rows]
+        self._decode_masks = dict(zip(self._windows, masks, strict=True))
         self._num_tokens, self._prefills, self._decode_rows = rows, [], slice(0, rows)
-        self._decode_bias = None
+        self._decode_biases = {}
         self._bound = True
 
     def _mask(
-        self, segments: list[PagedSegment], queries: int, keys: int, chunk: bool
+        self,
+        segments: list[PagedSegment],
+        queries: int,
+        keys: int,
+        chunk: bool,
+        window: tuple[int, int] | None,
     ) -> Tensor | None:
         """Bool [rows, 1, queries, keys] (True = attend): key j is visible to query i of a
         row when j <= its position (and within the sliding window)."""
         s = segments[0]
-        if chunk and s.context_start == 0 and self.window_size is None:
+        if chunk and s.context_start == 0 and window is None:
             return None  # plain causal over exactly its own keys
         start = torch.tensor([x.context_start for x in segments])
         position = start[:, None] + torch.arange(queries)[None, :]  # [rows, queries]
         j = torch.arange(keys)
         allowed = j[None, None, :] <= position[:, :, None]
-        if self.window_size is not None:
-            allowed &= j[None, None, :] >= position[:, :, None] - self.window_size[0]
+        if window is not None:
+            allowed &= j[None, None, :] >= position[:, :, None] - window[0]
         return allowed[:, None].to(self.device)
 
     def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
@@ -340,7 +362,8 @@ class PagedKVCache:
                 f"the step has shape [{b}, {t}]"
             )
         groups = self.keys.shape[3]
-        scale = 1.0 / math.sqrt(d)
+        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(d)
+        window = self.layer_windows[layer_index]
         rows = self._decode_rows
         every_row_decodes = isinstance(rows, slice) and rows == slice(0, t)
         if every_row_decodes and self._kernel_reads(query) and key.dtype == query.dtype:
@@ -357,14 +380,15 @@ class PagedKVCache:
             out[self._decode_rows] = context
         for p in self._prefills:
             length = p.context + p.length
+            mask = p.masks[window]
             q = query[0, p.start : p.start + p.length].transpose(0, 1)[None]  # [1, heads, s, d]
             k, v = self._read(layer_index, p.blocks, q.dtype)
             k, v = k.view(-1, groups, d), v.view(-1, groups, d)
-            if p.mask is None:
+            if mask is None:
                 k, v = k[:length], v[:length]
             k, v = (x.transpose(0, 1)[None] for x in (k, v))
             context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
             )
             out[p.start : p.start + p.length] = context[0].transpose(0, 1)
         return out.view(1, t, heads * d)
@@ -383,8 +407,9 @@ class PagedKVCache:
         """The decode rows' context [n, heads, d] for their queries [n, heads, d]; `new`:
         the rows' own keys and values, for the kernel to store (a decode-only step)."""
         n, heads, d = query.shape
+        window_size = self.layer_windows[layer_index]
         if self._kernel_reads(query):
-            window = self.window_size[0] if self.window_size is not None else -1
+            window = window_size[0] if window_size is not None else -1
             return self.decode_kernel(
                 query,
                 self.keys[layer_index],
@@ -403,26 +428,27 @@ class PagedKVCache:
         k = k.view(n, -1, groups, d).transpose(1, 2)
         v = v.view(n, -1, groups, d).transpose(1, 2)
         context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self._bias(q.dtype), scale=scale
+            q, k, v, attn_mask=self._bias(q.dtype, window_size), scale=scale
         )
         return context.reshape(n, heads, d)
 
-    def _bias(self, dtype: torch.dtype) -> Tensor:
+    def _bias(self, dtype: torch.dtype, window: tuple[int, int] | None) -> Tensor:
         """The decode mask [n, 1, 1, keys] as an additive bias (0 / -inf) in the queries'
         dtype, built once per bind: SDPA on a CPU would convert the bool mask in every
         layer (1.7x the attention's time for 8 sequences of 256 positions in bf16). The
         mask applies to a row's every query head alike. Every row sees at
         least its own position, so no row is all -inf. While a CUDA graph is captured it
         is built in every layer, so that the graph recomputes it from the static mask."""
-        bias = self._decode_bias
-        mask = self._decode_mask
+        bias = self._decode_biases.get(window)
+        mask = self._decode_masks.get(window)
         if mask is None:
             keys = self._decode_tables.shape[1] * self.block_size
-            mask = self._decode_mask = self._mask(self._decode_segments, 1, keys, chunk=False)
+            mask = self._mask(self._decode_segments, 1, keys, chunk=False, window=window)
+            self._decode_masks[window] = mask
         capturing = mask.is_cuda and torch.cuda.is_current_stream_capturing()
         if bias is None or bias.dtype != dtype or capturing:
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            bias = self._decode_bias = bias.masked_fill_(~mask, float("-inf"))
+            bias = self._decode_biases[window] = bias.masked_fill_(~mask, float("-inf"))
         return bias
 
     def _store(self, layer_index: int, key: Tensor, value: Tensor) -> None:
