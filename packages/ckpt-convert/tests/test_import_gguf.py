@@ -19,10 +19,11 @@ from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import dequantize
 
 from mg.ckpt_convert.gguf_file import metadata, open_reader, unpermute
-from mg.ckpt_convert.gguf_tokenizer import build_tokenizer
+from mg.ckpt_convert.gguf_tokenizer import build_tokenizer, write_tokenizer
 from mg.ckpt_convert.import_gguf import import_gguf
 from mg.core.checkpoint.model_io import load_model
 from mg.core.tokenizers.build import build_tokenizer as mg_tokenizer
+from mg.core.tokenizers.config import TokenizerConfig
 
 pytest.importorskip("transformers")
 
@@ -459,9 +460,10 @@ def test_tokenizer_and_chat_template(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "name", ["gpt-2", pytest.param("llama-bpe", marks=pytest.mark.slow), "llama-spm"]
 )
-def test_vocabularies_tokenize_as_llama_cpp(name: str) -> None:
+def test_vocabularies_tokenize_as_llama_cpp(name: str, tmp_path: Path) -> None:
     """llama.cpp's vocab-only GGUFs and their expected token ids (test-tokenizer-0):
-    GPT-2 and Llama 3 byte-level BPE, Llama 2 SentencePiece."""
+    GPT-2 and Llama 3 byte-level BPE, Llama 2 SentencePiece; written out, mg's
+    HuggingFaceTokenizer adds BOS where llama.cpp does (Llama 2, Llama 3)."""
     from mg.core.fixtures import FixtureError, fixture_dir
 
     try:
@@ -477,6 +479,15 @@ def test_vocabularies_tokenize_as_llama_cpp(name: str) -> None:
     assert len(texts) == len(outs) > 40
     for text, out in zip(texts, outs, strict=True):
         assert tokenizer.encode(text, add_special_tokens=False).ids == [int(i) for i in out.split()]
+
+    meta = metadata(open_reader(path))
+    assert write_tokenizer(meta, path, tmp_path / "tok", 4096)
+    ours = mg_tokenizer(
+        TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "tok"))
+    )
+    bos = {"gpt-2": [], "llama-bpe": [128000], "llama-spm": [1]}[name]
+    assert ours.tokenize(texts[-2]) == bos + [int(i) for i in outs[-2].split()]
+    assert ours.eod == meta["tokenizer.ggml.eos_token_id"]
 
 
 def _cli(capsys, *args: str) -> tuple[int, str]:

@@ -85,13 +85,22 @@ def _special(meta: dict[str, Any], tokens: list[str], name: str) -> str | None:
     return tokens[int(index)]
 
 
+def adds_bos(meta: dict[str, Any]) -> bool:
+    """tokenizer.ggml.add_bos_token, else llama.cpp's default: on for SentencePiece and
+    Llama 3's BPE, off for other BPE vocabularies."""
+    if "tokenizer.ggml.add_bos_token" in meta:
+        return bool(meta["tokenizer.ggml.add_bos_token"])
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    return model == "llama" or pre in _IGNORE_MERGES
+
+
 def _post_processor(bos: str | None, eos: str | None, meta: dict[str, Any], ids: dict) -> Any:
     """BOS / EOS added to every text as the file says (llama.cpp's add_bos/add_eos)."""
     # lazy: tokenizers only when a GGUF file is converted
     from tokenizers import processors
 
     model = meta.get("tokenizer.ggml.model")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")) and bos
+    add_bos = adds_bos(meta) and bos
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos
     if not add_bos and not add_eos:
         return processors.ByteLevel(trim_offsets=False) if model == "gpt2" else None
@@ -161,10 +170,9 @@ def build_tokenizer(meta: dict[str, Any], path: Path) -> Any:
 def tokenizer_config(meta: dict[str, Any], context: int) -> dict[str, Any]:
     """tokenizer_config.json: the special tokens by text and the chat template."""
     tokens = [str(t) for t in meta.get("tokenizer.ggml.tokens") or []]
-    model = meta.get("tokenizer.ggml.model")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", model == "llama")),
+        "add_bos_token": adds_bos(meta),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": context,
