@@ -16,7 +16,7 @@ from dataclasses import asdict
 from typing import Any
 
 from mg.corpus_prep.cleaning import REASONS, RULES, Cleaner, CleanOptions
-from mg.corpus_prep.cli import UserError, refuse_own_input
+from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.corpus_texts import BadLine, SkipReporter, iter_documents
 from mg.corpus_prep.jsonl_writer import AtomicJsonlWriter
 from mg.corpus_prep.reader import InputError

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from mg.corpus_prep.cli import run_later
+from mg.corpus_prep.commands import run_later
 
 
 def add_cleaning_arguments(

@@ -16,10 +16,9 @@ import argparse
 import importlib
 import signal
 import sys
-from collections.abc import Callable
 
-from mg.core.io_paths import Named, output_clash
 from mg.corpus_prep import interrupts
+from mg.corpus_prep.commands import UserError
 
 # subcommand -> module under mg.corpus_prep that registers it
 SUBCOMMANDS: dict[str, str] = {
@@ -34,27 +33,6 @@ SUBCOMMANDS: dict[str, str] = {
 
 # What `mg-prep FLAGS...` (no subcommand) runs: Megatron's preprocess_data.py.
 DEFAULT_SUBCOMMAND = "tokenize"
-
-
-class UserError(Exception):
-    """A problem with the user's input; printed as ``mg-prep: error: ...`` without a traceback."""
-
-
-def refuse_own_input(outputs: list[Named], inputs: list[Named], files_into: bool = False) -> None:
-    """Raise UserError when an output is, holds or lies inside an input (nothing written yet);
-    `files_into`: output folders that files are written into may hold an input."""
-    clash = output_clash(outputs, inputs, files_into=files_into)
-    if clash:
-        raise UserError(clash)
-
-
-def run_later(module_name: str) -> Callable[[argparse.Namespace], int]:
-    """A subcommand's ``func``: ``mg.corpus_prep.<module_name>.run``, imported when called."""
-
-    def run(args: argparse.Namespace) -> int:
-        return importlib.import_module(f"mg.corpus_prep.{module_name}").run(args)
-
-    return run
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from mg.corpus_prep.cli import UserError
+from mg.corpus_prep.commands import UserError
 from mg.corpus_prep.tokenizer_args import (
     build_tokenizer_from_config,
     config_from_args,

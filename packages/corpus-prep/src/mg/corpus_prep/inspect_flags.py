@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from mg.corpus_prep.cli import run_later
+from mg.corpus_prep.commands import run_later
 from mg.corpus_prep.tokenizer_args import add_tokenizer_args
 
 

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from mg.corpus_prep.cli import UserError, refuse_own_input
+from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.output_faults import (
     cannot_write,
     existing_dataset,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from mg.corpus_prep.cli import UserError, refuse_own_input
+from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.refresh import RefreshConfig, RefreshError, refresh
 from mg.corpus_prep.refresh_manifest import ManifestError
 from mg.corpus_prep.refresh_tokenize import (

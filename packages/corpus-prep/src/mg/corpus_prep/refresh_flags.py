@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from mg.corpus_prep.cli import run_later
+from mg.corpus_prep.commands import run_later
 from mg.corpus_prep.refresh_plan import DEFAULT_PATTERNS
 from mg.corpus_prep.refresh_tokenize import add_tokenize_arguments
 

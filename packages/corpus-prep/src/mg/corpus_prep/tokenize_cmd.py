@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from mg.corpus_prep import interrupts, pipeline
-from mg.corpus_prep.cli import UserError, refuse_own_input
+from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
 from mg.corpus_prep.output_faults import (
     cannot_write,

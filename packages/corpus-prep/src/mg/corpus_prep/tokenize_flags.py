@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from mg.corpus_prep.cli import run_later
+from mg.corpus_prep.commands import run_later
 from mg.corpus_prep.punkt_rules import DEFAULT_PUNKT_RULES, PUNKT_RULES
 from mg.corpus_prep.tokenizer_args import add_tokenizer_args
 

@@ -16,7 +16,7 @@ import argparse
 import os
 
 from mg.core import tokenizers as core_tokenizers
-from mg.corpus_prep.cli import UserError
+from mg.corpus_prep.commands import UserError
 
 # Megatron's tokenizer types that mg-prep recognises and refuses, with the reason.
 REFUSED_TOKENIZER_TYPES = {

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict
 
-from mg.corpus_prep.cli import UserError, refuse_own_input
+from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.corpus_texts import BadLine, SkipReporter, iter_documents
 from mg.corpus_prep.reader import InputError
 from mg.corpus_prep.refresh_files import write_atomic

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from mg.corpus_prep.cli import run_later
+from mg.corpus_prep.commands import run_later
 
 # tokenizer_training.KINDS (which imports the trainers): the kinds it can train.
 KINDS = ("byte-level-bpe", "wordpiece", "sentencepiece")
