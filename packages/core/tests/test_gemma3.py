@@ -221,3 +221,14 @@ def test_gemma3_parameter_count_and_flops_know_the_pieces():
     h, q = config.hidden_size, config.query_projection_size / config.hidden_size
     keys_saved = 2 * (SEQ / 2 - (WINDOW - WINDOW**2 / (2 * SEQ)))  # two sliding layers
     assert unwindowed - windowed == pytest.approx(12 * SEQ * h**2 * q * keys_saved / h)
+
+
+def test_gemma3_1b_preset_has_the_published_size():
+    from mg.core.models.flops import num_parameters
+    from mg.core.models.presets import gemma3_1b, tiny_gemma3
+
+    config = gemma3_1b()
+    assert num_parameters(config) == 999_885_952  # Gemma-3-1B: "1B", tied embeddings
+    assert [config.is_window_layer(i) for i in range(1, 7)] == [True] * 5 + [False]
+    tiny = GPTModel(tiny_gemma3())
+    assert tiny(torch.zeros(1, 32, dtype=torch.long)).shape == (1, 32, 128)

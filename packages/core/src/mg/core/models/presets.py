@@ -164,6 +164,69 @@ def tiny_mistral(**overrides: Any) -> TransformerConfig:
     return tiny_llama(**{**dict(window_size=(7, 0)), **overrides})
 
 
+_GEMMA3_COMMON: dict[str, Any] = dict(
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    layernorm_epsilon=1e-6,
+    layernorm_zero_centered_gamma=True,
+    sandwich_norms=True,
+    qk_layernorm=True,
+    activation="geglu_tanh",
+    add_bias_linear=False,
+    scale_embeddings_by_sqrt_hidden=True,
+    kv_channels=256,
+    softmax_scale=256**-0.5,  # query_pre_attn_scalar 256
+    window_attn_skip_freq=6,  # five sliding-window layers, then a global one
+    rotary_base=1_000_000.0,
+    rotary_base_local=10_000.0,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
+
+
+def gemma3_1b(**overrides: Any) -> TransformerConfig:
+    """Gemma-3-1B (text): 26 layers, 1152 hidden, 4 heads of 256, one KV head, a 512-token
+    window on five of every six layers, tied embeddings, 32K context."""
+    return _make(
+        dict(
+            _GEMMA3_COMMON,
+            num_layers=26,
+            hidden_size=1152,
+            num_attention_heads=4,
+            num_query_groups=1,
+            ffn_hidden_size=6912,
+            vocab_size=262144,
+            seq_length=32768,
+            max_position_embeddings=32768,
+            window_size=(511, 0),
+        ),
+        overrides,
+    )
+
+
+def tiny_gemma3(**overrides: Any) -> TransformerConfig:
+    """Gemma 3's layer at test size: 4 layers (sliding, global, sliding, global), an
+    8-token window shorter than seq_length."""
+    return _make(
+        dict(
+            _GEMMA3_COMMON,
+            num_layers=4,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            kv_channels=16,
+            softmax_scale=16**-0.5,
+            ffn_hidden_size=96,
+            vocab_size=128,
+            seq_length=32,
+            max_position_embeddings=64,
+            window_size=(7, 0),
+            window_attn_skip_freq=2,
+        ),
+        overrides,
+    )
+
+
 PRESETS = {
     "gpt2-124m": gpt2_124m,
     "llama2-7b": llama2_7b,
@@ -173,4 +236,6 @@ PRESETS = {
     "tiny-gpt2": tiny_gpt2,
     "tiny-llama": tiny_llama,
     "tiny-mistral": tiny_mistral,
+    "gemma3-1b": gemma3_1b,
+    "tiny-gemma3": tiny_gemma3,
 }
