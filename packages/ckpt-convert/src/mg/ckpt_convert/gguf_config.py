@@ -39,14 +39,10 @@ def _required(meta: dict[str, Any], key: str, path: Path) -> Any:
 
 
 def hf_config_of_gguf(
-    meta: dict[str, Any],
-    path: Path,
-    tied: bool,
-    vocab_size: int,
-    rope_scaling: dict[str, Any] | None = None,
+    meta: dict[str, Any], path: Path, tied: bool, vocab_size: int
 ) -> dict[str, Any]:
-    """The config.json transformers would write for this model (`rope_scaling`: what
-    `gguf_rope` read from rope_freqs.weight)."""
+    """The config.json transformers would write for this model (without rope_scaling,
+    which a GGUF file holds as a tensor: `gguf_rope`)."""
     arch = gguf_architecture(meta, path)
     key = f"{arch}."
     heads = int(_required(meta, key + "attention.head_count", path))
@@ -85,8 +81,6 @@ def hf_config_of_gguf(
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
-    if rope_scaling:
-        config["rope_scaling"] = rope_scaling
     for name, hf in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("padding", "pad_token_id")):
         value = meta.get(f"tokenizer.ggml.{name}_token_id")
         if value is not None:

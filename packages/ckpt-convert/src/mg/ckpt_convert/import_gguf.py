@@ -44,7 +44,7 @@ def _output_is_embedding_copy(reader) -> bool:
     return output.data.shape == embedding.data.shape and (output.data == embedding.data).all()
 
 
-def _vocab_size(meta: dict, reader, arch: str) -> int:
+def _vocab_size(meta: dict, reader, path: Path, arch: str) -> int:
     if f"{arch}.vocab_size" in meta:
         return int(meta[f"{arch}.vocab_size"])
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -52,26 +52,22 @@ def _vocab_size(meta: dict, reader, arch: str) -> int:
         return len(tokens)
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embedding is None:
-        raise ConvertError("the file has no token_embd.weight")
+        raise ConvertError(f"{path} has no token_embd.weight: not a language model's weights")
     return int(embedding.shape[-1])
 
 
-def rope_scaling_of(meta: dict, reader, path: Path, arch: str) -> dict | None:
+def rope_scaling_of(reader, path: Path, head_dim: int, base: float) -> dict | None:
     """Llama 3.1-style scaling from rope_freqs.weight (None when the file has none)."""
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
-    heads = int(meta.get(f"{arch}.attention.head_count", 1))
-    head_dim = int(meta.get(f"{arch}.embedding_length", 0)) // heads
-    head_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    base = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     scaling = llama3_scaling(dequantized(tensor, path).numpy(), head_dim, base)
     if scaling is None:
         raise ConvertError(
             f"{path}: {ROPE_FREQS} holds RoPE frequency factors that no Llama 3.1-style "
             "(llama3) scaling reproduces; import the Hugging Face model with import-hf"
         )
-    return scaling
+    return scaling or None
 
 
 def model_config_of_gguf(
@@ -80,8 +76,10 @@ def model_config_of_gguf(
     """The file's TransformerConfig, with Megatron's padded vocabulary and import-hf's
     ``extra`` (hf_model_type, hf_vocab_size, hf_config, hf_generation_config)."""
     arch = gguf_architecture(meta, path)
-    rope_scaling = rope_scaling_of(meta, reader, path, arch)
-    hf_config = hf_config_of_gguf(meta, path, tied, _vocab_size(meta, reader, arch), rope_scaling)
+    hf_config = hf_config_of_gguf(meta, path, tied, _vocab_size(meta, reader, path, arch))
+    rope_scaling = rope_scaling_of(reader, path, hf_config["head_dim"], hf_config["rope_theta"])
+    if rope_scaling:
+        hf_config["rope_scaling"] = rope_scaling
     try:
         config = model_config_of_hf(hf_config)
     except ValueError as exc:
