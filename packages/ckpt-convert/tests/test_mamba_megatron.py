@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.megatron_lm import export_megatron, import_megatron, megatron_args_from_config
 from mg.core.checkpoint import load_checkpoint, load_model
+from mg.core.checkpoint.dist_format import stored_keys
 from mg.core.checkpoint.pp_split import split_pipeline
 from mg.core.checkpoint.tp_split import split_tensor_parallel
 from mg.core.models.mamba import MambaConfig, MambaModel, megatron_te_names
@@ -115,7 +115,8 @@ def test_import_of_a_megatron_hybrid(tmp_path, pp):
 def test_tensor_parallel_megatron_hybrid(tmp_path, tp):
     """TP=2 files (each mixer's in_proj [z; x; B; C; dt] and conv1d rows per rank, A_log,
     D, dt_bias and its norm by heads, out_proj by columns) import with the model's logits
-    and export back to the very files; torch_dist export is refused by name."""
+    and export back to the very files, and to a torch_dist checkpoint in Megatron-Core's
+    keys that reads back to the same model."""
     config = _config()
     torch.manual_seed(0)
     model = MambaModel(config).eval()
@@ -134,5 +135,11 @@ def test_tensor_parallel_megatron_hybrid(tmp_path, tp):
         assert list(ours["model"]) == list(theirs["model"])
         for name, tensor in theirs["model"].items():
             assert torch.equal(ours["model"][name], tensor), name
-    with pytest.raises(ConvertError, match="writes Mamba / hybrid models in the torch format"):
-        export_megatron(tmp_path / "ours", tmp_path / "dist", ckpt_format="torch_dist", **QUIET)
+    # torch_dist in Megatron-Core's keys (layers by number, the mixer's row blocks apart)
+    export_megatron(tmp_path / "ours", tmp_path / "dist", ckpt_format="torch_dist", **QUIET)
+    (folder,) = (tmp_path / "dist").glob("iter_*")
+    assert "decoder.layers.0.mixer.in_proj.weight.dt" in stored_keys(folder)
+    assert "decoder.layers.0.mixer.in_proj.layer_norm_weight" in stored_keys(folder)
+    dist, *_ = load_model(tmp_path / "dist")
+    with torch.no_grad():
+        assert torch.equal(dist(ids), model(ids))

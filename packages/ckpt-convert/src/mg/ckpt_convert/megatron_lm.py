@@ -296,11 +296,6 @@ def export_megatron(
     check_target(save)
     source = open_checkpoint(load, iteration)
     mamba = isinstance(source.config, MambaConfig)
-    if mamba and ckpt_format == "torch_dist":
-        raise ConvertError(
-            "--ckpt-format torch_dist: export-megatron writes Mamba / hybrid models in the "
-            "torch format only (mp_rank_TT[_PPP] files)"
-        )
     target = plan_target(
         source, tp, pp, divisible_by, ep, _megatron_expert_layout(source.config, expert_layout)
     )
