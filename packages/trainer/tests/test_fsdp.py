@@ -238,7 +238,8 @@ def test_dp4_fsdp_with_context_parallel_moe_and_mamba_match_one_process(
     tmp_path, mock_argv, train
 ) -> None:
     """One 4-rank launch: ZeRO-3 over data × context ranks (CP=2 × DP=2), an MoE GPT
-    (4 experts, top-2, aux loss; experts on every rank) and a Mamba hybrid (M*M-), each
+    (4 experts, top-2, aux loss) with the experts on every rank and at EP=2 (each rank's
+    experts sharded over the expert data-parallel pair), and a Mamba hybrid (M*M-), each
     equal to one process."""
     argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=16, iters=10)
     moe = [*argv, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
@@ -246,14 +247,21 @@ def test_dp4_fsdp_with_context_parallel_moe_and_mamba_match_one_process(
     mamba += ["--mamba-num-groups", "1", "--mamba-head-dim", "16"]
     zero3 = _strategy("optim_grads_params")
     runs = _run_ranks(
-        [[*argv, *zero3, "--context-parallel-size", "2"], [*moe, *zero3], [*mamba, *zero3]],
+        [
+            [*argv, *zero3, "--context-parallel-size", "2"],
+            [*moe, *zero3],
+            [*moe, *zero3, "--expert-model-parallel-size", "2"],
+            [*mamba, *zero3],
+        ],
         4,
         tmp_path / "four.json",
     )
-    for reference, run in zip((argv, moe, mamba), runs, strict=True):
-        one = train(reference)
+    ones = {id(reference): train(reference) for reference in (argv, moe, mamba)}
+    for reference, run in zip((argv, moe, moe, mamba), runs, strict=True):
+        one = ones[id(reference)]
         _assert_close(one.losses, run["losses"], LOSS_RTOL)
         _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)
+    for run in (runs[0], runs[1], runs[3]):
         assert sum(run["shares"]) == run["numel"]
 
 

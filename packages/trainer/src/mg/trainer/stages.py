@@ -202,7 +202,9 @@ def setup_optimizer(args: Args, layout: ParallelLayout, model: nn.Module) -> Opt
     )
     train_iters = train_iterations(args, batches)
     if args.fsdp.enabled:  # the torch optimizer over the shards fully_shard left
-        optimizer = FullyShardedOptimizer(build_optimizer(model, o), model)
+        experts = layout.ep_group if layout.experts_apart else None
+        scale = layout.expert_dp / (layout.dp * layout.cp) if layout.experts_apart else 1.0
+        optimizer = FullyShardedOptimizer(build_optimizer(model, o), model, experts, scale)
     else:
         optimizer = build_optimizer(
             model,

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from mg.core.models.compile import compile_layers
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
@@ -159,7 +160,7 @@ def give_storage(built: UnderConstruction, options: ConstructOptions) -> None:
     process model's values (`mg.core.parallel.materialize`). After the split: a rank
     allocates its stage only. Steps after it see real tensors, except under FSDP: a meta
     model is given storage by the fully sharded step, for its shards only."""
-    if built.on_meta and fully_sharded_here(options):
+    if storage_waits_for_fsdp(built, options):
         return
     _give_storage(built, options)
 
@@ -234,12 +235,25 @@ def shard_fully(built: UnderConstruction, options: ConstructOptions) -> None:
     """FSDP2 over the data × context ranks, one unit per layer (`mg.core.parallel.
     fully_sharded`). Last: it replaces the parameters the optimizer is then built over,
     and wraps whatever modules the other steps left."""
-    root = options.layout.tp_mesh._get_root_mesh()  # the mesh every parallel dim is cut from
+    layout = options.layout
+    root = layout.tp_mesh._get_root_mesh()  # the mesh every parallel dim is cut from
+    expert_mesh = None
+    if layout.experts_apart:  # the experts' replicas: the expert data-parallel ranks
+        expert_mesh = DeviceMesh.from_group(layout.expert_dp_group, root.device_type)
     apply_fully_shard(
-        built.model, data_parallel_mesh(root, options.fully_sharded), options.fully_sharded
+        built.model,
+        data_parallel_mesh(root, options.fully_sharded),
+        options.fully_sharded,
+        expert_mesh=expert_mesh,
     )
-    if built.on_meta:  # storage for this rank's shards only: no rank holds the whole model
-        _give_storage(built, options)
+    if storage_waits_for_fsdp(built, options):  # this rank's shards only: no rank holds
+        _give_storage(built, options)  # the whole model
+
+
+def storage_waits_for_fsdp(built: UnderConstruction, options: ConstructOptions) -> bool:
+    """A meta model under FSDP gets storage once sharded; with expert parallelism (which
+    keeps a rank's experts by dropping the others' storage) before it, as without FSDP."""
+    return built.on_meta and fully_sharded_here(options) and not options.layout.experts_apart
 
 
 def fully_sharded_here(options: ConstructOptions) -> bool:

@@ -45,6 +45,15 @@ checkpointing and compile.
 
 Gradient accumulation: `no_gradient_sync` around every micro-batch's backward but
 the last; each unit's gradients are then reduced once, as its last backward ends.
+
+Expert parallelism: a rank's routed experts (`is_expert_parameter`) differ across
+its expert-parallel group, so each MoE layer's experts are a unit of their own,
+sharded over the expert data-parallel ranks (`expert_mesh`), inside the layer's
+unit; FSDP averages their gradients there, and the optimizer rescales them to the
+sum over data × context ranks that the dense ones get (Megatron's expert gradient
+scaling; FSDP2's own divide factor needs NCCL's PreMulSum, which gloo lacks). The
+norm adds the experts' squares over the expert-parallel group (`clip_grad_norm`'s
+`expert_group`).
 """
 
 from __future__ import annotations
@@ -60,6 +69,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+
+from mg.core.parallel.expert_parallel import is_expert_parameter
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,19 +118,45 @@ def units(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def apply_fully_shard(model: nn.Module, mesh: DeviceMesh, options: FullyShardedOptions) -> None:
+def expert_units(model: nn.Module) -> list[nn.Module]:
+    """Every module named `experts` whose parameters are all expert-parallel experts."""
+    return [
+        module
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] == "experts"
+        and any(True for _ in module.parameters())
+        and all(is_expert_parameter(p) for p in module.parameters())
+    ]
+
+
+def apply_fully_shard(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    options: FullyShardedOptions,
+    *,
+    expert_mesh: DeviceMesh | None = None,
+) -> None:
     """Make `model` fully sharded over `mesh` (see the module docstring): one unit per
-    layer and the embedding, then the root."""
+    layer and the embedding, then the root; expert-parallel experts over `expert_mesh`."""
     policy = MixedPrecisionPolicy(
         param_dtype=options.param_dtype, reduce_dtype=options.reduce_dtype
     )
     reshard = options.strategy == "optim_grads_params"
+    experts = expert_units(model)
+    if experts and expert_mesh is None:
+        raise ValueError("expert-parallel experts need an expert data-parallel mesh")
+    expert_names = {n for n, p in model.named_parameters() if is_expert_parameter(p)}
+    for module in experts:  # before their layers, which then leave them out
+        fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
     inner = units(model)
     for i, module in enumerate(inner):
         # the last layer's backward follows its forward at once: keep it gathered
         last = i == len(inner) - 1
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not last, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    for name, param in model.named_parameters():  # fully_shard made new parameters
+        if name in expert_names:
+            param.allreduce = False
     if options.prefetch and len(inner) > 1:  # --overlap-param-gather: the next unit's
         for current, following in zip(inner, inner[1:], strict=False):  # all-gather early
             current.set_modules_to_forward_prefetch([following])
@@ -164,17 +201,36 @@ def grad_norm_squares(grads: Iterable[Tensor]) -> Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(
+    params: Iterable[nn.Parameter],
+    max_norm: float,
+    expert_group: dist.ProcessGroup | None = None,
+) -> float:
     """Scale the gradients so that their global norm is at most `max_norm` (> 0); returns
-    the norm before clipping (a non-finite norm is returned and nothing is scaled)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = math.sqrt(float(grad_norm_squares(grads)))
+    the norm before clipping (a non-finite norm is returned and nothing is scaled).
+    `expert_group`: the expert-parallel group, whose ranks hold other experts."""
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    squares = grad_norm_squares([p.grad for p in params if not is_expert_parameter(p)])
+    if expert_group is not None:
+        experts = grad_norm_squares([p.grad for p in params if is_expert_parameter(p)])
+        experts = experts.to(_collective_device(expert_group))
+        dist.all_reduce(experts, group=expert_group)
+        squares = squares + experts.cpu()
+    norm = math.sqrt(float(squares))
     if max_norm > 0 and math.isfinite(norm):
         coefficient = max_norm / (norm + 1e-6)
         if coefficient < 1.0:
             for grad in grads:
                 _local(grad).mul_(coefficient)
     return norm
+
+
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    """NCCL reduces CUDA tensors only; gloo takes CPU tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mg.core.parallel.expert_parallel import is_expert_parameter
 from mg.core.parallel.fully_sharded import clip_grad_norm, no_gradient_sync
 
 
@@ -27,9 +28,20 @@ class FullyShardedOptimizer:
     """`optimizer` over the parameters of `model`, which `apply_fully_shard` sharded (or a
     model left whole: one data-parallel rank)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        expert_group: dist.ProcessGroup | None = None,
+        expert_grad_scale: float = 1.0,
+    ) -> None:
         self.optimizer = optimizer
         self.model = model
+        self.expert_group = expert_group
+        """The expert-parallel group (expert parallelism only): its ranks hold other experts."""
+        self.expert_grad_scale = expert_grad_scale
+        """Expert data-parallel size / (data × context size): FSDP averaged the experts'
+        gradients over their replicas, the dense ones over every data × context rank."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -44,9 +56,18 @@ class FullyShardedOptimizer:
         """Accumulate this micro-batch's gradients without reducing them."""
         return no_gradient_sync(self.model)
 
+    @torch.no_grad()
     def finish_grad_sync(self) -> None:
-        """Nothing left: FSDP reduce-scattered each unit's gradients as its last backward
-        ended."""
+        """FSDP reduce-scattered each unit's gradients as its last backward ended; the
+        experts' are brought to the dense ones' scale (expert parallelism only)."""
+        if self.expert_grad_scale == 1.0:
+            return
+        for param in self._params():
+            if param.grad is not None and is_expert_parameter(param):
+                grad = param.grad
+                (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(
+                    self.expert_grad_scale
+                )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -75,7 +96,7 @@ class FullyShardedOptimizer:
     def clip_grad_norm(self, max_norm: float) -> float:
         """The global L2 norm over every shard (before clipping), clipped to `max_norm` if
         > 0; NaN when it is not finite (the step is skipped)."""
-        norm = clip_grad_norm(list(self._params()), max_norm)
+        norm = clip_grad_norm(list(self._params()), max_norm, self.expert_group)
         return norm if math.isfinite(norm) else float("nan")
 
     def step(self) -> None:

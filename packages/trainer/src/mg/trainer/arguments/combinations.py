@@ -288,8 +288,16 @@ CONFLICTS: tuple[Conflict, ...] = (
     ),
     _fsdp_not_yet(
         "--expert-model-parallel-size",
-        lambda a: a.moe.expert_model_parallel_size > 1,
-        "expert parallelism (--expert-model-parallel-size > 1)",
+        lambda a: a.moe.expert_model_parallel_size > 1 and (_tp(a) > 1 or _cp(a) > 1),
+        "expert parallelism (--expert-model-parallel-size > 1) beside tensor or context "
+        "parallelism",
+    ),
+    _fsdp_not_yet(
+        "--expert-model-parallel-size",
+        lambda a: (
+            a.moe.expert_model_parallel_size > 1 and bool(a.checkpoint.save or a.checkpoint.load)
+        ),
+        "expert parallelism (--expert-model-parallel-size > 1) and --save / --load",
     ),
     _fsdp_not_yet(
         "--transformer-impl",
