@@ -548,3 +548,23 @@ def test_not_a_gguf_file(tmp_path: Path, capsys) -> None:
     assert code == 2 and "not a readable GGUF file" in err
     code, err = _cli(capsys, str(tmp_path / "none.gguf"), "--save", str(tmp_path / "ckpt"))
     assert code == 2 and "none.gguf does not exist or is not a file" in err
+
+
+def test_cli_writes_and_overwrites(tmp_path: Path, capsys) -> None:
+    from mg.ckpt_convert.cli import main
+
+    write_gguf(tmp_path / "m.gguf", "qwen3", hf_model("qwen3"))
+    main(["import-gguf", str(tmp_path / "m.gguf"), "--save", str(tmp_path / "ckpt")])
+    assert f"wrote {tmp_path / 'ckpt'}" in capsys.readouterr().out
+    code, err = _cli(capsys, str(tmp_path / "m.gguf"), "--save", str(tmp_path / "ckpt"))
+    assert code == 2 and "--save" in err and "--overwrite" in err
+    main(["import-gguf", str(tmp_path / "m.gguf"), "--save", str(tmp_path / "ckpt"), "--overwrite",
+          "--dtype", "bf16"])  # fmt: skip
+    _, config, _, _ = load_model(tmp_path / "ckpt")
+    assert config.extra["hf_config"]["model_type"] == "qwen3"
+    state = torch.load(
+        tmp_path / "ckpt" / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False
+    )
+    assert {t.dtype for t in state["model"].values() if torch.is_tensor(t)} == {torch.bfloat16}
+    code, err = _cli(capsys, str(tmp_path / "m.gguf"), "--save", str(tmp_path / "m.gguf"))
+    assert code == 2 and "GGUF_FILE" in err
