@@ -113,3 +113,22 @@ def test_gemma3_dry_run_matches_a_real_cpu_run(tmp_path, mock_argv):
         config, window_size=None, window_attn_skip_freq=None, rotary_base_local=None
     )
     assert num_floating_point_operations(config, 2) < num_floating_point_operations(full, 2)
+
+
+def test_gemma3_tensor_parallel_matches_one_process(tmp_path, mock_argv, train):
+    """TP = 2 on two gloo ranks (post-norms, q/k norms and the embedding scale replicated,
+    each rank's heads with their own window) equals one process to fp32 rounding."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "_gemma3_ddp", Path(__file__).with_name("test_ddp.py")
+    )
+    ddp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ddp)
+    base = mock_argv(tmp_path, *GEMMA3, mbs=2, gbs=4, iters=6)
+    tp2 = [*base, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
+    (two,) = ddp.run_ranks([tp2], 2, tmp_path / "two.json")
+    one = train([*base, "--make-vocab-size-divisible-by", "128"])
+    assert two["losses"] == pytest.approx(one.losses, rel=1e-5)
+    assert one.losses[-1] < one.losses[0]
