@@ -28,6 +28,7 @@ SUBCOMMANDS: dict[str, str] = {
     "inspect": "inspect_flags",
     "train-tokenizer": "train_tokenizer_flags",
     "refresh": "refresh_flags",
+    "sft": "sft_flags",
 }
 
 
