@@ -8,6 +8,7 @@ import pytest
 from mg.trainer.arguments import ArgumentError, parse_args
 from mg.trainer.families import gpt_config
 
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 GEMMA3 = [
     "--position-embedding-type",
     "rope",
@@ -70,10 +71,18 @@ def test_gemma3_flags_become_core_config_fields(tmp_path, mock_argv):
             ["--sandwich-norms", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
             "--sandwich-norms with --sequence-parallel",
         ),
+        (
+            ["--softmax-scale", "0.2", "--context-parallel-size", "2", *NO_DROPOUT],
+            "--softmax-scale with --context-parallel-size 2",
+        ),
+        (
+            ["--window-size", "7,0", "--context-parallel-size", "2", *NO_DROPOUT],
+            "--window-size with --context-parallel-size 2",
+        ),
     ],
 )
 def test_bad_gemma3_flags_are_refused_in_one_line(tmp_path, mock_argv, extra, message):
-    world = 2 if "--tensor-model-parallel-size" in extra else 1
+    world = 2 if {"--tensor-model-parallel-size", "--context-parallel-size"} & set(extra) else 1
     with pytest.raises(ArgumentError, match=message) as info:
         parse_args(mock_argv(tmp_path, *extra), world_size=world)
     assert "\n" not in str(info.value)

@@ -173,6 +173,14 @@ def check_layer_variant_flags(args: Args) -> str | None:
         return "--geglu and --swiglu: pick one gated activation"
     if v.sandwich_norms and args.transformer_engine.transformer_impl == "transformer_engine":
         return "--sandwich-norms needs --transformer-impl local (the TE spec fuses pre-norms only)"
+    if args.distributed.context_parallel_size > 1:
+        for name in ("window_size", "softmax_scale"):
+            if getattr(v, name) is not None:
+                return (
+                    f"{'--' + name.replace('_', '-')} with --context-parallel-size "
+                    f"{args.distributed.context_parallel_size}: the ring attention has no "
+                    "sliding window and takes 1/sqrt(kv-channels) only; drop one of them"
+                )
     if v.sandwich_norms and args.distributed.sequence_parallel:
         return (
             "--sandwich-norms with --sequence-parallel: the post-norms' weight gradients are "
