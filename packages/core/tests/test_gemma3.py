@@ -232,3 +232,18 @@ def test_gemma3_1b_preset_has_the_published_size():
     assert [config.is_window_layer(i) for i in range(1, 7)] == [True] * 5 + [False]
     tiny = GPTModel(tiny_gemma3())
     assert tiny(torch.zeros(1, 32, dtype=torch.long)).shape == (1, 32, 128)
+
+
+def test_gemma3_bf16_is_as_close_to_fp32_as_transformers_bf16():
+    """In bf16 (norms in fp32, the √hidden scale rounded to bf16 as HF rounds it) our error
+    against the fp32 logits is no larger than transformers' own bf16 error."""
+    hf = _hf_model(_hf_config())
+    model, _ = _convert(hf)
+    ids = _ids()
+    with torch.no_grad():
+        reference = hf(ids).logits
+        hf_bf16 = hf.to(torch.bfloat16)(ids).logits.float()
+        ours_bf16 = model.to(torch.bfloat16)(ids).float()
+    hf_error = (hf_bf16 - reference).abs().max().item()
+    assert (ours_bf16 - reference).abs().max().item() <= 1.25 * hf_error
+    assert (ours_bf16 - hf_bf16).abs().max().item() <= 2 * hf_error
