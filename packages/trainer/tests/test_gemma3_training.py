@@ -94,12 +94,16 @@ def test_gemma3_flag_for_bert_is_refused(tmp_path, mock_argv):
         parse_args(argv)
 
 
-def test_gemma3_trains_and_resumes_bitwise(tmp_path, mock_argv, train):
-    straight = train(mock_argv(tmp_path, *GEMMA3, iters=8))
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_gemma3_trains_and_resumes_bitwise(tmp_path, mock_argv, train, ckpt_format):
+    """The post-norms and the config's new fields survive a save and load in both formats:
+    4 + 4 iterations equal 8 straight."""
+    flags = [*GEMMA3, "--ckpt-format", ckpt_format]
+    straight = train(mock_argv(tmp_path, *flags, iters=8))
     assert straight.losses[-1] < straight.losses[0] - 0.05
     ckpt = str(tmp_path / "ckpt")
-    first = train(mock_argv(tmp_path, *GEMMA3, "--save", ckpt, "--exit-interval", "4", iters=8))
-    second = train(mock_argv(tmp_path, *GEMMA3, "--load", ckpt, iters=8))
+    first = train(mock_argv(tmp_path, *flags, "--save", ckpt, "--exit-interval", "4", iters=8))
+    second = train(mock_argv(tmp_path, *flags, "--load", ckpt, iters=8))
     assert first.losses + second.losses == straight.losses  # bitwise
 
 
