@@ -152,6 +152,14 @@ def test_dp4_each_strategy_tp_and_hsdp_match_one_process(tmp_path, mock_argv, tr
             "--use-torch-fsdp2 is not supported with --use-distributed-optimizer",
         ),
         (
+            [*FSDP, "--tensor-model-parallel-size", "2", "--save", "ckpt"],
+            "--tensor-model-parallel-size > 1 and --save / --load is not supported yet",
+        ),
+        (
+            [*FSDP, "--expert-model-parallel-size", "2", "--num-experts", "4", "--load", "ckpt"],
+            "--expert-model-parallel-size > 1\\) and --save / --load is not supported yet",
+        ),
+        (
             [*FSDP, "--megatron-fsdp-main-params-dtype", "bf16"],
             "--megatron-fsdp-main-params-dtype bf16",
         ),
