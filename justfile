@@ -34,6 +34,11 @@ fixtures *names: setup
 demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
+    # die with just, even on its kill -9, and each step's tool with this shell (bin/_launch)
+    if [ -z "${MG_DIE_WITH_PARENT:-}" ] && command -v setpriv > /dev/null 2>&1; then
+        export MG_DIE_WITH_PARENT=1
+        exec setpriv --pdeathsig KILL -- bash "$0" "$@"
+    fi
     start=$SECONDS
     d="{{demo_dir}}"
     tokenizer=(--tokenizer-type GPT2BPETokenizer --vocab-file "$d/tokenizer/vocab.json" --merge-file "$d/tokenizer/merges.txt")
@@ -43,34 +48,34 @@ demo: setup
     uv run --frozen python workflows/demo/train_tokenizer.py --input "$d/corpus.jsonl" \
         --vocab-size 4096 --output-dir "$d/tokenizer"
     echo "== 3. mg-prep tokenize: one document per line, end-of-document tokens"
-    uv run --frozen mg-prep tokenize --input "$d/corpus.jsonl" \
+    bin/mg-prep tokenize --input "$d/corpus.jsonl" \
         --output-prefix "$d/data/corpus" "${tokenizer[@]}" --append-eod --workers 2
     echo "== 4. mg-prep inspect: what the dataset holds"
-    uv run --frozen mg-prep inspect "$d/data/corpus_text_document" "${tokenizer[@]}" --samples 1
+    bin/mg-prep inspect "$d/data/corpus_text_document" "${tokenizer[@]}" --samples 1
     echo "== 5. mg-train gpt: a 4-layer GPT, 800 iterations of 16 x 128 tokens on the CPU"
     rm -rf "$d/ckpt" "$d/tensorboard"
-    uv run --frozen mg-train gpt --config workflows/configs/gpt-tiny.yaml \
+    bin/mg-train gpt --config workflows/configs/gpt-tiny.yaml \
         --data-path "$d/data/corpus_text_document" "${tokenizer[@]}" \
         --save "$d/ckpt" --tensorboard-dir "$d/tensorboard" \
         | tee "$d/train.log"
     echo "== 6. mg-eval ppl: perplexity on the validation split"
     rm -f "$d/report.jsonl"
-    uv run --frozen mg-eval ppl --load "$d/ckpt" \
+    bin/mg-eval ppl --load "$d/ckpt" \
         --data-path "$d/data/corpus_text_document" --split 98,2,0 \
         --eval-iters 8 --report "$d/report.jsonl"
     echo "== 7. mg-quantize int8_wo: int8 weights (no calibration), and mg-eval ppl on the same split"
     rm -f "$d/report_int8.jsonl"
-    uv run --frozen mg-quantize --load "$d/ckpt" --save "$d/ckpt-int8" --recipe int8_wo \
+    bin/mg-quantize --load "$d/ckpt" --save "$d/ckpt-int8" --recipe int8_wo \
         --overwrite --no-progress --report "$d/quantize_int8.json"
-    uv run --frozen mg-eval ppl --load "$d/ckpt-int8" \
+    bin/mg-eval ppl --load "$d/ckpt-int8" \
         --data-path "$d/data/corpus_text_document" --split 98,2,0 \
         --eval-iters 8 --report "$d/report_int8.jsonl"
     echo "== 8. mg-convert export-hf: a Hugging Face folder transformers can load"
     rm -rf "$d/hf"
-    uv run --frozen mg-convert export-hf --load "$d/ckpt" --save "$d/hf"
+    bin/mg-convert export-hf --load "$d/ckpt" --save "$d/hf"
     echo "== 9. mg-serve: serve the checkpoint, ask it through Megatron's PUT /api and the OpenAI API, stop it"
     log="$d/serve.log"
-    uv run --frozen mg-serve --load "$d/ckpt" --port 0 > "$log" 2>&1 &
+    bin/mg-serve --load "$d/ckpt" --port 0 > "$log" 2>&1 &
     server=$!
     trap 'kill "$server" 2>/dev/null || true' EXIT
     url=""

@@ -231,3 +231,43 @@ def test_launcher_syncs_only_when_the_lock_changed_and_execs_the_tool(tmp_path):
     os.utime(root / "uv.lock", (later, later))
     start()
     assert syncs() == 2
+
+
+def test_kill_9_of_just_stops_a_multi_step_recipe_and_its_tool(corpus, tmp_path):
+    """A recipe of several steps (the demo's form): its shell re-execs itself to die with
+    just, and each step's tool (bin/, MG_DIE_WITH_PARENT) dies with the shell."""
+    just = shutil.which("just", path=TOOLS_PATH)
+    if just is None or shutil.which("setpriv") is None:
+        pytest.skip("needs just and util-linux's setpriv")
+    out = tmp_path / "out"
+    out.mkdir()
+    prefix = out / "corpus"
+    marker = tmp_path / "after"
+    recipe = "\n".join(
+        [
+            "steps *args:",
+            "    #!/usr/bin/env bash",
+            "    set -euo pipefail",
+            '    if [ -z "${MG_DIE_WITH_PARENT:-}" ]; then',
+            "        export MG_DIE_WITH_PARENT=1",
+            '        exec setpriv --pdeathsig KILL -- bash "$0" "$@"',
+            "    fi",
+            f"    {ROOT / 'bin' / 'mg-prep'} {{{{args}}}}",
+            f"    touch {marker}",
+            "",
+        ]
+    )
+    justfile = tmp_path / "justfile"
+    justfile.write_text(recipe)
+    process = subprocess.Popen(
+        [just, "--justfile", str(justfile), "steps", *_tokenize_argv(corpus, prefix)],
+        env=dict(os.environ, PATH=TOOLS_PATH),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for(_started_writing(out), 120, "the recipe's mg-prep to start writing")
+    finally:
+        _kill_and_check_gone(process, str(prefix))
+    time.sleep(2)  # a surviving shell would go on to the next step
+    assert _published(prefix) == [] and not marker.exists()
