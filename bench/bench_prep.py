@@ -5,12 +5,19 @@
     MEGATRON_LM_DIR=~/Megatron-LM uv run --frozen python bench/bench_prep.py
 
 The corpus is JSONL made from the text fixtures (Shakespeare and Botchan
-paragraphs, Wikipedia pages), repeated up to --size-mb, cached under
-bench/.work/. Every contender tokenizes it with GPT-2 BPE and --append-eod
-into a document-level dataset, each in its own process, side by side in one
-run:
+paragraphs, Wikipedia pages), repeated up to --size-mb (`--corpus repeated`),
+or documents of 2 to 40 sentences drawn at random from them, so that no
+document repeats and whole-document caches do not help (`--corpus shuffled`,
+the default); cached under bench/.work/. Every contender tokenizes it with
+GPT-2 BPE and --append-eod into a document-level dataset, each in its own
+process, side by side in one run:
 
-- `mg-prep tokenize --workers N` for each N in --workers;
+- `mg-prep tokenize --workers N` for each N in --workers (gigatoken's Rust BPE
+  encoding the workers' batches, the default where installed), and with
+  `--tokenizer-backend classic` (mg.core's tiktoken-based GPT-2);
+- gigatoken's file API with N threads: `encode_files(JsonlFileSource)` and
+  the arrays written in bulk into a Megatron dataset with `--append-eod`'s
+  semantics (what a gigatoken-based preprocess_data_fast.py does);
 - baseline: one process, Hugging Face `tokenizers` GPT-2 `encode` per
   document + megatron-core's `IndexedDatasetBuilder` (the loop most people
   write first);
@@ -51,30 +58,45 @@ MIB = 1 << 20
 # --- corpus ----------------------------------------------------------------------------------
 
 
-def make_corpus(size_mb: int) -> Path:
-    """A JSONL corpus of at least size_mb MiB from the fixtures, cached by size."""
+def make_corpus(size_mb: int, kind: str = "shuffled") -> Path:
+    """A JSONL corpus of at least size_mb MiB from the fixtures, cached by size and kind."""
     from mg.corpus_prep.sample_corpus import (
         botchan_documents,
         shakespeare_documents,
         wikipedia_documents,
     )
 
-    path = WORK / f"corpus-{size_mb}mb.jsonl"
+    path = WORK / f"corpus-{kind}-{size_mb}mb.jsonl"
     if path.exists() and path.stat().st_size >= size_mb * MIB:
         return path
     WORK.mkdir(parents=True, exist_ok=True)
     base = [*shakespeare_documents(), *botchan_documents(), *wikipedia_documents()]
-    lines = [json.dumps({"text": d["text"]}, ensure_ascii=False) + "\n" for d in base]
-    block = "".join(lines).encode("utf-8")
     target = size_mb * MIB
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as out:
-        written = 0
-        while written < target:
-            out.write(block)
-            written += len(block)
+        if kind == "repeated":
+            lines = [json.dumps({"text": d["text"]}, ensure_ascii=False) + "\n" for d in base]
+            block = "".join(lines).encode("utf-8")
+            for _ in range(-(-target // len(block))):
+                out.write(block)
+        else:
+            _write_shuffled(out, [d["text"] for d in base], target)
     tmp.rename(path)
     return path
+
+
+def _write_shuffled(out, texts: list[str], target: int) -> None:
+    """Documents of 2 to 40 sentences drawn at random (seeded) from `texts`, `target` bytes."""
+    import random
+
+    sentences = [s for t in texts for s in re.split(r"(?<=[.!?])\s+", t) if s.strip()]
+    rng = random.Random(0)
+    written = 0
+    while written < target:
+        text = " ".join(rng.choices(sentences, k=rng.randint(2, 40)))
+        line = (json.dumps({"text": text}, ensure_ascii=False) + "\n").encode("utf-8")
+        out.write(line)
+        written += len(line)
 
 
 # --- measuring -------------------------------------------------------------------------------
@@ -176,14 +198,48 @@ def gpt2_files() -> tuple[str, str]:
     return str(fixture_path("gpt2-bpe", "vocab.json")), str(fixture_path("gpt2-bpe", "merges.txt"))
 
 
-def mg_prep_command(corpus: Path, prefix: str, workers: int) -> list[str]:
+def mg_prep_command(corpus: Path, prefix: str, workers: int, backend: str = "auto") -> list[str]:
     vocab, merges = gpt2_files()
     return [
         str(Path(sys.executable).parent / "mg-prep"), "tokenize", "--input", str(corpus),
         "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
         "--vocab-file", vocab, "--merge-file", merges, "--append-eod",
         "--workers", str(workers), "--no-progress-bar", "--log-interval", "1000000000",
+        "--tokenizer-backend", backend,
     ]  # fmt: skip
+
+
+def gigatoken_main(corpus: str, prefix: str, threads: str) -> None:
+    """gigatoken's file API on `threads` threads, written in bulk as Megatron's dataset."""
+    os.environ["RAYON_NUM_THREADS"] = threads  # before gigatoken starts its pool
+    import awkward as ak
+    import gigatoken
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    from mg.corpus_prep.gigatoken_backend import gpt2_tokenizer_json
+
+    vocab_file, merge_file = gpt2_files()
+    tokenizer = gigatoken.Tokenizer.from_json(gpt2_tokenizer_json(vocab_file, merge_file))
+    eod = tokenizer.vocab_size - 1  # <|endoftext|>, the last of GPT-2's ids
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    start = time.perf_counter()
+    ids = tokenizer.encode_files(gigatoken.JsonlFileSource([corpus], "text"), parallel=True)
+    lengths = ak.to_numpy(ak.num(ids)).astype(np.int64)
+    flat = ak.to_numpy(ak.flatten(ids))
+    kept = lengths > 0
+    with_eod = lengths + kept
+    tokens = np.empty(int(with_eod.sum()), dtype=dtype)
+    is_eod = np.zeros(tokens.size, dtype=bool)
+    is_eod[np.cumsum(with_eod)[kept] - 1] = True
+    tokens[~is_eod] = flat
+    tokens[is_eod] = eod
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    builder.data_file.write(tokens.tobytes())
+    builder.sequence_lengths = with_eod[kept].tolist()
+    builder.document_indices = [0, *np.cumsum(kept).tolist()]
+    builder.finalize(prefix + ".idx")
+    print(f"processing seconds: {time.perf_counter() - start:.2f} s")
 
 
 def baseline_main(corpus: str, prefix: str) -> None:
@@ -262,15 +318,30 @@ def report(results: list[Result], corpus: Path) -> None:
         "wall: end to end, start-up included; run: after start-up, as each reports it; "
         "RSS: peak of the process tree (sum) and of its largest process"
     )
-    base = next((r for r in results if r.name.startswith("baseline") and r.ok), None)
-    if base:
-        print()
-        for r in results:
-            if r.ok and r is not base:
-                line = f"{r.name}: {base.seconds / r.seconds:.2f}x the baseline's throughput"
-                if r.processing and base.processing:
-                    line += f" end to end, {base.processing / r.processing:.2f}x after start-up"
-                print(line)
+    for label in ("baseline", "gigatoken file API", "Megatron"):
+        ratios(results, label)
+
+
+def ratios(results: list[Result], label: str) -> None:
+    """Each contender's throughput over that of the first contender named `label`, or of the
+    one with the same thread count (`, N threads` / `-wN` / `--workers N`)."""
+    bases = [r for r in results if r.name.startswith(label) and r.ok]
+    if not bases:
+        return
+    print()
+    for r in results:
+        if not r.ok or r.name.startswith(label):
+            continue
+        base = next((b for b in bases if _threads(b.name) == _threads(r.name)), bases[0])
+        line = f"{r.name}: {base.seconds / r.seconds:.2f}x {base.name}'s throughput end to end"
+        if r.processing and base.processing:
+            line += f", {base.processing / r.processing:.2f}x after start-up"
+        print(line)
+
+
+def _threads(name: str) -> str | None:
+    found = re.search(r"(?:--workers |-w|, )(\d+)", name)
+    return found.group(1) if found else None
 
 
 def main() -> int:
@@ -281,14 +352,27 @@ def main() -> int:
     parser.add_argument(
         "--memory-mb", type=int, default=0, help="also run mg-prep on a corpus this big"
     )
+    parser.add_argument(
+        "--corpus",
+        choices=("shuffled", "repeated"),
+        default="shuffled",
+        help="documents drawn at random from the fixtures' sentences (default), or the "
+        "fixtures' documents repeated",
+    )
+    parser.add_argument("--no-gigatoken", action="store_true", help="skip gigatoken's file API")
+    parser.add_argument("--no-classic", action="store_true", help="skip the classic backend")
     parser.add_argument("--keep", action="store_true", help="keep the outputs in bench/.work")
     parser.add_argument("--_baseline", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--_gigatoken", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._baseline:
         baseline_main(*args._baseline)
         return 0
+    if args._gigatoken:
+        gigatoken_main(*args._gigatoken)
+        return 0
 
-    corpus = make_corpus(args.size_mb)
+    corpus = make_corpus(args.size_mb, args.corpus)
     out = WORK / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -298,6 +382,17 @@ def main() -> int:
         prefix = str(out / f"mg{workers}")
         command = mg_prep_command(corpus, prefix, workers)
         results.append(measure(f"mg-prep --workers {workers}", command, prefix + "_text_document"))
+    if not args.no_classic:
+        for workers in args.workers:
+            prefix = str(out / f"classic{workers}")
+            command = mg_prep_command(corpus, prefix, workers, "classic")
+            name = f"mg-prep -w{workers} classic backend"
+            results.append(measure(name, command, prefix + "_text_document"))
+    if not args.no_gigatoken:
+        for threads in args.workers:
+            prefix = str(out / f"gigatoken{threads}")
+            command = [sys.executable, __file__, "--_gigatoken", str(corpus), prefix, str(threads)]
+            results.append(measure(f"gigatoken file API, {threads} threads", command, prefix, env))
     if not args.no_baseline:
         prefix = str(out / "baseline")
         command = [sys.executable, __file__, "--_baseline", str(corpus), prefix]

@@ -25,6 +25,7 @@ import numpy as np
 
 from mg.core.tokenizers import TokenizerConfig
 from mg.core.tokenizers.long_text import PIECE_CHARS
+from mg.corpus_prep.gigatoken_backend import BatchEncoder, build_batch_encoder
 from mg.corpus_prep.splitter import SentenceSplitter, SplitterSpec, build_splitter
 from mg.corpus_prep.tokenizer_args import build_tokenizer_from_config
 
@@ -59,6 +60,7 @@ class EncoderSpec:
     tokenizer_config: TokenizerConfig
     splitter: SplitterSpec
     dtype: str  # numpy dtype of the output tokens
+    tokenizer_backend: str = "classic"  # or "gigatoken" (gigatoken_backend), the same ids
 
 
 @dataclass
@@ -183,6 +185,9 @@ class DocumentEncoder:
         self.splitter: SentenceSplitter = build_splitter(spec.splitter)
         self.dtype = np.dtype(spec.dtype)
         self.eod = self.tokenizer.eod
+        self.batch_encoder: BatchEncoder | None = None
+        if spec.tokenizer_backend == "gigatoken":
+            self.batch_encoder = build_batch_encoder(spec.tokenizer_config)
 
     def encode(self, chunk: Chunk) -> EncodedChunk:
         keys = self.spec.json_keys
@@ -261,17 +266,29 @@ class DocumentEncoder:
     def _tokenize_documents(self, documents: list[list[str]]) -> list[list[Ids]]:
         # One call per sentence, not tokenize_batch: batch paths start threads of
         # their own (tiktoken: a pool of 8), and one worker should use one core.
-        tokenize = self.tokenizer.tokenize
-        ids = [
-            tokenize(sentence) if len(sentence) <= PIECE_CHARS else self._long(sentence)
-            for doc in documents
-            for sentence in doc
-        ]
+        if self.batch_encoder is not None:
+            ids = self._batch_ids(documents, self.batch_encoder)
+        else:
+            tokenize = self.tokenizer.tokenize
+            ids = [
+                tokenize(sentence) if len(sentence) <= PIECE_CHARS else self._long(sentence)
+                for doc in documents
+                for sentence in doc
+            ]
         out, start = [], 0
         for doc in documents:
             out.append(ids[start : start + len(doc)])
             start += len(doc)
         return out
+
+    def _batch_ids(self, documents: list[list[str]], encode: BatchEncoder) -> list[Ids]:
+        """Every sentence's ids, the short ones in one batch call, the long ones in pieces."""
+        sentences = [sentence for doc in documents for sentence in doc]
+        short = encode([s for s in sentences if len(s) <= PIECE_CHARS])
+        if len(short) == len(sentences):
+            return short
+        batch = iter(short)
+        return [next(batch) if len(s) <= PIECE_CHARS else self._long(s) for s in sentences]
 
     def _long(self, text: str) -> np.ndarray:
         """A long text's ids straight into the output dtype, piece by piece: as one list

@@ -16,6 +16,7 @@ import numpy as np
 from mg.corpus_prep import interrupts, pipeline
 from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
+from mg.corpus_prep.gigatoken_backend import BackendError, resolve_backend
 from mg.corpus_prep.output_faults import (
     cannot_write,
     existing_dataset,
@@ -137,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer_type.lower().startswith("bert") and not args.split_sentences:
         warn("a BERT tokenizer without --split-sentences: each document is one sequence")
     dtype = best_dtype(tokenizer.vocab_size)
+    try:
+        backend = resolve_backend(args.tokenizer_backend, args.tokenizer_type)
+    except BackendError as err:
+        raise UserError(str(err)) from err
     segments = [Segment(source) for source in sources]
     spec = EncoderSpec(
         json_keys=tuple(args.json_keys),
@@ -144,13 +149,16 @@ def run(args: argparse.Namespace) -> int:
         tokenizer_config=config,
         splitter=_splitter_spec(args, segments),
         dtype=dtype.name,
+        tokenizer_backend=backend,
     )
     created = missing_folders(os.path.dirname(os.path.abspath(args.output_prefix)))
     _make_output_folder(args.output_prefix)
     total = sum(s.size for s in sources) if all(s.compression == "none" for s in sources) else None
     info(
         f"mg-prep tokenize: {len(sources)} input file(s), {args.tokenizer_type} "
-        f"(vocab {tokenizer.vocab_size:,}, {dtype.name}), {args.workers} worker(s)"
+        f"(vocab {tokenizer.vocab_size:,}, {dtype.name}"
+        + (", gigatoken" if backend == "gigatoken" else "")
+        + f"), {args.workers} worker(s)"
         + (f" in {args.partitions} partitions" if args.partitions > 1 else "")
     )
     finals = output_prefixes(args.output_prefix, spec.json_keys, level).values()

@@ -115,6 +115,14 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         "workers/N workers), then merged; the output is the same as with 1",
     )
     group.add_argument(
+        "--tokenizer-backend",
+        choices=("auto", "gigatoken", "classic"),
+        default="auto",
+        help="what encodes the text: gigatoken (Rust BPE; GPT2BPETokenizer, when installed), "
+        "classic (mg.core's tokenizers), or auto (default: gigatoken where it applies); "
+        "the output is the same bytes",
+    )
+    group.add_argument(
         "--log-interval",
         type=int,
         default=1000,
