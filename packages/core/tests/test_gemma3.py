@@ -133,15 +133,68 @@ def test_gemma3_layer_types_any_pattern_and_old_rope_spelling():
     assert config.window_attn_skip_freq == 2
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)],
-)
-def test_gemma3_softcapping_refused_by_name(field, value):
+def test_gemma3_final_softcapping_refused_by_name():
     c = json.loads(_hf_config().to_json_string())
-    c[field] = value
-    with pytest.raises(ValueError, match=field):
+    c["final_logit_softcapping"] = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
         config_from_hf(c)
+
+
+def test_gemma3_attn_softcapping_is_ignored_as_transformers_ignores_it():
+    """transformers' Gemma3Attention does not pass attn_logit_softcapping to its attention:
+    the import leaves it off, and the logits still match."""
+    hf = _hf_model(_hf_config(attn_logit_softcapping=1.5))
+    model, config = _convert(hf)
+    assert config.attn_logit_softcapping is None
+    with torch.no_grad():
+        assert (model(_ids()) - hf(_ids()).logits).abs().max().item() < 1e-4
+    capped = TransformerConfig.from_dict(config.to_dict() | {"attn_logit_softcapping": 1.5})
+    with pytest.raises(ValueError, match="soft-capping"):
+        config_to_hf(capped, "gemma3_text")
+
+
+def test_attention_logit_softcapping_equals_transformers_eager_attention():
+    """Gemma 2's capped attention (HF's eager_attention_forward with softcap, GQA, a
+    sliding window) equals ours, in the layer and in the slot KV cache; the fused kernels
+    and the paged KV cache refuse it by name."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
+
+    from mg.core.models.attention_backend import BackendUnavailableError
+    from mg.core.models.core_attention import SDPAttention, build_core_attention, causal_mask
+    from mg.core.models.presets import tiny_gemma3
+
+    config = tiny_gemma3(attn_logit_softcapping=1.5)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, SEQ, 4, 16, generator=g) * 2
+    k, v = (torch.randn(2, SEQ, 2, 16, generator=g) * 2 for _ in range(2))
+    ours = SDPAttention(config, layer_number=1)(q, k, v)  # a sliding layer
+    allowed = causal_mask(SEQ, config.window_size, "cpu")
+    additive = torch.zeros(SEQ, SEQ).masked_fill(~allowed, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=2, training=False)
+    ref, _ = eager_attention_forward(
+        module, *(t.transpose(1, 2) for t in (q, k, v)), additive, scaling=16**-0.5, softcap=1.5
+    )
+    assert (ours - ref.reshape(2, SEQ, -1)).abs().max().item() < 1e-5
+    uncapped = SDPAttention(tiny_gemma3(), layer_number=1)(q, k, v)
+    assert (uncapped - ours).abs().max().item() > 1e-2
+
+    model = GPTModel(config).eval()
+    ids = _ids()[:1]
+    with torch.no_grad():
+        cache = KVCache.for_model(model, num_slots=1, max_length=SEQ)
+        cache.bind(torch.tensor([0]), torch.tensor([0]))
+        prefill = model(ids[:, :10], torch.arange(10)[None], inference_cache=cache)
+        cache.bind(torch.tensor([0]), torch.tensor([10]))
+        step = model(ids[:, 10:11], torch.tensor([[10]]), inference_cache=cache)
+        full = model(ids[:, :11])
+    assert (torch.cat([prefill, step], dim=1) - full).abs().max().item() < 1e-5
+    config.attention_backend = "fused"
+    with pytest.raises(BackendUnavailableError, match="attn_logit_softcapping"):
+        build_core_attention(config, 1)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        PagedKVCache.for_model(model, num_blocks=8, block_size=4)
 
 
 def test_gemma3_config_not_exported_as_llama():

@@ -163,6 +163,10 @@ class TransformerConfig:
     """A norm also after attention and after the MLP, on each branch before its residual
     add (Gemma 2/3): `post_self_attn_layernorm` and `post_mlp_layernorm` (HF's
     post_attention_layernorm / post_feedforward_layernorm). GPTModel only."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2's cap c on the attention logits: c·tanh(logits / c) before the mask and the
+    softmax. It needs the explicit-math attention (`--attention-backend auto`, `unfused`
+    or `local`); the fused kernels and the paged KV cache refuse it by name."""
     scale_embeddings_by_sqrt_hidden: bool = False
     """Multiply the word embeddings by √hidden_size, rounded to the embedding's dtype
     first, as Gemma does (`normalizer = hidden**0.5`)."""
@@ -405,8 +409,10 @@ class TransformerConfig:
             fail("rotary_seq_len_interpolation_factor", "must be positive, with RoPE")
         if factor is not None and self.rope_scaling is not None:
             fail("rotary_seq_len_interpolation_factor", "choose it or rope_scaling, not both")
-        if self.softmax_scale is not None and self.softmax_scale <= 0:
-            fail("softmax_scale", f"must be positive, got {self.softmax_scale}")
+        for name in ("softmax_scale", "attn_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                fail(name, f"must be positive, got {value}")
         if self.sandwich_norms and self.transformer_impl == "transformer_engine":
             fail(
                 "sandwich_norms",

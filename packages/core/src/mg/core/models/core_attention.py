@@ -37,6 +37,7 @@ from torch.nn.attention import sdpa_kernel
 
 from mg.core.models import attention_backend
 from mg.core.models.attention_backend import (
+    CUDA_ONLY,
     BackendUnavailableError,
     check_attention_backend,
     flash_attn_installed,
@@ -67,6 +68,43 @@ def causal_mask(seq_length: int, window_size: tuple[int, int] | None, device) ->
     return allowed
 
 
+def softcapped_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor | None,
+    scale: float,
+    cap: float,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """softmax(c·tanh(q kᵀ·scale / c)) v in explicit math, as HF's eager Gemma 2 computes
+    it (no SDPA kernel caps the logits): q [b, heads, s, d], k/v [b, groups, L, d] (each
+    group shared by heads/groups consecutive query heads), `allowed` bool broadcastable to
+    [b, heads, s, L] (True = attend) or None; the softmax runs in fp32."""
+    heads, groups = q.shape[1], k.shape[1]
+    if groups != heads:
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = v.repeat_interleave(heads // groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, v)
+
+
+def check_softcapping(config: TransformerConfig) -> None:
+    """Refuse a fused attention kernel for a model whose attention logits are capped."""
+    if config.attn_logit_softcapping is not None and config.attention_backend in CUDA_ONLY:
+        raise BackendUnavailableError(
+            f"--attention-backend {config.attention_backend}: attention logit soft-capping "
+            "(attn_logit_softcapping) needs the explicit-math attention; use "
+            "--attention-backend auto, unfused or local"
+        )
+
+
 class SDPAttention(nn.Module):
     """`torch.nn.functional.scaled_dot_product_attention`: CPU and GPU, any dtype.
 
@@ -88,6 +126,7 @@ class SDPAttention(nn.Module):
         self.softmax_scale = config.attention_softmax_scale
         self.backend = config.attention_backend
         self._kernels = sdpa_kernels(self.backend)
+        self.softcap = config.attn_logit_softcapping
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None
@@ -114,6 +153,13 @@ class SDPAttention(nn.Module):
     ) -> Tensor:
         b, s = query.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, heads, s, d]
+        if self.softcap is not None:
+            allowed = causal_mask(s, self.window_size, query.device) if self.causal else None
+            if attention_mask is not None:
+                allowed = ~attention_mask if allowed is None else allowed & ~attention_mask
+            dropout = self.dropout if self.training else 0.0
+            out = softcapped_attention(q, k, v, allowed, self.softmax_scale, self.softcap, dropout)
+            return out.transpose(1, 2).reshape(b, s, -1)
         mask = None
         if not self.causal:
             mask = None if attention_mask is None else ~attention_mask
@@ -202,6 +248,11 @@ def build_te_core_attention(
     whole model's head counts); attention dropout then draws from the per-rank
     stream, as the local spec's does (mg.core.models.rng_stream)."""
     parallel = parallel or TEParallelism()
+    if config.attn_logit_softcapping is not None:
+        raise BackendUnavailableError(
+            "--transformer-impl transformer_engine: attention logit soft-capping "
+            "(attn_logit_softcapping) is not supported there; use --transformer-impl local"
+        )
 
     te = require_gpu_package(
         "transformer_engine.pytorch", "transformer-engine", "--transformer-impl transformer_engine"
@@ -259,6 +310,7 @@ def build_core_attention(
 ) -> nn.Module:
     """The core-attention module for `config.attention_backend` (layer_number is 1-based):
     flash-attn for "flash" where it is installed and CUDA is there, SDPA otherwise."""
+    check_softcapping(config)
     if (
         config.attention_backend == "flash"
         and flash_attn_installed()

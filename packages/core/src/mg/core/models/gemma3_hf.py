@@ -16,7 +16,11 @@ Gemma 3's decoder is GPTModel with these settings (its weight table is
 
 Both spellings of the RoPE settings are read: transformers 5's `rope_parameters`
 per layer type, and 4's `rope_theta` / `rope_local_base_freq` / `rope_scaling`.
-Logit soft-capping (Gemma 2's, null in Gemma 3's configs) is refused by name.
+Soft-capping: transformers' Gemma3Attention does not apply `attn_logit_softcapping`
+(null in Gemma 3's own configs; the field is kept from Gemma 2), so the import leaves
+it off too and the logits match; a model of ours that caps its attention logits is
+refused on export, since Gemma3ForCausalLM would not. Capping the final logits is
+refused by name.
 """
 
 from __future__ import annotations
@@ -88,12 +92,11 @@ def _rope_of(c: dict[str, Any]) -> dict[str, Any]:
 def gemma3_config_from_hf(c: dict[str, Any]) -> dict[str, Any]:
     """`TransformerConfig` fields of a Gemma3TextConfig dict; ValueError names what
     Megatron's decoder cannot run."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if c.get(name) is not None:
-            raise ValueError(
-                f"Gemma 3 {name}={c[name]}: logit soft-capping is not supported yet "
-                "(Gemma 3's own configs leave it null)"
-            )
+    if c.get("final_logit_softcapping") is not None:
+        raise ValueError(
+            f"Gemma 3 final_logit_softcapping={c['final_logit_softcapping']}: capping the "
+            "output logits is not supported yet (Gemma 3's own configs leave it null)"
+        )
     if c.get("use_bidirectional_attention"):
         raise ValueError("Gemma 3 use_bidirectional_attention is not supported (a decoder only)")
     if c.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
@@ -164,11 +167,12 @@ def gemma3_config_to_hf(c: TransformerConfig) -> dict[str, Any]:
         and not c.add_qkv_bias
         and c.scale_embeddings_by_sqrt_hidden
         and c.num_moe_experts is None
+        and c.attn_logit_softcapping is None
     ):
         raise ValueError(
             "this config is not a Gemma3ForCausalLM architecture (it needs RoPE, zero-centred "
-            "RMSNorm sandwich norms, q/k norms, geglu_tanh, no biases and √hidden embedding "
-            "scaling)"
+            "RMSNorm sandwich norms, q/k norms, geglu_tanh, no biases, √hidden embedding "
+            "scaling, and no attention logit soft-capping, which its attention ignores)"
         )
     full: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rotary_base}
     if c.rotary_seq_len_interpolation_factor is not None:

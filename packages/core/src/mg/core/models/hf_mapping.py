@@ -808,6 +808,7 @@ def _layer_variants(c: TransformerConfig) -> list[str]:
         "rotary_base_local",
         "rotary_seq_len_interpolation_factor",
         "softmax_scale",
+        "attn_logit_softcapping",
     )
     names = [name for name in set_fields if getattr(c, name) is not None]
     names += [

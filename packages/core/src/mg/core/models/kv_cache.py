@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mg.core.models.core_attention import softcapped_attention
+
 
 class KVCache:
     """Keys and values of `num_slots` sequences, [layers, slots, positions, groups, head_dim]."""
@@ -46,6 +48,7 @@ class KVCache:
         window_size: tuple[int, int] | None = None,
         layer_windows: list[tuple[int, int] | None] | None = None,
         softmax_scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         shape = (num_layers, num_slots, max_length, num_groups, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
@@ -56,6 +59,7 @@ class KVCache:
         # per layer, where only some layers slide (Gemma 3's local/global pattern)
         self.layer_windows = layer_windows or [window_size] * num_layers
         self.softmax_scale = softmax_scale
+        self.softcap = softcap
         self._slots: Tensor | None = None
         self._starts: Tensor | None = None
 
@@ -76,6 +80,7 @@ class KVCache:
             window_size=config.window_size,
             layer_windows=[config.layer_window_size(i + 1) for i in range(config.num_layers)],
             softmax_scale=config.attention_softmax_scale,
+            softcap=config.attn_logit_softcapping,
         )
 
     def bind(self, slots: Tensor, starts: Tensor) -> None:
@@ -117,16 +122,26 @@ class KVCache:
         of its queries [b, s, heads, d] over the cached prefix: the one method a model's
         attention calls on any inference cache (`PagedKVCache` has it too)."""
         key, value, allowed = self.update(layer_index, key, value)
-        return cached_attention(query, key, value, allowed, self.softmax_scale)
+        return cached_attention(query, key, value, allowed, self.softmax_scale, self.softcap)
 
 
 def cached_attention(
-    query: Tensor, key: Tensor, value: Tensor, allowed: Tensor, scale: float | None = None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    allowed: Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """softmax(q kᵀ·scale) v over cached keys (scale default 1/√d): query [b, s, heads, d],
-    key/value [b, L, groups, d], allowed [b, 1, s, L] → [b, s, heads·d]."""
+    """softmax(q kᵀ·scale) v over cached keys (scale default 1/√d; logits capped at
+    `softcap` as Gemma 2 caps them): query [b, s, heads, d], key/value [b, L, groups, d],
+    allowed [b, 1, s, L] → [b, s, heads·d]."""
     b, s, heads, d = query.shape
     q, k, v = (t.transpose(1, 2) for t in (query, key.to(query.dtype), value.to(query.dtype)))
+    if softcap is not None:
+        scale = scale if scale is not None else 1.0 / math.sqrt(d)
+        out = softcapped_attention(q, k, v, allowed, scale, softcap)
+        return out.transpose(1, 2).reshape(b, s, heads * d)
     out = F.scaled_dot_product_attention(
         q,
         k,

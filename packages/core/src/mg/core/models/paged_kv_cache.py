@@ -218,10 +218,15 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """A pool shaped for `model`'s attention layers (a GPTModel's every layer, a hybrid's
         attention layers; their local heads under tensor parallelism)."""
+        config = model.config
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ValueError(
+                "the paged KV cache (mg-serve) does not cap attention logits "
+                "(attn_logit_softcapping) yet; evaluate such a model with mg-eval"
+            )
         layers = [layer for layer in model.decoder.layers if hasattr(layer, "self_attention")]
         attention = layers[0].self_attention
         weight = next(model.parameters())
-        config = model.config
         windows = None
         if getattr(config, "window_attn_skip_freq", None) is not None:
             numbers = [layer.self_attention.layer_number for layer in layers]
