@@ -79,6 +79,15 @@ def test_gemma3_flags_become_core_config_fields(tmp_path, mock_argv):
             ["--window-size", "7,0", "--context-parallel-size", "2", *NO_DROPOUT],
             "--window-size with --context-parallel-size 2",
         ),
+        (
+            ["--attn-logit-softcapping", "50", "--attention-backend", "unfused"]
+            + ["--transformer-impl", "transformer_engine"],
+            "--attn-logit-softcapping needs --transformer-impl local",
+        ),
+        (
+            ["--attn-logit-softcapping", "50", "--context-parallel-size", "2", *NO_DROPOUT],
+            "--attn-logit-softcapping with --context-parallel-size 2",
+        ),
     ],
 )
 def test_bad_gemma3_flags_are_refused_in_one_line(tmp_path, mock_argv, extra, message):
@@ -145,3 +154,12 @@ def test_gemma3_tensor_parallel_matches_one_process(tmp_path, mock_argv, train):
     one = train([*base, "--make-vocab-size-divisible-by", "128"])
     assert two["losses"] == pytest.approx(one.losses, rel=1e-5)
     assert one.losses[-1] < one.losses[0]
+
+
+def test_attention_logit_softcapping_flag_trains(tmp_path, mock_argv, train):
+    """--attn-logit-softcapping reaches the model (a small cap changes the losses) and the
+    run trains."""
+    plain = train(mock_argv(tmp_path, *GEMMA3, iters=4))
+    capped = train(mock_argv(tmp_path, *GEMMA3, "--attn-logit-softcapping", "0.5", iters=4))
+    assert capped.losses != plain.losses
+    assert capped.losses[-1] < capped.losses[0]

@@ -36,6 +36,7 @@ class LayerVariantArgs:
     rotary_base_local: float | None = None
     rotary_seq_len_interpolation_factor: float | None = None
     softmax_scale: float | None = None
+    attn_logit_softcapping: float | None = None
     sandwich_norms: bool = False
     scale_embeddings_by_sqrt_hidden: bool = False
     geglu: bool = False
@@ -93,6 +94,12 @@ def add_layer_variant_flags(p: argparse._ArgumentGroup) -> None:
         type=float,
         help="Scale of the attention logits; default 1/sqrt(kv-channels) "
         "(Gemma: query_pre_attn_scalar**-0.5).",
+    )
+    p.add_argument(
+        "--attn-logit-softcapping",
+        type=float,
+        help="Cap c on the attention logits, c*tanh(logits/c) (Gemma 2); explicit-math "
+        "attention only (--attention-backend auto, unfused or local).",
     )
     p.add_argument(
         "--sandwich-norms",
@@ -165,7 +172,7 @@ def check_layer_variant_flags(args: Args) -> str | None:
             return "--rotary-seq-len-interpolation-factor needs rope and a positive factor"
         if m.use_rope_scaling:
             return "--rotary-seq-len-interpolation-factor and --use-rope-scaling: pick one"
-    for name in ("rotary_base_local", "softmax_scale"):
+    for name in ("rotary_base_local", "softmax_scale", "attn_logit_softcapping"):
         value = getattr(v, name)
         if value is not None and value <= 0:
             return f"{'--' + name.replace('_', '-')} {value}: must be positive"
@@ -173,13 +180,23 @@ def check_layer_variant_flags(args: Args) -> str | None:
         return "--geglu and --swiglu: pick one gated activation"
     if v.sandwich_norms and args.transformer_engine.transformer_impl == "transformer_engine":
         return "--sandwich-norms needs --transformer-impl local (the TE spec fuses pre-norms only)"
+    te = args.transformer_engine
+    if v.attn_logit_softcapping is not None:
+        if te.transformer_impl == "transformer_engine":
+            return "--attn-logit-softcapping needs --transformer-impl local"
+        if te.attention_backend in ("flash", "fused"):
+            return (
+                f"--attn-logit-softcapping with --attention-backend {te.attention_backend}: "
+                "no fused kernel caps the logits; use --attention-backend auto, unfused or local"
+            )
     if args.distributed.context_parallel_size > 1:
-        for name in ("window_size", "softmax_scale"):
+        for name in ("window_size", "softmax_scale", "attn_logit_softcapping"):
             if getattr(v, name) is not None:
                 return (
                     f"{'--' + name.replace('_', '-')} with --context-parallel-size "
                     f"{args.distributed.context_parallel_size}: the ring attention has no "
-                    "sliding window and takes 1/sqrt(kv-channels) only; drop one of them"
+                    "sliding window, no logit cap and takes 1/sqrt(kv-channels) only; drop "
+                    "one of them"
                 )
     if v.sandwich_norms and args.distributed.sequence_parallel:
         return (
