@@ -14,6 +14,9 @@ from mg.indexed_dataset import IndexedDatasetBuilder, best_dtype
 
 LOSS_MASK_SUFFIX = "_loss_mask"
 """The loss mask of dataset PREFIX is dataset PREFIX + this (what mg-train --sft reads)."""
+RECORD_SUFFIX = "_sft.json"
+"""PREFIX + this records how the data was rendered (mg-train checks
+--sft-tokenizer-prompt-format against it)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
             counts["assistant_tokens"] += int(mask.sum())
         tokens.finalize(f"{prefix}.idx")
         masks.finalize(f"{prefix}{LOSS_MASK_SUFFIX}.idx")
+    record = {"prompt_format": encoder.prompt_format, "tokenizer_model": args.tokenizer_model}
+    with open(f"{prefix}{RECORD_SUFFIX}", "w", encoding="utf-8") as stream:
+        json.dump({**record, **counts}, stream, indent=2)
     print(
         f"mg-prep sft: {counts['conversations']} conversations, {counts['tokens']} tokens "
         f"({counts['assistant_tokens']} assistant) -> {prefix} and {prefix}{LOSS_MASK_SUFFIX} "

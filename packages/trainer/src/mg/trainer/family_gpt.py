@@ -24,6 +24,7 @@ from mg.indexed_dataset import (
 from mg.trainer.arguments import Args
 from mg.trainer.arguments.layer_variants import activation_of, layer_variant_config_fields
 from mg.trainer.arguments.moe import moe_config_fields
+from mg.trainer.sft_data import sft_datasets
 
 
 def gpt_config(args: Args, vocab_size: int):
@@ -73,7 +74,10 @@ def gpt_model(config, args: Args | None = None) -> nn.Module:
 
 
 def gpt_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
-    """Megatron's GPT datasets: mock, `--data-path` words or a blend file."""
+    """Megatron's GPT datasets: mock, `--data-path` words or a blend file; with --sft,
+    packed conversations (sft_data.py)."""
+    if args.sft.sft:
+        return sft_datasets(args, num_samples)
     d = args.data
     config = GPTDatasetConfig(
         seq_length=args.model.seq_length,

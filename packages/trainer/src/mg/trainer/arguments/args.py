@@ -16,6 +16,7 @@ from mg.trainer.arguments.mamba import MambaArgs
 from mg.trainer.arguments.model import ModelArgs
 from mg.trainer.arguments.moe import MoEArgs
 from mg.trainer.arguments.parallel import DistributedArgs
+from mg.trainer.arguments.sft import SFTArgs
 from mg.trainer.arguments.training import TrainingArgs
 from mg.trainer.arguments.transformer_engine import TransformerEngineArgs
 
@@ -29,6 +30,7 @@ class Args:
     layer_variants: LayerVariantArgs = field(default_factory=LayerVariantArgs)
     transformer_engine: TransformerEngineArgs = field(default_factory=TransformerEngineArgs)
     data: DataArgs = field(default_factory=DataArgs)
+    sft: SFTArgs = field(default_factory=SFTArgs)
     training: TrainingArgs = field(default_factory=TrainingArgs)
     optimizer: OptimizerArgs = field(default_factory=OptimizerArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
@@ -64,6 +66,7 @@ GROUPS: dict[str, type] = {
     "layer_variants": LayerVariantArgs,
     "transformer_engine": TransformerEngineArgs,
     "data": DataArgs,
+    "sft": SFTArgs,
     "training": TrainingArgs,
     "optimizer": OptimizerArgs,
     "checkpoint": CheckpointArgs,

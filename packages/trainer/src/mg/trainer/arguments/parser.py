@@ -28,6 +28,7 @@ from mg.trainer.arguments import (
     model,
     moe,
     parallel,
+    sft,
     training,
     transformer_engine,
 )
@@ -42,6 +43,7 @@ FLAG_GROUPS = (
     ("layer variants: sliding window, Gemma 3", layer_variants.add_layer_variant_flags),
     ("transformer engine and attention kernels", transformer_engine.add_transformer_engine_flags),
     ("data and tokenizer", data.add_data_flags),
+    ("supervised finetuning (chat data)", sft.add_sft_flags),
     ("training", training.add_training_flags),
     ("optimizer and learning rate", learning_rate.add_learning_rate_flags),
     ("checkpointing", checkpointing.add_checkpointing_flags),
@@ -186,3 +188,4 @@ def validate(args: Args) -> None:
     logging.check_logging(args)
     checkpointing.check_checkpointing(args)
     data.check_data(args)
+    sft.check_sft(args)
