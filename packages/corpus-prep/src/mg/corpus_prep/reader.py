@@ -2,7 +2,8 @@
 
 `--input` takes files, glob patterns and folders, in any mix; plain, gzip and
 zstd files are recognised by their first bytes (so a misnamed `.jsonl` that is
-really gzip still works). A file is read as raw bytes and split on b"\\n" only:
+really gzip still works), and so are Parquet files, whose rows are read as
+JSON lines (`parquet_rows`). A file is read as raw bytes and split on b"\\n" only:
 decoding and JSON parsing happen in the tokenizer workers, where a bad line
 becomes an error that names its file and line.
 
@@ -24,8 +25,18 @@ from typing import BinaryIO
 
 import zstandard
 
+from mg.corpus_prep.parquet_rows import PARQUET_MAGIC, parquet_lines
+
 # Extensions picked up from folders (a file named explicitly may have any name).
-CORPUS_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+CORPUS_SUFFIXES = (
+    ".jsonl",
+    ".json",
+    ".jsonl.gz",
+    ".json.gz",
+    ".jsonl.zst",
+    ".json.zst",
+    ".parquet",
+)
 GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 READ_BLOCK = 1 << 20
@@ -40,7 +51,7 @@ class Source:
     """One input file: `name` is how messages show it (the path as found)."""
 
     name: str
-    compression: str  # "none", "gzip" or "zstd"
+    compression: str  # "none", "gzip", "zstd" or "parquet" (not lines: rows)
     size: int  # bytes on disk (compressed size for compressed files)
 
 
@@ -48,7 +59,7 @@ class Source:
 class Segment:
     """Lines of `source` starting in bytes [start, end) of an uncompressed file.
 
-    A compressed file is always one whole segment (start 0, end None). A line
+    A compressed or Parquet file is always one whole segment (start 0, end None). A line
     belongs to the segment in which its first byte lies, so consecutive
     segments of one file cover every line exactly once.
     """
@@ -75,13 +86,15 @@ def _folder_files(folder: str) -> list[str]:
 
 
 def detect_compression(path: str) -> str:
-    """'gzip', 'zstd' or 'none', from the file's magic bytes."""
+    """'gzip', 'zstd', 'parquet' or 'none', from the file's magic bytes."""
     with open(path, "rb") as stream:
         head = stream.read(4)
     if head.startswith(GZIP_MAGIC):
         return "gzip"
     if head.startswith(ZSTD_MAGIC):
         return "zstd"
+    if head == PARQUET_MAGIC:
+        return "parquet"
     return "none"
 
 
@@ -160,6 +173,9 @@ def read_lines(segment: Segment) -> Iterator[tuple[int, bytes]]:
     whatever the file size.
     """
     source = segment.source
+    if source.compression == "parquet":
+        yield from parquet_lines(source.name)
+        return
     lineno = 0
     with open_binary(source) as stream:
         position = 0

@@ -7,7 +7,7 @@
 writes `data/corpus_text_document.{bin,idx}`, byte-identical to what Megatron's
 script writes for the same flags. Same flags as Megatron; in addition
 `--input` takes several files, globs and folders (`.jsonl`, `.json`, `.gz`,
-`.zst`), `--sentence-splitter` picks NLTK or spaCy, and `--on-error` decides
+`.zst`, `.parquet`), `--sentence-splitter` picks NLTK or spaCy, and `--on-error` decides
 whether a bad line stops the run (default) or is skipped and counted.
 """
 
@@ -49,8 +49,9 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
             nargs="+",
             required=True,
             metavar="PATH",
-            help="JSON-lines files (.jsonl/.json, optionally .gz/.zst), glob patterns or "
-            "folders; read in the order given (globs and folders sorted)",
+            help="JSON-lines files (.jsonl/.json, optionally .gz/.zst) or Parquet files (rows "
+            "read as JSON objects), glob patterns or folders; read in the order given (globs "
+            "and folders sorted)",
         )
     group.add_argument(
         "--json-keys",
