@@ -152,10 +152,6 @@ def test_dp4_each_strategy_tp_and_hsdp_match_one_process(tmp_path, mock_argv, tr
             "--use-torch-fsdp2 is not supported with --use-distributed-optimizer",
         ),
         (
-            [*FSDP, "--tensor-model-parallel-size", "2", "--save", "ckpt"],
-            "--tensor-model-parallel-size > 1 and --save / --load is not supported yet",
-        ),
-        (
             [*FSDP, "--expert-model-parallel-size", "2", "--num-experts", "4", "--load", "ckpt"],
             "--expert-model-parallel-size > 1\\) and --save / --load is not supported yet",
         ),
@@ -271,6 +267,21 @@ def test_dp4_fsdp_with_context_parallel_moe_and_mamba_match_one_process(
         _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)
     for run in (runs[0], runs[1], runs[3]):
         assert sum(run["shares"]) == run["numel"]
+
+
+@pytest.mark.slow
+def test_dp2_tp2_fsdp_dtensor_loads_in_one_process(tmp_path, mock_argv, train) -> None:
+    """DP=2 × TP=2 + SP, ZeRO-3: a save at iteration 3 (shards strided over the 2-D mesh)
+    loads into one process, which continues as the 4-rank run did."""
+    padding = ["--make-vocab-size-divisible-by", "64"]  # 128 rows at TP=1 and TP=2
+    argv = mock_argv(tmp_path, *FLAGS, *padding, mbs=2, gbs=8, iters=6)
+    ckpt = str(tmp_path / "ckpt")
+    tp = [*argv, *_strategy("optim_grads_params"), "--tensor-model-parallel-size", "2"]
+    tp += ["--sequence-parallel", "--save", ckpt, "--save-interval", "3"]
+    (four,) = _run_ranks([tp], 4, tmp_path / "four.json")
+    one = train([*argv, "--load", ckpt, "--ckpt-step", "3"])
+    _assert_close(four["losses"][3:], one.losses, LOSS_RTOL)
+    _assert_close(four["grad_norms"][3:], one.grad_norms, NORM_RTOL)
 
 
 BF16_RTOL = 5e-4

@@ -34,9 +34,11 @@ from mg.core.checkpoint.dist_format import PendingSave, load_dist_checkpoint, sa
 from mg.core.checkpoint.fsdp_dtensor import (
     FORMAT_KEY,
     FSDP_DTENSOR,
+    copy_objects,
     is_fsdp_dtensor,
     load_sharded_state,
     sharded_state,
+    writable,
 )
 from mg.core.checkpoint.layout import CheckpointError
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
@@ -109,7 +111,9 @@ def save(
         common["grad_scaler"] = loss_scaler.state_dict()
     if save_rng:
         common["rng_state"] = [get_rng_state()]
-    return save_dist_checkpoint(save_dir, state.iteration, sharded, common, async_save=async_save)
+    return save_dist_checkpoint(
+        save_dir, state.iteration, writable(sharded), common, async_save=async_save
+    )
 
 
 def resume(
@@ -140,7 +144,9 @@ def resume(
     want_optim = load_optim and not finetune
     inner = _torch_optimizer(optimizer) if want_optim else None
     sharded = sharded_state(model, inner)
-    common = load_dist_checkpoint(folder, sharded, allow_pickle=True)
+    ready = writable(sharded)  # views: the load fills `sharded`'s tensors
+    common = load_dist_checkpoint(folder, ready, allow_pickle=True)
+    copy_objects(ready, sharded)
     load_sharded_state(model, inner, sharded)
     if want_optim:
         scheduler.load_state_dict(common["opt_param_scheduler"])

@@ -29,8 +29,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from mg.core.checkpoint.dist_format import COMMON_FILENAME, is_torch_dist
+from mg.core.checkpoint.global_chunks import GlobalChunks, own_storage
 from mg.core.checkpoint.serialization import load_file
 
 FSDP_DTENSOR = "fsdp_dtensor"
@@ -53,6 +57,37 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> 
     if optimizer is not None:  # a fresh optimizer's state is created (zeros) to be filled
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
+
+
+def writable(state: Any) -> Any:
+    """What DCP is handed for `state`: each FSDP × TP shard (strided over a 2-D mesh) as
+    the one block of the global tensor it is, at its offsets (`GlobalChunks` of a view,
+    so a load fills the shard); everything else as it is."""
+    if isinstance(state, dict):
+        return {k: writable(v) for k, v in state.items()}
+    if not (
+        isinstance(state, DTensor)
+        and state.device_mesh.ndim > 1
+        and any(isinstance(p, _StridedShard) for p in state.placements)
+    ):
+        return state
+    local = state.to_local()
+    shape, offset = compute_local_shape_and_global_offset(
+        state.shape, state.device_mesh, state.placements
+    )
+    if tuple(shape) != tuple(local.shape):
+        raise NotImplementedError(f"a {state.placements} shard is not one block of its tensor")
+    return GlobalChunks(state.shape, [(own_storage(local), tuple(offset))])
+
+
+def copy_objects(loaded: Any, state: Any) -> None:
+    """The non-tensor values (optimizer options) a load put in `writable(state)`'s copy,
+    back into `state` (tensors were filled in place)."""
+    for key, value in loaded.items():
+        if isinstance(value, dict) and isinstance(state.get(key), dict):
+            copy_objects(value, state[key])
+        elif not isinstance(value, torch.Tensor):
+            state[key] = value
 
 
 def load_sharded_state(

@@ -299,11 +299,6 @@ CONFLICTS: tuple[Conflict, ...] = (
         ),
         "expert parallelism (--expert-model-parallel-size > 1) and --save / --load",
     ),
-    _fsdp_not_yet(  # the checkpoint writer takes 1-D strided shards only (global_chunks)
-        "--tensor-model-parallel-size",
-        lambda a: _tp(a) > 1 and bool(a.checkpoint.save or a.checkpoint.load),
-        "--tensor-model-parallel-size > 1 and --save / --load",
-    ),
     _fsdp_not_yet(
         "--transformer-impl",
         lambda a: a.transformer_engine.transformer_impl == "transformer_engine",
