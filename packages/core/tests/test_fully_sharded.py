@@ -97,6 +97,7 @@ def _worker(out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~50 s on 2 cores; the trainer's DP=2 test runs this path by default
 def test_meta_model_is_sharded_before_storage_and_equals_one_process(tmp_path) -> None:
     out = tmp_path / "ranks.json"
     launch_workers(__file__, 2, [str(out)], timeout=300)
