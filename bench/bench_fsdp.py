@@ -16,6 +16,11 @@ after it, GB, imports included):
   is the rank's resident training state;
 - save: a checkpoint (`torch_dist`, or `fsdp_dtensor` under FSDP).
 
+glibc keeps freed heap memory (and raises its mmap threshold as large blocks are
+freed), which would count FSDP's transient all-gather and reduce-scatter buffers
+as resident: the ranks run with a fixed `MALLOC_MMAP_THRESHOLD_` (large blocks are
+mapped and returned when freed) and `malloc_trim(0)` before the resident state is read.
+
 Written to `bench/results/fsdp-cpu.md` with the dry run's plan of each FSDP strategy
 (weights + gradients + optimizer state per rank) beside the measured resident state
 over the single-rank-copy baseline (what a rank holds before the model is built).
@@ -24,6 +29,7 @@ over the single-rank-copy baseline (what a rank holds before the model is built)
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -106,6 +112,8 @@ def _worker(spec_path: str) -> None:
     args = parse_args(_argv(spec["model"], spec["flags"], spec["save"]), world_size=WORLD)
     trainer = phases.run("build", lambda: Trainer(args))
     phases.run("step", lambda: (trainer.train_step(), trainer.train_step()))
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what is live, not what glibc kept
+    phases.results["step"]["rss_after"] = _status("VmRSS")
     trainer.state.iteration = 2
     phases.run("save", lambda: (trainer.save(), trainer.finish_saves()))
     dist.barrier()
@@ -120,7 +128,7 @@ def _launch(spec: dict, folder: Path, threads: int) -> list[dict]:
     folder.mkdir(parents=True, exist_ok=True)
     spec_path = folder / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = {"OMP_NUM_THREADS": str(threads)}
+    env = {"OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     outcomes = run_ranks(__file__, WORLD, ["--worker", str(spec_path)], timeout=3600, env=env)
     for r, o in enumerate(outcomes):
         if o.returncode != 0:
