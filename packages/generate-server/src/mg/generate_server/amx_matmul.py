@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from mg.core.models.paged_attention_cpu import quiet_cpp_extension
+from mg.generate_server import cpu_isa
 
 _SOURCE = r"""
 #include <immintrin.h>
@@ -211,6 +212,8 @@ def amx_matmul() -> tuple[Callable[..., None] | None, str]:
         return None, "cannot read /proc/cpuinfo"
     if " amx_bf16" not in flags or " amx_tile" not in flags:
         return None, "this CPU has no AMX-BF16"
+    if not cpu_isa.allows("amx"):
+        return None, f"--cpu-isa {cpu_isa.chosen()} rules AMX out"
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
         return None, "the kernel refused this process AMX's tile state"

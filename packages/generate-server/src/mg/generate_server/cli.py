@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from mg.core.help_format import DefaultsHelpFormatter
+from mg.generate_server import cpu_isa
 from mg.generate_server.client import run_client
 from mg.generate_server.errors import ServeSetupError
 from mg.generate_server.memory_size import parse_memory
@@ -126,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="draft tokens checked per step with --draft-load (default 4)",
+    )
+    parser.add_argument(
+        "--cpu-isa",
+        choices=cpu_isa.CHOICES,
+        default=os.environ.get(cpu_isa.ENVIRONMENT) or "auto",
+        help="vector instructions the CPU kernels may use: auto (the best this CPU has), or "
+        "amx, avx512, avx2 (that set and below: another machine's code path, refused where "
+        f"this CPU lacks it), none (PyTorch's ops); also ${cpu_isa.ENVIRONMENT}",
     )
     parser.add_argument(
         "--num-threads",
@@ -245,6 +254,11 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         )
     if args.num_threads is not None and args.num_threads < 1:
         parser.error("--num-threads must be >= 1")
+    try:
+        cpu_isa.check(args.cpu_isa)
+    except cpu_isa.CpuIsaError as err:
+        parser.error(str(err))
+    os.environ[cpu_isa.ENVIRONMENT] = args.cpu_isa  # read where each kernel is built
     if args.api_key is not None and not args.api_key.strip():
         parser.error(
             "--api-key (or $MG_SERVE_API_KEY) is empty: give a token, or leave both unset "
@@ -403,17 +417,22 @@ def serve(args: argparse.Namespace, steps: StartupLog | None = None) -> None:
 
 
 def _pack_and_fuse(runner) -> None:
-    """The eager CPU runner: its bf16 linears packed once (`packed_linears`) and, with AMX
-    packing and `--attention-backend auto`, every step one C++ call where the model
-    allows it (`fused_decode`; why not, at info level)."""
+    """The eager CPU runner: its bf16 linears packed once (`packed_linears`) and, with
+    `--attention-backend auto`, every step one C++ call where the model and `--cpu-isa`
+    allow it (`fused_decode` with AMX, `vector_decode` on AVX2/AVX-512), logged in one
+    line: "decode steps fused: avx2 fp32", or why not."""
     # lazy: torch and the serving code only once the flags are good (--help stays instant)
     from mg.generate_server.packed_linears import pack_linears
 
     runner.packed_linears = pack_linears(runner.model)
-    if runner.packed_linears and runner.attention_backend == "auto":
-        why = runner.use_fused_decode()
-        if why is not None:
-            log.info("steps run op by op: %s", why)
+    if runner.attention_backend != "auto":
+        log.info("decode steps op by op: --attention-backend %s", runner.attention_backend)
+        return
+    why = runner.use_fused_decode()
+    if why is None:
+        log.info("decode steps fused: %s", runner.fused_decode.description)
+    else:
+        log.info("decode steps op by op: %s", why)
 
 
 def _graph_runner(args: argparse.Namespace, loaded, device, tp: int, max_length: int, pool):
@@ -555,7 +574,7 @@ def _serve_http(
         if runner.packed_linears:
             layout += f", {weight_packing()}-packed weights"
         if runner.fused_decode is not None:
-            layout += ", decode steps fused"
+            layout += f", decode steps fused ({runner.fused_decode.description})"
         if args.enable_torch_compile:
             layout += ", " + runner.status
         if args.enable_cuda_graph:

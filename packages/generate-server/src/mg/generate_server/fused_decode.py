@@ -223,6 +223,8 @@ class FusedDecode:
         attention = model.decoder.layers[0].self_attention
         groups, heads, d = attention.num_groups, attention.num_heads, attention.head_dim
         self._step = _build(groups, heads // groups, d, cache.block_size)
+        self.description = "amx bf16"
+        """For the log ("decode steps fused: amx bf16")."""
         addresses: list[int] = []
         self._keep: list[Tensor] = []  # what the addresses point into
         for layer in model.decoder.layers:
@@ -258,7 +260,7 @@ class FusedDecode:
         """Whether this step runs fused: decodes, and prompt chunks that attend over at
         most `MAX_PROMPT_CONTEXT` positions (each prompt row reads its context once; a
         longer prompt's chunks keep SDPA, which reads it once a chunk)."""
-        return all(s.query_length == 1 or s.context_length <= MAX_PROMPT_CONTEXT for s in segments)
+        return takes(segments)
 
     @torch.inference_mode()
     def logits(
@@ -266,35 +268,48 @@ class FusedDecode:
     ) -> Tensor:
         """`ModelRunner.forward` for a step it `takes` (ids, positions: [1, n]): logits
         [len(logit_rows), vocab]."""
-        model, cache, bs = self.model, self.cache, self.cache.block_size
-        table_width = max(-(-s.context_length // bs) for s in segments)
-        tables, lengths, slots, owners = [], [], [], []
-        for k, s in enumerate(segments):
-            if s.context_length > len(s.blocks) * bs:
-                end = s.context_length - 1
-                raise ValueError(f"fused step: position {end} is past the sequence's blocks")
-            table = list(s.blocks[:table_width])
-            tables.append(table + [0] * (table_width - len(table)))
-            for p in range(s.context_start, s.context_length):
-                slots.append(s.blocks[p // bs] * bs + p % bs)
-                lengths.append(p + 1)
-                owners.append(k)
-        blocks = torch.tensor(tables)
-        if len(owners) != len(segments):  # a prompt's rows: its table for each
-            blocks = blocks[torch.tensor(owners)]
+        model, cache = self.model, self.cache
+        blocks, lengths, slots = step_tables(segments, cache.block_size)
         hidden = model.embedding(ids, pos)[0].contiguous()
         rope = model.rotary_pos_emb(pos)  # fp32 [1, n, 1, rot], cast as RoPE casts them
         cos, sin = (x[0, :, 0].to(torch.bfloat16).contiguous() for x in rope)
         layers, width, ffn, rot = self._sizes
         self._step(
-            hidden, self._weights, cache.keys, cache.values, cos, sin, blocks,
-            torch.tensor(lengths), torch.tensor(slots), hidden.shape[0], layers, width, ffn, rot,
+            hidden, self._weights, cache.keys, cache.values, cos, sin, blocks, lengths, slots,
+            hidden.shape[0], layers, width, ffn, rot,
             blocks.shape[1], self._window, cache.keys[0].numel(), self._eps, self._scale,
         )  # fmt: skip
         self.steps += 1
         if list(logit_rows) != list(range(hidden.shape[0])):
             hidden = hidden[torch.tensor(list(logit_rows), dtype=torch.long)]
         return model.output_and_loss(hidden[None], None)[0]
+
+
+def takes(segments: Sequence[PagedSegment]) -> bool:
+    """Whether a step runs fused: decodes, and prompt chunks that attend over at most
+    `MAX_PROMPT_CONTEXT` positions."""
+    return all(s.query_length == 1 or s.context_length <= MAX_PROMPT_CONTEXT for s in segments)
+
+
+def step_tables(segments: Sequence[PagedSegment], bs: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A fused step's block tables [rows, width], lengths [rows] (the row's position + 1)
+    and pool slots [rows], one row per query row of the segments."""
+    table_width = max(-(-s.context_length // bs) for s in segments)
+    tables, lengths, slots, owners = [], [], [], []
+    for k, s in enumerate(segments):
+        if s.context_length > len(s.blocks) * bs:
+            end = s.context_length - 1
+            raise ValueError(f"fused step: position {end} is past the sequence's blocks")
+        table = list(s.blocks[:table_width])
+        tables.append(table + [0] * (table_width - len(table)))
+        for p in range(s.context_start, s.context_length):
+            slots.append(s.blocks[p // bs] * bs + p % bs)
+            lengths.append(p + 1)
+            owners.append(k)
+    blocks = torch.tensor(tables)
+    if len(owners) != len(segments):  # a prompt's rows: its table for each
+        blocks = blocks[torch.tensor(owners)]
+    return blocks, torch.tensor(lengths), torch.tensor(slots)
 
 
 @functools.cache

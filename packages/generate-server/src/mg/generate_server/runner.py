@@ -31,6 +31,7 @@ from mg.core.models.mamba import MambaModel, PagedHybridCache
 from mg.core.models.paged_kv_cache import GATHERED, PagedKVCache, PagedSegment
 from mg.generate_server.fused_decode import FusedDecode, fused_decode_unsupported
 from mg.generate_server.moe_routing import route_dropless
+from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
 
 log = logging.getLogger("mg.generate_server")
 
@@ -103,11 +104,16 @@ class ModelRunner:
     def use_fused_decode(self) -> str | None:
         """Run steps of decodes and short prompt chunks as one C++ call (`fused_decode`)
         where this model and machine allow it (a Llama-shaped bf16 model whose linears the
-        AMX kernel took); None, or why not, for the log."""
-        why = fused_decode_unsupported(self.model, self._attention_cache)
+        AMX kernel took, or an fp32 one on AVX2/AVX-512: `vector_decode`); None, or why
+        not, for the log."""
+        cache = self._attention_cache
+        why = fused_decode_unsupported(self.model, cache)
+        step = FusedDecode
+        if why is not None and cache is not None and cache.keys.dtype == torch.float32:
+            why, step = vector_decode_unsupported(self.model, cache), VectorDecode
         if why is None:
             try:
-                self.fused_decode = FusedDecode(self.model, self._attention_cache)
+                self.fused_decode = step(self.model, cache)
             except Exception as err:  # noqa: BLE001 - the compiler refused: op by op serves
                 return f"the fused step could not be built ({type(err).__name__}: {err})"
         return why

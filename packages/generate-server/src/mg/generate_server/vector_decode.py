@@ -1,0 +1,359 @@
+"""A Llama-shaped fp32 model's serving step as one C++ call, on CPUs with AVX2 or AVX-512.
+
+The AMX step (`fused_decode`) needs AMX and bf16. Elsewhere a decode step ran op by
+op: per layer five matmuls through oneDNN and a dozen small torch ops, each with its
+dispatch and an OpenMP team woken for microseconds. This module builds one library
+for the chosen instruction set (`cpu_isa`: AVX-512, or AVX2 on any x86-64 from
+2013 on, also forced on a newer CPU) and runs every layer of a step in one call with
+the GIL released, as the AMX step does.
+
+Its matmuls are a hand-written kernel because none of the libraries at hand fits a
+step of 1-32 rows: each output is one row's dot product with one weight row, summed
+16 (AVX-512) or 8 (AVX2) lanes at a time in a fixed order (GCC/clang vector types, one
+register each), four weight rows against four or two input rows per inner loop, OpenMP over
+blocks of weight rows. So every row's numbers are the same whatever else the step
+holds (oneDNN picks its blocking by the number of rows) and the weights are read
+once a step. The kernel reads fp32 or bf16 weights (bf16 converted in registers);
+the step serves fp32 models, activations and KV cache for now: norms, RoPE, SwiGLU
+and residual adds run in fp32 as the eager fp32 model does,
+and the paged attention is `mg.core.models.paged_attention_cpu`'s kernel.
+
+It serves what the AMX step serves (pre-norm RMSNorm, fused QKV without bias, RoPE,
+SwiGLU without bias, dense layers) with an fp32 model and KV cache;
+`vector_decode_unsupported` says why anything else keeps the per-op step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from mg.core.models import GPTModel
+from mg.core.models.gpt import MLP, TransformerLayer
+from mg.core.models.output_head import is_plain_output, mask_padded_vocab, real_vocab_size
+from mg.core.models.paged_attention_cpu import kernel_flags, kernel_source, quiet_cpp_extension
+from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
+from mg.generate_server import cpu_isa
+from mg.generate_server.fused_decode import step_tables, takes
+
+_STEP = r"""
+// VL lanes a vector (16: one zmm; 8: one ymm), MR input rows an inner loop: 4 weight rows
+// times MR input rows of accumulators, the inputs and a weight vector fit the registers.
+typedef float fv __attribute__((vector_size(VL * 4)));
+typedef uint16_t hv __attribute__((vector_size(VL * 2)));  // VL bf16
+typedef uint32_t uv __attribute__((vector_size(VL * 4)));
+
+static inline fv load(const float* x) { fv v; std::memcpy(&v, x, sizeof v); return v; }
+static inline fv load(const uint16_t* x) {  // bf16 bits -> float
+    hv h; std::memcpy(&h, x, sizeof h);
+    const uv u = __builtin_convertvector(h, uv) << 16;
+    fv v; std::memcpy(&v, &u, sizeof v); return v;
+}
+static inline float total(fv v) {  // the lanes in order
+    float s = 0.f;
+    for (int j = 0; j < VL; j++) s += v[j];
+    return s;
+}
+
+// y[M, N] = x[M, K] @ W[N, K]^T; K a multiple of VL. Each y[m][n] is summed in the same
+// order whatever M is and wherever row m falls: VL lanes over K, then the lanes in order.
+template <typename W>
+static void linear(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        const int64_t nb = N - n0 < 4 ? N - n0 : 4;
+        const W* rows[4];
+        for (int64_t j = 0; j < 4; j++) rows[j] = w + (n0 + (j < nb ? j : 0)) * K;
+        for (int64_t m = 0; m < M; m += MR) {
+            const float* in[MR];
+            for (int64_t r = 0; r < MR; r++) in[r] = x + (m + r < M ? m + r : m) * K;
+            fv a[MR][4] = {};
+            for (int64_t k = 0; k < K; k += VL) {
+                fv u[MR];
+                for (int r = 0; r < MR; r++) u[r] = load(in[r] + k);
+                for (int j = 0; j < 4; j++) {
+                    const fv v = load(rows[j] + k);
+                    for (int r = 0; r < MR; r++) a[r][j] += u[r] * v;
+                }
+            }
+            for (int64_t r = 0; r < MR && m + r < M; r++)
+                for (int64_t j = 0; j < nb; j++) y[(m + r) * N + n0 + j] = total(a[r][j]);
+        }
+    }
+}
+
+// y = x / rms(x) * w per row, as torch's RMSNorm in fp32 (x * rsqrt(mean(x^2) + eps) * w).
+static void rms_norm(const float* x, const float* w, float* y, int64_t n, int64_t width,
+                     float eps) {
+    #pragma omp parallel for
+    for (int64_t i = 0; i < n; i++) {
+        const float* row = x + i * width;
+        fv squares = {};
+        for (int64_t c = 0; c < width; c += VL) { const fv v = load(row + c); squares += v * v; }
+        const float inverse = 1.f / std::sqrt(total(squares) / width + eps);
+        for (int64_t c = 0; c < width; c++) y[i * width + c] = row[c] * inverse * w[c];
+    }
+}
+
+// RoPE ("rotate half") over the first `rot` channels of every query and key head, in place
+// in the QKV rows ([n][groups][per_group queries, key, value][d]); cos, sin: [n, rot].
+static void rope(float* qkv, const float* cos, const float* sin, int64_t n, int64_t rot) {
+    const int64_t row = G * (H + 2) * D, half = rot / 2;
+    #pragma omp parallel for
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t h = 0; h < H + 1; h++) {  // the group's queries, then its key
+                float* head = qkv + i * row + (g * (H + 2) + h) * D;
+                float x[D];
+                for (int64_t j = 0; j < rot; j++) x[j] = head[j];
+                for (int64_t j = 0; j < rot; j++) {
+                    const float other = j < half ? -x[j + half] : x[j - half];
+                    head[j] = x[j] * cos[i * rot + j] + other * sin[i * rot + j];
+                }
+            }
+}
+
+static void add_into(float* hidden, const float* x, int64_t count) {
+    #pragma omp parallel for simd
+    for (int64_t c = 0; c < count; c++) hidden[c] += x[c];
+}
+
+// act = silu(gate) * up over rows [gate | up] of 2 * ffn
+static void swiglu(const float* fc1, float* act, int64_t n, int64_t ffn) {
+    #pragma omp parallel for
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < ffn; c++) {
+            const float gate = fc1[i * 2 * ffn + c];
+            act[i * ffn + c] = gate / (1.f + std::exp(-gate)) * fc1[i * 2 * ffn + ffn + c];
+        }
+}
+
+// Every layer of a step: hidden [n, width] (the embeddings in; the final norm's output
+// out). weights: per layer the addresses of the input norm, the QKV and output
+// projections, the pre-MLP norm, fc1 and fc2 ([out, in], weight_t); then the final norm.
+// keys, values: the pool [layers][blocks, block_size, G, D] (`layer_elements` apart);
+// tables [n, blocks_width], lengths [n] (the new position included), slots [n]. With an
+// output weight [vocab, width] (its address; 0: none), logits [logit_count, vocab] of the
+// rows logit_rows.
+extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float* values,
+                       const float* cos, const float* sin, const int64_t* tables,
+                       const int64_t* lengths, const int64_t* slots, int64_t n, int64_t layers,
+                       int64_t width, int64_t ffn, int64_t rot, int64_t blocks_width,
+                       int64_t window, int64_t layer_elements, float eps, float scale,
+                       const int64_t* logit_rows, int64_t logit_count, int64_t output_weight,
+                       int64_t vocab, float* logits) {
+    PyThreadState* released = PyEval_SaveThread();  // the server's other threads run meanwhile
+    const int64_t qkv_width = G * (H + 2) * D, context_width = G * H * D;
+    std::vector<float> normed(n * width), qkv(n * qkv_width), context(n * context_width);
+    std::vector<float> out(n * width), fc1(n * 2 * ffn), act(n * ffn);
+    auto vector = [&](int64_t layer, int64_t k) {
+        return reinterpret_cast<const float*>(weights[layer * 6 + k]);
+    };
+    auto matrix = [&](int64_t layer, int64_t k) {
+        return reinterpret_cast<const weight_t*>(weights[layer * 6 + k]);
+    };
+    for (int64_t l = 0; l < layers; l++) {
+        rms_norm(hidden, vector(l, 0), normed.data(), n, width, eps);
+        linear(normed.data(), matrix(l, 1), qkv.data(), n, qkv_width, width);
+        rope(qkv.data(), cos, sin, n, rot);
+        const int64_t group = (H + 2) * D;  // every row's key and value first
+        float* layer_keys = keys + l * layer_elements;
+        float* layer_values = values + l * layer_elements;
+        #pragma omp parallel for
+        for (int64_t i = 0; i < n; i++)
+            store_new(layer_keys, layer_values, qkv.data() + i * qkv_width + H * D,
+                      qkv.data() + i * qkv_width + (H + 1) * D, group, group, slots[i]);
+        paged_attention(qkv.data(), layer_keys, layer_values, tables, lengths, context.data(),
+                        nullptr, nullptr, slots, n, blocks_width, window, 0, qkv_width, group, 0,
+                        0, 0, 0, scale);
+        linear(context.data(), matrix(l, 2), out.data(), n, width, context_width);
+        add_into(hidden, out.data(), n * width);
+        rms_norm(hidden, vector(l, 3), normed.data(), n, width, eps);
+        linear(normed.data(), matrix(l, 4), fc1.data(), n, 2 * ffn, width);
+        swiglu(fc1.data(), act.data(), n, ffn);
+        linear(act.data(), matrix(l, 5), out.data(), n, width, ffn);
+        add_into(hidden, out.data(), n * width);
+    }
+    rms_norm(hidden, reinterpret_cast<const float*>(weights[layers * 6]), hidden, n, width, eps);
+    if (output_weight) {  // the output layer over the rows that sample, by the same kernel
+        std::vector<float> picked(logit_count * width);
+        for (int64_t r = 0; r < logit_count; r++)
+            std::memcpy(picked.data() + r * width, hidden + logit_rows[r] * width,
+                        width * sizeof(float));
+        linear(picked.data(), reinterpret_cast<const weight_t*>(output_weight), logits,
+               logit_count, vocab, width);
+    }
+    PyEval_RestoreThread(released);
+}
+"""
+
+_ARGUMENTS = ["float*", "const int64_t*", "float*", "float*", "const float*", "const float*"]
+_ARGUMENTS += ["const int64_t*"] * 3 + ["int64_t"] * 8 + ["float", "float"]
+_ARGUMENTS += ["const int64_t*", "int64_t", "int64_t", "int64_t", "float*"]
+_WEIGHT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}
+_BLOCKING = {"avx512": (16, 4), "avx2": (8, 2)}
+"""Per instruction set: lanes a vector, input rows a matmul's inner loop."""
+VECTOR_ISAS = ("avx512", "avx2")
+"""The instruction sets this step is built for, best first."""
+
+
+def vector_isa() -> str | None:
+    """The instruction set this step would be built for here (`cpu_isa`), or None."""
+    return next((isa for isa in VECTOR_ISAS if cpu_isa.allows(isa)), None)
+
+
+def vector_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> str | None:
+    """Why `VectorDecode` cannot run this model's steps here, or None."""
+    if vector_isa() is None:
+        return f"the CPU kernels may use neither AVX-512 nor AVX2 ({cpu_isa.chosen()})"
+    if not isinstance(model, GPTModel) or cache is None:
+        return "not a GPT-family model with a paged KV cache"
+    config = model.config
+    if cache.fp8 or cache.keys.dtype != torch.float32 or cache.device.type != "cpu":
+        return "the KV cache is not fp32 on the CPU"
+    if model.rotary_pos_emb is None or model.embedding.position_embeddings is not None:
+        return "positions are not RoPE"
+    if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+        return "its norms are not RMSNorm"
+    if config.activation != "swiglu" or not config.gated_linear_unit:
+        return "its MLP is not SwiGLU"
+    if config.qk_layernorm:
+        return "it norms queries and keys (--qk-layernorm)"
+    rot = config.rotary_dim
+    if rot > config.kv_channels or rot % 2:
+        return "its RoPE covers an unusual part of each head"
+    for layer in model.decoder.layers:
+        if type(layer) is not TransformerLayer or type(layer.mlp) is not MLP:
+            return "a layer is not a dense pre-norm layer (MoE or another kind)"
+        norms = (layer.input_layernorm, layer.pre_mlp_layernorm, model.decoder.final_layernorm)
+        if any(type(norm) is not nn.RMSNorm for norm in norms):
+            return "its norms are not RMSNorm modules"
+        for linear in _linears(layer):
+            if type(linear) is not nn.Linear or linear.bias is not None:
+                return "its linears are not plain and bias-free"
+            if linear.weight.dtype != torch.float32 or linear.in_features % 16:
+                return "its linears are not fp32 with inputs in multiples of 16"
+    return None
+
+
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attention, mlp = layer.self_attention, layer.mlp
+    return attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
+
+
+class VectorDecode:
+    """A model's serving steps over its paged cache, each one C++ call, for a model and
+    cache `vector_decode_unsupported` accepts. `takes` and `logits` as `FusedDecode`'s."""
+
+    def __init__(self, model: GPTModel, cache: PagedKVCache) -> None:
+        config = model.config
+        self.model, self.cache = model, cache
+        attention = model.decoder.layers[0].self_attention
+        groups, heads, d = attention.num_groups, attention.num_heads, attention.head_dim
+        weight_dtype = attention.linear_qkv.weight.dtype
+        self.isa = vector_isa()
+        self.description = f"{self.isa} {_label(weight_dtype)}"
+        """For the log: "avx2 fp32", "avx512 bf16 weights"."""
+        self._step = _build(
+            self.isa, _WEIGHT_TYPES[weight_dtype], groups, heads // groups, d, cache.block_size
+        )
+        addresses: list[int] = []
+        self._keep: list[Tensor] = []  # what the addresses point into
+        for layer in model.decoder.layers:
+            attention, mlp = layer.self_attention, layer.mlp
+            for tensor in (
+                layer.input_layernorm.weight.float(),
+                attention.linear_qkv.weight,
+                attention.linear_proj.weight,
+                layer.pre_mlp_layernorm.weight.float(),
+                mlp.linear_fc1.weight,
+                mlp.linear_fc2.weight,
+            ):
+                tensor = tensor.detach().contiguous()
+                self._keep.append(tensor)
+                addresses.append(tensor.data_ptr())
+        final = model.decoder.final_layernorm.weight.detach().float().contiguous()
+        self._keep.append(final)
+        addresses.append(final.data_ptr())
+        self._weights = torch.tensor(addresses, dtype=torch.int64)
+        self._sizes = (
+            len(model.decoder.layers),
+            config.hidden_size,
+            config.ffn_hidden_size,
+            config.rotary_dim,
+        )
+        self._eps = float(config.layernorm_epsilon)
+        self._scale = 1.0 / math.sqrt(d)
+        self._window = config.window_size[0] if config.window_size is not None else -1
+        self.steps = 0
+        """Steps run so far."""
+        self._output_weight = None
+        """The output layer's fp32 weight where the step computes the logits itself (a
+        plain head without bias: the same sums whatever the batch, as the layers')."""
+        weight = model.output_weight()
+        plain = is_plain_output(model) and model.output_bias() is None
+        if plain and weight.dtype == torch.float32 and config.hidden_size % 16 == 0:
+            self._output_weight = weight.detach().contiguous()
+
+    def takes(self, segments: Sequence[PagedSegment]) -> bool:
+        """Whether this step runs fused (the AMX step's rule, `fused_decode.takes`)."""
+        return takes(segments)
+
+    @torch.inference_mode()
+    def logits(
+        self, segments: Sequence[PagedSegment], ids: Tensor, pos: Tensor, logit_rows: Sequence[int]
+    ) -> Tensor:
+        """`ModelRunner.forward` for a step it `takes`: logits [len(logit_rows), vocab]."""
+        blocks, lengths, slots = step_tables(segments, self.cache.block_size)
+        model, cache = self.model, self.cache
+        hidden = model.embedding(ids, pos)[0].float().contiguous()
+        rope = model.rotary_pos_emb(pos)  # fp32 [1, n, 1, rot]
+        cos, sin = (x[0, :, 0].float().contiguous() for x in rope)
+        layers, width, ffn, rot = self._sizes
+        rows = torch.tensor(list(logit_rows), dtype=torch.long)
+        output = self._output_weight
+        logits = hidden.new_empty(len(rows), output.shape[0] if output is not None else 0)
+        self._step(
+            hidden, self._weights, cache.keys, cache.values, cos, sin, blocks, lengths, slots,
+            hidden.shape[0], layers, width, ffn, rot, blocks.shape[1], self._window,
+            cache.keys[0].numel(), self._eps, self._scale, rows, len(rows),
+            0 if output is None else output.data_ptr(), logits.shape[1], logits,
+        )  # fmt: skip
+        self.steps += 1
+        if output is not None:
+            return mask_padded_vocab(logits, real_vocab_size(model))
+        return model.output_and_loss(hidden[rows][None], None)[0]
+
+
+def _label(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "bf16 weights"
+
+
+@functools.cache
+def _build(isa: str, weight_type: str, groups: int, per_group: int, head_dim: int, block: int):
+    # lazy: torch._inductor takes seconds to import; only a serving CPU builds this step
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    source = "\n".join(
+        [
+            f"// instruction set: {isa}",
+            "#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n#include <cmath>\n#include <vector>",
+            "#define kernel paged_attention",
+            kernel_source("float", groups, per_group, head_dim, block),
+            "#undef kernel",
+            f"typedef {weight_type} weight_t;",
+            "#define VL {}\n#define MR {}".format(*_BLOCKING[isa]),
+            _STEP,
+        ]
+    )
+    with quiet_cpp_extension():
+        return CppPythonBindingsCodeCache.load_pybinding(
+            _ARGUMENTS,
+            source,
+            needs_vec_isa=False,  # inductor's ISA flags would follow (and undo) ours
+            extra_flags=(*kernel_flags(), *cpu_isa.build_flags(isa)),
+        )

@@ -1,0 +1,188 @@
+"""The fp32 step as one C++ call on AVX-512 and AVX2 (`vector_decode`, each forced through
+`MG_CPU_ISA` where the CPU has it): the op-by-op runner's logits and tokens, a sequence's
+numbers bitwise the same whatever else its steps hold, `--cpu-isa` refused by name for an
+instruction set the CPU lacks, and models it cannot run say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mg.core.models import GPTModel, presets
+from mg.core.models.config import RopeScaling
+from mg.core.models.paged_kv_cache import PagedSegment
+from mg.generate_server import cpu_isa
+from mg.generate_server.runner import ModelRunner
+from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
+
+ISAS = [
+    pytest.param(isa, marks=pytest.mark.skipif(
+        cpu_isa.ORDER.index(cpu_isa.available()) < cpu_isa.ORDER.index(isa),
+        reason=f"this CPU has no {isa}",
+    ))
+    for isa in ("avx512", "avx2")
+]  # fmt: skip
+
+SHAPES = {
+    "llama": {},
+    "mha-partial-rope": {"num_query_groups": 4, "rotary_percent": 0.5},
+    "sliding-window": {"window_size": (5, 0)},
+    "llama3-scaling": {"rope_scaling": RopeScaling(8.0, 1.0, 4.0, 16)},
+}
+
+
+def _model(**overrides) -> GPTModel:
+    torch.manual_seed(0)
+    config = presets.tiny_llama(hidden_dropout=0.0, attention_dropout=0.0, **overrides)
+    return GPTModel(config).eval()
+
+
+def _runner(model: GPTModel, fused: bool, slots: int = 3) -> ModelRunner:
+    runner = ModelRunner(model, num_slots=slots, max_length=32, block_size=4)
+    runner.choose_decode_attention()
+    if fused:
+        assert runner.use_fused_decode() is None
+        assert isinstance(runner.fused_decode, VectorDecode)
+    return runner
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@torch.inference_mode()
+def test_fused_steps_equal_the_op_by_op_runner(isa: str, shape: str, monkeypatch) -> None:
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
+    model = _model(**SHAPES[shape])
+    runners = [_runner(model, False), _runner(model, True)]
+    assert runners[1].fused_decode.description == f"{isa} fp32"
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (7, 2, 11)]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    ids, positions, segments, rows = sum(prompts, []), [], [], 0
+    for i, prompt in enumerate(prompts):
+        segments.append(PagedSegment(rows, len(prompt), 0, tables[i]))
+        positions += range(len(prompt))
+        rows += len(prompt)
+    steps: list[list[torch.Tensor]] = [[], []]
+    for out, runner in zip(steps, runners, strict=True):
+        out.append(runner.forward(segments, ids, positions, [0, 1, 2, 6, 8, 19]))
+        for step in range(4):
+            decodes = [PagedSegment(i, 1, len(prompts[i]) + step, tables[i]) for i in range(3)]
+            new = [(11 * step + 5 * i) % 128 for i in range(3)]
+            where = [len(prompts[i]) + step for i in range(3)]
+            out.append(runner.forward(decodes, new, where, [0, 1, 2]))
+    assert runners[1].fused_decode.steps == 5
+    for want, got in zip(*steps, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fp32, summed otherwise
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(runners[1].cache.keys, runners[0].cache.keys, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@torch.inference_mode()
+def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(isa: str, monkeypatch) -> None:
+    """Sequence 0's prompt and decodes, alone and then among 1-8 others at every place in
+    the step (others' prompts included): its logits bitwise equal each time."""
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
+    model = _model()
+    torch.manual_seed(2)
+    mine = torch.randint(0, 128, (6,)).tolist()
+
+    def run(others: int, place: int) -> list[torch.Tensor]:
+        runner = _runner(model, True, slots=9)
+        tables = [list(range(4 * i, 4 * i + 4)) for i in range(others + 1)]
+        order = list(range(1, others + 1))
+        order.insert(place, 0)
+        lengths = {0: len(mine), **{k: 3 + k for k in order if k}}
+        prompts = {0: mine, **{k: [(7 * k + j) % 128 for j in range(lengths[k])] for k in order}}
+        segments, ids, positions, rows, mine_row = [], [], [], 0, 0
+        for k in order:
+            if k == 0:
+                mine_row = rows + len(mine) - 1
+            segments.append(PagedSegment(rows, lengths[k], 0, tables[k]))
+            ids += prompts[k]
+            positions += range(lengths[k])
+            rows += lengths[k]
+        logits = [runner.forward(segments, ids, positions, [mine_row])[0]]
+        for step in range(3):
+            decodes = [PagedSegment(k, 1, lengths[k] + step, tables[k]) for k in order]
+            new = [(13 * step + k) % 128 for k in order]
+            where = [lengths[k] + step for k in order]
+            logits.append(runner.forward(decodes, new, where, [place])[0])
+        return logits
+
+    alone = run(0, 0)
+    for others, place in ((1, 1), (3, 0), (5, 2), (8, 8)):
+        for want, got in zip(alone, run(others, place), strict=True):
+            assert torch.equal(got, want), (others, place)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_greedy_tokens_equal_the_op_by_op_engines(isa: str, monkeypatch) -> None:
+    from mg.generate_server.batch import generate_batch
+    from mg.generate_server.engine import GenerationEngine
+    from mg.generate_server.sampling import SamplingParams
+
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
+    model = _model()
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (5, 9, 2)]
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    tokens = []
+    for fused in (False, True):
+        runner = _runner(model, fused)
+        engine = GenerationEngine(runner, lambda ids: "", 128)
+        try:
+            tokens.append([r.tokens for r in generate_batch(engine, prompts, params)])
+        finally:
+            engine.shutdown()
+        if fused:
+            assert runner.fused_decode.steps == engine.stats.steps
+    assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[1])
+
+
+def test_cpu_isa_refuses_what_the_cpu_lacks_by_name(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert cpu_isa.available() == "avx2"
+    assert cpu_isa.check("auto") == "avx2" and cpu_isa.check("none") == "none"
+    with pytest.raises(cpu_isa.CpuIsaError) as err:
+        cpu_isa.check("avx512")
+    assert str(err.value) == (
+        "--cpu-isa avx512: this CPU lacks avx512bw, avx512vl, avx512dq (it has avx2); "
+        "choose auto or one of none, avx2"
+    )
+    monkeypatch.setattr(cpu_isa, "cpu_flags", frozenset)  # ARM, or an unknown CPU
+    assert cpu_isa.available() == "none"
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, "none")
+    model = _model()
+    why = vector_decode_unsupported(model, ModelRunner(model, 1, 16).cache)
+    assert why == "the CPU kernels may use neither AVX-512 nor AVX2 (none)"
+
+
+def test_mg_serve_refuses_an_isa_the_cpu_lacks_in_one_line(monkeypatch, capsys) -> None:
+    from mg.generate_server.cli import main
+
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    with pytest.raises(SystemExit) as code:
+        main(["--load", "x", "--cpu-isa", "amx"])
+    assert code.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].endswith(
+        "--cpu-isa amx: this CPU lacks amx_bf16, amx_tile (it has avx2); "
+        "choose auto or one of none, avx2"
+    )
+
+
+def test_models_it_cannot_run_say_why() -> None:
+    def why(model: GPTModel) -> str | None:
+        return vector_decode_unsupported(model, ModelRunner(model, 1, 16).cache)
+
+    if cpu_isa.available() not in ("avx2", "avx512", "amx"):
+        pytest.skip("this CPU has neither AVX2 nor AVX-512")
+    assert why(_model()) is None
+    assert why(_model().to(torch.bfloat16)) == "the KV cache is not fp32 on the CPU"
+    gpt2 = presets.gpt2_124m(num_layers=1, hidden_size=64, num_attention_heads=4,
+                             vocab_size=128, max_position_embeddings=16, seq_length=16)  # fmt: skip
+    assert why(GPTModel(gpt2)) == "positions are not RoPE"
+    moe = _model(num_moe_experts=4, moe_router_topk=2)
+    assert "MoE" in why(moe)
+    assert why(_model(qk_layernorm=True)) == "it norms queries and keys (--qk-layernorm)"
