@@ -105,11 +105,15 @@ def start_method() -> multiprocessing.context.BaseContext:
 
 
 def encode_in_order(
-    chunks: Iterable[Chunk], spec: EncoderSpec, workers: int
+    chunks: Iterable[Chunk],
+    spec: EncoderSpec,
+    workers: int,
+    encoder: DocumentEncoder | None = None,
 ) -> Iterator[EncodedChunk]:
-    """Encode `chunks` with `workers` processes (0: in this process), yielding in input order."""
+    """Encode `chunks` with `workers` processes (0: in this process, with `encoder` if given,
+    so that a long-lived caller builds its tokenizer once), yielding in input order."""
     if workers == 0:
-        encoder = DocumentEncoder(spec)
+        encoder = encoder or DocumentEncoder(spec)
         for chunk in chunks:
             yield encoder.encode(chunk)
         return
@@ -160,6 +164,7 @@ def tokenize_segments(
     writer: DatasetWriter,
     on_error: str,
     on_progress: Callable[[EncodedChunk], None] = lambda chunk: None,
+    encoder: DocumentEncoder | None = None,
 ) -> RunStats:
     """Run the pipeline over `segments` into `writer`; the caller finalizes or aborts it.
 
@@ -167,7 +172,7 @@ def tokenize_segments(
     `LineRejectedError`; with "skip" it is counted in the returned stats.
     """
     stats = RunStats()
-    for encoded in encode_in_order(make_chunks(segments), spec, workers):
+    for encoded in encode_in_order(make_chunks(segments), spec, workers, encoder):
         for rejected in encoded.rejected:
             if on_error == "fail":
                 raise LineRejectedError(rejected)

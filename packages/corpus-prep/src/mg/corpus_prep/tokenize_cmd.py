@@ -7,6 +7,7 @@ The run; the flags and the command's description are in `tokenize_flags`, which
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 from collections.abc import Callable
@@ -59,6 +60,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--workers {args.workers}: must be 0 or more")
     if args.partitions < 1:
         raise UserError(f"--partitions {args.partitions}: must be 1 or more")
+    if args.ray_address is not None and args.engine != "ray":
+        raise UserError(f"--ray-address {args.ray_address}: only with --engine ray")
+    if args.engine == "ray":
+        _check_ray(args)
+        return
     cap = max_workers(args.partitions)
     if args.workers > cap:
         warn(
@@ -75,6 +81,20 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--log-interval {args.log_interval}: must be 1 or more")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise UserError(f"--json-keys {' '.join(args.json_keys)}: a key is named twice")
+
+
+def _check_ray(args: argparse.Namespace) -> None:
+    if importlib.util.find_spec("ray") is None:
+        raise UserError(
+            "--engine ray: the ray package is not installed; install mg-corpus-prep[ray]"
+        )
+    if args.workers == 0:
+        raise UserError("--workers 0 with --engine ray: give the number of Ray actors (1 or more)")
+
+
+def ray_shards(args: argparse.Namespace) -> int:
+    """Shards under --engine ray: --partitions when given, else 4 per actor."""
+    return args.partitions if args.partitions > 1 else 4 * args.workers
 
 
 def _corpus_sample(segments: list[Segment], key: str) -> Callable[[int], str]:
@@ -160,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
         + (", gigatoken" if backend == "gigatoken" else "")
         + f"), {args.workers} worker(s)"
         + (f" in {args.partitions} partitions" if args.partitions > 1 else "")
+        + (f" on Ray, {ray_shards(args)} shards" if args.engine == "ray" else "")
     )
     finals = output_prefixes(args.output_prefix, spec.json_keys, level).values()
     replacing = [prefix for prefix in finals if existing_dataset(prefix)]
@@ -213,6 +234,20 @@ def _tokenize(
 ) -> tuple[RunStats, dict[str, str]]:
     """Run the pipeline (or the partitions) into the final datasets; errors become UserError."""
     try:
+        if args.engine == "ray":
+            from mg.corpus_prep.ray_engine import run_on_ray  # lazy: imports ray
+
+            return run_on_ray(
+                split_segments(sources, ray_shards(args)),
+                spec,
+                args.workers,
+                args.output_prefix,
+                level,
+                dtype,
+                args.on_error,
+                progress.update,
+                args.ray_address,
+            )
         if args.partitions == 1:
             with DatasetWriter(args.output_prefix, spec.json_keys, level, dtype) as writer:
                 stats = pipeline.tokenize_segments(

@@ -116,6 +116,20 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         "workers/N workers), then merged; the output is the same as with 1",
     )
     group.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: worker processes on this machine (default); ray: --workers Ray actors "
+        "on a Ray cluster (the ray extra), the input cut into shards (--partitions, default "
+        "4 per actor) merged in input order; the output is the same bytes",
+    )
+    group.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --engine ray: the cluster to join (e.g. auto, or ray://host:10001); "
+        "default: a local Ray instance on this machine's CPUs",
+    )
+    group.add_argument(
         "--tokenizer-backend",
         choices=("auto", "gigatoken", "classic"),
         default="auto",
