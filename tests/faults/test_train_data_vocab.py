@@ -104,3 +104,22 @@ def test_ranks_share_the_pass(tmp_path, monkeypatch) -> None:
             part=(1, 3),
             reduce_max=lambda _: max(parts),
         )
+
+
+def test_a_dataset_too_large_to_scan_is_checked_as_it_is_read(tmp_path, capsys, monkeypatch):
+    """Above the scan budget (a web-scale corpus on few ranks) the samples are checked on
+    the host as they are read: the same one line when the bad document's batch comes."""
+    from mg.trainer import token_guard
+    from mg.trainer.cli import main
+
+    monkeypatch.setattr(token_guard, "SCAN_BYTES_PER_RANK", 0)
+    prefix = tmp_path / "other_tokenizer_text_document"
+    _dataset_with_id(prefix, TOO_LARGE)
+    argv = [a for a in train_argv(tmp_path / "cache", iters=200) if a != "--mock-data"]
+    argv += ["--data-path", str(prefix), "--tokenizer-type", "NullTokenizer", "--split", "1,0,0"]
+    capsys.readouterr()
+
+    assert exit_code(lambda: main(argv)) == 2
+
+    line = _one_line(capsys.readouterr().err)
+    assert str(prefix) in line and f"token id {TOO_LARGE}" in line and "128" in line, line

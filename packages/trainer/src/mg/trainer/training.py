@@ -42,14 +42,14 @@ from mg.core.parallel.pipeline import (
     clip_grad_norm_across_stages,
 )
 from mg.core.parallel.tensor_parallel import sync_tensor_parallel_grads
-from mg.indexed_dataset import parse_data_path, read_blend_file, samples_per_split
-from mg.indexed_dataset.token_range import check_token_ids
+from mg.indexed_dataset import samples_per_split
 from mg.trainer import (
     checkpoint_io,
     distributed,
     model_parallel,
     moe_step,
     stages,
+    token_guard,
 )
 from mg.trainer.arguments import Args
 from mg.trainer.checkpointing import TrainState
@@ -121,11 +121,13 @@ def _batches(
     env: distributed.DistEnv,
     layout: model_parallel.ParallelLayout,
     num_workers: int = 0,
+    guard: token_guard.Guard | None = None,
 ) -> Iterator:
     """This data-parallel rank's micro-batches (every pp/cp/tp rank of it reads the same).
 
     `num_workers` > 0 (--num-workers): worker processes read the samples ahead of the
-    step (a torch DataLoader over Megatron's sampler), as Megatron's loader does."""
+    step (a torch DataLoader over Megatron's sampler), as Megatron's loader does.
+    `guard` checks each micro-batch's samples on the host (`token_guard`)."""
     sampler = distributed.MegatronPretrainingSampler(
         len(dataset), consumed, mbs, layout.dp_rank, layout.dp
     )
@@ -141,6 +143,8 @@ def _batches(
     else:
         micro_batches = ([dataset[i] for i in indices] for indices in sampler)
     for samples in micro_batches:
+        if guard is not None:
+            guard(samples)
         yield model_parallel.shard_for_context(collate(samples, env.device), layout)
 
 
@@ -216,7 +220,8 @@ class Trainer:
             train_iters=self.train_iters,
             train_samples=t.train_samples,
         )
-        self._check_token_ids()
+        rows, ids = self.model_config.vocab_size, self.tokenizer.vocab_size
+        guard = token_guard.check_at_start(self.args, rows, ids, self.env)
         train, valid, _ = self.family.build_datasets(self.args, self.tokenizer, num_samples)
         workers = self.args.data.num_workers
         self.train_data = _batches(
@@ -226,6 +231,7 @@ class Trainer:
             self.env,
             self.layout,
             workers,
+            guard,
         )
         self.valid_dataset = valid
         self.valid_data = (
@@ -239,24 +245,6 @@ class Trainer:
             )
             if valid is not None and len(valid) > 0 and t.eval_iters > 0
             else None
-        )
-
-    def _check_token_ids(self) -> None:
-        """Every dataset's ids fit the embedding (else an IndexError in some later step)."""
-        d = self.args.data
-        if d.mock_data:
-            return
-        blend = (
-            read_blend_file(d.data_args_path) if d.data_args_path else parse_data_path(d.data_path)
-        )
-        rows = self.model_config.vocab_size
-        check_token_ids(
-            blend.prefixes,
-            rows,
-            f"the model's embedding (the tokenizer's {self.tokenizer.vocab_size} ids, padded "
-            f"to {rows} rows)",
-            part=(self.env.rank, self.env.world_size),  # the ranks share the one pass
-            reduce_max=lambda top: int(distributed.all_reduce_max(float(top))),
         )
 
     # --- one iteration ------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def check_data(args: Args) -> None:
                     )
         # gpt and mamba datasets split sequences by --split; a dry run builds none
         if args.family in ("gpt", "mamba") and not args.training.dry_run:
-            check_splits(blend.prefixes, d.split or "969, 30, 1", source)
+            check_splits(blend.prefixes, d.split or "969, 30, 1", source, mmap=d.mmap_bin_files)
 
 
 def _not_a_blend(prefix: str) -> None:
@@ -175,7 +175,7 @@ def _not_a_blend(prefix: str) -> None:
 _SPLIT_NAMES = ("train", "validation", "test")
 
 
-def check_splits(prefixes: tuple[str, ...], split: str, source: str) -> None:
+def check_splits(prefixes: tuple[str, ...], split: str, source: str, *, mmap: bool = True) -> None:
     """Every split --split gives a share must hold tokens in every dataset of the blend.
 
     Megatron splits each dataset's sequences by the split's fractions, rounded; a small
@@ -192,7 +192,7 @@ def check_splits(prefixes: tuple[str, ...], split: str, source: str) -> None:
         fail(f"--split: {error}")
     for prefix in prefixes:
         try:
-            with IndexedDataset(prefix) as dataset:
+            with IndexedDataset(prefix, mmap=mmap) as dataset:
                 lengths = dataset.sequence_lengths
                 total = int(lengths.sum(dtype="int64"))
                 shares = [
