@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
     with open(f"{prefix}{RECORD_SUFFIX}", "w", encoding="utf-8") as stream:
         json.dump({**record, **counts}, stream, indent=2)
     print(
-        f"mg-prep sft: {counts['conversations']} conversations, {counts['tokens']} tokens "
-        f"({counts['assistant_tokens']} assistant) -> {prefix} and {prefix}{LOSS_MASK_SUFFIX} "
+        f"mg-prep sft: {counts['conversations']:,} conversations, {counts['tokens']:,} tokens "
+        f"({counts['assistant_tokens']:,} assistant) -> {prefix} and {prefix}{LOSS_MASK_SUFFIX} "
         f"[{encoder.prompt_format}]; {counts['no_assistant']} without an assistant turn skipped"
     )
     return 0
