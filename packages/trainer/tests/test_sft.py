@@ -168,6 +168,7 @@ def test_short_sft_run_held_out_assistant_loss_falls(tmp_path):
             ["--sft-mock-dataset-config-json", "x.json"],
             "--sft-mock-dataset-config-json is not supported",
         ),
+        (["--eod-mask-loss"], "--eod-mask-loss does not go with --sft"),
     ],
 )
 def test_refused_flags_are_named(tmp_path, extra, message):

@@ -5,8 +5,8 @@ a `_loss_mask` dataset beside them) instead of rendering JSONL on the fly as
 Megatron's SFTDataset does; the prompt format is chosen there, and checked here
 against what the data was made with. Conversations are always packed into
 `--seq-length` sequences with block-diagonal causal attention and positions that
-restart per conversation (Megatron's SFT packing), so `--sft-sequence-packing`
-only confirms it.
+restart per conversation (Megatron's SFT packing), so `--sft-sequence-packing`,
+`--reset-attention-mask` and `--reset-position-ids` only confirm it.
 """
 
 from __future__ import annotations
@@ -79,5 +79,10 @@ def check_sft(args: Args) -> None:
         fail("--sft needs --data-path (made by mg-prep sft), not --mock-data")
     if args.transformer_engine.transformer_impl != "local":
         fail("--sft needs --transformer-impl local (packed conversations need a block mask)")
+    if args.data.eod_mask_loss:
+        fail(
+            "--eod-mask-loss does not go with --sft: the loss mask comes from the data "
+            "(mg-prep sft), which trains each reply's end-of-turn token on purpose"
+        )
     if args.distributed.context_parallel_size > 1:
         fail("--sft does not support --context-parallel-size > 1 (packed conversations)")
