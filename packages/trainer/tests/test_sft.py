@@ -87,6 +87,12 @@ def test_epochs_repeat_until_the_samples_asked_for(tmp_path):
     prefix = write_sft_data(tmp_path, 10)
     one_epoch = len(packed(prefix, 48))
     assert len(packed(prefix, 48, num_samples=3 * one_epoch + 1)) == 3 * one_epoch + 1
+    # a conversation longer than --seq-length + 1 is cut, alone in its sample
+    short = packed(prefix, 6)
+    assert len(short) == 10
+    for sample in short:
+        assert sample["tokens"].shape == (6,) and (sample["position_ids"] == np.arange(6)).all()
+        assert not sample["attention_mask"][0][np.tril_indices(6)].any()
 
 
 def test_perturbing_one_conversation_leaves_the_other_unchanged(tmp_path):
