@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from mg.generate_server import cpu_isa
 from mg.generate_server.amx_matmul import amx_matmul
 from mg.generate_server.cli import main
 from mg.generate_server.client import run_client
@@ -88,6 +89,25 @@ def test_serve_with_compiled_decode_steps(checkpoint, server) -> None:
         assert text["choices"][0]["text"] == alone["choices"][0]["text"]
 
 
+@pytest.mark.skipif(cpu_isa.available() not in ("avx2", "avx512", "amx"), reason="no AVX2")
+def test_serve_a_llama_shape_in_fp32_with_avx2_fused_steps(tmp_path) -> None:
+    """--cpu-isa avx2 (forced on a newer CPU): an fp32 Llama-shaped model's steps run as one
+    C++ call built for AVX2, the start-up line says so, and the greedy completion is the
+    one --cpu-isa none gives (op by op)."""
+    from mg.core.testing.serving_checkpoints import save_decisive_model
+
+    ckpt = save_decisive_model(tmp_path)
+    request = {"prompt": "The school", "max_tokens": 8, "temperature": 0}
+    texts = []
+    for isa in ("avx2", "none"):
+        with _served(ckpt, "--cpu-isa", isa, "--inference-max-requests", "2") as (url, line):
+            assert ("decode steps fused (avx2 fp32)" in line) == (isa == "avx2"), line
+            answer = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
+            assert answer["usage"]["completion_tokens"] == 8
+            texts.append(answer["choices"][0]["text"])
+    assert texts[0] == texts[1]
+
+
 @pytest.mark.skipif(amx_matmul()[0] is None, reason=amx_matmul()[1])
 def test_serve_a_llama_shape_in_bf16_with_fused_steps(tmp_path) -> None:
     """On a CPU with AMX a Llama-shaped bf16 model's steps run as one C++ call: the start-up
@@ -100,7 +120,7 @@ def test_serve_a_llama_shape_in_bf16_with_fused_steps(tmp_path) -> None:
         url,
         line,
     ):
-        assert "AMX-packed weights, decode steps fused, bfloat16, 2 threads" in line
+        assert "AMX-packed weights, decode steps fused (amx bf16), bfloat16, 2 threads" in line
         plain = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
         assert plain["usage"]["completion_tokens"] == 8
         with httpx.stream("POST", url + "/v1/completions", json={**request, "stream": True},
