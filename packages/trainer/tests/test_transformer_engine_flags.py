@@ -124,7 +124,10 @@ def test_transformer_engine_missing_is_one_line_naming_the_extra() -> None:
         ([*TE, "--fp8-format", "hybrid", "--fp8-multi-head-attention"], "--fp8-multi-head"),
         ([*TE, "--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-recipe custom"),
         (["--transformer-impl", "inference_optimized"], "inference_optimized is not supported"),
-        (["--fp8-format", "hybrid"], "--fp8-format needs --transformer-impl transformer_engine"),
+        (
+            ["--transformer-impl", "local", "--fp8-format", "hybrid"],
+            "--fp8-format needs --transformer-impl transformer_engine",
+        ),
         ([*TE, "--fp8-format", "hybrid", "--fp8-param-gather"], "--use-distributed-optimizer"),
         ([*TE, "--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
         ([*TE, "--reset-attention-mask"], "--reset-attention-mask needs --transformer-impl local"),
@@ -368,3 +371,19 @@ def test_fp16_with_tensor_parallelism_matches_one_process(tmp_path, mock_argv, t
     one = train([*argv, "--make-vocab-size-divisible-by", "128"])
     assert two["losses"] == pytest.approx(one.losses, rel=1e-4)
     assert one.losses[-1] < one.losses[0]
+
+
+def test_fp8_without_transformer_impl_takes_megatron_default(
+    tmp_path, mock_argv, capsys, monkeypatch
+) -> None:
+    """Megatron's default --transformer-impl is transformer_engine: an FP8 flag alone is not
+    refused but runs in TE's layers, said in one line; without FP8 the default stays local."""
+    from mg.core.testing import te_standin
+    from mg.trainer.arguments import parse_args
+
+    te_standin.install(monkeypatch)
+    args = parse_args(mock_argv(tmp_path, "--fp8-format", "hybrid", "--bf16"))
+    assert args.transformer_engine.transformer_impl == "transformer_engine"
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--fp8-format without --transformer-impl: using transformer_engine" in line
+    assert parse_args(mock_argv(tmp_path)).transformer_engine.transformer_impl == "local"

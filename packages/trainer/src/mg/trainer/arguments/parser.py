@@ -136,6 +136,7 @@ def _given_flags(
 def finalize(args: Args) -> None:
     """Fill the values Megatron derives from others (GBS default, recompute shortcut)."""
     model.finalize_model(args)
+    transformer_engine.finalize_transformer_engine(args)
     parallel.finalize_parallel(args)
     fsdp.finalize_fsdp(args)
     training.finalize_training(args)

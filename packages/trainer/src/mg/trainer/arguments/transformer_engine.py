@@ -34,6 +34,7 @@ and number formats, not the model's shape.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,7 @@ FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
 class TransformerEngineArgs:
     """Which layer implementation, attention kernels and number formats run the model."""
 
-    transformer_impl: str = "local"
+    transformer_impl: str | None = None  # finalize_transformer_engine fills it
     attention_backend: str = "auto"
     use_flash_attn: bool = False
     fp8: str | None = None
@@ -77,13 +78,30 @@ class TransformerEngineArgs:
     cuda_graph_warmup_steps: int = 3
 
 
+def finalize_transformer_engine(args: Args) -> None:
+    """An unset `--transformer-impl`: Megatron's default (transformer_engine) when FP8 is
+    asked for, which runs only in TE's layers — said in one line — else ours, local."""
+    te = args.transformer_engine
+    if te.transformer_impl is not None:
+        return
+    te.transformer_impl = "local"
+    if te.fp8 is not None:
+        te.transformer_impl = "transformer_engine"
+        print(
+            "mg-train: --fp8-format without --transformer-impl: using transformer_engine, "
+            "Megatron's default (FP8 runs in Transformer Engine's layers)",
+            file=sys.stderr,
+        )
+
+
 def add_transformer_engine_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--transformer-impl",
-        default="local",
+        default=None,
         choices=["local", "transformer_engine", "inference_optimized"],
-        help="Layer implementation: local (PyTorch, the default here) or transformer_engine "
-        "(TE's modules under Megatron's TE-spec weight names; needs the gpu extra and a GPU).",
+        help="Layer implementation: local (PyTorch) or transformer_engine (TE's modules under "
+        "Megatron's TE-spec weight names; needs the gpu extra and a GPU). Unset: local, or "
+        "transformer_engine (Megatron's default) when an FP8 flag asks for TE's layers.",
     )
     p.add_argument(
         "--attention-backend",
