@@ -115,3 +115,29 @@ def test_tokenizer_json_has_no_added_tokens():
     data = json.loads(gigatoken_backend.gpt2_tokenizer_json(VOCAB, MERGES))
     assert data["added_tokens"] == []
     assert len(data["model"]["merges"]) == 50_000
+
+
+def test_the_encoder_is_rebuilt_to_bound_its_cache_and_the_bytes_stay(
+    corpus, tmp_path, monkeypatch
+):
+    from mg.corpus_prep import encoder
+
+    builds = []
+
+    def counting_build(config):
+        builds.append(config.tokenizer_type)
+        return gigatoken_backend.build_batch_encoder(config)
+
+    monkeypatch.setattr(encoder, "build_batch_encoder", counting_build)
+    monkeypatch.setattr(encoder, "GIGATOKEN_REFRESH_CHARS", 20_000)
+    outputs = {}
+    for backend in ("classic", "gigatoken"):
+        prefix = tmp_path / backend
+        code = mg_prep(
+            "tokenize", "--input", corpus, "--output-prefix", prefix, *GPT2, "--append-eod",
+            "--workers", "0", "--tokenizer-backend", backend, "--no-progress-bar",
+        )  # fmt: skip
+        assert code == 0
+        outputs[backend] = dataset_bytes(Path(f"{prefix}_text_document"))
+    assert outputs["gigatoken"] == outputs["classic"]
+    assert len(builds) > 3  # the first build, then one per 20,000 characters

@@ -66,6 +66,16 @@ def test_ray_engine_writes_the_local_bytes_and_skips_done_shards(cluster, corpus
     assert not (tmp_path / "ray.ray-shards").exists()
 
 
+def test_a_bad_line_on_ray_is_the_local_one_line_error(cluster, tmp_path, capsys):
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_bytes(b'{"text": "ok"}\n' * 20 + b'{"text": 42}\n')
+    ray_run = ["--engine", "ray", "--workers", 2, "--partitions", 3]
+    assert tokenize("--input", corpus, "--output-prefix", tmp_path / "o", *GPT2, *ray_run) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl:21: the value of 'text' is a JSON number" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("o_*"))
+
+
 def test_a_completed_shard_is_reused_and_a_stale_one_redone(corpus, tmp_path):
     from mg.core.tokenizers import TokenizerConfig
     from mg.corpus_prep.encoder import EncoderSpec
@@ -86,6 +96,8 @@ def test_a_completed_shard_is_reused_and_a_stale_one_redone(corpus, tmp_path):
     assert record["fingerprint"] == job.fingerprint()
     other = ShardJob(0, [Segment(source)], spec, job.prefix, "document", "uint16", "skip")
     assert shard_done(other) is None  # other settings: done again
+    os.utime(corpus, ns=(0, Path(corpus).stat().st_mtime_ns + 1))
+    assert shard_done(job) is None  # the input changed since: done again
 
 
 def test_ray_flags_are_checked(tmp_path, corpus, capsys):

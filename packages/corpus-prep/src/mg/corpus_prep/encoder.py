@@ -40,6 +40,9 @@ SPLIT_FAILED = "sentence splitting failed"
 TOKENIZE_FAILED = "tokenizer failed"
 UNREADABLE = "unreadable file"
 
+# Characters a gigatoken encoder takes before it is rebuilt (see DocumentEncoder._batch_ids).
+GIGATOKEN_REFRESH_CHARS = 1 << 27
+
 JSON_TYPE_NAMES = {
     type(None): "null",
     bool: "boolean",
@@ -186,6 +189,7 @@ class DocumentEncoder:
         self.dtype = np.dtype(spec.dtype)
         self.eod = self.tokenizer.eod
         self.batch_encoder: BatchEncoder | None = None
+        self._encoded_chars = 0
         if spec.tokenizer_backend == "gigatoken":
             self.batch_encoder = build_batch_encoder(spec.tokenizer_config)
 
@@ -285,6 +289,12 @@ class DocumentEncoder:
         """Every sentence's ids, the short ones in one batch call, the long ones in pieces."""
         sentences = [sentence for doc in documents for sentence in doc]
         short = encode([s for s in sentences if len(s) <= PIECE_CHARS])
+        self._encoded_chars += sum(map(len, sentences))
+        if self._encoded_chars >= GIGATOKEN_REFRESH_CHARS:
+            # gigatoken caches every word it meets and never forgets: a fresh encoder
+            # now and then keeps a worker's memory flat however big the corpus.
+            self.batch_encoder = build_batch_encoder(self.spec.tokenizer_config)
+            self._encoded_chars = 0
         if len(short) == len(sentences):
             return short
         batch = iter(short)

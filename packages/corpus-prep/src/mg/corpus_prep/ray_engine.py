@@ -41,6 +41,7 @@ from mg.corpus_prep.writer import DatasetWriter, output_prefixes
 from mg.indexed_dataset.format import IndexedDatasetBuilder
 
 ACTOR_RESTARTS = 3  # a shard whose actor dies this many times fails the run
+AGENT_WAIT_MS = 180_000
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,11 @@ class ShardJob:
     on_error: str
 
     def fingerprint(self) -> str:
-        """What decides the shard's bytes: a rerun reuses a shard only if this matches."""
-        parts = [self.index, self.segments, self.spec, self.level, self.dtype, self.on_error]
+        """What decides the shard's bytes: a rerun reuses a shard only if this matches
+        (an input file changed since, even at the same size, changes it)."""
+        changed = [os.stat(segment.source.name).st_mtime_ns for segment in self.segments]
+        parts = [self.index, self.segments, changed, self.spec, self.level, self.dtype]
+        parts.append(self.on_error)
         return hashlib.sha256(pickle.dumps(parts)).hexdigest()
 
     @property
@@ -131,7 +135,6 @@ def run_on_ray(
     from ray.util import ActorPool  # lazy: as above
 
     folder = output_prefix + ".ray-shards"
-    os.makedirs(folder, exist_ok=True)
     jobs = [
         ShardJob(
             i, segments, spec, os.path.join(folder, f"shard{i:05d}"), level, dtype.name, on_error
@@ -140,8 +143,9 @@ def run_on_ray(
     ]
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        _start_or_join(ray, address)
     try:
+        os.makedirs(folder, exist_ok=True)
         remote = ray.remote(
             num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=ACTOR_RESTARTS
         )
@@ -161,6 +165,19 @@ def run_on_ray(
     outputs = _merge(jobs, spec, output_prefix, level, dtype)
     shutil.rmtree(folder, ignore_errors=True)
     return stats, outputs
+
+
+def _start_or_join(ray, address: str | None) -> None:
+    """Join the cluster at `address`, or start a local instance; a failure is one line."""
+    # A loaded machine starts Ray's agents slowly: wait for them longer than Ray's default.
+    os.environ.setdefault("RAY_agent_register_timeout_ms", str(AGENT_WAIT_MS))
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except Exception as err:  # Ray raises plain Exception, ConnectionError, RuntimeError
+        where = f"join the Ray cluster at {address}" if address else "start a local Ray instance"
+        raise PartitionFailedError(
+            f"--engine ray: could not {where} ({_first_line(err)}); check --ray-address"
+        ) from err
 
 
 def _merge(
