@@ -55,6 +55,8 @@ from pathlib import Path
 import httpx
 import torch
 
+from mg.generate_server.cpu_isa import check, describe
+
 BENCH = Path(__file__).resolve()
 MG_SERVE_MODULE = "mg.generate_server.cli"  # where no `mg-serve` script sits beside python
 
@@ -387,6 +389,7 @@ def row(name: str, r: dict) -> str:
 BASELINE = "transformers generate(), batch 8 (16 requests)"
 BASELINE_AGAIN = "transformers generate(), batch 8, again after the server"
 BASELINES = (BASELINE, BASELINE_AGAIN)
+BATCH_32 = "transformers generate(), batch 32 (64 requests)"
 
 
 def main() -> None:
@@ -408,13 +411,25 @@ def main() -> None:
         help="more mg-serve flags for every server, one string "
         "(--serve-args=--enable-torch-compile)",
     )
-    parser.add_argument("--_transformers", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--cpu-isa",
+        choices=("auto", "amx", "avx512", "avx2", "none"),
+        default="auto",
+        help="mg-serve --cpu-isa: the instruction set its CPU kernels may use (a forced one "
+        "runs another machine's code path here); named with the CPU's flags in the results",
+    )
+    parser.add_argument(
+        "--batch-32", action="store_true", help="also transformers at batch 32 (64 requests)"
+    )
+    parser.add_argument("--_transformers", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args._transformers:  # the child process of phase 1
-        hf_dir, prompts_file, new_tokens = args._transformers
+        hf_dir, prompts_file, new_tokens, batch = args._transformers
         prompts = json.loads(Path(prompts_file).read_text())
-        result = transformers_phase(hf_dir, prompts, int(new_tokens), 8, args.bf16, args.device)
+        result = transformers_phase(
+            hf_dir, prompts, int(new_tokens), int(batch), args.bf16, args.device
+        )
         print(json.dumps(result))
         return
 
@@ -431,20 +446,22 @@ def main() -> None:
             f"sides; prompts of "
             f"{args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {args.new_tokens} new "
             f"tokens each; mg-serve flags: {' '.join(['--bf16'] * args.bf16) or 'none'} "
-            f"{args.serve_args}",
+            f"{args.serve_args} --cpu-isa {args.cpu_isa}; CPU kernels: "
+            f"{describe(check(args.cpu_isa))}",
             flush=True,
         )
         results: dict[str, dict] = {}
         bf16 = ["--bf16"] if args.bf16 else []
         device = ["--device", args.device]
-        serve_flags = [*bf16, *device, *shlex.split(args.serve_args)]
-        prompts_file = folder / "prompts16.json"
-        prompts_file.write_text(json.dumps(prompts[:16]))
+        serve_flags = [*bf16, *device, "--cpu-isa", args.cpu_isa, *shlex.split(args.serve_args)]
 
-        def transformers_run(name: str) -> None:
+        def transformers_run(name: str, batch: int = 8) -> None:
+            prompts_file = folder / f"prompts{2 * batch}.json"
+            prompts_file.write_text(json.dumps(prompts[: 2 * batch]))
             child = subprocess.run(
                 [sys.executable, str(BENCH), "--threads", str(args.threads), *bf16, *device,
-                 "--_transformers", str(folder / "hf"), str(prompts_file), str(args.new_tokens)],
+                 "--_transformers", str(folder / "hf"), str(prompts_file), str(args.new_tokens),
+                 str(batch)],
                 capture_output=True, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
             )  # fmt: skip
@@ -454,6 +471,8 @@ def main() -> None:
             print(row(name, results[name]), flush=True)
 
         transformers_run(BASELINE)
+        if args.batch_32:
+            transformers_run(BATCH_32, 32)
         for clients in (8, 32):
             name = f"mg-serve, {clients} clients ({2 * clients} requests)"
             results[name] = serve_phase(
@@ -503,6 +522,9 @@ def main() -> None:
                 f"- {name}: {tps / base_tps:.2f}x transformers batch 8 (the mean of its two "
                 f"runs; {tps / first:.2f}x the first, {tps / again:.2f}x the second)"
             )
+            if BATCH_32 in results and "32 clients" in name:
+                b32 = results[BATCH_32]["tokens"] / results[BATCH_32]["elapsed"]
+                print(f"- {name}: {tps / b32:.2f}x transformers batch 32")
     drift = abs(first - again) / min(first, again)
     print(
         f"- transformers batch 8 before and after the server's phases: {first:.1f} and "
