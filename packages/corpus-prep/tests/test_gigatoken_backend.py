@@ -29,6 +29,7 @@ TRICKY = [
     "don't I'LL we've 12345 ３４ ÷× e\u0301 👩\u200d👩\u200d👧",
     "\x00\x1f\u2028 a\r\nb \u00a0 c",
     "   leading and trailing   ",
+    "<s> </s> <unk> [INST] are text here",
     "",
     " ",
     "x" * 70_000 + " long",  # longer than one piece: encoded in pieces
@@ -95,6 +96,24 @@ def test_auto_picks_gigatoken_for_gpt2_and_classic_elsewhere():
     assert gigatoken_backend.resolve_backend("auto", "GPT2BPETokenizer") == "gigatoken"
     assert gigatoken_backend.resolve_backend("auto", "BertWordPieceLowerCase") == "classic"
     assert gigatoken_backend.resolve_backend("classic", "GPT2BPETokenizer") == "classic"
+    assert gigatoken_backend.resolve_backend("auto", "GPTSentencePieceTokenizer") == "classic"
+    spm = gigatoken_backend.resolve_backend("gigatoken", "GPTSentencePieceTokenizer")
+    assert spm == "gigatoken"
+
+
+def test_gigatoken_sentencepiece_writes_the_classic_bytes(corpus, tmp_path):
+    model = fixture_path("mistral-spm", "tokenizer.model")
+    spm = ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model]
+    outputs = {}
+    for backend in ("classic", "gigatoken"):
+        prefix = tmp_path / backend
+        code = mg_prep(
+            "tokenize", "--input", corpus, "--output-prefix", prefix, *spm, "--append-eod",
+            "--workers", "1", "--tokenizer-backend", backend, "--no-progress-bar",
+        )  # fmt: skip
+        assert code == 0
+        outputs[backend] = dataset_bytes(Path(f"{prefix}_text_document"))
+    assert outputs["gigatoken"] == outputs["classic"]
 
 
 def test_gigatoken_for_an_unsupported_tokenizer_is_a_one_line_error(corpus, tmp_path, capsys):

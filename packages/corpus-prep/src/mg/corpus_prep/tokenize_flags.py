@@ -133,9 +133,9 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         "--tokenizer-backend",
         choices=("auto", "gigatoken", "classic"),
         default="auto",
-        help="what encodes the text: gigatoken (Rust BPE; GPT2BPETokenizer, when installed), "
-        "classic (mg.core's tokenizers), or auto (default: gigatoken where it applies); "
-        "the output is the same bytes",
+        help="what encodes the text: gigatoken (Rust BPE, when installed; GPT2BPETokenizer "
+        "and GPTSentencePieceTokenizer), classic (mg.core's tokenizers), or auto (default: "
+        "gigatoken for GPT2BPETokenizer, else classic); the output is the same bytes",
     )
     group.add_argument(
         "--log-interval",
