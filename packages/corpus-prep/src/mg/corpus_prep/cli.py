@@ -29,6 +29,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train-tokenizer": "train_tokenizer_flags",
     "refresh": "refresh_flags",
     "sft": "sft_flags",
+    "wikipedia": "wikipedia_flags",
 }
 
 
