@@ -30,3 +30,13 @@ def test_help_explains_flags() -> None:
 def test_cli_trains(tmp_path, mock_argv, capsys) -> None:
     assert main(mock_argv(tmp_path, "--log-interval", "3", iters=3)) == 0
     assert "iteration        3/       3 |" in capsys.readouterr().out
+
+
+def test_logging_level_sets_the_run_s_python_logging(tmp_path, mock_argv, monkeypatch) -> None:
+    """Megatron's --logging-level: the root logger's level for the run."""
+    import logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # restored after the test
+    assert main([*mock_argv(tmp_path, iters=4), "--logging-level", "10", "--dry-run"]) == 0
+    assert root.level == logging.DEBUG

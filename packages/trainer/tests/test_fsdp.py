@@ -330,3 +330,46 @@ def test_megatron_fsdp_recipe_flags_plan(tmp_path, mock_argv) -> None:
     assert "fully sharded data parallel (--use-megatron-fsdp, optim_grads_params)" in text
     with pytest.raises(ArgumentError, match="--fsdp-double-buffer.* need --use-megatron-fsdp"):
         parse_args(mock_argv(tmp_path, "--fsdp-double-buffer"))
+
+
+# Megatron-LM core_v0.19.0's examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh, every
+# flag of its mock-data FP8 run (paths replaced), as the script passes them
+_LLAMA3_FSDP_SCRIPT = """
+--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+--num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128
+--seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope
+--rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
+--swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused
+--apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear
+--micro-batch-size 1 --global-batch-size 128 --train-samples 1953125000
+--lr-decay-samples 1949218748 --lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001
+--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0
+--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --cross-entropy-loss-fusion
+--no-check-for-nan-in-loss-and-grad --manual-gc --empty-unused-memory-level 1
+--exit-duration-in-mins 235 --use-megatron-fsdp --data-parallel-sharding-strategy
+optim_grads_params --no-gradient-accumulation-fusion --calculate-per-token-loss
+--init-model-with-meta-device --ckpt-format fsdp_dtensor --use-nccl-ub --fsdp-double-buffer
+--fsdp-manual-registration --fp8-format hybrid --fp8-amax-history-len 1024
+--fp8-amax-compute-algo max --fp8-param-gather --tensor-model-parallel-size 1
+--context-parallel-size 1 --sequence-parallel --use-distributed-optimizer
+--overlap-grad-reduce --overlap-param-gather --mock-data --tokenizer-type NullTokenizer
+--vocab-size 128256 --tiktoken-pattern v2 --split 99,1,0
+--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1
+--log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput
+--logging-level 20 --distributed-timeout-minutes 60
+"""
+LLAMA3_FSDP_SCRIPT = _LLAMA3_FSDP_SCRIPT.split()
+
+
+def test_megatron_llama3_fsdp_script_is_accepted_by_the_dry_run(tmp_path) -> None:
+    """Every flag of the script (8 GPUs, FP8 without --transformer-impl: Megatron's TE
+    default), planned per GPU at each sharding strategy."""
+    paths = ["--data-cache-path", str(tmp_path / "cache"), "--save", str(tmp_path / "ckpt")]
+    paths += ["--load", str(tmp_path / "ckpt"), "--tensorboard-dir", str(tmp_path / "tb")]
+    args = parse_args(["gpt", *LLAMA3_FSDP_SCRIPT, *paths, "--dry-run"], world_size=8)
+    assert args.transformer_engine.transformer_impl == "transformer_engine"
+    text = report(args)
+    assert "number of parameters: 8.0313 B" in text
+    assert "fully sharded data parallel (--use-megatron-fsdp, optim_grads_params)" in text
+    planned = next(line for line in text.splitlines() if line.startswith("  optim_grads_params"))
+    assert planned.endswith("<")  # the run's strategy, its MiB per GPU on the line

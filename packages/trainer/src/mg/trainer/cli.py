@@ -10,6 +10,7 @@ exit status 2 as well, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -29,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # WORLD_SIZE as torchrun sets it; no torch import before argparse answers --help
         args = parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        if args.logging.logging_level is not None:  # Megatron's --logging-level
+            logging.basicConfig(level=args.logging.logging_level)
+            logging.getLogger().setLevel(args.logging.logging_level)
         from mg.trainer.families import get_family  # lazy: --help stays instant (torch)
 
         family = get_family(args.family)

@@ -148,6 +148,16 @@ def _batches(
         yield model_parallel.shard_for_context(collate(samples, env.device), layout)
 
 
+def nan_loss_message(iteration: int, loss: float) -> str:
+    """Why a run with --check-for-nan-in-loss-and-grad (the default) stopped."""
+    return (
+        f"iteration {iteration}: the loss is {loss} (not finite); training stopped, as "
+        "Megatron's --check-for-nan-in-loss-and-grad does, and the last checkpoint in --save "
+        "is as it was: lower --lr, check the data, or pass --no-check-for-nan-in-loss-and-grad "
+        "to count such iterations and go on"
+    )
+
+
 def per_token_loss_scale(batches: list[dict[str, torch.Tensor]], world_size: int) -> float:
     """world / (loss tokens of the global batch): the factor on each micro-batch's loss sum.
 
@@ -511,6 +521,8 @@ class Trainer:
                 self.housekeeping.before_iteration()
                 loss, grad_norm, skipped, gbs = self.train_step()
                 self.state.iteration += 1
+                if args.training.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
+                    raise ValueError(nan_loss_message(self.state.iteration, loss))
                 st = self.state
                 flops = num_floating_point_operations(self.model_config, gbs, args.model.seq_length)
                 st.num_floating_point_operations_so_far += flops

@@ -23,6 +23,7 @@ class LoggingArgs:
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None
     log_throughput: bool = False
+    logging_level: int | None = None
 
 
 def add_logging_flags(p: argparse._ArgumentGroup) -> None:
@@ -36,6 +37,12 @@ def add_logging_flags(p: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="Megatron prints TFLOP/s per GPU only with this flag; mg-train always prints it "
         "(and MFU) on the log line and to tensorboard/wandb.",
+    )
+    p.add_argument(
+        "--logging-level",
+        type=int,
+        help="Python logging level of the run (10 debug, 20 info, 30 warning, ...), as "
+        "Megatron's flag sets it: the libraries' log records at or above it are shown.",
     )
 
 

@@ -38,6 +38,7 @@ class TrainingArgs:
     gradient_accumulation_fusion: bool = True
     attention_softmax_in_fp32: bool = False
     calculate_per_token_loss: bool = False
+    check_for_nan_in_loss_and_grad: bool = True
     manual_gc: bool = False
     manual_gc_interval: int = 0
     empty_unused_memory_level: int = 0
@@ -50,6 +51,19 @@ class TrainingArgs:
 
 def add_training_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument("--micro-batch-size", type=int, help="Samples per forward/backward.")
+    p.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action="store_true",
+        default=True,
+        help="Stop at the first iteration whose loss is NaN or inf, naming it (Megatron's "
+        "default). A step whose gradients are not finite is skipped either way.",
+    )
+    p.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="Go on past a NaN or inf loss: such iterations are counted on the log line.",
+    )
     p.add_argument(
         "--global-batch-size",
         type=int,
