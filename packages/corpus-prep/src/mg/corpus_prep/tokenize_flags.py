@@ -135,7 +135,7 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         default="auto",
         help="what encodes the text: gigatoken (Rust BPE, when installed; GPT2BPETokenizer "
         "and GPTSentencePieceTokenizer), classic (mg.core's tokenizers), or auto (default: "
-        "gigatoken for GPT2BPETokenizer, else classic); the output is the same bytes",
+        "the faster one measured, classic for now); the output is the same bytes",
     )
     group.add_argument(
         "--log-interval",
