@@ -34,7 +34,7 @@ def test_unsupported_architecture_one_line_no_traceback(tmp_path):
     result = _run("import-hf", str(tmp_path / "bloom"), "--save", str(tmp_path / "ckpt"))
     assert result.returncode == 2
     assert "mg-convert import-hf: error:" in result.stderr
-    expected = "unsupported architecture 'bloom'; supported: bert, gpt2, llama, mistral"
+    expected = "unsupported architecture 'bloom'; supported: bert, gemma3_text, gpt2, llama"
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
     assert _leftovers(tmp_path) == []

@@ -1,4 +1,5 @@
-"""A save that dies half-way leaves the previous checkpoint loadable and the pointer untouched."""
+"""A save that dies half-way leaves the previous checkpoint loadable and the pointer untouched;
+a write that fails is one SaveError saying why and that the previous checkpoint is intact."""
 
 import os
 import signal
@@ -18,6 +19,7 @@ from mg.core.checkpoint import (
     save_checkpoint,
     serialization,
 )
+from mg.core.checkpoint.save_errors import SaveError
 
 
 class Crash(Exception):
@@ -45,7 +47,7 @@ def test_crash_inside_torch_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         raise Crash("disk full")
 
     monkeypatch.setattr(torch, "save", half_save)
-    with pytest.raises(Crash):
+    with pytest.raises(SaveError, match=r"iteration 20 \(disk full\).*iteration 10"):
         save_checkpoint(tmp_path, 20, _state(2.0))
     monkeypatch.setattr(torch, "save", real_save)
     _assert_previous_intact(tmp_path)
@@ -65,7 +67,7 @@ def test_crash_when_renaming_model_file(tmp_path: Path, monkeypatch: pytest.Monk
         raise Crash(f"replace {src} -> {dst}")
 
     monkeypatch.setattr(serialization.os, "replace", failing_replace)
-    with pytest.raises(Crash):
+    with pytest.raises(SaveError, match="could not save the checkpoint of iteration 20"):
         save_checkpoint(tmp_path, 20, _state(2.0))
     monkeypatch.undo()
     _assert_previous_intact(tmp_path)
@@ -97,7 +99,7 @@ def test_crash_while_replacing_same_iteration(
 ) -> None:
     save_checkpoint(tmp_path, 10, _state(1.0))
     monkeypatch.setattr(torch, "save", lambda *a, **k: (_ for _ in ()).throw(Crash("boom")))
-    with pytest.raises(Crash):
+    with pytest.raises(SaveError, match=r"iteration 10 \(boom\)"):
         save_checkpoint(tmp_path, 10, _state(2.0))
     monkeypatch.undo()
     _assert_previous_intact(tmp_path)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.output_folder import check_save, replacing
+from mg.core.cli_types import ckpt_step
 from mg.core.io_paths import output_clash
 
 EPILOG = """examples:
@@ -35,28 +36,13 @@ EPILOG = """examples:
 """
 
 
-def _iteration(text: str) -> int | str:
-    """A saved iteration (an int > 0) or 'release'; argparse names the flag otherwise."""
-    if text == "release":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a saved iteration: give an int > 0 or 'release'"
-        )
-    return value
-
-
 def _ckpt_step_flag(p: argparse.ArgumentParser) -> None:
     """Megatron's --ckpt-step picks the saved iteration; --iteration is kept as an alias."""
     p.add_argument(
         "--ckpt-step",
         "--iteration",
         dest="iteration",
-        type=_iteration,
+        type=ckpt_step,
         default=None,
         metavar="N",
         help="the saved iteration to read, an int or 'release' (Megatron's --ckpt-step; "

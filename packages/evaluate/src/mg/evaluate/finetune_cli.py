@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from mg.core.cli_types import ckpt_step
 from mg.core.help_format import DefaultsHelpFormatter
-from mg.evaluate.checkpoint_flags import ckpt_step
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.parallel_flags import add_model_parallel_flags, check_bert_task_layout
 

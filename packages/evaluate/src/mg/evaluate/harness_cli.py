@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mg.evaluate.checkpoint_flags import ckpt_step
+from mg.core.cli_types import ckpt_step
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.progress import library_bars_on_terminal_only
 

@@ -57,6 +57,18 @@ class TrainState:
     num_floating_point_operations_so_far: float = 0.0
 
 
+def saved_args(args_flat: dict[str, Any], state: TrainState) -> argparse.Namespace:
+    """Megatron's `args` entry of a checkpoint: the run's flags, with the counters a
+    resume continues from (iteration, consumed samples, skipped iterations)."""
+    return argparse.Namespace(
+        **args_flat,
+        iteration=state.iteration,
+        consumed_train_samples=state.consumed_train_samples,
+        consumed_valid_samples=state.consumed_valid_samples,
+        skipped_train_iterations=state.skipped_iterations,
+    )
+
+
 def save(
     save_dir: str,
     state: TrainState,
@@ -100,15 +112,8 @@ def save(
         raise RuntimeError("a distributed optimizer's rank 0 is not a checkpoint writer")
     payload = None
     if writer:
-        args_ns = argparse.Namespace(
-            **args_flat,
-            iteration=state.iteration,
-            consumed_train_samples=state.consumed_train_samples,
-            consumed_valid_samples=state.consumed_valid_samples,
-            skipped_train_iterations=state.skipped_iterations,
-        )
         payload = {
-            "args": args_ns,
+            "args": saved_args(args_flat, state),
             "iteration": state.iteration,
             **_model_states(model),
             "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,

@@ -37,7 +37,6 @@ trainer waits for the previous save before the next one and before exiting.
 
 from __future__ import annotations
 
-import argparse
 import pickle
 import re
 from pathlib import Path
@@ -91,7 +90,7 @@ from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.pipeline import global_parameter_name, global_view
 from mg.core.parallel.row_blocks import ROW_BLOCKS, row_blocks
 from mg.trainer import distributed
-from mg.trainer.checkpointing import TrainState
+from mg.trainer.checkpointing import TrainState, saved_args
 from mg.trainer.model_parallel import PipelineModel
 
 
@@ -115,6 +114,25 @@ def _model_config(model: nn.Module) -> TransformerConfig:
     if not isinstance(config, TransformerConfig):
         raise TypeError(f"{type(model).__name__} has no TransformerConfig")
     return config
+
+
+def common_state(
+    state: TrainState, args_flat: dict[str, Any], mg: dict[str, Any], schedule: Any = None
+) -> dict[str, Any]:
+    """A `torch_dist`-style folder's common.pt: Megatron's `args` with the resume counters,
+    the checkpoint version, the FLOPs so far and mg's configs (`mg`); with `schedule`
+    (scheduler, loss scaler) their states, as a save with the optimizer keeps them."""
+    common: dict[str, Any] = {
+        "args": saved_args(args_flat, state),
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
+        "mg": mg,
+    }
+    if schedule is not None:
+        scheduler, loss_scaler = schedule
+        common["opt_param_scheduler"] = scheduler.state_dict()
+        common["grad_scaler"] = loss_scaler.state_dict()
+    return common
 
 
 def _megatron_state(
@@ -286,21 +304,10 @@ def save(
     sharded: dict[str, Any] = {**model_state.tensors, **model_state.objects}
     if save_optim:
         sharded["optimizer"] = rename_optimizer_state(_optimizer_state(model, optimizer), experts)
-    common = {
-        "args": argparse.Namespace(
-            **args_flat,
-            iteration=state.iteration,
-            consumed_train_samples=state.consumed_train_samples,
-            consumed_valid_samples=state.consumed_valid_samples,
-            skipped_train_iterations=state.skipped_iterations,
-        ),
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
-        "mg": mg_metadata(model_config, tokenizer_config, **parallel),
-    }
-    if save_optim:
-        common["opt_param_scheduler"] = scheduler.state_dict()
-        common["grad_scaler"] = loss_scaler.state_dict()
+    common = common_state(
+        state, args_flat, mg_metadata(model_config, tokenizer_config, **parallel),
+        (scheduler, loss_scaler) if save_optim else None,
+    )  # fmt: skip
     common["content_metadata"] = {"singleton_local_shards": False}
     if save_rng and rng_shard is not None:
         # Megatron's: one object per (pipeline, tensor) position, shared by its DP ranks.

@@ -13,7 +13,6 @@ checkpoint is refused at load, naming `--ckpt-format`.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from mg.core.checkpoint import (
-    CHECKPOINT_VERSION,
     RELEASE,
     checkpoint_dir,
     get_rng_state,
@@ -45,6 +43,7 @@ from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.fully_sharded_optimizer import FullyShardedOptimizer
 from mg.trainer import distributed
 from mg.trainer.checkpointing import TrainState
+from mg.trainer.checkpointing_dist import common_state
 from mg.trainer.model_parallel import PipelineModel
 
 
@@ -93,22 +92,13 @@ def save(
     model = distributed.unwrap(model)
     _check_model(model)
     sharded = sharded_state(model, _torch_optimizer(optimizer) if save_optim else None)
-    common: dict[str, Any] = {
+    common = {
         FORMAT_KEY: FSDP_DTENSOR,
-        "args": argparse.Namespace(
-            **args_flat,
-            iteration=state.iteration,
-            consumed_train_samples=state.consumed_train_samples,
-            consumed_valid_samples=state.consumed_valid_samples,
-            skipped_train_iterations=state.skipped_iterations,
+        **common_state(
+            state, args_flat, mg_metadata(model_config, tokenizer_config, **parallel),
+            (scheduler, loss_scaler) if save_optim else None,
         ),
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "num_floating_point_operations_so_far": state.num_floating_point_operations_so_far,
-        "mg": mg_metadata(model_config, tokenizer_config, **parallel),
-    }
-    if save_optim:
-        common["opt_param_scheduler"] = scheduler.state_dict()
-        common["grad_scaler"] = loss_scaler.state_dict()
+    }  # fmt: skip
     if save_rng:
         common["rng_state"] = [get_rng_state()]
     return save_dist_checkpoint(

@@ -1,4 +1,4 @@
-"""Megatron's --ckpt-step, read the same way by every mg-eval task."""
+"""argparse value types the tools share (standard library only: `--help` stays instant)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 
 
 def ckpt_step(text: str) -> int | str:
-    """A saved iteration (an int > 0) or 'release'; anything else is refused by argparse
-    in one line naming the flag."""
+    """A saved iteration (an int > 0) or 'release' (`--ckpt-step`); anything else is refused
+    by argparse in one line naming the flag."""
     if text == "release":
         return text
     try:
