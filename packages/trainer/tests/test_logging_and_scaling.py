@@ -61,7 +61,9 @@ def test_printed_lines_from_a_run(tmp_path, mock_argv, train, capsys) -> None:
         )
     )
     out = capsys.readouterr().out.splitlines()
-    lines = [x for x in out if "iteration" in x and "consumed samples" in x]
+    first = [x for x in out if "first iteration done" in x]
+    assert len(first) == 1, out  # the first iteration's line, before the first log interval
+    lines = [x for x in out if "iteration" in x and "consumed samples" in x and x not in first]
     assert len(lines) == 2 and all(LINE.match(x) for x in lines), lines
     # CPU: MFU against an FP32 peak estimate, and the throughput with non-zero digits
     assert "MFU: n/a |" not in lines[0] and "(TFLOP/s/GPU): 0.0 |" not in lines[0], lines[0]
