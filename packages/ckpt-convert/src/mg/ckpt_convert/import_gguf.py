@@ -23,11 +23,8 @@ from mg.ckpt_convert.gguf_config import generation_config_of, gguf_architecture,
 from mg.ckpt_convert.gguf_file import ROPE_FREQS, GGUFWeights, dequantized, metadata, open_reader
 from mg.ckpt_convert.gguf_rope import llama3_scaling
 from mg.ckpt_convert.gguf_tokenizer import write_tokenizer
-from mg.ckpt_convert.import_hf import DTYPES, TOKENIZER_DIR, convert_weights
+from mg.ckpt_convert.import_hf import DTYPES, TOKENIZER_DIR, write_release
 from mg.ckpt_convert.staging import check_target, staged_dir
-from mg.ckpt_convert.stream_writer import StreamingTorchFile
-from mg.core.checkpoint import CHECKPOINT_VERSION, RELEASE, checkpoint_file, mg_metadata
-from mg.core.checkpoint.layout import tracker_file
 from mg.core.models import TransformerConfig, pad_vocab_size
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -124,20 +121,8 @@ def import_gguf(
             tokenizer_config = TokenizerConfig(
                 "HuggingFaceTokenizer", tokenizer_model=TOKENIZER_DIR
             )
-        file = checkpoint_file(staging, RELEASE)
-        file.parent.mkdir(parents=True)
-        writer = StreamingTorchFile(file)
-        model = convert_weights(weights, config, DTYPES[dtype or "fp32"], progress, writer.add)
-        writer.finish(
-            {
-                "model": model,
-                "args": {"source": str(src), "converted_by": "mg-convert import-gguf"},
-                "iteration": 0,
-                "mg": mg_metadata(
-                    config.to_dict(), tokenizer_config.to_dict() if tokenizer_config else None
-                ),
-                "checkpoint_version": CHECKPOINT_VERSION,
-            }
-        )
-        tracker_file(staging).write_text(RELEASE)
+        write_release(
+            staging, weights, config, tokenizer_config, DTYPES[dtype or "fp32"], progress,
+            source=str(src), converted_by="mg-convert import-gguf",
+        )  # fmt: skip
     return Path(save)

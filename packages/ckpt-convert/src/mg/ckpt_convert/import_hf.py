@@ -242,21 +242,39 @@ def import_hf(
     weights = HFWeights(source, arch.base_model_prefix, arch.head_prefixes)
     with staged_dir(save) as staging:
         tokenizer_config = copy_tokenizer(source, staging, bert=is_bert(config))
-        path = checkpoint_file(staging, RELEASE)
-        path.parent.mkdir(parents=True)
-        writer = StreamingTorchFile(path)
-        model = convert_weights(weights, config, DTYPES.get(dtype or ""), progress, writer.add)
-        # the state save_model writes (model_io), with the model already on disk
-        writer.finish(
-            {
-                "model": model,
-                "args": {"source": str(src), "converted_by": "mg-convert import-hf"},
-                "iteration": 0,
-                "mg": mg_metadata(
-                    config.to_dict(), tokenizer_config.to_dict() if tokenizer_config else None
-                ),
-                "checkpoint_version": CHECKPOINT_VERSION,
-            }
-        )
-        tracker_file(staging).write_text(RELEASE)
+        write_release(
+            staging, weights, config, tokenizer_config, DTYPES.get(dtype or ""), progress,
+            source=str(src), converted_by="mg-convert import-hf",
+        )  # fmt: skip
     return Path(save)
+
+
+def write_release(
+    staging: Path,
+    weights: Any,
+    config: Any,
+    tokenizer_config: Any,
+    dtype: Any,
+    progress: bool,
+    *,
+    source: str,
+    converted_by: str,
+) -> None:
+    """Converted weights as a `release` checkpoint in `staging`, streamed to disk a tensor
+    at a time, with the state save_model writes (model_io) and the tracker file."""
+    path = checkpoint_file(staging, RELEASE)
+    path.parent.mkdir(parents=True)
+    writer = StreamingTorchFile(path)
+    model = convert_weights(weights, config, dtype, progress, writer.add)
+    writer.finish(
+        {
+            "model": model,
+            "args": {"source": source, "converted_by": converted_by},
+            "iteration": 0,
+            "mg": mg_metadata(
+                config.to_dict(), tokenizer_config.to_dict() if tokenizer_config else None
+            ),
+            "checkpoint_version": CHECKPOINT_VERSION,
+        }
+    )
+    tracker_file(staging).write_text(RELEASE)
