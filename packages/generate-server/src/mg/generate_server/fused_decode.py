@@ -177,13 +177,16 @@ _ARGUMENTS += ["const uint16_t*", "const int64_t*", "const int64_t*", "const int
 _ARGUMENTS += ["int64_t"] * 8 + ["float", "float"]
 
 
-def fused_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> str | None:
-    """Why `FusedDecode` cannot run this model's decode steps here, or None."""
+def llama_shape_unsupported(
+    model: nn.Module, cache: PagedKVCache | None, cache_dtype: torch.dtype
+) -> str | None:
+    """Why a model and cache are not what the whole-step kernels compute (a dense pre-norm
+    Llama shape: RoPE, RMSNorm, SwiGLU, a `cache_dtype` paged cache on the CPU), or None."""
     if not isinstance(model, GPTModel) or cache is None:
         return "not a GPT-family model with a paged KV cache"
     config = model.config
-    if cache.fp8 or cache.keys.dtype != torch.bfloat16 or cache.device.type != "cpu":
-        return "the KV cache is not bf16 on the CPU"
+    if cache.fp8 or cache.keys.dtype != cache_dtype or cache.device.type != "cpu":
+        return f"the KV cache is not {_DTYPE_NAMES[cache_dtype]} on the CPU"
     if model.rotary_pos_emb is None or model.embedding.position_embeddings is not None:
         return "positions are not RoPE"
     if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
@@ -201,9 +204,24 @@ def fused_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> st
         norms = (layer.input_layernorm, layer.pre_mlp_layernorm, model.decoder.final_layernorm)
         if any(type(norm) is not nn.RMSNorm for norm in norms):
             return "its norms are not RMSNorm modules"
-        attention, mlp = layer.self_attention, layer.mlp
-        linears = (attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2)
-        if any(not _amx_packed(m) or m.matmul.has_bias for m in linears):
+    return None
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def layer_linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A dense layer's four linears, in the kernels' order."""
+    attention, mlp = layer.self_attention, layer.mlp
+    return attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
+
+
+def fused_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> str | None:
+    """Why `FusedDecode` cannot run this model's decode steps here, or None."""
+    if why := llama_shape_unsupported(model, cache, torch.bfloat16):
+        return why
+    for layer in model.decoder.layers:
+        if any(not _amx_packed(m) or m.matmul.has_bias for m in layer_linears(layer)):
             return "its linears are not AMX-packed and bias-free"
     return None  # (AMX-packed linears: the kernel was built)
 

@@ -33,12 +33,16 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.models import GPTModel
-from mg.core.models.gpt import MLP, TransformerLayer
 from mg.core.models.output_head import is_plain_output, mask_padded_vocab, real_vocab_size
 from mg.core.models.paged_attention_cpu import kernel_flags, kernel_source, quiet_cpp_extension
 from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
 from mg.generate_server import cpu_isa
-from mg.generate_server.fused_decode import step_tables, takes
+from mg.generate_server.fused_decode import (
+    layer_linears,
+    llama_shape_unsupported,
+    step_tables,
+    takes,
+)
 
 _STEP = r"""
 // VL lanes a vector (16: one zmm; 8: one ymm), MR input rows an inner loop: 4 weight rows
@@ -210,39 +214,15 @@ def vector_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> s
     """Why `VectorDecode` cannot run this model's steps here, or None."""
     if vector_isa() is None:
         return f"the CPU kernels may use neither AVX-512 nor AVX2 ({cpu_isa.chosen()})"
-    if not isinstance(model, GPTModel) or cache is None:
-        return "not a GPT-family model with a paged KV cache"
-    config = model.config
-    if cache.fp8 or cache.keys.dtype != torch.float32 or cache.device.type != "cpu":
-        return "the KV cache is not fp32 on the CPU"
-    if model.rotary_pos_emb is None or model.embedding.position_embeddings is not None:
-        return "positions are not RoPE"
-    if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
-        return "its norms are not RMSNorm"
-    if config.activation != "swiglu" or not config.gated_linear_unit:
-        return "its MLP is not SwiGLU"
-    if config.qk_layernorm:
-        return "it norms queries and keys (--qk-layernorm)"
-    rot = config.rotary_dim
-    if rot > config.kv_channels or rot % 2:
-        return "its RoPE covers an unusual part of each head"
+    if why := llama_shape_unsupported(model, cache, torch.float32):
+        return why
     for layer in model.decoder.layers:
-        if type(layer) is not TransformerLayer or type(layer.mlp) is not MLP:
-            return "a layer is not a dense pre-norm layer (MoE or another kind)"
-        norms = (layer.input_layernorm, layer.pre_mlp_layernorm, model.decoder.final_layernorm)
-        if any(type(norm) is not nn.RMSNorm for norm in norms):
-            return "its norms are not RMSNorm modules"
-        for linear in _linears(layer):
+        for linear in layer_linears(layer):
             if type(linear) is not nn.Linear or linear.bias is not None:
                 return "its linears are not plain and bias-free"
             if linear.weight.dtype != torch.float32 or linear.in_features % 16:
                 return "its linears are not fp32 with inputs in multiples of 16"
     return None
-
-
-def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
-    attention, mlp = layer.self_attention, layer.mlp
-    return attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2
 
 
 class VectorDecode:
