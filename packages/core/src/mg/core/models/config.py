@@ -17,8 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
+RopeType = Literal["rope", "yarn"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
-Activation = Literal["gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu", "geglu_tanh"]
+Activation = Literal[
+    "gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu", "geglu_tanh", "quick_geglu"
+]
+SoftmaxType = Literal["vanilla", "off-by-one", "learnable"]
 AttentionBackend = Literal["auto", "flash", "fused", "unfused", "local"]
 TransformerImpl = Literal["local", "transformer_engine"]
 LayerOrder = Literal["pre_ln", "post_ln"]
@@ -30,8 +34,18 @@ MoEDispatcher = Literal["allgather", "alltoall"]
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "squared_relu", "swiglu", "geglu", "geglu_tanh")
-GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+ACTIVATIONS = (
+    "gelu",
+    "gelu_tanh",
+    "relu",
+    "squared_relu",
+    "swiglu",
+    "geglu",
+    "geglu_tanh",
+    "quick_geglu",
+)
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "quick_geglu")
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 LAYER_ORDERS = ("pre_ln", "post_ln")
@@ -112,6 +126,19 @@ class TransformerConfig:
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates (the first ones)."""
     rope_scaling: RopeScaling | None = None
+    rope_type: RopeType = "rope"
+    """Megatron's `--rope-type`: "yarn" stretches RoPE with YaRN (`mg.core.models.yarn`) by
+    the fields below, Megatron-Core's MLA/YaRN names (HF rope_type "yarn")."""
+    rotary_scaling_factor: float = 1.0
+    """YaRN's context stretch s (HF `factor`)."""
+    original_max_position_embeddings: int = 4096
+    """The context the model was trained with before YaRN stretched it."""
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: bool = True
+    """Round YaRN's ramp band to whole channels (HF `truncate`; gpt-oss has it False)."""
 
     normalization: Normalization = "LayerNorm"
     layernorm_epsilon: float = 1e-5
@@ -167,6 +194,17 @@ class TransformerConfig:
     """Gemma 2's cap c on the attention logits: c·tanh(logits / c) before the mask and the
     softmax. It needs the explicit-math attention (`--attention-backend auto`, `unfused`
     or `local`); the fused kernels and the paged KV cache refuse it by name."""
+    softmax_type: SoftmaxType = "vanilla"
+    """Megatron's `--softmax-type`: "vanilla"; "off-by-one" adds a logit 0 to every softmax
+    row (exp(x_i) / (1 + Σ_j exp(x_j))); "learnable" adds one learned logit per head, the
+    attention sink (`core_attention.softmax_offset`, gpt-oss's `sinks`). The sink takes
+    probability mass and gives back no value."""
+    glu_linear_offset: float = 0.0
+    """Megatron's `--glu-linear-offset` c: a gated MLP computes act(gate) · (up + c)
+    (gpt-oss: 1)."""
+    activation_func_clamp_value: float | None = None
+    """Megatron's `--activation-func-clamp-value` L: a gated MLP clamps gate ≤ L and
+    up to [-L, L] before the activation (gpt-oss: 7)."""
     scale_embeddings_by_sqrt_hidden: bool = False
     """Multiply the word embeddings by √hidden_size, rounded to the embedding's dtype
     first, as Gemma does (`normalizer = hidden**0.5`)."""
@@ -374,6 +412,7 @@ class TransformerConfig:
                     "HF Mistral's sliding_window=W is window_size=(W - 1, 0)",
                 )
         self._validate_layer_variants(fail)
+        self._validate_yarn(fail)
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -413,11 +452,46 @@ class TransformerConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 fail(name, f"must be positive, got {value}")
+        if self.softmax_type not in SOFTMAX_TYPES:
+            fail("softmax_type", f"{self.softmax_type!r} is not one of {SOFTMAX_TYPES}")
+        if self.softmax_type != "vanilla" and self.attn_logit_softcapping is not None:
+            fail("softmax_type", "attention sinks with attn_logit_softcapping: pick one")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and clamp <= 0:
+            fail("activation_func_clamp_value", f"must be positive, got {clamp}")
+        if (clamp is not None or self.glu_linear_offset) and not self.gated_linear_unit:
+            fail(
+                "glu_linear_offset" if clamp is None else "activation_func_clamp_value",
+                f"applies to a gated MLP (swiglu, geglu, quick_geglu), not {self.activation!r}",
+            )
         if self.sandwich_norms and self.transformer_impl == "transformer_engine":
             fail(
                 "sandwich_norms",
                 "not with transformer_impl='transformer_engine' yet (the TE spec fuses the "
                 "pre-norms only); use --transformer-impl local",
+            )
+
+    def _validate_yarn(self, fail: Callable[[str, str], None]) -> None:
+        """YaRN's fields (`mg.core.models.yarn`)."""
+        if self.rope_type not in ("rope", "yarn"):
+            fail("rope_type", f"{self.rope_type!r} is not one of ('rope', 'yarn')")
+        if self.rope_type != "yarn":
+            return
+        if self.position_embedding_type != "rope":
+            fail("rope_type", "YaRN scales RoPE: it needs position_embedding_type='rope'")
+        if self.rope_scaling is not None or self.rotary_seq_len_interpolation_factor is not None:
+            fail("rope_type", "YaRN replaces rope_scaling / linear interpolation; choose one")
+        if self.rotary_scaling_factor <= 0:
+            fail("rotary_scaling_factor", f"must be positive, got {self.rotary_scaling_factor}")
+        if self.original_max_position_embeddings <= 0:
+            fail(
+                "original_max_position_embeddings",
+                f"must be positive, got {self.original_max_position_embeddings}",
+            )
+        if self.beta_fast <= 0 or self.beta_slow <= 0:
+            fail(
+                "beta_fast",
+                f"beta_fast and beta_slow must be positive ({self.beta_fast}, {self.beta_slow})",
             )
 
     def is_window_layer(self, layer_number: int) -> bool:

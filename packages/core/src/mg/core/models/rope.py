@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.models.config import RopeScaling, TransformerConfig
+from mg.core.models.yarn import yarn_concentration_factor, yarn_inv_freq
 
 
 def llama3_scale_inv_freq(inv_freq: Tensor, scaling: RopeScaling) -> Tensor:
@@ -41,11 +42,14 @@ def rope_inv_freq(
     config: TransformerConfig, device: torch.device | None = None, local: bool = False
 ) -> Tensor:
     """Inverse frequencies [rotary_dim / 2] in fp32; `local`: the sliding-window layers'
-    (base `rotary_base_local`, unscaled, as Gemma 3's local RoPE)."""
+    (base `rotary_base_local`, unscaled, as Gemma 3's local RoPE). rope_type "yarn": YaRN's
+    (mg.core.models.yarn; the tables then carry its concentration factor)."""
     dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     if local:
         return 1.0 / (config.rotary_base_local**exponents)
+    if config.rope_type == "yarn":
+        return yarn_inv_freq(config, dim, device=device)
     inv_freq = 1.0 / (config.rotary_base**exponents)
     if config.rope_scaling is not None:
         inv_freq = llama3_scale_inv_freq(inv_freq, config.rope_scaling)
@@ -54,10 +58,13 @@ def rope_inv_freq(
     return inv_freq
 
 
-def _tables(position_ids: Tensor, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+def _tables(position_ids: Tensor, inv_freq: Tensor, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos and sin of the angles, times `scale` (YaRN's concentration factor)."""
     freqs = position_ids.float()[..., None] * inv_freq  # [b, s, rotary_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
 
 
 class RotaryEmbedding(nn.Module):
@@ -75,7 +82,8 @@ class RotaryEmbedding(nn.Module):
         """position_ids [b, s] → fp32 cos, sin [b, s, 1, rotary_dim] (broadcast over heads),
         then the local layers' pair where there is one."""
         device = position_ids.device
-        tables = _tables(position_ids, rope_inv_freq(self.config, device=device))
+        scale = yarn_concentration_factor(self.config) if self.config.rope_type == "yarn" else 1.0
+        tables = _tables(position_ids, rope_inv_freq(self.config, device=device), scale)
         if self.config.rotary_base_local is None:
             return tables
         return tables + _tables(position_ids, rope_inv_freq(self.config, device, local=True))
