@@ -254,6 +254,13 @@ class TransformerConfig:
     """A sigmoid gate on the shared experts' output (Qwen2-MoE)."""
     moe_token_dispatcher_type: MoEDispatcher = "allgather"
 
+    # Multi-token prediction (DeepSeek-V3's MTP; see mg.core.models.mtp).
+    mtp_num_layers: int | None = None
+    """MTP depths after the decoder (Megatron's `--mtp-num-layers`); None: none."""
+    mtp_loss_scaling_factor: float = 0.1
+    """The MTP losses' weight: their mean over the depths is added to the main loss
+    times this (Megatron's `--mtp-loss-scaling-factor`, default 0.1)."""
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form notes carried along with the config (e.g. the HF architecture)."""
 
@@ -421,6 +428,11 @@ class TransformerConfig:
             fail("init_method_std", f"must be positive, got {self.init_method_std}")
         if self.num_moe_experts is not None:
             self._validate_moe(fail)
+        mtp = self.mtp_num_layers
+        if mtp is not None and (not isinstance(mtp, int) or mtp <= 0):
+            fail("mtp_num_layers", f"must be a positive integer or None, got {mtp!r}")
+        if mtp and isinstance(self.window_attn_skip_freq, list):
+            fail("mtp_num_layers", "MTP layers have no entry in a window_attn_skip_freq list")
 
     def _validate_layer_variants(self, fail: Callable[[str, str], None]) -> None:
         """The local/global attention pattern, the second RoPE base, the scales and the

@@ -14,13 +14,21 @@ attention, where the key length may differ from the query length). An
 `attention_mask` follows Megatron's convention: True marks a position that may
 NOT be attended; it is applied on top of the causal mask.
 
+With `config.softmax_type` "off-by-one" or "learnable" (gpt-oss's attention sinks) each
+softmax row also holds one extra logit per head, 0 or the learned
+`core_attention.softmax_offset` (Megatron's name, one value per head, split over
+tensor-parallel ranks with the heads): `sink_attention` gives SDPA a zero key/value
+column whose additive mask is that logit. flash-attn and Transformer Engine are refused
+for it by name.
+
 `config.attention_backend` takes Megatron's names (auto, flash, fused, unfused,
 local; see `mg.core.models.attention_backend`): all but "flash" with flash-attn
 installed run `SDPAttention` with the SDPA kernels the name allows; Transformer
 Engine's DotProductAttention comes in with the rest of TE's modules
 (`mg.core.models.te_spec.apply_transformer_engine`). `set_attention_backend`
 rebuilds a built model's core attention for another name (core attention holds
-no weights), which is how a reader picks the kernels of the machine it runs on.
+no weights but the sinks, which it hands on), which is how a reader picks the kernels
+of the machine it runs on.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from mg.core.models.attention_backend import (
     set_nvte_environment,
 )
 from mg.core.models.config import TransformerConfig
+from mg.core.models.local_tensor import local
 from mg.core.models.rng_stream import model_parallel_stream
 from mg.core.models.te_parallel import TEParallelism
 
@@ -54,6 +63,7 @@ __all__ = [
     "build_core_attention",
     "causal_mask",
     "set_attention_backend",
+    "sink_attention",
 ]
 
 
@@ -95,6 +105,53 @@ def softcapped_attention(
     return torch.matmul(probs, v)
 
 
+def sink_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    allowed: Tensor | None,
+    sinks: Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """softmax([q kᵀ·scale, sink]) v without the sink's column, through SDPA: q [b, heads,
+    s, d], k/v [b, groups, L, d], `allowed` bool broadcastable to [b, heads, s, L] (True =
+    attend) or None, `sinks` [heads] (this rank's heads). The sink is a key and a value of
+    zeros whose additive mask is the sink logit (q·0 = 0), so its probability is
+    exp(sink) / (exp(sink) + Σ exp(logits)) and it adds nothing to the output, as
+    Megatron's `SoftmaxOne` and transformers' GptOss attention compute it."""
+    b, heads, s, d = q.shape
+    length = k.shape[2]
+    zeros = k.new_zeros(k.shape[0], k.shape[1], 1, d)
+    k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros.to(v.dtype)], dim=2)
+    if allowed is None:
+        bias = q.new_zeros(1, 1, s, length)
+    else:
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+        bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    bias = bias.expand(bias.shape[0], heads, s, length)
+    sink = sinks.to(q.dtype).view(1, heads, 1, 1).expand(bias.shape[0], heads, s, 1)
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=torch.cat([bias, sink], dim=-1),
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=k.shape[1] != heads,
+    )
+
+
+def check_softmax_type(config: TransformerConfig) -> None:
+    """Refuse, by name, a backend that has no attention sinks."""
+    if config.softmax_type != "vanilla" and config.attention_backend == "flash":
+        raise BackendUnavailableError(
+            f"--softmax-type {config.softmax_type} with --attention-backend flash: flash "
+            "kernels take no sink logit; use --attention-backend auto, fused, unfused or local"
+        )
+
+
 def check_softcapping(config: TransformerConfig) -> None:
     """Refuse a fused attention kernel for a model whose attention logits are capped."""
     if config.attn_logit_softcapping is not None and config.attention_backend in CUDA_ONLY:
@@ -127,6 +184,23 @@ class SDPAttention(nn.Module):
         self.backend = config.attention_backend
         self._kernels = sdpa_kernels(self.backend)
         self.softcap = config.attn_logit_softcapping
+        self.softmax_type = config.softmax_type
+        # the learnable sink logit per head, Megatron's `softmax_offset` (gpt-oss's sinks)
+        self.softmax_offset = (
+            nn.Parameter(torch.empty(self.num_heads))
+            if config.softmax_type == "learnable"
+            else None
+        )
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """Megatron inits the learnable sinks with init_method, N(0, σ)."""
+        if self.softmax_offset is not None:
+            nn.init.normal_(self.softmax_offset, mean=0.0, std=std)
+
+    def sinks(self, device: torch.device) -> Tensor | None:
+        """This rank's sink logits [heads] (zeros for off-by-one), or None (vanilla)."""
+        return sink_logits(self, self.num_heads, device)
 
     def forward(
         self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None = None
@@ -153,6 +227,14 @@ class SDPAttention(nn.Module):
     ) -> Tensor:
         b, s = query.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [b, heads, s, d]
+        sinks = self.sinks(query.device)
+        if sinks is not None:
+            allowed = causal_mask(s, self.window_size, query.device) if self.causal else None
+            if attention_mask is not None:
+                allowed = ~attention_mask if allowed is None else allowed & ~attention_mask
+            dropout = self.dropout if self.training else 0.0
+            out = sink_attention(q, k, v, allowed, sinks, self.softmax_scale, dropout)
+            return out.transpose(1, 2).reshape(b, s, -1)
         if self.softcap is not None:
             allowed = causal_mask(s, self.window_size, query.device) if self.causal else None
             if attention_mask is not None:
@@ -178,6 +260,17 @@ class SDPAttention(nn.Module):
             enable_gqa=self.num_groups != self.num_heads,
         )
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def sink_logits(core_attention: nn.Module, heads: int, device: torch.device) -> Tensor | None:
+    """A core-attention module's sink logits [heads] (its local ones under tensor
+    parallelism; zeros for off-by-one), or None without sinks."""
+    kind = getattr(core_attention, "softmax_type", "vanilla")
+    if kind == "vanilla":
+        return None
+    if kind == "off-by-one":
+        return torch.zeros(heads, device=device)
+    return local(core_attention.softmax_offset)
 
 
 def require_gpu_package(module: str, pip_name: str, flag: str) -> ModuleType:
@@ -248,6 +341,11 @@ def build_te_core_attention(
     whole model's head counts); attention dropout then draws from the per-rank
     stream, as the local spec's does (mg.core.models.rng_stream)."""
     parallel = parallel or TEParallelism()
+    if config.softmax_type != "vanilla":
+        raise BackendUnavailableError(
+            f"--transformer-impl transformer_engine: --softmax-type {config.softmax_type} "
+            "(attention sinks) is not supported there; use --transformer-impl local"
+        )
     if config.attn_logit_softcapping is not None:
         raise BackendUnavailableError(
             "--transformer-impl transformer_engine: attention logit soft-capping "
@@ -311,6 +409,7 @@ def build_core_attention(
     """The core-attention module for `config.attention_backend` (layer_number is 1-based):
     flash-attn for "flash" where it is installed and CUDA is there, SDPA otherwise."""
     check_softcapping(config)
+    check_softmax_type(config)
     if (
         config.attention_backend == "flash"
         and flash_attn_installed()
@@ -337,5 +436,8 @@ def set_attention_backend(
             continue
         causal = getattr(attention, "causal", True)
         layer_number = getattr(module, "layer_number", 1)
-        module.core_attention = build_core_attention(config, layer_number, causal=causal)
+        rebuilt = build_core_attention(config, layer_number, causal=causal)
+        if getattr(attention, "softmax_offset", None) is not None:  # the sinks are weights
+            rebuilt.softmax_offset = attention.softmax_offset
+        module.core_attention = rebuilt
     return model

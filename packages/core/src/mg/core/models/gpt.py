@@ -32,14 +32,15 @@ it replays `init_units()` to give its shards the whole model's values.
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mg.core.models.activations import ACTIVATION_FUNCTIONS, activate
 from mg.core.models.config import ConfigError, TransformerConfig
 from mg.core.models.core_attention import build_core_attention
 from mg.core.models.kv_cache import KVCache
 from mg.core.models.language_model import LanguageModel
 from mg.core.models.moe import MoELayer
+from mg.core.models.mtp import MultiTokenPredictionBlock
 from mg.core.models.norms import build_norm_1p
 from mg.core.models.rope import apply_rotary_pos_emb, layer_rotary
 from mg.core.models.te_spec import input_linear, uses_te_spec
@@ -113,6 +114,8 @@ class SelfAttention(nn.Module):
 
     def init_weights(self, std: float, output_std: float) -> None:
         _init_linear(self.linear_qkv, std)
+        if hasattr(self.core_attention, "init_weights"):  # the learnable attention sinks
+            self.core_attention.init_weights(std)
         _init_linear(self.linear_proj, output_std)
         for norm in (self.q_layernorm, self.k_layernorm):
             if norm is not None:
@@ -147,27 +150,13 @@ class SelfAttention(nn.Module):
         return self.linear_proj(context)
 
 
-def _squared_relu(x: Tensor) -> Tensor:
-    return F.relu(x).square()
-
-
-_ACTIVATIONS = {
-    "gelu": F.gelu,  # exact (erf) GELU: Megatron's default activation_func
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's "gelu_new"
-    "relu": F.relu,
-    "squared_relu": _squared_relu,
-    "swiglu": F.silu,  # applied to the gate half
-    "geglu": F.gelu,
-    "geglu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma's gelu_pytorch_tanh
-}
-
-
 class MLP(nn.Module):
     """linear_fc1 → activation → linear_fc2.
 
     With a gated activation (SwiGLU/GeGLU) linear_fc1 has 2·ffn rows stacked
     as [gate; up] (Megatron's order: `torch.chunk(x, 2)` gives gate first), and
-    the MLP computes act(gate) * up. HF Llama keeps them as gate_proj / up_proj.
+    the MLP computes act(gate) * up (clamped and offset for gpt-oss:
+    mg.core.models.activations). HF Llama keeps them as gate_proj / up_proj.
     """
 
     def __init__(self, config: TransformerConfig, fused_norm: bool = False) -> None:
@@ -177,7 +166,8 @@ class MLP(nn.Module):
         self.linear_fc1 = input_linear(
             config, config.hidden_size, fc1_size, config.add_bias_linear, fused_norm
         )
-        self.activation = _ACTIVATIONS[config.activation]
+        self.config = config
+        self.activation = ACTIVATION_FUNCTIONS[config.activation]
         self.linear_fc2 = nn.Linear(
             config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear
         )
@@ -187,13 +177,7 @@ class MLP(nn.Module):
         _init_linear(self.linear_fc2, output_std)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        hidden = self.linear_fc1(hidden)
-        if self.gated:
-            gate, up = hidden.chunk(2, dim=-1)
-            hidden = self.activation(gate) * up
-        else:
-            hidden = self.activation(hidden)
-        return self.linear_fc2(hidden)
+        return self.linear_fc2(activate(self.linear_fc1(hidden), self.config))
 
 
 class TransformerLayer(nn.Module):
@@ -210,7 +194,8 @@ class TransformerLayer(nn.Module):
         # the TE spec fuses each norm into the linear after it (an MoE layer keeps its
         # pre-MLP norm): the norms here are then weightless identities, as in Megatron
         te = uses_te_spec(config)
-        is_moe = config.moe_layer_pattern[layer_number - 1]
+        # an MTP layer (numbered after the decoder's) is of the last decoder layer's kind
+        is_moe = config.moe_layer_pattern[min(layer_number, config.num_layers) - 1]
         self.input_layernorm = nn.Identity() if te else build_norm(config)
         self.self_attention = SelfAttention(config, layer_number, causal=causal, fused_norm=te)
         self.pre_mlp_layernorm = nn.Identity() if te and not is_moe else build_norm(config)
@@ -303,3 +288,9 @@ class GPTModel(LanguageModel):
                 f"got {config.transformer_layer_order!r} (post_ln is for BertModel)"
             )
         super().__init__(config)
+
+    def build_mtp(self, config: TransformerConfig) -> nn.Module | None:
+        """Megatron's `mtp` block after the decoder where `mtp_num_layers` asks for one."""
+        if not config.mtp_num_layers:
+            return None
+        return MultiTokenPredictionBlock(config, TransformerLayer, build_norm)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mg.core.models.core_attention import softcapped_attention
+from mg.core.models.core_attention import sink_attention, sink_logits, softcapped_attention
 
 
 class KVCache:
@@ -49,6 +49,7 @@ class KVCache:
         layer_windows: list[tuple[int, int] | None] | None = None,
         softmax_scale: float | None = None,
         softcap: float | None = None,
+        layer_sinks: list[Tensor | None] | None = None,
     ) -> None:
         shape = (num_layers, num_slots, max_length, num_groups, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
@@ -60,6 +61,8 @@ class KVCache:
         self.layer_windows = layer_windows or [window_size] * num_layers
         self.softmax_scale = softmax_scale
         self.softcap = softcap
+        # per layer, the attention-sink logits [heads] (gpt-oss) or None
+        self.layer_sinks = layer_sinks or [None] * num_layers
         self._slots: Tensor | None = None
         self._starts: Tensor | None = None
 
@@ -81,6 +84,10 @@ class KVCache:
             layer_windows=[config.layer_window_size(i + 1) for i in range(config.num_layers)],
             softmax_scale=config.attention_softmax_scale,
             softcap=config.attn_logit_softcapping,
+            layer_sinks=[
+                sink_logits(layer.self_attention.core_attention, attention.num_heads, weight.device)
+                for layer in model.decoder.layers
+            ],
         )
 
     def bind(self, slots: Tensor, starts: Tensor) -> None:
@@ -122,7 +129,10 @@ class KVCache:
         of its queries [b, s, heads, d] over the cached prefix: the one method a model's
         attention calls on any inference cache (`PagedKVCache` has it too)."""
         key, value, allowed = self.update(layer_index, key, value)
-        return cached_attention(query, key, value, allowed, self.softmax_scale, self.softcap)
+        sinks = self.layer_sinks[layer_index]
+        return cached_attention(
+            query, key, value, allowed, self.softmax_scale, self.softcap, sinks=sinks
+        )
 
 
 def cached_attention(
@@ -132,12 +142,18 @@ def cached_attention(
     allowed: Tensor,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """softmax(q kᵀ·scale) v over cached keys (scale default 1/√d; logits capped at
-    `softcap` as Gemma 2 caps them): query [b, s, heads, d], key/value [b, L, groups, d],
-    allowed [b, 1, s, L] → [b, s, heads·d]."""
+    `softcap` as Gemma 2 caps them; with `sinks` [heads] a sink logit per head):
+    query [b, s, heads, d], key/value [b, L, groups, d], allowed [b, 1, s, L] →
+    [b, s, heads·d]."""
     b, s, heads, d = query.shape
     q, k, v = (t.transpose(1, 2) for t in (query, key.to(query.dtype), value.to(query.dtype)))
+    if sinks is not None and softcap is None:
+        scale = scale if scale is not None else 1.0 / math.sqrt(d)
+        out = sink_attention(q, k, v, allowed, sinks, scale)
+        return out.transpose(1, 2).reshape(b, s, heads * d)
     if softcap is not None:
         scale = scale if scale is not None else 1.0 / math.sqrt(d)
         out = softcapped_attention(q, k, v, allowed, scale, softcap)

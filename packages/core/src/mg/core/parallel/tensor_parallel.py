@@ -354,6 +354,7 @@ def _parallelize_layer(
         shard_moe_layer(layer.mlp, tp_mesh, sequence_parallel, expert_tensor_parallel, expert_mesh)
     if hasattr(layer, "self_attention"):
         _use_local_head_counts(layer.self_attention, tp)
+        _shard_attention_sinks(layer.self_attention.core_attention, tp_mesh)
     if hasattr(layer, "cross_attention"):
         layer.cross_attention.num_heads //= tp
         _use_local_head_counts_of_core(layer.cross_attention.core_attention, tp)
@@ -364,6 +365,17 @@ def _use_local_head_counts(attention: nn.Module, tp: int) -> None:
     attention.num_heads //= tp
     attention.num_groups //= tp
     _use_local_head_counts_of_core(attention.core_attention, tp)
+
+
+def _shard_attention_sinks(core: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The learnable sink logits, one per head (`softmax_offset`, gpt-oss): split with the
+    heads, as Megatron shards them on dim 0 (rank r's heads are its query groups')."""
+    sinks = getattr(core, "softmax_offset", None)
+    if isinstance(sinks, nn.Parameter) and not isinstance(sinks, DTensor):
+        core.softmax_offset = nn.Parameter(
+            distribute_tensor(sinks.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
+            requires_grad=sinks.requires_grad,
+        )
 
 
 def _use_local_head_counts_of_core(core: nn.Module, tp: int) -> None:

@@ -19,31 +19,19 @@ does, so a dropped or padded row of probability 0 contributes nothing).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mg.core.models.activations import activate
 from mg.core.models.config import TransformerConfig
 from mg.core.models.local_tensor import local
 
-EXPERT_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-    "squared_relu": lambda x: F.relu(x).square(),
-    "swiglu": F.silu,
-    "geglu": F.gelu,
-}
-
 
 def _activate(hidden: Tensor, config: TransformerConfig) -> Tensor:
-    act = EXPERT_ACTIVATIONS[config.activation]
-    if config.gated_linear_unit:  # linear_fc1 rows are [gate; up]
-        gate, up = hidden.chunk(2, dim=-1)
-        return act(gate) * up
-    return act(hidden)
+    return activate(hidden, config)  # gated: [gate; up] rows of linear_fc1
 
 
 class ExpertMLP(nn.Module):
