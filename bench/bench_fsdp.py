@@ -1,7 +1,15 @@
 """Per-rank memory of fully sharded data parallelism at DP=4, per strategy, against DDP.
 
-    uv run --frozen python bench/bench_fsdp.py            # GPT, ~125M params
-    uv run --frozen python bench/bench_fsdp.py --quick    # a small model, for a smoke run
+    uv run --frozen python bench/bench_fsdp.py                 # GPT, ~125M params, every path
+    uv run --frozen python bench/bench_fsdp.py --model 275m    # one process + the FSDP paths
+    uv run --frozen python bench/bench_fsdp.py --model 757m    # bench_scale.py's 757M GPT
+    uv run --frozen python bench/bench_fsdp.py --quick         # a small model, for a smoke run
+
+The larger models run a single-process baseline (the distributed optimizer on one
+rank, bench_scale.py's "TP=1 PP=1 sharded" path) and the FSDP strategies that shard
+something, and report each rank's training peak over the baseline's: the whole-model
+paths (DDP, FSDP `no_shard`) would need four whole copies of the model's training
+state on one machine; their plan is printed instead.
 
 One GPT config (fp32, AdamW, mock data, micro-batch 1, 2 micro-batches per rank) runs
 as 4 gloo ranks on this machine for each data-parallel path: plain DDP, the
@@ -40,7 +48,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 4
+ONE_PROCESS = "one process"
 PATHS = {
+    ONE_PROCESS: ["--use-distributed-optimizer"],
     "DDP": [],
     "distributed optimizer": ["--use-distributed-optimizer"],
     **{
@@ -48,6 +58,18 @@ PATHS = {
         for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")
     },
 }
+MODELS = {
+    "124m": {"layers": 12, "hidden": 768, "heads": 12},
+    "275m": {"layers": 8, "hidden": 1536, "heads": 16},
+    "757m": {"layers": 24, "hidden": 1536, "heads": 16},
+}
+# the paths each model runs: the whole-model DP paths only where four copies fit
+MODEL_PATHS = {
+    "124m": [p for p in PATHS if p != ONE_PROCESS],
+    "275m": [ONE_PROCESS, "FSDP optim", "FSDP optim_grads",
+             "FSDP optim_grads_params"],
+    "757m": [ONE_PROCESS, "FSDP optim_grads", "FSDP optim_grads_params"],
+}  # fmt: skip
 
 
 def _status(key: str) -> int:
@@ -77,7 +99,7 @@ class Phases:
         return out
 
 
-def _argv(model: dict, flags: list[str], save: str) -> list[str]:
+def _argv(model: dict, flags: list[str], save: str, world: int = WORLD) -> list[str]:
     fsdp = "--use-megatron-fsdp" in flags
     return [
         "gpt",
@@ -87,7 +109,7 @@ def _argv(model: dict, flags: list[str], save: str) -> list[str]:
         "--seq-length", str(model["seq"]),
         "--max-position-embeddings", str(model["seq"]),
         "--mock-data", "--vocab-size", str(model["vocab"]),
-        "--micro-batch-size", "1", "--global-batch-size", str(2 * WORLD),
+        "--micro-batch-size", "1", "--global-batch-size", str(2 * world),
         "--train-iters", "3", "--lr", "1e-4", "--log-interval", "1000", "--eval-iters", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--data-cache-path", model["cache"], "--save", save,
@@ -109,16 +131,19 @@ def _worker(spec_path: str) -> None:
 
     phases.results["baseline"] = {"rss_after": _status("VmRSS")}  # imports, no model
     rank = int(os.environ["RANK"])
-    args = parse_args(_argv(spec["model"], spec["flags"], spec["save"]), world_size=WORLD)
+    world = spec["world"]
+    args = parse_args(_argv(spec["model"], spec["flags"], spec["save"], world), world_size=world)
     trainer = phases.run("build", lambda: Trainer(args))
     phases.run("step", lambda: (trainer.train_step(), trainer.train_step()))
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what is live, not what glibc kept
     phases.results["step"]["rss_after"] = _status("VmRSS")
     trainer.state.iteration = 2
     phases.run("save", lambda: (trainer.save(), trainer.finish_saves()))
-    dist.barrier()
+    if dist.is_initialized():  # one process runs without a process group
+        dist.barrier()
     Path(spec_path).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(phases.results))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _launch(spec: dict, folder: Path, threads: int) -> list[dict]:
@@ -129,11 +154,12 @@ def _launch(spec: dict, folder: Path, threads: int) -> list[dict]:
     spec_path = folder / "spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {"OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    outcomes = run_ranks(__file__, WORLD, ["--worker", str(spec_path)], timeout=3600, env=env)
+    world = spec["world"]
+    outcomes = run_ranks(__file__, world, ["--worker", str(spec_path)], timeout=3600, env=env)
     for r, o in enumerate(outcomes):
         if o.returncode != 0:
             raise SystemExit(f"rank {r} of {spec['name']} failed:\n{o.log[-4000:]}")
-    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def _planned(model: dict, strategy: str) -> float:
@@ -153,9 +179,15 @@ def _planned(model: dict, strategy: str) -> float:
     return parts["weights"] + parts["gradients"] + parts["optimizer state"]
 
 
+def _train_peak(ranks: list[dict]) -> float:
+    """The largest rank's peak over building and training (bench_scale.py's train peak)."""
+    return max(max(r["build"]["peak"], r["step"]["peak"]) for r in ranks)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model (smoke run)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="124m", help="GPT size")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -164,32 +196,46 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="bench_fsdp_"))
     model = (
-        {"layers": 2, "hidden": 128, "heads": 4, "seq": 64, "vocab": 8192}
-        if options.quick
-        else {"layers": 12, "hidden": 768, "heads": 12, "seq": 128, "vocab": 50304}
+        {"layers": 2, "hidden": 128, "heads": 4} if options.quick else dict(MODELS[options.model])
     )
+    model.update(seq=128 if not options.quick else 64, vocab=50304 if not options.quick else 8192)
+    paths = MODEL_PATHS["757m" if options.quick else options.model]
     model["cache"] = str(work / "cache")
     h, layers, vocab, seq = model["hidden"], model["layers"], model["vocab"], model["seq"]
     params = layers * (12 * h * h + 13 * h) + vocab * h + seq * h + 2 * h
     rows = {}
-    for name, flags in PATHS.items():
+    for name in paths:
         print(f"{name} ...", flush=True)
-        spec = {"name": name, "model": model, "flags": flags, "save": str(work / name)}
+        world = 1 if name == ONE_PROCESS else WORLD
+        spec = {
+            "name": name,
+            "model": model,
+            "flags": PATHS[name],
+            "save": str(work / name),
+            "world": world,
+        }
         rows[name] = _launch(spec, work / name.replace(" ", "_"), options.threads)
+    baseline = _train_peak(rows[ONE_PROCESS]) if ONE_PROCESS in rows else None
+    command = "bench/bench_fsdp.py" + (" --quick" if options.quick else "")
+    if options.model != "124m" and not options.quick:
+        command += f" --model {options.model}"
     lines = [
         "# Per-rank memory of fully sharded data parallelism (DP=4)",
         "",
         f"GPT, {layers} layers, hidden {h}, vocab {vocab}, seq {seq}: {params / 1e6:.0f}M "
         "parameters, fp32, AdamW, micro-batch 1, 2 micro-batches per rank, 4 gloo ranks on "
         f"one machine ({platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS="
-        f"{options.threads} per rank), `bench/bench_fsdp.py{' --quick' if options.quick else ''}`.",
+        f"{options.threads} per rank), `{command}`.",
         "",
         "Peak RSS in GB of the largest rank per phase (imports included); resident state: "
         "the RSS after two steps over the rank's RSS before the model (imports only); plan: "
-        "the dry run's weights + gradients + optimizer state per rank.",
+        "the dry run's weights + gradients + optimizer state per rank; train peak / "
+        "1-process: the larger of the build and step peaks over the single-process run's "
+        "(bench_scale.py's ratio).",
         "",
-        "| path | build | step | save | resident state | plan | step time (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| path | build | step | save | resident state | plan | train peak / 1-process "
+        "| step time (s) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, ranks in rows.items():
 
@@ -200,14 +246,23 @@ def main() -> None:
         plan = "-"
         if name.startswith("FSDP"):
             plan = f"{_planned(model, name.split()[1]) / 1e9:.2f}"
+        ratio = "-" if baseline is None else f"{_train_peak(ranks) / baseline:.2f}x"
         lines.append(
             f"| {name} | {worst('build') / 1e9:.2f} | {worst('step') / 1e9:.2f} | "
-            f"{worst('save') / 1e9:.2f} | {state / 1e9:.2f} | {plan} | "
+            f"{worst('save') / 1e9:.2f} | {state / 1e9:.2f} | {plan} | {ratio} | "
             f"{worst('step', 'seconds') / 2:.1f} |"
+        )
+    skipped = [p for p in PATHS if p not in rows and p.startswith("FSDP")]
+    for name in skipped:
+        lines.append(
+            f"| {name} | - | - | - | - | {_planned(model, name.split()[1]) / 1e9:.2f} | - | - |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    out = ROOT / "bench" / "results" / ("fsdp-cpu-quick.md" if options.quick else "fsdp-cpu.md")
+    stem = "fsdp-cpu-quick" if options.quick else "fsdp-cpu"
+    if options.model != "124m" and not options.quick:
+        stem += f"-{options.model}"
+    out = ROOT / "bench" / "results" / f"{stem}.md"
     out.write_text(text)
     print(f"written to {out}")
 
