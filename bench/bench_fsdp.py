@@ -66,8 +66,7 @@ MODELS = {
 # the paths each model runs: the whole-model DP paths only where four copies fit
 MODEL_PATHS = {
     "124m": [p for p in PATHS if p != ONE_PROCESS],
-    "275m": [ONE_PROCESS, "FSDP optim", "FSDP optim_grads",
-             "FSDP optim_grads_params"],
+    "275m": [ONE_PROCESS, "FSDP optim_grads", "FSDP optim_grads_params"],
     "757m": [ONE_PROCESS, "FSDP optim_grads", "FSDP optim_grads_params"],
 }  # fmt: skip
 
