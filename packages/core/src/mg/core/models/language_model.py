@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
+from mg.core.models.mtp import roll_left
 from mg.core.models.output_head import OutputHead
 from mg.core.models.rope import RotaryEmbedding
 
@@ -95,6 +96,7 @@ class LanguageModelParts(nn.Module):
         decoder: nn.Module,
         output_layer: nn.Module | None,
         output_head: OutputHead | None = None,
+        mtp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -105,6 +107,7 @@ class LanguageModelParts(nn.Module):
         self.embedding = embedding
         self.rotary_pos_emb = rotary_pos_emb
         self.decoder = decoder
+        self.mtp = mtp  # multi-token prediction (mg.core.models.mtp), on the last stage
         self.output_layer = output_layer
 
     def output_weight(self) -> Tensor:
@@ -134,6 +137,25 @@ class LanguageModelParts(nn.Module):
         """Final hidden states [b, s, h] → logits [b, s, vocab], or with labels the
         per-token fp32 cross-entropy [b, s], by the model's `output_head`."""
         return self.output_head(self, hidden, labels)
+
+    def mtp_losses(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attention_mask: Tensor | None,
+        labels: Tensor,
+    ) -> Tensor:
+        """Each MTP depth's per-token cross-entropy [D, b, s] from the decoder's output:
+        depth k against the labels rolled left k times (0 where that runs past the end,
+        for the rolled loss mask to drop), through the same output head."""
+        rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
+        depths = self.mtp(hidden, input_ids, position_ids, self.embedding, rotary, attention_mask)
+        losses = []
+        for depth_hidden in depths:
+            labels = roll_left(labels)
+            losses.append(self.output_and_loss(depth_hidden, labels))
+        return torch.stack(losses)
 
 
 class LanguageModel(LanguageModelParts):
@@ -166,6 +188,7 @@ class LanguageModel(LanguageModelParts):
                     RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
                 ),
                 decoder=self.decoder_class(config),
+                mtp=self.build_mtp(config),
                 output_layer=(
                     nn.Linear(config.hidden_size, config.vocab_size, bias=False)
                     if config.untie_embeddings_and_output_weights
@@ -175,6 +198,10 @@ class LanguageModel(LanguageModelParts):
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights()
+
+    def build_mtp(self, config: TransformerConfig) -> nn.Module | None:
+        """The multi-token prediction block, where the model has one (GPTModel's)."""
+        return None
 
     def init_units(self) -> list[InitUnit]:
         """Megatron's init as an ordered list of (name prefix, module, init function):
@@ -195,6 +222,11 @@ class LanguageModel(LanguageModelParts):
         ]
         norm = getattr(self.decoder, self.final_norm_name)
         units.append(InitUnit(f"decoder.{self.final_norm_name}", norm, _reset_norm))
+        if self.mtp is not None:  # built after the decoder, as Megatron builds it
+            units += [
+                InitUnit(f"mtp.layers.{k}", layer, lambda m: m.init_weights(std, output_std))
+                for k, layer in enumerate(self.mtp.layers)
+            ]
         if self.output_layer is not None:
             units.append(
                 InitUnit(
@@ -220,7 +252,8 @@ class LanguageModel(LanguageModelParts):
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
         inference_cache: KVCache | HybridCache | None = None,
-    ) -> Tensor:
+        return_mtp: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """input_ids [b, s] → logits [b, s, vocab], or, with labels [b, s], the
         per-token cross-entropy [b, s] in fp32 (unreduced, as Megatron returns it:
         the trainer applies the loss mask and averages).
@@ -232,12 +265,18 @@ class LanguageModel(LanguageModelParts):
         inference_cache (a bound `KVCache`, or a hybrid's `HybridCache`) makes this an
         incremental step: position_ids must then be given, and each layer continues
         from each row's cached state in its slot (attention_mask is not used).
+
+        return_mtp, with labels, on a model with multi-token prediction: the pair
+        (per-token loss [b, s], each MTP depth's per-token loss [D, b, s]).
         """
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
         hidden = self.embedding(input_ids, position_ids)
         hidden = self.run_decoder(hidden, position_ids, attention_mask, inference_cache)
+        if return_mtp and self.mtp is not None and labels is not None:
+            mtp = self.mtp_losses(hidden, input_ids, position_ids, attention_mask, labels)
+            return self.output_and_loss(hidden, labels), mtp
         return self.output_and_loss(hidden, labels)
 
 
