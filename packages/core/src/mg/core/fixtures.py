@@ -263,6 +263,48 @@ FIXTURES: dict[str, Fixture] = {
             },
             "SmolLM2-135M-Instruct (Llama architecture) as a Q4_1 GGUF, 98 MB, Apache-2.0",
         ),
+        Fixture(
+            "skimage-images",
+            "scikit-image",
+            "0.26.0",
+            "scikit_image-0.26.0-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+            {
+                "astronaut.png": (
+                    "skimage/data/astronaut.png",
+                    "88431cd9653ccd539741b555fb0a46b61558b301d4110412b5bc28b5e3ea6cb5",
+                ),
+                "chelsea.png": (
+                    "skimage/data/chelsea.png",
+                    "596aa1e7cb875eb79f437e310381d26b338a81c2da23439704a73c4651e8c4bb",
+                ),
+                "coffee.png": (
+                    "skimage/data/coffee.png",
+                    "cc02f8ca188b167c775a7101b5d767d1e71792cf762c33d6fa15a4599b5a8de7",
+                ),
+                "rocket.jpg": (
+                    "skimage/data/rocket.jpg",
+                    "c2dd0de7c538df8d111e479619b129464d0269d0ae5fd18ca91d33a7fdfea95c",
+                ),
+                "motorcycle_left.png": (
+                    "skimage/data/motorcycle_left.png",
+                    "db18e9c4157617403c3537a6ba355dfeafe9a7eabb6b9b94cb33f6525dd49179",
+                ),
+                "hubble_deep_field.jpg": (
+                    "skimage/data/hubble_deep_field.jpg",
+                    "3a19c5dd8a927a9334bb1229a6d63711b1c0c767fb27e2286e7c84a3e2c2f5f4",
+                ),
+                "camera.png": (
+                    "skimage/data/camera.png",
+                    "b0793d2adda0fa6ae899c03989482bff9a42d3d5690fc7e3648f2795d730c23a",
+                ),
+                "logo.png": (
+                    "skimage/data/logo.png",
+                    "f2c57fe8af089f08b5ba523d95573c26e62904ac5967f4c8851b27d033690168",
+                ),
+            },
+            "real photographs (RGB PNG/JPEG), a greyscale and an RGBA image from scikit-image's "
+            "package data (any platform's wheel holds the same files)",
+        ),
     ]
 }
 
