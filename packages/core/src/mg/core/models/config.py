@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mg.core.models.yarn import mla_softmax_scale
+
 PositionEmbeddingType = Literal["learned_absolute", "rope", "none"]
 RopeType = Literal["rope", "yarn"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
@@ -139,6 +141,19 @@ class TransformerConfig:
     mscale_all_dim: float = 0.0
     yarn_correction_range_round_to_int: bool = True
     """Round YaRN's ramp band to whole channels (HF `truncate`; gpt-oss has it False)."""
+
+    multi_latent_attention: bool = False
+    """DeepSeek-V2/V3's multi-latent attention (`mg.core.models.mla`) in place of
+    SelfAttention: keys and values from a shared kv_lora_rank latent, RoPE on a separate
+    qk_pos_emb_head_dim part of each head. kv_channels and num_query_groups are unused."""
+    q_lora_rank: int | None = None
+    """The queries' low-rank latent; None projects the queries directly (linear_q_proj)."""
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    """Each head's query/key channels without RoPE; a head's query is qk_head_dim +
+    qk_pos_emb_head_dim wide."""
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
     normalization: Normalization = "LayerNorm"
     layernorm_epsilon: float = 1e-5
@@ -316,7 +331,10 @@ class TransformerConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """Channels per head that RoPE rotates (Megatron: int(kv_channels · percent))."""
+        """Channels per head that RoPE rotates (Megatron: int(kv_channels · percent));
+        multi-latent attention rotates its qk_pos_emb_head_dim part."""
+        if self.multi_latent_attention:
+            return self.qk_pos_emb_head_dim
         return int(self.kv_channels * self.rotary_percent)
 
     def validate(self) -> None:
@@ -346,6 +364,8 @@ class TransformerConfig:
                 f"number of attention heads ({self.num_attention_heads}) must be a multiple "
                 f"of the number of query groups ({self.num_query_groups})",
             )
+        if self.multi_latent_attention:  # before RoPE's checks: it sets the rotated part
+            self._validate_mla(fail)
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             fail(
                 "position_embedding_type",
@@ -506,6 +526,40 @@ class TransformerConfig:
                 f"beta_fast and beta_slow must be positive ({self.beta_fast}, {self.beta_slow})",
             )
 
+    def _validate_mla(self, fail: Callable[[str, str], None]) -> None:
+        """Multi-latent attention's shapes (Megatron's MLATransformerConfig)."""
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                fail(name, f"must be a positive integer, got {value!r}")
+        if self.q_lora_rank is not None and (
+            not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0
+        ):
+            fail("q_lora_rank", f"must be a positive integer or None, got {self.q_lora_rank!r}")
+        if self.qk_pos_emb_head_dim % 2:
+            fail("qk_pos_emb_head_dim", f"RoPE needs an even size, got {self.qk_pos_emb_head_dim}")
+        if self.position_embedding_type != "rope":
+            fail(
+                "multi_latent_attention",
+                "its decoupled RoPE needs position_embedding_type='rope' (--rope-type picks "
+                "rope or yarn)",
+            )
+        if self.num_query_groups != self.num_attention_heads:
+            fail(
+                "num_query_groups",
+                "multi-latent attention has one key/value per head; leave num_query_groups "
+                "unset (Megatron: group query attention excludes MLA)",
+            )
+        if self.transformer_impl == "transformer_engine":
+            fail(
+                "transformer_impl",
+                "multi-latent attention is built with the local spec only; use "
+                "--transformer-impl local",
+            )
+        for name in ("window_size", "attn_logit_softcapping", "rotary_base_local"):
+            if getattr(self, name) is not None:
+                fail(name, "not with multi_latent_attention")
+
     def is_window_layer(self, layer_number: int) -> bool:
         """Whether layer `layer_number` (1-based) attends through the sliding window:
         Megatron's `is_layer_window_attention` rule."""
@@ -527,6 +581,8 @@ class TransformerConfig:
         """The scale of q·kᵀ: softmax_scale, or Megatron's default 1/√kv_channels."""
         if self.softmax_scale is not None:
             return self.softmax_scale
+        if self.multi_latent_attention:  # with YaRN's mscale(s, mscale_all_dim)²
+            return mla_softmax_scale(self, self.qk_head_dim + self.qk_pos_emb_head_dim)
         return 1.0 / math.sqrt(self.kv_channels)
 
     @property

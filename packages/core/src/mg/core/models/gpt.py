@@ -39,6 +39,7 @@ from mg.core.models.config import ConfigError, TransformerConfig
 from mg.core.models.core_attention import build_core_attention
 from mg.core.models.kv_cache import KVCache
 from mg.core.models.language_model import LanguageModel
+from mg.core.models.mla import MLASelfAttention
 from mg.core.models.moe import MoELayer
 from mg.core.models.mtp import MultiTokenPredictionBlock
 from mg.core.models.norms import build_norm_1p
@@ -197,7 +198,11 @@ class TransformerLayer(nn.Module):
         # an MTP layer (numbered after the decoder's) is of the last decoder layer's kind
         is_moe = config.moe_layer_pattern[min(layer_number, config.num_layers) - 1]
         self.input_layernorm = nn.Identity() if te else build_norm(config)
-        self.self_attention = SelfAttention(config, layer_number, causal=causal, fused_norm=te)
+        self.self_attention = (  # DeepSeek's multi-latent attention (mla.py) or the usual
+            MLASelfAttention(config, layer_number, build_norm)
+            if config.multi_latent_attention
+            else SelfAttention(config, layer_number, causal=causal, fused_norm=te)
+        )
         self.pre_mlp_layernorm = nn.Identity() if te and not is_moe else build_norm(config)
         # an MoE layer (router + experts) where moe_layer_freq says so, else the dense MLP
         self.mlp = MoELayer(config, layer_number) if is_moe else MLP(config, fused_norm=te)

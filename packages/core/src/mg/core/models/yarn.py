@@ -20,11 +20,13 @@ frequencies (its `truncate` is `yarn_correction_range_round_to_int`).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from mg.core.models.config import TransformerConfig
+if TYPE_CHECKING:  # the config imports this module for the MLA softmax scale
+    from mg.core.models.config import TransformerConfig
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -1,0 +1,195 @@
+"""Multi-latent attention against megatron-core 0.16.1's `MLASelfAttention` (local spec, CPU).
+
+megatron-core builds its GPTModel with MLA on CPU (the patches of
+`mg.core.testing.megatron_reference`); its state dict loads into ours with strict=True
+(same names and shapes) and the logits agree in fp32. One adaptation: 0.16.1's local
+`DotProductAttention` does not take the `k_channels`/`v_channels` that `MLASelfAttention`
+passes it, so the spec gets a subclass that drops them (Megatron's kernel then computes
+as it is, with kv_channels = v_head_dim giving its output width).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mg.core.models import GPTModel, TransformerConfig
+from mg.core.models.config import ConfigError
+from mg.core.models.mla import MLASelfAttention
+
+pytest.importorskip("megatron.core")
+
+from mg.core.testing.megatron_reference import megatron_on_cpu  # noqa: E402
+
+BASE = dict(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    vocab_size=128,
+    seq_length=16,
+    max_position_embeddings=64,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    activation="swiglu",
+    ffn_hidden_size=96,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+    multi_latent_attention=True,
+    kv_lora_rank=24,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=12,
+)
+
+CONFIGS = {
+    # DeepSeek-V3's kind: a query latent, norms on both latents, YaRN with mscale_all_dim
+    "q-lora-yarn": dict(
+        q_lora_rank=32,
+        qk_layernorm=True,
+        rope_type="yarn",
+        rotary_scaling_factor=4.0,
+        original_max_position_embeddings=8,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    # DeepSeek-V2-Lite's kind: queries projected directly, plain RoPE, no latent norms
+    "q-proj-rope": dict(q_lora_rank=None, rope_type="rope", rotary_base=500.0),
+}
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    import megatron.core.transformer.multi_latent_attention as mla_module
+
+    # 0.16.1 takes its TE stubs (None classes) for Transformer Engine and fails an
+    # isinstance check on them; without TE that branch is off
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(mla_module, "HAVE_TE", False)
+        with megatron_on_cpu(tmp_path_factory.mktemp("pg")):
+            yield
+
+
+def _mla_dot_product_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
+
+
+def megatron_mla_gpt(ours: TransformerConfig):
+    """Megatron-Core's GPTModel with MLASelfAttention (local spec) of our config's shape."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel as MegatronGPTModel
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(
+        num_layers=ours.num_layers,
+        hidden_size=ours.hidden_size,
+        num_attention_heads=ours.num_attention_heads,
+        ffn_hidden_size=ours.ffn_hidden_size,
+        normalization=ours.normalization,
+        layernorm_epsilon=ours.layernorm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        qk_layernorm=ours.qk_layernorm,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        transformer_impl="local",
+        kv_channels=ours.v_head_dim,  # the local attention's output width per head
+        multi_latent_attention=True,
+        q_lora_rank=ours.q_lora_rank,
+        kv_lora_rank=ours.kv_lora_rank,
+        qk_head_dim=ours.qk_head_dim,
+        qk_pos_emb_head_dim=ours.qk_pos_emb_head_dim,
+        v_head_dim=ours.v_head_dim,
+        rope_type=ours.rope_type,
+        rotary_base=ours.rotary_base,
+        rotary_scaling_factor=ours.rotary_scaling_factor,
+        original_max_position_embeddings=ours.original_max_position_embeddings,
+        beta_fast=ours.beta_fast,
+        beta_slow=ours.beta_slow,
+        mscale=ours.mscale,
+        mscale_all_dim=ours.mscale_all_dim,
+        apply_rope_fusion=False,
+    )
+    spec = get_gpt_layer_local_spec(
+        normalization=ours.normalization,
+        qk_layernorm=ours.qk_layernorm,
+        multi_latent_attention=True,
+    )
+    spec.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention()
+    return MegatronGPTModel(
+        config,
+        spec,
+        vocab_size=ours.vocab_size,
+        max_sequence_length=ours.max_position_embeddings,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        rotary_base=int(ours.rotary_base),
+    ).eval()
+
+
+@pytest.mark.slow  # megatron-core's import and build: ~40 s on 2 CPUs
+@pytest.mark.compat
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_mla_equals_megatron_core(megatron, name: str) -> None:
+    config = TransformerConfig(**BASE, **CONFIGS[name])
+    torch.manual_seed(0)
+    reference = megatron_mla_gpt(config)
+    with torch.no_grad():  # Megatron's norms start at 1: give them values that matter
+        for key, value in reference.state_dict().items():
+            if "layernorm" in key and value.is_floating_point():
+                value.copy_(1 + 0.1 * torch.randn_like(value))
+    state = {k: v for k, v in reference.state_dict().items() if "_extra_state" not in k}
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(state, strict=True)
+
+    tokens = torch.randint(0, config.vocab_size, (2, config.seq_length))
+    positions = torch.arange(config.seq_length).expand(2, -1)
+    with torch.no_grad():
+        expected = reference(tokens, positions, attention_mask=None)
+        got = ours(tokens)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if name == "q-lora-yarn":  # the YaRN softmax scale is really in play
+        scale = ours.decoder.layers[0].self_attention.core_attention.softmax_scale
+        assert scale == pytest.approx((0.1 * math.log(4.0) + 1) ** 2 / math.sqrt(24))
+
+
+def test_mla_parameter_names_and_shapes() -> None:
+    config = TransformerConfig(**BASE, **CONFIGS["q-lora-yarn"])
+    with torch.device("meta"):
+        attention = GPTModel(config).decoder.layers[0].self_attention
+    assert isinstance(attention, MLASelfAttention)
+    assert {k: tuple(v.shape) for k, v in attention.state_dict().items()} == {
+        "linear_q_down_proj.weight": (32, 64),
+        "linear_q_up_proj.weight": (4 * 24, 32),
+        "linear_kv_down_proj.weight": (24 + 8, 64),
+        "linear_kv_up_proj.weight": (4 * (16 + 12), 24),
+        "q_layernorm.weight": (32,),
+        "kv_layernorm.weight": (24,),
+        "linear_proj.weight": (64, 4 * 12),
+    }
+
+
+def test_mla_config_errors_name_the_field() -> None:
+    fields = {**BASE, **CONFIGS["q-proj-rope"]}
+    with pytest.raises(ConfigError, match="num_query_groups"):
+        TransformerConfig(**{**fields, "num_query_groups": 2})
+    with pytest.raises(ConfigError, match="qk_pos_emb_head_dim"):
+        TransformerConfig(**{**fields, "qk_pos_emb_head_dim": 7})
+    with pytest.raises(ConfigError, match="multi_latent_attention"):
+        TransformerConfig(**{**fields, "position_embedding_type": "none"})
+    config = TransformerConfig(**fields)
+    assert config.rotary_dim == 8
+    assert dataclasses.replace(config, multi_latent_attention=False).rotary_dim == 16
