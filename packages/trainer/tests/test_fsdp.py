@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from mg.core.checkpoint.fsdp_dtensor import is_fsdp_dtensor
+from mg.core.checkpoint.megatron_dist import checkpoint_is_megatron_layout
 from mg.core.checkpoint.model_io import load_model
 from mg.core.testing.launch import launch_workers
 from mg.trainer.arguments import ArgumentError, parse_args
@@ -195,6 +197,28 @@ def test_fsdp_dtensor_resumes_bitwise_and_loads_without_fsdp(tmp_path, mock_argv
     assert resumed["grad_norms"] == whole["grad_norms"][4:]
     plain = train([*argv, "--load", ckpt, "--ckpt-step", "4"])
     assert sum(p.numel() for p in load_model(ckpt)[0].parameters()) == whole["numel"]  # mg-eval's
+    _assert_close(whole["losses"][4:], plain.losses, LOSS_RTOL)
+    _assert_close(whole["grad_norms"][4:], plain.grad_norms, NORM_RTOL)
+
+
+def test_torch_fsdp2_saves_and_resumes_torch_dist(tmp_path, mock_argv, train) -> None:
+    """--use-torch-fsdp2 (ZeRO-3, DP=2) saves --ckpt-format torch_dist in Megatron-Core's key
+    layout, every rank writing its own shards: a DP=2 FSDP run resumed from iteration 4
+    repeats iterations 5-8 bit for bit, and one process without FSDP loads the same
+    checkpoint and continues as the uninterrupted run."""
+    argv = mock_argv(
+        tmp_path, *FLAGS, "--untie-embeddings-and-output-weights", mbs=2, gbs=8, iters=8
+    )
+    ckpt = str(tmp_path / "ckpt")
+    fsdp2 = [*argv, "--use-torch-fsdp2", "--ckpt-format", "torch_dist"]
+    saving = [*fsdp2, "--save", ckpt, "--save-interval", "4"]
+    resuming = [*fsdp2, "--load", ckpt, "--ckpt-step", "4"]
+    whole, resumed = _run_ranks([saving, resuming], 2, tmp_path / "two.json")
+    assert resumed["losses"] == whole["losses"][4:]
+    assert resumed["grad_norms"] == whole["grad_norms"][4:]
+    folder = Path(ckpt) / "iter_0000004"
+    assert not is_fsdp_dtensor(folder) and checkpoint_is_megatron_layout(folder)
+    plain = train([*argv, "--load", ckpt, "--ckpt-step", "4"])
     _assert_close(whole["losses"][4:], plain.losses, LOSS_RTOL)
     _assert_close(whole["grad_norms"][4:], plain.grad_norms, NORM_RTOL)
 

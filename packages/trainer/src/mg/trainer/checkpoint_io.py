@@ -13,7 +13,8 @@ and writer here:
   gives (Megatron-Core's for a GPT, local or Transformer Engine spec; mg's
   per-parameter one for MoE, Mamba, BERT and T5), read in either layout;
 - `fsdp_dtensor`: a torch_dist folder with the state-dict API's keys, FSDP's shards
-  as they are (`checkpointing_fsdp`); the one format a fully sharded run reads.
+  as they are (`checkpointing_fsdp`). A fully sharded run reads and writes it and
+  `torch_dist` (its DTensor shards are pieces of the global tensors like any other).
 
 `resume` finds the format on disk (whatever `--ckpt-format` says), `save` writes
 the one asked for.
@@ -82,7 +83,8 @@ def resume(
         "iteration": iteration,
     }
     found = saved_format(load, iteration)
-    if found == FSDP_DTENSOR or checkpointing_fsdp.is_fully_sharded(model):  # or its refusal
+    fully_sharded = checkpointing_fsdp.is_fully_sharded(model)
+    if found == FSDP_DTENSOR or (fully_sharded and found != TORCH_DIST):  # or its refusal
         return checkpointing_fsdp.resume(load, **what)
     if found == TORCH_DIST:
         rng_shard = layout.shard_name if layout is not None else None

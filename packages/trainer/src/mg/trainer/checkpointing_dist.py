@@ -87,6 +87,7 @@ from mg.core.models.moe.expert_names import (
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
+from mg.core.parallel.fully_sharded_optimizer import FullyShardedOptimizer
 from mg.core.parallel.pipeline import global_parameter_name, global_view
 from mg.core.parallel.row_blocks import ROW_BLOCKS, row_blocks
 from mg.trainer import distributed
@@ -149,6 +150,12 @@ def _names(model: nn.Module, optimizer: DistributedOptimizer) -> list[str]:
     return [name_of[id(p)] for p in optimizer.params]
 
 
+def _torch_optimizer(optimizer: Any) -> Any:
+    """A fully sharded model's torch optimizer (inside `FullyShardedOptimizer`): its state
+    is DTensor shards by parameter name, saved and loaded as any torch optimizer's."""
+    return optimizer.optimizer if isinstance(optimizer, FullyShardedOptimizer) else optimizer
+
+
 def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """The optimizer's state keyed by parameter name, as torch's `get_optimizer_state_dict`
     writes it (`state.<name>.exp_avg`, `param_groups.<i>.params` = names).
@@ -158,7 +165,8 @@ def _optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     tensor once, nothing is gathered, and the checkpoint holds the same global tensors
     as the plain optimizer's, so it loads at any layout and into either optimizer."""
     if not isinstance(optimizer, _SHARDED):
-        return _with_row_blocks(model, get_optimizer_state_dict(model, optimizer))
+        inner = _torch_optimizer(optimizer)
+        return _with_row_blocks(model, get_optimizer_state_dict(model, inner))
     return _by_name(optimizer.sharded_state(), _names(model, optimizer))
 
 
@@ -222,7 +230,8 @@ def _optimizer_request(folder: Path, model: nn.Module, optimizer: Any) -> dict[s
     of whichever stored entries exist (a checkpoint of the plain optimizer has no
     main_param; one saved before the first step has no state)."""
     if not isinstance(optimizer, _SHARDED):
-        return _with_row_blocks(model, get_optimizer_state_dict(model, optimizer))
+        inner = _torch_optimizer(optimizer)
+        return _with_row_blocks(model, get_optimizer_state_dict(model, inner))
     local = _names(model, optimizer)
     experts = global_expert_names(model)  # the stored names of this rank's experts
     names = [experts.get(name, name) for name in local]
@@ -257,6 +266,7 @@ def _load_optimizer(
     model: nn.Module, optimizer: Any, loaded: dict[str, Any], load_dir: str
 ) -> None:
     if not isinstance(optimizer, _SHARDED):
+        optimizer = _torch_optimizer(optimizer)
         ours = [g["params"] for g in get_optimizer_state_dict(model, optimizer)["param_groups"]]
         groups = _with_members(loaded["param_groups"], ours, load_dir)
         for group, current in zip(groups, optimizer.param_groups, strict=True):

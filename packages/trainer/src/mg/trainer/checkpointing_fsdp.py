@@ -7,8 +7,10 @@ rank writing its own FSDP shards); the rest is what `torch_dist` keeps in common
 layout continues bit for bit; at another data-parallel size, or without FSDP, the
 weights and the optimizer state are resharded by DCP.
 
-A fully sharded run reads only this format for now: a `torch` or `torch_dist`
-checkpoint is refused at load, naming `--ckpt-format`.
+A fully sharded run also reads and writes `torch_dist` (`checkpointing_dist`: FSDP's
+DTensor shards are pieces of the global tensors there like tensor parallelism's); a
+`torch` checkpoint (one file per model-parallel rank) is refused at load, naming
+`--ckpt-format`.
 """
 
 from __future__ import annotations
@@ -126,8 +128,8 @@ def resume(
     if not is_fsdp_dtensor(folder):
         raise CheckpointError(
             f"{folder}: a fully sharded run (--use-megatron-fsdp / --use-torch-fsdp2) loads "
-            f"--ckpt-format {FSDP_DTENSOR} checkpoints only for now; this one is another "
-            "format (load it without FSDP, then save it with --ckpt-format fsdp_dtensor)"
+            f"--ckpt-format {FSDP_DTENSOR} or torch_dist checkpoints; this one is a torch "
+            "checkpoint (load it without FSDP, then save it with --ckpt-format torch_dist)"
         )
     _check_model(model)
     finetune = finetune or iteration == RELEASE

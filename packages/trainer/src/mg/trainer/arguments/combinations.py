@@ -278,14 +278,6 @@ CONFLICTS: tuple[Conflict, ...] = (
         "--ckpt-format fsdp_dtensor is saved by fully sharded runs: add --use-megatron-fsdp "
         "(or --use-torch-fsdp2), or save --ckpt-format torch_dist",
     ),
-    Conflict(
-        "--use-megatron-fsdp",
-        "--ckpt-format torch_dist",
-        lambda a: _fsdp(a) and a.checkpoint.save and a.checkpoint.ckpt_format == "torch_dist",
-        "--use-megatron-fsdp / --use-torch-fsdp2 save --ckpt-format fsdp_dtensor only for now "
-        "(--ckpt-format torch_dist is not written from FSDP's shards yet)",
-        run_only=True,
-    ),
     _fsdp_not_yet(
         "--expert-model-parallel-size",
         lambda a: a.moe.expert_model_parallel_size > 1 and (_tp(a) > 1 or _cp(a) > 1),
