@@ -23,6 +23,7 @@ from mg.indexed_dataset import (
 )
 from mg.trainer.arguments import Args
 from mg.trainer.arguments.layer_variants import activation_of, layer_variant_config_fields
+from mg.trainer.arguments.mla import mla_config_fields
 from mg.trainer.arguments.moe import moe_config_fields
 from mg.trainer.sft_data import sft_datasets
 
@@ -66,6 +67,7 @@ def gpt_config(args: Args, vocab_size: int):
         transformer_impl=args.transformer_engine.transformer_impl,
         **moe_config_fields(args.moe),
         **layer_variant_config_fields(args.layer_variants),
+        **mla_config_fields(args.mla),
     )
 
 

@@ -13,6 +13,7 @@ from mg.trainer.arguments.layer_variants import LayerVariantArgs
 from mg.trainer.arguments.learning_rate import OptimizerArgs
 from mg.trainer.arguments.logging import LoggingArgs
 from mg.trainer.arguments.mamba import MambaArgs
+from mg.trainer.arguments.mla import MLAArgs
 from mg.trainer.arguments.model import ModelArgs
 from mg.trainer.arguments.moe import MoEArgs
 from mg.trainer.arguments.parallel import DistributedArgs
@@ -28,6 +29,7 @@ class Args:
     family: str
     model: ModelArgs = field(default_factory=ModelArgs)
     layer_variants: LayerVariantArgs = field(default_factory=LayerVariantArgs)
+    mla: MLAArgs = field(default_factory=MLAArgs)
     transformer_engine: TransformerEngineArgs = field(default_factory=TransformerEngineArgs)
     data: DataArgs = field(default_factory=DataArgs)
     sft: SFTArgs = field(default_factory=SFTArgs)
@@ -64,6 +66,7 @@ class Args:
 GROUPS: dict[str, type] = {
     "model": ModelArgs,
     "layer_variants": LayerVariantArgs,
+    "mla": MLAArgs,
     "transformer_engine": TransformerEngineArgs,
     "data": DataArgs,
     "sft": SFTArgs,

@@ -25,6 +25,7 @@ from mg.trainer.arguments import (
     learning_rate,
     logging,
     mamba,
+    mla,
     model,
     moe,
     parallel,
@@ -41,6 +42,7 @@ FAMILIES = ("gpt", "bert", "t5", "mamba")
 FLAG_GROUPS = (
     ("model", model.add_model_flags),
     ("layer variants: sliding window, Gemma 3", layer_variants.add_layer_variant_flags),
+    ("multi-latent attention and YaRN RoPE", mla.add_mla_flags),
     ("transformer engine and attention kernels", transformer_engine.add_transformer_engine_flags),
     ("data and tokenizer", data.add_data_flags),
     ("supervised finetuning (chat data)", sft.add_sft_flags),
@@ -173,6 +175,7 @@ def validate(args: Args) -> None:
     mamba.check_mamba(args)
     moe.check_moe(args)
     layer_variants.check_layer_variants(args)
+    mla.check_mla(args)
     if args.training.dry_run:
         parallel.check_dry_run_layout(args)
     else:
