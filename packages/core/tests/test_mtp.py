@@ -48,14 +48,15 @@ def tiny(shape: str, depths: int = 2) -> TransformerConfig:
 def mtp_objective(model: GPTModel, ids, labels, mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Megatron's objective: masked mean + factor/D × Σ_k (depth k's masked mean)."""
     main, mtp = model(ids, labels=labels, return_mtp=True)
-    config = model.config
+    assert mtp.scaling_factor == model.config.mtp_loss_scaling_factor
     total = (main * mask).sum() / mask.sum()
     means = []
     mask_k = mask
-    for depth in mtp:
+    for depth in mtp.per_token:  # by hand, then as MTPLosses.depth_means does it
         mask_k = roll_left(mask_k)
         means.append((depth * mask_k).sum() / mask_k.sum())
-    scale = config.mtp_loss_scaling_factor / config.mtp_num_layers
+    torch.testing.assert_close(torch.stack(mtp.depth_means(mask)), torch.stack(means))
+    scale = mtp.scaling_factor / len(means)
     return total + scale * sum(means), means
 
 
@@ -96,7 +97,7 @@ def test_rolled_targets_by_hand():
         expected = torch.nn.functional.cross_entropy(
             logits[0], roll_left(labels)[0], reduction="none"
         )
-    torch.testing.assert_close(mtp[0, 0], expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(mtp.per_token[0, 0], expected, rtol=0, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

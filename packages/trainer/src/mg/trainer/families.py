@@ -33,7 +33,13 @@ from mg.trainer.family_bert import (
     bert_loss_terms,
     bert_model,
 )
-from mg.trainer.family_gpt import gpt_config, gpt_datasets, gpt_loss_terms, gpt_model
+from mg.trainer.family_gpt import (
+    GPT_PIPELINE_STEPS,
+    gpt_config,
+    gpt_datasets,
+    gpt_loss_terms,
+    gpt_model,
+)
 from mg.trainer.family_mamba import mamba_config, mamba_model
 from mg.trainer.family_t5 import t5_config, t5_datasets, t5_loss_terms, t5_model
 
@@ -55,7 +61,13 @@ class ModelFamily:
 
 FAMILIES: dict[str, ModelFamily] = {
     "gpt": ModelFamily(
-        "gpt", gpt_config, gpt_model, gpt_datasets, gpt_loss_terms, builds_on_meta=True
+        "gpt",
+        gpt_config,
+        gpt_model,
+        gpt_datasets,
+        gpt_loss_terms,
+        builds_on_meta=True,
+        pipeline_steps=GPT_PIPELINE_STEPS,  # the last stage's MTP block takes the tokens
     ),
     "bert": ModelFamily(
         "bert",

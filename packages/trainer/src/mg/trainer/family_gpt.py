@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.config import RopeScaling
+from mg.core.models.mtp import MTPLosses
 from mg.indexed_dataset import (
     GPTDatasetConfig,
     build_gpt_datasets,
@@ -25,6 +26,8 @@ from mg.trainer.arguments import Args
 from mg.trainer.arguments.layer_variants import activation_of, layer_variant_config_fields
 from mg.trainer.arguments.mla import mla_config_fields
 from mg.trainer.arguments.moe import moe_config_fields
+from mg.trainer.arguments.mtp import mtp_config_fields, mtp_loss_names
+from mg.trainer.model_parallel import PipelineSteps
 from mg.trainer.sft_data import sft_datasets
 
 
@@ -68,6 +71,7 @@ def gpt_config(args: Args, vocab_size: int):
         **moe_config_fields(args.moe),
         **layer_variant_config_fields(args.layer_variants),
         **mla_config_fields(args.mla),
+        **mtp_config_fields(args.mtp),
     )
 
 
@@ -101,12 +105,55 @@ def gpt_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
 
 
 def gpt_loss_terms(model: nn.Module, batch: dict[str, torch.Tensor]):
-    """Masked sum of the per-token loss and the number of tokens it covers."""
-    losses = model(
+    """Masked sum of the per-token loss and the number of tokens it covers (and, with
+    multi-token prediction, each depth's loss: `gpt_output_loss_terms`)."""
+    output = model(
         batch["tokens"],
         position_ids=batch["position_ids"],
         attention_mask=batch.get("attention_mask"),
         labels=batch["labels"],
+        return_mtp=True,
     )
+    return gpt_output_loss_terms(output, batch)
+
+
+def gpt_output_loss_terms(output: Tensor | tuple[Tensor, MTPLosses], batch: dict[str, Tensor]):
+    """(sum of the per-token loss × loss mask, tokens) of the model's (or last stage's)
+    output; with multi-token prediction also {"mtp_k loss": depth k's masked mean}, logged
+    as Megatron logs them.
+
+    Megatron adds factor/D × Σ_k (depth k's mean) to each micro-batch's loss; here that
+    term rides on the loss sum with value 0 and gradient factor/D × tokens × Σ_k ∇mean_k,
+    which the trainer's normalisation turns into Megatron's gradient both ways: / tokens
+    / micro-batches by default, and × (tokens / global tokens) with
+    --calculate-per-token-loss (core_v0.19.0's `process_mtp_loss`). The logged values are
+    detached: adding them changes no gradient."""
+    losses, mtp = output if isinstance(output, tuple) else (output, None)
     mask = batch["loss_mask"].float()
-    return (losses.float() * mask).sum(), mask.sum()
+    loss_sum, tokens = (losses.float() * mask).sum(), mask.sum()
+    if mtp is None:
+        return loss_sum, tokens
+    means = mtp.depth_means(mask)
+    weight = mtp.scaling_factor / len(means)
+    for mean in means:
+        loss_sum = loss_sum + weight * tokens * (mean - mean.detach())
+    return loss_sum, tokens, {f"mtp_{k + 1} loss": m.detach() for k, m in enumerate(means)}
+
+
+def gpt_stage_forward(chunk: nn.Module, received: Tensor | None, batch: dict[str, Tensor]):
+    """A GPT chunk's forward: token ids on the first stage, labels on the last, and there
+    the token ids again for a multi-token prediction block to embed them rolled."""
+    inputs = received if received is not None else batch["tokens"]
+    position_ids, attention_mask = batch["position_ids"], batch.get("attention_mask")
+    if not chunk.is_last:
+        return chunk(inputs, position_ids, attention_mask)
+    return chunk(inputs, position_ids, attention_mask, batch["labels"], input_ids=batch["tokens"])
+
+
+def gpt_extra_losses(args: Args) -> tuple[str, ...]:
+    return mtp_loss_names(args.mtp)
+
+
+GPT_PIPELINE_STEPS = PipelineSteps(
+    "tokens", gpt_stage_forward, gpt_output_loss_terms, gpt_extra_losses
+)

@@ -58,7 +58,9 @@ def build_layout(args: Args, env: DistEnv) -> ParallelLayout:
         cp=d.context_parallel_size,
         virtual=virtual,
         sequence_parallel=d.sequence_parallel,
-        tied_embedding=not args.model.untie_embeddings_and_output_weights,
+        # with MTP the last stage holds an embedding copy too (Megatron's embedding group)
+        tied_embedding=not args.model.untie_embeddings_and_output_weights
+        or bool(args.mtp.mtp_num_layers),
         device_type=env.device.type,
         ep=args.moe.expert_model_parallel_size,
         etp=args.moe.expert_tensor_parallel_size,

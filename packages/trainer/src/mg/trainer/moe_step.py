@@ -80,8 +80,10 @@ def finish_step(
         return {}, {}
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     names = logged_losses(config)
-    # per loss: [sum, count] over all layers, then [sum, count] of each layer
-    totals = torch.zeros(len(names), 1 + config.num_layers, 2, dtype=torch.float64)
+    # per loss: [sum, count] over all layers, then [sum, count] of each layer (MTP layers
+    # numbered after the decoder's, as Megatron's tracker counts them)
+    num_layers = config.num_layers + (getattr(config, "mtp_num_layers", None) or 0)
+    totals = torch.zeros(len(names), 1 + num_layers, 2, dtype=torch.float64)
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     for router in routers:
         router.update_expert_bias(dp_group if distributed else None)
@@ -104,7 +106,7 @@ def finish_step(
     layers: dict[str, float] = {}
     if per_layer:  # every layer, as Megatron's tracker holds them: 0 for a dense one
         for i, name in enumerate(names):
-            for number in range(1, config.num_layers + 1):
+            for number in range(1, num_layers + 1):
                 layers[f"moe/{name}_layer_{number - 1}"] = float(mean[i, number])
     return losses, layers
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
-from mg.core.models.mtp import roll_left
+from mg.core.models.mtp import MTPLosses, roll_left
 from mg.core.models.output_head import OutputHead
 from mg.core.models.rope import RotaryEmbedding
 
@@ -145,7 +145,7 @@ class LanguageModelParts(nn.Module):
         position_ids: Tensor,
         attention_mask: Tensor | None,
         labels: Tensor,
-    ) -> Tensor:
+    ) -> MTPLosses:
         """Each MTP depth's per-token cross-entropy [D, b, s] from the decoder's output:
         depth k against the labels rolled left k times (0 where that runs past the end,
         for the rolled loss mask to drop), through the same output head."""
@@ -155,7 +155,7 @@ class LanguageModelParts(nn.Module):
         for depth_hidden in depths:
             labels = roll_left(labels)
             losses.append(self.output_and_loss(depth_hidden, labels))
-        return torch.stack(losses)
+        return MTPLosses(torch.stack(losses), self.config.mtp_loss_scaling_factor)
 
 
 class LanguageModel(LanguageModelParts):
@@ -253,7 +253,7 @@ class LanguageModel(LanguageModelParts):
         labels: Tensor | None = None,
         inference_cache: KVCache | HybridCache | None = None,
         return_mtp: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    ) -> Tensor | tuple[Tensor, MTPLosses]:
         """input_ids [b, s] → logits [b, s, vocab], or, with labels [b, s], the
         per-token cross-entropy [b, s] in fp32 (unreduced, as Megatron returns it:
         the trainer applies the loss mask and averages).
@@ -267,7 +267,7 @@ class LanguageModel(LanguageModelParts):
         from each row's cached state in its slot (attention_mask is not used).
 
         return_mtp, with labels, on a model with multi-token prediction: the pair
-        (per-token loss [b, s], each MTP depth's per-token loss [D, b, s]).
+        (per-token loss [b, s], `MTPLosses`: each depth's per-token loss [D, b, s]).
         """
         b, s = input_ids.shape
         if position_ids is None:

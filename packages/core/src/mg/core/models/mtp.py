@@ -25,6 +25,7 @@ pipeline puts the block on the last stage (mg.core.parallel).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +39,24 @@ def roll_left(tensor: Tensor) -> Tensor:
     rolled = torch.roll(tensor, shifts=-1, dims=-1)
     rolled[..., -1] = 0
     return rolled
+
+
+class MTPLosses(NamedTuple):
+    """What a model with MTP returns beside its per-token loss (`forward(return_mtp=True)`)."""
+
+    per_token: Tensor
+    """Each depth's per-token cross-entropy [D, b, s], unmasked."""
+    scaling_factor: float
+    """The config's `mtp_loss_scaling_factor`: the depths' mean loss is added times this."""
+
+    def depth_means(self, loss_mask: Tensor) -> list[Tensor]:
+        """Each depth's masked mean loss, as Megatron averages it: depth k's mask is the
+        loss mask rolled left k times, the mean is over its tokens (0 where it has none)."""
+        means, mask = [], loss_mask.float()
+        for depth in self.per_token:
+            mask = roll_left(mask)
+            means.append((depth.float() * mask).sum() / mask.sum().clamp(min=1))
+        return means
 
 
 class MultiTokenPredictionLayer(nn.Module):

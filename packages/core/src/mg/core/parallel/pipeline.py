@@ -28,6 +28,7 @@ building it once per rank (build on the meta device and use `to_empty` +
 
 from __future__ import annotations
 
+import copy
 import re
 
 import torch
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from mg.core.models.bert import BertModel
 from mg.core.models.language_model import LanguageModel, LanguageModelParts
+from mg.core.models.mtp import MTPLosses
 from mg.core.parallel.grad_norm import global_grad_norm  # DTensor (tensor-parallel) aware
 from mg.core.parallel.pipeline_bert import BertPipelineChunk
 from mg.core.parallel.pipeline_stage import StageBlock, is_shared_copy, tied_output_copy
@@ -123,13 +125,20 @@ class PipelineChunk(LanguageModelParts):
                 # a placeholder built on meta: its own init would draw from the generator
                 output_layer = nn.Linear(1, 1, bias=False, device="meta")
                 output_layer.weight = tied_output_copy(model.embedding.word_embeddings.weight)
+        mtp = model.mtp if last else None
+        embedding = model.embedding if first else None
+        if mtp is not None and not first:  # the MTP block embeds tokens on the last stage
+            embedding = _last_stage_embedding(model)
+            if model.output_layer is None:  # tied: that copy is the output weight too
+                output_layer = None
         super().__init__(
             model.config,
-            embedding=model.embedding if first else None,
+            embedding=embedding,
             rotary_pos_emb=model.rotary_pos_emb,
             decoder=decoder,
             output_layer=output_layer,
             output_head=model.output_head,
+            mtp=mtp,
         )
         self.layer_offset = start
         self.is_first, self.is_last = first, last
@@ -141,12 +150,38 @@ class PipelineChunk(LanguageModelParts):
         position_ids: Tensor,
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
-    ) -> Tensor:
+        input_ids: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, MTPLosses]:
+        """`input_ids` (the token ids) on the last stage of a model with multi-token
+        prediction: it returns (per-token loss, `MTPLosses`) as the whole model's
+        `forward(return_mtp=True)` does."""
         hidden = self.embedding(input, position_ids) if self.is_first else input
         hidden = self.run_decoder(hidden, position_ids, attention_mask)
         if not self.is_last:
             return hidden
+        if self.mtp is not None and labels is not None and input_ids is not None:
+            mtp = self.mtp_losses(hidden, input_ids, position_ids, attention_mask, labels)
+            return self.output_and_loss(hidden, labels), mtp
         return self.output_and_loss(hidden, labels)
+
+
+def _last_stage_embedding(model: LanguageModel) -> nn.Module:
+    """The last stage's own embedding for its MTP block, as Megatron keeps one there: the
+    model's embedding module (a tensor-parallel one keeps its hooks) on a copy of the word
+    embeddings, whose gradient is summed with the first stage's over the embedding group;
+    with tied embeddings it is the stage's output weight too (Megatron's MTP stage)."""
+    if model.embedding.position_embeddings is not None:
+        raise PipelineConfigError(
+            "multi-token prediction on a later pipeline stage takes rope or no position "
+            "embeddings (Megatron's MTP rule), not learned_absolute"
+        )
+    embedding = copy.copy(model.embedding)  # its modules' own dicts are copied below
+    embedding._modules = dict(embedding._modules)
+    words = copy.copy(model.embedding.word_embeddings)
+    words._parameters = dict(words._parameters)
+    words.weight = tied_output_copy(words.weight)
+    embedding.word_embeddings = words
+    return embedding
 
 
 def split_model(
@@ -171,12 +206,16 @@ def split_model(
 
 def shared_embedding_weight(chunks: list[PipelineChunk]) -> Tensor | None:
     """The tied weight this rank holds (first stage's embedding, last stage's copy), if any."""
-    if chunks[0].config.untie_embeddings_and_output_weights:
+    config = chunks[0].config
+    mtp = bool(getattr(config, "mtp_num_layers", None))
+    if config.untie_embeddings_and_output_weights and not mtp:
         return None
     for chunk in chunks:
         if chunk.is_first and not chunk.is_last:
             return chunk.embedding.word_embeddings.weight
         if chunk.is_last and not chunk.is_first:
+            if chunk.embedding is not None:  # the MTP block's copy (the tied one too)
+                return chunk.embedding.word_embeddings.weight
             return chunk.output_layer.weight
     return None
 
@@ -208,6 +247,8 @@ def global_parameter_name(chunk: PipelineChunk, local_name: str) -> str | None:
     """The whole model's name for a chunk's state-dict key (None: the tied copy, not stored)."""
     if local_name == "output_layer.weight" and is_shared_copy(chunk.output_layer.weight):
         return None
+    if local_name == "embedding.word_embeddings.weight" and not chunk.is_first:
+        return None  # the last stage's copy for its MTP block
     match = _LAYER.match(local_name)
     if match:
         index = int(match.group(2)) + chunk.layer_offset

@@ -241,6 +241,12 @@ def apply_tensor_parallel(
             ),
         )
     layers = [layer for block in blocks for layer in block.layers]
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:  # Megatron's MTP: eh_proj column-parallel with its output gathered,
+        for depth in mtp.layers:  # the transformer layer as a decoder layer
+            gathered = ColwiseParallel(output_layouts=Replicate())
+            parallelize_module(depth.eh_proj, tp_mesh, gathered, src_data_rank=None)
+            layers.append(depth.transformer_layer)
     _fork_tensor_parallel_dropout(model, layers, tp_mesh, sequence_parallel, seed, device)
     for layer in layers:
         _parallelize_layer(

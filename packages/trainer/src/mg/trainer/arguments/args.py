@@ -16,6 +16,7 @@ from mg.trainer.arguments.mamba import MambaArgs
 from mg.trainer.arguments.mla import MLAArgs
 from mg.trainer.arguments.model import ModelArgs
 from mg.trainer.arguments.moe import MoEArgs
+from mg.trainer.arguments.mtp import MTPArgs
 from mg.trainer.arguments.parallel import DistributedArgs
 from mg.trainer.arguments.sft import SFTArgs
 from mg.trainer.arguments.training import TrainingArgs
@@ -41,6 +42,7 @@ class Args:
     fsdp: FullyShardedArgs = field(default_factory=FullyShardedArgs)
     mamba: MambaArgs = field(default_factory=MambaArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
+    mtp: MTPArgs = field(default_factory=MTPArgs)
     # Set by --use-checkpoint-args (mg.trainer.arguments.checkpoint_args), not by flags.
     checkpoint_model_config: dict[str, Any] | None = None
     checkpoint_tokenizer_config: Any = None
@@ -78,4 +80,5 @@ GROUPS: dict[str, type] = {
     "fsdp": FullyShardedArgs,
     "mamba": MambaArgs,
     "moe": MoEArgs,
+    "mtp": MTPArgs,
 }

@@ -28,6 +28,7 @@ from mg.trainer.arguments import (
     mla,
     model,
     moe,
+    mtp,
     parallel,
     sft,
     training,
@@ -54,6 +55,7 @@ FLAG_GROUPS = (
     ("fully sharded data parallel", fsdp.add_fsdp_flags),
     ("mamba and hybrid models (mg-train mamba)", mamba.add_mamba_flags),
     ("mixture of experts", moe.add_moe_flags),
+    ("multi-token prediction (DeepSeek-V3)", mtp.add_mtp_flags),
 )
 
 
@@ -174,6 +176,7 @@ def validate(args: Args) -> None:
     combinations.check_combinations(args)  # the pairs of flags that do not go together
     mamba.check_mamba(args)
     moe.check_moe(args)
+    mtp.check_mtp(args)
     layer_variants.check_layer_variants(args)
     mla.check_mla(args)
     if args.training.dry_run:
