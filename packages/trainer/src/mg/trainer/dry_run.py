@@ -103,6 +103,17 @@ def _moe_lines(args: Args, config: TransformerConfig, est: MemoryEstimate) -> li
     ]
 
 
+def kv_cache_line(config: TransformerConfig, dtype: str) -> str:
+    """The KV cache one token costs at inference: a key and a value per query group and
+    layer (sliding-window layers included: mg-serve's paged cache keeps every block)."""
+    size = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    per_token = 2 * config.num_query_groups * config.kv_channels * config.num_layers * size
+    return (
+        f"KV cache per token: {per_token} bytes in {dtype} ({config.num_layers} layers x 2 x "
+        f"{config.num_query_groups} groups x {config.kv_channels} channels x {size} bytes)"
+    )
+
+
 def _routing(tp: int, etp: int) -> str:
     """Which tokens a rank's router sees, under tensor parallelism."""
     if tp == 1:
@@ -149,6 +160,7 @@ def report(args: Args) -> str:
         f"(meta-device model: {meta / 1e9:.4f} B{'' if meta == est.total_parameters else ' !'})",
         f"number of parameters on the most loaded GPU (stage {stage.stage}): "
         f"{stage.parameters / 1e9:.4f} B",
+        kv_cache_line(config, act_dtype),
         f"FLOPs per iteration: {est.flops_per_iteration:.4E} "
         f"({est.flops_per_iteration / d.world_size:.4E} per GPU)",
         "",

@@ -23,6 +23,7 @@ from mg.indexed_dataset import (
     read_blend_file,
 )
 from mg.trainer.arguments import Args
+from mg.trainer.arguments.gpt_oss import gpt_oss_config
 from mg.trainer.arguments.layer_variants import activation_of, layer_variant_config_fields
 from mg.trainer.arguments.mla import mla_config_fields
 from mg.trainer.arguments.moe import moe_config_fields
@@ -41,7 +42,7 @@ def gpt_config(args: Args, vocab_size: int):
         return TransformerConfig.from_dict(recorded)
     m = args.model
     activation = activation_of(m.swiglu, args.layer_variants)
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -73,6 +74,7 @@ def gpt_config(args: Args, vocab_size: int):
         **mla_config_fields(args.mla),
         **mtp_config_fields(args.mtp),
     )
+    return gpt_oss_config(config, args.gpt_oss)
 
 
 def gpt_model(config, args: Args | None = None) -> nn.Module:

@@ -49,6 +49,7 @@ def num_parameters(
         + (qkv_out if c.add_bias_linear or c.add_qkv_bias else 0)
         + c.query_projection_size * h
         + (h if c.add_bias_linear else 0)  # linear_proj bias
+        + (c.num_attention_heads if c.softmax_type == "learnable" else 0)  # the sinks
     )
     total = norm  # final_layernorm
     for moe in c.moe_layer_pattern:

@@ -275,12 +275,13 @@ def apply_transformer_engine(
                 continue
             attention.linear_qkv = _te_layer_norm_linear(te, attention.linear_qkv, parallel)
             attention.linear_proj = _te_linear(te, attention.linear_proj, parallel)
-            attention.core_attention = build_te_core_attention(
-                config,
-                layer.layer_number,
-                causal=getattr(attention.core_attention, "causal", True),
-                parallel=parallel,
-            )
+            if not config.extra.get("export_force_local_attention"):  # else SDPA's, sinks
+                attention.core_attention = build_te_core_attention(
+                    config,
+                    layer.layer_number,
+                    causal=getattr(attention.core_attention, "causal", True),
+                    parallel=parallel,
+                )
             if isinstance(getattr(mlp, "linear_fc1", None), LayerNormLinear):  # not MoE's experts
                 mlp.linear_fc1 = _te_layer_norm_linear(te, mlp.linear_fc1, parallel)
                 mlp.linear_fc2 = _te_linear(te, mlp.linear_fc2, parallel)

@@ -9,6 +9,7 @@ from typing import Any
 from mg.trainer.arguments.checkpointing import CheckpointArgs
 from mg.trainer.arguments.data import DataArgs
 from mg.trainer.arguments.fsdp import FullyShardedArgs
+from mg.trainer.arguments.gpt_oss import GptOssArgs
 from mg.trainer.arguments.layer_variants import LayerVariantArgs
 from mg.trainer.arguments.learning_rate import OptimizerArgs
 from mg.trainer.arguments.logging import LoggingArgs
@@ -30,6 +31,7 @@ class Args:
     family: str
     model: ModelArgs = field(default_factory=ModelArgs)
     layer_variants: LayerVariantArgs = field(default_factory=LayerVariantArgs)
+    gpt_oss: GptOssArgs = field(default_factory=GptOssArgs)
     mla: MLAArgs = field(default_factory=MLAArgs)
     transformer_engine: TransformerEngineArgs = field(default_factory=TransformerEngineArgs)
     data: DataArgs = field(default_factory=DataArgs)
@@ -68,6 +70,7 @@ class Args:
 GROUPS: dict[str, type] = {
     "model": ModelArgs,
     "layer_variants": LayerVariantArgs,
+    "gpt_oss": GptOssArgs,
     "mla": MLAArgs,
     "transformer_engine": TransformerEngineArgs,
     "data": DataArgs,

@@ -21,6 +21,7 @@ from mg.trainer.arguments import (
     combinations,
     data,
     fsdp,
+    gpt_oss,
     layer_variants,
     learning_rate,
     logging,
@@ -43,6 +44,7 @@ FAMILIES = ("gpt", "bert", "t5", "mamba")
 FLAG_GROUPS = (
     ("model", model.add_model_flags),
     ("layer variants: sliding window, Gemma 3", layer_variants.add_layer_variant_flags),
+    ("gpt-oss: attention sinks, clamped SwiGLU, its kernel flags", gpt_oss.add_gpt_oss_flags),
     ("multi-latent attention and YaRN RoPE", mla.add_mla_flags),
     ("transformer engine and attention kernels", transformer_engine.add_transformer_engine_flags),
     ("data and tokenizer", data.add_data_flags),
@@ -178,6 +180,7 @@ def validate(args: Args) -> None:
     moe.check_moe(args)
     mtp.check_mtp(args)
     layer_variants.check_layer_variants(args)
+    gpt_oss.check_gpt_oss(args)
     mla.check_mla(args)
     if args.training.dry_run:
         parallel.check_dry_run_layout(args)
