@@ -1,7 +1,8 @@
 """The HF architectures mg-convert reads and writes: core's GPT-family tables plus
 Mamba-2 and Nemotron-H.
 
-`hf_mapping` holds the GPT family (GPT-2, Llama, Mistral, Qwen, BERT);
+`hf_mapping` holds the GPT family (GPT-2, Llama, Mistral, Qwen, BERT, Gemma 3, and
+gpt-oss with its stacked and MXFP4 experts through `mg.core.models.gpt_oss_hf`);
 `Mamba2ForCausalLM` and `NemotronHForCausalLM` live beside their model in
 `mg.core.models.mamba.hf` (same table form, their own config mappings; Nemotron-H's
 table depends on the layer pattern, so it is built from the config). These

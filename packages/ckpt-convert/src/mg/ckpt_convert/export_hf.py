@@ -66,6 +66,8 @@ def guess_architecture(config: TransformerConfig, names: list[str] | tuple[str, 
         return "gpt2"
     if config.sandwich_norms:  # Gemma 3's layer (mg-train gpt --sandwich-norms ...)
         return "gemma3_text"
+    if config.softmax_type == "learnable":  # gpt-oss's attention sinks (--softmax-type)
+        return "gpt_oss"
     if config.num_moe_experts is not None:  # the MoE family whose attention this is
         if config.add_qkv_bias or config.moe_shared_expert_intermediate_size:
             return "qwen2_moe"

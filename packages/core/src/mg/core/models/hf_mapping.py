@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,14 @@ from mg.core.models.gemma3_hf import (
     GEMMA3_TYPE,
     gemma3_config_from_hf,
     gemma3_config_to_hf,
+)
+from mg.core.models.gpt_oss_hf import (
+    GPT_OSS_CLASS,
+    GPT_OSS_TYPE,
+    gpt_oss_config_from_hf,
+    gpt_oss_config_to_hf,
+    pack_experts,
+    unpack_experts,
 )
 from mg.core.models.te_spec import te_spec_name
 
@@ -73,6 +81,10 @@ class HFArchitecture:
     zero_centered_norms: bool = False
     """HF stores the norms as gamma - 1 itself (Gemma's x·(1 + w)), as Megatron's
     `--apply-layernorm-1p` does: the norm weights are copied without the +1."""
+    unpack_hf: Callable[[dict[str, Tensor], TransformerConfig], dict[str, Tensor]] | None = None
+    """HF tensors → the names the rules read, before them (gpt-oss's stacked experts)."""
+    pack_hf: Callable[[dict[str, Tensor], TransformerConfig], dict[str, Tensor]] | None = None
+    """The rules' HF tensors → the file's, after them (the inverse of `unpack_hf`)."""
 
 
 def _rule(megatron: str, *hf: str, layout: str = "copy", transpose: bool = False) -> WeightRule:
@@ -302,11 +314,53 @@ QWEN2_MOE = dataclasses.replace(
     ),
 )
 
+# gpt-oss: Llama's attention with biases and per-head sinks, a biased router, biased
+# experts; the experts read through per-expert names (see mg.core.models.gpt_oss_hf).
+GPT_OSS = HFArchitecture(
+    model_type=GPT_OSS_TYPE,
+    hf_class=GPT_OSS_CLASS,
+    base_model_prefix="model.",
+    unpack_hf=unpack_experts,
+    pack_hf=pack_experts,
+    rules=(
+        *_DENSE_ATTENTION,
+        _rule(_L + "self_attention.core_attention.softmax_offset", _H + "self_attn.sinks"),
+        _rule(_L + "mlp.router.weight", _H + "mlp.router.weight"),
+        _rule(_L + "mlp.router.bias", _H + "mlp.router.bias"),
+        *(
+            rule
+            for part in ("weight", "bias")
+            for rule in (
+                _rule(
+                    _EXPERT + f"linear_fc1.{part}",
+                    _H + f"mlp.experts.{{e}}.gate_proj.{part}",
+                    _H + f"mlp.experts.{{e}}.up_proj.{part}",
+                    layout="gate_up",
+                ),
+                _rule(_EXPERT + f"linear_fc2.{part}", _H + f"mlp.experts.{{e}}.down_proj.{part}"),
+            )
+        ),
+    ),
+    ignored_hf=(r"\.rotary_emb\.",),
+)
+
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {}
 
 ARCHITECTURES: dict[str, HFArchitecture] = {
     a.model_type: a
-    for a in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN3_MOE, QWEN2_MOE, BERT, GEMMA3)
+    for a in (
+        GPT2,
+        LLAMA,
+        MISTRAL,
+        QWEN2,
+        QWEN3,
+        MIXTRAL,
+        QWEN3_MOE,
+        QWEN2_MOE,
+        BERT,
+        GEMMA3,
+        GPT_OSS,
+    )
 }
 
 
@@ -431,6 +485,8 @@ def hf_to_megatron(
             name if name.startswith(arch.head_prefixes) else prefix + name: tensor
             for name, tensor in hf_state.items()
         }
+    if arch.unpack_hf is not None:
+        hf_state = arch.unpack_hf(dict(hf_state), config)
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     for megatron_name, hf_names, rule in _expanded_rules(arch, config):
@@ -492,7 +548,7 @@ def megatron_to_hf(
             f"{len(leftover)} Megatron tensors have no HF counterpart for model_type "
             f"{arch.model_type!r}: {leftover[:8]}"
         )
-    return out
+    return out if arch.pack_hf is None else arch.pack_hf(out, config)
 
 
 # Configs -------------------------------------------------------------------------
@@ -620,6 +676,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
         model_type = base
     elif model_type == GEMMA3_TYPE:
         fields = gemma3_config_from_hf(c)
+    elif model_type == GPT_OSS_TYPE:
+        fields = gpt_oss_config_from_hf(c)
     else:
         raise ValueError(
             f"no HF mapping for model_type {model_type!r}; known: {sorted(ARCHITECTURES)}"
@@ -714,6 +772,8 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
     something that HF architecture cannot express."""
     arch = get_architecture(arch)
     c = config
+    if arch.model_type == GPT_OSS_TYPE:  # its MoE and layer variants are its own
+        return gpt_oss_config_to_hf(c)
     moe = _moe_config_to_hf(c, arch.model_type)
     base = _MOE_BASE.get(arch.model_type, arch.model_type)
     common = dict(
@@ -814,6 +874,10 @@ def _layer_variants(c: TransformerConfig) -> list[str]:
     names += [
         name for name in ("sandwich_norms", "scale_embeddings_by_sqrt_hidden") if getattr(c, name)
     ]
+    # gpt-oss's pieces, which only GptOssForCausalLM expresses
+    names += ["softmax_type"] if c.softmax_type != "vanilla" else []
+    names += ["glu_linear_offset"] if c.glu_linear_offset else []
+    names += ["activation_func_clamp_value"] if c.activation_func_clamp_value is not None else []
     return names
 
 
