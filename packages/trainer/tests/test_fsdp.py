@@ -154,10 +154,6 @@ def test_dp4_each_strategy_tp_and_hsdp_match_one_process(tmp_path, mock_argv, tr
             "--use-torch-fsdp2 is not supported with --use-distributed-optimizer",
         ),
         (
-            [*FSDP, "--expert-model-parallel-size", "2", "--num-experts", "4", "--load", "ckpt"],
-            "--expert-model-parallel-size > 1\\) and --save / --load is not supported yet",
-        ),
-        (
             [*FSDP, "--megatron-fsdp-main-params-dtype", "bf16"],
             "--megatron-fsdp-main-params-dtype bf16",
         ),
@@ -221,6 +217,29 @@ def test_torch_fsdp2_saves_and_resumes_torch_dist(tmp_path, mock_argv, train) ->
     plain = train([*argv, "--load", ckpt, "--ckpt-step", "4"])
     _assert_close(whole["losses"][4:], plain.losses, LOSS_RTOL)
     _assert_close(whole["grad_norms"][4:], plain.grad_norms, NORM_RTOL)
+
+
+@pytest.mark.slow
+def test_fsdp_with_expert_parallelism_resumes_and_loads_in_one_process(
+    tmp_path, mock_argv, train
+) -> None:
+    """DP=4 ZeRO-3 with EP=2 (4 experts: each rank keeps 2, sharded over its expert
+    data-parallel pair) saves fsdp_dtensor at iteration 3 with the experts under their
+    global numbers: the same layout resumes bit for bit, and one process (every expert,
+    no FSDP) loads it and continues as the uninterrupted run."""
+    argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=16, iters=6)
+    argv += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
+    ckpt = str(tmp_path / "ckpt")
+    ep = [*argv, *_strategy("optim_grads_params"), "--expert-model-parallel-size", "2"]
+    saving = [*ep, "--save", ckpt, "--save-interval", "3"]
+    whole, resumed = _run_ranks(
+        [saving, [*ep, "--load", ckpt, "--ckpt-step", "3"]], 4, tmp_path / "four.json"
+    )
+    assert resumed["losses"] == whole["losses"][3:]
+    assert resumed["grad_norms"] == whole["grad_norms"][3:]
+    one = train([*argv, "--load", ckpt, "--ckpt-step", "3"])
+    _assert_close(whole["losses"][3:], one.losses, LOSS_RTOL)
+    _assert_close(whole["grad_norms"][3:], one.grad_norms, NORM_RTOL)
 
 
 def test_dry_run_plans_each_strategy(tmp_path, mock_argv) -> None:

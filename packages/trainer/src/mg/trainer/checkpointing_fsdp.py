@@ -41,6 +41,12 @@ from mg.core.checkpoint.fsdp_dtensor import (
     writable,
 )
 from mg.core.checkpoint.layout import CheckpointError
+from mg.core.models.moe.expert_names import (
+    global_expert_names,
+    inverse,
+    rename_keys,
+    rename_optimizer_state,
+)
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.fully_sharded_optimizer import FullyShardedOptimizer
 from mg.trainer import distributed
@@ -64,6 +70,16 @@ def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
             "--use-distributed-optimizer"
         )
     return optimizer
+
+
+def _renamed(state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """`sharded_state`'s dict with the routed experts' keys renamed where `names` says (the
+    tensors are the same objects): under expert parallelism each rank names its experts
+    from 0, the checkpoint by their number in the whole layer."""
+    renamed = {**state, "model": rename_keys(state["model"], names)}
+    if "optimizer" in state:
+        renamed["optimizer"] = rename_optimizer_state(state["optimizer"], names)
+    return renamed
 
 
 def _check_model(model: nn.Module) -> None:
@@ -94,6 +110,7 @@ def save(
     model = distributed.unwrap(model)
     _check_model(model)
     sharded = sharded_state(model, _torch_optimizer(optimizer) if save_optim else None)
+    sharded = _renamed(sharded, global_expert_names(model))
     common = {
         FORMAT_KEY: FSDP_DTENSOR,
         **common_state(
@@ -135,11 +152,12 @@ def resume(
     finetune = finetune or iteration == RELEASE
     want_optim = load_optim and not finetune
     inner = _torch_optimizer(optimizer) if want_optim else None
-    sharded = sharded_state(model, inner)
+    experts = global_expert_names(model)
+    sharded = _renamed(sharded_state(model, inner), experts)
     ready = writable(sharded)  # views: the load fills `sharded`'s tensors
     common = load_dist_checkpoint(folder, ready, allow_pickle=True)
     copy_objects(ready, sharded)
-    load_sharded_state(model, inner, sharded)
+    load_sharded_state(model, inner, _renamed(sharded, inverse(experts)))
     if want_optim:
         scheduler.load_state_dict(common["opt_param_scheduler"])
         if "grad_scaler" in common:

@@ -285,13 +285,6 @@ CONFLICTS: tuple[Conflict, ...] = (
         "parallelism",
     ),
     _fsdp_not_yet(
-        "--expert-model-parallel-size",
-        lambda a: (
-            a.moe.expert_model_parallel_size > 1 and bool(a.checkpoint.save or a.checkpoint.load)
-        ),
-        "expert parallelism (--expert-model-parallel-size > 1) and --save / --load",
-    ),
-    _fsdp_not_yet(
         "--transformer-impl",
         lambda a: a.transformer_engine.transformer_impl == "transformer_engine",
         "--transformer-impl transformer_engine",
