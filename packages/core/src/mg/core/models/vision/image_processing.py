@@ -63,12 +63,15 @@ class ImageTransform:
         return cls(img_h, img_w, min(img_h, img_w), CLIP_MEAN, CLIP_STD)
 
 
-def open_rgb(source: str | Path | Any, name: str | None = None) -> Image:
+def open_rgb(
+    source: str | Path | Any, name: str | None = None, max_pixels: int | None = None
+) -> Image:
     """Open an image (path or binary file object) as 8-bit RGB, decoded in full.
 
     Refused by name, as `BadImageError`: a missing, empty, truncated or undecodable
     file, a zero-size image, and modes that an RGB conversion would silently change
-    (CMYK colours, an alpha channel, 16/32-bit or float samples). Greyscale (L) and
+    (CMYK colours, an alpha channel, 16/32-bit or float samples), and, with
+    `max_pixels`, an image of more pixels (checked before decoding). Greyscale (L) and
     palette images without transparency are converted to RGB, as CLIP's processor does.
     """
     from PIL import Image, UnidentifiedImageError  # lazy: Pillow only where images are read
@@ -76,6 +79,12 @@ def open_rgb(source: str | Path | Any, name: str | None = None) -> Image:
     label = name or str(source)
     try:
         with Image.open(source) as image:
+            pixels = image.width * image.height
+            if max_pixels is not None and pixels > max_pixels:
+                raise BadImageError(
+                    f"{label}: {image.width} × {image.height} = {pixels} pixels is more "
+                    f"than the limit of {max_pixels}"
+                )
             image.load()  # decode now: a truncated file fails here, not mid-training
             mode = image.mode
             if image.width == 0 or image.height == 0:
@@ -93,6 +102,8 @@ def open_rgb(source: str | Path | Any, name: str | None = None) -> Image:
         raise BadImageError(f"{label}: no such file") from None
     except UnidentifiedImageError:
         raise BadImageError(f"{label}: not an image Pillow can read") from None
+    except Image.DecompressionBombError as err:
+        raise BadImageError(f"{label}: {err}") from None
     except (OSError, SyntaxError, ValueError) as err:
         if isinstance(err, BadImageError):
             raise
