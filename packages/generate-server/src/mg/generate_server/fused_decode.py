@@ -195,6 +195,10 @@ def llama_shape_unsupported(
         return "its MLP is not SwiGLU"
     if config.qk_layernorm:
         return "it norms queries and keys (--qk-layernorm)"
+    if config.softmax_type != "vanilla":
+        return f"its attention has sinks (--softmax-type {config.softmax_type})"
+    if config.glu_linear_offset or config.activation_func_clamp_value is not None:
+        return "its SwiGLU is clamped or offset (gpt-oss's)"
     rot = config.rotary_dim
     if rot > config.kv_channels or rot % 2:
         return "its RoPE covers an unusual part of each head"

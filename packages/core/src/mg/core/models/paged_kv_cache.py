@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mg.core.models.core_attention import causal_mask, sink_attention, sink_logits
 from mg.core.models.paged_attention_cpu import DecodeKernel, decode_kernel
 
 GATHERED = "SDPA over gathered blocks"
@@ -160,6 +161,7 @@ class PagedKVCache:
         fp8: bool = False,
         layer_windows: Sequence[tuple[int, int] | None] | None = None,
         softmax_scale: float | None = None,
+        layer_sinks: Sequence[Tensor | None] | None = None,
     ) -> None:
         device = torch.device(device or "cpu")
         shape = (num_layers, num_blocks, block_size, num_groups, head_dim)
@@ -180,6 +182,8 @@ class PagedKVCache:
         self.layer_windows = list(layer_windows or [window_size] * num_layers)
         self._windows = list(dict.fromkeys(self.layer_windows))
         self.softmax_scale = softmax_scale
+        # per layer, the attention-sink logits [heads] (gpt-oss) or None
+        self.layer_sinks = list(layer_sinks or [None] * num_layers)
         self.device = device
         self.decode_kernel: DecodeKernel | None = None
         """Decode rows' attention read in place (`use_cpu_decode_kernel`); None: SDPA over
@@ -192,6 +196,8 @@ class PagedKVCache:
         runs, for the log."""
         if self.device.type != "cpu" or self.fp8:
             return GATHERED
+        if any(sinks is not None for sinks in self.layer_sinks):
+            return f"{GATHERED}: the CPU kernel has no attention sinks"
         groups, d = self.keys.shape[3], self.keys.shape[4]
         kernel, what = decode_kernel(self.keys.dtype, groups, self.num_heads, d, self.block_size)
         self.decode_kernel = kernel
@@ -244,6 +250,12 @@ class PagedKVCache:
             fp8=fp8,
             layer_windows=windows,
             softmax_scale=getattr(config, "softmax_scale", None),
+            layer_sinks=[
+                sink_logits(layer.self_attention.core_attention, attention.num_heads, weight.device)
+                if hasattr(layer.self_attention, "core_attention")
+                else None
+                for layer in layers
+            ],
         )
 
     def bind(self, segments: Sequence[PagedSegment]) -> None:
@@ -392,9 +404,14 @@ class PagedKVCache:
             if mask is None:
                 k, v = k[:length], v[:length]
             k, v = (x.transpose(0, 1)[None] for x in (k, v))
-            context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
-            )
+            sinks = self.layer_sinks[layer_index]
+            if sinks is not None:  # one more logit per head (gpt-oss), an explicit mask
+                allowed = mask if mask is not None else causal_mask(length, None, q.device)
+                context = sink_attention(q, k, v, allowed, sinks, scale)
+            else:
+                context = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+                )
             out[p.start : p.start + p.length] = context[0].transpose(0, 1)
         return out.view(1, t, heads * d)
 
@@ -432,9 +449,15 @@ class PagedKVCache:
         k, v = self._read(layer_index, self._decode_tables, q.dtype)
         k = k.view(n, -1, groups, d).transpose(1, 2)
         v = v.view(n, -1, groups, d).transpose(1, 2)
-        context = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self._bias(q.dtype, window_size), scale=scale
-        )
+        bias = self._bias(q.dtype, window_size)
+        sinks = self.layer_sinks[layer_index]
+        if sinks is not None:  # a zero key/value whose bias is each head's sink logit
+            zeros = k.new_zeros(n, groups, 1, d)
+            k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros.to(v.dtype)], dim=2)
+            per_head = sinks.to(q.dtype).view(1, groups, heads // groups, 1)
+            bias = bias.expand(n, groups, heads // groups, bias.shape[-1])
+            bias = torch.cat([bias, per_head.expand(n, -1, -1, 1)], dim=-1)
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
         return context.reshape(n, heads, d)
 
     def _bias(self, dtype: torch.dtype, window: tuple[int, int] | None) -> Tensor:
