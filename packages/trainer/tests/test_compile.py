@@ -48,7 +48,8 @@ def test_compiled_layers_train_like_eager(tmp_path: Path, mock_argv, train) -> N
 
 @pytest.mark.slow
 def test_compiled_layers_with_parallelism_match_eager(tmp_path: Path, mock_argv, train) -> None:
-    """2 ranks: DP=2, TP=2 + SP, PP=2 (compiled) against one eager process."""
+    """2 ranks: DP=2, TP=2 + SP, PP=2 and FSDP ZeRO-3 (compiled layers, then sharded as
+    torchtitan does) against one eager process."""
     argv = mock_argv(
         tmp_path, *FLAGS, "--make-vocab-size-divisible-by", "64", mbs=2, gbs=4, iters=10
     )
@@ -57,6 +58,8 @@ def test_compiled_layers_with_parallelism_match_eager(tmp_path: Path, mock_argv,
         "dp2": [],
         "tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         "pp2": ["--pipeline-model-parallel-size", "2"],
+        "fsdp": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+        + ["--data-parallel-sharding-strategy", "optim_grads_params"],
     }
     out = tmp_path / "runs.json"
     argvs = [[*argv, "--torch-compile", *c] for c in configs.values()]

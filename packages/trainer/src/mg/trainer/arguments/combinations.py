@@ -289,7 +289,6 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda a: a.transformer_engine.transformer_impl == "transformer_engine",
         "--transformer-impl transformer_engine",
     ),
-    _fsdp_not_yet("--torch-compile", lambda a: a.training.torch_compile, "--torch-compile"),
     _fsdp_not_yet("mg-train bert", lambda a: a.family in ("bert", "t5"), "mg-train bert or t5"),
     # --- model ----------------------------------------------------------------------------
     Conflict(
