@@ -2,7 +2,7 @@
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
 
-# where the demo writes its corpus, dataset and (later) checkpoints
+# where the demos write their data and checkpoints (demo-scratch: its scratch/ folder)
 demo_dir := env_var_or_default("MG_DEMO_DIR", "demo-output")
 
 # list the recipes
@@ -30,8 +30,19 @@ lint: setup
 fixtures *names: setup
     exec uv run --frozen python -m mg.core.fixtures fetch {{names}}
 
-# the whole workflow on a small real corpus: corpus -> tokenizer -> dataset -> tiny GPT -> evaluation -> int8 quantization -> Hugging Face export -> server
-demo: setup
+# a real pretrained model: SmolLM2-135M-Instruct's GGUF -> mg checkpoint -> perplexity -> answers -> SFT -> perplexity -> int8 -> perplexity -> answers (summary.md); add --dry-run to print the commands
+demo *args: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    # die with just, even on its kill -9, and each step's tool with the driver (bin/_launch)
+    if [ -z "${MG_DIE_WITH_PARENT:-}" ] && command -v setpriv > /dev/null 2>&1; then
+        export MG_DIE_WITH_PARENT=1
+        exec setpriv --pdeathsig KILL -- bash "$0" "$@"
+    fi
+    exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/demo/run_demo.py --output-dir "{{demo_dir}}" {{args}}
+
+# the from-scratch workflow on a small real corpus: corpus -> tokenizer -> dataset -> tiny GPT -> evaluation -> int8 quantization -> Hugging Face export -> server
+demo-scratch: setup
     #!/usr/bin/env bash
     set -euo pipefail
     # die with just, even on its kill -9, and each step's tool with this shell (bin/_launch)
@@ -40,7 +51,7 @@ demo: setup
         exec setpriv --pdeathsig KILL -- bash "$0" "$@"
     fi
     start=$SECONDS
-    d="{{demo_dir}}"
+    d="{{demo_dir}}/scratch"
     tokenizer=(--tokenizer-type GPT2BPETokenizer --vocab-file "$d/tokenizer/vocab.json" --merge-file "$d/tokenizer/merges.txt")
     echo "== 1. corpus: Botchan, six Shakespeare plays and 10 Wikipedia pages as loose JSON"
     uv run --frozen python workflows/demo/make_corpus.py --output "$d/corpus.jsonl"
@@ -105,7 +116,7 @@ demo: setup
     echo "== done in $((SECONDS - start)) s: loss plot $d/loss.png, summary $d/summary.md, checkpoint $d/ckpt, int8 checkpoint $d/ckpt-int8, HF model $d/hf, eval report $d/report.jsonl, server log $d/serve.log"
 
 # serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
-serve load="demo-output/ckpt" *args: setup
+serve load="demo-output/smollm2-sft-int8" *args: setup
     exec bin/mg-serve --load {{load}} {{args}}
 
 # tokenize a JSONL corpus into an indexed dataset (any `mg-prep tokenize` flags)

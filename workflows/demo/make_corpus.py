@@ -59,17 +59,25 @@ def main() -> None:
         "--wikipedia-pages", type=int, default=10, help="how many pages of the 106 (default: 10)"
     )
     parser.add_argument("--seed", type=int, default=1234, help="of the document order")
+    parser.add_argument(
+        "--sources",
+        nargs="+",
+        choices=["botchan", "shakespeare", "wikipedia"],
+        default=["botchan", "shakespeare", "wikipedia"],
+        help="which texts (default: all three)",
+    )
     args = parser.parse_args()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_suffix(args.output.suffix + ".tmp")
     documents = [
         {"text": text, "source": source}
         for source, texts in (
-            ("botchan", botchan_passages()),
-            ("shakespeare", shakespeare_scenes()),
-            ("wikipedia", wikipedia_pages(args.wikipedia_pages)),
+            ("botchan", botchan_passages),
+            ("shakespeare", shakespeare_scenes),
+            ("wikipedia", lambda: wikipedia_pages(args.wikipedia_pages)),
         )
-        for text in texts
+        if source in args.sources
+        for text in texts()
     ]
     random.Random(args.seed).shuffle(documents)
     with tmp.open("w", encoding="utf-8") as out:

@@ -30,7 +30,7 @@ TRAIN = re.compile(
     r".*?\(TFLOP/s/GPU\): ([\d.]+) \|(?: MFU: ([\d.]+)% \|)?.*?global batch size: +(\d+) \|"
     r".*? lm loss: ([\d.E+-]+) \|"
 )
-VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+)")
+VALID = re.compile(r"validation loss at iteration (\d+)[^|]*\| lm loss value: ([\d.E+-]+)")
 # which validation samples the line scored (mg-train names them; mg-eval ppl scores others)
 VALID_SAMPLES = re.compile(r"\| samples: (\d+)-(\d+) of the (\d+) built from the validation split")
 
