@@ -186,6 +186,7 @@ def check_gpt_oss(args: Args) -> None:
                 "kernels take no sink logit; use auto, fused, unfused or local"
             )
     if g.disable_bf16_reduced_precision_matmul:
+        # lazy: the argument modules stay light for `mg-train --help`
         import torch
 
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
