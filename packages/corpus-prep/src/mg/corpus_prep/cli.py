@@ -30,6 +30,7 @@ SUBCOMMANDS: dict[str, str] = {
     "refresh": "refresh_flags",
     "sft": "sft_flags",
     "wikipedia": "wikipedia_flags",
+    "retro": "retro_flags",
     "vlm": "vlm_flags",
 }
 
