@@ -194,3 +194,37 @@ def test_against_megatron_core_mtp(megatron, shape):
         worst = max(worst, (param.grad - expected_grads[name]).abs().max().item())
     assert any(n.startswith("mtp.") for n in expected_grads)
     print(f"{shape}: max |grad diff| = {worst:.3g}")
+
+
+@pytest.mark.compat
+def test_torch_dist_keys_match_megatron_core(megatron):
+    """Every parameter's `torch_dist` key (`megatron_sharded_key`) is the one megatron-core's
+    `sharded_state_dict` writes: an MTP depth's layer keyed by depth with no layer axis, its
+    norms under the fused names, the decoder's layers stacked as before."""
+    import torch.distributed as dist
+
+    from mg.core.checkpoint.megatron_sharded_keys import key_layout, megatron_sharded_key
+
+    config = tiny("llama")
+    sharded = megatron_mtp_model(config).sharded_state_dict(
+        metadata={"dp_cp_group": dist.group.WORLD}
+    )
+    theirs = {}
+    for name, entry in sharded.items():
+        if not name.endswith("_extra_state"):
+            built = entry.build() if hasattr(entry, "build") else [entry]
+            theirs[name] = list(built.values()) if isinstance(built, dict) else list(built)
+    ours = dict(GPTModel(config).named_parameters())
+    assert set(ours) == set(theirs)
+    layout = key_layout(config)
+    checked = 0
+    for name, param in ours.items():
+        mapped = megatron_sharded_key(name, layout)
+        for entry in theirs[name]:
+            assert entry.key == mapped.key, name
+            assert entry.prepend_axis_num == mapped.prepend_axis_num, name
+            assert entry.global_shape[mapped.prepend_axis_num :] == tuple(param.shape), name
+            checked += name.startswith("mtp.")
+    assert checked >= 2 * 8
+    key = megatron_sharded_key("mtp.layers.1.transformer_layer.input_layernorm.weight", layout)
+    assert key.key == "mtp.layers.1.transformer_layer.self_attention.linear_qkv.layer_norm_weight"

@@ -34,6 +34,9 @@ from mg.core.models.config import TransformerConfig
 from mg.core.models.mamba.config import MambaConfig
 
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")
+# a multi-token prediction depth's transformer layer: keyed by its depth, no layer axis
+# (Megatron-Core's MultiTokenPredictionBlock.sharded_state_dict), norms as a layer's
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
 
 # Megatron's local spec (`get_gpt_layer_local_spec`): `sharded_state_dict_keys_map`; a
 # Mamba layer's norm is fused into its mixer's in_proj as Megatron-LM's TE spec has it.
@@ -161,9 +164,13 @@ def megatron_sharded_key(name: str, layout: KeyLayout) -> ShardedKey:
     if layout.tied_output and name == "output_layer.weight":
         return ShardedKey("embedding.word_embeddings.weight")
     match = _LAYER.match(name)
-    if match is None:
+    mtp = _MTP_LAYER.match(name) if match is None else None
+    if match is None and mtp is None:
         return ShardedKey(name)
-    block, layer, rest = match.group(1), int(match.group(2)), match.group(3)
+    if mtp is not None:
+        block, layer, rest = mtp.group(1), None, mtp.group(2)
+    else:
+        block, layer, rest = match.group(1), int(match.group(2)), match.group(3)
     for ours, theirs in FUSED_NORMS:
         if rest.startswith(ours):
             rest = theirs + rest[len(ours) :]
@@ -178,6 +185,8 @@ def megatron_sharded_key(name: str, layout: KeyLayout) -> ShardedKey:
         else:
             expert, rest = int(routed["num"]), f"{EXPERTS_KEY}{routed['gfc']}.{routed['gkind']}"
     experts = layout.num_experts if expert is not None else None
+    if layer is None:
+        return ShardedKey(f"{block}.{rest}", None, None, expert, experts, splits)
     if layout.layer_keys:
         return ShardedKey(f"{block}.layers.{layer}.{rest}", None, None, expert, experts, splits)
     return ShardedKey(f"{block}.layers.{rest}", layer, layout.num_layers, expert, experts, splits)
