@@ -42,6 +42,7 @@ from mg.trainer.family_gpt import (
 )
 from mg.trainer.family_mamba import mamba_config, mamba_model
 from mg.trainer.family_t5 import t5_config, t5_datasets, t5_loss_terms, t5_model
+from mg.trainer.family_vlm import vlm_config, vlm_datasets, vlm_loss_terms, vlm_model
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ FAMILIES: dict[str, ModelFamily] = {
     "mamba": ModelFamily(
         "mamba", mamba_config, mamba_model, gpt_datasets, gpt_loss_terms, builds_on_meta=True
     ),
+    "vlm": ModelFamily("vlm", vlm_config, vlm_model, vlm_datasets, vlm_loss_terms),
 }
 
 

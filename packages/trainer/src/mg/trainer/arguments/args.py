@@ -22,6 +22,7 @@ from mg.trainer.arguments.parallel import DistributedArgs
 from mg.trainer.arguments.sft import SFTArgs
 from mg.trainer.arguments.training import TrainingArgs
 from mg.trainer.arguments.transformer_engine import TransformerEngineArgs
+from mg.trainer.arguments.vlm import VLMArgs
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Args:
     mamba: MambaArgs = field(default_factory=MambaArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
     mtp: MTPArgs = field(default_factory=MTPArgs)
+    vlm: VLMArgs = field(default_factory=VLMArgs)
     # Set by --use-checkpoint-args (mg.trainer.arguments.checkpoint_args), not by flags.
     checkpoint_model_config: dict[str, Any] | None = None
     checkpoint_tokenizer_config: Any = None
@@ -84,4 +86,5 @@ GROUPS: dict[str, type] = {
     "mamba": MambaArgs,
     "moe": MoEArgs,
     "mtp": MTPArgs,
+    "vlm": VLMArgs,
 }

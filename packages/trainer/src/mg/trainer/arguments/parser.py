@@ -34,11 +34,12 @@ from mg.trainer.arguments import (
     sft,
     training,
     transformer_engine,
+    vlm,
 )
 from mg.trainer.arguments.args import GROUPS, Args
 from mg.trainer.arguments.errors import ArgumentError, fail
 
-FAMILIES = ("gpt", "bert", "t5", "mamba")
+FAMILIES = ("gpt", "bert", "t5", "mamba", "vlm")
 
 # Help-section title -> the function that adds that group's flags (Megatron's order).
 FLAG_GROUPS = (
@@ -58,6 +59,7 @@ FLAG_GROUPS = (
     ("mamba and hybrid models (mg-train mamba)", mamba.add_mamba_flags),
     ("mixture of experts", moe.add_moe_flags),
     ("multi-token prediction (DeepSeek-V3)", mtp.add_mtp_flags),
+    ("vision-language models (mg-train vlm)", vlm.add_vlm_flags),
 )
 
 
@@ -179,6 +181,7 @@ def validate(args: Args) -> None:
     mamba.check_mamba(args)
     moe.check_moe(args)
     mtp.check_mtp(args)
+    vlm.check_vlm(args)
     layer_variants.check_layer_variants(args)
     gpt_oss.check_gpt_oss(args)
     mla.check_mla(args)

@@ -64,6 +64,14 @@ class LLaVAConfig:
                 "LLaVAConfig.drop_vision_class_token: a SigLIP tower has no class token to drop"
             )
 
+    def __getattr__(self, name: str) -> Any:
+        """Fields this config lacks are the language model's (`vocab_size`,
+        `num_moe_experts`, ...): the training loop, its logging and the checkpoint
+        tools read a model config, and for those the VLM is its language model."""
+        if name.startswith("__") or name == "language":
+            raise AttributeError(name)
+        return getattr(self.language, name)
+
     @property
     def image_tokens(self) -> int:
         """Rows one image takes in the language model's sequence."""
