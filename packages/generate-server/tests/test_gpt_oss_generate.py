@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from mg.core.models import GPTModel  # noqa: E402
 from mg.core.models.hf_mapping import config_from_hf, hf_to_megatron  # noqa: E402
+from mg.generate_server.batch import generate_batch  # noqa: E402
 from mg.generate_server.engine import GenerationEngine  # noqa: E402
 from mg.generate_server.runner import ModelRunner  # noqa: E402
 from mg.generate_server.sampling import SamplingParams  # noqa: E402
@@ -91,3 +92,55 @@ def test_gpt_oss_greedy_generation_equals_transformers() -> None:
         engine.shutdown()
     generated = [e.choice.token for e in events if e.choice is not None]
     assert generated == expected
+
+
+SCHEDULES = {
+    "default": {},
+    "no-prefix-caching": {"prefix_caching": False},
+    "chunked-prefill": {"max_num_batched_tokens": 7},
+    "preemption": {"num_blocks": 16, "block_size": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def batch() -> tuple[GPTModel, list[list[int]], list[list[int]]]:
+    """Prompts of mixed lengths (two share a prefix longer than the window, one is shorter
+    than it) and transformers' greedy continuation of each alone."""
+    hf, ours = _models()
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(1, VOCAB, (2 * WINDOW,), generator=g).tolist()
+    prompts = [
+        shared + torch.randint(1, VOCAB, (5,), generator=g).tolist(),
+        shared + torch.randint(1, VOCAB, (9,), generator=g).tolist(),
+        torch.randint(1, VOCAB, (WINDOW - 2,), generator=g).tolist(),
+        torch.randint(1, VOCAB, (4 * WINDOW,), generator=g).tolist(),
+    ]
+    expected = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = hf.generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=0
+            )
+            expected.append(out[0, len(ids) :].tolist())
+    return ours, prompts, expected
+
+
+@pytest.mark.slow  # transformers' generate() for four prompts, then four schedules: ~45 s
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@torch.no_grad()
+def test_gpt_oss_continuous_batch_equals_transformers(batch, schedule: str) -> None:
+    """All prompts in one continuous batch, under prefix caching (hit), chunked prefill
+    and preemption by recompute: each prompt's tokens are transformers' alone."""
+    model, prompts, expected = batch
+    options = dict(SCHEDULES[schedule])
+    num_blocks, block_size = options.pop("num_blocks", None), options.pop("block_size", 4)
+    runner = ModelRunner(model, 4, 96, num_blocks=num_blocks, block_size=block_size)
+    engine = GenerationEngine(runner, lambda ids: " ".join(map(str, ids)), VOCAB, **options)
+    try:
+        params = SamplingParams(max_new_tokens=NEW_TOKENS, greedy=True)
+        results = generate_batch(engine, prompts, params)
+        assert [r.tokens for r in results] == expected
+        if schedule == "preemption":
+            assert engine.stats.preemptions > 0
+    finally:
+        engine.shutdown()

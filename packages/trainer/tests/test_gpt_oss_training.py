@@ -149,9 +149,19 @@ def test_gptoss_02_train_sh_dry_run_plan(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow  # two ranks and one process, 10 iterations each: about a minute
-def test_gpt_oss_tensor_parallel_matches_one_process(tmp_path, mock_argv, train):
-    """TP = 2 on two gloo ranks (each rank its heads with their sinks and windows, the
-    experts split, the biased router replicated) equals one process, fp32, 10 iterations."""
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tensor-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        ["--expert-model-parallel-size", "2"],
+    ],
+    ids=["tp2", "tp2-sp", "ep2"],
+)
+def test_gpt_oss_parallel_matches_one_process(tmp_path, mock_argv, train, layout):
+    """TP = 2 (each rank its heads with their sinks and windows, the experts split, the
+    biased router replicated), with sequence parallelism, and EP = 2 (each rank two biased
+    experts) on two gloo ranks equal one process, fp32, 10 iterations."""
     import importlib.util
     from pathlib import Path
 
@@ -161,8 +171,8 @@ def test_gpt_oss_tensor_parallel_matches_one_process(tmp_path, mock_argv, train)
     ddp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ddp)
     base = mock_argv(tmp_path, *GPT_OSS, mbs=2, gbs=4, iters=10)
-    tp2 = [*base, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
-    (two,) = ddp.run_ranks([tp2], 2, tmp_path / "two.json")
+    two_ranks = [*base, *layout, "--make-vocab-size-divisible-by", "64"]
+    (two,) = ddp.run_ranks([two_ranks], 2, tmp_path / "two.json")
     one = train([*base, "--make-vocab-size-divisible-by", "128"])
     assert two["losses"] == pytest.approx(one.losses, rel=1e-5)
     assert one.losses[-1] < one.losses[0]
