@@ -94,10 +94,13 @@ def open_database(
 
 
 def run(args: argparse.Namespace) -> int:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="mg-prep retro: %(message)s", stream=sys.stderr
-        )
+    # progress lines: ours and mg.indexed_dataset's (not Faiss' loader), for this run only
+    progress = logging.getLogger("mg")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("mg-prep retro: %(message)s"))
+    progress.addHandler(handler)
+    level = progress.level
+    progress.setLevel(logging.INFO)
     try:
         return _run(args)
     except (BertCheckpointError, RetroProjectError) as err:
@@ -105,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         logger.info("stopped; finished blocks are kept, the same command resumes")
         raise
+    finally:
+        progress.removeHandler(handler)
+        progress.setLevel(level)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ Faiss is imported only here, when a stage runs.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,11 +44,10 @@ def import_faiss() -> Any:
 
 
 def _faiss_reason(err: Exception) -> str:
-    """Faiss' C++ message (several lines, file and line numbers) cut to its reason."""
+    """Faiss' C++ message (the function, file and line it failed in) cut to its reason."""
     text = " ".join(str(err).split())
-    for marker in ("Error: '", "Error:"):
-        if marker in text:
-            text = text.split(marker, 1)[1]
+    text = re.sub(r"^.*?Error in .*? at \S+:\d+: ", "", text)
+    text = re.sub(r"^.*?Error: '.*?' failed: ", "", text)
     return text.strip(" '")[:200]
 
 
