@@ -348,6 +348,52 @@ def gpt2_bpe_tokenizer_config():
     )
 
 
+REFERENCE_WHEELS: dict[str, tuple[str, str, str, str]] = {
+    # name: (package, version, wheel, sha256 of the wheel)
+    "megatron-core-0.15": (
+        "megatron-core",
+        "0.15.3",
+        "megatron_core-0.15.3-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl",
+        "b025a355e1783c4246997a0b1c24953c6b57f0ff803a99521ed63c7cdb69f067",
+    ),
+}
+"""Whole wheels of reference implementations that the project's lock cannot hold beside
+its own version (megatron-core 0.15, the last with Retro), unpacked for a subprocess
+to put first on its sys.path; never installed."""
+
+
+def unpacked_wheel(name: str) -> Path:
+    """The folder holding the unpacked reference wheel `name` (a sys.path entry),
+    downloaded once, checked against the index's and the pinned sha256."""
+    if name not in REFERENCE_WHEELS:
+        raise FixtureError(
+            f"unknown reference wheel {name!r}; known: {', '.join(REFERENCE_WHEELS)}"
+        )
+    package, version, wheel, pinned = REFERENCE_WHEELS[name]
+    target = cache_dir() / "wheels" / name
+    if (target / ".complete").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"fetching reference wheel {wheel} ...", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}-") as tmp:
+        work = Path(tmp)
+        archive = _download(Fixture(name, package, version, wheel), work)
+        if _sha256(archive) != pinned:
+            raise FixtureError(f"{wheel}: sha256 differs from the pinned {pinned}")
+        staged = work / "site"
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(staged)
+        (staged / ".complete").touch()
+        if target.exists():
+            shutil.rmtree(target)
+        try:
+            staged.rename(target)
+        except OSError:
+            if not target.exists():  # another process may have won the race
+                raise
+    return target
+
+
 def _lookup(name: str) -> Fixture:
     try:
         return FIXTURES[name]
