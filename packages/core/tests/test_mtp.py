@@ -228,3 +228,33 @@ def test_torch_dist_keys_match_megatron_core(megatron):
     assert checked >= 2 * 8
     key = megatron_sharded_key("mtp.layers.1.transformer_layer.input_layernorm.weight", layout)
     assert key.key == "mtp.layers.1.transformer_layer.self_attention.linear_qkv.layer_norm_weight"
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_parameter_count_stage_split_and_flops(moe):
+    """num_parameters and stage_parameters count the MTP block as the built model holds it
+    (the last pipeline stage: the block and its embedding copy); the FLOPs add Megatron's
+    MTP terms, computed here by hand."""
+    from mg.core.models.flops import num_floating_point_operations, num_parameters
+    from mg.core.models.memory import stage_parameters
+    from mg.core.parallel.pipeline import split_model
+
+    extra = dict(num_moe_experts=4, moe_ffn_hidden_size=24, moe_layer_freq=[0, 1]) if moe else {}
+    config = TransformerConfig(**{**tiny("llama").__dict__, **extra})
+    with torch.device("meta"):
+        model = GPTModel(config)
+    assert num_parameters(config) == sum(p.numel() for p in model.parameters())
+    mtp = sum(p.numel() for p in model.mtp.parameters())
+    assert num_parameters(config, include_mtp=False) == num_parameters(config) - mtp
+    chunks = [split_model(model, rank, 2)[0] for rank in range(2)]
+    stages = [sum(p.numel() for p in chunk.parameters()) for chunk in chunks]
+    assert stage_parameters(config, pp=2) == stages
+
+    b, s, h, v, d = 3, config.seq_length, 32, 64, 2
+    plain = TransformerConfig(**{**config.__dict__, "mtp_num_layers": None})
+    q, g, gamma = 1.0, 0.5, 1.5  # kv_channels·heads/h, groups/heads, SwiGLU
+    ffn = 24 * 2 if moe else 48  # the last layer's kind: MoE top-2 × 24, or dense 48
+    layer = 12 * b * s * h * h * ((1 + g + s / (2 * h)) * q + ffn / h * gamma)
+    by_hand = d * layer + 6 * b * s * d * (3 * h + 2 * h * h) + 6 * b * s * h * v * d
+    extra_flops = num_floating_point_operations(config, b) - num_floating_point_operations(plain, b)
+    assert extra_flops == pytest.approx(by_hand, rel=1e-12)

@@ -198,3 +198,25 @@ def test_parallel_equals_one_process(parallel_runs, layout, model):
 
 def _worst(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_dry_run_counts_mtp(tmp_path):
+    """The plan's parameters equal the meta-device model's with the MTP block in it, the
+    MTP share is named, and the FLOPs grow by the block's (flops.py's, tested in core)."""
+    from mg.trainer.dry_run import report
+
+    flags = [*ROPE, "--untie-embeddings-and-output-weights", "--swiglu", "--dry-run"]
+    flags += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+
+    def plan(*extra: str) -> str:
+        return report(parse_args(_mock_argv(tmp_path, *flags, *extra), world_size=8))
+
+    with_mtp, without = plan("--mtp-num-layers", "2"), plan()
+    assert "multi-token prediction: 2 depth(s) on the last stage" in with_mtp
+    params = [x for x in with_mtp.splitlines() if x.startswith("number of parameters:")][0]
+    assert params.split(": ")[1].split(" B")[0] == params.split("model: ")[1].split(" B")[0]
+
+    def flops(text: str) -> float:
+        return float(text.split("FLOPs per iteration: ")[1].split(" ")[0])
+
+    assert flops(with_mtp) > flops(without)

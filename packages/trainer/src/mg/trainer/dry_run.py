@@ -103,6 +103,20 @@ def _moe_lines(args: Args, config: TransformerConfig, est: MemoryEstimate) -> li
     ]
 
 
+def _mtp_lines(config: TransformerConfig) -> list[str]:
+    """The multi-token prediction block's share of the parameters (nothing without one)."""
+    if not config.mtp_num_layers:
+        return []
+    main = num_parameters(config, include_mtp=False)
+    mtp = num_parameters(config) - main
+    return [
+        f"multi-token prediction: {config.mtp_num_layers} depth(s) on the last stage, "
+        f"{mtp / 1e9:.4f} B parameters (main model {main / 1e9:.4f} B), loss scaling "
+        f"factor {config.mtp_loss_scaling_factor}; its layers, norms, eh_proj and logits "
+        "are in the FLOPs"
+    ]
+
+
 def kv_cache_line(config: TransformerConfig, dtype: str) -> str:
     """The KV cache one token costs at inference: a key and a value per query group and
     layer (sliding-window layers included: mg-serve's paged cache keeps every block)."""
@@ -153,6 +167,7 @@ def report(args: Args) -> str:
         f"sequence parallel {'on' if d.sequence_parallel else 'off'}, "
         f"distributed optimizer {'on' if d.use_distributed_optimizer else 'off'}",
         *_moe_lines(args, config, est),
+        *_mtp_lines(config),
         f"batch: micro {t.micro_batch_size}, global {t.global_batch_size}, "
         f"{t.global_batch_size // (t.micro_batch_size * dp)} micro-batches per step, "
         f"{est.in_flight_micro_batches} in flight on the first stage (1F1B)",

@@ -30,7 +30,10 @@ def mlp_parameters(config: TransformerConfig, moe: bool, active: bool = False) -
 
 
 def num_parameters(
-    config: TransformerConfig, include_embeddings: bool = True, active: bool = False
+    config: TransformerConfig,
+    include_embeddings: bool = True,
+    active: bool = False,
+    include_mtp: bool = True,
 ) -> int:
     """Parameters of `GPTModel(config)`; counts a tied output layer once.
 
@@ -38,6 +41,8 @@ def num_parameters(
     the untied output layer (the "non-embedding" count of scaling-law papers).
     active=True counts what one token uses: in MoE layers the router, its top-k
     routed experts and the shared experts instead of every expert.
+    include_mtp=False leaves out the multi-token prediction block (DeepSeek-V3's
+    671B is its main model, 14B of MTP besides).
     """
     c = config
     h = c.hidden_size
@@ -54,6 +59,10 @@ def num_parameters(
     total = norm  # final_layernorm
     for moe in c.moe_layer_pattern:
         total += attention + mlp_parameters(c, moe, active)
+    if include_mtp and c.mtp_num_layers:
+        # each depth: enorm, hnorm, final norm, eh_proj [h, 2h], a layer of the last kind
+        last = attention + mlp_parameters(c, c.moe_layer_pattern[-1], active)
+        total += c.mtp_num_layers * (3 * norm + 2 * h * h + last)
     if include_embeddings:
         total += c.vocab_size * h
         if c.position_embedding_type == "learned_absolute":
@@ -99,6 +108,10 @@ def num_floating_point_operations(
     MoE layers (per `moe_layer_freq`) count F·k as moe_ffn_hidden_size · top-k
     plus the shared experts' width, as Megatron's `num_floating_point_operations`
     does; the router's E·h product is left out, as there.
+
+    Multi-token prediction (`mtp_num_layers` D) counts as Megatron does: D more layers of
+    the last layer's kind, each depth's norms and eh_proj 6·B·s·(3h + 2h²), and D more
+    logits 6·B·s·h·V.
     """
     c = config
     s = seq_length if seq_length is not None else c.seq_length
@@ -111,13 +124,16 @@ def num_floating_point_operations(
     if c.num_moe_experts is not None:
         moe_ffn = c.moe_ffn_hidden_size * c.moe_router_topk
         moe_ffn += c.moe_shared_expert_intermediate_size or 0
+    mtp = c.mtp_num_layers or 0
+    kinds = c.moe_layer_pattern + c.moe_layer_pattern[-1:] * mtp  # MTP: the last layer's kind
     per_layers_h2 = sum(
         (1 + g + attended_keys(c, i + 1, s) / h) * q + ((moe_ffn if moe else dense_ffn) / h) * gamma
-        for i, moe in enumerate(c.moe_layer_pattern)
+        for i, moe in enumerate(kinds)
     )
     layers_term = 12 * batch_size * s * h**2 * per_layers_h2
-    logits_term = 6 * batch_size * s * h * c.vocab_size
-    return float(layers_term + logits_term)
+    mtp_term = 6 * batch_size * s * mtp * (3 * h + 2 * h * h)  # its norms and eh_proj
+    logits_term = 6 * batch_size * s * h * c.vocab_size * (1 + mtp)
+    return float(layers_term + mtp_term + logits_term)
 
 
 def throughput_tflops_per_gpu(

@@ -181,6 +181,12 @@ def stage_parameters(
     stages[-1] += norm
     if c.untie_embeddings_and_output_weights or pp > 1:
         stages[-1] += word  # own output layer, or the tied copy of the word embeddings
+    if c.mtp_num_layers:  # on the last stage: norms, eh_proj (column-parallel), a layer each
+        last = pattern[-1]
+        layer = sum(moe_layer_parameters(c, tp, ep, etp)) if last else layer_parameters(c, tp)
+        stages[-1] += c.mtp_num_layers * (3 * norm + 2 * h * h // tp + layer)
+        if pp > 1 and c.untie_embeddings_and_output_weights:
+            stages[-1] += word  # the last stage's embedding copy for the MTP block
     return stages
 
 
@@ -322,10 +328,15 @@ def estimate_memory(
     expert_dp = max(dp * tp // (ep * (tp if etp is None else etp)), 1)
     per_expert_param = bytes_per_parameter(param_dtype, distributed_optimizer, expert_dp, optimizer)
     per_stage_layers = config.num_layers // pp
-    expert_params = [
+    expert_layers = [
         sum(config.moe_layer_pattern[i * per_stage_layers : (i + 1) * per_stage_layers])
-        * (moe_layer_parameters(config, tp, ep, etp)[1] if config.num_moe_experts else 0)
         for i in range(pp)
+    ]
+    if config.mtp_num_layers and config.moe_layer_pattern[-1]:  # MoE MTP layers, last stage
+        expert_layers[-1] += config.mtp_num_layers
+    expert_params = [
+        count * (moe_layer_parameters(config, tp, ep, etp)[1] if config.num_moe_experts else 0)
+        for count in expert_layers
     ]
     layers = config.num_layers // pp
     e = _ELEMENT_BYTES[activation_dtype]
