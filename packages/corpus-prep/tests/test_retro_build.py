@@ -265,3 +265,33 @@ def test_megatron_style_index_recall_against_flat(minilm: dict, index_str: str) 
     MiniLM embeddings."""
     recalls = recall_against_flat(minilm, index_str, ntrain=300, nprobe=4)
     assert min(recalls.values()) > 0.3
+
+
+def test_two_datasets_blended(tmp_path: Path) -> None:
+    """A blend of two datasets: both are chunked (dataset column), the index is trained on
+    chunks of each in proportion to the weights, and a sample's own documents are those of
+    its own dataset (document 3 of the other dataset is not excluded)."""
+    a = write_dataset(tmp_path / "data" / "a", botchan_documents(count=30))
+    b = write_dataset(tmp_path / "data" / "b", botchan_documents(first=200, count=30))
+    bert = tiny_bert(tmp_path / "bert")
+    project = tmp_path / "p"
+    assert run(retro_argv(project, ["3", a, "1", b], bert, retro_index_ntrain=100)) == 0
+    paths = ProjectPaths.of(project)
+    chunks = load_array(paths.chunks)
+    infos = read_json(paths.datasets)
+    assert [i["prefix"] for i in infos] == [a, b] and [i["ratio"] for i in infos] == [3.0, 1.0]
+    assert [i["n_chunks"] for i in infos] == np.bincount(chunks[:, 0]).tolist()
+    trained_on = chunks[load_array(paths.index_dir / "train_rows.npy"), 0]
+    assert np.bincount(trained_on).tolist() == [75, 25]
+    config = RetroConfig(**read_json(paths.config))
+    dataset, n_samples = gpt_datasets(config, paths, None)["train"]
+    reader = SampleReader(dataset, [a, b], config.retro_gpt_seq_length)
+    keys = document_keys(chunks[:, 0], chunks[:, 1])
+    neighbors = read_neighbors(paths, "train")
+    seen = set()
+    for sample in range(n_samples):
+        _, own = reader.read(sample)
+        seen.update((own >> 40).tolist())
+        rows = neighbors[sample * 4 : (sample + 1) * 4]
+        assert not np.isin(keys[rows[rows >= 0]], own).any()
+    assert seen == {0, 1}  # samples of both datasets were queried
