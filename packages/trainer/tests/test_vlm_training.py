@@ -153,3 +153,14 @@ def test_vision_flags_refused_for_other_families() -> None:
     gpt += ["--micro-batch-size", "1", "--global-batch-size", "1", "--vocab-size", "100"]
     with pytest.raises(ArgumentError, match="--freeze-LM is a vision-language flag"):
         parse_args([*gpt, "--freeze-LM"])
+
+
+def test_resume_from_a_torch_checkpoint_continues_bitwise(tmp_path: Path) -> None:
+    """2 iterations, saved (`--ckpt-format torch`), then 2 more from the checkpoint: the
+    same losses as 4 in one run, with the vision tower frozen throughout."""
+    save = ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck")]
+    save += ["--save-interval", "2", "--ckpt-format", "torch", "--freeze-ViT"]
+    straight = _trainer(tmp_path / "a", "--freeze-ViT").train().losses
+    first = _trainer(tmp_path / "b", *save, "--exit-interval", "2").train().losses
+    second = _trainer(tmp_path / "b", *save).train().losses
+    assert first + second == straight

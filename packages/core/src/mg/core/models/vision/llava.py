@@ -84,6 +84,14 @@ class LLaVAConfig:
         values["vision"] = self.vision.to_dict()
         return values
 
+    def keys(self) -> list[str]:
+        """With `__getitem__`, `dict(config)` is `to_dict()`: checkpoints record a model
+        config that is not a `TransformerConfig` as such a mapping."""
+        return list(self.to_dict())
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> LLaVAConfig:
         values = dict(values)
