@@ -138,3 +138,48 @@ def test_clamped_quick_geglu_matches_gpt_oss_and_megatron_glu():
     torch.testing.assert_close(activate(x, config), g * torch.sigmoid(1.702 * g) * (u + 1.0))
     with pytest.raises(ConfigError, match="glu_linear_offset.*gated"):
         _config(glu_linear_offset=1.0)
+
+
+@pytest.mark.slow  # a kernel build each (C++): ~40 s
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "block_size", "window"),
+    [
+        (torch.float32, 32, 16, -1),
+        (torch.bfloat16, 32, 16, 5),
+        (torch.float32, 16, 4, 5),
+    ],
+    ids=["avx512-fp32", "avx512-window-bf16", "loops-window-fp32"],  # a build each
+)
+def test_cpu_decode_kernel_adds_each_heads_sink(dtype, head_dim, block_size, window):
+    """The paged decode kernel with sinks equals softmax([logits, sink]) over the gathered
+    positions (the AVX-512 path where head_dim and block_size are multiples of 16 and the
+    CPU has it, the portable loops otherwise)."""
+    from mg.core.models.paged_attention_cpu import decode_kernel
+
+    groups, heads = 2, 4
+    kernel, why = decode_kernel(dtype, groups, heads, head_dim, block_size)
+    if kernel is None:
+        pytest.skip(why)
+    g = torch.Generator().manual_seed(4)
+    pool = (12, block_size, groups, head_dim)
+    keys, values = (
+        torch.randn(pool, generator=g).to(dtype),
+        torch.randn(pool, generator=g).to(dtype),
+    )
+    tables = torch.randperm(12, generator=g).view(3, 4)
+    lengths = torch.tensor([1, block_size + 3, 4 * block_size])
+    query = torch.randn(3, heads, head_dim, generator=g).to(dtype)
+    sinks = torch.randn(heads, generator=g) * 2
+    scale = head_dim**-0.5
+    got = kernel(query, keys, values, tables, lengths, window, scale, sinks=sinks)
+    for i, length in enumerate(lengths.tolist()):
+        k = keys[tables[i]].reshape(-1, groups, head_dim)[:length].float()
+        v = values[tables[i]].reshape(-1, groups, head_dim)[:length].float()
+        first = max(0, length - 1 - window) if window >= 0 else 0
+        k, v = k[first:].repeat_interleave(2, 1), v[first:].repeat_interleave(2, 1)
+        logits = torch.einsum("hd,lhd->hl", query[i].float(), k) * scale
+        probs = torch.cat([logits, sinks[:, None]], dim=-1).softmax(-1)[:, :-1]
+        want = torch.einsum("hl,lhd->hd", probs, v).to(dtype)
+        torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
+    plain = kernel(query, keys, values, tables, lengths, window, scale)
+    assert (plain.float() - got.float()).abs().max() > 1e-2  # the sinks took their share

@@ -155,7 +155,7 @@ extern "C" void kernel(uint16_t* hidden, const int64_t* weights, uint16_t* keys,
                       qkv.data() + i * qkv_width + (H + 1) * D, group, group, slots[i]);
         paged_attention(qkv.data(), layer_keys, layer_values, tables, lengths, context.data(),
                         nullptr, nullptr, slots, n, blocks_width, window, 0, qkv_width, group, 0,
-                        0, 0, 0, scale);
+                        0, 0, 0, scale, nullptr, 0);
         amx_linear(context.data(), weight(l, 2), nullptr, out.data(), n, width, context_width, 0);
         add_into(hidden, out.data(), n, width);
         rms_norm(hidden, weight(l, 3), normed.data(), n, width, eps);

@@ -173,7 +173,7 @@ extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float
                       qkv.data() + i * qkv_width + (H + 1) * D, group, group, slots[i]);
         paged_attention(qkv.data(), layer_keys, layer_values, tables, lengths, context.data(),
                         nullptr, nullptr, slots, n, blocks_width, window, 0, qkv_width, group, 0,
-                        0, 0, 0, scale);
+                        0, 0, 0, scale, nullptr, 0);
         linear(context.data(), matrix(l, 2), out.data(), n, width, context_width);
         add_into(hidden, out.data(), n * width);
         rms_norm(hidden, vector(l, 3), normed.data(), n, width, eps);

@@ -69,12 +69,15 @@ static inline void store(float x, uint16_t* y) {{  // round to nearest even
 // tables: [n, width] block ids; lengths: [n] positions each sequence attends to (its new
 // one included); window < 0: no sliding window. With `write_new`, sequence i's new key and
 // value rows (groups at the given strides) are first written to its pool slot slots[i].
+// With `has_sinks`, sinks[g * H + h] is query head (g, h)'s sink logit: one more term of
+// its softmax's denominator, exp(sink), with no value (gpt-oss's attention sinks).
 #define KERNEL_ARGUMENTS \
     const scalar_t* query, scalar_t* keys, scalar_t* values, const int64_t* tables, \
     const int64_t* lengths, scalar_t* out, const scalar_t* new_keys, \
     const scalar_t* new_values, const int64_t* slots, int64_t n, int64_t width, \
     int64_t window, int64_t write_new, int64_t query_row, int64_t query_group, int64_t key_row, \
-    int64_t key_group, int64_t value_row, int64_t value_group, float scale
+    int64_t key_group, int64_t value_row, int64_t value_group, float scale, \
+    const float* sinks, int64_t has_sinks
 
 // One sequence's new key and value rows (groups `key_group` / `value_group` apart)
 // into pool slot `slot`.
@@ -238,14 +241,17 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
             float* x = scores.data() + (g * H + h) * span;
             __m512 top = splat(-INFINITY);
             for (int64_t c = 0; c < span; c += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + c));
-            const __m512 most = splat(_mm512_reduce_max_ps(top));
+            float peak = _mm512_reduce_max_ps(top);
+            const float sink = has_sinks ? sinks[g * H + h] : -INFINITY;
+            peak = std::max(peak, sink);
+            const __m512 most = splat(peak);
             __m512 sum = splat(0.f);
             for (int64_t c = 0; c < span; c += 16) {{
                 const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + c), most));
                 _mm512_storeu_ps(x + c, w);
                 sum = _mm512_add_ps(sum, w);
             }}
-            total[g][h] = _mm512_reduce_add_ps(sum);
+            total[g][h] = _mm512_reduce_add_ps(sum) + (has_sinks ? std::exp(sink - peak) : 0.f);
         }}
         for (int64_t g = 0; g < G; g++) {{
             __m512 acc[H][V];
@@ -341,6 +347,13 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
                 }}
             }}
         }}
+        if (has_sinks) for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
+            const float sink = sinks[g * H + h], m = std::max(running_max[g][h], sink);
+            const float rescale = std::exp(running_max[g][h] - m);
+            #pragma omp simd
+            for (int64_t d = 0; d < D; d++) acc[g][h][d] *= rescale;
+            total[g][h] = total[g][h] * rescale + std::exp(sink - m);
+        }}
         for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
             scalar_t* row = out + ((i * G + g) * H + h) * D;
             const float inverse = 1.f / total[g][h];
@@ -354,7 +367,10 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
 _SCALARS = {torch.float32: "float", torch.bfloat16: "uint16_t"}
 _ARGUMENTS = ["const scalar_t*", "scalar_t*", "scalar_t*", "const int64_t*", "const int64_t*"]
 _ARGUMENTS += ["scalar_t*", "const scalar_t*", "const scalar_t*", "const int64_t*"]
-_ARGUMENTS += ["int64_t"] * 10 + ["float"]
+_ARGUMENTS += ["int64_t"] * 10 + ["float", "const float*", "int64_t"]
+
+
+_NO_SINKS = torch.zeros(1)  # what the kernel's sink pointer points to when it has none
 
 
 class DecodeKernel:
@@ -373,6 +389,7 @@ class DecodeKernel:
         window: int,
         scale: float,
         new: tuple[Tensor, Tensor, Tensor] | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Context [n, heads, d] of the queries [n, heads, d] over one layer's pool `keys`,
         `values` [blocks, block_size, groups, d]: row i over the first lengths[i]
@@ -380,7 +397,8 @@ class DecodeKernel:
         `new` (keys, values [n, groups, d], slots [n]): the step's own keys and values,
         written into the pool first, each row's before it is read (what would otherwise
         take two `index_copy_` a layer). Views are read where they lie (a fused QKV
-        projection's split), as long as a head's values are contiguous."""
+        projection's split), as long as a head's values are contiguous. `sinks` [heads]:
+        each head's sink logit (gpt-oss), one more term of its softmax with no value."""
         if not (keys.is_contiguous() and values.is_contiguous() and tables.is_contiguous()):
             raise ValueError("paged decode kernel: keys, values and tables must be contiguous")
         n, heads, d = query.shape
@@ -394,10 +412,11 @@ class DecodeKernel:
         else:
             new_keys, new_values, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in new)
             strides = (*new_keys.stride()[:2], *new_values.stride()[:2])
+        sink_logits = _NO_SINKS if sinks is None else sinks.float().contiguous()
         self._entry(
             query, keys, values, tables, lengths, out, new_keys, new_values, slots,
             n, width, window, int(new is not None), query.stride(0), heads // groups * d,
-            *strides, scale,
+            *strides, scale, sink_logits, int(sinks is not None),
         )  # fmt: skip
         return out
 

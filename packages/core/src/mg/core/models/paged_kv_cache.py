@@ -196,8 +196,6 @@ class PagedKVCache:
         runs, for the log."""
         if self.device.type != "cpu" or self.fp8:
             return GATHERED
-        if any(sinks is not None for sinks in self.layer_sinks):
-            return f"{GATHERED}: the CPU kernel has no attention sinks"
         groups, d = self.keys.shape[3], self.keys.shape[4]
         kernel, what = decode_kernel(self.keys.dtype, groups, self.num_heads, d, self.block_size)
         self.decode_kernel = kernel
@@ -441,6 +439,7 @@ class PagedKVCache:
                 window,
                 scale,
                 None if new is None else (*new, self._slots),
+                sinks=self.layer_sinks[layer_index],
             )
         groups = self.keys.shape[3]
         # a group's query heads as its queries ([n, groups, heads/groups, d]): they
