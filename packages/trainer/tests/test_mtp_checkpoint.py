@@ -75,3 +75,14 @@ def test_mtp_checkpoints_both_formats_resume(tmp_path: Path, mock_argv, train) -
     ):
         assert key in keys, sorted(k for k in keys if k.startswith("mtp"))
     assert not any(k.startswith("mtp.layers.0.transformer_layer.input_layernorm") for k in keys)
+
+    # mg-eval / mg-serve read both back whole (no flags), MTP block included, the same
+    from mg.core.checkpoint import load_model
+
+    from_torch, config, _, _ = load_model(torch_dir)
+    from_dist, _, _, _ = load_model(dist_dir)
+    assert config.mtp_num_layers == 2
+    theirs = from_dist.state_dict()
+    for name, tensor in from_torch.state_dict().items():
+        assert torch.equal(tensor, theirs[name]), name
+    assert "mtp.layers.1.transformer_layer.input_layernorm.weight" in theirs

@@ -269,6 +269,8 @@ def _is_model_tensor(key: str) -> bool:
 
 _BLOCKS = ("encoder", "decoder")  # in the model's order
 _BLOCK_LAYER = re.compile(r"^(encoder|decoder)\.layers\.(?:(\d+)\.)?(.+)$")
+# a multi-token prediction depth's transformer layer: keyed by depth, no layer axis
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer)\.(.+)$")
 
 
 def _expert_name(layers: str, rest: str, expert: int, grouped: bool) -> str:
@@ -299,6 +301,17 @@ def stored_parameters(metadata: Metadata, grouped: bool = False) -> dict[str, St
         if key in aliases:
             continue
         dtype = meta.properties.dtype
+        if mtp := _MTP_LAYER.match(key):  # a layer's norms and experts, after the heads
+            prefix, rest = mtp.groups()
+            if rest.startswith(EXPERTS_KEY):
+                for expert in range(meta.size[0]):
+                    ours = _expert_name(prefix, rest, expert, grouped)
+                    size = torch.Size(meta.size[1:])
+                    last[ours] = StoredParameter(key, None, size, dtype, expert)
+            else:
+                ours = f"{prefix}.{our_layer_name(rest)}"
+                last[ours] = StoredParameter(key, None, torch.Size(meta.size), dtype)
+            continue
         block = _BLOCK_LAYER.match(key)
         if block is None:
             where = StoredParameter(key, None, torch.Size(meta.size), dtype)
