@@ -29,6 +29,7 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
@@ -296,9 +297,12 @@ def ring_attention(
     if s % 2:
         raise ContextParallelError(f"local sequence length {s} must be even (two chunks)")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    dv = value.shape[-1]
+    if dv != d:  # MLA's narrower values: zero-padded to travel stacked with the keys
+        value = F.pad(value, (0, d - dv))
     q, k, v = (t.transpose(1, 2).float() for t in (query, key, value))
-    out = _RingAttention.apply(q, k, v, scale, group)
-    return out.to(query.dtype).transpose(1, 2).reshape(b, s, heads * d)
+    out = _RingAttention.apply(q, k, v, scale, group)[..., :dv]
+    return out.to(query.dtype).transpose(1, 2).reshape(b, s, heads * dv)
 
 
 # --- applying it to a model ------------------------------------------------------------------
@@ -310,7 +314,7 @@ class RingAttention(nn.Module):
     def __init__(self, config: TransformerConfig, group: dist.ProcessGroup) -> None:
         super().__init__()
         self.group = group
-        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels)
+        self.softmax_scale = config.attention_softmax_scale  # MLA's with YaRN's mscale
         self.dropout = config.attention_dropout
 
     def forward(

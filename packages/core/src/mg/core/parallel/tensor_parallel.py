@@ -67,6 +67,7 @@ from mg.core.models.bert import BertModel
 from mg.core.models.config import TransformerConfig
 from mg.core.models.gpt import GPTModel
 from mg.core.models.mamba import MambaConfig, MambaLayer, MambaModel
+from mg.core.models.mla import MLASelfAttention
 from mg.core.models.moe import MoELayer
 from mg.core.models.moe.tensor_parallel import shard_moe_layer
 from mg.core.models.rng_stream import RNGStream, set_model_parallel_stream
@@ -76,6 +77,10 @@ from mg.core.models.te_spec import LayerNormLinear
 from mg.core.parallel.loss_parallel import VocabParallelOutputHead
 from mg.core.parallel.row_parallel import RowParallelLinear
 from mg.core.parallel.tensor_parallel_mamba import parallelize_mamba_layer
+from mg.core.parallel.tensor_parallel_mla import (
+    finish_mla_tensor_parallel,
+    mla_tensor_parallel_plan,
+)
 from mg.core.parallel.tensor_parallel_te import LayerNormColwiseParallel
 
 
@@ -306,7 +311,10 @@ def _parallelize_layer(
         return
     tp = tp_mesh.size()
     plan: dict[str, object] = {}
-    if hasattr(layer, "self_attention"):
+    mla = isinstance(getattr(layer, "self_attention", None), MLASelfAttention)
+    if mla:  # multi-latent attention: heads split, latents replicated (tensor_parallel_mla)
+        plan.update(mla_tensor_parallel_plan(layer.self_attention, "self_attention", activations))
+    elif hasattr(layer, "self_attention"):
         fused = isinstance(layer.self_attention.linear_qkv, LayerNormLinear)  # the TE spec
         plan["self_attention"] = PrepareModuleInput(  # a DTensor: the whole sequence's shape
             input_layouts=(activations, None, None),
@@ -350,7 +358,8 @@ def _parallelize_layer(
         for name in ("post_attention_layernorm", "post_mlp_layernorm"):
             if isinstance(getattr(layer, name, None), nn.Module):
                 plan[name] = SequenceParallel(use_local_output=True)
-    if getattr(getattr(layer, "self_attention", None), "q_layernorm", None) is not None:
+    attention = getattr(layer, "self_attention", None)
+    if not mla and getattr(attention, "q_layernorm", None) is not None:
         # replicated weights over this rank's heads ([b, s, heads, d], dim 2): their
         # gradients are partial sums, all-reduced like sequence-parallel norms'
         for name in ("self_attention.q_layernorm", "self_attention.k_layernorm"):
@@ -358,6 +367,8 @@ def _parallelize_layer(
     parallelize_module(layer, tp_mesh, plan, src_data_rank=None)
     if moe:
         shard_moe_layer(layer.mlp, tp_mesh, sequence_parallel, expert_tensor_parallel, expert_mesh)
+    if mla:
+        finish_mla_tensor_parallel(layer.self_attention, tp_mesh)
     if hasattr(layer, "self_attention"):
         _use_local_head_counts(layer.self_attention, tp)
         _shard_attention_sinks(layer.self_attention.core_attention, tp_mesh)
