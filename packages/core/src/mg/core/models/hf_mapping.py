@@ -789,7 +789,7 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
         return dict(common, **gemma3_config_to_hf(c))
     variants = _layer_variants(c)
     if variants:
-        raise ValueError(f"{arch.hf_class} has no {', '.join(variants)} (Gemma 3's pieces)")
+        raise ValueError(f"{arch.hf_class} has no {', '.join(variants)} (Gemma 3's, gpt-oss's)")
     if arch.model_type == "gpt2":
         to_hf_act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
         if (
@@ -862,7 +862,7 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
 
 
 def _layer_variants(c: TransformerConfig) -> list[str]:
-    """The Gemma-style settings `c` uses, which only Gemma3ForCausalLM expresses."""
+    """The Gemma 3 and gpt-oss settings `c` uses, which only their own classes express."""
     set_fields = (
         "window_attn_skip_freq",
         "rotary_base_local",
