@@ -34,7 +34,13 @@ from mg.core.models.mamba.hf import (
     nemotron_h_config_to_hf,
 )
 
-SUPPORTED_MODEL_TYPES = (*sorted(ARCHITECTURES), MAMBA2.model_type, NEMOTRON_H_TYPE)
+# llava: LlavaForConditionalGeneration, converted by llava_hf.py (its own tables)
+SUPPORTED_MODEL_TYPES = (
+    *sorted(ARCHITECTURES),
+    MAMBA2.model_type,
+    NEMOTRON_H_TYPE,
+    "llava",
+)
 
 
 def hf_architecture(

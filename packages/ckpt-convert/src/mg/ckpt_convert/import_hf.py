@@ -38,6 +38,7 @@ from mg.ckpt_convert.architectures import hf_architecture, model_config_of_hf
 from mg.ckpt_convert.bert_heads import bert_meta_model, complete_heads
 from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.hf_source import HFWeights, read_hf_config, resolve_source, tokenizer_files
+from mg.ckpt_convert.llava_hf import LLAVA_MODEL_TYPE, convert_llava, write_llava_release
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.ckpt_convert.stream_writer import StreamingTorchFile
 from mg.core.checkpoint import (
@@ -237,6 +238,13 @@ def import_hf(
         raise ConvertError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     source = resolve_source(src)
     hf_config = read_hf_config(source)
+    if hf_config.get("model_type") == LLAVA_MODEL_TYPE:  # vision-language: llava_hf.py
+        dtype_to = DTYPES.get(dtype or "")
+        llava, state = convert_llava(source, hf_config, dtype_to, make_vocab_size_divisible_by)
+        with staged_dir(save) as staging:
+            tokenizer_config = copy_tokenizer(source, staging)
+            write_llava_release(staging, state, llava, tokenizer_config, source=str(src))
+        return Path(save)
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
     arch = hf_architecture(config.extra["hf_model_type"], config)
     weights = HFWeights(source, arch.base_model_prefix, arch.head_prefixes)
