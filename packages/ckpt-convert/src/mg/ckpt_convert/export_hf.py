@@ -64,6 +64,8 @@ def guess_architecture(config: TransformerConfig, names: list[str] | tuple[str, 
         return "bert"
     if config.position_embedding_type == "learned_absolute":
         return "gpt2"
+    if config.multi_latent_attention:  # DeepSeek-V3's attention (--multi-latent-attention)
+        return "deepseek_v3"
     if config.sandwich_norms:  # Gemma 3's layer (mg-train gpt --sandwich-norms ...)
         return "gemma3_text"
     if config.softmax_type == "learnable":  # gpt-oss's attention sinks (--softmax-type)

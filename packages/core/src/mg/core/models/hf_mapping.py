@@ -34,6 +34,12 @@ from torch import Tensor
 
 from mg.core.models.bert import bert_config_from_hf
 from mg.core.models.config import RopeScaling, TransformerConfig
+from mg.core.models.deepseek_v3_hf import (
+    DEEPSEEK_V3_CLASS,
+    DEEPSEEK_V3_TYPE,
+    deepseek_v3_config_from_hf,
+    deepseek_v3_config_to_hf,
+)
 from mg.core.models.gemma3_hf import (
     GEMMA3_CLASS,
     GEMMA3_TYPE,
@@ -344,6 +350,40 @@ GPT_OSS = HFArchitecture(
     ignored_hf=(r"\.rotary_emb\.",),
 )
 
+# DeepSeek-V3: multi-latent attention (either query form), dense MLPs on the first
+# layers, then a sigmoid router with its score-correction bias (Megatron's expert_bias),
+# per-expert weights as saved and the shared experts (see mg.core.models.deepseek_v3_hf).
+_MLA = _L + "self_attention."
+_MLA_HF = _H + "self_attn."
+DEEPSEEK_V3 = HFArchitecture(
+    model_type=DEEPSEEK_V3_TYPE,
+    hf_class=DEEPSEEK_V3_CLASS,
+    base_model_prefix="model.",
+    rules=(
+        *(r for r in LLAMA.rules if ".self_attention." not in r.megatron),
+        _rule(_MLA + "linear_q_proj.weight", _MLA_HF + "q_proj.weight"),
+        _rule(_MLA + "linear_q_down_proj.weight", _MLA_HF + "q_a_proj.weight"),
+        _rule(_MLA + "q_layernorm.weight", _MLA_HF + "q_a_layernorm.weight"),
+        _rule(_MLA + "linear_q_up_proj.weight", _MLA_HF + "q_b_proj.weight"),
+        _rule(_MLA + "linear_kv_down_proj.weight", _MLA_HF + "kv_a_proj_with_mqa.weight"),
+        _rule(_MLA + "kv_layernorm.weight", _MLA_HF + "kv_a_layernorm.weight"),
+        _rule(_MLA + "linear_kv_up_proj.weight", _MLA_HF + "kv_b_proj.weight"),
+        _rule(_MLA + "linear_proj.weight", _MLA_HF + "o_proj.weight"),
+        *_QWEN_EXPERTS,
+        _rule(_L + "mlp.router.expert_bias", _H + "mlp.gate.e_score_correction_bias"),
+        _rule(
+            _L + "mlp.shared_experts.linear_fc1.weight",
+            _H + "mlp.shared_experts.gate_proj.weight",
+            _H + "mlp.shared_experts.up_proj.weight",
+            layout="gate_up",
+        ),
+        _rule(
+            _L + "mlp.shared_experts.linear_fc2.weight", _H + "mlp.shared_experts.down_proj.weight"
+        ),
+    ),
+    ignored_hf=(r"\.rotary_emb\.",),
+)
+
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {}
 
 ARCHITECTURES: dict[str, HFArchitecture] = {
@@ -360,6 +400,7 @@ ARCHITECTURES: dict[str, HFArchitecture] = {
         BERT,
         GEMMA3,
         GPT_OSS,
+        DEEPSEEK_V3,
     )
 }
 
@@ -678,6 +719,8 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
         fields = gemma3_config_from_hf(c)
     elif model_type == GPT_OSS_TYPE:
         fields = gpt_oss_config_from_hf(c)
+    elif model_type == DEEPSEEK_V3_TYPE:
+        fields = deepseek_v3_config_from_hf(c)
     else:
         raise ValueError(
             f"no HF mapping for model_type {model_type!r}; known: {sorted(ARCHITECTURES)}"
@@ -774,6 +817,15 @@ def config_to_hf(config: TransformerConfig, arch: HFArchitecture | str) -> dict[
     c = config
     if arch.model_type == GPT_OSS_TYPE:  # its MoE and layer variants are its own
         return gpt_oss_config_to_hf(c)
+    if arch.model_type == DEEPSEEK_V3_TYPE:  # so are DeepSeek-V3's, and its attention
+        return dict(
+            architectures=[arch.hf_class],
+            model_type=arch.model_type,
+            vocab_size=c.vocab_size,
+            tie_word_embeddings=not c.untie_embeddings_and_output_weights,
+            initializer_range=c.init_method_std,
+            **deepseek_v3_config_to_hf(c),
+        )
     moe = _moe_config_to_hf(c, arch.model_type)
     base = _MOE_BASE.get(arch.model_type, arch.model_type)
     common = dict(
