@@ -160,29 +160,35 @@ ITERS = 10
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
-    """PP=2 (MTP on the last stage; tied and untied embeddings) and TP=2, each on 2 gloo
-    ranks, and the same flags in one process: fp32, 10 iterations."""
+    """PP=2 (MTP on the last stage; tied and untied embeddings), TP=2 and EP=2 (MoE MTP
+    layers), each on 2 gloo ranks, and the same flags in one process: fp32, 10 iterations."""
     tmp = tmp_path_factory.mktemp("mtp_parallel")
     run_ranks = _sibling("test_ddp.py").run_ranks
     common = [*ROPE, "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
     common += ["--make-vocab-size-divisible-by", "64", "--clip-grad", "0"]
     untied = [*common, "--untie-embeddings-and-output-weights", "--swiglu"]
     untied += ["--normalization", "RMSNorm", "--disable-bias-linear"]
+    # DeepSeek-V3's shape in small: the last layer, and so the MTP layers, MoE
+    moe = [*untied, "--num-experts", "4", "--moe-layer-freq", "[0,1]", "--moe-ffn-hidden-size"]
+    moe += ["32", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
     layouts = {
         "pp2": (common, ["--pipeline-model-parallel-size", "2"]),
         "pp2_untied": (untied, ["--pipeline-model-parallel-size", "2"]),
         "tp2": (untied, ["--tensor-model-parallel-size", "2"]),
+        "ep2": (moe, ["--expert-model-parallel-size", "2"]),
     }
     argvs = [_mock_argv(tmp, *flags, *layout, iters=ITERS) for flags, layout in layouts.values()]
     two = run_ranks(argvs, 2, tmp / "two.json")
     one = {"tied": _train(_mock_argv(tmp, *common, iters=ITERS))}
     one["untied"] = _train(_mock_argv(tmp, *untied, iters=ITERS))
+    one["moe"] = _train(_mock_argv(tmp, *moe, iters=ITERS))
     return dict(zip(layouts, two, strict=True)), one
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("layout", "model"), [("pp2", "tied"), ("pp2_untied", "untied"), ("tp2", "untied")]
+    ("layout", "model"),
+    [("pp2", "tied"), ("pp2_untied", "untied"), ("tp2", "untied"), ("ep2", "moe")],
 )
 def test_parallel_equals_one_process(parallel_runs, layout, model):
     two, one = parallel_runs[0][layout], parallel_runs[1][model]
