@@ -37,16 +37,9 @@ def dataset(prefix: Path) -> tuple[bytes, bytes]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A local Ray instance with 2 CPUs, for the whole module."""
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    except Exception as err:  # a machine too loaded to start Ray's agents in time
-        pytest.skip(f"a local Ray instance did not start: {str(err).splitlines()[0]}")
-    yield
-    ray.shutdown()
+def cluster(ray_cluster):
+    """The package's local Ray instance (conftest.py), started once for all Ray tests."""
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,13 @@ from typing import Any
 from mg.corpus_prep.cleaning import REASONS, RULES, Cleaner, CleanOptions
 from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.corpus_texts import BadLine, SkipReporter, iter_documents
+from mg.corpus_prep.engine_flags import check_ray_arguments
 from mg.corpus_prep.jsonl_writer import AtomicJsonlWriter
-from mg.corpus_prep.reader import InputError
+from mg.corpus_prep.ray_clean import ShardFailedError, clean_on_ray
+from mg.corpus_prep.ray_cluster import RayConnectError
+from mg.corpus_prep.reader import InputError, find_sources, split_segments
 from mg.corpus_prep.refresh_files import write_atomic
+from mg.corpus_prep.tokenize_flags import default_workers
 
 INVALID_LINE = "invalid_line"
 
@@ -53,6 +57,8 @@ _NOTHING = CleanOptions(repair=False, normalization="none", punctuation=False, w
 
 def clean_corpus(args: argparse.Namespace, options: CleanOptions) -> dict[str, Any]:
     """Stream the inputs through a `Cleaner` into the output; return the summary."""
+    if getattr(args, "engine", "local") == "ray":
+        return clean_corpus_on_ray(args, options)
     cleaner = Cleaner(options)
     dropped: Counter[str] = Counter({reason: 0 for reason in REASONS})
     changed: Counter[str] = Counter({rule: 0 for rule in RULES})
@@ -94,6 +100,56 @@ def clean_corpus(args: argparse.Namespace, options: CleanOptions) -> dict[str, A
     }
 
 
+def clean_corpus_on_ray(args: argparse.Namespace, options: CleanOptions) -> dict[str, Any]:
+    """`clean_corpus` on Ray (`mg.corpus_prep.ray_clean`): the same output and summary."""
+    started = time.monotonic()
+    sources = find_sources(args.input)
+    shards = args.partitions or 4 * default_workers()
+    read = 0
+
+    def progress(documents: int, nbytes: int, tokens: int) -> None:
+        nonlocal read
+        read += documents
+        rate = read / max(time.monotonic() - started, 1e-9)
+        print(f"{read} documents cleaned ({rate:.0f} docs/s)", file=sys.stderr)
+
+    with AtomicJsonlWriter(args.output) as out:
+        result = clean_on_ray(
+            split_segments(sources, shards),
+            tuple(args.json_keys),
+            options,
+            args.on_error,
+            args.output,
+            out.write,
+            progress,
+            args.ray_address,
+            args.ray_connect_timeout,
+        )
+    skips = SkipReporter()
+    for message in result.skip_messages[: skips.limit]:
+        skips(BadLine(message))
+    dropped: Counter[str] = Counter({reason: 0 for reason in REASONS})
+    dropped.update(result.dropped)
+    dropped[INVALID_LINE] = result.skipped
+    changed: Counter[str] = Counter({rule: 0 for rule in RULES})
+    changed.update(result.changed)
+    return {
+        "inputs": list(args.input),
+        "output": args.output,
+        "json_keys": list(args.json_keys),
+        "documents_read": result.read,
+        "documents_kept": result.kept,
+        "documents_dropped": result.read - result.kept,
+        "lines_skipped": result.skipped,
+        "dropped": dict(dropped),
+        "changed_by_rule": dict(changed),
+        "characters_read": result.characters_read,
+        "characters_kept": result.characters_kept,
+        "seconds": round(time.monotonic() - started, 3),
+        "options": asdict(options),
+    }
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"read {summary['documents_read']} documents, kept {summary['documents_kept']}, "
@@ -115,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
         [("--input", item) for item in args.input],
     )
     options = cleaning_options(args) or _NOTHING
+    check_ray_arguments(args)
+    if args.partitions is not None and args.partitions < 1:
+        raise UserError(f"--partitions {args.partitions}: must be 1 or more")
     if os.path.dirname(os.path.abspath(args.output)):
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     try:
@@ -122,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
     except (BadLine, InputError) as err:
         hint = " (or rerun with --on-error skip)" if isinstance(err, BadLine) else ""
         raise UserError(f"{err}{hint}; nothing was written") from err
+    except (RayConnectError, ShardFailedError) as err:
+        raise UserError(f"{err}; nothing was written") from err
     print(format_summary(summary))
     if args.summary_json:
         write_atomic(args.summary_json, (json.dumps(summary, indent=2) + "\n").encode())

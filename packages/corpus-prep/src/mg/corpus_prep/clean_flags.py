@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from mg.corpus_prep.commands import run_later
+from mg.corpus_prep.engine_flags import add_ray_arguments
 
 
 def add_cleaning_arguments(
@@ -65,17 +66,14 @@ def add_cleaning_arguments(
     group.add_argument("--shingle-size", type=int, default=5, help="characters per shingle (5)")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "clean",
-        help="repair, normalise, filter and de-duplicate a JSONL corpus",
-        description=__doc__.split("\n\n")[0],
-    )
+def add_input_output_arguments(parser: argparse.ArgumentParser, keys_help: str) -> None:
+    """--input, --output, --json-keys, --on-error, --summary-json, --log-interval and the
+    engine flags: what `clean` and `dedup` share."""
     parser.add_argument(
         "--input", nargs="+", required=True, help="JSONL files (.gz/.zst too), globs or folders"
     )
     parser.add_argument("--output", required=True, help="output JSONL; .gz or .zst compresses it")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="fields to clean")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help=keys_help)
     parser.add_argument(
         "--on-error",
         choices=["fail", "skip"],
@@ -86,5 +84,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--log-interval", type=int, default=100_000, help="print progress every N documents"
     )
+    group = parser.add_argument_group("engine")
+    add_ray_arguments(
+        group,
+        "local: one streaming pass on this machine (default); ray: Ray tasks clean shards of "
+        "the input and Ray Data finds the duplicates (the ray extra); the output is the same",
+    )
+    group.add_argument(
+        "--partitions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --engine ray: cut the input into N shards (default: 4 per CPU here)",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "clean",
+        help="repair, normalise, filter and de-duplicate a JSONL corpus",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_input_output_arguments(parser, "fields to clean")
     add_cleaning_arguments(parser)
     parser.set_defaults(func=run_later("clean_cmd"))

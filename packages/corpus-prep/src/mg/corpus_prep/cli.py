@@ -24,6 +24,7 @@ from mg.corpus_prep.commands import UserError
 SUBCOMMANDS: dict[str, str] = {
     "tokenize": "tokenize_flags",
     "clean": "clean_flags",
+    "dedup": "dedup_flags",
     "merge": "merge_cmd",
     "inspect": "inspect_flags",
     "train-tokenizer": "train_tokenizer_flags",

@@ -22,9 +22,7 @@ datasets, so the output is the bytes of the local engine's.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import pickle
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,13 +33,21 @@ from mg.corpus_prep import interrupts
 from mg.corpus_prep.encoder import DocumentEncoder, EncoderSpec
 from mg.corpus_prep.partitions import PartitionFailedError
 from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError, tokenize_segments
+from mg.corpus_prep.ray_cluster import (
+    DEFAULT_CONNECT_TIMEOUT,
+    RayConnectError,
+    fingerprint,
+    first_line,
+    load_done,
+    ray_session,
+    save_done,
+)
 from mg.corpus_prep.reader import Segment
 from mg.corpus_prep.stats import RunStats
 from mg.corpus_prep.writer import DatasetWriter, output_prefixes
 from mg.indexed_dataset.format import IndexedDatasetBuilder
 
 ACTOR_RESTARTS = 3  # a shard whose actor dies this many times fails the run
-AGENT_WAIT_MS = 180_000
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,9 @@ class ShardJob:
     on_error: str
 
     def fingerprint(self) -> str:
-        """What decides the shard's bytes: a rerun reuses a shard only if this matches
-        (an input file changed since, even at the same size, changes it)."""
-        changed = [os.stat(segment.source.name).st_mtime_ns for segment in self.segments]
-        parts = [self.index, self.segments, changed, self.spec, self.level, self.dtype]
-        parts.append(self.on_error)
-        return hashlib.sha256(pickle.dumps(parts)).hexdigest()
+        """What decides the shard's bytes: a rerun reuses a shard only if this matches."""
+        settings = (self.index, self.spec, self.level, self.dtype, self.on_error)
+        return fingerprint(self.segments, *settings)
 
     @property
     def done_path(self) -> str:
@@ -69,20 +72,12 @@ class ShardJob:
 
 def shard_done(job: ShardJob) -> RunStats | None:
     """The stats of a shard a previous run completed with the same settings, else None."""
-    try:
-        with open(job.done_path, "rb") as stream:
-            record = pickle.load(stream)
-    except (OSError, pickle.UnpicklingError, EOFError):
-        return None
-    keys = job.spec.json_keys
-    complete = all(
-        os.path.exists(prefix + suffix)
-        for prefix in output_prefixes(job.prefix, keys, job.level).values()
+    files = [
+        prefix + suffix
+        for prefix in output_prefixes(job.prefix, job.spec.json_keys, job.level).values()
         for suffix in (".bin", ".idx")
-    )
-    if not complete or record.get("fingerprint") != job.fingerprint():
-        return None
-    return record["stats"]
+    ]
+    return load_done(job.done_path, job.fingerprint(), files)
 
 
 def run_shard(job: ShardJob, encoder: DocumentEncoder | None = None) -> tuple[str, object]:
@@ -100,10 +95,7 @@ def run_shard(job: ShardJob, encoder: DocumentEncoder | None = None) -> tuple[st
         return "error", str(err)
     except OSError as err:
         return "error", f"shard {job.index}: cannot write {job.prefix} ({err.strerror or err})"
-    temporary = job.done_path + ".tmp"
-    with open(temporary, "wb") as stream:
-        pickle.dump({"fingerprint": job.fingerprint(), "stats": stats}, stream)
-    os.replace(temporary, job.done_path)
+    save_done(job.done_path, job.fingerprint(), stats)
     return "done", stats
 
 
@@ -129,6 +121,7 @@ def run_on_ray(
     on_error: str,
     on_progress: Callable[[int, int, int], None],
     address: str | None,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
 ) -> tuple[RunStats, dict[str, str]]:
     """Tokenize `groups` as shards on Ray, then merge them in order into the final datasets."""
     import ray  # lazy: an optional dependency, imported only for --engine ray
@@ -141,43 +134,27 @@ def run_on_ray(
         )
         for i, segments in enumerate(groups)
     ]
-    started = not ray.is_initialized()
-    if started:
-        _start_or_join(ray, address)
     try:
-        os.makedirs(folder, exist_ok=True)
-        remote = ray.remote(
-            num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=ACTOR_RESTARTS
-        )
-        pool = ActorPool([remote(ShardActor).remote() for _ in range(max(1, actors))])
-        stats = RunStats()
-        for kind, result in pool.map(lambda actor, job: actor.run.remote(job), jobs):
-            if kind == "error":
-                raise PartitionFailedError(str(result))
-            assert isinstance(result, RunStats)
-            stats.merge(result)
-            on_progress(result.documents, result.nbytes, result.tokens)
+        with ray_session(address, connect_timeout):
+            os.makedirs(folder, exist_ok=True)
+            remote = ray.remote(
+                num_cpus=1, max_restarts=ACTOR_RESTARTS, max_task_retries=ACTOR_RESTARTS
+            )
+            pool = ActorPool([remote(ShardActor).remote() for _ in range(max(1, actors))])
+            stats = RunStats()
+            for kind, result in pool.map(lambda actor, job: actor.run.remote(job), jobs):
+                if kind == "error":
+                    raise PartitionFailedError(str(result))
+                assert isinstance(result, RunStats)
+                stats.merge(result)
+                on_progress(result.documents, result.nbytes, result.tokens)
+    except RayConnectError as err:
+        raise PartitionFailedError(str(err)) from err
     except ray.exceptions.RayError as err:
-        raise PartitionFailedError(f"--engine ray: a shard failed ({_first_line(err)})") from err
-    finally:
-        if started:
-            ray.shutdown()
+        raise PartitionFailedError(f"--engine ray: a shard failed ({first_line(err)})") from err
     outputs = _merge(jobs, spec, output_prefix, level, dtype)
     shutil.rmtree(folder, ignore_errors=True)
     return stats, outputs
-
-
-def _start_or_join(ray, address: str | None) -> None:
-    """Join the cluster at `address`, or start a local instance; a failure is one line."""
-    # A loaded machine starts Ray's agents slowly: wait for them longer than Ray's default.
-    os.environ.setdefault("RAY_agent_register_timeout_ms", str(AGENT_WAIT_MS))
-    try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    except Exception as err:  # Ray raises plain Exception, ConnectionError, RuntimeError
-        where = f"join the Ray cluster at {address}" if address else "start a local Ray instance"
-        raise PartitionFailedError(
-            f"--engine ray: could not {where} ({_first_line(err)}); check --ray-address"
-        ) from err
 
 
 def _merge(
@@ -195,8 +172,3 @@ def _merge(
             for key, final in outputs.items():
                 builders[key].finalize(final + ".idx")
     return outputs
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__

@@ -33,6 +33,7 @@ NOT_IN_FINGERPRINT = {
     "progress_bar",
     "keep_sequential_samples",
     "legacy_tokenizer",
+    "ray_connect_timeout",
 }
 
 

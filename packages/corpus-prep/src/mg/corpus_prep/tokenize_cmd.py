@@ -7,7 +7,6 @@ The run; the flags and the command's description are in `tokenize_flags`, which
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import signal
 from collections.abc import Callable
@@ -17,6 +16,7 @@ import numpy as np
 from mg.corpus_prep import interrupts, pipeline
 from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.encoder import EncoderSpec, parse_line
+from mg.corpus_prep.engine_flags import check_ray_arguments
 from mg.corpus_prep.gigatoken_backend import BackendError, resolve_backend
 from mg.corpus_prep.output_faults import (
     cannot_write,
@@ -60,8 +60,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--workers {args.workers}: must be 0 or more")
     if args.partitions < 1:
         raise UserError(f"--partitions {args.partitions}: must be 1 or more")
-    if args.ray_address is not None and args.engine != "ray":
-        raise UserError(f"--ray-address {args.ray_address}: only with --engine ray")
+    check_ray_arguments(args)
     if args.engine == "ray":
         _check_ray(args)
         return
@@ -84,10 +83,6 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _check_ray(args: argparse.Namespace) -> None:
-    if importlib.util.find_spec("ray") is None:
-        raise UserError(
-            "--engine ray: the ray package is not installed; install mg-corpus-prep[ray]"
-        )
     if args.workers == 0:
         raise UserError("--workers 0 with --engine ray: give the number of Ray actors (1 or more)")
 
@@ -247,6 +242,7 @@ def _tokenize(
                 args.on_error,
                 progress.update,
                 args.ray_address,
+                args.ray_connect_timeout,
             )
         if args.partitions == 1:
             with DatasetWriter(args.output_prefix, spec.json_keys, level, dtype) as writer:

@@ -17,6 +17,7 @@ import argparse
 import os
 
 from mg.corpus_prep.commands import run_later
+from mg.corpus_prep.engine_flags import add_ray_arguments
 from mg.corpus_prep.punkt_rules import DEFAULT_PUNKT_RULES, PUNKT_RULES
 from mg.corpus_prep.tokenizer_args import add_tokenizer_args
 
@@ -115,19 +116,11 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         help="cut the input into N contiguous parts processed side by side (each with "
         "workers/N workers), then merged; the output is the same as with 1",
     )
-    group.add_argument(
-        "--engine",
-        choices=("local", "ray"),
-        default="local",
-        help="local: worker processes on this machine (default); ray: --workers Ray actors "
+    add_ray_arguments(
+        group,
+        "local: worker processes on this machine (default); ray: --workers Ray actors "
         "on a Ray cluster (the ray extra), the input cut into shards (--partitions, default "
         "4 per actor) merged in input order; the output is the same bytes",
-    )
-    group.add_argument(
-        "--ray-address",
-        metavar="ADDR",
-        help="with --engine ray: the cluster to join (e.g. auto, or ray://host:10001); "
-        "default: a local Ray instance on this machine's CPUs",
     )
     group.add_argument(
         "--tokenizer-backend",
