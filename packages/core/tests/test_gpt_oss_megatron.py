@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
-
-from mg.core.models import GPTModel, TransformerConfig  # noqa: E402
-from mg.core.testing.megatron_reference import megatron_on_cpu  # noqa: E402
+from mg.core.models import GPTModel, TransformerConfig
+from mg.core.testing.megatron_reference import megatron_on_cpu
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow]  # megatron-core's import: ~1 min
 
@@ -85,6 +83,7 @@ def _megatron_model(ours: TransformerConfig):
 
 
 def test_gpt_oss_shape_against_megatron_core(tmp_path, monkeypatch):
+    pytest.importorskip("megatron.core")  # here, not at import: a slow test's import cost
     import megatron.core.fusions.fused_softmax as fused_softmax
 
     def sliding_window_mask(sq: int, skv: int, window: tuple[int, int]) -> torch.Tensor:
