@@ -148,7 +148,7 @@ def convert_weights(
     for layer, names in tqdm(
         groups.items(), desc="import-hf", unit="layer", disable=None if progress else True
     ):
-        if layer is not None and layer >= config.num_layers:
+        if layer is not None and layer >= config.num_layers + (config.mtp_num_layers or 0):
             raise ConvertError(
                 f"{weights.folder} has tensors of layer {layer} ({names[0]}), but config.json "
                 f"says num_hidden_layers={config.num_layers}"
@@ -248,6 +248,10 @@ def import_hf(
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
     arch = hf_architecture(config.extra["hf_model_type"], config)
     weights = HFWeights(source, arch.base_model_prefix, arch.head_prefixes)
+    if config.mtp_num_layers and not any(
+        (layer_of(name) or 0) >= config.num_layers for name in weights.names()
+    ):  # the config names MTP layers the files do not hold (transformers saves none)
+        config = dataclasses.replace(config, mtp_num_layers=None)
     with staged_dir(save) as staging:
         tokenizer_config = copy_tokenizer(source, staging, bert=is_bert(config))
         write_release(

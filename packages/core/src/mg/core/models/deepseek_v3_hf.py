@@ -22,8 +22,9 @@ weight table is `hf_mapping.DEEPSEEK_V3`, names only):
 
 Megatron's group-limited routing scores a group by the sum of its top (topk / group_topk)
 experts, transformers' by its top 2: the configs must agree (DeepSeek-V3's 8 / 4 does),
-or the import names the fields. The multi-token-prediction layer of the released model
-(num_nextn_predict_layers) is not part of DeepseekV3ForCausalLM's weights and is not read.
+or the import names the fields. The released model's multi-token-prediction layers
+(num_nextn_predict_layers, stored as model.layers.{num_hidden_layers + k}) are Megatron's
+MTP block (mtp_num_layers); DeepseekV3ForCausalLM itself neither builds nor saves them.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def deepseek_v3_config_from_hf(c: dict[str, Any]) -> dict[str, Any]:
         moe_router_dtype="fp32",  # transformers' router computes in fp32
         moe_router_load_balancing_type="none",
         moe_shared_expert_intermediate_size=shared * c["moe_intermediate_size"] or None,
+        mtp_num_layers=c.get("num_nextn_predict_layers") or None,
         **_rope_fields(c),
     )
 
@@ -219,5 +221,5 @@ def deepseek_v3_config_to_hf(c: TransformerConfig) -> dict[str, Any]:
         attention_bias=False,
         attention_dropout=c.attention_dropout,
         rope_parameters=rope,
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=c.mtp_num_layers or 0,
     )

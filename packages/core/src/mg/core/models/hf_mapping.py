@@ -91,6 +91,10 @@ class HFArchitecture:
     """HF tensors → the names the rules read, before them (gpt-oss's stacked experts)."""
     pack_hf: Callable[[dict[str, Tensor], TransformerConfig], dict[str, Tensor]] | None = None
     """The rules' HF tensors → the file's, after them (the inverse of `unpack_hf`)."""
+    mtp_rules: tuple[WeightRule, ...] = ()
+    """A multi-token prediction depth's own tensors (`{k}` its depth, `{n}` its HF layer,
+    num_layers + k, as DeepSeek-V3 stores them); its transformer layer takes the decoder
+    layers' rules. Empty: the architecture has no MTP layers."""
 
 
 def _rule(megatron: str, *hf: str, layout: str = "copy", transpose: bool = False) -> WeightRule:
@@ -381,7 +385,18 @@ DEEPSEEK_V3 = HFArchitecture(
             _L + "mlp.shared_experts.linear_fc2.weight", _H + "mlp.shared_experts.down_proj.weight"
         ),
     ),
-    ignored_hf=(r"\.rotary_emb\.",),
+    # the released model's MTP layer (model.layers.{num_layers + k}); its embed_tokens and
+    # shared_head.head are copies of the shared embedding and output layer, not read
+    mtp_rules=(
+        _rule("mtp.layers.{k}.enorm.weight", "model.layers.{n}.enorm.weight"),
+        _rule("mtp.layers.{k}.hnorm.weight", "model.layers.{n}.hnorm.weight"),
+        _rule("mtp.layers.{k}.eh_proj.weight", "model.layers.{n}.eh_proj.weight"),
+        _rule("mtp.layers.{k}.final_layernorm.weight", "model.layers.{n}.shared_head.norm.weight"),
+    ),
+    ignored_hf=(
+        r"\.rotary_emb\.",
+        r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$",
+    ),
 )
 
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {}
@@ -508,6 +523,33 @@ def _expanded_rules(arch: HFArchitecture, config: TransformerConfig):
                 if config.moe_grouped_gemm:  # TE's names: experts.linear_fc1.weight{e}
                     name = _GROUPED_NAME.sub(r"experts.\2.\3\1", name)
                 yield name, tuple(n.format(i=i, e=e) for n in rule.hf), rule
+    if arch.mtp_rules and config.mtp_num_layers:
+        yield from _expanded_mtp_rules(arch, config)
+
+
+def _expanded_mtp_rules(arch: HFArchitecture, config: TransformerConfig):
+    """The MTP depths' rules: depth k is HF layer n = num_layers + k, its transformer layer
+    mapped as a decoder layer of the last layer's kind (dense or MoE), then its own."""
+    moe = config.moe_layer_pattern[-1]
+    prefix = _L.format(i="{i}")
+    for k in range(config.mtp_num_layers):
+        n = config.num_layers + k
+        for rule in arch.rules:
+            if not rule.megatron.startswith(prefix):
+                continue
+            moe_rule = any(part in rule.megatron for part in _MOE_PARTS)
+            if moe_rule != moe and ".mlp." in rule.megatron:
+                continue
+            layer = f"mtp.layers.{k}.transformer_layer." + rule.megatron[len(prefix) :]
+            experts = range(config.num_moe_experts) if "{e}" in rule.megatron else [None]
+            for e in experts:
+                name = layer.format(e=e)
+                if config.moe_grouped_gemm:
+                    name = _GROUPED_NAME.sub(r"experts.\2.\3\1", name)
+                yield name, tuple(h.format(i=n, e=e) for h in rule.hf), rule
+        for rule in arch.mtp_rules:
+            hf = tuple(h.format(n=n) for h in rule.hf)
+            yield rule.megatron.format(k=k), hf, rule
 
 
 _MOE_PARTS = (".mlp.router.", ".mlp.experts.", ".mlp.shared_experts.")
