@@ -121,6 +121,13 @@ def kv_cache_line(config: TransformerConfig, dtype: str) -> str:
     """The KV cache one token costs at inference: a key and a value per query group and
     layer (sliding-window layers included: mg-serve's paged cache keeps every block)."""
     size = {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+    if config.multi_latent_attention:  # the compressed latent and the shared RoPE key
+        latent = config.kv_lora_rank + config.qk_pos_emb_head_dim
+        return (
+            f"KV cache per token: {latent * config.num_layers * size} bytes in {dtype} "
+            f"({config.num_layers} layers x ({config.kv_lora_rank} kv_lora_rank + "
+            f"{config.qk_pos_emb_head_dim} qk_pos_emb_head_dim) x {size} bytes, MLA's latent)"
+        )
     per_token = 2 * config.num_query_groups * config.kv_channels * config.num_layers * size
     return (
         f"KV cache per token: {per_token} bytes in {dtype} ({config.num_layers} layers x 2 x "

@@ -47,15 +47,7 @@ def num_parameters(
     c = config
     h = c.hidden_size
     norm = 2 * h if c.normalization == "LayerNorm" else h
-    qkv_out = c.query_projection_size + 2 * c.kv_projection_size
-    attention = (
-        layer_norms(c)
-        + h * qkv_out
-        + (qkv_out if c.add_bias_linear or c.add_qkv_bias else 0)
-        + c.query_projection_size * h
-        + (h if c.add_bias_linear else 0)  # linear_proj bias
-        + (c.num_attention_heads if c.softmax_type == "learnable" else 0)  # the sinks
-    )
+    attention = attention_parameters(c)
     total = norm  # final_layernorm
     for moe in c.moe_layer_pattern:
         total += attention + mlp_parameters(c, moe, active)
@@ -72,13 +64,52 @@ def num_parameters(
     return total
 
 
+def attention_parameters(config: TransformerConfig) -> int:
+    """One layer's attention with the layer's norms (`layer_norms`): SelfAttention's fused
+    QKV, or multi-latent attention's projections and latent norms (`mla_parameters`)."""
+    c = config
+    h = c.hidden_size
+    if c.multi_latent_attention:
+        return layer_norms(c) + mla_parameters(c)
+    qkv_out = c.query_projection_size + 2 * c.kv_projection_size
+    return (
+        layer_norms(c)
+        + h * qkv_out
+        + (qkv_out if c.add_bias_linear or c.add_qkv_bias else 0)
+        + c.query_projection_size * h
+        + (h if c.add_bias_linear else 0)  # linear_proj bias
+        + (c.num_attention_heads if c.softmax_type == "learnable" else 0)  # the sinks
+    )
+
+
+def mla_parameters(config: TransformerConfig, tp: int = 1) -> int:
+    """Multi-latent attention's parameters on one tensor-parallel rank (mg.core.models.mla):
+    the per-head up projections and linear_proj split by tp, the down projections and
+    the latent norms whole."""
+    c = config
+    h, heads = c.hidden_size, c.num_attention_heads
+    q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
+    norm = 2 if c.normalization == "LayerNorm" else 1
+    if c.q_lora_rank is None:
+        split, whole = h * heads * q_head, 0
+    else:
+        split = c.q_lora_rank * heads * q_head
+        whole = h * c.q_lora_rank + (norm * c.q_lora_rank if c.qk_layernorm else 0)
+    split += c.kv_lora_rank * heads * (c.qk_head_dim + c.v_head_dim) + heads * c.v_head_dim * h
+    whole += h * (c.kv_lora_rank + c.qk_pos_emb_head_dim)
+    whole += norm * c.kv_lora_rank if c.qk_layernorm else 0
+    whole += h if c.add_bias_linear else 0  # linear_proj's bias
+    return split // tp + whole
+
+
 def layer_norms(config: TransformerConfig) -> int:
     """Norm parameters of one layer: the two pre-norms, Gemma's two post-norms with
     sandwich_norms, and the per-head query/key norms with qk_layernorm."""
     c = config
     norm = 2 * c.hidden_size if c.normalization == "LayerNorm" else c.hidden_size
     head_norm = 2 * c.kv_channels if c.normalization == "LayerNorm" else c.kv_channels
-    return (4 if c.sandwich_norms else 2) * norm + (2 * head_norm if c.qk_layernorm else 0)
+    per_head = c.qk_layernorm and not c.multi_latent_attention  # MLA norms its latents
+    return (4 if c.sandwich_norms else 2) * norm + (2 * head_norm if per_head else 0)
 
 
 def attended_keys(config: TransformerConfig, layer_number: int, seq_length: int) -> float:
@@ -127,13 +158,36 @@ def num_floating_point_operations(
     mtp = c.mtp_num_layers or 0
     kinds = c.moe_layer_pattern + c.moe_layer_pattern[-1:] * mtp  # MTP: the last layer's kind
     per_layers_h2 = sum(
-        (1 + g + attended_keys(c, i + 1, s) / h) * q + ((moe_ffn if moe else dense_ffn) / h) * gamma
+        _attention_h2(c, attended_keys(c, i + 1, s), q, g)
+        + ((moe_ffn if moe else dense_ffn) / h) * gamma
         for i, moe in enumerate(kinds)
     )
     layers_term = 12 * batch_size * s * h**2 * per_layers_h2
     mtp_term = 6 * batch_size * s * mtp * (3 * h + 2 * h * h)  # its norms and eh_proj
     logits_term = 6 * batch_size * s * h * c.vocab_size * (1 + mtp)
     return float(layers_term + mtp_term + logits_term)
+
+
+def _attention_h2(c: TransformerConfig, attended: float, q: float, g: float) -> float:
+    """A layer's attention FLOPs per token in units of 12·h²: (1 + g + keys/h)·q, or
+    multi-latent attention's as Megatron counts them (its latent projections, RoPE key,
+    output projection, and q·k over qk_head_dim + qk_pos_emb_head_dim, p·v over v_head_dim)."""
+    h = c.hidden_size
+    if not c.multi_latent_attention:
+        return (1 + g + attended / h) * q
+    heads, q_head = c.num_attention_heads, c.qk_head_dim + c.qk_pos_emb_head_dim
+    if c.q_lora_rank is None:
+        q_term = h * heads * q_head
+    else:
+        q_term = c.q_lora_rank * (h + heads * q_head + 1)
+    linear = (
+        q_term
+        + c.kv_lora_rank * (h + heads * (c.qk_head_dim + c.v_head_dim) + 1)
+        + h * c.qk_pos_emb_head_dim
+        + heads * c.v_head_dim * h
+    )
+    core = attended * heads * (q_head + c.v_head_dim)
+    return (linear + core) / (2 * h * h)
 
 
 def throughput_tflops_per_gpu(

@@ -46,6 +46,7 @@ from typing import Literal
 from mg.core.models.config import TransformerConfig
 from mg.core.models.flops import (
     layer_norms,
+    mla_parameters,
     mlp_parameters,
     num_floating_point_operations,
     num_parameters,
@@ -130,6 +131,10 @@ def layer_parameters(config: TransformerConfig, tp: int = 1) -> int:
     )
     # the norms (sandwich and q/k norms too) and the row-parallel biases
     replicated = layer_norms(c) + (2 * h if c.add_bias_linear else 0)
+    if c.multi_latent_attention:  # its attention: heads split, latents whole
+        split = h * fc1_out + c.ffn_hidden_size * h
+        split_bias = fc1_out if c.add_bias_linear else 0
+        replicated = layer_norms(c) + (h if c.add_bias_linear else 0) + mla_parameters(c, tp)
     return (split + split_bias) // tp + replicated
 
 

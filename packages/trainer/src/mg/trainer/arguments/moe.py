@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
+import sys
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -51,9 +53,11 @@ class MoEArgs:
     moe_per_layer_logging: bool = False
     moe_use_upcycling: bool = False
     moe_upcycling_granularity: int = 1
+    moe_flex_dispatcher_backend: str | None = None
 
 
 TRAINING_ONLY = (
+    "moe_flex_dispatcher_backend",
     "moe_layer_recompute",
     "moe_per_layer_logging",
     "moe_use_upcycling",
@@ -146,7 +150,16 @@ def add_moe_flags(p: argparse._ArgumentGroup) -> None:
         "--moe-shared-expert-gate", action="store_true", help="Sigmoid gate on the shared experts."
     )
     p.add_argument(
-        "--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather"
+        "--moe-token-dispatcher-type",
+        choices=("allgather", "alltoall", "flex"),
+        default="allgather",
+        help="How tokens reach their experts' ranks; flex (Megatron's DeepEP/HybridEP "
+        "dispatcher) runs as alltoall here, said in one line.",
+    )
+    p.add_argument(
+        "--moe-flex-dispatcher-backend",
+        choices=("deepep", "hybridep"),
+        help="With --moe-token-dispatcher-type flex: Megatron's fused kernel library.",
     )
     p.add_argument(
         "--expert-model-parallel-size", type=int, default=1, help="Expert parallelism (EP)."
@@ -318,8 +331,28 @@ def check_upcycling_flags(moe: MoEArgs, flags: UpcyclingFlags) -> str | None:
     return None
 
 
+def resolve_flex_dispatcher(moe: MoEArgs) -> None:
+    """Megatron's flex dispatcher (DeepEP / HybridEP kernels) → alltoall, in one line: mg has
+    no DeepEP path, and alltoall sends each token to the same experts (the results do not
+    depend on the dispatcher)."""
+    if moe.moe_flex_dispatcher_backend is not None and moe.moe_token_dispatcher_type != "flex":
+        fail("--moe-flex-dispatcher-backend applies to --moe-token-dispatcher-type flex")
+    if moe.moe_token_dispatcher_type != "flex":
+        return
+    backend = moe.moe_flex_dispatcher_backend or "deepep"
+    installed = importlib.util.find_spec("deep_ep") is not None
+    why = "mg has no DeepEP path" if installed else "DeepEP is not installed"
+    print(
+        f"mg-train: --moe-token-dispatcher-type flex ({backend}): {why}; using alltoall, "
+        "which routes every token to the same experts",
+        file=sys.stderr,
+    )
+    moe.moe_token_dispatcher_type = "alltoall"
+
+
 def check_moe(args: Args) -> None:
     """`check_moe_flags` on a parsed run."""
+    resolve_flex_dispatcher(args.moe)
     d = args.distributed
     error = check_moe_flags(
         args.family,
