@@ -24,6 +24,7 @@ from mg.evaluate.errors import EvalInputError
 from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.harness_cli import add_harness_task
 from mg.evaluate.parallel_flags import add_model_parallel_flags
+from mg.evaluate.toxicity_cli import add_toxicity_task
 
 if TYPE_CHECKING:  # torch and the model code load only once the flags are parsed
     from mg.core.tokenizers.base import BaseTokenizer
@@ -143,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.set_defaults(run=_run_ppl)
     add_finetune_tasks(sub)
     add_harness_task(sub)
+    add_toxicity_task(sub)
     return parser
 
 
