@@ -115,6 +115,17 @@ demo-scratch: setup
         --output-dir "$d" --seconds "$((SECONDS - start))"
     echo "== done in $((SECONDS - start)) s: loss plot $d/loss.png, summary $d/summary.md, checkpoint $d/ckpt, int8 checkpoint $d/ckpt-int8, HF model $d/hf, eval report $d/report.jsonl, server log $d/serve.log"
 
+# Llama-2 inference and finetuning: any Llama-family checkpoint (HF folder or .gguf) -> mg checkpoint -> SFT on CHATS (JSON lines of {"messages": [...]}) -> served (workflows/llama): just llama model.gguf chats.jsonl --ask "What is the capital of France?"
+[positional-arguments]
+llama src chats *args: setup
+    exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/llama/run_llama.py "$@"
+
+# detoxify by self-generation (Megatron's examples/detxoify_lm): a model's continuations of corpus lines, scored (mg-eval toxicity; a local word list stands in for Perspective API), finetuned on the least toxic, scored again (workflows/detoxify): just detoxify --load demo-output/smollm2
+[positional-arguments]
+detoxify *args: setup
+    "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/demo/make_corpus.py --output detoxify-output/prompts.jsonl --sources shakespeare botchan
+    exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/detoxify/run_detoxify.py --prompts-from detoxify-output/prompts.jsonl "$@"
+
 # serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
 serve load="demo-output/smollm2-sft-int8" *args: setup
     exec bin/mg-serve --load {{load}} {{args}}

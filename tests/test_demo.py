@@ -120,6 +120,7 @@ def test_justfile_demo_runs_the_driver_and_demo_scratch_keeps_the_old_demo():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # minutes on two quiet cores; a loaded machine is slower
 def test_the_demo_run_short_answers_paris(tmp_path):
     """The demo with 2 finetuning iterations and 1 evaluation batch: SmolLM2 answers
     before and after (greedy), and the three perplexities are close to each other."""

@@ -30,17 +30,17 @@ import re
 import resource
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BIN = ROOT / "bin"
+sys.path.insert(0, str(ROOT / "workflows"))
+from serving import Server, chat  # noqa: E402 (workflows/serving.py, beside this folder)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -167,57 +167,14 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def ask(url: str, question: str, max_tokens: int) -> str:
-    """One greedy chat completion, through the checkpoint's own chat template."""
-    body = {
-        "messages": [{"role": "user", "content": question}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-    }
-    request = urllib.request.Request(
-        f"{url}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.load(response)["choices"][0]["message"]["content"]
-
-
 def serve_and_ask(step: Step, s: Settings) -> None:
-    """Start the server on a free port, wait for /health, ask, stop it (SIGINT)."""
-    log_path = step.serve_answers.with_suffix(".log")
-    with log_path.open("w") as log:
-        server = subprocess.Popen(step.argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = None
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if server.poll() is not None:
-                sys.exit(f"mg-serve stopped before serving:\n{log_path.read_text()}")
-            found = re.search(r"http://[0-9.]+:[0-9]+", log_path.read_text())
-            if found:
-                try:
-                    urllib.request.urlopen(f"{found.group(0)}/health", timeout=5).close()
-                    url = found.group(0)
-                    break
-                except OSError:
-                    pass
-            time.sleep(0.5)
-        if url is None:
-            sys.exit(f"mg-serve did not answer /health within 600 s: see {log_path}")
+    with Server(step.argv, log=step.serve_answers.with_suffix(".log")) as url:
         answers = []
         for question in s.questions:
-            answer = ask(url, question, s.max_tokens)
+            answer = chat(url, question, s.max_tokens)
             print(f"Q: {question}\nA: {answer}\n", flush=True)
             answers.append({"question": question, "answer": answer})
-        step.serve_answers.write_text(json.dumps(answers, indent=1) + "\n")
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    step.serve_answers.write_text(json.dumps(answers, indent=1) + "\n")
 
 
 def run(steps: list[Step], s: Settings) -> dict[str, Timing]:
