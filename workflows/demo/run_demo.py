@@ -106,6 +106,8 @@ def plan(s: Settings) -> list[Step]:
         base / "tokenizer",
     ]
     botchan, chats = d / "data" / "botchan_text_document", d / "data" / "chats_text_document"
+    # a busy machine may take minutes for an answer: no 504 for the default 300 s
+    serve_flags = ["--request-timeout", 3600]
 
     # fmt: off
     def ppl(load: Path, report: str) -> list[str]:
@@ -127,7 +129,7 @@ def plan(s: Settings) -> list[Step]:
                           "--output-prefix", d / "data" / "chats",
                           "--tokenizer-model", base / "tokenizer")),
         Step("evaluate", ppl(base, "ppl_base.jsonl")),
-        Step("serve", tool("mg-serve", "--load", base, "--port", 0),
+        Step("serve", tool("mg-serve", "--load", base, "--port", 0, *serve_flags),
              serve_answers=d / "answers_base.json"),
         Step(
             "finetune",
@@ -150,7 +152,7 @@ def plan(s: Settings) -> list[Step]:
                               "int8_wo", "--overwrite", "--no-progress",
                               "--report", d / "quantize.json")),
         Step("evaluate", ppl(int8, "ppl_int8.jsonl")),
-        Step("serve", tool("mg-serve", "--load", int8, "--port", 0),
+        Step("serve", tool("mg-serve", "--load", int8, "--port", 0, *serve_flags),
              serve_answers=d / "answers_sft_int8.json"),
     ]
     # fmt: on
