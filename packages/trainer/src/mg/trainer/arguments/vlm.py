@@ -199,10 +199,10 @@ def check_vlm_flags(args: Args) -> str | None:
             f"--max-position-embeddings {m.max_position_embeddings}"
         )
     d = args.distributed
-    if d.tensor_model_parallel_size > 1 or d.pipeline_model_parallel_size > 1:
+    if d.pipeline_model_parallel_size > 1:
         return (
-            "mg-train vlm: tensor and pipeline parallelism are not implemented for the "
-            "vision-language model yet; use data parallelism"
+            "mg-train vlm: pipeline parallelism is not implemented for the vision-language "
+            "model yet; use tensor or data parallelism"
         )
     if d.context_parallel_size > 1:
         return "mg-train vlm: context parallelism is not implemented for vision-language models"
