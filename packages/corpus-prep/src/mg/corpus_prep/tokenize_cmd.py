@@ -25,6 +25,12 @@ from mg.corpus_prep.output_faults import (
     missing_folders,
     remove_folders,
 )
+from mg.corpus_prep.output_shards import (
+    TooFewDocumentsError,
+    remove_dataset,
+    split_dataset,
+    write_blend,
+)
 from mg.corpus_prep.partitions import PartitionFailedError, run_partitioned
 from mg.corpus_prep.pipeline import LineRejectedError, WorkerDiedError
 from mg.corpus_prep.progress import Progress, format_summary, info, warn
@@ -60,6 +66,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--workers {args.workers}: must be 0 or more")
     if args.partitions < 1:
         raise UserError(f"--partitions {args.partitions}: must be 1 or more")
+    if getattr(args, "output_shards", 1) < 1:
+        raise UserError(f"--output-shards {args.output_shards}: must be 1 or more")
     check_ray_arguments(args)
     if args.engine == "ray":
         _check_ray(args)
@@ -178,16 +186,24 @@ def run(args: argparse.Namespace) -> int:
         + (f" on Ray, {ray_shards(args)} shards" if args.engine == "ray" else "")
     )
     finals = output_prefixes(args.output_prefix, spec.json_keys, level).values()
-    replacing = [prefix for prefix in finals if existing_dataset(prefix)]
+    shards = getattr(args, "output_shards", 1)
+    replacing = [prefix for prefix in finals if existing_dataset(prefix) and shards == 1]
     progress = Progress(total, args.log_interval, args.progress_bar)
+    # With --output-shards, one dataset is written under a working name, then cut.
+    whole = args if shards == 1 else argparse.Namespace(**vars(args))
+    whole.output_prefix = args.output_prefix + (".unsharded" if shards > 1 else "")
     try:
-        stats, outputs = _tokenize(args, sources, spec, level, dtype, progress)
+        stats, outputs = _tokenize(whole, sources, spec, level, dtype, progress)
+        sharded = _shard(outputs, args.output_prefix, level, shards) if shards > 1 else {}
     except BaseException:
         remove_folders(created)  # a failed run leaves no folder it made either
         raise
     finally:
         elapsed = progress.close()
-    info(format_summary(stats, elapsed, outputs, dtype.name))
+    info(format_summary(stats, elapsed, {} if sharded else outputs, dtype.name))
+    for key, (pieces, blend) in sharded.items():
+        info(f"  wrote {len(pieces)} shards of key {key!r} ({dtype.name}): {pieces[0][0]} ...")
+        info(f"  wrote {blend}: --data-path " + " ".join(f"{n} {p}" for p, n in pieces))
     for prefix in replacing:  # as Megatron, an existing dataset of the same name is replaced
         info(f"  replaced the existing {prefix}.bin/.idx")
     if stats.documents == 0:
@@ -201,6 +217,27 @@ def run(args: argparse.Namespace) -> int:
         warn(f"interrupted ({name}) while publishing; the datasets above were complete first")
         return 128 + signum
     return 0
+
+
+def _shard(
+    outputs: dict[str, str], output_prefix: str, level: str, shards: int
+) -> dict[str, tuple[list[tuple[str, int]], str]]:
+    """Cut each whole dataset into `shards` and write its blend; remove the whole ones."""
+    finals = output_prefixes(output_prefix, tuple(outputs), level)
+    written = {}
+    try:
+        for key, whole in outputs.items():
+            try:
+                pieces = split_dataset(whole, finals[key], shards)
+            except TooFewDocumentsError as err:
+                raise UserError(
+                    f"--output-shards {shards}: {finals[key]} has {err}; ask for fewer shards"
+                ) from None
+            written[key] = (pieces, write_blend(finals[key], pieces))
+    finally:
+        for whole in outputs.values():
+            remove_dataset(whole)
+    return written
 
 
 def _make_output_folder(output_prefix: str) -> None:

@@ -101,6 +101,15 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
             required=True,
             help="output path without suffix; writes PREFIX_KEY_{document,sentence}.bin/.idx",
         )
+        group.add_argument(
+            "--output-shards",
+            type=int,
+            default=1,
+            metavar="N",
+            help="write each dataset as N .bin/.idx shards cut at document boundaries in input "
+            "order (PREFIX_KEY_LEVEL_00000_of_0000N, ...), about equal in tokens, and beside "
+            "them PREFIX_KEY_LEVEL.blend.txt: the --data-path blend (token counts as weights)",
+        )
     group = parser.add_argument_group("runtime")
     group.add_argument(
         "--workers",
