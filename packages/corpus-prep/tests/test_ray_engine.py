@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import threading
 import time
@@ -49,11 +50,15 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-def test_ray_engine_writes_the_local_bytes_and_skips_done_shards(cluster, corpus, tmp_path):
+def test_ray_engine_writes_the_local_bytes_and_skips_done_shards(cluster, corpus, tmp_path, capsys):
     common = [*GPT2, "--append-eod", "--json-keys", "text"]
     assert tokenize("--input", corpus, "--output-prefix", tmp_path / "local", *common) == 0
-    ray_run = ["--engine", "ray", "--workers", 2, "--partitions", 5]
+    ray_run = ["--engine", "ray", "--workers", 2, "--partitions", 5, "--log-interval", 1]
+    capsys.readouterr()
     assert tokenize("--input", corpus, "--output-prefix", tmp_path / "ray", *common, *ray_run) == 0
+    progress = re.findall(r"Processed \d+ documents \(.* tokens/s, ETA (\d+:\d\d:\d\d)\)\.",
+                          capsys.readouterr().err)  # fmt: skip
+    assert 2 <= len(progress) <= 5 and progress[-1] == "0:00:00"  # a line per shard done
     expected = dataset(tmp_path / "local_text_document")
     assert dataset(tmp_path / "ray_text_document") == expected
     assert not (tmp_path / "ray.ray-shards").exists()

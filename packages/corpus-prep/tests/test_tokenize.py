@@ -276,7 +276,9 @@ def test_log_interval_lines_and_summary(real_jsonl, tmp_path, capsys):
     assert status == 0
     err = capsys.readouterr().err
     lines = re.findall(
-        r"Processed (\d+) documents \([\d.]+ docs/s, [\d.]+ MB/s, [\d,]+ tokens/s\)\.", err
+        r"Processed (\d+) documents \([\d.]+ docs/s, [\d.]+ MB/s, [\d,]+ tokens/s, "
+        r"ETA \d+:\d\d:\d\d\)\.",
+        err,
     )
     assert len(lines) >= 3 and all(int(n) >= 1000 for n in lines)
     dataset = IndexedDataset(str(tmp_path / "o_text_document"))

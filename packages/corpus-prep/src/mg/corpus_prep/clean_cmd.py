@@ -20,6 +20,7 @@ from mg.corpus_prep.commands import UserError, refuse_own_input
 from mg.corpus_prep.corpus_texts import BadLine, SkipReporter, iter_documents
 from mg.corpus_prep.engine_flags import check_ray_arguments
 from mg.corpus_prep.jsonl_writer import AtomicJsonlWriter
+from mg.corpus_prep.progress import Progress
 from mg.corpus_prep.ray_clean import ShardFailedError, clean_on_ray
 from mg.corpus_prep.ray_cluster import RayConnectError
 from mg.corpus_prep.reader import InputError, find_sources, split_segments
@@ -105,13 +106,9 @@ def clean_corpus_on_ray(args: argparse.Namespace, options: CleanOptions) -> dict
     started = time.monotonic()
     sources = find_sources(args.input)
     shards = args.partitions or 4 * default_workers()
-    read = 0
-
-    def progress(documents: int, nbytes: int, tokens: int) -> None:
-        nonlocal read
-        read += documents
-        rate = read / max(time.monotonic() - started, 1e-9)
-        print(f"{read} documents cleaned ({rate:.0f} docs/s)", file=sys.stderr)
+    total = sum(s.size for s in sources) if all(s.compression == "none" for s in sources) else None
+    command = "dedup" if getattr(args, "command", "clean") == "dedup" else "clean"
+    progress = Progress(total, 0, None, plain_every=0.0, label=command, counts_tokens=False)
 
     with AtomicJsonlWriter(args.output) as out:
         result = clean_on_ray(
@@ -121,10 +118,11 @@ def clean_corpus_on_ray(args: argparse.Namespace, options: CleanOptions) -> dict
             args.on_error,
             args.output,
             out.write,
-            progress,
+            progress.update,
             args.ray_address,
             args.ray_connect_timeout,
         )
+    progress.close()
     skips = SkipReporter()
     for message in result.skip_messages[: skips.limit]:
         skips(BadLine(message))

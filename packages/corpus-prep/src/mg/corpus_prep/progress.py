@@ -6,17 +6,21 @@ Three outputs, all on stderr:
   the log, but a plain line every `PLAIN_EVERY` seconds with the same figures
   and the ETA (`--no-progress-bar` turns both off);
 - Megatron's `--log-interval` lines, `Processed N documents (X docs/s, Y MB/s).`,
-  plus tokens/s, so that scripts that grep Megatron's log keep working;
+  plus tokens/s and the ETA, so that scripts that grep Megatron's log keep working;
 - a summary: documents, tokens, what was skipped and why, time, throughput.
 
 MB here is MiB (2**20 bytes) of uncompressed input, as in Megatron (which
-counts characters of each line, the same for ASCII text).
+counts characters of each line, the same for ASCII text). The ETA is the input
+bytes left at the rate so far; with compressed inputs (whose uncompressed size
+is not known up front) there is none. Every engine reports here: the local
+workers and gigatoken's per chunk, Ray's per shard.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from tqdm import tqdm
@@ -39,8 +43,25 @@ def info(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
 
 
+def eta_seconds(done_bytes: int, total_bytes: int | None, elapsed: float) -> float | None:
+    """Seconds left at the rate so far: (total - done) / (done / elapsed); None while there is
+    no rate yet or no total (compressed inputs, whose uncompressed size is not known)."""
+    if not total_bytes or done_bytes <= 0 or elapsed <= 0:
+        return None
+    return max(total_bytes - done_bytes, 0) * elapsed / done_bytes
+
+
+def format_eta(seconds: float | None) -> str:
+    """`h:mm:ss`, or `?` when unknown."""
+    if seconds is None:
+        return "?"
+    whole = int(seconds + 0.5)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
 class Progress:
-    """Tracks documents, bytes and tokens as chunks are written."""
+    """Tracks documents, bytes and tokens as chunks are written (by any engine: the local
+    workers, gigatoken's, or Ray's shards), and says how fast and how long still."""
 
     def __init__(
         self,
@@ -49,11 +70,17 @@ class Progress:
         show_bar: bool | None = None,
         stream: TextIO | None = None,
         plain_every: float = PLAIN_EVERY,
+        clock: Callable[[], float] = time.perf_counter,
+        label: str = "tokenize",
+        counts_tokens: bool = True,
     ) -> None:
         self.stream = stream or sys.stderr
         self.log_interval = log_interval
         self.total_bytes = total_bytes
-        self.start = time.perf_counter()
+        self.clock = clock
+        self.label = label
+        self.counts_tokens = counts_tokens
+        self.start = clock()
         self.documents = 0
         self.nbytes = 0
         self.tokens = 0
@@ -70,7 +97,7 @@ class Progress:
             file=self.stream,
             dynamic_ncols=True,
             smoothing=0.1,
-            desc="tokenize",
+            desc=label,
         )
         # Plain lines where the bar would be, unless --no-progress-bar said no progress.
         self.plain = show_bar is None and self.bar.disable
@@ -79,7 +106,7 @@ class Progress:
         self.documents += documents
         self.nbytes += nbytes
         self.tokens += tokens
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        elapsed = max(self.clock() - self.start, 1e-9)
         self.bar.update(nbytes)
         if not self.bar.disable:
             self.bar.set_postfix_str(
@@ -97,31 +124,34 @@ class Progress:
 
     def plain_line(self, elapsed: float) -> str:
         """`tokenize: 12.0 of 50.0 MB (24%), 3,072 documents (...); ETA 0:01:02`."""
-        rate = self.nbytes / elapsed
         done = f"{self.nbytes / MIB:,.1f} MB"
         eta = ""
         if self.total_bytes:
             done = f"{self.nbytes / MIB:,.1f} of {self.total_bytes / MIB:,.1f} MB"
             done += f" ({100 * self.nbytes / self.total_bytes:.0f}%)"
-            if rate > 0:
-                left = max(self.total_bytes - self.nbytes, 0) / rate
-                eta = f"; ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}"
-        return (
-            f"tokenize: {done}, {self.documents:,} documents ({self.documents / elapsed:,.0f} "
-            f"docs/s, {rate / MIB:.2f} MB/s, {self.tokens / elapsed:,.0f} tokens/s){eta}"
-        )
+            eta = f"; ETA {format_eta(eta_seconds(self.nbytes, self.total_bytes, elapsed))}"
+        return f"{self.label}: {done}, {self.documents:,} documents ({self._rates(elapsed)}){eta}"
+
+    def _rates(self, elapsed: float) -> str:
+        rates = f"{self.documents / elapsed:,.0f} docs/s, {self.nbytes / elapsed / MIB:.2f} MB/s"
+        return rates + (f", {self.tokens / elapsed:,.0f} tokens/s" if self.counts_tokens else "")
 
     def _log_line(self, elapsed: float) -> None:
+        """Megatron's line (`Processed N documents (X docs/s, Y MB/s).`), plus tokens/s and,
+        when the input size is known, the ETA."""
+        eta = eta_seconds(self.nbytes, self.total_bytes, elapsed)
         tqdm.write(
             f"Processed {self.documents} documents ({self.documents / elapsed:.2f} docs/s, "
-            f"{self.nbytes / elapsed / MIB:.2f} MB/s, {self.tokens / elapsed:,.0f} tokens/s).",
+            f"{self.nbytes / elapsed / MIB:.2f} MB/s, {self.tokens / elapsed:,.0f} tokens/s"
+            + (f", ETA {format_eta(eta)}" if eta is not None else "")
+            + ").",
             file=self.stream,
         )
 
     def close(self) -> float:
         """Close the bar; return the elapsed seconds."""
         self.bar.close()
-        return time.perf_counter() - self.start
+        return self.clock() - self.start
 
 
 def format_summary(stats: RunStats, elapsed: float, outputs: dict[str, str], dtype: str) -> str:
