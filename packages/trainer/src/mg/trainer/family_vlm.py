@@ -28,6 +28,7 @@ from torch import nn
 from mg.core.models.vision import LLaVAConfig, LLaVAModel, VisionConfig
 from mg.trainer.arguments import Args, ArgumentError
 from mg.trainer.family_gpt import gpt_config
+from mg.trainer.vlm_data import VLMDataError, VLMShardDataset
 
 
 def vlm_config(args: Args, vocab_size: int) -> LLaVAConfig:
@@ -88,18 +89,23 @@ class MockVLMDataset:
 
 
 def vlm_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
-    """Mock image-text samples (--mock-data); (train, valid, test)."""
-    if not args.data.mock_data:
-        raise ArgumentError(
-            "mg-train vlm reads --mock-data only so far; energon shards from mg-prep vlm "
-            "are not wired into training yet"
-        )
+    """Mock image-text samples (--mock-data), or the train / val / test splits of an
+    `mg-prep vlm` folder (--data-path DIR; vlm_data.py)."""
     config = vlm_config(args, tokenizer.vocab_size)
     seed = args.training.seed
-    return tuple(
-        MockVLMDataset(n, config, tokenizer.vocab_size, seed + split)
-        for split, n in enumerate(num_samples)
-    )
+    if args.data.mock_data:
+        return tuple(
+            MockVLMDataset(n, config, tokenizer.vocab_size, seed + split)
+            for split, n in enumerate(num_samples)
+        )
+    folder, prompt_format = args.data.data_path[0], args.vlm.tokenizer_prompt_format
+    try:
+        return tuple(
+            VLMShardDataset(folder, split, n, config, tokenizer, prompt_format, seed)
+            for split, n in zip(("train", "val", "test"), num_samples, strict=True)
+        )
+    except VLMDataError as err:
+        raise ArgumentError(str(err)) from None
 
 
 def vlm_loss_terms(model: nn.Module, batch: dict[str, torch.Tensor]):

@@ -35,7 +35,7 @@ def check_at_start(args: Any, rows: int, tokenizer_ids: int, env: Any) -> Guard 
     """Scan the datasets small enough to scan (the ranks sharing each pass); the check
     of the samples of the others, or None when every dataset was scanned."""
     d = args.data
-    if d.mock_data:
+    if d.mock_data or args.family == "vlm":  # vlm: samples are tokenized as they are read
         return None
     blend = read_blend_file(d.data_args_path) if d.data_args_path else parse_data_path(d.data_path)
     part = (env.rank, env.world_size)

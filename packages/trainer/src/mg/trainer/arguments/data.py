@@ -130,6 +130,15 @@ def check_data(args: Args) -> None:
     ):
         if path is not None and not os.path.exists(path):
             fail(f"{flag} {path}: file not found")
+    if args.family == "vlm" and (d.data_path or d.data_args_path):
+        # image-text shards (mg-prep vlm: WebDataset tars, energon's .nv-meta), not prefixes
+        folder = d.data_path[0] if d.data_path and len(d.data_path) == 1 else None
+        if folder is None or not os.path.isfile(os.path.join(folder, ".nv-meta", "split.yaml")):
+            fail(
+                f"--data-path {' '.join(d.data_path or [d.data_args_path])}: mg-train vlm reads "
+                "one folder made by mg-prep vlm (with .nv-meta/split.yaml)"
+            )
+        return
     if d.data_path or d.data_args_path:
         # lazy: --help stays instant (mg.indexed_dataset imports numpy)
         from mg.indexed_dataset import parse_data_path, read_blend_file
