@@ -57,19 +57,21 @@ def test_too_few_layers_is_refused_by_name() -> None:
 
 
 def test_gpt_weights_load_into_retro_leaving_only_retro_weights() -> None:
-    """Retro-fitting: a GPTModel's state dict fills every GPT weight of a RetroModel;
-    what is missing is the cross-attention and encoder, and only the final norm is extra."""
+    """Retro-fitting: a GPTModel's state dict loads (strictly) into a RetroModel: every
+    GPT weight is taken, the Retro weights keep their initialisation."""
     gpt = GPTModel(TransformerConfig(num_layers=6, **SHAPE))
     retro = RetroModel(RetroConfig(num_layers=6, **SHAPE, **RETRO))
-    result = retro.load_state_dict(gpt.state_dict(), strict=False)
-    assert result.unexpected_keys == [
-        "decoder.final_layernorm.weight",
-        "decoder.final_layernorm.bias",
-    ]
-    assert result.missing_keys
-    assert all(
-        ".cross_attention." in k or ".pre_cross_attn_layernorm." in k for k in result.missing_keys
-    )
+    before = {k: v.clone() for k, v in retro.state_dict().items()}
+    retro.load_state_dict(gpt.state_dict())
+    after, taken = retro.state_dict(), gpt.state_dict()
+    new = [k for k in after if k not in taken]
+    assert new and all(".cross_attention." in k or ".pre_cross_attn_layernorm." in k for k in new)
+    assert all(torch.equal(after[k], before[k]) for k in new)
+    assert all(torch.equal(after[k], taken[k]) for k in after if k in taken)
+    retro_dict = dict(after)
+    del retro_dict[new[0]]
+    with pytest.raises(RuntimeError, match="Missing key"):  # a Retro state dict stays strict
+        retro.load_state_dict(retro_dict)
 
 
 def test_a_chunk_sees_its_neighbours_only_from_its_last_token_on() -> None:

@@ -41,6 +41,7 @@ from mg.trainer.family_gpt import (
     gpt_model,
 )
 from mg.trainer.family_mamba import mamba_config, mamba_model
+from mg.trainer.family_retro import retro_config, retro_datasets, retro_loss_terms, retro_model
 from mg.trainer.family_t5 import t5_config, t5_datasets, t5_loss_terms, t5_model
 from mg.trainer.family_vlm import vlm_config, vlm_datasets, vlm_loss_terms, vlm_model
 
@@ -79,6 +80,7 @@ FAMILIES: dict[str, ModelFamily] = {
         pipeline_steps=BERT_PIPELINE_STEPS,
     ),
     "t5": ModelFamily("t5", t5_config, t5_model, t5_datasets, t5_loss_terms),
+    "retro": ModelFamily("retro", retro_config, retro_model, retro_datasets, retro_loss_terms),
     "mamba": ModelFamily(
         "mamba", mamba_config, mamba_model, gpt_datasets, gpt_loss_terms, builds_on_meta=True
     ),

@@ -28,11 +28,12 @@ Parameter names are Megatron-Core's: `decoder.layers.{i}.pre_cross_attn_layernor
 `decoder.layers.{i}.cross_attention.attn.{linear_q, linear_kv, linear_proj}`,
 `decoder.layers.{i}.cross_attention.encoder.layers.{j}.…`, the encoder's first layer's
 `pre_mlp_layernorm.norm`. A GPTModel's state dict loads into the GPT part unchanged
-(Retro-fitting: `load_state_dict(strict=False)` leaves only these new weights out).
+(Retro-fitting, below).
 
 Megatron-Core's Retro decoder has no final norm (its block spec names none), so
 neither has this one; a GPT checkpoint's `decoder.final_layernorm` is left out when
-Retro-fitting.
+Retro-fitting: `load_state_dict` of a GPTModel's state dict takes its GPT weights and
+keeps the Retro weights as initialised (a load pre-hook, so any loader does it).
 
 Neighbour rows: the embedded neighbours come as Megatron orders them, row
 (b·l + i)·k + j for chunk i of sample b and neighbour j; the encoder's first
@@ -364,6 +365,7 @@ class RetroModel(GPTModel):
         if not isinstance(config, RetroConfig):
             raise ConfigError("RetroModel needs a RetroConfig")
         super().__init__(config)
+        self.register_load_state_dict_pre_hook(_retrofit_gpt_state_dict)
 
     def init_units(self) -> list[InitUnit]:
         """GPTModel's, less the decoder's final norm (there is none)."""
@@ -397,3 +399,19 @@ class RetroModel(GPTModel):
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         hidden = self.decoder(hidden, rotary, attention_mask, context, context_mask)
         return self.output_and_loss(hidden, labels)
+
+
+def _retrofit_gpt_state_dict(module: RetroModel, state_dict: dict, prefix: str, *_: object) -> None:
+    """Retro-fitting: a GPTModel's state dict (no cross-attention weights, a final norm)
+    loads into a RetroModel; its GPT weights are taken, the Retro weights keep their
+    initialisation and the GPT's final norm is dropped (Retro's decoder has none). A
+    Retro state dict is left alone, so a missing Retro weight is still an error."""
+    if any(".cross_attention." in key for key in state_dict):
+        return
+    if f"{prefix}decoder.final_layernorm.weight" not in state_dict:
+        return
+    for key in [k for k in state_dict if k.startswith(f"{prefix}decoder.final_layernorm.")]:
+        del state_dict[key]
+    for name, value in module.state_dict().items():
+        if ".cross_attention." in name or ".pre_cross_attn_layernorm." in name:
+            state_dict[prefix + name] = value

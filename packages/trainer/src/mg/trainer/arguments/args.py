@@ -19,6 +19,7 @@ from mg.trainer.arguments.model import ModelArgs
 from mg.trainer.arguments.moe import MoEArgs
 from mg.trainer.arguments.mtp import MTPArgs
 from mg.trainer.arguments.parallel import DistributedArgs
+from mg.trainer.arguments.retro import RetroArgs
 from mg.trainer.arguments.sft import SFTArgs
 from mg.trainer.arguments.training import TrainingArgs
 from mg.trainer.arguments.transformer_engine import TransformerEngineArgs
@@ -46,6 +47,7 @@ class Args:
     mamba: MambaArgs = field(default_factory=MambaArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
     mtp: MTPArgs = field(default_factory=MTPArgs)
+    retro: RetroArgs = field(default_factory=RetroArgs)
     vlm: VLMArgs = field(default_factory=VLMArgs)
     # Set by --use-checkpoint-args (mg.trainer.arguments.checkpoint_args), not by flags.
     checkpoint_model_config: dict[str, Any] | None = None
@@ -86,5 +88,6 @@ GROUPS: dict[str, type] = {
     "mamba": MambaArgs,
     "moe": MoEArgs,
     "mtp": MTPArgs,
+    "retro": RetroArgs,
     "vlm": VLMArgs,
 }
