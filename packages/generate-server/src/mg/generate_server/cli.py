@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-speculative-tokens",
         type=int,
         default=None,
-        help="draft tokens checked per step with --draft-load (default 4)",
+        help="draft tokens checked per step with --draft-load (default 4); without "
+        "--draft-load, the served model's own multi-token prediction layer drafts one token "
+        "a step (Megatron's --num-speculative-tokens; give 1)",
     )
     parser.add_argument(
         "--cpu-isa",
@@ -242,11 +244,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--distributed-timeout-minutes must be > 0")
     if not 0 <= args.port <= 65535:
         parser.error("--port must be within 0..65535")
-    if args.num_speculative_tokens is not None:
-        if args.draft_load is None:
-            parser.error("--num-speculative-tokens needs --draft-load (the draft model)")
-        if args.num_speculative_tokens < 1:
-            parser.error("--num-speculative-tokens must be >= 1")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        parser.error("--num-speculative-tokens must be >= 1")
     if args.enable_torch_compile and args.enable_cuda_graph:
         parser.error(
             "--enable-torch-compile and --enable-cuda-graph: pick one (a CPU compiles the "
@@ -402,6 +401,9 @@ def serve(args: argparse.Namespace, steps: StartupLog | None = None) -> None:
     if args.draft_load is not None:
         steps.step("reading the draft model %s", args.draft_load)
         drafter = _drafter(args, loaded, runner, device, dtype, tp)
+    elif args.num_speculative_tokens is not None:
+        steps.step("drafting with the model's multi-token prediction layer")
+        drafter = _mtp_drafter(args, loaded, runner)
     if args.enable_torch_compile:
         steps.step("compiling decode steps with torch.compile (minutes on a small CPU)")
         runner.compile_buckets()  # before the server listens: no request pays it
@@ -466,6 +468,38 @@ def _compiled_runner(args: argparse.Namespace, loaded, device, tp: int, max_leng
         return CompiledDecodeRunner(loaded.model, args.inference_max_requests, max_length, *pool)
     except ValueError as err:
         raise ServeSetupError(f"--enable-torch-compile: {err}") from None
+
+
+def _mtp_drafter(args: argparse.Namespace, loaded, runner):
+    """--num-speculative-tokens without --draft-load: the served model's first MTP depth
+    drafts one token a step (mtp_draft.py); its decoder runs op by op for the hidden states."""
+    # lazy: torch and the serving code only once the flags are good (--help stays instant)
+    from mg.generate_server.mtp_draft import MTPDrafter
+    from mg.generate_server.runner import ModelRunner
+
+    if getattr(loaded.model, "mtp", None) is None:
+        raise ServeSetupError(
+            f"--num-speculative-tokens without --draft-load drafts with the model's "
+            f"multi-token prediction layers, and {args.load} has none; give --draft-load"
+        )
+    if args.num_speculative_tokens != 1:
+        raise ServeSetupError(
+            f"--num-speculative-tokens {args.num_speculative_tokens}: the MTP layer drafts one "
+            "token a step; give --num-speculative-tokens 1 (or a --draft-load model)"
+        )
+    if type(runner) is not ModelRunner:
+        raise ServeSetupError(
+            "--num-speculative-tokens with the model's MTP layer needs the op-by-op decode "
+            "(one process, no --enable-cuda-graph or --enable-torch-compile)"
+        )
+    if runner.fused_decode is not None:
+        log.info("decode steps op by op: the MTP draft reads the decoder's hidden states")
+        runner.fused_decode = None
+    return MTPDrafter(
+        runner,
+        vocab_size=min(loaded.tokenizer.vocab_size, loaded.config.vocab_size),
+        catch_up_tokens=args.max_num_batched_tokens,
+    )
 
 
 def _drafter(args: argparse.Namespace, loaded, runner, device, dtype: str | None, tp: int):

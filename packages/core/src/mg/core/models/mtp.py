@@ -92,9 +92,16 @@ class MultiTokenPredictionLayer(nn.Module):
         embedded: Tensor,
         rotary: tuple[Tensor, ...] | None,
         attention_mask: Tensor | None,
+        inference_cache: object | None = None,
     ) -> Tensor:
+        """`inference_cache`: a cache for the transformer layer's keys and values when the
+        depth drafts tokens for speculative decoding (mg-serve); None in training."""
         combined = torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1)
-        hidden = self.transformer_layer(self.eh_proj(combined), rotary, attention_mask)
+        combined = self.eh_proj(combined)
+        if inference_cache is None:
+            hidden = self.transformer_layer(combined, rotary, attention_mask)
+        else:
+            hidden = self.transformer_layer(combined, rotary, attention_mask, inference_cache)
         return self.final_layernorm(hidden)
 
 
