@@ -40,6 +40,7 @@ from mg.trainer.family_gpt import (
     gpt_loss_terms,
     gpt_model,
 )
+from mg.trainer.family_ict import ict_config, ict_datasets, ict_loss_terms, ict_model
 from mg.trainer.family_mamba import mamba_config, mamba_model
 from mg.trainer.family_retro import retro_config, retro_datasets, retro_loss_terms, retro_model
 from mg.trainer.family_t5 import t5_config, t5_datasets, t5_loss_terms, t5_model
@@ -85,6 +86,7 @@ FAMILIES: dict[str, ModelFamily] = {
         "mamba", mamba_config, mamba_model, gpt_datasets, gpt_loss_terms, builds_on_meta=True
     ),
     "vlm": ModelFamily("vlm", vlm_config, vlm_model, vlm_datasets, vlm_loss_terms),
+    "ict": ModelFamily("ict", ict_config, ict_model, ict_datasets, ict_loss_terms),
 }
 
 

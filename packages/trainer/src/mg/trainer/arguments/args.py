@@ -10,6 +10,7 @@ from mg.trainer.arguments.checkpointing import CheckpointArgs
 from mg.trainer.arguments.data import DataArgs
 from mg.trainer.arguments.fsdp import FullyShardedArgs
 from mg.trainer.arguments.gpt_oss import GptOssArgs
+from mg.trainer.arguments.ict import ICTArgs
 from mg.trainer.arguments.layer_variants import LayerVariantArgs
 from mg.trainer.arguments.learning_rate import OptimizerArgs
 from mg.trainer.arguments.logging import LoggingArgs
@@ -19,7 +20,6 @@ from mg.trainer.arguments.model import ModelArgs
 from mg.trainer.arguments.moe import MoEArgs
 from mg.trainer.arguments.mtp import MTPArgs
 from mg.trainer.arguments.parallel import DistributedArgs
-from mg.trainer.arguments.retro import RetroArgs
 from mg.trainer.arguments.sft import SFTArgs
 from mg.trainer.arguments.training import TrainingArgs
 from mg.trainer.arguments.transformer_engine import TransformerEngineArgs
@@ -47,8 +47,8 @@ class Args:
     mamba: MambaArgs = field(default_factory=MambaArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
     mtp: MTPArgs = field(default_factory=MTPArgs)
-    retro: RetroArgs = field(default_factory=RetroArgs)
     vlm: VLMArgs = field(default_factory=VLMArgs)
+    ict: ICTArgs = field(default_factory=ICTArgs)
     # Set by --use-checkpoint-args (mg.trainer.arguments.checkpoint_args), not by flags.
     checkpoint_model_config: dict[str, Any] | None = None
     checkpoint_tokenizer_config: Any = None
@@ -88,6 +88,6 @@ GROUPS: dict[str, type] = {
     "mamba": MambaArgs,
     "moe": MoEArgs,
     "mtp": MTPArgs,
-    "retro": RetroArgs,
     "vlm": VLMArgs,
+    "ict": ICTArgs,
 }

@@ -22,6 +22,7 @@ from mg.trainer.arguments import (
     data,
     fsdp,
     gpt_oss,
+    ict,
     layer_variants,
     learning_rate,
     logging,
@@ -31,7 +32,6 @@ from mg.trainer.arguments import (
     moe,
     mtp,
     parallel,
-    retro,
     sft,
     training,
     transformer_engine,
@@ -40,7 +40,7 @@ from mg.trainer.arguments import (
 from mg.trainer.arguments.args import GROUPS, Args
 from mg.trainer.arguments.errors import ArgumentError, fail
 
-FAMILIES = ("gpt", "bert", "t5", "mamba", "vlm", "retro")
+FAMILIES = ("gpt", "bert", "t5", "mamba", "vlm", "ict")
 
 # Help-section title -> the function that adds that group's flags (Megatron's order).
 FLAG_GROUPS = (
@@ -60,8 +60,8 @@ FLAG_GROUPS = (
     ("mamba and hybrid models (mg-train mamba)", mamba.add_mamba_flags),
     ("mixture of experts", moe.add_moe_flags),
     ("multi-token prediction (DeepSeek-V3)", mtp.add_mtp_flags),
-    ("retrieval: Retro (mg-train retro)", retro.add_retro_flags),
     ("vision-language models (mg-train vlm)", vlm.add_vlm_flags),
+    ("biencoder: REALM's Inverse Cloze Task (mg-train ict)", ict.add_ict_flags),
 )
 
 
@@ -149,7 +149,6 @@ def finalize(args: Args) -> None:
     transformer_engine.finalize_transformer_engine(args)
     parallel.finalize_parallel(args)
     fsdp.finalize_fsdp(args)
-    retro.finalize_retro(args)
     training.finalize_training(args)
     data.finalize_data(args)
 
@@ -184,8 +183,8 @@ def validate(args: Args) -> None:
     mamba.check_mamba(args)
     moe.check_moe(args)
     mtp.check_mtp(args)
-    retro.check_retro(args)
     vlm.check_vlm(args)
+    ict.check_ict(args)
     layer_variants.check_layer_variants(args)
     gpt_oss.check_gpt_oss(args)
     mla.check_mla(args)
