@@ -20,6 +20,7 @@ from mg.trainer.arguments.model import ModelArgs
 from mg.trainer.arguments.moe import MoEArgs
 from mg.trainer.arguments.mtp import MTPArgs
 from mg.trainer.arguments.parallel import DistributedArgs
+from mg.trainer.arguments.retro import RetroArgs
 from mg.trainer.arguments.sft import SFTArgs
 from mg.trainer.arguments.training import TrainingArgs
 from mg.trainer.arguments.transformer_engine import TransformerEngineArgs
@@ -47,6 +48,7 @@ class Args:
     mamba: MambaArgs = field(default_factory=MambaArgs)
     moe: MoEArgs = field(default_factory=MoEArgs)
     mtp: MTPArgs = field(default_factory=MTPArgs)
+    retro: RetroArgs = field(default_factory=RetroArgs)
     vlm: VLMArgs = field(default_factory=VLMArgs)
     ict: ICTArgs = field(default_factory=ICTArgs)
     # Set by --use-checkpoint-args (mg.trainer.arguments.checkpoint_args), not by flags.
@@ -88,6 +90,7 @@ GROUPS: dict[str, type] = {
     "mamba": MambaArgs,
     "moe": MoEArgs,
     "mtp": MTPArgs,
+    "retro": RetroArgs,
     "vlm": VLMArgs,
     "ict": ICTArgs,
 }

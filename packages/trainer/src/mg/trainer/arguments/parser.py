@@ -32,6 +32,7 @@ from mg.trainer.arguments import (
     moe,
     mtp,
     parallel,
+    retro,
     sft,
     training,
     transformer_engine,
@@ -40,7 +41,7 @@ from mg.trainer.arguments import (
 from mg.trainer.arguments.args import GROUPS, Args
 from mg.trainer.arguments.errors import ArgumentError, fail
 
-FAMILIES = ("gpt", "bert", "t5", "mamba", "vlm", "ict")
+FAMILIES = ("gpt", "bert", "t5", "mamba", "vlm", "retro", "ict")
 
 # Help-section title -> the function that adds that group's flags (Megatron's order).
 FLAG_GROUPS = (
@@ -60,6 +61,7 @@ FLAG_GROUPS = (
     ("mamba and hybrid models (mg-train mamba)", mamba.add_mamba_flags),
     ("mixture of experts", moe.add_moe_flags),
     ("multi-token prediction (DeepSeek-V3)", mtp.add_mtp_flags),
+    ("retrieval: Retro (mg-train retro)", retro.add_retro_flags),
     ("vision-language models (mg-train vlm)", vlm.add_vlm_flags),
     ("biencoder: REALM's Inverse Cloze Task (mg-train ict)", ict.add_ict_flags),
 )
@@ -149,6 +151,7 @@ def finalize(args: Args) -> None:
     transformer_engine.finalize_transformer_engine(args)
     parallel.finalize_parallel(args)
     fsdp.finalize_fsdp(args)
+    retro.finalize_retro(args)
     training.finalize_training(args)
     data.finalize_data(args)
 
@@ -183,6 +186,7 @@ def validate(args: Args) -> None:
     mamba.check_mamba(args)
     moe.check_moe(args)
     mtp.check_mtp(args)
+    retro.check_retro(args)
     vlm.check_vlm(args)
     ict.check_ict(args)
     layer_variants.check_layer_variants(args)
