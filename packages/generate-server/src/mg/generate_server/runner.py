@@ -29,6 +29,7 @@ from mg.core.models import GPTModel
 from mg.core.models.attention_backend import serving_kernels
 from mg.core.models.mamba import MambaModel, PagedHybridCache
 from mg.core.models.paged_kv_cache import GATHERED, PagedKVCache, PagedSegment
+from mg.core.models.paged_latent_cache import PagedLatentCache
 from mg.generate_server.fused_decode import FusedDecode, fused_decode_unsupported
 from mg.generate_server.moe_routing import route_dropless
 from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
@@ -71,6 +72,8 @@ class ModelRunner:
         state cannot be restored from cached blocks)."""
         if self.recurrent_state:
             self.cache = PagedHybridCache.for_model(model, num_slots, num_blocks, block_size, fp8)
+        elif getattr(model.config, "multi_latent_attention", False):  # MLA's latents only
+            self.cache = PagedLatentCache.for_model(model, num_blocks, block_size, fp8)
         else:
             self.cache = PagedKVCache.for_model(model, num_blocks, block_size, fp8)
         self.capacity_factor = route_dropless(model)

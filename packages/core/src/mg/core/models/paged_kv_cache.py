@@ -211,6 +211,9 @@ class PagedKVCache:
         if not layers:
             return 0
         dtype = dtype or next(model.parameters()).dtype
+        if hasattr(layers[0], "kv_lora_rank"):  # MLA: the latent and the positional key
+            latent = layers[0].kv_lora_rank + layers[0].qk_pos_emb_head_dim
+            return len(layers) * block_size * latent * torch.empty((), dtype=dtype).element_size()
         head = layers[0].head_dim * torch.empty((), dtype=dtype).element_size()
         if fp8:  # a byte an element and an fp32 scale per position and head
             head = layers[0].head_dim + 4
