@@ -63,7 +63,7 @@ def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=900) as response:
+    with urllib.request.urlopen(request, timeout=3600) as response:  # a busy machine is slow
         return json.load(response)
 
 
