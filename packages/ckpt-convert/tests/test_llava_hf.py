@@ -78,3 +78,29 @@ def test_import_llava_refuses_a_list_of_feature_layers(tmp_path: Path) -> None:
     _, folder = _llava(tmp_path, vision_feature_layer=[-2, -1])
     with pytest.raises(ConvertError, match="vision_feature_layer .*a list"):
         import_hf(str(folder), tmp_path / "mg", progress=False)
+
+
+def test_export_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    """import-hf then export-hf gives the source folder's tensors back bit for bit (the
+    vision layer after the feature layer and CLIP's post_layernorm, unused by the
+    model, kept aside by import), and transformers loads the result."""
+    from safetensors.torch import load_file
+
+    from mg.ckpt_convert.export_hf import export_hf
+
+    hf, folder = _llava(tmp_path)
+    import_hf(str(folder), tmp_path / "mg", progress=False)
+    export_hf(tmp_path / "mg", tmp_path / "back", progress=False)
+    source = load_file(str(folder / "model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(source)
+    for name, tensor in source.items():
+        assert torch.equal(back[name], tensor), name
+    again = LlavaForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
+    ids = torch.tensor([[1, 5] + [IMAGE] * 16 + [7, 8]])
+    images = torch.randn(1, 3, 56, 56, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(
+            again(input_ids=ids, pixel_values=images).logits,
+            hf(input_ids=ids, pixel_values=images).logits,
+        )

@@ -32,6 +32,7 @@ from mg.ckpt_convert.errors import ConvertError
 from mg.ckpt_convert.hf_shards import ShardedWriter, plan_shards
 from mg.ckpt_convert.hf_source import TOKENIZER_FILES
 from mg.ckpt_convert.import_hf import VOCAB_TENSORS
+from mg.ckpt_convert.llava_hf import export_llava, is_llava_checkpoint
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.models import TransformerConfig
@@ -213,6 +214,10 @@ def export_hf(
     """Write `save` as a transformers model folder from the checkpoint in `load`."""
     check_target(save)
     max_bytes = parse_size(shard_size)
+    if iteration is None and is_llava_checkpoint(load):  # vision-language: llava_hf.py
+        with staged_dir(save) as staging:
+            export_llava(load, staging)
+        return Path(save)
     source = open_checkpoint(load, iteration, check_gpt=False)
     meta = source.state.get("mg") or {}
     config = source.config

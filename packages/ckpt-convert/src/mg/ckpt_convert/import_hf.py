@@ -240,10 +240,12 @@ def import_hf(
     hf_config = read_hf_config(source)
     if hf_config.get("model_type") == LLAVA_MODEL_TYPE:  # vision-language: llava_hf.py
         dtype_to = DTYPES.get(dtype or "")
-        llava, state = convert_llava(source, hf_config, dtype_to, make_vocab_size_divisible_by)
+        llava, state, unused = convert_llava(
+            source, hf_config, dtype_to, make_vocab_size_divisible_by
+        )
         with staged_dir(save) as staging:
-            tokenizer_config = copy_tokenizer(source, staging)
-            write_llava_release(staging, state, llava, tokenizer_config, source=str(src))
+            tokenizer = copy_tokenizer(source, staging)
+            write_llava_release(staging, state, llava, tokenizer, str(src), unused)
         return Path(save)
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
     arch = hf_architecture(config.extra["hf_model_type"], config)

@@ -12,6 +12,10 @@ The image token id becomes `image_token_index`: one such token in `input_ids` st
 for the whole image (Megatron's convention), where transformers' processor writes it
 once per image row.
 
+The tensors LLaVA never reads (the vision layers after the feature layer, CLIP's
+`post_layernorm`) are kept in the checkpoint beside the model (`hf_unused_tensors`),
+so `export-hf` gives the source folder's tensors back bit for bit.
+
 The weights are read whole (a LLaVA-7B's 14 GB in bf16 fit where one converts it);
 the checkpoint is a `release` one like import-hf's, its `mg` record holding the
 `LLaVAConfig`.
@@ -20,23 +24,31 @@ the checkpoint is a `release` one like import-hf's, its `mg` record holding the
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from mg.ckpt_convert.errors import ConvertError
 from mg.core.checkpoint import CHECKPOINT_VERSION, RELEASE, checkpoint_file, mg_metadata
-from mg.core.checkpoint.layout import tracker_file
+from mg.core.checkpoint.layout import read_latest_iteration, tracker_file
 from mg.core.models import pad_vocab_size
-from mg.core.models.hf_mapping import config_from_hf, get_architecture, hf_to_megatron
+from mg.core.models.hf_mapping import (
+    config_from_hf,
+    get_architecture,
+    hf_to_megatron,
+    megatron_to_hf,
+)
 from mg.core.models.vision import LLaVAConfig, LLaVAModel
 from mg.core.models.vision.hf_weights import (
     projector_from_hf,
+    projector_to_hf,
     vision_config_from_hf,
     vision_from_hf,
+    vision_to_hf,
 )
 
 LLAVA_MODEL_TYPE = "llava"
@@ -155,11 +167,15 @@ def read_llava_weights(source: Path) -> dict[str, Tensor]:
 
 def convert_llava(
     source: Path, hf_config: dict[str, Any], dtype: torch.dtype | None, divisible_by: int
-) -> tuple[LLaVAConfig, dict[str, Tensor]]:
-    """The folder's config and weights as ours, checked against the model they describe."""
+) -> tuple[LLaVAConfig, dict[str, Tensor], dict[str, Tensor]]:
+    """The folder's config and weights as ours, checked against the model they describe,
+    and the source tensors the model does not use (kept for export)."""
     config = llava_config_from_hf(hf_config, divisible_by)
     config.language.extra["hf_config"] = hf_config
-    state = llava_state_from_hf(read_llava_weights(source), config)
+    hf_state = canonical_keys(read_llava_weights(source))
+    state = llava_state_from_hf(hf_state, config)
+    used = set(canonical_keys(llava_state_to_hf(state, config)))
+    unused = {k: v for k, v in hf_state.items() if k not in used}
     with torch.device("meta"):
         expected = LLaVAModel(config).state_dict()
     missing = sorted(set(expected) - set(state))
@@ -175,7 +191,32 @@ def convert_llava(
             )
         if dtype is not None:
             state[name] = tensor.to(dtype)
-    return config, state
+    return config, state, unused
+
+
+def llava_state_to_hf(state: dict[str, Tensor], config: LLaVAConfig) -> dict[str, Tensor]:
+    """`LLaVAModel`'s state dict → transformers' file names (llava-hf's layout, as
+    `save_pretrained` writes it), the padded vocabulary rows cut off."""
+
+    def part(prefix: str) -> dict[str, Tensor]:
+        return {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+
+    out = {
+        VISION_PREFIX + k: v for k, v in vision_to_hf(part("vision_model."), config.vision).items()
+    }
+    out.update(
+        (PROJECTOR_PREFIX + k, v) for k, v in projector_to_hf(part("vision_projection.")).items()
+    )
+    language = config.language
+    hf_vocab = language.extra.get("hf_vocab_size", language.vocab_size)
+    text = {
+        k: v[:hf_vocab] if k in ("embedding.word_embeddings.weight", "output_layer.weight") else v
+        for k, v in part("language_model.").items()
+    }
+    arch = get_architecture(language.extra["hf_model_type"])
+    for name, tensor in megatron_to_hf(text, language, arch).items():
+        out["language_model." + name] = tensor
+    return out
 
 
 def write_llava_release(
@@ -184,6 +225,7 @@ def write_llava_release(
     config: LLaVAConfig,
     tokenizer_config: Any,
     source: str,
+    unused: dict[str, Tensor] | None = None,
 ) -> None:
     """The converted model as a `release` checkpoint in `staging` (what import-hf writes)."""
     path = checkpoint_file(staging, RELEASE)
@@ -197,7 +239,48 @@ def write_llava_release(
                 config.to_dict(), tokenizer_config.to_dict() if tokenizer_config else None
             ),
             "checkpoint_version": CHECKPOINT_VERSION,
+            "hf_unused_tensors": unused or {},
         },
         path,
     )
     tracker_file(staging).write_text(RELEASE)
+
+
+def is_llava_checkpoint(load: str | Path) -> bool:
+    """Whether `load` holds a one-file (`torch`, one rank) LLaVA checkpoint."""
+    path = _checkpoint_path(load)
+    if path is None:
+        return False
+    # mmap: only the pickled record is read, not the tensors
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except (RuntimeError, OSError, ValueError):  # not a zip-format file: not ours to read
+        return False
+    config = (state.get("mg") or {}).get("model_config") or {}
+    return "vision" in config and "language" in config
+
+
+def _checkpoint_path(load: str | Path) -> Path | None:
+    iteration = read_latest_iteration(load)
+    if iteration is None:
+        return None
+    path = checkpoint_file(load, iteration)
+    return path if path.is_file() else None
+
+
+def export_llava(load: str | Path, staging: Path) -> None:
+    """A LLaVA checkpoint → a transformers folder in `staging`: the tensors (with those
+    import kept aside), the source's config.json, the tokenizer files."""
+    path = _checkpoint_path(load)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    config = LLaVAConfig.from_dict(checkpoint["mg"]["model_config"])
+    hf_config = config.language.extra.get("hf_config")
+    if hf_config is None:
+        raise ConvertError(
+            f"{load}: a LLaVA model trained from scratch has no transformers config to "
+            "export to yet; export-hf writes models imported with import-hf"
+        )
+    tensors = llava_state_to_hf(checkpoint["model"], config)
+    tensors.update(checkpoint.get("hf_unused_tensors") or {})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"))
+    (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
