@@ -2,10 +2,12 @@
 logits (fp32, a sequence longer than the sliding window, sliding and full layers, sinks,
 biased router and experts, YaRN); export-hf → the same tensors bit for bit and the same
 logits; MXFP4 expert weights (blocks and scales built here) dequantised on import as
-transformers dequantises them."""
+transformers dequantises them; export-megatron / import-megatron with Megatron-LM's
+args naming gpt-oss's pieces and the sinks split over TP with the heads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,7 +17,16 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip("transformers")
 
 from mg.ckpt_convert.cli import main  # noqa: E402
+from mg.ckpt_convert.megatron_lm import (  # noqa: E402
+    export_megatron,
+    import_megatron,
+    megatron_args_from_config,
+)
+from mg.core.checkpoint import load_checkpoint  # noqa: E402
+from mg.core.checkpoint.dist_format import stored_keys  # noqa: E402
+from mg.core.checkpoint.megatron_args import config_from_megatron_args  # noqa: E402
 from mg.core.checkpoint.model_io import load_model  # noqa: E402
+from mg.core.models.gpt_oss_hf import MEGATRON_GPT_OSS_YARN  # noqa: E402
 
 pytestmark = pytest.mark.compat
 
@@ -140,3 +151,60 @@ def test_a_trained_gpt_oss_shaped_model_exports_as_gpt_oss():
 
     config = config_from_hf(json.loads(_config().to_json_string()))
     assert guess_architecture(dataclasses.replace(config, extra={}), []) == "gpt_oss"
+
+
+QUIET = {"report": lambda *_: None}
+
+
+def _imported(tmp_path):
+    _make(tmp_path / "hf")
+    main(["import-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "ours")])
+    return _ids()
+
+
+def test_megatron_args_name_gpt_oss_pieces(tmp_path):
+    _imported(tmp_path)
+    model, config, _, _ = load_model(tmp_path / "ours")
+    megatron = dataclasses.replace(config, **MEGATRON_GPT_OSS_YARN, max_position_embeddings=256)
+    args = vars(megatron_args_from_config(megatron, None))
+    assert args["quick_geglu"] and args["softmax_type"] == "learnable"
+    assert (args["glu_linear_offset"], args["activation_func_clamp_value"]) == (1.0, 7.0)
+    assert args["window_size"] == [5, 0] and args["window_attn_skip_freq"] == 2
+    assert args["enable_gpt_oss"]  # Megatron's own YaRN values
+    back = config_from_megatron_args(args)
+    for name in (
+        "activation",
+        "glu_linear_offset",
+        "activation_func_clamp_value",
+        "softmax_type",
+        "window_size",
+        "window_attn_skip_freq",
+        *MEGATRON_GPT_OSS_YARN,
+    ):
+        assert getattr(back, name) == getattr(megatron, name), name
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_gpt_oss_megatron_round_trip(tmp_path, tp):
+    ids = _imported(tmp_path)
+    model, config, _, _ = load_model(tmp_path / "ours")
+    with torch.no_grad():
+        expected = model.eval()(ids)
+    export_megatron(tmp_path / "ours", tmp_path / "megatron", tp=tp, **QUIET)
+    ranks = [
+        load_checkpoint(tmp_path / "megatron", tp_rank=r, allow_pickle=True)[0] for r in (0, 1)
+    ]
+    name = "decoder.layers.0.self_attention.core_attention.softmax_offset"
+    sinks = model.state_dict()[name]
+    assert torch.equal(torch.cat([r["model"][name] for r in ranks]), sinks)  # by heads
+    assert ranks[0]["args"].quick_geglu and ranks[0]["args"].softmax_type == "learnable"
+    import_megatron(tmp_path / "megatron", tmp_path / "back", tp=1, **QUIET)
+    back, *_ = load_model(tmp_path / "back")
+    with torch.no_grad():
+        assert torch.equal(back.eval()(ids), expected)
+    export_megatron(tmp_path / "ours", tmp_path / "dist", ckpt_format="torch_dist", **QUIET)
+    folder = tmp_path / "dist" / "release"  # import-hf writes a release checkpoint
+    assert "decoder.layers.self_attention.core_attention.softmax_offset" in stored_keys(folder)
+    dist, *_ = load_model(tmp_path / "dist")
+    with torch.no_grad():
+        assert torch.equal(dist.eval()(ids), expected)

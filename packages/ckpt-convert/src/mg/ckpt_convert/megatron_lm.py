@@ -74,6 +74,7 @@ from mg.core.checkpoint.layout import Iteration
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models import TransformerConfig
+from mg.core.models.gpt_oss_hf import MEGATRON_GPT_OSS_YARN
 from mg.core.models.mamba import MambaConfig, megatron_te_names
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -130,6 +131,12 @@ def megatron_args_from_config(
         padded_vocab_size=c.vocab_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by or DEFAULT_DIVISIBLE_BY,
         window_size=list(c.window_size) if c.window_size else None,
+        window_attn_skip_freq=c.window_attn_skip_freq,
+        quick_geglu=c.activation == "quick_geglu",
+        glu_linear_offset=c.glu_linear_offset,
+        activation_func_clamp_value=c.activation_func_clamp_value,
+        softmax_type=c.softmax_type,
+        enable_gpt_oss=all(getattr(c, k) == v for k, v in MEGATRON_GPT_OSS_YARN.items()),
         init_method_std=c.init_method_std,
         attention_dropout=c.attention_dropout,
         hidden_dropout=c.hidden_dropout,
@@ -144,6 +151,12 @@ def megatron_args_from_config(
         transformer_impl=c.transformer_impl,
         model_type="GPT",
     )
+    if c.rope_type == "yarn":  # Megatron-LM's YaRN flags (MLA's and gpt-oss's)
+        args.rope_type, args.rotary_scaling_factor = "yarn", c.rotary_scaling_factor
+        args.mscale, args.mscale_all_dim = c.mscale, c.mscale_all_dim
+        args.yarn_original_max_position_embeddings = c.original_max_position_embeddings
+        args.yarn_beta_fast, args.yarn_beta_slow = c.beta_fast, c.beta_slow
+        args.yarn_correction_range_round_to_int = c.yarn_correction_range_round_to_int
     if c.num_moe_experts:
         args.num_experts = c.num_moe_experts
         args.expert_tensor_parallel_size = tp  # experts split over TP as the MLP is

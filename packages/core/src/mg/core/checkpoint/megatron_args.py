@@ -24,6 +24,7 @@ from mg.core.checkpoint.layout import CheckpointError
 from mg.core.checkpoint.torch_format import mg_metadata
 from mg.core.models import ConfigError, RopeScaling, TransformerConfig
 from mg.core.models.config import MOE_DISPATCHERS
+from mg.core.models.gpt_oss_hf import MEGATRON_GPT_OSS_YARN
 from mg.core.models.mamba import MambaConfig
 from mg.core.tokenizers.config import TokenizerConfig
 
@@ -66,9 +67,12 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
         activation = "squared_relu"
     elif get("openai_gelu", False):
         activation = "gelu_tanh"
+    elif get("quick_geglu", False):  # gpt-oss's
+        activation = "quick_geglu"
     else:
         activation = "gelu"
     position = get("position_embedding_type", "learned_absolute")
+    rope_position = "rope" if position == "yarn" else position  # Megatron's YaRN RoPE
     rope_scaling = None
     if get("use_rope_scaling", False):
         rope_scaling = RopeScaling(factor=float(get("rope_scaling_factor", 8.0)))
@@ -84,7 +88,7 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
             kv_channels=get("kv_channels"),
             seq_length=get("seq_length", 1024),
             max_position_embeddings=get("max_position_embeddings"),
-            position_embedding_type=position,
+            position_embedding_type=rope_position,
             rotary_base=float(get("rotary_base", 10000)),
             rotary_percent=float(get("rotary_percent", 1.0)),
             rope_scaling=rope_scaling if position == "rope" else None,
@@ -99,6 +103,10 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
                 get("untie_embeddings_and_output_weights", False)
             ),
             window_size=tuple(window) if window else None,
+            window_attn_skip_freq=get("window_attn_skip_freq") if window else None,
+            softmax_type=get("softmax_type", "vanilla"),
+            glu_linear_offset=float(get("glu_linear_offset", 0.0)),
+            activation_func_clamp_value=get("activation_func_clamp_value"),
             init_method_std=float(get("init_method_std", 0.02)),
             attention_dropout=float(get("attention_dropout", 0.1)),
             hidden_dropout=float(get("hidden_dropout", 0.1)),
@@ -107,9 +115,36 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
         raise MegatronArgsError(f"Megatron-LM args lack {exc.args[0]!r}") from None
     except ConfigError as exc:
         raise MegatronArgsError(f"Megatron-LM args describe an unsupported model: {exc}") from None
+    if get("enable_gpt_oss", False):  # the YaRN values Megatron's model builder sets
+        config = dataclasses.replace(config, **MEGATRON_GPT_OSS_YARN)
+    elif position == "yarn" or get("rope_type") == "yarn":
+        config = _yarn_config(config, get)
     if get("num_experts"):
         config = _moe_config(config, get)
     return _mamba_config(config, get) if _is_mamba(get) else config
+
+
+def _yarn_config(config: TransformerConfig, get: Any) -> TransformerConfig:
+    """YaRN RoPE from Megatron-LM's args (`--position-embedding-type yarn` or
+    `--rope-type yarn`, with its `--rotary-scaling-factor`, `--mscale*` and `--yarn-*`)."""
+    try:
+        return dataclasses.replace(
+            config,
+            rope_type="yarn",
+            rotary_scaling_factor=float(get("rotary_scaling_factor", 1.0)),
+            mscale=float(get("mscale", 1.0)),
+            mscale_all_dim=float(get("mscale_all_dim", 0.0)),
+            original_max_position_embeddings=int(
+                get("yarn_original_max_position_embeddings", 4096)
+            ),
+            beta_fast=float(get("yarn_beta_fast", 32.0)),
+            beta_slow=float(get("yarn_beta_slow", 1.0)),
+            yarn_correction_range_round_to_int=bool(
+                get("yarn_correction_range_round_to_int", True)
+            ),
+        )
+    except ConfigError as exc:
+        raise MegatronArgsError(f"Megatron-LM args describe an unsupported YaRN: {exc}") from None
 
 
 def _moe_config(config: TransformerConfig, get: Any) -> TransformerConfig:

@@ -40,6 +40,7 @@ _DIM0 = (
     "mlp.linear_fc1.bias",
     "embedding.word_embeddings.weight",
     "output_layer.weight",
+    "self_attention.core_attention.softmax_offset",  # attention sinks: one per head
 )
 _DIM1 = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _MAMBA_DIM0 = ("mixer.A_log", "mixer.D", "mixer.dt_bias", "mixer.norm.weight")

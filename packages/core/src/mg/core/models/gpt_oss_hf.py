@@ -40,6 +40,20 @@ GPT_OSS_CLASS = "GptOssForCausalLM"
 SWIGLU_ALPHA = 1.702
 _SLIDING, _FULL = "sliding_attention", "full_attention"
 
+MEGATRON_GPT_OSS_YARN: dict[str, Any] = {
+    "position_embedding_type": "rope",
+    "rope_type": "yarn",
+    "rotary_scaling_factor": 32.0,
+    "original_max_position_embeddings": 131072,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": False,
+}
+"""The `TransformerConfig` fields Megatron-LM's `--enable-gpt-oss` sets (its post-training
+model builder, core_v0.19.0); a Megatron-LM checkpoint's args with that flag mean them."""
+
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The 16 values of an FP4 e2m1 nibble (sign, 2 exponent bits, 1 mantissa bit)."""
 

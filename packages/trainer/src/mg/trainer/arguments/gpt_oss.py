@@ -49,21 +49,6 @@ class GptOssArgs:
     moe_permute_fusion: bool = False
 
 
-GPT_OSS_YARN: dict[str, Any] = {
-    "position_embedding_type": "rope",
-    "rope_type": "yarn",
-    "rotary_scaling_factor": 32.0,
-    "original_max_position_embeddings": 131072,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.0,
-    "yarn_correction_range_round_to_int": False,
-}
-"""What Megatron's `--enable-gpt-oss` sets on the config (megatron/post_training/
-model_builder.py, core_v0.19.0)."""
-
-
 def add_gpt_oss_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--softmax-type",
@@ -206,5 +191,8 @@ def gpt_oss_config(config: TransformerConfig, g: GptOssArgs) -> TransformerConfi
         fields["extra"] = {**config.extra, "export_force_local_attention": True}
         fields["attention_backend"] = "unfused"
     if g.enable_gpt_oss:
-        fields |= GPT_OSS_YARN
+        # lazy: the argument modules stay light for `mg-train --help` (core imports torch)
+        from mg.core.models.gpt_oss_hf import MEGATRON_GPT_OSS_YARN
+
+        fields |= MEGATRON_GPT_OSS_YARN
     return dataclasses.replace(config, **fields)
