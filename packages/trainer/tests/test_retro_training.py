@@ -182,7 +182,7 @@ def test_retro_fitting_from_a_gpt_checkpoint(project: dict, tmp_path: Path) -> N
             "--seq-length 36 is not a multiple of the project's --retro-gpt-chunk-length 8",
         ),
         (["--retro-num-neighbors", "5"], "--retro-num-neighbors 5 is more than"),
-        (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size with mg-train retro"),
+        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size with mg-train"),
         (["--split", "50,50,0"], "--split 50,50,0 differs"),
     ],
 )

@@ -44,6 +44,7 @@ from mg.core.models.compile import compile_layers
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
 from mg.core.models.moe import TopKRouter
 from mg.core.models.recompute import apply_activation_recompute, apply_moe_layer_recompute
+from mg.core.models.retro import RetroModel
 from mg.core.models.te_parallel import TEParallelism
 from mg.core.models.te_spec import FP8Options, apply_transformer_engine
 from mg.core.models.vision import LLaVAModel
@@ -59,6 +60,7 @@ from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.materialize import materialize, to_keeping_marks
 from mg.core.parallel.pipeline import PipelineChunk, split_model
 from mg.core.parallel.tensor_parallel import apply_tensor_parallel
+from mg.core.parallel.tensor_parallel_retro import apply_retro_tensor_parallel
 from mg.core.parallel.tensor_parallel_vision import apply_llava_tensor_parallel
 
 
@@ -132,6 +134,12 @@ def shard_tensor_parallel(built: UnderConstruction, options: ConstructOptions) -
     """Megatron's column/row sharding as DTensors. On the whole model, before the split
     and before materializing (a meta model's shards get storage there)."""
     layout = options.layout
+    if isinstance(built.model, RetroModel):  # its cross-attention's own plan
+        seed = layout.tensor_parallel_seed(options.seed)
+        apply_retro_tensor_parallel(
+            built.model, layout.tp_mesh, layout.sequence_parallel, seed, options.device
+        )
+        return
     if isinstance(built.model, LLaVAModel):  # both towers, the projector, the language model
         seed = layout.tensor_parallel_seed(options.seed)
         apply_llava_tensor_parallel(

@@ -159,10 +159,10 @@ def check_tensor_parallel(args: Args) -> None:
         fail(f"--tensor-model-parallel-size must be >= 1, got {tp}")
     if tp == 1:
         return
-    if args.family not in ("gpt", "bert", "t5", "mamba", "vlm"):
+    if args.family not in ("gpt", "bert", "t5", "mamba", "vlm", "retro"):
         fail(
-            "--tensor-model-parallel-size > 1 is supported for gpt, bert, t5, mamba and vlm, "
-            f"not {args.family}"
+            "--tensor-model-parallel-size > 1 is supported for gpt, bert, t5, mamba, vlm and "
+            f"retro, not {args.family}"
         )
     heads = m.num_attention_heads
     groups = m.num_query_groups if m.group_query_attention else heads

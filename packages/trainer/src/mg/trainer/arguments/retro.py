@@ -123,7 +123,7 @@ def read_project_config(project_dir: str) -> dict[str, Any]:
 
 # flags whose construction step or checkpoint layout Retro does not have yet, by name
 _NOT_YET = (
-    ("--tensor-model-parallel-size", lambda a: a.distributed.tensor_model_parallel_size > 1),
+    ("--sequence-parallel", lambda a: a.distributed.sequence_parallel),
     ("--pipeline-model-parallel-size", lambda a: a.distributed.pipeline_model_parallel_size > 1),
     ("--context-parallel-size", lambda a: a.distributed.context_parallel_size > 1),
     ("--recompute-granularity", lambda a: a.model.recompute_granularity is not None),
