@@ -124,3 +124,14 @@ def test_deepseek_v3_shaped_run_trains(tmp_path, mock_argv, train) -> None:
     with torch.device("meta"):
         model = GPTModel(gpt_config(parse_args(argv), 128))
     assert isinstance(model.decoder.layers[0].self_attention, MLASelfAttention)
+
+
+def test_deepseek_v3_shaped_run_resumes_from_torch_dist_bitwise(tmp_path, mock_argv, train) -> None:
+    """Saved at iteration 3 in torch_dist (the latents' projections, the expert bias),
+    resumed to 6: the straight run's losses exactly."""
+    argv = mock_argv(tmp_path, *MLA, *DEEPSEEK_MOE, *NO_DROPOUT, mbs=2, gbs=4, iters=6)
+    straight = train(argv).losses
+    ckpt = ["--ckpt-format", "torch_dist", "--save-interval", "3"]
+    first = train([*argv, "--save", str(tmp_path / "ck"), *ckpt, "--exit-interval", "3"])
+    second = train([*argv, "--load", str(tmp_path / "ck"), "--ckpt-format", "torch_dist"])
+    assert first.losses + second.losses == straight
