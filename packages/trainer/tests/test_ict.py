@@ -115,7 +115,19 @@ def ict_argv(corpus: dict, bert: str, tmp_path: Path) -> list[str]:
     return [*argv, "--micro-batch-size", "16", "--global-batch-size", "16", "--lr", "3e-3"]
 
 
-def test_mg_train_ict(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """30 iterations of mg-train ict from a random tiny BERT."""
+    from mg.trainer.arguments import parse_args
+    from mg.trainer.training import Trainer
+
+    folder = tmp_path_factory.mktemp("ict_run")
+    bert = tiny_bert_checkpoint(folder / "bert")
+    result = Trainer(parse_args(ict_argv(corpus, bert, folder))).train()
+    return {"bert": bert, "ckpt": folder / "ckpt", "losses": result.losses}
+
+
+def test_mg_train_ict(trained):
     """mg-train ict from a BERT (--bert-load): both towers start as that BERT's encoder, the
     in-batch ICT loss goes down, and the checkpoint rebuilds the bi-encoder it trained
     (its settings recorded in the model config)."""
@@ -124,34 +136,67 @@ def test_mg_train_ict(corpus, tmp_path):
     from mg.core.checkpoint import load_checkpoint
     from mg.core.models.biencoder import BiEncoderModel
     from mg.core.models.config import TransformerConfig
-    from mg.trainer.arguments import parse_args
-    from mg.trainer.training import Trainer
 
-    bert = tiny_bert_checkpoint(tmp_path / "bert")
-    result = Trainer(parse_args(ict_argv(corpus, bert, tmp_path))).train()
-    losses = result.losses
+    losses = trained["losses"]
     print(
         f"ICT loss (16 in-batch candidates): first 5 {np.mean(losses[:5]):.3f}, last 5 "
         f"{np.mean(losses[-5:]):.3f}"
     )
     assert len(losses) == 30 and np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
 
-    state, _ = load_checkpoint(tmp_path / "ckpt")
+    state, _ = load_checkpoint(trained["ckpt"])
     config = TransformerConfig.from_dict(dict(state["mg"]["model_config"]))
     assert config.extra["biencoder"] == {
         "projection_dim": 0,
         "shared": False,
         "score_scaling": False,
     }
-    trained = BiEncoderModel(config)
-    trained.load_state_dict(state["model"])  # strict: the names the trainer saved
+    model = BiEncoderModel(config)
+    model.load_state_dict(state["model"])  # strict: the names the trainer saved
     start = BiEncoderModel(config)
-    start.load_bert(load_checkpoint(bert)[0]["model"])
+    start.load_bert(load_checkpoint(trained["bert"])[0]["model"])
     name = "encoder.layers.0.self_attention.linear_qkv.weight"
     assert torch.equal(start.query_model.state_dict()[name], start.context_model.state_dict()[name])
     assert not torch.equal(
-        trained.query_model.state_dict()[name], start.query_model.state_dict()[name]
+        model.query_model.state_dict()[name], start.query_model.state_dict()[name]
     )
+
+
+@pytest.mark.parametrize("which", ["ckpt", "bert"])
+def test_mg_eval_ict_retrieval(corpus, trained, which, capsys):
+    """mg-eval ict-retrieval: the held-out blocks in a Flat Faiss index, each query searched;
+    top-k accuracies equal numpy's brute force over the same towers. --load a BERT gives the
+    untrained bi-encoder's."""
+    import re
+
+    import torch
+
+    from mg.evaluate.cli import main
+    from mg.evaluate.ict_retrieval import load_biencoder
+
+    argv = ["ict-retrieval", "--load", str(trained[which]), "--data-path", corpus["prefix"]]
+    argv += ["--titles-data-path", corpus["titles"], "--split", "80,20,0", "--seq-length", "64"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    print(which, line)
+    found = dict(re.findall(r"(top\d+_acc|pairs): ([\d.]+)", line))
+    model, _, _ = load_biencoder(str(trained[which]))
+    sentences, titles = IndexedDataset(corpus["prefix"]), IndexedDataset(corpus["titles"])
+    documents = np.arange(96, DOCUMENTS)  # the valid split of 80,20,0
+    probe = ICTDataset(sentences, documents, 1, 64, corpus["tokenizer"], titles=titles)
+    pairs = len(probe.blocks)
+    dataset = ICTDataset(sentences, documents, pairs, 64, corpus["tokenizer"], titles=titles,
+                         query_in_block_prob=0.0, seed=1234)  # fmt: skip
+    keys = ("query_tokens", "query_pad_mask", "context_tokens", "context_pad_mask")
+    batch = {k: torch.from_numpy(np.stack([dataset[i][k] for i in range(pairs)])) for k in keys}
+    with torch.no_grad():
+        q, c = model(batch["query_tokens"], batch["query_pad_mask"],
+                     batch["context_tokens"], batch["context_pad_mask"])  # fmt: skip
+    scores = (q @ c.t()).numpy()
+    rank = (scores > scores.diagonal()[:, None]).sum(axis=1)
+    assert int(found["pairs"]) == pairs
+    for k in (1, 5, 20):
+        assert float(found[f"top{k}_acc"]) == pytest.approx((rank < k).mean() * 100, abs=0.01)
 
 
 def test_mg_train_ict_refusals(corpus, tmp_path, capsys):

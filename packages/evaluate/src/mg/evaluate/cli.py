@@ -23,6 +23,7 @@ from mg.core.io_paths import output_clash
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.harness_cli import add_harness_task
+from mg.evaluate.ict_retrieval import add_ict_retrieval_task
 from mg.evaluate.parallel_flags import add_model_parallel_flags
 from mg.evaluate.toxicity_cli import add_toxicity_task
 
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_finetune_tasks(sub)
     add_harness_task(sub)
     add_toxicity_task(sub)
+    add_ict_retrieval_task(sub)
     return parser
 
 
