@@ -1,7 +1,9 @@
-"""`mg-train vlm` with tensor parallelism on 2 gloo ranks matches one process.
+"""`mg-train vlm` with tensor parallelism, and with data parallelism and the distributed
+optimizer, on 2 gloo ranks matches one process.
 
-Both towers, the projector and the language model are sharded (TP=2, fp32, dropout
-off, the padded vocabulary 128 in both runs). Tolerance: 10 iterations, losses and
+TP=2: both towers, the projector and the language model are sharded (fp32, dropout
+off, the padded vocabulary 128 in both runs). DP=2: the distributed optimizer over
+the projector alone (both towers frozen). Tolerance: 10 iterations, losses and
 gradient norms equal to 1e-5 relative: tensor parallelism changes only the order of
 floating-point sums (split matmuls all-reduced, the vocab-parallel softmax).
 """
@@ -28,16 +30,26 @@ ITERS = 10
 RTOL = 1e-5
 
 
-@pytest.mark.slow  # two gloo ranks, then one process: ~40 s on a loaded 2-CPU box
-def test_vlm_tensor_parallel_matches_one_process(tmp_path: Path, train) -> None:
+@pytest.mark.slow  # two gloo ranks (two runs), then one process each: ~150 s on a loaded 2-CPU box
+def test_vlm_tensor_and_data_parallel_match_one_process(tmp_path: Path, train) -> None:
+    """TP=2 with the ViT frozen; DP=2 with the distributed optimizer and both towers
+    frozen (only the projector has gradient buffers and optimizer state)."""
     argv = [*VLM, "--train-iters", str(ITERS), "--data-cache-path", str(tmp_path)]
-    argv += ["--freeze-ViT"]  # a frozen tower inside a sharded model too
-    (two,) = run_ranks(
-        [[*argv, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]],
+    vit_frozen = [*argv, "--freeze-ViT"]
+    towers_frozen = [*argv, "--freeze-ViT", "--freeze-LM"]
+    tp2, dp2 = run_ranks(
+        [
+            [*vit_frozen, "--tensor-model-parallel-size", "2"]
+            + ["--make-vocab-size-divisible-by", "64"],
+            [*towers_frozen, "--use-distributed-optimizer"],
+        ],
         2,
         tmp_path / "two.json",
     )
-    one = train([*argv, "--make-vocab-size-divisible-by", "128"])
-    assert len(one.losses) == len(two["losses"]) == ITERS
-    assert two["losses"] == pytest.approx(one.losses, rel=RTOL)
-    assert two["grad_norms"] == pytest.approx(one.grad_norms, rel=RTOL)
+    for two, one in (
+        (tp2, train([*vit_frozen, "--make-vocab-size-divisible-by", "128"])),
+        (dp2, train(towers_frozen)),
+    ):
+        assert len(one.losses) == len(two["losses"]) == ITERS
+        assert two["losses"] == pytest.approx(one.losses, rel=RTOL)
+        assert two["grad_norms"] == pytest.approx(one.grad_norms, rel=RTOL)
