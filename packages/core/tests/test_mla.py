@@ -193,3 +193,38 @@ def test_mla_config_errors_name_the_field() -> None:
     config = TransformerConfig(**fields)
     assert config.rotary_dim == 8
     assert dataclasses.replace(config, multi_latent_attention=False).rotary_dim == 16
+
+
+def _flash_attn_stand_in(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **_):
+    """flash-attn 2's contract (bshd, one head size for q, k and v), on the CPU."""
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=causal,
+        scale=softmax_scale,
+    )
+    return out.transpose(1, 2)
+
+
+def test_mla_under_flash_attn_pads_its_values(monkeypatch) -> None:
+    """flash-attn takes one head size: MLA's narrower values are zero-padded to the
+    queries' and the output cut back; the logits are the SDPA path's."""
+    import sys
+    import types
+
+    from mg.core.models import attention_backend
+
+    stand_in = types.ModuleType("flash_attn")
+    stand_in.flash_attn_func = _flash_attn_stand_in
+    monkeypatch.setitem(sys.modules, "flash_attn", stand_in)
+    monkeypatch.setattr(attention_backend, "cuda_available", lambda: True)
+    fields = {**BASE, **CONFIGS["q-lora-yarn"]}
+    torch.manual_seed(0)
+    sdpa = GPTModel(TransformerConfig(**fields)).eval()
+    flash = GPTModel(TransformerConfig(**fields, attention_backend="flash")).eval()
+    flash.load_state_dict(sdpa.state_dict())
+    tokens = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(flash(tokens), sdpa(tokens), rtol=1e-5, atol=1e-5)

@@ -315,6 +315,9 @@ class FlashAttention(nn.Module):
         if torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")
         query, key, value = (t.to(dtype) for t in (query, key, value))
+        dv = value.shape[-1]
+        if dv != query.shape[-1]:  # MLA's narrower values: flash-attn takes one head size
+            value = F.pad(value, (0, query.shape[-1] - dv))
         out = self._flash_attn_func(
             query,
             key,
@@ -324,7 +327,7 @@ class FlashAttention(nn.Module):
             causal=self.causal,
             window_size=self.window_size,
         )
-        return out.reshape(*query.shape[:2], -1)
+        return out[..., :dv].reshape(*query.shape[:2], -1)
 
 
 def build_te_core_attention(
