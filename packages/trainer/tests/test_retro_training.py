@@ -207,3 +207,16 @@ def test_cli_error_is_one_line_exit_2(project: dict, tmp_path: Path, capsys) -> 
     assert main(retro_argv(project, tmp_path, "--seq-length", "36")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--retro-gpt-chunk-length" in err
+
+
+def test_torch_checkpoint_resumes_where_it_stopped(project: dict, tmp_path: Path) -> None:
+    """Saved at iteration 3 (--ckpt-format torch) and resumed: iterations 4..6 have the
+    uninterrupted run's losses, bit for bit."""
+    argv = retro_argv(project, tmp_path, "--train-iters", "6", "--lr-decay-iters", "6")
+    whole = Trainer(parse_args(argv)).train().losses
+    ckpt = str(tmp_path / "ckpt")
+    stop = ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]
+    first = Trainer(parse_args([*argv, *stop])).train().losses
+    resumed = Trainer(parse_args([*argv, "--load", ckpt])).train().losses
+    assert first == whole[:3]
+    assert resumed == whole[3:]
