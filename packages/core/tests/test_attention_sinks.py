@@ -183,3 +183,12 @@ def test_cpu_decode_kernel_adds_each_heads_sink(dtype, head_dim, block_size, win
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
     plain = kernel(query, keys, values, tables, lengths, window, scale)
     assert (plain.float() - got.float()).abs().max() > 1e-2  # the sinks took their share
+
+
+def test_context_parallel_refuses_sinks_by_name(monkeypatch):
+    import mg.core.parallel.context_parallel as cp
+    from mg.core.parallel.context_parallel import ContextParallelError, apply_context_parallel
+
+    monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)  # a CP group of 2
+    with pytest.raises(ContextParallelError, match="--softmax-type learnable"):
+        apply_context_parallel(GPTModel(_config()), None)

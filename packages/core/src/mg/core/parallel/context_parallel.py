@@ -352,6 +352,11 @@ def apply_context_parallel(
         raise ContextParallelError(
             "context parallelism does not support sliding-window attention (--window-size)"
         )
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        raise ContextParallelError(
+            f"context parallelism does not support attention sinks (--softmax-type "
+            f"{config.softmax_type}): the ring attention has no sink logit"
+        )
     # the TE spec's attention becomes TE's DotProductAttention, told the cp group
     # (mg.core.models.te_parallel), whatever kernel the plain model picked
     ringable = (
