@@ -154,3 +154,50 @@ def test_the_draft_is_the_mtp_blocks_prediction() -> None:
             depth = model.mtp.layers[0](hidden, embedded, rotary, None)
             logits = model.output_and_loss(depth, None)[0]
         assert int(logits[len(tokens) - 2, :VOCAB].argmax()) == guess
+
+
+@pytest.mark.slow  # trains the MTP head (the module's fixture) and starts mg-serve
+def test_mg_serve_drafts_with_the_mtp_layer(trained, tmp_path) -> None:
+    """`mg-serve --num-speculative-tokens 1` on a checkpoint with an MTP layer: greedy
+    completions continue the progression, and /metrics counts the accepted MTP drafts."""
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    from mg.core.checkpoint import save_model
+    from mg.core.tokenizers import TokenizerConfig
+
+    folder = tmp_path / "mtp-model"
+    save_model(folder, trained, trained.config, TokenizerConfig("NullTokenizer", vocab_size=63))
+    serve = [sys.executable, "-c", "from mg.generate_server.cli import main; main()"]
+    flags = ["--port", "0", "--log-level", "warning", "--num-threads", "1"]
+    proc = subprocess.Popen(
+        [*serve, "--load", str(folder), *flags, "--num-speculative-tokens", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"listening on (http://\S+)", line)
+        assert match, line + (proc.stdout.read() if proc.poll() is not None else "")
+        assert "draft its MTP layer x 1 tokens" in line
+        url = match.group(1)
+        body = {"prompt": "0 2 4 6 8", "max_tokens": 12, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].split() == [str(10 + 2 * i) for i in range(12)]
+        metrics = httpx.get(url + "/metrics").text
+        drafted = float(
+            re.search(r"^mg_serve_spec_decode_draft_tokens_total (\S+)$", metrics, re.M)[1]
+        )
+        accepted = float(
+            re.search(r"^mg_serve_spec_decode_accepted_tokens_total (\S+)$", metrics, re.M)[1]
+        )
+        print(f"mg-serve: {accepted:.0f}/{drafted:.0f} MTP draft tokens accepted")
+        assert drafted > 0 and accepted >= 0.5 * drafted
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -619,8 +619,9 @@ def _serve_http(
         threads = f", {runner.num_threads} threads" if runner.device.type == "cpu" else ""
         pool = runner.num_blocks * runner.block_size
         kv_dtype = ", fp8" if runner.kv_cache_dtype == "fp8" else ""
-        if drafter is not None:
-            kv_dtype += f", draft {Path(args.draft_load).name} x {drafter.num_tokens} tokens"
+        if drafter is not None:  # a draft model, or the served model's MTP layer
+            draft = Path(args.draft_load).name if args.draft_load else "its MTP layer"
+            kv_dtype += f", draft {draft} x {drafter.num_tokens} tokens"
         print(
             f"mg-serve: {loaded.name} ({layout}, {dtype}{threads}, {max_length} positions, "
             f"{args.inference_max_requests} sequences, KV cache {runner.num_blocks} blocks x "
