@@ -87,6 +87,7 @@ def test_mla_flags_become_core_config_fields(tmp_path, mock_argv) -> None:
         (0.1 * math.log(4) + 1) ** 2 / math.sqrt(12)
     )
     shape_only = MLA[: MLA.index("--rotary-scaling-factor")]
+    assert parse_args(mock_argv(tmp_path, *MLA, "--mla-down-proj-fusion")).mla.mla_down_proj_fusion
     plain_rope = gpt_config(
         parse_args(mock_argv(tmp_path, *shape_only, "--rope-type", "rope")), 128
     )
@@ -109,6 +110,8 @@ def test_mla_flags_become_core_config_fields(tmp_path, mock_argv) -> None:
             "--group-query-attention exclude",
         ),
         ([*MLA, "--qk-pos-emb-head-dim", "3"], "--qk-pos-emb-head-dim 3: RoPE needs an even"),
+        (["--mla-down-proj-fusion"], "--mla-down-proj-fusion requires --multi-latent"),
+        ([*MLA, "--cache-mla-latents"], "--cache-mla-latents is an inference option"),
     ],
 )
 def test_mla_flags_refused_by_name(tmp_path, mock_argv, extra, message) -> None:

@@ -46,6 +46,8 @@ class MLAArgs:
     yarn_beta_fast: float | None = None
     yarn_beta_slow: float | None = None
     yarn_correction_range_round_to_int: bool | None = None
+    mla_down_proj_fusion: bool = False
+    cache_mla_latents: bool = False
 
 
 _SHAPE = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
@@ -128,6 +130,22 @@ def add_mla_flags(p: argparse._ArgumentGroup) -> None:
         dest="yarn_correction_range_round_to_int",
         help="Keep YaRN's ramp band unrounded (HF truncate=False, gpt-oss).",
     )
+    add_mla_kernel_flags(p)
+
+
+def add_mla_kernel_flags(p: argparse._ArgumentGroup) -> None:
+    p.add_argument(
+        "--mla-down-proj-fusion",
+        action="store_true",
+        help="Megatron's fused q/kv down projection where its backend has one; mg computes "
+        "the unfused projections, Megatron's fallback (the same numbers).",
+    )
+    p.add_argument(
+        "--cache-mla-latents",
+        action="store_true",
+        help="Megatron's inference option (cache the latents); not for training: mg-serve "
+        "always caches MLA's latent.",
+    )
 
 
 def resolved_rope_type(a: MLAArgs) -> str:
@@ -177,6 +195,13 @@ def check_mla(args: Args) -> None:
         fail(
             f"{flag(given[0])} needs --position-embedding-type rope "
             f"(got {args.model.position_embedding_type})"
+        )
+    if a.mla_down_proj_fusion and not a.multi_latent_attention:
+        fail("--mla-down-proj-fusion requires --multi-latent-attention (Megatron's check)")
+    if a.cache_mla_latents:
+        fail(
+            "--cache-mla-latents is an inference option (Megatron: it conflicts with "
+            "training); mg-serve caches MLA's latent always, drop it here"
         )
     if (
         a.multi_latent_attention
