@@ -14,6 +14,8 @@ import logging
 import sys
 from typing import Any
 
+import torch
+
 from mg.core.retro.bert_embedder import (
     BertCheckpoint,
     BertCheckpointError,
@@ -140,6 +142,8 @@ def _run(args: argparse.Namespace) -> int:
     fingerprint = read_database_fingerprint(paths)
     db = open_database(paths, infos, config, gpt.eod)
     assert checkpoint is not None  # check() asked for --load
+    if torch.cuda.is_available():  # BERT on the GPU; Faiss stays on the CPU (faiss-cpu)
+        checkpoint.model.cuda()
     embedder = BertEmbedder(
         checkpoint.model,
         bert,

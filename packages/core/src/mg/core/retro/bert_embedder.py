@@ -142,7 +142,8 @@ def vocabulary_mismatch(
 
 
 class BertEmbedder:
-    """Texts → float32 embeddings [n, hidden] with a BERT encoder, batch by batch."""
+    """Texts → float32 embeddings [n, hidden] with a BERT encoder, batch by batch, on the
+    device the model is on (move the model to a GPU to embed there)."""
 
     def __init__(
         self,
@@ -189,6 +190,8 @@ class BertEmbedder:
         for row, seq in enumerate(sequences):
             ids[row, : len(seq)] = torch.tensor(seq)
             mask[row, : len(seq)] = 1
+        device = self.model.embedding.word_embeddings.weight.device  # where the model lives
+        ids, mask = ids.to(device), mask.to(device)
         hidden = self.model.encode(ids, mask).float()
         # the mean over the text's tokens: [CLS] (position 0) and [SEP] (the last) left out
         inner = mask.clone()
@@ -198,4 +201,4 @@ class BertEmbedder:
         means = (hidden * weights).sum(1) / weights.sum(1)
         if self.normalize:
             means = torch.nn.functional.normalize(means, dim=-1)
-        return means.numpy()
+        return means.cpu().numpy()
