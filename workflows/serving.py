@@ -21,7 +21,7 @@ from typing import Any
 class Server:
     """`mg-serve ... --port 0` as a child: its URL once /health answers; SIGINT on exit."""
 
-    def __init__(self, argv: list[str], log: Path, start_timeout: float = 600.0) -> None:
+    def __init__(self, argv: list[str], log: Path, start_timeout: float = 3600.0) -> None:
         self.argv, self.log, self.start_timeout = argv, log, start_timeout
         self.process: subprocess.Popen | None = None
 
