@@ -60,10 +60,7 @@ def test_refused_by_name(tmp_path, flags, message):
         parse_args(_mock_argv(tmp_path, *flags))
 
 
-def test_refused_with_sequence_and_context_parallel(tmp_path):
-    base = [*ROPE, "--mtp-num-layers", "1", "--tensor-model-parallel-size", "2"]
-    with pytest.raises(ArgumentError, match="--mtp-num-layers with --sequence-parallel"):
-        parse_args(_mock_argv(tmp_path, *base, "--sequence-parallel"), world_size=2)
+def test_refused_with_context_parallel(tmp_path):
     cp = [*ROPE, "--mtp-num-layers", "1", "--context-parallel-size", "2"]
     with pytest.raises(ArgumentError, match="--context-parallel-size 2: the MTP roll"):
         parse_args(_mock_argv(tmp_path, *cp), world_size=2)
@@ -160,7 +157,8 @@ ITERS = 10
 
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
-    """PP=2 (MTP on the last stage; tied and untied embeddings), TP=2 and EP=2 (MoE MTP
+    """PP=2 (MTP on the last stage; tied and untied embeddings), TP=2 (with and without
+    sequence parallelism) and EP=2 (MoE MTP
     layers), each on 2 gloo ranks, and the same flags in one process: fp32, 10 iterations."""
     tmp = tmp_path_factory.mktemp("mtp_parallel")
     run_ranks = _sibling("test_ddp.py").run_ranks
@@ -175,6 +173,7 @@ def parallel_runs(tmp_path_factory):
         "pp2": (common, ["--pipeline-model-parallel-size", "2"]),
         "pp2_untied": (untied, ["--pipeline-model-parallel-size", "2"]),
         "tp2": (untied, ["--tensor-model-parallel-size", "2"]),
+        "tp2_sp": (untied, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         "ep2": (moe, ["--expert-model-parallel-size", "2"]),
     }
     argvs = [_mock_argv(tmp, *flags, *layout, iters=ITERS) for flags, layout in layouts.values()]
@@ -188,7 +187,13 @@ def parallel_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("layout", "model"),
-    [("pp2", "tied"), ("pp2_untied", "untied"), ("tp2", "untied"), ("ep2", "moe")],
+    [
+        ("pp2", "tied"),
+        ("pp2_untied", "untied"),
+        ("tp2", "untied"),
+        ("tp2_sp", "untied"),
+        ("ep2", "moe"),
+    ],
 )
 def test_parallel_equals_one_process(parallel_runs, layout, model):
     two, one = parallel_runs[0][layout], parallel_runs[1][model]

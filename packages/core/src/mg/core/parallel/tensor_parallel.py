@@ -249,8 +249,12 @@ def apply_tensor_parallel(
     mtp = getattr(model, "mtp", None)
     if mtp is not None:  # Megatron's MTP: eh_proj column-parallel with its output gathered,
         for depth in mtp.layers:  # the transformer layer as a decoder layer
-            gathered = ColwiseParallel(output_layouts=Replicate())
-            parallelize_module(depth.eh_proj, tp_mesh, gathered, src_data_rank=None)
+            style = ColwiseParallel(output_layouts=Replicate())
+            if sequence_parallel:  # norms on sequence shards; eh_proj's input gathered and
+                for norm in (depth.enorm, depth.hnorm, depth.final_layernorm):  # its output
+                    parallelize_module(norm, tp_mesh, SequenceParallel(), src_data_rank=None)
+                style = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1))
+            parallelize_module(depth.eh_proj, tp_mesh, style, src_data_rank=None)
             layers.append(depth.transformer_layer)
     _fork_tensor_parallel_dropout(model, layers, tp_mesh, sequence_parallel, seed, device)
     for layer in layers:

@@ -80,11 +80,6 @@ def check_mtp_flags(args: Args) -> str | None:
             f"--mtp-num-layers with --context-parallel-size {d.context_parallel_size}: the MTP "
             "roll across context-parallel ranks is not implemented; use one or the other"
         )
-    if d.sequence_parallel:
-        return (
-            "--mtp-num-layers with --sequence-parallel: the MTP block takes whole sequences; "
-            "drop --sequence-parallel"
-        )
     return None
 
 
