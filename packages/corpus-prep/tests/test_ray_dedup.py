@@ -123,6 +123,22 @@ def test_a_completed_shard_is_reused(corpus, tmp_path):
     assert redone.dropped["too_few_words"] > 0  # other settings: done again
 
 
+def test_a_bad_line_in_a_shard_is_the_local_message(tmp_path):
+    from mg.corpus_prep.corpus_texts import BadLine, iter_documents
+
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_text('{"text": "ok"}\n{"text": "fine"}\n{"text": 42}\n')
+    with pytest.raises(BadLine) as local:
+        list(iter_documents([str(corpus)], ["text"]))
+    [segments] = split_segments(find_sources([str(corpus)]), 1)
+    job = CleanShardJob(0, segments, ("text",), CleanOptions(), "fail", str(tmp_path / "s"))
+    assert clean_shard(job) == ("error", str(local.value))
+    skipping = CleanShardJob(0, segments, ("text",), CleanOptions(), "skip", job.prefix)
+    kind, counts = clean_shard(skipping)
+    assert kind == "done" and counts.skipped == 1 and counts.passed == 2
+    assert counts.skip_messages == [str(local.value)]
+
+
 def prep(*args: object) -> int:
     try:
         main([str(a) for a in args])
@@ -180,7 +196,7 @@ def test_a_silent_ray_address_gives_up_after_the_connect_timeout(corpus, tmp_pat
 def test_on_ray_the_same_bytes_and_summary_as_local(ray_cluster, corpus, tmp_path, command, flags):
     outputs = {}
     for engine in ("local", "ray"):
-        out = tmp_path / f"{engine}.jsonl.gz"
+        out = tmp_path / f"{engine}.jsonl.zst"  # (gzip's header would hold the file's name)
         summary = tmp_path / f"{engine}.json"
         extra = ["--engine", "ray", "--partitions", 6] if engine == "ray" else []
         code = prep(command, "--input", corpus, "--output", out, "--summary-json", summary,
@@ -191,7 +207,7 @@ def test_on_ray_the_same_bytes_and_summary_as_local(ray_cluster, corpus, tmp_pat
         outputs[engine] = (out.read_bytes(), report)
     assert outputs["ray"] == outputs["local"]
     assert outputs["ray"][1]["documents_dropped"] >= 10
-    assert not (tmp_path / "ray.jsonl.gz.ray-shards").exists()
+    assert not (tmp_path / "ray.jsonl.zst.ray-shards").exists()
 
 
 def test_help_imports_neither_ray_nor_gigatoken_nor_datasketch():
