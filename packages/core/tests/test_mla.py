@@ -228,3 +228,19 @@ def test_mla_under_flash_attn_pads_its_values(monkeypatch) -> None:
     tokens = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(flash(tokens), sdpa(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # megatron-core's import and build
+@pytest.mark.compat
+def test_mla_torch_dist_keys_are_megatron_cores(megatron) -> None:
+    """Our torch_dist keys of an MLA GPT are megatron-core 0.16.1's `sharded_state_dict`
+    keys (its MLA local spec has no keys map: the layer norms keep their own names)."""
+    from mg.core.checkpoint.megatron_sharded_keys import key_layout, megatron_sharded_key
+
+    config = TransformerConfig(**BASE, **CONFIGS["q-lora-yarn"])
+    reference = megatron_mla_gpt(config)
+    theirs = {v.key for k, v in reference.sharded_state_dict().items() if "_extra_state" not in k}
+    layout = key_layout(config)
+    with torch.device("meta"):
+        ours = {megatron_sharded_key(n, layout).key for n, _ in GPTModel(config).named_parameters()}
+    assert ours == theirs

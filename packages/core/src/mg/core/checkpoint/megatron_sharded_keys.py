@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.mamba.config import MambaConfig
+from mg.core.models.retro import RetroConfig
 
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")
 # a multi-token prediction depth's transformer layer: keyed by its depth, no layer axis
@@ -125,6 +126,9 @@ class KeyLayout:
     num_experts: int | None = None
     layer_keys: bool = False
     row_splits: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+    fused_norm_names: bool = True
+    """The layer norms under the TE spec's fused names (`FUSED_NORMS`); False for
+    multi-latent attention, whose local spec has no keys map (its norms keep their names)."""
 
 
 def key_layout(config: TransformerConfig) -> KeyLayout:
@@ -133,9 +137,12 @@ def key_layout(config: TransformerConfig) -> KeyLayout:
     number with its mixer's fused tensors split (`MAMBA_SPLITS`)."""
     tied = not config.untie_embeddings_and_output_weights
     experts = config.num_moe_experts or None
+    if isinstance(config, RetroConfig):  # RetroModel's layers differ: keyed by number
+        return KeyLayout(config.num_layers, tied, None, True)
     if not isinstance(config, MambaConfig):
         moe_layers = per_layer_keys(config.moe_layer_freq) if experts else False
-        return KeyLayout(config.num_layers, tied, experts, moe_layers)
+        fused = not getattr(config, "multi_latent_attention", False)
+        return KeyLayout(config.num_layers, tied, experts, moe_layers, fused_norm_names=fused)
     inner = config.mamba_d_inner
     groups = config.mamba_num_groups * config.mamba_state_dim
     rows = {"z": inner, "x": inner, "B": groups, "C": groups, "dt": config.mamba_num_heads}
@@ -144,6 +151,23 @@ def key_layout(config: TransformerConfig) -> KeyLayout:
         for tail, suffixes in MAMBA_SPLITS.items()
     )
     return KeyLayout(config.num_layers, tied, experts, True, splits)
+
+
+# Retro's neighbour encoder, inside its first Retro decoder layer: its layers' norms
+# have the local spec's fused names too, but for its first layer's per-neighbour norm
+# (`pre_mlp_layernorm.norm`, no entry in its keys map)
+_RETRO_ENCODER_LAYER = re.compile(r"^(cross_attention\.encoder\.layers\.\d+\.)(.+)$")
+
+
+def _retro_encoder_norms(rest: str) -> str:
+    """A Retro encoder layer's norm under the fused name Megatron-Core keys it by."""
+    match = _RETRO_ENCODER_LAYER.match(rest)
+    if match is None or match.group(2).startswith("pre_mlp_layernorm.norm."):
+        return rest
+    for ours, theirs in FUSED_NORMS[:2]:
+        if match.group(2).startswith(ours):
+            return match.group(1) + theirs + match.group(2)[len(ours) :]
+    return rest
 
 
 def per_layer_keys(moe_layer_freq: int | list[int] | None) -> bool:
@@ -171,10 +195,11 @@ def megatron_sharded_key(name: str, layout: KeyLayout) -> ShardedKey:
         block, layer, rest = mtp.group(1), None, mtp.group(2)
     else:
         block, layer, rest = match.group(1), int(match.group(2)), match.group(3)
-    for ours, theirs in FUSED_NORMS:
+    for ours, theirs in FUSED_NORMS if layout.fused_norm_names else ():
         if rest.startswith(ours):
             rest = theirs + rest[len(ours) :]
             break
+    rest = _retro_encoder_norms(rest)
     splits = dict(layout.row_splits).get(rest, ())
     expert = None
     if routed := _ROUTED_EXPERT.match(rest):
