@@ -5,7 +5,9 @@ reference runs in a subprocess with the pinned 0.15.3 wheel (`mg.core.fixtures.
 unpacked_wheel`) first on its sys.path and 0.16.1's dependencies otherwise. Our
 model's state dict is loaded into Megatron's with `strict=True` (the names and shapes
 are Megatron's), both models run the same tokens and neighbours, and the logits are
-compared. Megatron's CUDA assumptions on the forward path are patched to CPU the way
+compared; the torch_dist keys we write are those of its `sharded_state_dict` (layers
+keyed by number, the local spec's fused norm names, inside the encoder too).
+Megatron's CUDA assumptions on the forward path are patched to CPU the way
 `mg.core.testing.megatron_reference` does for 0.16.1; 0.15's import-time CUDA
 allocator build is told there is no toolchain, and its RetroConfig that there is no
 Transformer Engine (its version check fails on None).
@@ -21,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mg.core.checkpoint.megatron_sharded_keys import key_layout, megatron_sharded_key
 from mg.core.models.retro import RetroConfig, RetroModel
 
 pytestmark = [pytest.mark.compat, pytest.mark.slow]
@@ -91,8 +94,16 @@ with torch.no_grad():
         context_position_ids=inputs["neighbour_position_ids"],
         context_mask=None,
     )
-torch.save({"logits": logits, "names": sorted(k for k in model.state_dict() if k not in extra)},
-           f"{work}/reference.pt")
+def global_shape(v):  # a gated fc1 is a factory (its halves stored apart) of the whole tensor
+    return tuple(v.global_shape) if hasattr(v, "global_shape") else tuple(v.data.shape)
+
+sharded = {
+    v.key: (global_shape(v), getattr(v, "prepend_axis_num", 0))
+    for k, v in model.sharded_state_dict().items()
+    if not k.endswith("_extra_state")
+}
+names = sorted(k for k in model.state_dict() if k not in extra)
+torch.save({"logits": logits, "names": names, "sharded": sharded}, f"{work}/reference.pt")
 """
 
 
@@ -201,6 +212,13 @@ def test_retro_logits_equal_megatron_core_015(tmp_path: Path, name: str) -> None
     reference = run_reference(tmp_path, config, case["untie"])
 
     assert reference["names"] == sorted(model.state_dict())
+    # torch_dist: our keys (mg.core.checkpoint.megatron_sharded_keys) are its sharded_state_dict's
+    layout = key_layout(config)
+    ours = {}
+    for param, tensor in model.state_dict().items():
+        key = megatron_sharded_key(param, layout)
+        ours[key.key] = (tuple(tensor.shape), key.prepend_axis_num)
+    assert ours == reference["sharded"]
     with torch.no_grad():
         logits = model(
             tokens,

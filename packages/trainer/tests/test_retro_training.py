@@ -209,10 +209,14 @@ def test_cli_error_is_one_line_exit_2(project: dict, tmp_path: Path, capsys) -> 
     assert len(err.splitlines()) == 1 and "--retro-gpt-chunk-length" in err
 
 
-def test_torch_checkpoint_resumes_where_it_stopped(project: dict, tmp_path: Path) -> None:
-    """Saved at iteration 3 (--ckpt-format torch) and resumed: iterations 4..6 have the
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_checkpoint_resumes_where_it_stopped(
+    project: dict, tmp_path: Path, ckpt_format: str
+) -> None:
+    """Saved at iteration 3 (in each format) and resumed: iterations 4..6 have the
     uninterrupted run's losses, bit for bit."""
     argv = retro_argv(project, tmp_path, "--train-iters", "6", "--lr-decay-iters", "6")
+    argv += ["--ckpt-format", ckpt_format]
     whole = Trainer(parse_args(argv)).train().losses
     ckpt = str(tmp_path / "ckpt")
     stop = ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]

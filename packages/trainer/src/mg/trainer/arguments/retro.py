@@ -134,7 +134,6 @@ _NOT_YET = (
         "--transformer-impl transformer_engine",
         lambda a: a.transformer_engine.transformer_impl == "transformer_engine",
     ),
-    ("--ckpt-format torch_dist", lambda a: a.checkpoint.ckpt_format == "torch_dist"),
 )
 
 
