@@ -78,11 +78,12 @@ def test_samples_are_the_rendered_captions_and_preprocessed_images(shards: Path)
         name = list(CAPTIONS)[int(ref.key)]
         seen.add(name)
         item = dataset[index]
-        ids = [-200, *tok.tokenize(CAPTIONS[name]), tok.eod]
+        ids = [-200, *tok.tokenize("\n"), *tok.tokenize(CAPTIONS[name]), tok.eod]
         padded = ids + [tok.eod] * (text_length + 1 - len(ids))
         assert item["tokens"].tolist() == padded[:-1]
         assert item["labels"].tolist() == padded[1:]
-        assert item["loss_mask"].tolist() == [1.0] * (len(ids) - 1) + [0.0] * (
+        # the loss: the caption and its end token (not the newline after the image)
+        assert item["loss_mask"].tolist() == [0.0] + [1.0] * (len(ids) - 2) + [0.0] * (
             text_length - len(ids) + 1
         )
         expected = load_image(fixture_path("skimage-images", name), ImageTransform.clip(56))

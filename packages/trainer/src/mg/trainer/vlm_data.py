@@ -10,8 +10,8 @@ permutation drawn from --seed for each pass over the data. An image is decoded a
 preprocessed as its tower expects (`ImageTransform.for_vision_model`); the
 conversation is rendered by `--tokenizer-prompt-format`:
 
-    raw     each human turn's text, then each answer followed by the end-of-document
-            token; the image token where the text says `<image>`
+    raw     each human turn's text and a newline, then each answer followed by the
+            end-of-document token; the image token where the text says `<image>`
     chatml  <|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n{answer}<|im_end|>\\n
 
 The loss is on the answers only (their closing token included). Samples are cut or
@@ -109,11 +109,12 @@ def render(turns: list[dict[str, str]], tokenizer: Any, prompt_format: str, imag
             add(f"<|im_start|>{role}\n", False)
             add(turn["value"] + "<|im_end|>", answer)
             add("\n", False)
-        else:
-            add(turn["value"], answer)
-            if answer:
-                ids.append(tokenizer.eod)
-                mask.append(1)
+        elif answer:
+            add(turn["value"], True)
+            ids.append(tokenizer.eod)
+            mask.append(1)
+        else:  # the newline gives the answer's first token a position to be learnt from:
+            add(turn["value"] + "\n", False)  # image rows carry no loss (Megatron's)
     return ids, mask
 
 
