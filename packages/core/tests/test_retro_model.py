@@ -91,3 +91,19 @@ def test_a_chunk_sees_its_neighbours_only_from_its_last_token_on() -> None:
         after = model(tokens, context_input_ids=changed)
     differs = (before - after).abs().amax(dim=(0, 2)) > 0
     assert differs.nonzero().flatten().tolist() == list(range(2 * m - 1, 3 * m - 1))
+
+
+def test_attention_gate_zero_shuts_the_neighbours_out() -> None:
+    """--retro-attention-gate scales the chunked cross-attention: at 0 the neighbours
+    change nothing, at 1 they do."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (1, 16))
+    neighbours = torch.randint(0, 64, (1, 4, 2, 8))
+    other = torch.randint(0, 64, (1, 4, 2, 8))
+    for gate, changes in ((0.0, False), (1.0, True)):
+        torch.manual_seed(0)
+        model = RetroModel(RetroConfig(num_layers=6, **SHAPE, **RETRO, retro_attention_gate=gate))
+        with torch.no_grad():
+            a = model(tokens, context_input_ids=neighbours)
+            b = model(tokens, context_input_ids=other)
+        assert torch.equal(a, b) is not changes
