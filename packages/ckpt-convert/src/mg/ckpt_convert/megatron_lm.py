@@ -157,6 +157,11 @@ def megatron_args_from_config(
         args.yarn_original_max_position_embeddings = c.original_max_position_embeddings
         args.yarn_beta_fast, args.yarn_beta_slow = c.beta_fast, c.beta_slow
         args.yarn_correction_range_round_to_int = c.yarn_correction_range_round_to_int
+    if c.multi_latent_attention:  # Megatron-LM's MLA flags (its default RoPE is YaRN)
+        args.multi_latent_attention, args.rope_type = True, c.rope_type
+        args.q_lora_rank, args.kv_lora_rank = c.q_lora_rank, c.kv_lora_rank
+        args.qk_head_dim, args.qk_pos_emb_head_dim = c.qk_head_dim, c.qk_pos_emb_head_dim
+        args.v_head_dim = c.v_head_dim
     if c.num_moe_experts:
         args.num_experts = c.num_moe_experts
         args.expert_tensor_parallel_size = tp  # experts split over TP as the MLP is

@@ -115,13 +115,35 @@ def config_from_megatron_args(args: Mapping[str, Any]) -> TransformerConfig:
         raise MegatronArgsError(f"Megatron-LM args lack {exc.args[0]!r}") from None
     except ConfigError as exc:
         raise MegatronArgsError(f"Megatron-LM args describe an unsupported model: {exc}") from None
+    mla = bool(get("multi_latent_attention", False))
+    if mla:
+        config = _mla_config(config, get)
     if get("enable_gpt_oss", False):  # the YaRN values Megatron's model builder sets
         config = dataclasses.replace(config, **MEGATRON_GPT_OSS_YARN)
-    elif position == "yarn" or get("rope_type") == "yarn":
-        config = _yarn_config(config, get)
+    elif position == "yarn" or get("rope_type", "yarn" if mla else "rope") == "yarn":
+        config = _yarn_config(config, get)  # (MLA's default RoPE is YaRN, as in Megatron)
     if get("num_experts"):
         config = _moe_config(config, get)
     return _mamba_config(config, get) if _is_mamba(get) else config
+
+
+def _mla_config(config: TransformerConfig, get: Any) -> TransformerConfig:
+    """Multi-latent attention from Megatron-LM's args (`--multi-latent-attention`,
+    `--q-lora-rank`, `--kv-lora-rank`, `--qk-head-dim`, `--qk-pos-emb-head-dim`,
+    `--v-head-dim`; Megatron's defaults where one is absent)."""
+    q_lora_rank = get("q_lora_rank")
+    try:
+        return dataclasses.replace(
+            config,
+            multi_latent_attention=True,
+            q_lora_rank=int(q_lora_rank) if q_lora_rank is not None else None,
+            kv_lora_rank=int(get("kv_lora_rank", 32)),
+            qk_head_dim=int(get("qk_head_dim", 128)),
+            qk_pos_emb_head_dim=int(get("qk_pos_emb_head_dim", 64)),
+            v_head_dim=int(get("v_head_dim", 128)),
+        )
+    except ConfigError as exc:
+        raise MegatronArgsError(f"Megatron-LM args describe an unsupported MLA: {exc}") from None
 
 
 def _yarn_config(config: TransformerConfig, get: Any) -> TransformerConfig:
