@@ -158,8 +158,8 @@ ITERS = 10
 @pytest.fixture(scope="module")
 def parallel_runs(tmp_path_factory):
     """PP=2 (MTP on the last stage; tied and untied embeddings), TP=2 (with and without
-    sequence parallelism) and EP=2 (MoE MTP
-    layers), each on 2 gloo ranks, and the same flags in one process: fp32, 10 iterations."""
+    sequence parallelism), EP=2 (MoE MTP layers) and Megatron FSDP (DP=2), each on 2 gloo
+    ranks, and the same flags in one process: fp32, 10 iterations."""
     tmp = tmp_path_factory.mktemp("mtp_parallel")
     run_ranks = _sibling("test_ddp.py").run_ranks
     common = [*ROPE, "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
@@ -175,6 +175,11 @@ def parallel_runs(tmp_path_factory):
         "tp2": (untied, ["--tensor-model-parallel-size", "2"]),
         "tp2_sp": (untied, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         "ep2": (moe, ["--expert-model-parallel-size", "2"]),
+        "fsdp2": (  # sbatch_mfsdp_deepseek_v3.sh's data parallelism, the MTP block sharded too
+            untied,
+            ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+            + ["--use-distributed-optimizer", "--ckpt-format", "fsdp_dtensor"],
+        ),
     }
     argvs = [_mock_argv(tmp, *flags, *layout, iters=ITERS) for flags, layout in layouts.values()]
     two = run_ranks(argvs, 2, tmp / "two.json")
@@ -193,6 +198,7 @@ def parallel_runs(tmp_path_factory):
         ("tp2", "untied"),
         ("tp2_sp", "untied"),
         ("ep2", "moe"),
+        ("fsdp2", "untied"),
     ],
 )
 def test_parallel_equals_one_process(parallel_runs, layout, model):
