@@ -147,6 +147,21 @@ def prep(*args: object) -> int:
     return 0
 
 
+def test_ray_flags_are_refused_where_they_would_do_nothing(corpus, tmp_path, capsys):
+    out = tmp_path / "o.jsonl"
+    assert prep("dedup", "--input", corpus, "--output", out, "--ray-address", "auto") == 2
+    assert "--ray-address auto: only with --engine ray" in capsys.readouterr().err
+    code = prep("clean", "--input", corpus, "--output", out, "--engine", "ray",
+                "--ray-connect-timeout", 5)  # fmt: skip
+    assert code == 2
+    assert "--ray-connect-timeout 5: only with --ray-address" in capsys.readouterr().err
+    code = prep("dedup", "--input", corpus, "--output", out, "--engine", "ray",
+                "--ray-address", "nowhere")  # fmt: skip
+    assert code == 2
+    assert "--ray-address nowhere: not an address" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def dedup_joining(corpus: Path, out: Path, address: str, *flags: str):
     started = time.monotonic()
     result = subprocess.run(

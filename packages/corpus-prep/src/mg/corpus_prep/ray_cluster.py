@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from mg.corpus_prep.engine_flags import RayAddressError, host_and_port
 from mg.corpus_prep.reader import Segment
 
 AGENT_WAIT_MS = 180_000  # a loaded machine starts Ray's agents slowly: wait longer than Ray
@@ -37,23 +38,12 @@ def first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def host_and_port(address: str) -> tuple[str, int] | None:
-    """`(host, port)` of a `host:port` or `ray://host:port` address; None for `auto`/`local`."""
-    if address in ("auto", "local"):
-        return None
-    rest = address.split("://", 1)[1] if "://" in address else address
-    host, _, port = rest.rpartition(":")
-    if not host or not port.isdigit():
-        raise RayConnectError(
-            f"--ray-address {address}: not an address; give auto, HOST:PORT "
-            "(the head's GCS port, 6379 by default) or ray://HOST:PORT"
-        )
-    return host.strip("[]"), int(port)
-
-
 def probe(address: str, timeout: float) -> None:
     """Fail at once, in one line, when nothing accepts connections at `address`."""
-    target = host_and_port(address)
+    try:
+        target = host_and_port(address)
+    except RayAddressError as err:
+        raise RayConnectError(str(err)) from None
     if target is None:
         return
     try:
