@@ -198,9 +198,11 @@ def run(steps: list[Step], s: Settings) -> dict[str, Timing]:
                     sys.exit(f"failed ({process.returncode}): {shlex.join(step.argv)}")
         elif subprocess.run(step.argv).returncode != 0:
             sys.exit(f"failed: {shlex.join(step.argv)}")
+        wall, used = time.monotonic() - start, children_cpu() - cpu
+        print(f"-- {number}. [{step.phase}] {wall:.0f} s wall, {used:.0f} s CPU", flush=True)
         timing = timings.setdefault(step.phase, Timing())
-        timing.wall += time.monotonic() - start
-        timing.cpu += children_cpu() - cpu
+        timing.wall += wall
+        timing.cpu += used
     return timings
 
 
