@@ -22,7 +22,12 @@ from mg.core.models.mla import MLASelfAttention
 
 pytest.importorskip("megatron.core")
 
-from mg.core.testing.megatron_reference import megatron_on_cpu  # noqa: E402
+from mg.core.testing.megatron_reference import (  # noqa: E402
+    megatron_mla_gpt_model,
+    megatron_on_cpu,
+)
+
+megatron_mla_gpt = megatron_mla_gpt_model
 
 BASE = dict(
     num_layers=2,
@@ -72,72 +77,6 @@ def megatron(tmp_path_factory):
         patches.setattr(mla_module, "HAVE_TE", False)
         with megatron_on_cpu(tmp_path_factory.mktemp("pg")):
             yield
-
-
-def _mla_dot_product_attention():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class MLADotProductAttention(DotProductAttention):
-        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-
-    return MLADotProductAttention
-
-
-def megatron_mla_gpt(ours: TransformerConfig):
-    """Megatron-Core's GPTModel with MLASelfAttention (local spec) of our config's shape."""
-    import torch.nn.functional as F
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel as MegatronGPTModel
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    config = MLATransformerConfig(
-        num_layers=ours.num_layers,
-        hidden_size=ours.hidden_size,
-        num_attention_heads=ours.num_attention_heads,
-        ffn_hidden_size=ours.ffn_hidden_size,
-        normalization=ours.normalization,
-        layernorm_epsilon=ours.layernorm_epsilon,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        qk_layernorm=ours.qk_layernorm,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        use_cpu_initialization=True,
-        transformer_impl="local",
-        kv_channels=ours.v_head_dim,  # the local attention's output width per head
-        multi_latent_attention=True,
-        q_lora_rank=ours.q_lora_rank,
-        kv_lora_rank=ours.kv_lora_rank,
-        qk_head_dim=ours.qk_head_dim,
-        qk_pos_emb_head_dim=ours.qk_pos_emb_head_dim,
-        v_head_dim=ours.v_head_dim,
-        rope_type=ours.rope_type,
-        rotary_base=ours.rotary_base,
-        rotary_scaling_factor=ours.rotary_scaling_factor,
-        original_max_position_embeddings=ours.original_max_position_embeddings,
-        beta_fast=ours.beta_fast,
-        beta_slow=ours.beta_slow,
-        mscale=ours.mscale,
-        mscale_all_dim=ours.mscale_all_dim,
-        apply_rope_fusion=False,
-    )
-    spec = get_gpt_layer_local_spec(
-        normalization=ours.normalization,
-        qk_layernorm=ours.qk_layernorm,
-        multi_latent_attention=True,
-    )
-    spec.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention()
-    return MegatronGPTModel(
-        config,
-        spec,
-        vocab_size=ours.vocab_size,
-        max_sequence_length=ours.max_position_embeddings,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
-        rotary_base=int(ours.rotary_base),
-    ).eval()
 
 
 @pytest.mark.slow  # megatron-core's import and build: ~40 s on 2 CPUs

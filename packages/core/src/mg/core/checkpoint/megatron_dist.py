@@ -63,6 +63,11 @@ _EXTRA_STATE_MODULES = (
     "self_attention.linear_qkv",
     "self_attention.linear_proj",
     "self_attention.core_attention",
+    "self_attention.linear_q_proj",  # multi-latent attention's linears
+    "self_attention.linear_q_down_proj",
+    "self_attention.linear_q_up_proj",
+    "self_attention.linear_kv_down_proj",
+    "self_attention.linear_kv_up_proj",
     "cross_attention.linear_q",
     "cross_attention.linear_kv",
     "cross_attention.linear_proj",

@@ -60,6 +60,11 @@ def megatron_cpu_patches() -> Any:
         pass
     else:
         patches.setattr(moe_utils, "te_general_gemm", None, raising=False)
+    # 0.16.1's MLA takes its TE stubs (None classes) for Transformer Engine and fails an
+    # isinstance check on them; without TE that branch is off
+    import megatron.core.transformer.multi_latent_attention as mla_module  # lazy: test-only
+
+    patches.setattr(mla_module, "HAVE_TE", False)
     return patches
 
 
@@ -203,4 +208,74 @@ def megatron_gpt_model(ours: TransformerConfig, **parallel: Any) -> Any:
         rotary_base=int(ours.rotary_base),
         rope_scaling=ours.rope_scaling is not None,
         rope_scaling_factor=ours.rope_scaling.factor if ours.rope_scaling else 8.0,
+    ).eval()
+
+
+def _mla_dot_product_attention() -> Any:
+    # lazy: megatron-core is a test-only dependency
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
+
+
+def megatron_mla_gpt_model(ours: TransformerConfig) -> Any:
+    """Megatron-Core's GPTModel with MLASelfAttention (local spec, SwiGLU, untied) of our
+    config's shape. 0.16.1's local DotProductAttention does not take the k_channels /
+    v_channels MLA passes it: the spec gets a subclass that drops them (kv_channels =
+    v_head_dim gives its output width)."""
+    # lazy: megatron-core is a test-only dependency
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel as MegatronGPTModel
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    config = MLATransformerConfig(
+        num_layers=ours.num_layers,
+        hidden_size=ours.hidden_size,
+        num_attention_heads=ours.num_attention_heads,
+        ffn_hidden_size=ours.ffn_hidden_size,
+        normalization=ours.normalization,
+        layernorm_epsilon=ours.layernorm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        qk_layernorm=ours.qk_layernorm,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=True,
+        transformer_impl="local",
+        kv_channels=ours.v_head_dim,  # the local attention's output width per head
+        multi_latent_attention=True,
+        q_lora_rank=ours.q_lora_rank,
+        kv_lora_rank=ours.kv_lora_rank,
+        qk_head_dim=ours.qk_head_dim,
+        qk_pos_emb_head_dim=ours.qk_pos_emb_head_dim,
+        v_head_dim=ours.v_head_dim,
+        rope_type=ours.rope_type,
+        rotary_base=ours.rotary_base,
+        rotary_scaling_factor=ours.rotary_scaling_factor,
+        original_max_position_embeddings=ours.original_max_position_embeddings,
+        beta_fast=ours.beta_fast,
+        beta_slow=ours.beta_slow,
+        mscale=ours.mscale,
+        mscale_all_dim=ours.mscale_all_dim,
+        apply_rope_fusion=False,
+    )
+    spec = get_gpt_layer_local_spec(
+        normalization=ours.normalization,
+        qk_layernorm=ours.qk_layernorm,
+        multi_latent_attention=True,
+    )
+    spec.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention()
+    return MegatronGPTModel(
+        config,
+        spec,
+        vocab_size=ours.vocab_size,
+        max_sequence_length=ours.max_position_embeddings,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        rotary_base=int(ours.rotary_base),
     ).eval()
