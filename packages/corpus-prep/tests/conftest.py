@@ -41,6 +41,7 @@ def ray_cluster():
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", "300")  # slow imports too
     with _patient_start():
         _start(ray)
     yield ray
