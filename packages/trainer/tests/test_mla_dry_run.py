@@ -9,9 +9,8 @@ flag for flag with the defaults of its variables, except where this test must:
   refused by name, tested below);
 - flags mg-train does not know yet, left out: `--recompute-modules mlp mla_up_proj
   layernorm` (only moe is kept), `--moe-router-force-load-balancing`,
-  `--auto-detect-ckpt-format`, `--dist-ckpt-strictness`, `--log-timers-to-tensorboard`,
-  `--log-memory-to-tensorboard`, `--log-num-zeros-in-grad`, `--log-params-norm`,
-  `--log-validation-ppl-to-tensorboard`, `--enable-experimental`.
+  `--log-timers-to-tensorboard`, `--log-memory-to-tensorboard`, `--log-num-zeros-in-grad`,
+  `--log-params-norm`.
 
 The plan: DeepSeek-V3's main model within 1% of its 671B (the MTP depth besides), 37B
 active per token, and MLA's KV cache: (kv_lora_rank + qk_pos_emb_head_dim) × layers × 2
@@ -63,6 +62,8 @@ SCRIPT = """
 --no-gradient-accumulation-fusion --use-distributed-optimizer --calculate-per-token-loss
 --init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer --use-nccl-ub
 --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16
+--auto-detect-ckpt-format --dist-ckpt-strictness log_all --log-validation-ppl-to-tensorboard
+--enable-experimental
 """
 
 

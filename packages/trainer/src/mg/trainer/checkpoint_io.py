@@ -36,6 +36,7 @@ from mg.core.checkpoint.layout import CheckpointError, Iteration
 from mg.core.models.config import TransformerConfig
 from mg.core.parallel.layout import ParallelLayout
 from mg.trainer import checkpointing, checkpointing_dist, checkpointing_fsdp
+from mg.trainer.arguments.checkpointing import ASSUME_OK
 from mg.trainer.checkpointing import TrainState
 
 __all__ = ["PendingSave", "TrainState", "check_savable", "resume", "save", "saved_format"]
@@ -66,12 +67,14 @@ def resume(
     load_rng: bool = True,
     iteration: int | None = None,
     layout: ParallelLayout | None = None,
+    strictness: str = ASSUME_OK,
 ) -> TrainState | None:
     """Load `load`'s latest checkpoint (or `iteration`: `--ckpt-step`) into this rank's
     objects, in whichever format it was saved; None when there is none.
 
     `layout`: the run's parallel layout (None: one process). `--finetune`, or a
-    `release` checkpoint, loads the weights only and starts at iteration 0."""
+    `release` checkpoint, loads the weights only and starts at iteration 0.
+    `strictness`: `--dist-ckpt-strictness`, for a torch_dist checkpoint."""
     what: dict[str, Any] = {
         "model": model,
         "optimizer": optimizer,
@@ -88,7 +91,7 @@ def resume(
         return checkpointing_fsdp.resume(load, **what)
     if found == TORCH_DIST:
         rng_shard = layout.shard_name if layout is not None else None
-        return checkpointing_dist.resume(load, **what, rng_shard=rng_shard)
+        return checkpointing_dist.resume(load, **what, rng_shard=rng_shard, strictness=strictness)
     # no checkpoint at all (None) is the torch reader's to report, as it always was
     return checkpointing.resume(load, **what, layout=layout)
 

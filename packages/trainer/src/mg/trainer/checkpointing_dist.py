@@ -91,7 +91,9 @@ from mg.core.parallel.fully_sharded_optimizer import FullyShardedOptimizer
 from mg.core.parallel.pipeline import global_parameter_name, global_view
 from mg.core.parallel.row_blocks import ROW_BLOCKS, row_blocks
 from mg.trainer import distributed
+from mg.trainer.arguments.checkpointing import ASSUME_OK
 from mg.trainer.checkpointing import TrainState, saved_args
+from mg.trainer.ckpt_strictness import keys_to_skip
 from mg.trainer.model_parallel import PipelineModel
 
 
@@ -424,6 +426,28 @@ def _saved_iteration(common: dict[str, Any], folder: Path, iteration: Any) -> in
     return int(iteration)
 
 
+def _apply_strictness(
+    strictness: str, sharded: dict[str, Any], folder: Path, megatron: bool
+) -> None:
+    """Leave out of `sharded`'s model request the keys the checkpoint lacks, as
+    `strictness` says (or raise, naming them)."""
+    stored = {
+        key
+        for key in stored_keys(folder)
+        if EXTRA_STATE not in key and not key.startswith(("optimizer", "rng"))
+    }
+    if megatron:
+        requested = {k for k, v in sharded.items() if isinstance(v, torch.Tensor)}
+        for key in keys_to_skip(strictness, requested, stored, str(folder)):
+            del sharded[key]
+        return
+    model = sharded["model"]
+    requested = {f"model.{k}" for k in model if EXTRA_STATE not in k}
+    stored = {k for k in stored if k.startswith("model.")}
+    for key in keys_to_skip(strictness, requested, stored, str(folder)):
+        del model[key.removeprefix("model.")]
+
+
 def resume(
     load_dir: str,
     *,
@@ -436,9 +460,11 @@ def resume(
     load_rng: bool = True,
     rng_shard: str | None = None,
     iteration: int | None = None,
+    strictness: str = ASSUME_OK,
 ) -> TrainState:
     """Load the latest torch_dist checkpoint into this rank's (possibly sharded) objects
-    (`rng_shard`: as for `save`; a stream saved in another layout is not restored)."""
+    (`rng_shard`: as for `save`; a stream saved in another layout is not restored;
+    `strictness`: `--dist-ckpt-strictness`, `mg.trainer.ckpt_strictness`)."""
     unwrapped = distributed.unwrap(model)
     model = _named_globally(unwrapped)
     iteration = read_latest_iteration(load_dir) if iteration is None else iteration
@@ -465,6 +491,8 @@ def resume(
                 sharded[key] = b""  # an object: replaced by the stored one
     else:
         sharded = {"model": rename_keys(named, experts)}
+    if strictness != ASSUME_OK:
+        _apply_strictness(strictness, sharded, folder, megatron)
     if want_optim:
         request = _optimizer_request(folder, model, optimizer)
         sharded["optimizer"] = rename_optimizer_state(request, experts)

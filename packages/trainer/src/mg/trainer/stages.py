@@ -256,6 +256,7 @@ def load_state(
         load_rng=not c.no_load_rng,
         iteration=c.ckpt_step,
         layout=environment.layout,
+        strictness=c.dist_ckpt_strictness,
     )
     if resumed is None and c.exit_on_missing_checkpoint:  # Megatron exits instead
         raise CheckpointError(

@@ -12,6 +12,21 @@ if TYPE_CHECKING:
     from mg.trainer.arguments.args import Args
 
 
+ASSUME_OK = "assume_ok_unexpected"
+STRICTNESS = (
+    ASSUME_OK,
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
+"""Megatron-Core's `StrictHandling` values (`--dist-ckpt-strictness`, `ckpt_strictness`)."""
+SUPPORTED = tuple(s for s in STRICTNESS if not s.startswith("return_"))
+
+
 @dataclass
 class CheckpointArgs:
     """Saving and resuming (`torch_dist` by default, as in Megatron; `torch` on request)."""
@@ -31,6 +46,8 @@ class CheckpointArgs:
     perform_initialization: bool = True
     overwrite_checkpoints: bool = False
     exit_on_missing_checkpoint: bool = False
+    auto_detect_ckpt_format: bool = False
+    dist_ckpt_strictness: str = ASSUME_OK
 
 
 def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
@@ -80,6 +97,22 @@ def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
         "parallel size, with or without FSDP). --load reads any, whatever --ckpt-format says.",
     )
     p.add_argument(
+        "--auto-detect-ckpt-format",
+        action="store_true",
+        help="Megatron's: read --load in whatever format it was saved. mg-train always does "
+        "(the flag is accepted for Megatron's scripts); --ckpt-format is what --save writes.",
+    )
+    p.add_argument(
+        "--dist-ckpt-strictness",
+        default=ASSUME_OK,
+        choices=STRICTNESS,
+        help="Megatron-Core's handling of model keys a torch_dist checkpoint lacks "
+        "(unexpected) and checkpoint keys the model lacks (missing): assume_ok_unexpected "
+        "fails on the first, log_unexpected / log_all / ignore_all load without them (kept "
+        "as initialised) and print them / also the missing ones / nothing, raise_unexpected "
+        "/ raise_all stop naming them; return_* are refused (no caller to return to).",
+    )
+    p.add_argument(
         "--no-initialization",
         action="store_false",
         dest="perform_initialization",
@@ -104,6 +137,12 @@ def check_initialization(args: Args) -> None:
 
 def check_checkpointing(args: Args) -> None:
     c = args.checkpoint
+    if c.dist_ckpt_strictness not in SUPPORTED:
+        fail(
+            f"--dist-ckpt-strictness {c.dist_ckpt_strictness}: returns the mismatching keys "
+            "to a caller of Megatron-Core's load(); mg-train has none: use "
+            f"{c.dist_ckpt_strictness.replace('return_', 'log_')} to have them printed"
+        )
     if c.ckpt_step is not None and c.ckpt_step <= 0:
         fail(f"--ckpt-step {c.ckpt_step}: must be an iteration of --load (at least 1)")
     if c.save_interval is not None and c.save_interval <= 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,8 @@ class LoggingArgs:
     wandb_save_dir: str | None = None
     log_throughput: bool = False
     logging_level: int | None = None
+    log_validation_ppl_to_tensorboard: bool = False
+    enable_experimental: bool = False
 
 
 def add_logging_flags(p: argparse._ArgumentGroup) -> None:
@@ -39,6 +42,18 @@ def add_logging_flags(p: argparse._ArgumentGroup) -> None:
         "(and MFU) on the log line and to tensorboard/wandb.",
     )
     p.add_argument(
+        "--log-validation-ppl-to-tensorboard",
+        action="store_true",
+        help="Megatron writes the validation perplexity to tensorboard only with this flag; "
+        "mg-train always writes it ('lm loss validation ppl').",
+    )
+    p.add_argument(
+        "--enable-experimental",
+        action="store_true",
+        help="Megatron's switch for its experimental features; mg-train has none behind it "
+        "(every feature it has is on by its own flag), so it changes nothing and says so.",
+    )
+    p.add_argument(
         "--logging-level",
         type=int,
         help="Python logging level of the run (10 debug, 20 info, 30 warning, ...), as "
@@ -50,3 +65,9 @@ def check_logging(args: Args) -> None:
     """Metric sinks whose package is missing are refused up front, not at the first log."""
     if args.logging.wandb_project and importlib.util.find_spec("wandb") is None:
         fail("--wandb-project needs the wandb package: pip install wandb (or drop the flag)")
+    if args.logging.enable_experimental:
+        print(
+            "mg-train: --enable-experimental: mg-train keeps no features behind it (each is on "
+            "by its own flag); nothing changes",
+            file=sys.stderr,
+        )
