@@ -38,8 +38,11 @@ class AtomicJsonlWriter:
         compression = compression_of(self.path)
         self._stream: IO[bytes]
         if compression == "gzip":
-            # mtime=0: the same input gives byte-identical output
-            self._stream = gzip.GzipFile(fileobj=self._raw, mode="wb", mtime=0)  # type: ignore[assignment]
+            # mtime=0 and no file name in the header (it would be the temporary file's): the
+            # same input gives byte-identical output
+            self._stream = gzip.GzipFile(  # type: ignore[assignment]
+                filename="", fileobj=self._raw, mode="wb", mtime=0
+            )
         elif compression == "zstd":
             self._stream = zstandard.ZstdCompressor().stream_writer(self._raw, closefd=False)  # type: ignore[assignment]
         else:
