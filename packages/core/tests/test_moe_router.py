@@ -186,3 +186,29 @@ def test_sinkhorn_routing_selects_topk_and_takes_no_aux_loss():
     probs, routing_map = router(torch.randn(8, 8), seq_length=8)
     assert routing_map.sum(dim=1).tolist() == [2] * 8
     assert ((probs > 0) == routing_map).all()
+
+
+def test_force_load_balancing_routes_by_random_logits_with_a_straight_through_gradient():
+    """--moe-router-force-load-balancing: identical tokens (which a learned router sends to
+    the same two experts) spread over all four experts about evenly, and the gating
+    weight's gradient is the one the random logits pass straight through."""
+    router = _router(moe_router_force_load_balancing=True)
+    tokens = torch.randn(1, 8).expand(4000, 8).contiguous()
+    torch.manual_seed(1)
+    probs, routing_map = router(tokens, seq_length=4000)
+    counts = routing_map.sum(0).float()
+    assert counts.sum() == 8000
+    assert (counts - 2000).abs().max() < 150  # a learned router: [4000, 4000, 0, 0]
+    torch.manual_seed(1)
+    random_logits = torch.randn(4000, 4)
+    scores = torch.softmax(random_logits, dim=-1)
+    top, index = scores.topk(2, dim=-1)
+    expected = torch.zeros_like(scores).scatter(1, index, top / top.sum(-1, keepdim=True))
+    torch.testing.assert_close(probs, expected)
+    upstream = torch.randn_like(probs)
+    (probs * upstream).sum().backward()
+    logits = random_logits.clone().requires_grad_()
+    s = torch.softmax(logits, dim=-1)
+    t = s.gather(1, index)
+    (torch.zeros_like(s).scatter(1, index, t / t.sum(-1, keepdim=True)) * upstream).sum().backward()
+    torch.testing.assert_close(router.weight.grad, logits.grad.T @ tokens)

@@ -8,8 +8,7 @@ flag for flag with the defaults of its variables, except where this test must:
 - `--transformer-impl transformer_engine`: local (MLA is built with the local spec only;
   refused by name, tested below);
 - flags mg-train does not know yet, left out: `--recompute-modules mlp mla_up_proj
-  layernorm` (only moe is kept), `--moe-router-force-load-balancing`,
-  `--log-timers-to-tensorboard`, `--log-memory-to-tensorboard`, `--log-num-zeros-in-grad`,
+  layernorm` (only moe is kept), `--log-timers-to-tensorboard`, `--log-memory-to-tensorboard`, `--log-num-zeros-in-grad`,
   `--log-params-norm`.
 
 The plan: DeepSeek-V3's main model within 1% of its 671B (the MTP depth besides), 37B
@@ -63,7 +62,7 @@ SCRIPT = """
 --init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer --use-nccl-ub
 --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16
 --auto-detect-ckpt-format --dist-ckpt-strictness log_all --log-validation-ppl-to-tensorboard
---enable-experimental
+--enable-experimental --moe-router-force-load-balancing
 """
 
 

@@ -259,6 +259,9 @@ class TransformerConfig:
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
+    moe_router_force_load_balancing: bool = False
+    """Benchmarking (Megatron's flag): the router's logits replaced by standard-normal noise,
+    gradients passed straight through, so every expert gets about the same tokens."""
     moe_expert_capacity_factor: float | None = None
     """None: dropless. Otherwise each expert takes at most ceil(tokens·k/E · factor)."""
     moe_token_drop_policy: MoEDropPolicy = "probs"

@@ -40,6 +40,7 @@ class MoEArgs:
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
+    moe_router_force_load_balancing: bool = False
     moe_expert_capacity_factor: float | None = None
     moe_token_drop_policy: str = "probs"
     moe_pad_expert_input_to_capacity: bool = False
@@ -133,6 +134,12 @@ def add_moe_flags(p: argparse._ArgumentGroup) -> None:
         help="Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the choice.",
     )
     p.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    p.add_argument(
+        "--moe-router-force-load-balancing",
+        action="store_true",
+        help="For benchmarks, as Megatron's: random router logits (gradients passed straight "
+        "through), so the experts get balanced loads whatever the router has learned.",
+    )
     p.add_argument(
         "--moe-expert-capacity-factor",
         type=float,

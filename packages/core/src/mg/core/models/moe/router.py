@@ -63,6 +63,21 @@ class AuxLossBackward(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, AuxLossBackward.scale)
 
 
+class RandomLogits(torch.autograd.Function):
+    """Standard-normal logits in place of the router's, the gradient passed straight through
+    (Megatron's `RandomSTE`, `--moe-router-force-load-balancing`): balanced expert loads for
+    benchmarks. The draw uses the default generator, which every tensor-parallel rank of a
+    stage seeds alike, so they route their shared tokens alike."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor) -> Tensor:  # type: ignore[override]
+        return grad_output
+
+
 def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -282,6 +297,8 @@ class TopKRouter(nn.Module):
         replay = recomputing()  # a recomputation: the forward's statistics are counted
         losses, self.losses = self.losses, {}
         logits = self.gating(tokens)
+        if c.moe_router_force_load_balancing:
+            logits = RandomLogits.apply(logits)
         training = self.training and torch.is_grad_enabled()
         if c.moe_z_loss_coeff is not None and training:
             coeff = c.moe_z_loss_coeff / _group_size(self.tp_cp_group)
