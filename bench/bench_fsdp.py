@@ -6,10 +6,10 @@
     uv run --frozen python bench/bench_fsdp.py --quick         # a small model, for a smoke run
 
 The larger models run a single-process baseline (the distributed optimizer on one
-rank, bench_scale.py's "TP=1 PP=1 sharded" path) and the FSDP strategies that shard
-something, and report each rank's training peak over the baseline's: the whole-model
-paths (DDP, FSDP `no_shard`) would need four whole copies of the model's training
-state on one machine; their plan is printed instead.
+rank, bench_scale.py's "TP=1 PP=1 sharded" path) and FSDP `optim_grads_params`
+(ZeRO-3), and report each rank's training peak over the baseline's: the paths that
+keep whole parameters on every rank would need up to four whole copies of the
+model's training state on one machine; their plan is printed instead.
 
 One GPT config (fp32, AdamW, mock data, micro-batch 1, 2 micro-batches per rank) runs
 as 4 gloo ranks on this machine for each data-parallel path: plain DDP, the
@@ -66,8 +66,8 @@ MODELS = {
 # the paths each model runs: the whole-model DP paths only where four copies fit
 MODEL_PATHS = {
     "124m": [p for p in PATHS if p != ONE_PROCESS],
-    "275m": [ONE_PROCESS, "FSDP optim_grads", "FSDP optim_grads_params"],
-    "757m": [ONE_PROCESS, "FSDP optim_grads", "FSDP optim_grads_params"],
+    "275m": [ONE_PROCESS, "FSDP optim_grads_params"],
+    "757m": [ONE_PROCESS, "FSDP optim_grads_params"],
 }  # fmt: skip
 
 
