@@ -204,7 +204,13 @@ def setup_optimizer(args: Args, layout: ParallelLayout, model: nn.Module) -> Opt
     if args.fsdp.enabled:  # the torch optimizer over the shards fully_shard left
         experts = layout.ep_group if layout.experts_apart else None
         scale = layout.expert_dp / (layout.dp * layout.cp) if layout.experts_apart else 1.0
-        optimizer = FullyShardedOptimizer(build_optimizer(model, o), model, experts, scale)
+        sharded_grads = args.fsdp.data_parallel_sharding_strategy in (
+            "optim_grads",
+            "optim_grads_params",
+        )
+        optimizer = FullyShardedOptimizer(
+            build_optimizer(model, o), model, experts, scale, reduce_every_micro_batch=sharded_grads
+        )
     else:
         optimizer = build_optimizer(
             model,

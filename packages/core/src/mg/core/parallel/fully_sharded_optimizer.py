@@ -34,9 +34,14 @@ class FullyShardedOptimizer:
         model: nn.Module,
         expert_group: dist.ProcessGroup | None = None,
         expert_grad_scale: float = 1.0,
+        reduce_every_micro_batch: bool = False,
     ) -> None:
         self.optimizer = optimizer
         self.model = model
+        self.reduce_every_micro_batch = reduce_every_micro_batch
+        """Reduce-scatter each micro-batch's gradients into the sharded ones (the strategies
+        that shard gradients, as Megatron-FSDP does): accumulating them unreduced would
+        hold every layer's whole gradient until the last micro-batch."""
         self.expert_group = expert_group
         """The expert-parallel group (expert parallelism only): its ranks hold other experts."""
         self.expert_grad_scale = expert_grad_scale
@@ -53,7 +58,10 @@ class FullyShardedOptimizer:
         return self.optimizer.state
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
-        """Accumulate this micro-batch's gradients without reducing them."""
+        """Accumulate this micro-batch's gradients without reducing them (unless they are
+        reduced every micro-batch)."""
+        if self.reduce_every_micro_batch:
+            return contextlib.nullcontext()
         return no_gradient_sync(self.model)
 
     @torch.no_grad()
