@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from mg.core.models.config import RopeScaling, TransformerConfig
+from mg.core.models.hf_config_fields import decoder_shape
 
 GEMMA3_TYPE = "gemma3_text"
 GEMMA3_CLASS = "Gemma3ForCausalLM"
@@ -118,18 +119,7 @@ def gemma3_config_from_hf(c: dict[str, Any]) -> dict[str, Any]:
     if not window:
         rope["rotary_base_local"] = None
     return dict(
-        num_layers=c["num_hidden_layers"],
-        hidden_size=c["hidden_size"],
-        num_attention_heads=c["num_attention_heads"],
-        num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"],
-        kv_channels=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-        ffn_hidden_size=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        seq_length=c["max_position_embeddings"],
-        max_position_embeddings=c["max_position_embeddings"],
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
+        **decoder_shape(c, eps=1e-6),
         layernorm_zero_centered_gamma=True,
         sandwich_norms=True,
         qk_layernorm=True,

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from mg.core.models.config import TransformerConfig
+from mg.core.models.hf_config_fields import decoder_shape
 
 GPT_OSS_TYPE = "gpt_oss"
 GPT_OSS_CLASS = "GptOssForCausalLM"
@@ -219,18 +220,7 @@ def gpt_oss_config_from_hf(c: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("gpt-oss layer_types has sliding layers but sliding_window is null")
     experts = c.get("num_local_experts") or c["num_experts"]
     return dict(
-        num_layers=layers,
-        hidden_size=c["hidden_size"],
-        num_attention_heads=c["num_attention_heads"],
-        num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"],
-        kv_channels=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-        ffn_hidden_size=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        seq_length=c["max_position_embeddings"],
-        max_position_embeddings=c["max_position_embeddings"],
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        layernorm_epsilon=c.get("rms_norm_eps", 1e-5),
+        **decoder_shape(c, eps=1e-5, num_layers=layers),
         activation="quick_geglu",
         glu_linear_offset=1.0,
         activation_func_clamp_value=float(c.get("swiglu_limit", 7.0)),

@@ -54,6 +54,7 @@ from mg.core.models.gpt_oss_hf import (
     pack_experts,
     unpack_experts,
 )
+from mg.core.models.hf_config_fields import decoder_shape
 from mg.core.models.te_spec import te_spec_name
 
 # Weight tables ---------------------------------------------------------------
@@ -731,20 +732,9 @@ def config_from_hf(hf_config: Any, **overrides: Any) -> TransformerConfig:
         rotary_base, rope_scaling = _rope_from_hf(c)
         sliding_window = c.get("sliding_window") if model_type == "mistral" else None
         fields = dict(
-            num_layers=c["num_hidden_layers"],
-            hidden_size=c["hidden_size"],
-            num_attention_heads=c["num_attention_heads"],
-            num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"],
-            kv_channels=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-            ffn_hidden_size=c["intermediate_size"],
-            vocab_size=c["vocab_size"],
-            seq_length=c["max_position_embeddings"],
-            max_position_embeddings=c["max_position_embeddings"],
-            position_embedding_type="rope",
+            **decoder_shape(c, eps=1e-6),
             rotary_base=rotary_base,
             rope_scaling=rope_scaling,
-            normalization="RMSNorm",
-            layernorm_epsilon=c.get("rms_norm_eps", 1e-6),
             activation="swiglu",
             add_bias_linear=bool(attention_bias),
             add_qkv_bias=model_type == "qwen2",
