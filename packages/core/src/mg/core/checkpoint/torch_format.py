@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from mg.core.checkpoint.dist_format import is_torch_dist, load_common
 from mg.core.checkpoint.layout import (
     DISPLACED_SUFFIX,
@@ -181,6 +183,18 @@ class _Staging:
             )
 
 
+def _written_dirs(own: str | None) -> list[str] | None:
+    """The `mp_rank_*` folders the job's ranks write (`own`: this rank's, None if it writes
+    nothing), gathered from every rank; None without a process group. Not every cell of
+    the TP x PP x EP grid has a writer: with experts apart from tensor parallelism only
+    the expert-data-parallel rank 0 of each position writes, as Megatron's legacy saver."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, own)
+    return sorted({d for d in gathered if d is not None})
+
+
 def save_checkpoint(
     save_dir: str | Path,
     iteration: Iteration,
@@ -232,7 +246,7 @@ def save_checkpoint(
         except SaveError as error:  # raised below, once every rank knows
             failure = error
     sync()
-    expected = [
+    expected = _written_dirs(rank_dir if state is not None else None) or [
         rank_dirname(t, p, pp_size, e, ep_size)
         for t in range(tp_size)
         for p in range(pp_size)
