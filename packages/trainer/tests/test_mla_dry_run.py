@@ -8,8 +8,8 @@ flag for flag with the defaults of its variables, except where this test must:
 - `--transformer-impl transformer_engine`: local (MLA is built with the local spec only;
   refused by name, tested below);
 - flags mg-train does not know yet, left out: `--recompute-modules mlp mla_up_proj
-  layernorm` (only moe is kept), `--log-timers-to-tensorboard`, `--log-memory-to-tensorboard`, `--log-num-zeros-in-grad`,
-  `--log-params-norm`.
+  layernorm` (only moe is kept), `--log-timers-to-tensorboard`,
+  `--log-memory-to-tensorboard`, `--log-num-zeros-in-grad`, `--log-params-norm`.
 
 The plan: DeepSeek-V3's main model within 1% of its 671B (the MTP depth besides), 37B
 active per token, and MLA's KV cache: (kv_lora_rank + qk_pos_emb_head_dim) × layers × 2
