@@ -61,9 +61,12 @@ def training_log_line(
     grad_norm: float | None,
     skipped: int,
     nan_iterations: int,
+    num_zeros: int | None = None,
+    params_norm: float | None = None,
     now: datetime | None = None,
 ) -> str:
-    """Megatron's training log line."""
+    """Megatron's training log line (`num_zeros`, `params_norm`: --log-num-zeros-in-grad,
+    --log-params-norm)."""
     stamp = (now or datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
     s = f" [{stamp}]"
     s += f" iteration {iteration:8d}/{train_iters:8d} |"
@@ -78,6 +81,10 @@ def training_log_line(
     s += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         s += f" grad norm: {grad_norm:.3f} |"
+    if num_zeros is not None:
+        s += f" num zeros: {num_zeros} |"
+    if params_norm is not None:
+        s += f" params norm: {params_norm:.3f} |"
     s += f" number of skipped iterations: {skipped:3d} |"
     s += f" number of nan iterations: {nan_iterations:3d} |"
     return s

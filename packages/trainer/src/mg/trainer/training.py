@@ -62,6 +62,7 @@ from mg.trainer.logging_utils import (
 )
 from mg.trainer.loss_scaler import autocast_dtype, unscale_and_check
 from mg.trainer.optimizer import clip_grad_norm
+from mg.trainer.step_stats import StepStats
 
 
 @dataclass
@@ -220,6 +221,8 @@ class Trainer:
         self._build_data()
         logs = stages.setup_logging(args, environment, bf16=self.dtype == torch.bfloat16)
         self.housekeeping, self.peak, self.writer = logs.housekeeping, logs.peak, logs.writer
+        self.stats = StepStats(args, self.layout, self.model, self.optimizer, self.env.device)
+        self.housekeeping = self.stats.timed(self.housekeeping)  # --log-timers-to-tensorboard
 
     def _build_data(self) -> None:
         t = self.args.training
@@ -551,6 +554,7 @@ class Trainer:
                 }
                 if grad_norm is not None:
                     scalars["grad-norm"] = grad_norm
+                scalars |= self.stats.after_step(st.iteration, stepped=not skipped)
                 self.writer.scalars(scalars, st.iteration)
                 if st.iteration % args.logging.log_interval == 0:
                     elapsed = (time.time() - interval_time) / interval_iters
@@ -576,6 +580,7 @@ class Trainer:
                                 grad_norm=grad_norm,
                                 skipped=st.skipped_iterations,
                                 nan_iterations=interval_nan,
+                                **self.stats.line_fields(),
                             ),
                             flush=True,
                         )

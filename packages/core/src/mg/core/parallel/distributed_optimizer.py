@@ -445,6 +445,13 @@ class DistributedOptimizer:
             dist.all_reduce(squares, group=self._pipeline_group)
         return squares
 
+    def grad_shards(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """(parameter, its part of this rank's averaged gradient shard) per fragment."""
+        return [
+            (f.param, f.bucket.main_grad_shard[f.shard_offset : f.shard_offset + f.numel])
+            for f in self._fragments
+        ]
+
     def scale_grads(self, coefficient: float) -> None:
         """Multiply the shard's gradients (clipping), if the coefficient is below 1."""
         if coefficient < 1.0:

@@ -1,52 +1,77 @@
-"""The global gradient norm and clipping when some gradients are DTensor shards.
+"""Sums over tensors that may be DTensor shards: the gradient norm, and what the log adds.
 
 `torch.nn.utils.clip_grad_norm_` cannot mix plain and DTensor gradients, and a
-per-parameter `full_tensor()` would cost one collective per parameter. Here
-the squares of every sharded gradient's local part are summed, all-reduced
-once per mesh, and added to the squares of the replicated gradients (counted
-once, as every rank holds all of them), which is Megatron's
-`get_grad_norm_fp32` over the model-parallel group.
+per-parameter `full_tensor()` would cost one collective per parameter. Here a
+statistic of every sharded tensor's local part (the squares for a norm, the zeros
+for `--log-num-zeros-in-grad`) is summed, all-reduced once per mesh and sharded
+dims, and added to that of the replicated tensors (counted once, as every rank
+holds all of them), which is Megatron's `get_grad_norm_fp32` and
+`count_zeros_fp32` over the model-parallel group.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+LocalStat = Callable[[Tensor], Tensor]
+"""A statistic of one local tensor, additive over its elements (a 0-d float64 tensor)."""
 
-def _is_sharded(grad: DTensor) -> bool:
-    if any(p.is_partial() for p in grad.placements):
+
+def squares(tensor: Tensor) -> Tensor:
+    """The sum of squares (a norm's square), in float64."""
+    return torch.linalg.vector_norm(tensor.double()) ** 2
+
+
+def zeros(tensor: Tensor) -> Tensor:
+    """The number of zero elements (Megatron's `numel - count_nonzero`)."""
+    return (tensor.numel() - torch.count_nonzero(tensor)).double()
+
+
+def sharded_dims(tensor: Tensor) -> tuple[int, ...]:
+    """The mesh dims a DTensor is sharded on (none for a plain or replicated tensor)."""
+    if not isinstance(tensor, DTensor):
+        return ()
+    if any(p.is_partial() for p in tensor.placements):
         raise ValueError(
-            f"a gradient is still a partial sum ({grad.placements}); reduce it before the norm"
+            f"a gradient is still a partial sum ({tensor.placements}); reduce it before the norm"
         )
-    return any(not p.is_replicate() for p in grad.placements)
+    return tuple(i for i, p in enumerate(tensor.placements) if not p.is_replicate())
+
+
+def global_sum(tensors: Iterable[Tensor], stat: LocalStat) -> float:
+    """`stat` summed over tensors as if they were unsharded (the same on every rank).
+
+    Every rank of a mesh must pass tensors of the same layouts (one collective per
+    mesh and sharded dims)."""
+    total = torch.zeros((), dtype=torch.float64)
+    sharded: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, Tensor]] = {}
+    for tensor in tensors:
+        dims = sharded_dims(tensor)
+        if not dims:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            total += stat(local).cpu()
+            continue
+        value = stat(tensor.to_local())
+        key = (id(tensor.device_mesh), dims)
+        mesh, acc = sharded.get(key, (tensor.device_mesh, torch.zeros_like(value)))
+        sharded[key] = (mesh, acc + value)  # on the collective's device
+    for (_, dims), (mesh, acc) in sharded.items():
+        for dim in dims:
+            dist.all_reduce(acc, group=mesh.get_group(dim))
+        total += acc.cpu()
+    return float(total)
 
 
 def global_grad_norm(grads: Iterable[Tensor]) -> float:
     """L2 norm of all gradients as if they were unsharded (same value on every rank)."""
-    local_sq = torch.zeros((), dtype=torch.float64)
-    sharded_sq: dict[int, tuple[DTensor, Tensor]] = {}
-    for grad in grads:
-        if isinstance(grad, DTensor):
-            sq = torch.linalg.vector_norm(grad.to_local().double()) ** 2
-            if _is_sharded(grad):
-                key = id(grad.device_mesh)
-                mesh_grad, total = sharded_sq.get(key, (grad, torch.zeros_like(sq)))
-                sharded_sq[key] = (mesh_grad, total + sq)  # on the collective's device
-                continue
-            local_sq += sq.cpu()
-        else:
-            local_sq += (torch.linalg.vector_norm(grad.double()) ** 2).cpu()
-    for mesh_grad, total in sharded_sq.values():
-        # Sharded over every dim of its mesh (a 1-D tensor-parallel mesh here).
-        dist.all_reduce(total, group=mesh_grad.device_mesh.get_group())
-        local_sq += total.cpu()
-    return math.sqrt(float(local_sq))
+    return math.sqrt(global_sum(grads, squares))
 
 
 @torch.no_grad()

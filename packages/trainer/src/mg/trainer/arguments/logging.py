@@ -27,6 +27,10 @@ class LoggingArgs:
     logging_level: int | None = None
     log_validation_ppl_to_tensorboard: bool = False
     enable_experimental: bool = False
+    log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_timers_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
 
 
 def add_logging_flags(p: argparse._ArgumentGroup) -> None:
@@ -46,6 +50,36 @@ def add_logging_flags(p: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="Megatron writes the validation perplexity to tensorboard only with this flag; "
         "mg-train always writes it ('lm loss validation ppl').",
+    )
+    p.add_argument(
+        "--log-params-norm",
+        action="store_true",
+        help="Compute the L2 norm of all parameters after each step (every parameter once "
+        "over the tensor, pipeline, expert and data-parallel ranks): 'params norm' on the "
+        "log line, 'params-norm' in tensorboard/wandb.",
+    )
+    p.add_argument(
+        "--log-num-zeros-in-grad",
+        action="store_true",
+        help="Count the zero elements of the gradients the optimizer steps with (unscaled "
+        "and clipped, every element once over the ranks): 'num zeros' on the log line, "
+        "'num-zeros' in tensorboard/wandb.",
+    )
+    p.add_argument(
+        "--log-timers-to-tensorboard",
+        action="store_true",
+        help="Write the step's timers at each log line as '<name>-time' (seconds per "
+        "iteration, the slowest rank's): forward-backward (the micro-batches' forward and "
+        "backward) and optimizer (from the end of backward to the end of the step: the "
+        "gradient reduction, unscaling, clipping and the update).",
+    )
+    p.add_argument(
+        "--log-memory-to-tensorboard",
+        action="store_true",
+        help="Write memory figures every iteration: on GPU torch.cuda.memory_stats()'s "
+        "mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes and "
+        "mem-allocated-count (as Megatron); on CPU the process's resident memory, "
+        "mem-rss-bytes, and its peak, mem-max-rss-bytes.",
     )
     p.add_argument(
         "--enable-experimental",
