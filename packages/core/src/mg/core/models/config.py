@@ -553,12 +553,6 @@ class TransformerConfig:
                 "multi-latent attention has one key/value per head; leave num_query_groups "
                 "unset (Megatron: group query attention excludes MLA)",
             )
-        if self.transformer_impl == "transformer_engine":
-            fail(
-                "transformer_impl",
-                "multi-latent attention is built with the local spec only; use "
-                "--transformer-impl local",
-            )
         for name in ("window_size", "attn_logit_softcapping", "rotary_base_local"):
             if getattr(self, name) is not None:
                 fail(name, "not with multi_latent_attention")

@@ -362,7 +362,7 @@ def build_te_core_attention(
 
     module = _te_attention_class(te.DotProductAttention)(
         num_attention_heads=config.num_attention_heads,
-        kv_channels=config.kv_channels,
+        kv_channels=te_kv_channels(config),
         num_gqa_groups=config.num_query_groups,
         attention_dropout=config.attention_dropout,
         qkv_format="bshd",
@@ -374,6 +374,15 @@ def build_te_core_attention(
     )
     module.fork_dropout = parallel.tp_size > 1 and config.attention_dropout > 0
     return module
+
+
+def te_kv_channels(config: TransformerConfig) -> int | tuple[int, int]:
+    """TE's `kv_channels`: the head size, or with multi-latent attention the key's and the
+    value's ((qk_head_dim + qk_pos_emb_head_dim, v_head_dim), as Megatron passes
+    k_channels / v_channels)."""
+    if config.multi_latent_attention:
+        return (config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim)
+    return config.kv_channels
 
 
 @functools.cache

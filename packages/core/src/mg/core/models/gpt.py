@@ -197,7 +197,10 @@ class TransformerLayer(nn.Module):
         te = uses_te_spec(config)
         # an MTP layer (numbered after the decoder's) is of the last decoder layer's kind
         is_moe = config.moe_layer_pattern[min(layer_number, config.num_layers) - 1]
-        self.input_layernorm = nn.Identity() if te else build_norm(config)
+        # (multi-latent attention's input norm stays a module: its down projections are
+        # plain TE Linears, the latents' norms are fused into the up projections)
+        fused_input = te and not config.multi_latent_attention
+        self.input_layernorm = nn.Identity() if fused_input else build_norm(config)
         self.self_attention = (  # DeepSeek's multi-latent attention (mla.py) or the usual
             MLASelfAttention(config, layer_number, build_norm)
             if config.multi_latent_attention

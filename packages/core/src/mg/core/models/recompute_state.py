@@ -6,12 +6,20 @@ checkpointed region runs again in the backward pass, `checkpointed_forward()`
 while its first run does, so a value computed then can be handed to the
 recomputation. The model code reads these; `mg.core.models.recompute` applies
 the checkpoints with `recompute_context` as their `context_fn`.
+
+`DiscardedOutput` is the other kind of checkpoint Megatron uses (for a norm, MLA's up
+projections, the MoE experts' activation): the model code calls it where its
+`recompute_*` switches say so.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
 
 from mg.core.models.rng_stream import checkpoint_context
 
@@ -43,3 +51,87 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, ...]:
     (`checkpoint_context`) and `recomputing()` / `checkpointed_forward()` kept."""
     forward, recompute = checkpoint_context()
     return _within("forward", forward), _within("recompute", recompute)
+
+
+def inside_checkpoint() -> bool:
+    """True inside a checkpointed region, first run or recomputation."""
+    return _depth["forward"] > 0 or _depth["recompute"] > 0
+
+
+class _DiscardedOutputRegion(torch.autograd.Function):
+    """The region's forward without a graph (its inputs saved); its backward runs the
+    graph the recomputation built (`DiscardedOutput._recompute`)."""
+
+    @staticmethod
+    def forward(ctx: Any, region: DiscardedOutput, *inputs: Tensor) -> Any:  # type: ignore[override]
+        with torch.no_grad():
+            outputs = region.function(*inputs)
+        ctx.save_for_backward(*inputs)
+        ctx.region = region
+        region.ctx = ctx
+        return outputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        region = ctx.region
+        if region.recomputed is None:  # no hook fired (nothing was discarded)
+            region._recompute()
+        inputs, outputs = region.recomputed
+        region.recomputed = region.ctx = None
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, *(x.grad if x.requires_grad else None for x in inputs))
+
+
+class DiscardedOutput:
+    """Megatron's output-discarding checkpoint (`CheckpointWithoutOutput`), plain PyTorch.
+
+    `run(*inputs)` computes `function` without keeping its intermediate activations;
+    the module after it saves the outputs as usual. Once that module has run,
+    `discard(after)` frees the outputs' storage (the tensors stay, empty), and when the
+    gradient reaches `after` in the backward pass the region runs again and refills
+    that same storage, so the later module's saved tensors are whole when its own
+    backward needs them. Memory: neither the region's activations nor its outputs
+    live between the forward and the backward. Inside another checkpoint (whose
+    recomputation builds graphs no hook reaches) and without gradients it is a plain
+    call. `function` takes and returns tensors only, the outputs contiguous.
+    """
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+        self.active = torch.is_grad_enabled() and not inside_checkpoint()
+        self.outputs: tuple[Tensor, ...] = ()
+        self.ctx: Any = None
+        self.recomputed: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
+
+    def run(self, *inputs: Tensor) -> Any:
+        if not self.active:
+            return self.function(*inputs)
+        outputs = _DiscardedOutputRegion.apply(self, *inputs)
+        self.outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+        return outputs
+
+    def discard(self, after: Tensor) -> None:
+        """Free the outputs; refill them when `after`'s gradient is computed."""
+        if not self.active or not after.requires_grad:
+            return
+        for output in self.outputs:
+            output.untyped_storage().resize_(0)
+        after.register_hook(self._refill)
+
+    def _refill(self, grad: Tensor) -> None:
+        if self.recomputed is None and self.ctx is not None:
+            self._recompute()
+            for kept, again in zip(self.outputs, self.recomputed[1], strict=True):
+                storage = again.untyped_storage()
+                kept.untyped_storage().resize_(storage.nbytes())
+                kept.untyped_storage().copy_(storage)
+            self.outputs = ()
+
+    def _recompute(self) -> None:
+        inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in self.ctx.saved_tensors)
+        with torch.enable_grad():
+            outputs = self.function(*inputs)
+        outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+        self.recomputed = (inputs, outputs)

@@ -6,7 +6,9 @@ modules: `self_attention.linear_qkv` and `mlp.linear_fc1` are `LayerNormLinear`s
 `layer_norm_weight`/`layer_norm_bias`), `linear_proj`/`linear_fc2` are TE
 `Linear`s, `core_attention` is TE's `DotProductAttention`, and `input_layernorm`
 / `pre_mlp_layernorm` are identities with no weights. An MoE layer keeps its
-pre-MLP norm as a module, as Megatron's spec does.
+pre-MLP norm as a module, as Megatron's spec does. A multi-latent attention layer
+keeps its input norm too; its down projections are TE `Linear`s (whole on every rank),
+its up projections `LayerNormLinear`s holding the latents' norms (`mg.core.models.mla`).
 
 `TransformerConfig.transformer_impl = "transformer_engine"` builds our GPTModel
 in that shape with plain PyTorch modules of the same names (`LayerNormLinear`
@@ -26,6 +28,7 @@ one line naming the extra.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import sys
 from collections.abc import Iterator
@@ -48,6 +51,13 @@ TE_FUSED_NORMS = (
 )
 """The local spec's norms (prefix within a layer) and their TE-spec names: each is the
 `layer_norm_*` of the linear after it (Megatron's local-spec key map)."""
+MLA_FUSED_NORMS = (
+    ("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_"),
+    ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+"""The same for a multi-latent-attention layer: Megatron's TE spec fuses the latents'
+norms into the up projections and keeps `input_layernorm` a module (TENorm)."""
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
@@ -143,14 +153,17 @@ def input_linear(
 def te_spec_names(state_dict: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
     """A local-spec state dict under the TE spec's names: each layer's norm becomes the
     `layer_norm_*` of the linear after it (Megatron's own local-spec key map,
-    `mg.core.checkpoint.megatron_sharded_keys`); an MoE layer's pre-MLP norm stays."""
+    `mg.core.checkpoint.megatron_sharded_keys`); an MoE layer's pre-MLP norm stays. With
+    multi-latent attention the latents' norms go into the up projections instead
+    (`MLA_FUSED_NORMS`)."""
     moe = config.moe_layer_pattern
+    fused = MLA_FUSED_NORMS if config.multi_latent_attention else TE_FUSED_NORMS
     out = {}
     for key, value in state_dict.items():
         parts = key.split(".", 3)
         if key.startswith("decoder.layers.") and len(parts) == 4:
             layer, rest = int(parts[2]), parts[3]
-            for ours, theirs in TE_FUSED_NORMS:
+            for ours, theirs in fused:
                 if rest.startswith(ours) and not (moe[layer] and ours == "pre_mlp_layernorm."):
                     key = f"decoder.layers.{layer}.{theirs}{rest[len(ours) :]}"
                     break
@@ -159,8 +172,9 @@ def te_spec_names(state_dict: dict[str, Tensor], config: TransformerConfig) -> d
 
 
 def te_spec_name(name: str) -> str:
-    """One local-spec name under the TE spec's fused-norm name (others unchanged)."""
-    for ours, theirs in TE_FUSED_NORMS:
+    """One local-spec name under the TE spec's fused-norm name (others unchanged); a
+    multi-latent attention's latent norms last (its input norm keeps its name)."""
+    for ours, theirs in TE_FUSED_NORMS + MLA_FUSED_NORMS[:2]:
         if f".{ours}" in name and name.startswith("decoder.layers."):
             return name.replace(f".{ours}", f".{theirs}", 1)
     return name
@@ -173,7 +187,7 @@ def local_spec_names(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
     for key, value in state_dict.items():
         if key.endswith("_extra_state"):
             continue
-        for ours, theirs in TE_FUSED_NORMS:
+        for ours, theirs in TE_FUSED_NORMS + MLA_FUSED_NORMS[:2]:
             if f".{theirs}" in key:
                 key = key.replace(f".{theirs}", f".{ours}", 1)
                 break
@@ -224,7 +238,11 @@ def _te_layer_norm_linear(te: Any, old: LayerNormLinear, parallel: TEParallelism
     return new
 
 
-def _te_linear(te: Any, old: nn.Linear, parallel: TEParallelism) -> nn.Module:
+def _te_linear(
+    te: Any, old: nn.Linear, parallel: TEParallelism, parallel_mode: str | None = "row"
+) -> nn.Module:
+    """TE's Linear for `old`: row- or column-parallel, or (None) whole on every rank,
+    Megatron's `parallel_mode="duplicated"` (MLA's down projections)."""
     kwargs = dict(
         in_features=old.in_features,
         out_features=old.out_features,
@@ -232,8 +250,8 @@ def _te_linear(te: Any, old: nn.Linear, parallel: TEParallelism) -> nn.Module:
         params_dtype=old.weight.dtype,
         device=old.weight.device,
     )
-    if parallel.tp_size > 1:
-        return sharded_te_module(te.Linear, old, parallel, "row", **kwargs)
+    if parallel.tp_size > 1 and parallel_mode is not None:
+        return sharded_te_module(te.Linear, old, parallel, parallel_mode, **kwargs)
     new = te.Linear(**kwargs)
     _copy_parameters(new, old, ("weight", "bias"))
     return new
@@ -273,7 +291,10 @@ def apply_transformer_engine(
             attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
             if attention is None or mlp is None:
                 continue
-            attention.linear_qkv = _te_layer_norm_linear(te, attention.linear_qkv, parallel)
+            if hasattr(attention, "linear_kv_down_proj"):  # multi-latent attention
+                _swap_mla_linears(te, attention, parallel)
+            else:
+                attention.linear_qkv = _te_layer_norm_linear(te, attention.linear_qkv, parallel)
             attention.linear_proj = _te_linear(te, attention.linear_proj, parallel)
             if not config.extra.get("export_force_local_attention"):  # else SDPA's, sinks
                 attention.core_attention = build_te_core_attention(
@@ -288,6 +309,24 @@ def apply_transformer_engine(
             if fp8 is not None and layer.layer_number - 1 in fp8.bf16_layers:
                 extend_class(layer, OutsideFP8)
     return model
+
+
+def _swap_mla_linears(te: Any, attention: nn.Module, parallel: TEParallelism) -> None:
+    """MLA's linears as Megatron's TE spec builds them: the down projections TE Linears
+    whole on every rank (`duplicated`), the up projections (and linear_q_proj) column-
+    parallel, as LayerNormLinears where they hold the latents' norms. The up projections
+    take the whole sequence (tensor_parallel_mla gathers it on entry), so they are
+    column-parallel without sequence parallelism."""
+    heads = dataclasses.replace(parallel, sequence_parallel=False)
+    for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+        if hasattr(attention, name):
+            setattr(attention, name, _te_linear(te, getattr(attention, name), parallel, None))
+    for name in ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj"):
+        old = getattr(attention, name, None)
+        if isinstance(old, LayerNormLinear):
+            setattr(attention, name, _te_layer_norm_linear(te, old, heads))
+        elif old is not None:
+            setattr(attention, name, _te_linear(te, old, heads, "column"))
 
 
 class OutsideFP8:

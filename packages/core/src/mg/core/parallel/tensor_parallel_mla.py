@@ -19,6 +19,11 @@ all heads, enters the per-head part through `k_pos_emb_to_heads`, which becomes
 Megatron's copy-to-tensor-parallel-region here: identity forward, all-reduce backward.
 So the replicated projections and norms get whole, equal gradients on every rank and
 need no reduction of their own.
+
+Under the TE spec an up projection holding its latent's norm (`LayerNormLinear`) is split
+by `LayerNormColwiseParallel` without sequence parallelism (its input is the whole
+latent): the norm stays whole and its gradient is whole on every rank, as the separate
+norm's is.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
 
 from mg.core.models.mla import MLASelfAttention
+from mg.core.models.te_spec import LayerNormLinear
 from mg.core.parallel.row_parallel import RowParallelLinear
+from mg.core.parallel.tensor_parallel_te import LayerNormColwiseParallel
 
 
 class CopyToTensorParallelRegion(nn.Module):
@@ -56,11 +63,14 @@ def mla_tensor_parallel_plan(
             desired_input_layouts=(Replicate(), None, None),
             use_local_output=True,
         ),
-        f"{prefix}.linear_kv_up_proj": ColwiseParallel(),
         f"{prefix}.linear_proj": RowParallelLinear(output_layouts=activations),
     }
     query = "linear_q_proj" if hasattr(attention, "linear_q_proj") else "linear_q_up_proj"
-    plan[f"{prefix}.{query}"] = ColwiseParallel()
+    for name in (query, "linear_kv_up_proj"):
+        fused = isinstance(getattr(attention, name), LayerNormLinear)  # the TE spec's norm
+        plan[f"{prefix}.{name}"] = (
+            LayerNormColwiseParallel(sequence_parallel=False) if fused else ColwiseParallel()
+        )
     return plan
 
 

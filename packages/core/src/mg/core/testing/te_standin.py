@@ -183,6 +183,9 @@ class DotProductAttention(_Extra, nn.Module):
         assert q.is_contiguous() and attention_mask is None
         h, g = (self.kwargs[n] // self.tp_size for n in ("num_attention_heads", "num_gqa_groups"))
         assert (q.shape[2], k.shape[2]) == (h, g), "TE takes the whole model's head counts"
+        channels = self.kwargs["kv_channels"]  # an int, or (key's, value's) as MLA gives it
+        k_ch, v_ch = channels if isinstance(channels, tuple) else (channels, channels)
+        assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (k_ch, k_ch, v_ch), "kv_channels"
         causal = self.kwargs["attn_mask_type"] == "causal"
         mask = None
         if self.cp_group is not None:  # keys/values of the whole sequence, a positional mask

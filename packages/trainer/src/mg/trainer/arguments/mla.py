@@ -203,15 +203,6 @@ def check_mla(args: Args) -> None:
             "--cache-mla-latents is an inference option (Megatron: it conflicts with "
             "training); mg-serve caches MLA's latent always, drop it here"
         )
-    if (
-        a.multi_latent_attention
-        and args.transformer_engine.transformer_impl == "transformer_engine"
-    ):
-        fail(
-            "--multi-latent-attention with --transformer-impl transformer_engine: MLA is "
-            "built with the local spec only (its TE spec's fused latent norms are not "
-            "modelled); use --transformer-impl local"
-        )
     if a.multi_latent_attention and args.model.group_query_attention:
         fail("--multi-latent-attention and --group-query-attention exclude each other (Megatron)")
     for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
