@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
+from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.pipeline_stage import is_shared_copy
 from mg.trainer.arguments import parse_args
 from mg.trainer.distributed import read_world_size
@@ -25,11 +26,14 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _record(trainer: Trainer, run: dict) -> None:
+    # whole on every rank (DTensors gathered) with TP, DP and FSDP; a stage's or an
+    # expert-parallel rank's own with PP or EP (compared with one process instead)
     params = [p for p in trainer.model.parameters() if not is_shared_copy(p)]
     norms = [_whole(p.detach()).double().norm() for p in params]
     norm = torch.linalg.vector_norm(torch.stack(norms))
     run["reference_norms"].append(float(norm))
-    if not isinstance(trainer.optimizer, DistributedOptimizer):  # gradients whole here
+    sharded = (DistributedOptimizer, ExpertParallelDistributedOptimizer)
+    if not isinstance(trainer.optimizer, sharded):  # the gradients are whole here
         grads = [_whole(p.grad) for p in params if p.grad is not None]
         run["reference_zeros"].append(sum(int((g == 0).sum()) for g in grads))
     ranks = [None] * dist.get_world_size()

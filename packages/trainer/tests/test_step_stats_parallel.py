@@ -1,13 +1,15 @@
 """--log-params-norm and --log-num-zeros-in-grad on 2 gloo ranks equal one process.
 
 One 2-rank launch trains a tiny GPT (untied embeddings: the padded vocabulary row of
-the input embedding never gets a gradient, so there are zeros to count) at TP=2,
-then at DP=2 with the distributed optimizer (its gradient reduction and parameter
-gather overlapped). Every rank logs the same figures; the params norm equals the
-norm over the whole (gathered) parameters and the one-process run's, each
-parameter counted once (TP-replicated norms once, shards summed); the zeros equal
-a count over the whole gradients (TP) and the one-process run's count; the TP
-grad norm (the same reduction) equals the one-process one.
+the input embedding never gets a gradient, so there are zeros to count) at TP=2;
+at DP=2 with the distributed optimizer (its gradient reduction and parameter gather
+overlapped); at PP=2 (tied embeddings: the last stage's copy counted once); with
+Megatron-FSDP (ZeRO-3); and a tiny MoE at EP=2 with the distributed optimizer.
+Every rank logs the same figures, equal to the one-process run's: the params norm
+(each parameter counted once: TP-replicated norms once, shards summed) and the
+zeros; where every rank can gather the whole tensors (TP, DP, FSDP) the params norm
+also equals their norm, and at TP=2 the zeros a count over the whole gradients.
+The grad norms (the same reduction) equal the one-process ones too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 
 WORKER = Path(__file__).with_name("step_stats_worker.py")
 ITERS = 4
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2"]
 FLAGS = [
     "--log-params-norm",
     "--log-num-zeros-in-grad",
@@ -69,28 +72,44 @@ def _close(a: list[float], b: list[float], rtol: float = 1e-5) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_and_distributed_optimizer_match_one_process(tmp_path, mock_argv, train) -> None:
+def test_parallel_layouts_match_one_process(tmp_path, mock_argv, train) -> None:
     base = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=8, iters=ITERS)
+    one_vocab = [*base, "--make-vocab-size-divisible-by", "128"]
     tp2 = [*base, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
+    dist_opt = ["--use-distributed-optimizer"]
     overlap = ["--overlap-grad-reduce", "--overlap-param-gather"]
-    dist_opt = [*base, "--make-vocab-size-divisible-by", "128", "--use-distributed-optimizer"]
-    tp_run, dp_run = _run_ranks([tp2, [*dist_opt, *overlap]], 2, tmp_path / "two.json")
+    tied = [a for a in one_vocab if a != "--untie-embeddings-and-output-weights"]
+    fsdp = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+    fsdp += ["--data-parallel-sharding-strategy", "optim_grads_params"]
+    argvs = {
+        "tp2": tp2,
+        "dp2_dist_opt": [*one_vocab, *dist_opt, *overlap],
+        "pp2": [*tied, "--pipeline-model-parallel-size", "2"],
+        "fsdp": [*one_vocab, *fsdp],
+        "ep2_dist_opt": [*one_vocab, *MOE, "--expert-model-parallel-size", "2", *dist_opt],
+    }
+    two = dict(zip(argvs, _run_ranks(list(argvs.values()), 2, tmp_path / "two.json"), strict=True))
+    baselines = {"dense": one_vocab, "tied": tied, "moe": [*one_vocab, *MOE]}
+    ones = {name: _one_process(train, argv) for name, argv in baselines.items()}
+    assert min(ones["dense"]["num_zeros"]) >= 32  # the padded row of the 32-wide embedding
+    for name, run in two.items():
+        one = ones["tied" if name == "pp2" else "moe" if name.startswith("ep2") else "dense"]
+        for ranks in run["per_rank"]:  # every rank logs the same figures
+            assert all(r == ranks[0] for r in ranks), (name, ranks)
+        _close(run["params_norms"], one["params_norms"])
+        assert run["num_zeros"] == one["num_zeros"], name
+        _close(run["grad_norms"], one["grad_norms"])
+        if name in ("tp2", "dp2_dist_opt", "fsdp"):  # whole tensors on every rank
+            _close(run["params_norms"], run["reference_norms"], 1e-12)
+    assert two["tp2"]["num_zeros"] == two["tp2"]["reference_zeros"]
 
-    one_norms: list[float] = []
-    one_zeros: list[int] = []
+
+def _one_process(train, argv: list[str]) -> dict[str, list]:
+    run: dict[str, list] = {"params_norms": [], "num_zeros": []}
 
     def record(trainer) -> None:
-        one_norms.append(trainer.stats.params_norm)
-        one_zeros.append(trainer.stats.num_zeros)
+        run["params_norms"].append(trainer.stats.params_norm)
+        run["num_zeros"].append(trainer.stats.num_zeros)
 
-    one = train([*base, "--make-vocab-size-divisible-by", "128"], on_iteration=record)
-    assert min(one_zeros) >= 32  # the padded row of the 32-wide input embedding
-    for run in (tp_run, dp_run):
-        for ranks in run["per_rank"]:  # every rank logs the same figures
-            assert all(r == ranks[0] for r in ranks), ranks
-        _close(run["params_norms"], run["reference_norms"], 1e-12)
-        _close(run["params_norms"], one_norms)
-        assert run["num_zeros"] == one_zeros
-    assert tp_run["num_zeros"] == tp_run["reference_zeros"]
-    _close(tp_run["grad_norms"], one.grad_norms)
-    _close(dp_run["grad_norms"], one.grad_norms)
+    run["grad_norms"] = train(argv, on_iteration=record).grad_norms
+    return run
