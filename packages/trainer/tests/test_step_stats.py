@@ -118,3 +118,19 @@ def test_memory_on_cpu_is_the_resident_set() -> None:
     figures = memory_scalars(torch.device("cpu"))
     assert set(figures) == {"mem-rss-bytes", "mem-max-rss-bytes"}
     assert 0 < figures["mem-rss-bytes"] <= figures["mem-max-rss-bytes"]
+
+
+def test_memory_on_gpu_is_megatrons_four(monkeypatch) -> None:
+    stats = {
+        "reserved_bytes.all.current": 4096,
+        "allocated_bytes.all.current": 1024,
+        "allocated_bytes.all.peak": 2048,
+        "allocation.all.current": 7,
+    }
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: stats)
+    assert memory_scalars(torch.device("cuda", 0)) == {
+        "mem-reserved-bytes": 4096,
+        "mem-allocated-bytes": 1024,
+        "mem-max-allocated-bytes": 2048,
+        "mem-allocated-count": 7,
+    }

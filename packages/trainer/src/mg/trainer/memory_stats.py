@@ -19,12 +19,12 @@ import torch
 def memory_scalars(device: torch.device) -> dict[str, float]:
     """The figures for `device`'s kind, in bytes (and allocations)."""
     if device.type == "cuda":
-        stats = torch.cuda.memory_stats(device)
+        stats = torch.cuda.memory_stats(device)  # empty before the first allocation
         return {
-            "mem-reserved-bytes": stats["reserved_bytes.all.current"],
-            "mem-allocated-bytes": stats["allocated_bytes.all.current"],
-            "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
-            "mem-allocated-count": stats["allocation.all.current"],
+            "mem-reserved-bytes": stats.get("reserved_bytes.all.current", 0),
+            "mem-allocated-bytes": stats.get("allocated_bytes.all.current", 0),
+            "mem-max-allocated-bytes": stats.get("allocated_bytes.all.peak", 0),
+            "mem-allocated-count": stats.get("allocation.all.current", 0),
         }
     status = _proc_status()
     peak = status.get("VmHWM")

@@ -83,11 +83,12 @@ def _shard_sums(optimizer: DistributedOptimizer, stat: LocalStat, experts: bool 
     summed over its data-parallel group, the tensor-parallel shards over TP (the
     replicated ones counted once), as the optimizer's own `grad_norm_squares`."""
     # [TP-sharded, replicated]: the same two collectives on every rank, whatever its shard
-    sums = torch.zeros(2, dtype=torch.float64)
-    for param, grad in optimizer.grad_shards():
-        if is_shared_copy(param):
-            continue
-        sums[0 if sharded_dims(param) else 1] += stat(grad).cpu()
+    shards = [(p, g) for p, g in optimizer.grad_shards() if not is_shared_copy(p)]
+    on = shards[0][1].device if shards else torch.device("cpu")
+    sums = torch.zeros(2, dtype=torch.float64, device=on)  # one host copy at the end
+    for param, grad in shards:
+        sums[0 if sharded_dims(param) else 1] += stat(grad)
+    sums = sums.cpu()
     if optimizer.dp_size > 1:
         sums = _all_reduce(sums, optimizer.group or dist.group.WORLD)
     meshes = {p.device_mesh for p in optimizer.params if sharded_dims(p)}

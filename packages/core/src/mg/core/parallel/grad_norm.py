@@ -51,17 +51,20 @@ def global_sum(tensors: Iterable[Tensor], stat: LocalStat) -> float:
     Every rank of a mesh must pass tensors of the same layouts (one collective per
     mesh and sharded dims)."""
     total = torch.zeros((), dtype=torch.float64)
+    replicated: Tensor | None = None  # on the tensors' device: one host copy at the end
     sharded: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, Tensor]] = {}
     for tensor in tensors:
         dims = sharded_dims(tensor)
         if not dims:
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            total += stat(local).cpu()
+            value = stat(tensor.to_local() if isinstance(tensor, DTensor) else tensor)
+            replicated = value if replicated is None else replicated + value.to(replicated)
             continue
         value = stat(tensor.to_local())
         key = (id(tensor.device_mesh), dims)
         mesh, acc = sharded.get(key, (tensor.device_mesh, torch.zeros_like(value)))
         sharded[key] = (mesh, acc + value)  # on the collective's device
+    if replicated is not None:
+        total += replicated.cpu()
     for (_, dims), (mesh, acc) in sharded.items():
         for dim in dims:
             dist.all_reduce(acc, group=mesh.get_group(dim))
