@@ -185,10 +185,16 @@ def test_cpu_decode_kernel_adds_each_heads_sink(dtype, head_dim, block_size, win
     assert (plain.float() - got.float()).abs().max() > 1e-2  # the sinks took their share
 
 
-def test_context_parallel_refuses_sinks_by_name(monkeypatch):
+def test_context_parallel_keeps_the_sinks_under_their_name(monkeypatch):
     import mg.core.parallel.context_parallel as cp
-    from mg.core.parallel.context_parallel import ContextParallelError, apply_context_parallel
+    from mg.core.parallel.context_parallel import RingAttention, apply_context_parallel
 
     monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)  # a CP group of 2
-    with pytest.raises(ContextParallelError, match="--softmax-type learnable"):
-        apply_context_parallel(GPTModel(_config()), None)
+    model = GPTModel(_config())
+    before = dict(model.named_parameters())
+    apply_context_parallel(model, None)
+    assert dict(model.named_parameters()) == before  # the same sink parameters, same names
+    assert all(
+        isinstance(layer.self_attention.core_attention, RingAttention)
+        for layer in model.decoder.layers
+    )

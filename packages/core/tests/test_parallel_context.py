@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mg.core.models import GPTModel, presets
+from mg.core.models.core_attention import causal_mask, sink_attention
 from mg.core.parallel.context_parallel import (
     ContextParallelError,
     apply_context_parallel,
@@ -63,10 +64,43 @@ def _attention_case(group, heads: int, groups: int) -> dict:
     return {"case": f"attention heads={heads} groups={groups}", "diffs": diffs}
 
 
+def _sink_window_case(group, window: tuple[int, int] | None, learnable: bool) -> dict:
+    """ring_attention with sinks and/or a sliding window vs `sink_attention` / SDPA with
+    the windowed causal mask on the whole sequence: outputs, dq/dk/dv and the sinks'
+    gradient (summed over the cp ranks)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    g = torch.Generator().manual_seed(5)
+    b, s, heads, groups, d = 2, 8 * size, 4, 2, 8
+    q = torch.randn(b, s, heads, d, generator=g, requires_grad=True)
+    k = torch.randn(b, s, groups, d, generator=g, requires_grad=True)
+    v = torch.randn(b, s, groups, d, generator=g, requires_grad=True)
+    sinks = (torch.randn(heads, generator=g) if learnable else torch.zeros(heads)).requires_grad_()
+    grad = torch.randn(b, s, heads * d, generator=g)
+    allowed = causal_mask(s, window, q.device)
+    ref = sink_attention(*(t.transpose(1, 2) for t in (q, k, v)), allowed, sinks, d**-0.5)
+    ref = ref.transpose(1, 2).reshape(b, s, -1)
+    ref.backward(grad)
+    local = [shard_sequence(t.detach(), rank, size).requires_grad_() for t in (q, k, v)]
+    mine = sinks.detach().clone().requires_grad_()
+    out = ring_attention(*local, group, sinks=mine, window_size=window)
+    out.backward(shard_sequence(grad, rank, size))
+    diffs = [float((out - shard_sequence(ref, rank, size)).abs().max())]
+    for part, full in zip(local, (q, k, v), strict=True):
+        diffs.append(float((part.grad - shard_sequence(full.grad, rank, size)).abs().max()))
+    dist.all_reduce(mine.grad, group=group)
+    diffs.append(float((mine.grad - sinks.grad).abs().max()))
+    name = f"attention sinks={'learnable' if learnable else 'off-by-one'} window={window}"
+    return {"case": name, "diffs": diffs}
+
+
 def _model_case(group, preset: str) -> dict:
     """A tiny GPT with ring attention: summed loss and all-reduced grads equal one process."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    config = getattr(presets, preset)(attention_dropout=0.0, hidden_dropout=0.0)
+    overrides = {}
+    if preset == "tiny_gpt_oss":  # sinks, every other layer a sliding window of 5
+        preset = "tiny_llama"
+        overrides = {"softmax_type": "learnable", "window_size": (5, 0), "window_attn_skip_freq": 2}
+    config = getattr(presets, preset)(attention_dropout=0.0, hidden_dropout=0.0, **overrides)
     torch.manual_seed(3)
     reference = GPTModel(config)
     torch.manual_seed(3)
@@ -108,6 +142,11 @@ def _worker(out_dir: str) -> None:
         _attention_case(group, heads=4, groups=2),
         _model_case(group, "tiny_llama"),
         _model_case(group, "tiny_gpt2"),
+        _sink_window_case(group, window=None, learnable=True),
+        _sink_window_case(group, window=(3, 0), learnable=False),
+        _sink_window_case(group, window=(5, 0), learnable=True),
+        _sink_window_case(group, window=(0, 0), learnable=True),
+        _model_case(group, "tiny_gpt_oss"),
     ]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()

@@ -72,12 +72,9 @@ def test_gemma3_flags_become_core_config_fields(tmp_path, mock_argv):
             "--sandwich-norms with --sequence-parallel",
         ),
         (
-            ["--softmax-scale", "0.2", "--context-parallel-size", "2", *NO_DROPOUT],
-            "--softmax-scale with --context-parallel-size 2",
-        ),
-        (
-            ["--window-size", "7,0", "--context-parallel-size", "2", *NO_DROPOUT],
-            "--window-size with --context-parallel-size 2",
+            ["--window-size", "7,0", "--context-parallel-size", "2", *NO_DROPOUT]
+            + ["--transformer-impl", "transformer_engine"],
+            "--window-size with --context-parallel-size 2 and --transformer-impl",
         ),
         (
             ["--attn-logit-softcapping", "50", "--attention-backend", "unfused"]

@@ -148,20 +148,31 @@ def test_gptoss_02_train_sh_dry_run_plan(tmp_path, monkeypatch, capsys):
     assert f"KV cache per token: {2 * groups * d * layers * 2} bytes in bf16" in out
 
 
+def _off_by_one(flags: list[str]) -> list[str]:
+    """`flags` with --softmax-type off-by-one (a zero sink logit) for learnable."""
+    i = flags.index("--softmax-type")
+    return [*flags[: i + 1], "off-by-one", *flags[i + 2 :]]
+
+
 @pytest.mark.slow  # two ranks and one process, 10 iterations each: about a minute
 @pytest.mark.parametrize(
-    "layout",
+    ("layout", "softmax"),
     [
-        ["--tensor-model-parallel-size", "2"],
-        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-        ["--expert-model-parallel-size", "2"],
+        (["--tensor-model-parallel-size", "2"], "learnable"),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "learnable"),
+        (["--expert-model-parallel-size", "2"], "learnable"),
+        (["--context-parallel-size", "2"], "learnable"),
+        (["--context-parallel-size", "2"], "off-by-one"),
     ],
-    ids=["tp2", "tp2-sp", "ep2"],
+    ids=["tp2", "tp2-sp", "ep2", "cp2", "cp2-off-by-one"],
 )
-def test_gpt_oss_parallel_matches_one_process(tmp_path, mock_argv, train, layout):
+def test_gpt_oss_parallel_matches_one_process(tmp_path, mock_argv, train, layout, softmax):
     """TP = 2 (each rank its heads with their sinks and windows, the experts split, the
-    biased router replicated), with sequence parallelism, and EP = 2 (each rank two biased
-    experts) on two gloo ranks equal one process, fp32, 10 iterations."""
+    biased router replicated), with sequence parallelism, EP = 2 (each rank two biased
+    experts) and CP = 2 (the ring attention: each rank two of four 8-token chunks, the
+    7-token windows masked by global position across chunks and ranks, each sink counted
+    once in the merged softmax; learnable and off-by-one) on two gloo ranks equal one
+    process, fp32, 10 iterations."""
     import importlib.util
     from pathlib import Path
 
@@ -170,8 +181,10 @@ def test_gpt_oss_parallel_matches_one_process(tmp_path, mock_argv, train, layout
     )
     ddp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ddp)
-    base = mock_argv(tmp_path, *GPT_OSS, mbs=2, gbs=4, iters=10)
-    two_ranks = [*base, *layout, "--make-vocab-size-divisible-by", "64"]
+    flags = GPT_OSS if softmax == "learnable" else _off_by_one(GPT_OSS)
+    base = mock_argv(tmp_path, *flags, mbs=2, gbs=4, iters=10)
+    tp = 2 if "--tensor-model-parallel-size" in layout else 1
+    two_ranks = [*base, *layout, "--make-vocab-size-divisible-by", str(128 // tp)]
     (two,) = ddp.run_ranks([two_ranks], 2, tmp_path / "two.json")
     one = train([*base, "--make-vocab-size-divisible-by", "128"])
     assert two["losses"] == pytest.approx(one.losses, rel=1e-5)

@@ -160,11 +160,6 @@ def check_gpt_oss(args: Args) -> None:
                 "TE's attention is not given the sinks here; add --export-force-local-attention "
                 "(keeps the local core attention) or use --transformer-impl local"
             )
-        if args.distributed.context_parallel_size > 1:
-            fail(
-                f"--softmax-type {g.softmax_type} with --context-parallel-size "
-                f"{args.distributed.context_parallel_size}: the ring attention has no sinks"
-            )
         if te.attention_backend == "flash" and te.transformer_impl == "local":
             fail(
                 f"--softmax-type {g.softmax_type} with --attention-backend flash: flash "

@@ -189,15 +189,17 @@ def check_layer_variant_flags(args: Args) -> str | None:
                 f"--attn-logit-softcapping with --attention-backend {te.attention_backend}: "
                 "no fused kernel caps the logits; use --attention-backend auto, unfused or local"
             )
-    if args.distributed.context_parallel_size > 1:
-        for name in ("window_size", "softmax_scale", "attn_logit_softcapping"):
-            if getattr(v, name) is not None:
-                return (
-                    f"{'--' + name.replace('_', '-')} with --context-parallel-size "
-                    f"{args.distributed.context_parallel_size}: the ring attention has no "
-                    "sliding window, no logit cap and takes 1/sqrt(kv-channels) only; drop "
-                    "one of them"
-                )
+    cp = args.distributed.context_parallel_size
+    if cp > 1 and v.attn_logit_softcapping is not None:
+        return (
+            f"--attn-logit-softcapping with --context-parallel-size {cp}: the ring attention "
+            "has no logit cap; drop one of them"
+        )
+    if cp > 1 and v.window_size is not None and te.transformer_impl == "transformer_engine":
+        return (
+            f"--window-size with --context-parallel-size {cp} and --transformer-impl "
+            "transformer_engine: TE's p2p ring has no sliding window; use --transformer-impl local"
+        )
     if v.sandwich_norms and args.distributed.sequence_parallel:
         return (
             "--sandwich-norms with --sequence-parallel: the post-norms' weight gradients are "
