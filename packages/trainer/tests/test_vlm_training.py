@@ -124,7 +124,7 @@ def test_first_loss_is_the_models_text_loss_on_the_first_batch(tmp_path: Path) -
         (["--vision-model-type", "siglip", "--disable-vision-class-token"], "SigLIP"),
         (["--projector-type", "affine"], "--projector-type affine"),
         (["--pretrained-checkpoint", "x"], "--pretrained-checkpoint"),
-        (["--pipeline-model-parallel-size", "2"], "pipeline parallelism"),
+        (["--context-parallel-size", "2"], "context parallelism"),
     ],
 )
 def test_vlm_flags_refused_by_name(extra: list[str], says: str) -> None:

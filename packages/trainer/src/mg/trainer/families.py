@@ -44,7 +44,13 @@ from mg.trainer.family_ict import ict_config, ict_datasets, ict_loss_terms, ict_
 from mg.trainer.family_mamba import mamba_config, mamba_model
 from mg.trainer.family_retro import retro_config, retro_datasets, retro_loss_terms, retro_model
 from mg.trainer.family_t5 import t5_config, t5_datasets, t5_loss_terms, t5_model
-from mg.trainer.family_vlm import vlm_config, vlm_datasets, vlm_loss_terms, vlm_model
+from mg.trainer.family_vlm import (
+    VLM_PIPELINE_STEPS,
+    vlm_config,
+    vlm_datasets,
+    vlm_loss_terms,
+    vlm_model,
+)
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,14 @@ FAMILIES: dict[str, ModelFamily] = {
     "mamba": ModelFamily(
         "mamba", mamba_config, mamba_model, gpt_datasets, gpt_loss_terms, builds_on_meta=True
     ),
-    "vlm": ModelFamily("vlm", vlm_config, vlm_model, vlm_datasets, vlm_loss_terms),
+    "vlm": ModelFamily(
+        "vlm",
+        vlm_config,
+        vlm_model,
+        vlm_datasets,
+        vlm_loss_terms,
+        pipeline_steps=VLM_PIPELINE_STEPS,  # the towers on the first stage
+    ),
     "ict": ModelFamily("ict", ict_config, ict_model, ict_datasets, ict_loss_terms),
 }
 

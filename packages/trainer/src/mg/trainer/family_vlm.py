@@ -28,6 +28,7 @@ from torch import nn
 from mg.core.models.vision import LLaVAConfig, LLaVAModel, VisionConfig
 from mg.trainer.arguments import Args, ArgumentError
 from mg.trainer.family_gpt import gpt_config
+from mg.trainer.model_parallel import PipelineSteps
 from mg.trainer.vlm_data import VLMDataError, VLMShardDataset
 
 
@@ -85,6 +86,7 @@ class MockVLMDataset:
             "tokens": tokens,
             "labels": text,
             "loss_mask": np.ones(self.text_length, dtype=np.float32),
+            "position_ids": np.arange(self.config.language.seq_length),
         }
 
 
@@ -108,10 +110,34 @@ def vlm_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
         raise ArgumentError(str(err)) from None
 
 
-def vlm_loss_terms(model: nn.Module, batch: dict[str, torch.Tensor]):
-    """(text loss summed over the combined loss mask, tokens) of one micro-batch."""
-    losses, mask = model(
-        batch["images"], batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"]
+def vlm_stage_forward(chunk: nn.Module, received: torch.Tensor | None, batch: dict):
+    """A pipeline chunk's forward (`LLaVAPipelineChunk`): the first stage embeds the text
+    and the images, the last one scores the text; every stage takes the token ids (where
+    the image rows are)."""
+    last = chunk.is_last
+    return chunk(
+        received,
+        batch["tokens"],
+        batch["images"] if chunk.is_first else None,
+        batch["labels"] if last else None,
+        batch["loss_mask"] if last else None,
     )
+
+
+def vlm_output_loss_terms(output: tuple, batch: dict[str, torch.Tensor]):
+    """(text loss summed over the combined loss mask, tokens) of the last stage's output."""
+    losses, mask = output
     mask = mask.float()
     return (losses.float() * mask).sum(), mask.sum()
+
+
+VLM_PIPELINE_STEPS = PipelineSteps("position_ids", vlm_stage_forward, vlm_output_loss_terms)
+"""`position_ids` [b, S]: the combined sequence's length, the activations' between stages."""
+
+
+def vlm_loss_terms(model: nn.Module, batch: dict[str, torch.Tensor]):
+    """(text loss summed over the combined loss mask, tokens) of one micro-batch."""
+    output = model(
+        batch["images"], batch["tokens"], labels=batch["labels"], loss_mask=batch["loss_mask"]
+    )
+    return vlm_output_loss_terms(output, batch)

@@ -83,6 +83,7 @@ def build_optimizer(
     `expert_groups`: (expert-data-parallel, expert-parallel) groups under expert
     parallelism, whose experts the distributed optimizer shards apart."""
     groups = param_groups(model, args.weight_decay, args.decoupled_lr, args.decoupled_min_lr)
+    groups = groups or [{"params": [], "weight_decay": 0.0}]  # a stage of frozen layers only
     if dist_args is not None and dist_args.use_distributed_optimizer:
         kind: Any = DistributedOptimizer
         if expert_groups is not None:

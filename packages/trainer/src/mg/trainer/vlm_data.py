@@ -175,4 +175,5 @@ class VLMShardDataset:
             "tokens": ids[:-1],
             "labels": ids[1:],
             "loss_mask": mask[1:],
+            "position_ids": np.arange(self.config.language.seq_length),  # text and image rows
         }

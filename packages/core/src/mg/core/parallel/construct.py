@@ -59,6 +59,7 @@ from mg.core.parallel.fully_sharded import (
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.materialize import materialize, to_keeping_marks
 from mg.core.parallel.pipeline import PipelineChunk, split_model
+from mg.core.parallel.pipeline_vision import split_llava_model
 from mg.core.parallel.tensor_parallel import apply_tensor_parallel
 from mg.core.parallel.tensor_parallel_retro import apply_retro_tensor_parallel
 from mg.core.parallel.tensor_parallel_vision import apply_llava_tensor_parallel
@@ -168,6 +169,9 @@ def split_pipeline(built: UnderConstruction, options: ConstructOptions) -> None:
     """This rank's chunks of layers. After every step that needs the whole model's
     layers in one piece (tensor and context parallelism, the fused loss)."""
     layout = options.layout
+    if isinstance(built.model, LLaVAModel):  # the towers on the first stage
+        built.parts = split_llava_model(built.model, layout.pp_rank, layout.pp, layout.virtual)
+        return
     built.parts = split_model(built.model, layout.pp_rank, layout.pp, layout.virtual)
 
 

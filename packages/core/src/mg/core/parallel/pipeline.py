@@ -243,8 +243,16 @@ def allreduce_shared_embedding_grad(
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.")  # GPT's decoder, BERT's encoder
 
 
+_LANGUAGE_MODEL = "language_model."  # a vision-language chunk's GPT part (pipeline_vision)
+
+
 def global_parameter_name(chunk: PipelineChunk, local_name: str) -> str | None:
-    """The whole model's name for a chunk's state-dict key (None: the tied copy, not stored)."""
+    """The whole model's name for a chunk's state-dict key (None: the tied copy, not stored).
+    A vision-language chunk's language model is a `PipelineChunk` under `language_model.`."""
+    inner = getattr(chunk, "language_model", None)
+    if isinstance(inner, PipelineChunk) and local_name.startswith(_LANGUAGE_MODEL):
+        name = global_parameter_name(inner, local_name[len(_LANGUAGE_MODEL) :])
+        return None if name is None else _LANGUAGE_MODEL + name
     if local_name == "output_layer.weight" and is_shared_copy(chunk.output_layer.weight):
         return None
     if local_name == "embedding.word_embeddings.weight" and not chunk.is_first:
@@ -254,6 +262,13 @@ def global_parameter_name(chunk: PipelineChunk, local_name: str) -> str | None:
         index = int(match.group(2)) + chunk.layer_offset
         return f"{match.group(1)}.layers.{index}." + local_name[match.end() :]
     return local_name
+
+
+def tied_weight_name(chunk: nn.Module) -> str:
+    """The whole model's name of the embedding a last stage's tied copy stands for."""
+    inner = getattr(chunk, "language_model", None)
+    prefix = _LANGUAGE_MODEL if isinstance(inner, PipelineChunk) else ""
+    return prefix + "embedding.word_embeddings.weight"
 
 
 def global_state_dict(chunks: list[PipelineChunk]) -> dict[str, Tensor]:
@@ -274,7 +289,7 @@ def load_global_state_dict(chunks: list[PipelineChunk], state: dict[str, Tensor]
         for name in chunk.state_dict():
             global_name = global_parameter_name(chunk, name)
             if global_name is None:  # tied copy on the last stage
-                global_name = "embedding.word_embeddings.weight"
+                global_name = tied_weight_name(chunk)
             if global_name not in state:
                 raise KeyError(f"checkpoint has no tensor {global_name!r} (for {name!r})")
             local[name] = state[global_name]
@@ -322,7 +337,7 @@ def global_view(chunks: list[PipelineChunk]) -> nn.Module:
         tensors = dict(chunk.named_parameters())
         tensors.update(dict(chunk.named_buffers()))
         for local, tensor in tensors.items():
-            name = global_parameter_name(chunk, local) or "embedding.word_embeddings.weight"
+            name = global_parameter_name(chunk, local) or tied_weight_name(chunk)
             *path, leaf = name.split(".")
             module = root
             for part in path:

@@ -201,9 +201,9 @@ def check_pipeline_and_context(args: Args) -> None:
             f"({d.tensor_model_parallel_size}) x pipeline ({pp}) x context ({cp}) parallel "
             f"sizes; launch a multiple of {model_parallel} processes"
         )
-    if pp > 1 and args.family not in ("gpt", "bert", "mamba"):
+    if pp > 1 and args.family not in ("gpt", "bert", "mamba", "vlm"):
         fail(
-            "--pipeline-model-parallel-size > 1 is supported for gpt, bert and mamba, not "
+            "--pipeline-model-parallel-size > 1 is supported for gpt, bert, mamba and vlm, not "
             f"{args.family}"
         )
     if cp > 1 and args.family != "gpt":

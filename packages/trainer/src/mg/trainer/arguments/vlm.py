@@ -199,11 +199,6 @@ def check_vlm_flags(args: Args) -> str | None:
             f"--max-position-embeddings {m.max_position_embeddings}"
         )
     d = args.distributed
-    if d.pipeline_model_parallel_size > 1:
-        return (
-            "mg-train vlm: pipeline parallelism is not implemented for the vision-language "
-            "model yet; use tensor or data parallelism"
-        )
     if d.context_parallel_size > 1:
         return "mg-train vlm: context parallelism is not implemented for vision-language models"
     return None
