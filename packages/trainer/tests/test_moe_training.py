@@ -859,17 +859,43 @@ def test_recompute_modules_map_onto_selective_and_moe_layer_recompute(
     assert all(getattr(m, "_mg_moe_recompute", False) == moe for m in layers)
 
 
+def test_every_megatron_recompute_module_is_built(tmp_path, mock_argv):
+    """Megatron's other `--recompute-modules` names reach the built model: mlp and
+    shared_experts checkpoint those modules, layernorm and moe_act switch on their
+    output-discarding recompute (mla_up_proj: test_mla_dry_run / core's tests)."""
+    from mg.core.models.moe import MoELayer
+    from mg.trainer.training import Trainer
+
+    argv = mock_argv(tmp_path, *MOE, "--moe-grouped-gemm", "--moe-layer-freq", "[0,1]")
+    argv += ["--moe-shared-expert-intermediate-size", "16"]
+    argv += ["--recompute-granularity", "selective", "--recompute-modules"]
+    argv += ["moe_act", "layernorm", "mlp", "shared_experts"]
+    trainer = Trainer(parse_args(argv))
+    modules = list(trainer.model.modules())
+    moes = [m for m in modules if isinstance(m, MoELayer)]
+    layers = [m for m in modules if hasattr(m, "recompute_input_layernorm")]
+    assert moes and all(m.experts.recompute_activation for m in moes)
+    assert all(getattr(m.shared_experts, "_mg_module_recompute", False) for m in moes)
+    assert layers and all(m.recompute_input_layernorm for m in layers)
+    dense = [m.mlp for m in layers if not isinstance(m.mlp, MoELayer)]
+    assert dense and all(getattr(m, "_mg_module_recompute", False) for m in dense)
+    cores = [m.core_attention for m in modules if hasattr(m, "core_attention")]
+    assert not any(getattr(m, "_mg_recompute", False) for m in cores)  # core_attn not named
+
+
 @pytest.mark.parametrize(
-    ("name", "message"),
-    [(n, "not supported by mg-train") for n in ("moe_act", "layernorm", "mla_up_proj")]
-    + [(n, "not supported by mg-train") for n in ("mlp", "shared_experts")]
-    + [("attention", "not a module Megatron recomputes")],
+    ("names", "message"),
+    [
+        (["attention"], "not a module Megatron recomputes"),
+        (["moe_act"], "only with --moe-grouped-gemm"),
+        (["mla_up_proj"], "only with --multi-latent-attention"),
+    ],
 )
-def test_recompute_modules_mg_train_lacks_are_refused_by_name(tmp_path, mock_argv, name, message):
+def test_recompute_modules_refused_by_name(tmp_path, mock_argv, names, message):
     argv = mock_argv(tmp_path, *MOE, "--recompute-granularity", "selective")
     with pytest.raises(ArgumentError, match=message) as info:
-        parse_args([*argv, "--recompute-modules", "core_attn", name])
-    assert str(info.value).startswith(f"--recompute-modules {name}: ")
+        parse_args([*argv, "--recompute-modules", "core_attn", *names])
+    assert str(info.value).startswith(f"--recompute-modules {names[0]}")
     assert "\n" not in str(info.value)
 
 

@@ -114,9 +114,13 @@ def construct_options(
     m, t = args.model, args.training
     selective = selective_recompute_modules(m)  # --recompute-modules, Megatron's names
     recompute = None
-    if m.recompute_granularity == "full" or "core_attn" in selective:
+    modules = tuple(name for name in selective if name != "moe")  # moe: the MoE layer's own
+    if m.recompute_granularity == "full" or modules:
         recompute = RecomputeOptions(
-            m.recompute_granularity, m.recompute_method or "uniform", m.recompute_num_layers or 1
+            m.recompute_granularity,
+            m.recompute_method or "uniform",
+            m.recompute_num_layers or 1,
+            modules,
         )
     device = environment.env.device
     return ConstructOptions(

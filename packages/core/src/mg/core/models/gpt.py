@@ -43,6 +43,7 @@ from mg.core.models.mla import MLASelfAttention
 from mg.core.models.moe import MoELayer
 from mg.core.models.mtp import MultiTokenPredictionBlock
 from mg.core.models.norms import build_norm_1p
+from mg.core.models.recompute_state import DiscardedOutput
 from mg.core.models.rope import apply_rotary_pos_emb, layer_rotary
 from mg.core.models.te_spec import input_linear, uses_te_spec
 
@@ -189,6 +190,10 @@ class TransformerLayer(nn.Module):
         x = x + post_self_attn_layernorm(attention(input_layernorm(x)))
         x = x + post_mlp_layernorm(mlp(pre_mlp_layernorm(x)))"""
 
+    recompute_input_layernorm = False
+    recompute_pre_mlp_layernorm = False
+    """Megatron's `layernorm` recompute of each norm (`mg.core.models.recompute`)."""
+
     def __init__(self, config: TransformerConfig, layer_number: int, causal: bool = True) -> None:
         super().__init__()
         self.layer_number = layer_number
@@ -233,18 +238,34 @@ class TransformerLayer(nn.Module):
         attention_mask: Tensor | None = None,
         inference_cache: KVCache | None = None,
     ) -> Tensor:
-        normed = self.input_layernorm(hidden)
+        # --recompute-modules layernorm: a norm's output is freed once the module after it
+        # has saved it, and recomputed when the backward pass reaches that module
+        norm = _norm_region(self.input_layernorm, self.recompute_input_layernorm)
+        normed = norm.run(hidden) if norm is not None else self.input_layernorm(hidden)
         # the cache goes by keyword: parallel styles describe the positional inputs only
         attention = self.self_attention(
             normed, rotary, attention_mask, inference_cache=inference_cache
         )
+        if norm is not None:
+            norm.discard(attention)
         if self.post_self_attn_layernorm is not None:
             attention = self.post_self_attn_layernorm(attention)
         hidden = hidden + self.hidden_dropout(attention)
-        mlp = self.mlp(self.pre_mlp_layernorm(hidden))
+        norm = _norm_region(self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm)
+        mlp = self.mlp(norm.run(hidden) if norm is not None else self.pre_mlp_layernorm(hidden))
+        if norm is not None:
+            norm.discard(mlp)
         if self.post_mlp_layernorm is not None:
             mlp = self.post_mlp_layernorm(mlp)
         return hidden + self.hidden_dropout(mlp)
+
+
+def _norm_region(norm: nn.Module, recompute: bool) -> DiscardedOutput | None:
+    """The norm as an output-discarding checkpoint where its recompute is on (a fused
+    norm's identity has nothing to recompute, as in Megatron)."""
+    if not recompute or isinstance(norm, nn.Identity):
+        return None
+    return DiscardedOutput(norm)
 
 
 class TransformerBlock(nn.Module):

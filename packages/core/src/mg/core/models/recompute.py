@@ -19,6 +19,22 @@ full, block: the first N layers each store only their input; the rest are
     dispatch, experts) stores only its input, as Megatron's MoELayer does
     under `recompute_modules=["moe"]`.
 
+--recompute-granularity selective --recompute-modules ... (`apply_recompute_modules`),
+    Megatron's choices and meanings:
+    core_attn       the attention core (as selective above);
+    moe             each MoE layer (as --moe-layer-recompute);
+    mlp             each dense MLP (with the TE spec's pre-MLP norm inside its fc1);
+    shared_experts  each MoE layer's shared experts;
+    layernorm       the input and pre-MLP norms that are modules (the TE spec fuses most
+                    into the linear after them: nothing to recompute there);
+    mla_up_proj     multi-latent attention's up projections and RoPE;
+    moe_act         the routed experts' activation (grouped GEMM experts only).
+    The first four checkpoint a module (it stores its inputs only); the last three
+    discard an output once the module after it has saved it and recompute it when the
+    backward pass gets there (`recompute_state.DiscardedOutput`, Megatron's
+    `CheckpointWithoutOutput`): switches the model code reads, on the layer, the
+    attention and the experts, which Transformer Engine's swap leaves in place.
+
 Each step gives the chosen module instances a subclass whose forward runs the
 old one under a checkpoint (`mg.core.models.subclass`): parameter names stay
 Megatron's, and whatever module a step before it left in place (Transformer
@@ -36,12 +52,15 @@ computed from such state can be handed to its recomputation
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from mg.core.models.mla import MLASelfAttention
 from mg.core.models.moe import MoELayer
+from mg.core.models.moe.experts import GroupedMLP
 from mg.core.models.recompute_state import (
     checkpointed_forward,
     recompute_context,
@@ -53,8 +72,11 @@ __all__ = [
     "Recomputed",
     "RecomputedMoELayer",
     "UniformlyRecomputedDecoder",
+    "RECOMPUTE_MODULES",
+    "RecomputedModule",
     "apply_activation_recompute",
     "apply_moe_layer_recompute",
+    "apply_recompute_modules",
     "checkpointed_forward",
     "recomputing",
 ]
@@ -140,6 +162,71 @@ def apply_activation_recompute(
             extend_class(layer, Recomputed)
     else:
         raise ValueError(f"method must be 'uniform' or 'block', got {method!r}")
+    return model
+
+
+class RecomputedModule:
+    """Mixin: a submodule (dense MLP, shared experts) stores only its inputs, Megatron's
+    `mlp` / `shared_experts` recompute."""
+
+    _mg_module_recompute = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _checkpoint(super().forward, *args, **kwargs)
+
+
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "moe_act",
+    "layernorm",
+    "mla_up_proj",
+    "mlp",
+    "moe",
+    "shared_experts",
+)
+"""megatron-core's `recompute_modules` choices."""
+
+
+def apply_recompute_modules(model: nn.Module, modules: Sequence[str]) -> nn.Module:
+    """Megatron's selective recompute of `modules` (its names, `RECOMPUTE_MODULES`) in
+    `model` (a GPTModel or a pipeline stage of one), in place; returns it. Results and
+    gradients are unchanged."""
+    unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise ValueError(f"recompute_modules {unknown}: not among {RECOMPUTE_MODULES}")
+    layers = [m for m in model.modules() if hasattr(m, "recompute_input_layernorm")]
+    mlps = [layer.mlp for layer in layers if not isinstance(layer.mlp, MoELayer)]
+    moes = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if "core_attn" in modules:
+        apply_activation_recompute(model, "selective")
+    if "moe" in modules:
+        apply_moe_layer_recompute(model)
+    if "mlp" in modules:
+        for mlp in mlps:
+            extend_class(mlp, RecomputedModule)
+    if "shared_experts" in modules:
+        for moe in moes:
+            if moe.shared_experts is not None:
+                extend_class(moe.shared_experts, RecomputedModule)
+    if "layernorm" in modules:
+        for layer in layers:
+            layer.recompute_input_layernorm = layer.recompute_pre_mlp_layernorm = True
+    if "mla_up_proj" in modules:
+        attentions = [layer.self_attention for layer in layers]
+        if not all(isinstance(a, MLASelfAttention) for a in attentions):
+            raise ValueError(
+                "recompute_modules mla_up_proj needs multi-latent attention (Megatron's rule)"
+            )
+        for attention in attentions:
+            attention.recompute_up_proj = True
+    if "moe_act" in modules:
+        if not all(isinstance(moe.experts, GroupedMLP) for moe in moes):
+            raise ValueError(
+                "recompute_modules moe_act needs the grouped-GEMM experts (moe_grouped_gemm), "
+                "as in Megatron"
+            )
+        for moe in moes:
+            moe.experts.recompute_activation = True
     return model
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from mg.core.models.rng_stream import checkpoint_context
 
@@ -56,6 +57,13 @@ def recompute_context() -> tuple[contextlib.AbstractContextManager, ...]:
 def inside_checkpoint() -> bool:
     """True inside a checkpointed region, first run or recomputation."""
     return _depth["forward"] > 0 or _depth["recompute"] > 0
+
+
+def _storage(tensor: Tensor) -> torch.UntypedStorage:
+    """The memory behind `tensor` (a DTensor's: its local shard's)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    return tensor.untyped_storage()
 
 
 class _DiscardedOutputRegion(torch.autograd.Function):
@@ -117,16 +125,16 @@ class DiscardedOutput:
         if not self.active or not after.requires_grad:
             return
         for output in self.outputs:
-            output.untyped_storage().resize_(0)
+            _storage(output).resize_(0)
         after.register_hook(self._refill)
 
     def _refill(self, grad: Tensor) -> None:
         if self.recomputed is None and self.ctx is not None:
             self._recompute()
             for kept, again in zip(self.outputs, self.recomputed[1], strict=True):
-                storage = again.untyped_storage()
-                kept.untyped_storage().resize_(storage.nbytes())
-                kept.untyped_storage().copy_(storage)
+                storage = _storage(again)
+                _storage(kept).resize_(storage.nbytes())
+                _storage(kept).copy_(storage)
             self.outputs = ()
 
     def _recompute(self) -> None:

@@ -43,7 +43,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from mg.core.models.compile import compile_layers
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
 from mg.core.models.moe import TopKRouter
-from mg.core.models.recompute import apply_activation_recompute, apply_moe_layer_recompute
+from mg.core.models.recompute import (
+    apply_activation_recompute,
+    apply_moe_layer_recompute,
+    apply_recompute_modules,
+)
 from mg.core.models.retro import RetroModel
 from mg.core.models.te_parallel import TEParallelism
 from mg.core.models.te_spec import FP8Options, apply_transformer_engine
@@ -75,12 +79,14 @@ class PipelineModel(nn.ModuleList):
 
 @dataclass(frozen=True)
 class RecomputeOptions:
-    """Megatron's activation recompute: `granularity` selective (the attention core)
-    or full (`method` uniform or block over `num_layers`)."""
+    """Megatron's activation recompute: `granularity` selective (of `modules`, Megatron's
+    recompute_modules names, `mg.core.models.recompute.apply_recompute_modules`) or full
+    (`method` uniform or block over `num_layers`)."""
 
     granularity: str = "selective"
     method: str = "uniform"
     num_layers: int = 1
+    modules: tuple[str, ...] = ("core_attn",)
 
 
 @dataclass(frozen=True)
@@ -240,7 +246,9 @@ def recompute(built: UnderConstruction, options: ConstructOptions) -> None:
     checkpoints (context parallelism's ring, Transformer Engine); before compile."""
     r = options.recompute
     for part in built.parts:
-        if r is not None:
+        if r is not None and r.granularity == "selective":
+            apply_recompute_modules(part, r.modules)
+        elif r is not None:
             apply_activation_recompute(part, r.granularity, r.method, r.num_layers)
         if options.moe_layer_recompute:
             apply_moe_layer_recompute(part)

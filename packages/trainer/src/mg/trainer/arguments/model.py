@@ -76,9 +76,14 @@ MEGATRON_RECOMPUTE_MODULES = (
 
 RECOMPUTE_MODULES = {
     "core_attn": "the attention core, as --recompute-activations",
+    "moe_act": "the routed experts' activation (with --moe-grouped-gemm)",
+    "layernorm": "the input and pre-MLP norms that are modules of their own",
+    "mla_up_proj": "multi-latent attention's up projections and RoPE",
+    "mlp": "each dense MLP",
     "moe": "each MoE layer, as --moe-layer-recompute",
+    "shared_experts": "each MoE layer's shared experts",
 }
-"""The ones mg-train recomputes, and what each is here."""
+"""The ones mg-train recomputes (all of Megatron's), and what each is here."""
 
 
 def add_model_flags(p: argparse._ArgumentGroup) -> None:
@@ -219,7 +224,7 @@ def add_model_flags(p: argparse._ArgumentGroup) -> None:
         nargs="+",
         metavar="MODULE",
         help="With --recompute-granularity selective, what to recompute (Megatron's names): "
-        "core_attn (the default) and/or moe (each MoE layer, as --moe-layer-recompute).",
+        "core_attn (the default), moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts.",
     )
 
 
@@ -254,19 +259,28 @@ def selective_recompute_modules(m: ModelArgs) -> tuple[str, ...]:
     return tuple(m.recompute_modules if m.recompute_modules is not None else ["core_attn"])
 
 
-def check_recompute_modules(modules: list[str] | None) -> None:
-    """Megatron's module names: the two mg-train has mapped, the rest refused by name."""
-    for name in modules or ():
+def check_recompute_modules(args: Args) -> None:
+    """Megatron's module names and its rules for them (TransformerConfig.__post_init__)."""
+    modules = args.model.recompute_modules or ()
+    for name in modules:
         if name not in MEGATRON_RECOMPUTE_MODULES:
             fail(
                 f"--recompute-modules {name}: not a module Megatron recomputes (choose from "
                 f"{', '.join(MEGATRON_RECOMPUTE_MODULES)})"
             )
-        if name not in RECOMPUTE_MODULES:
-            fail(
-                f"--recompute-modules {name}: not supported by mg-train, which recomputes "
-                f"{' and '.join(RECOMPUTE_MODULES)} only; drop {name}"
-            )
+    if "moe_act" in modules and not args.moe.moe_grouped_gemm:
+        fail("--recompute-modules moe_act: only with --moe-grouped-gemm (Megatron's rule)")
+    if "mla_up_proj" in modules and not args.mla.multi_latent_attention:
+        fail(
+            "--recompute-modules mla_up_proj: only with --multi-latent-attention (Megatron's rule)"
+        )
+    te_linears = [n for n in ("mlp", "mla_up_proj") if n in modules]
+    if te_linears and args.transformer_engine.fp8 is not None:
+        fail(
+            f"--recompute-modules {te_linears[0]} with --fp8-format: its Transformer Engine "
+            "linears would be recomputed outside FP8 (Megatron recomputes them through TE's "
+            f"own checkpoint); drop {te_linears[0]} or --fp8-format"
+        )
 
 
 def check_model(args: Args) -> None:
@@ -302,4 +316,4 @@ def check_model(args: Args) -> None:
             f"sequence length ({m.seq_length}) is longer than --max-position-embeddings "
             f"({m.max_position_embeddings})"
         )
-    check_recompute_modules(m.recompute_modules)
+    check_recompute_modules(args)

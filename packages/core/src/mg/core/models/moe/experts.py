@@ -28,10 +28,19 @@ from torch import Tensor, nn
 from mg.core.models.activations import activate
 from mg.core.models.config import TransformerConfig
 from mg.core.models.local_tensor import local
+from mg.core.models.recompute_state import DiscardedOutput
 
 
 def _activate(hidden: Tensor, config: TransformerConfig) -> Tensor:
     return activate(hidden, config)  # gated: [gate; up] rows of linear_fc1
+
+
+def _product(linear: nn.Module, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x·Wᵀ (+ bias); an mg-quantize'd linear (no .weight) through its own kernel."""
+    if isinstance(linear, nn.Linear):
+        return F.linear(x, local(linear.weight), bias)
+    out = linear.matmul(x)
+    return out if bias is None else out + bias
 
 
 class ExpertMLP(nn.Module):
@@ -60,11 +69,11 @@ class ExpertMLP(nn.Module):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         bias1 = None if fc1.bias is None else local(fc1.bias)
         bias2 = None if fc2.bias is None else local(fc2.bias) * self.fc2_bias_scale
-        hidden = _activate(F.linear(hidden, local(fc1.weight), bias1), self.config)
+        hidden = _activate(_product(fc1, hidden, bias1), self.config)
         if probs is None:
-            return F.linear(hidden, local(fc2.weight), bias2)
+            return _product(fc2, hidden, bias2)
         hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
-        out = F.linear(hidden, local(fc2.weight))
+        out = _product(fc2, hidden)
         if bias2 is not None:
             out = out + bias2.unsqueeze(0) * probs.unsqueeze(-1)
         return out
@@ -200,6 +209,9 @@ class GroupedLinear(nn.Module):
 class GroupedMLP(nn.Module):
     """All local experts in grouped GEMMs (`linear_fc1.weight{i}`, `linear_fc2.weight{i}`)."""
 
+    recompute_activation = False
+    """Megatron's `moe_act` recompute (`mg.core.models.recompute`)."""
+
     def __init__(self, config: TransformerConfig, num_local_experts: int) -> None:
         super().__init__()
         self.config = config
@@ -226,13 +238,22 @@ class GroupedMLP(nn.Module):
         self.linear_fc1.keep(indices)
         self.linear_fc2.keep(indices)
 
+    def activation(self, hidden: Tensor, probs: Tensor) -> Tensor:
+        """act(fc1 output) times each row's routing probability: linear_fc2's input."""
+        out = _activate(hidden, self.config)
+        return (out * probs.unsqueeze(-1)).to(out.dtype)
+
     def forward(self, tokens: Tensor, tokens_per_expert: list[int], probs: Tensor) -> Tensor:
         hidden = grouped_linear(tokens, self.linear_fc1.weights(), tokens_per_expert)
         if self.linear_fc1.has_bias:
             hidden = hidden + self.linear_fc1.bias_per_row(tokens_per_expert, hidden.device)
-        hidden = _activate(hidden, self.config)
-        hidden = (hidden * probs.unsqueeze(-1)).to(hidden.dtype)
+        # --recompute-modules moe_act: the activation's output is freed once linear_fc2 has
+        # saved it, and recomputed when the backward pass reaches linear_fc2
+        act = DiscardedOutput(self.activation) if self.recompute_activation else None
+        hidden = act.run(hidden, probs) if act is not None else self.activation(hidden, probs)
         out = grouped_linear(hidden, self.linear_fc2.weights(), tokens_per_expert)
+        if act is not None:
+            act.discard(out)
         if self.linear_fc2.has_bias:
             bias = self.linear_fc2.bias_per_row(tokens_per_expert, out.device)
             out = out + bias * probs.unsqueeze(-1)
