@@ -85,6 +85,7 @@ from mg.core.models.moe.expert_names import (
     rename_optimizer_state,
 )
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
+from mg.core.models.vision import LLaVAConfig
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.fully_sharded_optimizer import FullyShardedOptimizer
@@ -114,7 +115,7 @@ def _model_config(model: nn.Module) -> TransformerConfig:
     config = getattr(model, "config", None)
     if config is None and isinstance(model, nn.ModuleList) and len(model):
         config = getattr(model[0], "config", None)
-    if not isinstance(config, TransformerConfig):
+    if not isinstance(config, (TransformerConfig, LLaVAConfig)):  # LLaVA: its towers'
         raise TypeError(f"{type(model).__name__} has no TransformerConfig")
     return config
 

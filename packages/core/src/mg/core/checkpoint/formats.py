@@ -46,7 +46,7 @@ class DistLayout(enum.Enum):
 
 # The families whose Megatron layout mg writes (mg.trainer's family names): all of them; a
 # new family declares its layout here (and its keys in `megatron_sharded_keys`).
-MEGATRON_LAYOUT_FAMILIES = ("gpt", "bert", "t5", "mamba", "retro")
+MEGATRON_LAYOUT_FAMILIES = ("gpt", "bert", "t5", "mamba", "retro", "vlm")
 
 
 def dist_layout(family: str, config: TransformerConfig) -> DistLayout:

@@ -81,8 +81,16 @@ _EXTRA_STATE_MODULES = (
     "mlp.experts.experts.linear_fc2",
 )
 # The output layers outside the layers that have one (a BERT's, a T5's LM head's).
-_HEAD_LINEARS = ("output_layer", "lm_head.output_layer")
-_LAYER_LINEAR = re.compile(r"^(?:encoder|decoder)\.layers\.\d+\.(.+)\.weight\d*$")
+_HEAD_LINEARS = (
+    "output_layer",
+    "lm_head.output_layer",
+    "language_model.output_layer",  # a LLaVA's, and its projector's linears
+    "vision_projection.encoder.linear_fc1",
+    "vision_projection.encoder.linear_fc2",
+)
+_LAYER_LINEAR = re.compile(
+    r"^(?:language_model\.|vision_model\.)?(?:encoder|decoder)\.layers\.\d+\.(.+)\.weight\d*$"
+)
 # A layer key's fused-norm names (both specs store them so) -> the local spec's modules.
 _UNFUSED_NORMS = tuple((theirs, ours) for ours, theirs in FUSED_NORMS)
 

@@ -1,4 +1,5 @@
-"""Megatron-Core's `sharded_state_dict` keys for our parameter names (GPT, BERT, T5, Mamba).
+"""Megatron-Core's `sharded_state_dict` keys for our parameter names (GPT, BERT, T5, Mamba,
+LLaVA).
 
 Megatron's `torch_dist` checkpoints do not store one tensor per layer: every
 transformer layer's tensor of one kind is a slice of one global tensor with a
@@ -22,10 +23,21 @@ What the keys depend on comes from the model's configuration (`key_layout`), and
 layer index along the prepended axis and the number of layers, and the row blocks
 it is split into; the tensor axes after it are the parameter's own, sharded over
 tensor parallelism as our DTensors already say.
+
+A LLaVA model (Megatron-Core's `LLaVAModel`) keys each tower under its attribute:
+`language_model.` as a GPT (`language_model.decoder.layers.…` on the language model's
+layer axis), `vision_model.` with the ViT's layers on an axis of their own
+(`vision_model.decoder.layers.self_attention.linear_qkv.weight` of [vision layers, …];
+`conv1`, `class_token`, `position_embeddings`, `ln_pre`/`ln_post` as named), the
+projector `vision_projection.encoder.linear_fc1/2.*` as named. The layers' norms take
+the Transformer Engine spec's fused names in both towers (the spec `pretrain_vlm.py`
+builds by default; megatron-core's local LLaVA specs have no keys map and keep
+`input_layernorm.*`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +45,7 @@ from dataclasses import dataclass
 from mg.core.models.config import TransformerConfig
 from mg.core.models.mamba.config import MambaConfig
 from mg.core.models.retro import RetroConfig
+from mg.core.models.vision.llava import LLaVAConfig
 
 _LAYER = re.compile(r"^(encoder|decoder)\.layers\.(\d+)\.(.+)$")
 # a multi-token prediction depth's transformer layer: keyed by its depth, no layer axis
@@ -129,12 +142,19 @@ class KeyLayout:
     fused_norm_names: bool = True
     """The layer norms under the TE spec's fused names (`FUSED_NORMS`); False for
     multi-latent attention, whose local spec has no keys map (its norms keep their names)."""
+    towers: tuple[tuple[str, KeyLayout], ...] = ()
+    """A model of several towers (a LLaVA's `language_model.`, `vision_model.`): each
+    prefix's names keyed by its own layout under that prefix; other names as they are."""
 
 
 def key_layout(config: TransformerConfig) -> KeyLayout:
     """The key layout of a model with `config`: a GPT's, BERT's or T5's layers stacked
     (by number where an MoE's layers differ: `per_layer_keys`), a hybrid Mamba's by
     number with its mixer's fused tensors split (`MAMBA_SPLITS`)."""
+    if isinstance(config, LLaVAConfig):  # each tower its own layer axis, under its prefix
+        vision = KeyLayout(config.vision.num_layers)
+        towers = (("language_model.", key_layout(config.language)), ("vision_model.", vision))
+        return KeyLayout(config.language.num_layers, towers=towers)
     tied = not config.untie_embeddings_and_output_weights
     experts = config.num_moe_experts or None
     if isinstance(config, RetroConfig):  # RetroModel's layers differ: keyed by number
@@ -185,6 +205,12 @@ def megatron_sharded_key(name: str, layout: KeyLayout) -> ShardedKey:
     expert's tensor gets an expert axis after the layer axis (SequentialMLP's
     `decoder.layers.mlp.experts.experts.linear_fc1.weight` of [L, E, 2F, h]); a tensor
     of `layout.row_splits` its row blocks."""
+    for prefix, tower in layout.towers:
+        if name.startswith(prefix):
+            sharded = megatron_sharded_key(name[len(prefix) :], tower)
+            return dataclasses.replace(sharded, key=prefix + sharded.key)
+    if layout.towers:  # between the towers (a LLaVA's projector): its name
+        return ShardedKey(name)
     if layout.tied_output and name == "output_layer.weight":
         return ShardedKey("embedding.word_embeddings.weight")
     match = _LAYER.match(name)
