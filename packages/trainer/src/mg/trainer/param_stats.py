@@ -8,7 +8,9 @@ expert-parallel group, every stage's own tensors over the pipeline group, and th
 last stage's copy of a tied embedding is left out, as Megatron's
 `calc_params_l2_norm` and `count_zeros_fp32` do.
 
-The parameters are the model's (all of them, frozen ones too, as Megatron's norm);
+The parameters are the model's (all of them, frozen ones too, as Megatron's norm),
+in their own precision summed in float64 (Megatron reads the fp32 main copies of
+bf16 parameters where its optimizer keeps them, a difference within bf16's rounding);
 the gradients are those the optimizer stepped with, unscaled and clipped (Megatron
 counts the zeros after clipping): the parameters' own, or under the distributed
 optimizer each data-parallel rank's shard of the averaged gradient, summed over the
