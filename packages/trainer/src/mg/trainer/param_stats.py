@@ -1,6 +1,6 @@
 """`--log-params-norm` and `--log-num-zeros-in-grad`: whole-model sums over every layout.
 
-Both are the gradient norm's reduction (`mg.core.parallel.grad_norm.sharded_sum`)
+Both are the gradient norm's reduction (`mg.core.parallel.grad_norm.global_sum`)
 with another statistic: a tensor-parallel (or FSDP) shard is summed over the ranks
 of its mesh, a replicated tensor (a norm weight on every TP rank, any tensor on
 every data-parallel replica) counted once; routed experts are summed over the
