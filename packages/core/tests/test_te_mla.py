@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mg.core.models import GPTModel, TransformerConfig
+from mg.core.models.recompute import apply_recompute_modules
 from mg.core.models.te_parallel import TEParallelism
 from mg.core.models.te_spec import (
     LayerNormLinear,
@@ -281,7 +282,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _scenario(name: str, layout: str, swap: bool) -> dict:
+RECOMPUTE = ["core_attn", "layernorm", "mla_up_proj", "mlp"]
+
+
+def _scenario(name: str, layout: str, swap: bool, recompute: bool = False) -> dict:
     from mg.core.parallel.mesh import ParallelDims
     from mg.core.parallel.tensor_parallel import apply_tensor_parallel, sync_tensor_parallel_grads
 
@@ -291,6 +295,8 @@ def _scenario(name: str, layout: str, swap: bool) -> dict:
     apply_tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
     if swap:
         apply_transformer_engine(model, parallel=TEParallelism(mesh.get_group(), sequence_parallel))
+    if recompute:  # after the swap, as the construction pipeline orders them
+        apply_recompute_modules(model, RECOMPUTE)
     tokens = _tokens()
     loss_ref, grads_ref = _loss_and_grads(local, tokens)
     loss, _ = _loss_and_grads(model, tokens)
@@ -309,6 +315,7 @@ def _worker(out_dir: str) -> None:
     for name in CONFIGS:
         for layout in LAYOUTS:
             report[f"{name}-{layout}-plain"] = _scenario(name, layout, swap=False)
+        report[f"{name}-tp_sp-plain-recompute"] = _scenario(name, "tp_sp", False, True)
     with pytest.MonkeyPatch.context() as patch:
         from mg.core.testing import te_standin
 
@@ -316,6 +323,7 @@ def _worker(out_dir: str) -> None:
         for name in CONFIGS:
             for layout in LAYOUTS:
                 report[f"{name}-{layout}-te"] = _scenario(name, layout, swap=True)
+            report[f"{name}-tp_sp-te-recompute"] = _scenario(name, "tp_sp", True, True)
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -334,8 +342,21 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_tensor_parallel_te_spec_equals_one_process(reports, name, layout, swap) -> None:
+    _check(reports, f"{name}-{layout}-{swap}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("swap", ["plain", "te"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tensor_parallel_with_recompute_modules_equals_one_process(reports, name, swap) -> None:
+    """TP=2 with sequence parallelism, the recompute of the attention core, the norms,
+    MLA's up projections and the MLPs on (their outputs are DTensors or local shards)."""
+    _check(reports, f"{name}-tp_sp-{swap}-recompute")
+
+
+def _check(reports: list[dict], key: str) -> None:
     for report in reports:
-        entry = report[f"{name}-{layout}-{swap}"]
+        entry = report[key]
         loss, loss_ref = entry["loss"]
         assert loss == pytest.approx(loss_ref, rel=1e-6)
         assert entry["grad_rel"] < 1e-5
