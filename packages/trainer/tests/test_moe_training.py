@@ -883,6 +883,40 @@ def test_every_megatron_recompute_module_is_built(tmp_path, mock_argv):
     assert not any(getattr(m, "_mg_recompute", False) for m in cores)  # core_attn not named
 
 
+MLA = [
+    "--multi-latent-attention",
+    "--position-embedding-type",
+    "rope",
+    "--q-lora-rank",
+    "16",
+    "--kv-lora-rank",
+    "16",
+    "--qk-head-dim",
+    "8",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "8",
+    "--qk-layernorm",
+    "--normalization",
+    "RMSNorm",
+]
+
+
+def test_every_recompute_module_trains_to_the_same_losses(tmp_path, mock_argv, train):
+    """DeepSeek-V3's recipe in small (MLA, a dense layer then an MoE layer with grouped-GEMM
+    and shared experts) with every module of Megatron's recompute_modules except core_attn
+    and moe: the losses of three steps are those without recompute."""
+    flags = [*MOE, *MLA, "--moe-grouped-gemm", "--moe-layer-freq", "[0,1]"]
+    flags += ["--moe-shared-expert-intermediate-size", "16"]
+    plain = train(mock_argv(tmp_path, *flags, iters=3))
+    recompute = ["--recompute-granularity", "selective", "--recompute-modules"]
+    recompute += ["mlp", "mla_up_proj", "layernorm", "moe_act", "shared_experts"]
+    recomputed = train(mock_argv(tmp_path, *flags, *recompute, iters=3))
+    for a, b in zip(plain.losses, recomputed.losses, strict=True):
+        assert b == pytest.approx(a, rel=1e-6)
+
+
 @pytest.mark.parametrize(
     ("names", "message"),
     [
