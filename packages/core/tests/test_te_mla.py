@@ -261,6 +261,29 @@ def test_torch_dist_keys_are_megatrons_te_names() -> None:
     assert "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight" in ours
 
 
+def test_torch_dist_save_stores_te_names_and_reads_back(tmp_path) -> None:
+    """A torch_dist save of the TE-spec model: its stored keys are the TE spec's, and they
+    read back (as mg's load does, `te_spec_names` over the read state) bit-exact."""
+    from mg.core.checkpoint.dist_format import load_full_state, save_dist_checkpoint, stored_keys
+    from mg.core.checkpoint.megatron_dist import megatron_model_state
+    from mg.core.checkpoint.megatron_sharded_keys import key_layout
+
+    _, te = _pair("q-lora-norms")
+    weights = te.state_dict()
+    state = megatron_model_state(weights, key_layout(te.config), extra_state=True)
+    save_dist_checkpoint(tmp_path, 1, {**state.tensors, **state.objects}, {})
+    folder = tmp_path / "iter_0000001"
+    keys = stored_keys(folder, "decoder.layers.")
+    for name in ("linear_q_up_proj", "linear_kv_up_proj"):
+        assert f"decoder.layers.self_attention.{name}.layer_norm_weight" in keys
+    assert "decoder.layers.input_layernorm.weight" in keys
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in keys
+    assert not any("q_layernorm" in k or "kv_layernorm" in k for k in keys)
+    read = te_spec_names(load_full_state(folder), te.config)
+    assert read.keys() == weights.keys()
+    assert all(torch.equal(read[k], weights[k]) for k in weights)
+
+
 def test_checkpoint_round_trip(tmp_path) -> None:
     from mg.core.checkpoint import load_model, save_model
 
