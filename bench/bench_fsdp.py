@@ -7,9 +7,11 @@
 
 The larger models run a single-process baseline (the distributed optimizer on one
 rank, bench_scale.py's "TP=1 PP=1 sharded" path) and FSDP `optim_grads_params`
-(ZeRO-3), and report each rank's training peak over the baseline's: the paths that
-keep whole parameters on every rank would need up to four whole copies of the
-model's training state on one machine; their plan is printed instead.
+(ZeRO-3), and report each rank's training peak over the baseline's; the 275M model
+also runs `optim_grads` and `optim` (whole weights on each rank from a unit's forward
+to its backward, sharded between steps). `no_shard` would need four whole copies of
+the model's training state on one machine: its plan is printed instead, as for a
+path whose ranks fail (e.g. killed for memory), with the reason.
 
 One GPT config (fp32, AdamW, mock data, micro-batch 1, 2 micro-batches per rank) runs
 as 4 gloo ranks on this machine for each data-parallel path: plain DDP, the
@@ -66,7 +68,7 @@ MODELS = {
 # the paths each model runs: the whole-model DP paths only where four copies fit
 MODEL_PATHS = {
     "124m": [p for p in PATHS if p != ONE_PROCESS],
-    "275m": [ONE_PROCESS, "FSDP optim_grads_params"],
+    "275m": [ONE_PROCESS, "FSDP optim_grads_params", "FSDP optim_grads", "FSDP optim"],
     "757m": [ONE_PROCESS, "FSDP optim_grads_params"],
 }  # fmt: skip
 
@@ -203,6 +205,7 @@ def main() -> None:
     h, layers, vocab, seq = model["hidden"], model["layers"], model["vocab"], model["seq"]
     params = layers * (12 * h * h + 13 * h) + vocab * h + seq * h + 2 * h
     rows = {}
+    failed: dict[str, str] = {}
     for name in paths:
         print(f"{name} ...", flush=True)
         world = 1 if name == ONE_PROCESS else WORLD
@@ -213,7 +216,13 @@ def main() -> None:
             "save": str(work / name),
             "world": world,
         }
-        rows[name] = _launch(spec, work / name.replace(" ", "_"), options.threads)
+        try:
+            rows[name] = _launch(spec, work / name.replace(" ", "_"), options.threads)
+        except SystemExit as failure:
+            if name in (ONE_PROCESS, "FSDP optim_grads_params"):
+                raise
+            failed[name] = str(failure).splitlines()[0]
+            print(failure, flush=True)
     baseline = _train_peak(rows[ONE_PROCESS]) if ONE_PROCESS in rows else None
     command = "bench/bench_fsdp.py" + (" --quick" if options.quick else "")
     if options.model != "124m" and not options.quick:
@@ -256,6 +265,8 @@ def main() -> None:
         lines.append(
             f"| {name} | - | - | - | - | {_planned(model, name.split()[1]) / 1e9:.2f} | - | - |"
         )
+    for name, reason in failed.items():
+        lines.append(f"\n{name}: not measured ({reason}).")
     text = "\n".join(lines) + "\n"
     print(text)
     stem = "fsdp-cpu-quick" if options.quick else "fsdp-cpu"

@@ -23,11 +23,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from mg.core.models import GPTModel, presets
+from mg.core.models.output_head import OutputModuleHead
 from mg.core.parallel.construct import ConstructOptions, construct
 from mg.core.parallel.fully_sharded import (
     FullyShardedOptions,
     grad_norm_squares,
     no_gradient_sync,
+    output_unit,
     units,
 )
 from mg.core.parallel.layout import build_parallel_layout
@@ -106,17 +108,26 @@ def test_meta_model_is_sharded_before_storage_and_equals_one_process(tmp_path) -
     assert sum(r["held"] for r in ranks) == numel  # one copy between the two ranks
     for r in ranks:
         assert r["equal"] and r["dtensors"]
-        assert r["units"] == 1 + 3 + 1  # the (untied) embedding, 3 layers, the root
+        # the (untied) embedding, 3 layers, the output layer, the root (the final norm)
+        assert r["units"] == 1 + 3 + 1 + 1
         assert r["norm"] == pytest.approx(r["expected_norm"], rel=1e-5)
-        assert r["reductions"] == [0, 5]  # one per unit, after the last micro-batch only
+        assert r["reductions"] == [0, 6]  # one per unit, after the last micro-batch only
 
 
-def test_units_are_the_layers_and_an_untied_embedding() -> None:
+def test_units_are_the_embedding_the_layers_and_the_output_layer() -> None:
+    """The head's weight is a unit of its own where the plain head can call its module:
+    the untied output layer, or the tied embedding; another head keeps it in the root."""
     with torch.device("meta"):
-        tied = GPTModel(presets.tiny_gpt2(num_layers=2))  # the output head reads the embedding
+        tied = GPTModel(presets.tiny_gpt2(num_layers=2))
         untied = GPTModel(_config())
-    assert units(tied) == list(tied.decoder.layers)
-    assert units(untied) == [untied.embedding, *untied.decoder.layers]
+        fused = GPTModel(_config())
+    assert output_unit(tied) is tied.embedding
+    assert units(tied) == [tied.embedding, *tied.decoder.layers]
+    assert output_unit(untied) is untied.output_layer
+    assert units(untied) == [untied.embedding, *untied.decoder.layers, untied.output_layer]
+    fused.output_head = OutputModuleHead()  # e.g. a quantized output layer's
+    assert output_unit(fused) is None
+    assert units(fused) == [fused.embedding, *fused.decoder.layers]
 
 
 if __name__ == "__main__":

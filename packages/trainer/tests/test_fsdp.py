@@ -47,7 +47,8 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
     """Global batch 8: one process (4 micro-batches of 2) vs DP=2 (2 micro-batches each,
     the first without gradient sync) with parameters sharded (ZeRO-3, prefetching the
     next layer's all-gather) and not sharded at all: the same losses and grad norms;
-    each rank holds half the parameters, or all of them; 3 units (2 layers, the root)."""
+    each rank holds half the parameters, or all of them; 4 units (the tied embedding, which
+    the output head calls, 2 layers, the root)."""
     argv = mock_argv(
         tmp_path, *FLAGS, "--eval-interval", "3", "--eval-iters", "1", mbs=2, gbs=8, iters=6
     )
@@ -62,10 +63,10 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
         _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)
         _assert_close([v for _, v in one.validation], [v for _, v in run["validation"]], LOSS_RTOL)
         assert len(run["validation"]) == 2
-        assert run["units"] == 3
+        assert run["units"] == 4
     assert sum(zero3["shares"]) == zero3["numel"]
     assert max(zero3["shares"]) - min(zero3["shares"]) <= zero3["numel"] // 10
-    assert zero3["prefetching"] == 1  # layer 1 starts layer 2's gather
+    assert zero3["prefetching"] == 2  # the embedding starts layer 1's gather, layer 1 layer 2's
     assert replicated["shares"] == [replicated["numel"]] * 2
     assert replicated["prefetching"] == 0
     # the dry run's plan of a rank's weights is what each rank holds (to the uneven chunk)
@@ -77,7 +78,7 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
 def test_dp4_each_strategy_tp_and_hsdp_match_one_process(tmp_path, mock_argv, train) -> None:
     """20 iterations on 4 ranks, one launch: DP=4 at each strategy, DP=2 × TP=2 with
     sequence parallelism, HSDP (2 replicas of 2 shards), and ZeRO-3 with full activation
-    recompute and an untied output layer (its own embedding unit) under
+    recompute and an untied output layer (its own unit, the embedding another) under
     --use-torch-fsdp2: every run equals one process."""
     # the vocabulary padded alike at TP=1 and TP=2 (127 -> 128), so the models are equal
     padding = ["--make-vocab-size-divisible-by", "64"]
@@ -123,7 +124,26 @@ def test_dp4_each_strategy_tp_and_hsdp_match_one_process(tmp_path, mock_argv, tr
     # a quarter each; what TP replicates (norms, biases) is sharded over DP only
     assert max(tp["shares"]) < tp["numel"] // 3
     assert sum(hsdp["shares"]) == 2 * hsdp["numel"]  # two replicas of the shards
-    assert untied_run["units"] == 4  # 2 layers, the embedding, the root
+    assert untied_run["units"] == 5  # 2 layers, the embedding, the output layer, the root
+
+
+@pytest.mark.slow
+def test_dp2_fsdp_with_mtp_matches_one_process(tmp_path, mock_argv, train) -> None:
+    """Multi-token prediction runs the output head once per depth, so the tied embedding
+    is gathered for each head's backward (not kept from the head's forward as without
+    MTP); tied and untied, ZeRO-3 at DP=2 equals one process."""
+    mtp = ["--position-embedding-type", "rope", "--mtp-num-layers", "1"]
+    argv = mock_argv(tmp_path, *FLAGS, *mtp, mbs=2, gbs=8, iters=4)
+    untied = [*argv, "--untie-embeddings-and-output-weights"]
+    one, one_untied = train(argv), train(untied)
+    runs = _run_ranks(
+        [[*argv, *_strategy("optim_grads_params")], [*untied, *_strategy("optim_grads_params")]],
+        2,
+        tmp_path / "two.json",
+    )
+    for reference, run in zip((one, one_untied), runs, strict=True):
+        _assert_close(reference.losses, run["losses"], LOSS_RTOL)
+        _assert_close(reference.grad_norms, run["grad_norms"], NORM_RTOL)
 
 
 @pytest.mark.parametrize(

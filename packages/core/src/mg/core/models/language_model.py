@@ -70,6 +70,11 @@ class LanguageModelEmbedding(nn.Module):
         if self.position_embeddings is not None:
             nn.init.normal_(self.position_embeddings.weight, mean=0.0, std=std)
 
+    def tied_logits(self, hidden: Tensor) -> Tensor:
+        """hidden @ word_embeddingsᵀ: the tied output layer as a method of the module that
+        owns its weight, so that FSDP can gather the weight around it (fully_sharded.py)."""
+        return torch.nn.functional.linear(hidden, self.word_embeddings.weight)
+
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         hidden = self.word_embeddings(input_ids)
         if self.embedding_scale is not None:

@@ -13,7 +13,10 @@ picks it and says so here:
 
     OutputHead                 hidden @ Wᵀ (+ b), padding rows masked, cross-entropy
     OutputModuleHead           logits from the output layer's own forward (a quantized
-                               output layer has no float weight: mg.core.quantization)
+                               output layer has no float weight: mg.core.quantization;
+                               a fully sharded one is gathered around its forward)
+    FullyShardedTiedHead       logits from the tied embedding's `tied_logits`, an FSDP
+                               forward method (mg.core.parallel.fully_sharded)
     FusedCrossEntropyHead      the output matmul and the loss fused a few tokens at a
                                time (mg.core.models.fused_cross_entropy)
     VocabParallelOutputHead    vocab-sharded logits and Megatron's vocab-parallel

@@ -4,10 +4,27 @@ Megatron's `--use-megatron-fsdp` and `--use-torch-fsdp2` both land here: one
 implementation, PyTorch's own, not a hand-written sharder. `apply_fully_shard`
 makes one FSDP unit of each transformer layer (the children of every `layers`
 list: GPT, BERT and T5 stacks, Mamba hybrids, MoE layers), one of the embedding,
-and the root unit, which holds the output layer and the final norm. The output
-head reads its weight as a tensor (`output_weight()`), not through a module call,
-so it must stay gathered for the whole forward: the root's unit is. A tied
-embedding stays in the root unit too, for the same reason.
+one of the output layer, and the root unit (the final norm, what is left).
+
+FSDP gathers a unit around its module's calls only, and the output head reads
+its weight as a tensor (`output_weight()`). So the head's use of the weight is
+made a call of the module that owns it (`output_unit`): the untied output layer's
+own forward (`OutputModuleHead`), or, tied, the embedding's `tied_logits`
+registered as an FSDP forward method (`FullyShardedTiedHead`); the same numbers
+as the plain head. The output weight is then whole only around the head (and,
+tied, the lookup), not from the first forward to the end of the last backward as
+in the root unit (at vocab × hidden, the largest tensors of a small model); the
+untied output layer's gradient is reduce-scattered as soon as the head's backward
+ends (a tied one when the embedding's backward has added its part: autograd sums
+a leaf's gradients before it hands them over). Another head (fused
+cross-entropy, vocab-parallel, a bias) keeps the output weight in the root unit,
+gathered for the whole step.
+
+The embedding's backward needs no weight (it only scatters the gradient rows),
+so it does not gather the embedding again (`set_unshard_in_backward(False)`);
+tied, the head's forward keeps the weight gathered for its own backward, which
+follows at once, and that backward's end frees it (not with MTP, whose heads'
+backwards are apart: there each gathers the weight).
 
 Megatron's `--data-parallel-sharding-strategy` in FSDP2's terms:
 
@@ -67,9 +84,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
+from mg.core.models.language_model import LanguageModelEmbedding
+from mg.core.models.output_head import OutputHead, OutputModuleHead, is_plain_output
 from mg.core.parallel.expert_parallel import is_expert_parameter
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -105,17 +129,82 @@ def data_parallel_mesh(root: DeviceMesh, options: FullyShardedOptions) -> Device
     return mesh._unflatten(0, (replicas, size // replicas), ("dp_replicate", "dp_shard"))
 
 
+def output_unit(model: nn.Module) -> nn.Module | None:
+    """The module that owns the output weight, where the plain head (no bias) can use it
+    through a call of that module: the untied output layer (an nn.Linear) or the tied
+    embedding. None: the head reads the weight otherwise, which stays in the root unit."""
+    head = getattr(model, "output_head", None)
+    if head is None or not is_plain_output(model) or model.output_bias() is not None:
+        return None
+    weight = model.output_weight()
+    layer = getattr(model, "output_layer", None)
+    if type(layer) is nn.Linear and layer.bias is None and layer.weight is weight:
+        return layer
+    embedding = getattr(model, "embedding", None)
+    if isinstance(embedding, LanguageModelEmbedding) and embedding.word_embeddings.weight is weight:
+        return embedding
+    return None
+
+
 def units(model: nn.Module) -> list[nn.Module]:
     """The modules that become FSDP units below the root, in forward order: the embedding
-    (unless the output layer reads its weight) and every layer of every `layers` list."""
+    (unless the head reads its weight as a tensor), every layer of every `layers` list,
+    and the untied output layer where the head calls it (`output_unit`)."""
     found: list[nn.Module] = []
+    output = output_unit(model)
     embedding = getattr(model, "embedding", None)
-    if embedding is not None and getattr(model, "output_layer", None) is not None:
-        found.append(embedding)  # untied: the output layer has a weight of its own
+    if embedding is not None and (embedding is output or not _holds_output_weight(model)):
+        found.append(embedding)
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "layers" and isinstance(module, nn.ModuleList):
             found.extend(module)
+    if output is not None and output is not embedding:
+        found.append(output)
     return found
+
+
+def _holds_output_weight(model: nn.Module) -> bool:
+    """Whether the embedding holds the weight the output head reads (tied)."""
+    if not hasattr(model, "output_weight"):  # no head of its own: untied by construction
+        return getattr(model, "output_layer", None) is None
+    weight = model.output_weight()
+    return any(p is weight for p in model.embedding.parameters())
+
+
+class FullyShardedTiedHead(OutputHead):
+    """The plain head's numbers, its logits from the tied embedding's `tied_logits` (an
+    FSDP forward method). With `keep` (ZeRO-3, one head call per forward: no MTP) the
+    weight stays gathered from the head's forward to its backward, which follows at once,
+    and the embedding's backward, which needs no weight, does not gather it again."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+
+    def logits_from(self, model: nn.Module, hidden: Tensor) -> Tensor:
+        embedding = model.embedding
+        if not (self.keep and torch.is_grad_enabled()):
+            return embedding.tied_logits(hidden)
+        embedding.set_reshard_after_forward(False, recurse=False)
+        try:
+            return embedding.tied_logits(hidden)
+        finally:  # the lookup at the start of the next forward reshards after it again
+            embedding.set_reshard_after_forward(True, recurse=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(keep={self.keep})"
+
+
+def _route_head_through(model: nn.Module, output: nn.Module, reshard: bool) -> bool:
+    """Make the head's use of the output weight a call of `output` (see the docstring);
+    True where the tied weight stays gathered from the head's forward to its backward."""
+    if output is not getattr(model, "embedding", None):
+        model.output_head = OutputModuleHead()  # the output layer's forward: F.linear
+        return False
+    register_fsdp_forward_method(output, "tied_logits")
+    # with MTP the head runs once per depth: each call's backward needs the weight again
+    keep = reshard and getattr(model, "mtp", None) is None
+    model.output_head = FullyShardedTiedHead(keep)
+    return keep
 
 
 def expert_units(model: nn.Module) -> list[nn.Module]:
@@ -148,19 +237,30 @@ def apply_fully_shard(
     expert_names = {n for n, p in model.named_parameters() if is_expert_parameter(p)}
     for module in experts:  # before their layers, which then leave them out
         fully_shard(module, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    output = output_unit(model)
     inner = units(model)
-    for i, module in enumerate(inner):
-        # the last layer's backward follows its forward at once: keep it gathered
-        last = i == len(inner) - 1
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not last, mp_policy=policy)
+    embedding = getattr(model, "embedding", None)
+    # the unit that runs last in the forward has its backward at once: keep it gathered
+    # (the untied output layer, else the last layer; not the tied embedding, which runs
+    # first too, nor the layer before the head's gathered weight)
+    kept = None if output is embedding and output is not None else inner[-1] if inner else None
+    for module in inner:
+        keep = module is kept
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not keep, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    kept_for_head = output is not None and _route_head_through(model, output, reshard)
+    # the lookup's backward reads no weight: not gathered for it, unless the head's is
+    lookup_only = embedding in inner and (embedding is not output or kept_for_head)
+    if lookup_only:
+        embedding.set_unshard_in_backward(False)
     for name, param in model.named_parameters():  # fully_shard made new parameters
         if name in expert_names:
             param.allreduce = False
     if options.prefetch and len(inner) > 1:  # --overlap-param-gather: the next unit's
         for current, following in zip(inner, inner[1:], strict=False):  # all-gather early
             current.set_modules_to_forward_prefetch([following])
-            following.set_modules_to_backward_prefetch([current])
+            if not (current is embedding and lookup_only):  # what backward gathers
+                following.set_modules_to_backward_prefetch([current])
 
 
 @contextlib.contextmanager
