@@ -120,10 +120,10 @@ def test_first_loss_is_the_models_text_loss_on_the_first_batch(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        (["--tokenizer-prompt-format", "mistral"], "--tokenizer-prompt-format mistral: Megatron"),
+        (["--tokenizer-prompt-format", "llama3"], "--tokenizer-prompt-format llama3: Megatron"),
         (["--vision-model-type", "siglip", "--disable-vision-class-token"], "SigLIP"),
         (["--projector-type", "affine"], "--projector-type affine"),
-        (["--pretrained-checkpoint", "x"], "--pretrained-checkpoint"),
+        (["--allow-missing-vision-projection-checkpoint"], "only with --pretrained-checkpoint"),
         (["--context-parallel-size", "2"], "context parallelism"),
     ],
 )

@@ -29,6 +29,7 @@ from mg.trainer.families import get_family
 from mg.trainer.family_mamba import dry_run_report
 from mg.trainer.fsdp_dry_run import fsdp_lines
 from mg.trainer.padded_vocab import padded_vocab_size
+from mg.trainer.vlm_dry_run import vlm_dry_run_report
 
 _GIB = 2**30
 
@@ -152,8 +153,10 @@ def report(args: Args) -> str:
         return dry_run_report(args)
     if args.family in ("bert", "t5"):
         return encoder_dry_run_report(args, args.family)
+    if args.family == "vlm":
+        return vlm_dry_run_report(args)
     if args.family != "gpt":
-        raise ArgumentError(f"--dry-run supports gpt, bert, t5 and mamba, not {args.family}")
+        raise ArgumentError(f"--dry-run supports gpt, bert, t5, mamba and vlm, not {args.family}")
     config = get_family("gpt").build_config(args, padded_vocab_size(args))
     est = estimate(args, config)
     d, m, t = args.distributed, args.model, args.training

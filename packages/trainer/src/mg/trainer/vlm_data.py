@@ -13,6 +13,8 @@ conversation is rendered by `--tokenizer-prompt-format`:
     raw     each human turn's text and a newline, then each answer followed by the
             end-of-document token; the image token where the text says `<image>`
     chatml  <|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n{answer}<|im_end|>\\n
+    mistral [INST] {text}[/INST] {answer}</s> (Megatron's template; the tokenizer's own
+            beginning-of-text token, where it adds one)
 
 The loss is on the answers only (their closing token included). Samples are cut or
 padded (no loss) to the text length that, with the image rows, fills
@@ -109,6 +111,13 @@ def render(turns: list[dict[str, str]], tokenizer: Any, prompt_format: str, imag
             add(f"<|im_start|>{role}\n", False)
             add(turn["value"] + "<|im_end|>", answer)
             add("\n", False)
+        elif prompt_format == "mistral":  # Megatron's mistral_custom_template, as text
+            if answer:
+                add(" " + turn["value"], True)
+                ids.append(tokenizer.eod)
+                mask.append(1)
+            else:
+                add(f"[INST] {turn['value']}[/INST]", False)
         elif answer:
             add(turn["value"], True)
             ids.append(tokenizer.eod)

@@ -22,6 +22,8 @@ unless a tokenizer flag is given.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mg.trainer.arguments.errors import ArgumentError
@@ -89,6 +91,11 @@ def apply_checkpoint_args(args: Args, given: set[str]) -> None:
     load = args.checkpoint.load
     if not load:
         raise ArgumentError("--use-checkpoint-args needs --load (the checkpoint to read)")
+    if not Path(load).exists():  # a first run: Megatron uses the flags it was given
+        print(
+            f"--use-checkpoint-args: no checkpoint in {load} yet; using the flags", file=sys.stderr
+        )
+        return
     try:
         info = describe(load)
     except (CheckpointError, FileNotFoundError, OSError) as exc:
@@ -123,7 +130,12 @@ def apply_checkpoint_args(args: Args, given: set[str]) -> None:
     args.checkpoint_model_config = data
 
     d = args.data
-    if not any(name in given for name in TOKENIZER_FLAGS) and info.tokenizer_config:
+    from_checkpoint = args.checkpoint.use_tokenizer_model_from_checkpoint_args
+    if (
+        from_checkpoint
+        and not any(name in given for name in TOKENIZER_FLAGS)
+        and info.tokenizer_config
+    ):
         tokenizer = resolve_tokenizer_paths(
             TokenizerConfig.from_dict(dict(info.tokenizer_config)), load
         )

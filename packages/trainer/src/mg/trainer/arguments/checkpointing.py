@@ -37,6 +37,7 @@ class CheckpointArgs:
     save_interval: int | None = None
     finetune: bool = False
     use_checkpoint_args: bool = False
+    use_tokenizer_model_from_checkpoint_args: bool = True
     no_load_optim: bool = False
     no_load_rng: bool = False
     no_save_optim: bool = False
@@ -81,6 +82,12 @@ def add_checkpointing_flags(p: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="Take the model config (and the tokenizer, unless tokenizer flags are given) from "
         "the checkpoint in --load; model-shape flags become optional and must agree with it.",
+    )
+    p.add_argument(
+        "--no-use-tokenizer-model-from-checkpoint-args",
+        dest="use_tokenizer_model_from_checkpoint_args",
+        action="store_false",
+        help="With --use-checkpoint-args, keep the tokenizer flags' tokenizer.",
     )
     p.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     p.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")

@@ -139,8 +139,8 @@ def finalize_parallel(args: Args) -> None:
 def check_dry_run_layout(args: Args) -> None:
     """A dry run plans layouts mg-train may not run yet; only the shape must split."""
     d = args.distributed
-    if args.family not in ("gpt", "mamba", "bert", "t5"):
-        fail(f"--dry-run supports gpt, bert, t5 and mamba, not {args.family}")
+    if args.family not in ("gpt", "mamba", "bert", "t5", "vlm"):
+        fail(f"--dry-run supports gpt, bert, t5, mamba and vlm, not {args.family}")
     model_parallel = (
         d.tensor_model_parallel_size * d.pipeline_model_parallel_size * d.context_parallel_size
     )

@@ -13,7 +13,9 @@ tower's length (the image tokens) and `--decoder-seq-length` the language model'
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mg.trainer.arguments.errors import fail
@@ -27,7 +29,7 @@ VISION_SHAPES = {
     "clip": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096),
     "siglip": dict(num_layers=27, hidden_size=1152, num_attention_heads=16, ffn_hidden_size=4304),
 }
-PROMPT_FORMATS = ("raw", "chatml")
+PROMPT_FORMATS = ("raw", "chatml", "mistral")
 """Supported --tokenizer-prompt-format values; Megatron's others are refused by name."""
 MEGATRON_PROMPT_FORMATS = (
     "mistral",
@@ -62,6 +64,10 @@ class VLMArgs:
     vision_ffn_hidden_size: int | None = None
     pretrained_checkpoint: str | None = None
     allow_missing_vision_projection_checkpoint: bool = False
+    prompt_path: str | None = None
+    use_te: bool = False
+    dataloader_save: str | None = None
+    dataloader_type: str | None = None
 
     def vision_shape(self) -> dict[str, int]:
         """The ViT's shape: the type's own, each field overridable by a --vision-* flag."""
@@ -108,7 +114,7 @@ def add_vlm_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--tokenizer-prompt-format",
         default="raw",
-        help="How conversations become text: raw (turns joined, mg's) or chatml.",
+        help="How conversations become text: raw (turns joined, mg's), chatml or mistral.",
     )
     p.add_argument(
         "--projector-type", default="mlp", help="Vision projection: mlp (2 layers, GELU)."
@@ -137,6 +143,36 @@ def add_vlm_flags(p: argparse._ArgumentGroup) -> None:
         "--allow-missing-vision-projection-checkpoint",
         action="store_true",
         help="Start the projector from its init when --pretrained-checkpoint has none.",
+    )
+    add_vlm_data_flags(p)
+
+
+DATALOADER_TYPES = ("single", "cyclic", "external")
+
+
+def add_vlm_data_flags(p: argparse._ArgumentGroup) -> None:
+    """examples/multimodal's data-loading flags (multimodal_args.py, `--dataloader-type`)."""
+    p.add_argument(
+        "--prompt-path",
+        help="Megatron's manual prompts (JSON) for its task encoder; mg-prep's samples carry "
+        "their prompts, so mg records the path only.",
+    )
+    p.add_argument(
+        "--use-te",
+        action="store_true",
+        help="Megatron's multimodal flag for Transformer Engine layers; mg follows "
+        "--transformer-impl.",
+    )
+    p.add_argument(
+        "--dataloader-save",
+        help="Energon's loader state path; mg resumes its loader from the checkpoint's "
+        "consumed-sample count instead.",
+    )
+    p.add_argument(
+        "--dataloader-type",
+        choices=DATALOADER_TYPES,
+        help="single: one pass per epoch over Megatron's sampler (mg's); external: the "
+        "dataset's own loader (examples/multimodal's energon one; mg's WebDataset reader).",
     )
 
 
@@ -170,12 +206,9 @@ def check_vlm_flags(args: Args) -> str | None:
             f"--vision-hidden-size {shape['hidden_size']} is not a multiple of "
             f"--vision-num-attention-heads {shape['num_attention_heads']}"
         )
-    if v.pretrained_checkpoint is not None:
-        return (
-            "--pretrained-checkpoint: starting a vlm run from a combined checkpoint is not "
-            "implemented yet; use --load with an mg-train vlm checkpoint"
-        )
-    if v.allow_missing_vision_projection_checkpoint:
+    if v.dataloader_type == "cyclic":
+        return "--dataloader-type cyclic: not implemented for mg-train vlm; use single or external"
+    if v.allow_missing_vision_projection_checkpoint and v.pretrained_checkpoint is None:
         return "--allow-missing-vision-projection-checkpoint: only with --pretrained-checkpoint"
     m = args.model
     if m.decoder_seq_length is None:
@@ -211,7 +244,40 @@ def image_tokens_of(v: VLMArgs) -> int:
     return patches + (1 if keeps_class else 0)
 
 
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron's, in a --load folder
+
+
+def start_from_pretrained(args: Args) -> None:
+    """Megatron's `--pretrained-checkpoint` rule: while --load holds no checkpoint (a
+    first run), the weights come from the pretrained (combined) checkpoint, as with
+    --finetune; later runs resume from --load. With
+    --allow-missing-vision-projection-checkpoint a `torch_dist` load leaves the tensors
+    the checkpoint lacks (the projector) at their init, saying which
+    (`--dist-ckpt-strictness log_unexpected`)."""
+    v, c = args.vlm, args.checkpoint
+    if v.pretrained_checkpoint is None or args.training.dry_run:
+        return
+    if c.load is not None and (Path(c.load) / TRACKER_FILENAME).is_file():
+        return
+    print(
+        f"no checkpoint in --load {c.load}: starting from --pretrained-checkpoint "
+        f"{v.pretrained_checkpoint} (weights only)",
+        file=sys.stderr,
+    )
+    c.load, c.finetune = v.pretrained_checkpoint, True
+    if v.allow_missing_vision_projection_checkpoint:
+        if c.ckpt_format != "torch_dist":
+            fail(
+                "--allow-missing-vision-projection-checkpoint: a checkpoint without the "
+                f"projector loads with --ckpt-format torch_dist only, not {c.ckpt_format}"
+            )
+        if c.dist_ckpt_strictness == "assume_ok_unexpected":
+            c.dist_ckpt_strictness = "log_unexpected"
+
+
 def check_vlm(args: Args) -> None:
     error = check_vlm_flags(args)
     if error:
         fail(error)
+    if args.family == "vlm":
+        start_from_pretrained(args)
