@@ -164,3 +164,46 @@ def test_no_gradients_no_checkpoint() -> None:
         before = model(tokens)
         apply_recompute_modules(model, ["layernorm", "mla_up_proj", "moe_act"])
         assert torch.equal(model(tokens), before)
+
+
+def test_construction_pipeline_applies_them_after_transformer_engine(monkeypatch) -> None:
+    """Through `construct` (Transformer Engine's step, then recompute's): TE's modules are
+    in place, each recompute switch is on, and the loss and gradients are those of the
+    same construction without recompute."""
+    from mg.core.parallel.construct import ConstructOptions, RecomputeOptions, construct
+    from mg.core.parallel.layout import ParallelLayout
+    from mg.core.testing import te_standin
+
+    te_standin.install(monkeypatch)
+    config = _config(te=True, attention_dropout=0.0, hidden_dropout=0.0)
+    tokens = _tokens(config)
+
+    def build(recompute: RecomputeOptions | None) -> GPTModel:
+        AuxLossBackward.scale = 1.0
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPTModel(config)
+        options = ConstructOptions(
+            layout=ParallelLayout(),
+            device=torch.device("cpu"),
+            transformer_engine=True,
+            recompute=recompute,
+            moe_layer_recompute=recompute is not None,
+        )
+        return construct(model, options)
+
+    plain = build(None)
+    modules = tuple(m for m in RECOMPUTE_MODULES if m != "moe")
+    model = build(RecomputeOptions("selective", modules=modules))
+    dense, moe = model.decoder.layers
+    assert isinstance(dense.self_attention.linear_kv_up_proj, te_standin.LayerNormLinear)
+    assert isinstance(dense.mlp.linear_fc1, te_standin.LayerNormLinear)
+    assert dense.self_attention.recompute_up_proj and moe.mlp.experts.recompute_activation
+    assert getattr(dense.mlp, "_mg_module_recompute", False)
+    assert getattr(moe.mlp, "_mg_moe_recompute", False)
+    assert getattr(moe.mlp.shared_experts, "_mg_module_recompute", False)
+    loss, grads = _loss_and_grads(plain, tokens)
+    loss_rc, grads_rc = _loss_and_grads(model, tokens)
+    torch.testing.assert_close(loss_rc, loss, rtol=1e-6, atol=0)
+    for key, grad in grads.items():
+        torch.testing.assert_close(grads_rc[key], grad, rtol=1e-5, atol=1e-8, msg=key)
