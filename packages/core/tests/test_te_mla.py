@@ -169,6 +169,7 @@ def _megatron_mla_te_layer_names(config: TransformerConfig) -> set[str]:
     return set(walk(spec, ""))
 
 
+@pytest.mark.slow  # megatron-core's import: ~30 s on 2 CPUs
 @pytest.mark.compat
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_layer_names_are_megatron_core_mla_te_spec_names(name: str) -> None:
@@ -243,6 +244,7 @@ def test_transformer_engines_modules_equal_local_spec(monkeypatch, name: str) ->
         torch.testing.assert_close(grad, mapped[key], rtol=1e-5, atol=1e-7, msg=key)
 
 
+@pytest.mark.slow  # megatron-core's import
 @pytest.mark.compat
 def test_torch_dist_keys_are_megatrons_te_names() -> None:
     """The torch_dist keys (Megatron's layer-stacked sharded keys) of a TE-spec MLA model are
