@@ -111,9 +111,13 @@ def run_with_hooks(
             module.register_forward_hook(lambda _m, args, _out, f=observe: f(args[0].detach()))
         )
     try:
+        mtp = getattr(model, "mtp", None) is not None
         for start in range(0, len(samples), batch_size):
             batch = samples[start : start + batch_size]
-            model(batch)
+            if mtp:  # the multi-token prediction layers run only given labels
+                model(batch, labels=batch.roll(-1, dims=1), return_mtp=True)
+            else:
+                model(batch)
             if progress is not None:
                 progress.update(len(batch))
     finally:
@@ -128,6 +132,8 @@ class AbsMax:
         self.value: Tensor | None = None
 
     def __call__(self, x: Tensor) -> None:
+        if x.numel() == 0:  # an expert no token was routed to
+            return
         m = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
         self.value = m if self.value is None else torch.maximum(self.value, m)
 
@@ -141,12 +147,13 @@ class RowSample:
 
     def __call__(self, x: Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        if self.count < self.limit:
+        if len(x) and self.count < self.limit:  # an expert no token was routed to: nothing
             self.rows.append(x[: self.limit - self.count])
             self.count += len(self.rows[-1])
 
-    def value(self) -> Tensor:
-        return torch.cat(self.rows)
+    def value(self) -> Tensor | None:
+        """The rows seen, or None where the linear saw none (an expert never routed to)."""
+        return torch.cat(self.rows) if self.rows else None
 
 
 def layer_prefixes(names: Iterable[str]) -> list[str]:

@@ -21,10 +21,34 @@ _HF_PARTS = {"self_attention": ("linear_qkv", "linear_proj"), "mlp": ("linear_fc
 _GGUF_PARTS = {**_HF_PARTS, "input_layernorm": ("weight",), "pre_mlp_layernorm": ("weight",)}
 
 
+def unexported_family(config: TransformerConfig) -> tuple[str, str] | None:
+    """(family, what no exporter here writes) for a model of the newer families, whose
+    layers none of the three layouts has names for; None for the others."""
+    if config.multi_latent_attention:
+        return "DeepSeek-V3", "multi-latent attention, routed and shared experts"
+    if (
+        config.softmax_type != "vanilla"
+        or config.activation == "quick_geglu"
+        or config.activation_func_clamp_value is not None
+    ):
+        return "gpt-oss", "attention sinks, clamped GLU experts with biases"
+    if config.sandwich_norms or config.rotary_base_local is not None:
+        return "Gemma 3", "sandwich norms, q/k norms, local/global RoPE bases"
+    return None
+
+
 def check_export(
     fmt: str, model: nn.Module, config: TransformerConfig, quantization: QuantizationConfig
 ) -> None:
     """Refuse (QuantizeInputError) before quantizing what the export could not write."""
+    family = unexported_family(config)
+    if family is not None:
+        name, parts = family
+        raise QuantizeInputError(
+            f"--export-format {fmt}: a {name} model ({parts}) is not written by the {fmt} "
+            f"export; drop --export-format {fmt} (the quantized mg checkpoint serves with "
+            "mg-serve)"
+        )
     if fmt == "gguf":
         gguf_architecture(config)
     else:

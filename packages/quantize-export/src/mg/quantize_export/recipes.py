@@ -120,7 +120,7 @@ def quantize_model(
         stats = _observe(model, samples, {n: AbsMax() for n in names}, "calibrating", options)
         for name in names:
             norm = _norm_before(model, name)
-            if norm is not None:
+            if norm is not None and stats[name].value is not None:
                 linear = model.get_submodule(name)
                 s = smoothquant.smoothing_factors(
                     stats[name].value, linear.weight, options.sq_alpha
@@ -130,7 +130,7 @@ def quantize_model(
     elif recipe == "fp8":
         stats = _observe(model, samples, {n: AbsMax() for n in names}, "calibrating", options)
         for name in names:
-            _replace(model, name, options, errors, input_amax=float(stats[name].value.max()))
+            _replace(model, name, options, errors, input_amax=_input_amax(stats, name))
     elif recipe == "int4_gptq":
         for group in _layer_groups(names):
             observers = {n: _Hessian(model.get_submodule(n).in_features) for n in group}
@@ -158,6 +158,28 @@ def quantize_model(
         details=_details(options, samples),
     )
     return QuantizeResult(config, errors)
+
+
+def _input_amax(stats: dict, name: str) -> float:
+    """The calibrated input amax of `name`; for an expert no calibration token was routed
+    to, the largest of its layer's other experts' same linear (the same kind of input)."""
+    if stats[name].value is not None:
+        return float(stats[name].value.max())
+    prefix, _, leaf = name.rpartition(".")
+    layer = prefix.rpartition(".local_experts.")[0]
+    seen = [
+        float(observer.value.max())
+        for other, observer in stats.items()
+        if observer.value is not None
+        and other.endswith("." + leaf)
+        and other.startswith(layer + ".local_experts.")
+    ]
+    if not layer or not seen:
+        raise QuantizeInputError(
+            f"--recipe fp8: {name} saw no calibration input; give more --calib-samples "
+            f"or --exclude it"
+        )
+    return max(seen)
 
 
 def _details(options: RecipeOptions, samples: Tensor | None) -> dict:
@@ -219,10 +241,12 @@ def _norm_before(model: nn.Module, name: str) -> nn.Module | None:
 
 
 def _apply_awq(
-    model: nn.Module, name: str, inputs: Tensor, options: RecipeOptions
+    model: nn.Module, name: str, inputs: Tensor | None, options: RecipeOptions
 ) -> Tensor | None:
     """Search the scales and fold them where the producer of the input can absorb 1/s;
     the scales, or None where there is no such producer."""
+    if inputs is None:  # an expert no calibration token was routed to: plain int4
+        return None
     linear = model.get_submodule(name)
     norm = _norm_before(model, name)
     producer = None
@@ -267,10 +291,14 @@ def _value_rows(config) -> Tensor | None:
 
 
 def _clip_awq(
-    model: nn.Module, name: str, inputs: Tensor, scales: Tensor | None, options: RecipeOptions
+    model: nn.Module,
+    name: str,
+    inputs: Tensor | None,
+    scales: Tensor | None,
+    options: RecipeOptions,
 ) -> None:
     """AWQ's clipping search on the (scaled) weight, with the inputs it now sees (x / s)."""
-    if name.endswith("linear_qkv"):
+    if name.endswith("linear_qkv") or inputs is None:
         return  # AutoAWQ leaves q and k unclipped: clipping them moves the attention scores
     linear = model.get_submodule(name)
     if scales is not None:

@@ -123,6 +123,10 @@ def load_model(
         raise CheckpointError(
             f"{path}: weights do not fit the recorded model config: {exc}"
         ) from None
+    for module in model.modules():  # buffers no checkpoint holds (routers' token counts)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.is_meta:
+                module.register_buffer(name, torch.zeros_like(buffer, device="cpu"), False)
     extra = {k: v for k, v in state.items() if k not in ("model", "optimizer", "args")}
     info = ModelInfo(load_dir, iteration, path, state.get("args"), extra)
     return model.eval(), config, tokenizer_config, info
