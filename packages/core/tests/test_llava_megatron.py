@@ -9,7 +9,9 @@ logits agree to 1e-5. Our `torch_dist` keys are Megatron's `sharded_state_dict` 
 the layers' norms under the Transformer Engine spec's fused names (megatron-core's
 local LLaVA specs have no keys map and keep `input_layernorm.*`; the TE spec, which
 `pretrain_vlm.py` builds by default, fuses them as every mg family writes them).
-The local ViT spec's attention is causal; the TE spec's, CLIP's and ours are not: the
+megatron-core's own `dist_checkpointing.load` reads our `torch_dist` save into its
+LLaVAModel given the TE spec's keys (as its GPT local spec maps them), with the same
+logits after. The local ViT spec's attention is causal; the TE spec's, CLIP's and ours are not: the
 reference is built with its mask type set to `no_mask`.
 """
 
@@ -64,8 +66,14 @@ def _ours() -> LLaVAModel:
     return LLaVAModel(LLaVAConfig(language=language, vision=vision)).eval()
 
 
-def _megatron_llava(ours: LLaVAModel):
-    """megatron-core's LLaVAModel of the same shape (local specs)."""
+# Megatron-LM's Transformer Engine spec keys (the norms under their fused linears), given to
+# the local specs as megatron-core's GPT local spec gives them (`sharded_state_dict_keys_map`)
+_TE_KEYS = {ours: theirs for ours, theirs in FUSED_NORMS[:2]}
+
+
+def _megatron_llava(ours: LLaVAModel, te_keys: bool = False):
+    """megatron-core's LLaVAModel of the same shape (local specs); `te_keys`: its sharded
+    keys those of Megatron-LM's Transformer Engine spec."""
     import megatron.core.models.vision.clip_vit_model as clip_vit_model  # lazy: test-only
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec
     from megatron.core.models.multimodal.llava_model import LLaVAModel as MegatronLLaVA
@@ -81,6 +89,10 @@ def _megatron_llava(ours: LLaVAModel):
 
     vit_spec = get_vit_layer_with_local_spec()  # its attention causal: CLIP's is not (TE spec's)
     vit_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
+    lm_spec = decoder_model_with_local_default_spec()
+    if te_keys:
+        vit_spec.submodules.sharded_state_dict_keys_map = dict(_TE_KEYS)
+        lm_spec.submodules.sharded_state_dict_keys_map = dict(_TE_KEYS)
     lm, v = ours.config.language, ours.config.vision
     common = dict(use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
     language = MConfig(
@@ -118,7 +130,7 @@ def _megatron_llava(ours: LLaVAModel):
         patch.setattr(clip_vit_model.CLIPViTModel.__init__, "__defaults__", patched)
         return MegatronLLaVA(
             language,
-            decoder_model_with_local_default_spec(),
+            lm_spec,
             lm.vocab_size,
             lm.seq_length,
             vision,
@@ -169,3 +181,29 @@ def test_torch_dist_keys_are_megatron_cores(megatron) -> None:
             assert sharded.prepend_axis_num == reference.prepend_axis_num, name
             shape = (*(n for _, n in sharded.prepended), *tensor.shape)
             assert shape == reference.global_shape, name
+
+
+def test_megatron_core_loads_our_torch_dist_checkpoint(megatron, tmp_path, monkeypatch) -> None:
+    """Our LLaVA saved in Megatron-Core's layout, read by megatron-core's own
+    `dist_checkpointing.load` into its LLaVAModel (the TE spec's keys): the same logits."""
+    from mg.core.checkpoint.dist_format import save_dist_checkpoint
+    from mg.core.checkpoint.megatron_dist import megatron_model_state
+    from mg.core.testing.megatron_dist_checkpoint import (
+        dist_checkpointing_cpu_patches,
+        load_into_megatron,
+    )
+
+    ours = _ours()
+    state = megatron_model_state(ours.state_dict(), key_layout(ours.config), extra_state=True)
+    save_dist_checkpoint(tmp_path / "ckpt", 1, {**state.tensors, **state.objects}, {})
+    theirs = _megatron_llava(ours, te_keys=True)
+    dist_checkpointing_cpu_patches(monkeypatch)
+    load_into_megatron(tmp_path / "ckpt" / "iter_0000001", theirs)
+    text = ours.config.language.seq_length - ours.config.image_tokens + 1
+    ids = torch.randint(0, 128, (2, text))
+    ids[:, 0] = ours.config.image_token_index
+    images = torch.randn(2, 3, 28, 28)
+    with torch.no_grad():
+        expected = ours(images, ids)
+        logits, _ = theirs(images, ids, torch.arange(text).expand_as(ids), None)
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

@@ -85,3 +85,34 @@ def test_tensor_parallel_save_loads_at_one_rank(tmp_path: Path) -> None:
     resumed = Trainer(parse_args(_argv(tmp_path, *one))).train()
     assert len(resumed.losses) == 5
     assert resumed.losses == pytest.approx(saved["losses"][5:], rel=1e-5)
+
+
+@pytest.mark.slow  # two gloo ranks, then one process: ~120 s on a loaded 2-CPU box
+def test_pipeline_parallel_save_loads_at_one_stage(tmp_path: Path) -> None:
+    """A PP=2 run (the towers on the first stage) saves at iteration 5 under the whole
+    model's names; one process loads it and trains iterations 6-10 with its losses."""
+    run_ranks = _sibling("test_ddp.py").run_ranks
+    pp2 = ["--pipeline-model-parallel-size", "2", "--freeze-ViT"]
+    (saved,) = run_ranks(
+        [_argv(tmp_path, *pp2, *_checkpointing(tmp_path / "ck"))], 2, tmp_path / "two.json"
+    )
+    one = ["--freeze-ViT", "--ckpt-format", "torch_dist", "--load", str(tmp_path / "ck")]
+    resumed = Trainer(parse_args(_argv(tmp_path, *one, "--ckpt-step", "5"))).train()
+    assert resumed.losses == pytest.approx(saved["losses"][5:], rel=1e-6)
+
+
+def test_a_first_run_starts_from_the_pretrained_checkpoint(tmp_path: Path) -> None:
+    """`--pretrained-checkpoint` with nothing in --load: the weights, as --finetune (the
+    same losses), and a later run resumes from --load."""
+
+    def _trainer(*extra: str, iters: int = 2) -> Trainer:
+        return Trainer(parse_args(_argv(tmp_path, *extra, iters=iters)))
+
+    ck = ["--save", str(tmp_path / "ck"), "--save-interval", "2", "--ckpt-format", "torch_dist"]
+    _trainer(*ck).train()
+    finetuned = _trainer("--load", str(tmp_path / "ck"), "--finetune").train().losses
+    run = ["--load", str(tmp_path / "run"), "--save", str(tmp_path / "run")]
+    run += ["--pretrained-checkpoint", str(tmp_path / "ck"), "--save-interval", "2"]
+    assert _trainer(*run).train().losses == finetuned
+    again = _trainer(*run, iters=3).train().losses  # resumes from --load at iteration 2
+    assert len(again) == 1
