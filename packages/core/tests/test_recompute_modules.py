@@ -207,3 +207,32 @@ def test_construction_pipeline_applies_them_after_transformer_engine(monkeypatch
     torch.testing.assert_close(loss_rc, loss, rtol=1e-6, atol=0)
     for key, grad in grads.items():
         torch.testing.assert_close(grads_rc[key], grad, rtol=1e-5, atol=1e-8, msg=key)
+
+
+@pytest.mark.parametrize("name", ["layernorm", "mla_up_proj", "moe_act"])
+def test_output_discarding_recompute_under_autocast(name: str) -> None:
+    """bf16 autocast (the backward pass runs outside it): the recomputation runs under the
+    forward's autocast, so it refills the outputs with the forward's values and dtypes.
+    The same loss; the same gradients but for a norm's (summed in another order: one
+    bf16 rounding)."""
+    config = _config(attention_dropout=0.0, hidden_dropout=0.0)
+    tokens = _tokens(config)
+
+    def run(model: GPTModel) -> tuple[torch.Tensor, dict]:
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:]).float().mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model = _model(config)
+    loss, grads = run(model)
+    apply_recompute_modules(model, [name])
+    loss_rc, grads_rc = run(model)
+    assert torch.equal(loss_rc, loss)
+    for key, grad in grads.items():
+        if name == "layernorm":
+            scale = float(grad.abs().max()) or 1.0
+            assert float((grads_rc[key] - grad).abs().max()) <= 2**-6 * scale, key
+        else:
+            assert torch.equal(grads_rc[key], grad), key

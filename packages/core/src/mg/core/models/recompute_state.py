@@ -59,6 +59,12 @@ def inside_checkpoint() -> bool:
     return _depth["forward"] > 0 or _depth["recompute"] > 0
 
 
+def _autocast_state() -> dict[str, tuple[bool, torch.dtype]]:
+    """Autocast as the forward runs it, per device type (the backward pass runs outside)."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices}
+
+
 def _storage(tensor: Tensor) -> torch.UntypedStorage:
     """The memory behind `tensor` (a DTensor's: its local shard's)."""
     if isinstance(tensor, DTensor):
@@ -103,12 +109,14 @@ class DiscardedOutput:
     backward needs them. Memory: neither the region's activations nor its outputs
     live between the forward and the backward. Inside another checkpoint (whose
     recomputation builds graphs no hook reaches) and without gradients it is a plain
-    call. `function` takes and returns tensors only, the outputs contiguous.
+    call. The recomputation runs under the forward's autocast. `function` takes and
+    returns tensors only, the outputs contiguous.
     """
 
     def __init__(self, function: Callable[..., Any]) -> None:
         self.function = function
         self.active = torch.is_grad_enabled() and not inside_checkpoint()
+        self.autocast = _autocast_state()
         self.outputs: tuple[Tensor, ...] = ()
         self.ctx: Any = None
         self.recomputed: tuple[tuple[Tensor, ...], tuple[Tensor, ...]] | None = None
@@ -139,7 +147,9 @@ class DiscardedOutput:
 
     def _recompute(self) -> None:
         inputs = tuple(x.detach().requires_grad_(x.requires_grad) for x in self.ctx.saved_tensors)
-        with torch.enable_grad():
+        with torch.enable_grad(), contextlib.ExitStack() as stack:
+            for device, (enabled, dtype) in self.autocast.items():  # the forward's, again
+                stack.enter_context(torch.autocast(device, dtype, enabled=enabled))
             outputs = self.function(*inputs)
         outputs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
         self.recomputed = (inputs, outputs)
