@@ -5,11 +5,8 @@ flag for flag with the defaults of its variables, except where this test must:
 - `--tokenizer-type HuggingFaceTokenizer --tokenizer-model deepseek-ai/DeepSeek-V3` and
   `--data-path`: a NullTokenizer of the same vocabulary (129280 after padding) and mock data
   (no network, no corpus here);
-- `--transformer-impl transformer_engine`: local (MLA is built with the local spec only;
-  refused by name, tested below);
-- flags mg-train does not know yet, left out: `--recompute-modules mlp mla_up_proj
-  layernorm` (only moe is kept), `--log-timers-to-tensorboard`,
-  `--log-memory-to-tensorboard`, `--log-num-zeros-in-grad`, `--log-params-norm`.
+- nothing else: every other flag is the script's, `--transformer-impl transformer_engine`
+  and `--recompute-modules mlp moe mla_up_proj layernorm` included.
 
 The plan: DeepSeek-V3's main model within 1% of its 671B (the MTP depth besides), 37B
 active per token, and MLA's KV cache: (kv_lora_rank + qk_pos_emb_head_dim) × layers × 2
@@ -33,8 +30,9 @@ SCRIPT = """
 --overlap-grad-reduce --overlap-param-gather --use-mcore-models --sequence-parallel
 --use-flash-attn --disable-bias-linear --micro-batch-size 4 --global-batch-size 2048
 --train-samples 585937500 --exit-duration-in-mins 220 --no-check-for-nan-in-loss-and-grad
---manual-gc --manual-gc-interval 10 --recompute-granularity selective --recompute-modules moe
---transformer-impl local --seq-length 4096 --data-cache-path {tmp}/cache
+--manual-gc --manual-gc-interval 10 --recompute-granularity selective
+--recompute-modules mlp moe mla_up_proj layernorm --transformer-impl transformer_engine
+--seq-length 4096 --data-cache-path {tmp}/cache
 --tokenizer-type NullTokenizer --vocab-size 129279 --mock-data --split 99,1,0
 --no-mmap-bin-files --no-create-attention-mask-in-dataloader --num-workers 6
 --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128
@@ -62,7 +60,8 @@ SCRIPT = """
 --init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer --use-nccl-ub
 --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16
 --auto-detect-ckpt-format --dist-ckpt-strictness log_all --log-validation-ppl-to-tensorboard
---enable-experimental --moe-router-force-load-balancing
+--enable-experimental --moe-router-force-load-balancing --log-timers-to-tensorboard
+--log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm
 """
 
 
@@ -89,7 +88,13 @@ def test_deepseek_v3_plan(tmp_path, capsys) -> None:
     assert "!" not in re.search(r"number of parameters: .*", text)[0]  # meta model agrees
 
 
-def test_mla_with_the_transformer_engine_spec_is_refused_by_name(tmp_path) -> None:
-    argv = [a if a != "local" else "transformer_engine" for a in _argv(tmp_path)]
-    with pytest.raises(ArgumentError, match="--multi-latent-attention with --transformer-impl"):
-        parse_args(argv, world_size=256)
+def test_the_script_s_own_recompute_transformer_engine_and_logging_flags(tmp_path) -> None:
+    """The flags a Megatron user copies from the script reach the parsed arguments."""
+    args = parse_args(_argv(tmp_path), world_size=256)
+    assert args.model.recompute_modules == ["mlp", "moe", "mla_up_proj", "layernorm"]
+    assert args.transformer_engine.transformer_impl == "transformer_engine"
+    logging = vars(args.logging)
+    for flag in ("log_timers_to_tensorboard", "log_memory_to_tensorboard"):
+        assert logging[flag]
+    for flag in ("log_num_zeros_in_grad", "log_params_norm"):
+        assert logging[flag]
