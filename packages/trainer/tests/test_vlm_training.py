@@ -125,6 +125,10 @@ def test_first_loss_is_the_models_text_loss_on_the_first_batch(tmp_path: Path) -
         (["--projector-type", "affine"], "--projector-type affine"),
         (["--allow-missing-vision-projection-checkpoint"], "only with --pretrained-checkpoint"),
         (["--context-parallel-size", "2"], "context parallelism"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--freeze-LM"],
+            "--use-distributed-optimizer with --pipeline-model-parallel-size",
+        ),
     ],
 )
 def test_vlm_flags_refused_by_name(extra: list[str], says: str) -> None:

@@ -10,9 +10,15 @@ optimizer, its state and the gradient buffers never see them (Megatron's
 A sample is one image and its text: `images` [3, H, W], `tokens` [s] holding one
 image token (`LLaVAConfig.image_token_index`), `labels` [s] (the next token) and
 `loss_mask` [s], with s = decoder length - image tokens + 1 so that the combined
-sequence is the language model's length. Loss: the language model's per-token cross
-entropy on text positions (`LLaVAModel` gives image rows no loss), a mean over the
-loss mask, logged as `lm loss`.
+sequence is the language model's length, and `position_ids` [decoder length], that
+combined sequence's positions (its length is the activations' between pipeline
+stages). Loss: the language model's per-token cross entropy on text positions
+(`LLaVAModel` gives image rows no loss), a mean over the loss mask, logged as `lm loss`.
+
+Under pipeline parallelism (`VLM_PIPELINE_STEPS`) the first stage holds the vision
+tower and the projector and splices the image embeddings in; every stage takes the
+token ids (where the image rows are), the last one the labels and loss mask
+(`mg.core.parallel.pipeline_vision`).
 """
 
 from __future__ import annotations

@@ -205,7 +205,13 @@ def split_model(
 
 
 def shared_embedding_weight(chunks: list[PipelineChunk]) -> Tensor | None:
-    """The tied weight this rank holds (first stage's embedding, last stage's copy), if any."""
+    """The tied weight this rank holds (first stage's embedding, last stage's copy), if any;
+    None when it is frozen (a VLM's `--freeze-LM`): it has no gradient to sum."""
+    weight = _tied_weight(chunks)
+    return weight if weight is not None and weight.requires_grad else None
+
+
+def _tied_weight(chunks: list[PipelineChunk]) -> Tensor | None:
     config = chunks[0].config
     mtp = bool(getattr(config, "mtp_num_layers", None))
     if config.untie_embeddings_and_output_weights and not mtp:

@@ -234,6 +234,12 @@ def check_vlm_flags(args: Args) -> str | None:
     d = args.distributed
     if d.context_parallel_size > 1:
         return "mg-train vlm: context parallelism is not implemented for vision-language models"
+    if d.pipeline_model_parallel_size > 1 and d.use_distributed_optimizer and v.freeze_LM:
+        return (
+            "--use-distributed-optimizer with --pipeline-model-parallel-size > 1 and "
+            "--freeze-LM: the later stages train nothing, which the distributed optimizer does "
+            "not support yet; drop --use-distributed-optimizer or pipeline parallelism"
+        )
     return None
 
 
