@@ -191,3 +191,31 @@ def test_int8_quantize_evaluate_and_serve(trained, datasets, tmp_path, capsys) -
     finally:
         engine.shutdown()
     assert [e.choice.token for e in events if e.choice is not None] == ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("recipe", ["int4_awq", "int8_sq", "fp8"])
+def test_calibration_reaches_the_mtp_layer_and_spares_an_unrouted_expert(recipe) -> None:
+    """DeepSeek-V3's MTP layer runs in calibration (given labels), and an expert the router
+    never picks (its expert bias far below the others) is quantized without statistics:
+    plain int4, no smoothing, or its layer's largest expert input amax (fp8)."""
+    from mg.core.quantization import Fp8Linear
+    from mg.quantize_export.recipes import RecipeOptions, quantize_model
+
+    torch.manual_seed(0)
+    model = GPTModel(_config("deepseek_v3", 128)).eval()
+    for router in (m for n, m in model.named_modules() if n.endswith("router")):
+        router.expert_bias[3] = -1e4
+    samples = torch.randint(0, 128, (4, SEQ), generator=torch.Generator().manual_seed(1))
+    options = RecipeOptions(recipe=recipe, group_size=32, progress=False)
+    result = quantize_model(model, options, samples)
+    assert any(name.startswith("mtp.") for name in result.config.modules)
+    assert all(err < 0.2 for err in result.weight_error.values()), result.weight_error
+    experts = model.decoder.layers[1].mlp.experts.local_experts
+    if recipe == "fp8":
+        unrouted, routed = experts[3].linear_fc1, [e.linear_fc1 for e in experts[:3]]
+        assert isinstance(unrouted, Fp8Linear)
+        assert float(unrouted.input_scale) == max(float(e.input_scale) for e in routed)
+        mtp_proj = model.mtp.layers[0].eh_proj
+        assert float(mtp_proj.input_scale) > 1e-6  # calibrated: the MTP layer ran
+    with torch.no_grad():
+        assert torch.isfinite(model(samples)).all()

@@ -3,11 +3,13 @@
 Samples are ``--calib-samples`` windows of ``--calib-seq-length`` tokens cut from the
 documents of one or more indexed datasets (a blend: ``PREFIX`` or ``W1 P1 W2 P2``),
 taken in order, so a run is reproducible. Statistics are gathered by forward hooks
-on the linears being quantized; their inputs are what matter.
+on the linears being quantized (on an MoE expert, which multiplies by its linears'
+weights without calling them, on the expert); their inputs are what matter.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -16,6 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mg.core.models.activations import activate
+from mg.core.models.moe.experts import ExpertMLP
 from mg.indexed_dataset import IndexedDataset, IndexedDatasetError
 from mg.quantize_export.errors import QuantizeInputError
 
@@ -107,6 +111,12 @@ def run_with_hooks(
     handles = []
     for name, observe in observers.items():
         module = model.get_submodule(name)
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else None
+        if isinstance(parent, ExpertMLP):  # an expert computes with its linears' weights
+            hook = functools.partial(_observe_expert_linear, leaf=leaf, observe=observe)
+            handles.append(parent.register_forward_hook(hook))
+            continue
         handles.append(
             module.register_forward_hook(lambda _m, args, _out, f=observe: f(args[0].detach()))
         )
@@ -123,6 +133,24 @@ def run_with_hooks(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _observe_expert_linear(
+    expert: nn.Module, args: tuple, _out: Tensor, *, leaf: str, observe: Callable
+) -> None:
+    """Hand `observe` the input of the expert's `leaf` linear: the expert's input for
+    linear_fc1; for linear_fc2, act(linear_fc1(x)) times each row's routing probability,
+    as the expert computes it (it multiplies by its linears' weights, so hooks on them
+    would see nothing)."""
+    hidden = args[0].detach()
+    if len(hidden) == 0:  # no token was routed to this expert
+        return
+    if leaf == "linear_fc1":
+        observe(hidden)
+        return
+    hidden = activate(expert.linear_fc1(hidden), expert.config)
+    probs = args[1] if len(args) > 1 else None
+    observe(hidden if probs is None else hidden * probs.detach().unsqueeze(-1))
 
 
 class AbsMax:
