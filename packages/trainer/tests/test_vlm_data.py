@@ -108,6 +108,20 @@ def test_chatml_rendering_puts_the_loss_on_the_answer() -> None:
     assert [t for t, m in zip(ids, mask, strict=True) if m] == answer
 
 
+def test_mistral_rendering_is_megatrons_template_with_the_loss_on_the_answer() -> None:
+    """`[INST] {text}[/INST] {answer}</s>` (Megatron's mistral_custom_template)."""
+    tok = build_tokenizer(gpt2_bpe_tokenizer_config())
+    turns = [
+        {"from": "human", "value": "<image>\nWhat is this?"},
+        {"from": "gpt", "value": "A cat."},
+    ]
+    ids, mask = render(turns, tok, "mistral", -200)
+    answer = [*tok.tokenize(" A cat."), tok.eod]
+    expected = [*tok.tokenize("[INST] "), -200, *tok.tokenize("\nWhat is this?[/INST]"), *answer]
+    assert ids == expected
+    assert [t for t, m in zip(ids, mask, strict=True) if m] == answer
+
+
 def test_a_folder_without_energon_metadata_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ArgumentError, match="reads one folder made by mg-prep vlm"):
         parse_args(_argv(tmp_path))
