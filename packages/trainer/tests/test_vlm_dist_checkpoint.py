@@ -13,8 +13,10 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from mg.core.checkpoint.dist_format import stored_keys
+from mg.core.checkpoint.layout import CheckpointError
 from mg.trainer.arguments import parse_args
 from mg.trainer.training import Trainer
 
@@ -116,3 +118,32 @@ def test_a_first_run_starts_from_the_pretrained_checkpoint(tmp_path: Path) -> No
     assert _trainer(*run).train().losses == finetuned
     again = _trainer(*run, iters=3).train().losses  # resumes from --load at iteration 2
     assert len(again) == 1
+
+
+def test_a_pretrained_checkpoint_without_the_projector(tmp_path: Path) -> None:
+    """Megatron's combined checkpoint (a language model and a vision tower, no projector):
+    with --allow-missing-vision-projection-checkpoint the towers take its weights and the
+    projector keeps its init."""
+    from mg.core.checkpoint.dist_format import save_dist_checkpoint
+    from mg.core.checkpoint.megatron_dist import megatron_model_state
+    from mg.core.checkpoint.megatron_sharded_keys import key_layout
+
+    fresh = Trainer(parse_args(_argv(tmp_path, iters=1))).model
+    combined = {
+        name: tensor + 1.0
+        for name, tensor in fresh.state_dict().items()
+        if not name.startswith("vision_projection.")
+    }
+    state = megatron_model_state(combined, key_layout(fresh.config), extra_state=True)
+    save_dist_checkpoint(tmp_path / "combined", 1, {**state.tensors, **state.objects}, {})
+    run = ["--load", str(tmp_path / "run"), "--ckpt-format", "torch_dist"]
+    run += ["--pretrained-checkpoint", str(tmp_path / "combined")]
+    with pytest.raises(CheckpointError, match="vision_projection"):  # the projector is asked for
+        Trainer(parse_args(_argv(tmp_path, *run, iters=1)))
+    run.append("--allow-missing-vision-projection-checkpoint")
+    model = Trainer(parse_args(_argv(tmp_path, *run, iters=1))).model
+    for name, tensor in model.state_dict().items():
+        expected = (
+            fresh.state_dict()[name] if name.startswith("vision_projection.") else combined[name]
+        )
+        assert torch.equal(tensor, expected), name
