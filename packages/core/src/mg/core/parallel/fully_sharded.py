@@ -133,8 +133,9 @@ def output_unit(model: nn.Module) -> nn.Module | None:
     """The module that owns the output weight, where the plain head (no bias) can use it
     through a call of that module: the untied output layer (an nn.Linear) or the tied
     embedding. None: the head reads the weight otherwise, which stays in the root unit."""
-    head = getattr(model, "output_head", None)
-    if head is None or not is_plain_output(model) or model.output_bias() is not None:
+    if not (hasattr(model, "output_head") and hasattr(model, "output_weight")):
+        return None
+    if not is_plain_output(model) or model.output_bias() is not None:
         return None
     weight = model.output_weight()
     layer = getattr(model, "output_layer", None)
