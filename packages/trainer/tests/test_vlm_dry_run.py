@@ -7,8 +7,10 @@ defaults of its variables (DEBUG=0), except where this test must:
   and `--data-path`: a NullTokenizer of Mistral's vocabulary (32768 after padding) and mock
   data (no network, no dataset here); the script's folders (`--save`, `--load`,
   `--pretrained-checkpoint`, `--dataloader-save`, `--tensorboard-dir`, `--prompt-path`)
-  under the test's temporary folder;
-- `--apply-layernorm-1p`: left out, refused for vlm by name (tested below).
+  under the test's temporary folder.
+
+`--apply-layernorm-1p` applies to the language model's norms only: Megatron's vision config
+sets `layernorm_zero_centered_gamma = False` for CLIP (examples/multimodal/config.py).
 
 The plan: the language model's 7.25B parameters and the ViT's 0.30B, both frozen, the
 projector's 21M trained; 576 image tokens (24 x 24 patches, class token dropped) in each
@@ -45,7 +47,7 @@ SCRIPT = """
 --log-params-norm --log-num-zeros-in-grad --bf16 --eod-mask-loss --freeze-LM --freeze-ViT
 --patch-dim 14 --img-h 336 --img-w 336 --dataloader-type external
 --tensorboard-dir {tmp}/tensorboard --language-model-type=mistral_7b
---disable-vision-class-token --distributed-timeout-minutes 60
+--disable-vision-class-token --distributed-timeout-minutes 60 --apply-layernorm-1p
 --allow-missing-vision-projection-checkpoint --ckpt-format torch
 """
 
@@ -73,9 +75,12 @@ def test_pretrain_mistral_clip_plan(tmp_path) -> None:
     assert "world 8 = TP 4 x PP 1 x DP 2" in text
 
 
-def test_layernorm_1p_is_refused_for_vlm_by_name(tmp_path) -> None:
-    with pytest.raises(ArgumentError, match="--apply-layernorm-1p"):
-        parse_args([*_argv(tmp_path), "--apply-layernorm-1p"], world_size=8)
+def test_layernorm_1p_reaches_the_language_model_only(tmp_path) -> None:
+    from mg.trainer.family_vlm import vlm_config
+
+    config = vlm_config(parse_args(_argv(tmp_path), world_size=8), 32768)
+    assert config.language.layernorm_zero_centered_gamma
+    assert not getattr(config.vision, "layernorm_zero_centered_gamma", False)
 
 
 def test_a_real_run_refuses_transformer_engine_by_name(tmp_path) -> None:

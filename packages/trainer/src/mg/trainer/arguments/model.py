@@ -300,8 +300,8 @@ def check_model(args: Args) -> None:
             f"--decoder-num-layers {m.decoder_num_layers}: mg's T5 has as many decoder layers as "
             f"encoder layers ({m.num_layers}); drop the flag or make them equal"
         )
-    if m.apply_layernorm_1p and args.family not in ("gpt",):
-        fail(f"--apply-layernorm-1p is supported for gpt, not {args.family}")
+    if m.apply_layernorm_1p and args.family not in ("gpt", "vlm"):  # vlm: its language model
+        fail(f"--apply-layernorm-1p is supported for gpt and vlm, not {args.family}")
     if m.mask_padded_vocab and args.family not in ("gpt", "mamba"):
         fail(f"--mask-padded-vocab is supported for gpt and mamba, not {args.family}")
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads != 0:
