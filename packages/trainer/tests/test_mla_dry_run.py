@@ -20,7 +20,7 @@ import re
 import pytest
 
 from mg.core.models.flops import num_parameters
-from mg.trainer.arguments import ArgumentError, parse_args
+from mg.trainer.arguments import parse_args
 from mg.trainer.dry_run import report
 from mg.trainer.families import gpt_config
 
