@@ -43,12 +43,14 @@ from mg.generate_server.errors import ApiError
 from mg.generate_server.megatron_api import (
     Limits,
     build_jobs,
+    image_prompts,
     megatron_response,
     parse_megatron_request,
 )
 from mg.generate_server.metrics import CONTENT_TYPE, ServerMetrics
 from mg.generate_server.openai_api import OpenAIService
 from mg.generate_server.openai_schema import ChatCompletionRequest, CompletionRequest
+from mg.generate_server.vision_prefill import VisionPrefill
 
 log = logging.getLogger("mg.generate_server")
 T = TypeVar("T")
@@ -62,6 +64,8 @@ class ServerSettings:
     """Seconds to receive a request's whole body; a client that sends slower gets a 408."""
     request_timeout: float | None = 300.0
     api_key: str | None = None
+    vision: VisionPrefill | None = None
+    """A vision-language checkpoint's image path; None: text only (images refused)."""
 
 
 class MegatronApiBody(BaseModel):
@@ -83,6 +87,11 @@ class MegatronApiBody(BaseModel):
     random_seed: int = Field(-1, ge=-1, le=2**64 - 1)
     no_log: bool = False
     stop_token: int | None = Field(None, ge=0)
+    images: list[str | list[str] | None] | None = Field(
+        None,
+        description="mg's extension (a vision-language model): per prompt, a base64 image, "
+        "a list of them, or null; placed at the prompt's <image> tags, else at its start",
+    )
 
 
 class MegatronApiResponse(BaseModel):
@@ -291,7 +300,13 @@ def create_app(
     )
     metrics = ServerMetrics(engine)
     openai = OpenAIService(
-        engine, tokenizer, settings.limits, model_name, settings.request_timeout, chat_template
+        engine,
+        tokenizer,
+        settings.limits,
+        model_name,
+        settings.request_timeout,
+        chat_template,
+        settings.vision,
     )
     app.state.engine = engine
     app.add_middleware(
@@ -360,7 +375,8 @@ def create_app(
         except RecursionError:
             raise ApiError("request body is nested too deeply to be a request") from None
         req = parse_megatron_request(body)
-        jobs = build_jobs(req, tokenizer, settings.limits)
+        with_images = image_prompts(body, req, tokenizer, settings.vision)
+        jobs = build_jobs(req, tokenizer, settings.limits, with_images)
         if not req.no_log:
             host = request.client.host if request.client else "?"
             log.info(
@@ -369,10 +385,11 @@ def create_app(
                 len(req.prompts),
                 req.tokens_to_generate,
             )
-        generations = submit_all(engine, jobs, settings.request_timeout)  # or a 503 now
+        rows = [m.rows if m else None for m in with_images] if with_images else None
+        generations = submit_all(engine, jobs, settings.request_timeout, rows)  # or a 503 now
         runs = asyncio.gather(*(collect(g) for g in generations))
         completions = await _answer(request, generations, runs)
-        return megatron_response(list(completions), tokenizer, req.logprobs)
+        return megatron_response(list(completions), tokenizer, req.logprobs, with_images)
 
     @app.post("/v1/completions", summary="OpenAI-compatible text completion")
     async def completions(req: CompletionRequest, request: Request) -> Any:

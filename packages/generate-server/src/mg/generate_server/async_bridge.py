@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from mg.generate_server.engine import GenerationEngine, RequestHandle, TokenEvent
 from mg.generate_server.errors import ApiError
 from mg.generate_server.sampling import SamplingParams
+from mg.generate_server.vision_prefill import ImageRows
 
 T = TypeVar("T")
 
@@ -129,14 +130,17 @@ def submit_all(
     engine: GenerationEngine,
     requests: Sequence[tuple[list[int], SamplingParams]],
     timeout: float | None,
+    images: Sequence[ImageRows | None] | None = None,
 ) -> list[AsyncGeneration]:
     """Admit a client request's sequences into the engine, all or none, before anything is
     answered: EngineFullError (a 503) on a full queue, ApiError (a 400) for a sequence
-    the server can never hold. A caller cancels the generations it stops reading."""
+    the server can never hold. A caller cancels the generations it stops reading.
+    `images`: each sequence's image rows (a vision-language model), None for text only."""
     generations = [AsyncGeneration(prompt, timeout) for prompt, _ in requests]
     pairs = zip(generations, requests, strict=True)
     try:
-        handles = engine.submit_many([(g.prompt, params, g.emit) for g, (_, params) in pairs])
+        work = [(g.prompt, params, g.emit) for g, (_, params) in pairs]
+        handles = engine.submit_many(work, images) if images else engine.submit_many(work)
     except ValueError as exc:
         raise ApiError(str(exc)) from None
     for generation, handle in zip(generations, handles, strict=True):

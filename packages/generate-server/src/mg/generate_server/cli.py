@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-bytes", type=int, default=1 << 20, help="largest request body"
     )
     parser.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=4096 * 4096,
+        help="a vision-language model's largest image (width x height); larger ones get a 400",
+    )
+    parser.add_argument(
         "--request-body-timeout",
         type=float,
         default=30.0,
@@ -225,6 +231,7 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         "inference_max_requests",
         "max_tokens_to_oom",
         "max_request_bytes",
+        "max_image_pixels",
         "kv_cache_block_size",
         "max_num_batched_tokens",
     ):
@@ -596,6 +603,7 @@ def _serve_http(
             request_body_timeout=args.request_body_timeout,
             request_timeout=args.request_timeout,
             api_key=args.api_key,
+            vision=_vision(loaded, args.max_image_pixels),
         )
         chat = load_chat_template(loaded.tokenizer_config)
         app = create_app(engine, loaded.tokenizer, loaded.name, settings, chat)
@@ -721,3 +729,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _vision(loaded, max_image_pixels: int):
+    """A vision-language checkpoint's image path (None for a text-only model)."""
+    if loaded.vlm is None:
+        return None
+    from mg.generate_server.vision_prefill import VisionPrefill
+
+    return VisionPrefill(loaded.vlm, max_image_pixels)

@@ -64,6 +64,7 @@ from mg.generate_server.sampling import (
     token_logprobs,
 )
 from mg.generate_server.speculative import Drafter
+from mg.generate_server.vision_prefill import ImageRows
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
@@ -109,6 +110,9 @@ class _Sequence:
     draft_computed: int = 0
     """Leading tokens whose keys/values are in the draft model's pool."""
     prompt_logprobs: list[float] | None = None
+    images: ImageRows | None = None
+    """Its prompt's image rows (a vision-language model): their embeddings replace the
+    placeholder ids' on prefill; such a prompt takes no part in prefix caching."""
     cancelled: bool = False
     submitted_at: float = field(default_factory=time.monotonic)
     last_token_at: float = 0.0
@@ -244,13 +248,18 @@ class GenerationEngine:
         return self.submit_many([(prompt, params, emit)])[0]
 
     def submit_many(
-        self, requests: Sequence[tuple[list[int], SamplingParams, Callable[[TokenEvent], None]]]
+        self,
+        requests: Sequence[tuple[list[int], SamplingParams, Callable[[TokenEvent], None]]],
+        images: Sequence[ImageRows | None] | None = None,
     ) -> list[RequestHandle]:
         """Queue the sequences of one client request (its prompts, its choices) together or
         none of them, so a server can refuse the request before it answers: EngineFullError
         when the queue lacks room for them all (a request larger than the whole queue is
-        taken when the queue is empty), ValueError for a sequence that can never fit."""
+        taken when the queue is empty), ValueError for a sequence that can never fit.
+        `images`: each sequence's image rows (None: text only)."""
         sequences = [self._sequence(prompt, params, emit) for prompt, params, emit in requests]
+        for sequence, rows in zip(sequences, images or [None] * len(sequences), strict=True):
+            sequence.images = rows
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the generation engine is shut down")
@@ -444,7 +453,9 @@ class GenerationEngine:
                     self._waiting.popleft()
                     sequence.emit(TokenEvent(finish_reason="cancelled"))
                     continue
-            if not sequence.collects_prompt_logprobs:  # those need every prompt row's logits
+            # prompt log-probabilities need every prompt row's logits; image rows' ids
+            # say nothing of the image, so no cached block can stand for them
+            if not sequence.collects_prompt_logprobs and sequence.images is None:
                 sequence.blocks, sequence.block_names = self.blocks.match_prefix(sequence.tokens)
                 sequence.computed = len(sequence.blocks) * self.blocks.block_size
             count = min(sequence.remaining, budget)
@@ -474,11 +485,15 @@ class GenerationEngine:
             positions: list[int] = []
             rows: list[int] = []
             spans: list[tuple[int, int]] = []  # each sequence's rows among the logits
+            image_rows: list[tuple[Tensor, Tensor]] = []  # (rows of ids, their embeddings)
             for sequence, count in plan:
                 start, first = len(ids), sequence.computed
                 new = sequence.tokens[first : first + count] + sequence.draft
                 blocks = list(sequence.blocks)
                 segments.append(PagedSegment(start, len(new), first, blocks, sequence.slot))
+                if sequence.images is not None and first < len(sequence.prompt):
+                    offsets, embeddings = sequence.images.rows_in(first, count)
+                    image_rows.append((offsets + start, embeddings))
                 ids += new
                 positions += range(first, first + len(new))
                 row = len(rows)
@@ -487,7 +502,13 @@ class GenerationEngine:
                 elif first + count == sequence.length:
                     rows.append(start + count - 1)
                 spans.append((row, len(rows)))
-            logits = self.runner.forward(segments, ids, positions, rows)[:, : self.vocab_size]
+            if image_rows:  # only then: runners without an image path keep their signature
+                where, embeddings = zip(*image_rows, strict=True)
+                spliced = (torch.cat(where), torch.cat(embeddings))
+                logits = self.runner.forward(segments, ids, positions, rows, image_rows=spliced)
+            else:
+                logits = self.runner.forward(segments, ids, positions, rows)
+            logits = logits[:, : self.vocab_size]
         except Exception as exc:  # a failed step fails its requests, never the engine
             for sequence, _ in plan:
                 self._finish(
@@ -566,7 +587,7 @@ class GenerationEngine:
 
     def _name_full_blocks(self, sequence: _Sequence) -> None:
         """Name the blocks this step filled, so later prompts can reuse them."""
-        if not self.blocks.prefix_caching:
+        if not self.blocks.prefix_caching or sequence.images is not None:
             return
         size = self.blocks.block_size
         for i in range(len(sequence.block_names), sequence.computed // size):

@@ -12,11 +12,13 @@ from mg.core.checkpoint.model_part import load_model_part
 from mg.core.checkpoint.reader_guard import user_message
 from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.mamba import MambaModel
+from mg.core.models.vision.llava import LLaVAModel
 from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
 from mg.core.parallel.layout import ParallelLayout
 from mg.core.parallel.tensor_parallel import TensorParallelError
 from mg.core.tokenizers import BaseTokenizer, TokenizerConfig, build_tokenizer
 from mg.generate_server.errors import ServeSetupError
+from mg.generate_server.vlm_loading import is_vlm_checkpoint, load_vlm
 
 
 @dataclass
@@ -27,6 +29,8 @@ class LoadedModel:
     tokenizer_config: TokenizerConfig
     name: str
     """What /v1/models and responses call the model: the checkpoint folder's name."""
+    vlm: LLaVAModel | None = None
+    """A vision-language checkpoint's whole model (`model` is its language model)."""
 
 
 def load_for_serving(
@@ -45,8 +49,21 @@ def load_for_serving(
     if isinstance(iteration, str) and iteration.isdigit():
         iteration = int(iteration)
     torch_dtype = getattr(torch, dtype) if dtype is not None else None
+    vlm = None
     try:
-        if layout is not None and layout.tp > 1:
+        if is_vlm_checkpoint(load, iteration):
+            if layout is not None and layout.tp > 1:
+                raise ServeSetupError(
+                    f"--tensor-model-parallel-size {layout.tp}: {load} is a vision-language "
+                    "model, served on one process only for now; use "
+                    "--tensor-model-parallel-size 1"
+                )
+            vlm, vlm_config, tokenizer_config = load_vlm(load, iteration)
+            if torch_dtype is not None:
+                vlm = vlm.to(torch_dtype)
+            vlm = vlm.to(device).eval()
+            model, config = vlm.language_model, vlm_config.language
+        elif layout is not None and layout.tp > 1:
             part = load_model_part(load, layout, iteration, device=device, dtype=torch_dtype)
             model, config, tokenizer_config = part.module, part.config, part.tokenizer_config
             if isinstance(model, MambaModel):  # its recurrent state per TP rank: not yet
@@ -76,4 +93,5 @@ def load_for_serving(
         raise ServeSetupError(f"{load}: its tokenizer cannot be built: {exc}") from None
     # Megatron's padding rows are never sampled
     set_real_vocab_size(model, unpadded_vocab_size(config, tokenizer.vocab_size))
-    return LoadedModel(model, config, tokenizer, tokenizer_config, Path(load).resolve().name)
+    name = Path(load).resolve().name
+    return LoadedModel(model, config, tokenizer, tokenizer_config, name, vlm)

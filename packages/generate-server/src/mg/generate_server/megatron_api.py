@@ -13,6 +13,13 @@ status 400 with `{"message": …}` (Megatron answers some of them with 200 and
 a bare string, which its own client cannot tell from a result), and each
 prompt gets exactly `tokens_to_generate` tokens (Megatron pads the batch so
 shorter prompts get more).
+
+Images (a vision-language checkpoint): Megatron's text generation server takes
+none (its multimodal example, `examples/multimodal/run_text_generation.py`,
+reads image files from a folder), so mg adds one field: `images`, a list beside
+`prompts`, each entry the base64 text of one image (PNG, JPEG, ...), a list of
+them, or null for a text-only prompt. A prompt's `<image>` tags say where its
+images go; a prompt without tags gets them at its start (`vision_prefill`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,12 @@ from mg.core.tokenizers import BaseTokenizer
 from mg.generate_server.async_bridge import Completion
 from mg.generate_server.errors import ApiError
 from mg.generate_server.sampling import MAX_SEED, SamplingParams, choice_seed
+from mg.generate_server.vision_prefill import (
+    ImageInputError,
+    ImagePrompt,
+    VisionPrefill,
+    decode_base64_image,
+)
 
 MAX_PROMPTS = 128
 
@@ -180,14 +193,64 @@ def _last_id(tokenizer: BaseTokenizer, text: str) -> int | None:
     return ids[-1] if ids else None
 
 
+def image_prompts(
+    body: dict[str, Any],
+    req: MegatronRequest,
+    tokenizer: BaseTokenizer,
+    vision: VisionPrefill | None,
+) -> list[ImagePrompt | None] | None:
+    """The `images` field (see the module docstring): each prompt with images tokenized
+    around them and its images embedded; None when the request has no images."""
+    images = body.get("images")
+    if images is None:
+        if vision is None:
+            return None
+        images = [None] * len(req.prompts)  # tags without images are still refused
+    if not isinstance(images, list) or len(images) != len(req.prompts):
+        raise ApiError(
+            f"images must be a list with one entry per prompt ({len(req.prompts)}): a base64 "
+            "image, a list of them, or null"
+        )
+    if vision is None and any(entry not in (None, []) for entry in images):
+        raise ApiError("images: this model is text-only and takes no images")
+    if req.logprobs and any(entry not in (None, []) for entry in images):
+        raise ApiError("logprobs: not available for prompts with images")
+    out: list[ImagePrompt | None] = []
+    for i, (prompt, entry) in enumerate(zip(req.prompts, images, strict=True)):
+        entries = [entry] if isinstance(entry, str) else entry or []
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ApiError(f"images[{i}] must be a base64 string, a list of them, or null")
+        if not entries and vision is None:
+            out.append(None)
+            continue
+        assert vision is not None
+        try:
+            decoded = [
+                decode_base64_image(data, f"images[{i}][{j}]", vision.max_image_pixels)
+                for j, data in enumerate(entries)
+            ]
+            out.append(vision.prompt(prompt, decoded, tokenizer.tokenize, f"prompts[{i}]"))
+        except ImageInputError as err:
+            raise ApiError(str(err)) from None
+    return out
+
+
 def build_jobs(
-    req: MegatronRequest, tokenizer: BaseTokenizer, limits: Limits
+    req: MegatronRequest,
+    tokenizer: BaseTokenizer,
+    limits: Limits,
+    with_images: list[ImagePrompt | None] | None = None,
 ) -> list[tuple[list[int], SamplingParams]]:
-    """Tokenize the prompts and turn the fields into one engine request per prompt."""
+    """Tokenize the prompts and turn the fields into one engine request per prompt
+    (`with_images`: prompts already tokenized around their images)."""
     eod = tokenizer.eod
     if req.add_BOS and (eod is None or eod < 0):
         raise ApiError("add_BOS: this tokenizer has no end-of-document token to use as BOS")
-    prompts = [([eod] if req.add_BOS else []) + tokenizer.tokenize(p) for p in req.prompts]
+    with_images = with_images or [None] * len(req.prompts)
+    prompts = [
+        ([eod] if req.add_BOS else []) + (tokenizer.tokenize(p) if m is None else m.ids)
+        for p, m in zip(req.prompts, with_images, strict=True)
+    ]
     if limits.max_tokens_to_generate is not None and (
         req.tokens_to_generate > limits.max_tokens_to_generate
     ):
@@ -240,10 +303,18 @@ def build_jobs(
 
 
 def megatron_response(
-    completions: list[Completion], tokenizer: BaseTokenizer, logprobs: bool
+    completions: list[Completion],
+    tokenizer: BaseTokenizer,
+    logprobs: bool,
+    with_images: list[ImagePrompt | None] | None = None,
 ) -> dict[str, Any]:
-    """Megatron's response: whole texts, their token strings, and optional log-probs."""
-    sequences = [c.prompt + c.tokens for c in completions]
+    """Megatron's response: whole texts, their token strings, and optional log-probs (a
+    prompt with images is shown with `<image>` where its image rows were)."""
+    with_images = with_images or [None] * len(completions)
+    sequences = [
+        (c.prompt if m is None or m.rows is None else _shown(c.prompt, m)) + c.tokens
+        for c, m in zip(completions, with_images, strict=True)
+    ]
     return {
         "text": [tokenizer.detokenize(s) for s in sequences],
         "segments": [[tokenizer.id_to_token(t) for t in s] for s in sequences],
@@ -251,3 +322,9 @@ def megatron_response(
         if logprobs
         else None,
     }
+
+
+def _shown(prompt: list[int], image_prompt: ImagePrompt) -> list[int]:
+    """The prompt's ids with its image rows shown as the `<image>` text (a BOS in front kept)."""
+    extra = len(prompt) - len(image_prompt.ids)
+    return prompt[:extra] + image_prompt.display_ids

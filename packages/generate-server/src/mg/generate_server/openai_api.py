@@ -39,6 +39,13 @@ from mg.generate_server.openai_schema import (
 )
 from mg.generate_server.sampling import SamplingParams, choice_seed
 from mg.generate_server.text_stream import TextStream
+from mg.generate_server.vision_prefill import (
+    IMAGE_TAG,
+    ImageInputError,
+    ImageRows,
+    VisionPrefill,
+    decode_image_url,
+)
 
 log = logging.getLogger("mg.generate_server")
 
@@ -48,6 +55,7 @@ class _Job:
     index: int
     prompt: list[int]
     params: SamplingParams
+    images: ImageRows | None = None
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -66,6 +74,7 @@ class OpenAIService:
         model_name: str,
         timeout: float | None,
         chat_template: ChatTemplate | None,
+        vision: VisionPrefill | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -73,6 +82,7 @@ class OpenAIService:
         self.model_name = model_name
         self.timeout = timeout
         self.chat_template = chat_template
+        self.vision = vision
         eod = tokenizer.eod
         self.stop_ids = frozenset([eod]) if eod is not None and eod >= 0 else frozenset()
 
@@ -171,7 +181,9 @@ class OpenAIService:
     def admit(self, jobs: list[_Job]) -> list[AsyncGeneration]:
         """Queue every job of a request in the engine, before any answer is sent: a full
         queue is a 503, not a 200 stream that breaks off (EngineFullError)."""
-        return submit_all(self.engine, [(job.prompt, job.params) for job in jobs], self.timeout)
+        requests = [(job.prompt, job.params) for job in jobs]
+        images = [job.images for job in jobs]
+        return submit_all(self.engine, requests, self.timeout, images)
 
     async def _run_all(self, generations: list[AsyncGeneration]) -> list[Completion]:
         tasks = [asyncio.ensure_future(collect(g)) for g in generations]
@@ -359,12 +371,27 @@ class OpenAIService:
                 "this model's tokenizer has no chat template; use /v1/completions",
                 status=404,
             )
-        messages = [m.model_dump() for m in req.messages]
+        messages, images = self._chat_messages(req)
         try:
             text = self.chat_template.render(messages)
         except ValueError as exc:
             raise ApiError(f"messages: {exc}", param="messages") from None
-        prompt = self.chat_template.tokenize(self.tokenizer, text)
+        rows = None
+        if self.vision is None:
+            prompt = self.chat_template.tokenize(self.tokenizer, text)
+        else:
+            template, tokenizer = self.chat_template, self.tokenizer
+            try:
+                image_prompt = self.vision.prompt(
+                    text,
+                    images,
+                    lambda piece: template.tokenize(tokenizer, piece),
+                    "messages",
+                    tokenizer.bos,
+                )
+            except ImageInputError as err:
+                raise ApiError(str(err), param="messages") from None
+            prompt, rows = image_prompt.ids, image_prompt.rows
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else None
         requested = req.max_tokens if requested is None else requested
         max_tokens = self._max_tokens(requested, prompt)
@@ -374,11 +401,48 @@ class OpenAIService:
                 j,
                 prompt,
                 self._params(req, max_tokens, j, req.logprobs, top, prompt_logprobs=False),
+                rows,
             )
             for j in range(req.n)
         ]
         self._check_size(jobs)
         return jobs
+
+    def _chat_messages(self, req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list]:
+        """The messages as the template reads them (content as text, each image part an
+        `<image>` tag where it stands) and the images decoded, in that order."""
+        messages: list[dict[str, Any]] = []
+        images: list = []
+        for i, message in enumerate(req.messages):
+            content = message.content
+            if isinstance(content, list):
+                pieces = []
+                for j, part in enumerate(content):
+                    field = f"messages[{i}].content[{j}]"
+                    if part.type == "text":
+                        pieces.append(part.text or "")
+                        continue
+                    if part.image_url is None:
+                        raise ApiError(f"{field}.image_url: required for an image_url part")
+                    if self.vision is None:
+                        raise ApiError(
+                            f"{field}: this model is text-only and takes no images",
+                            param="messages",
+                        )
+                    try:
+                        images.append(
+                            decode_image_url(
+                                part.image_url.url,
+                                f"{field}.image_url.url",
+                                self.vision.max_image_pixels,
+                            )
+                        )
+                    except ImageInputError as err:
+                        raise ApiError(str(err), param="messages") from None
+                    pieces.append(IMAGE_TAG)
+                content = "".join(pieces)
+            messages.append({"role": message.role, "content": content})
+        return messages, images
 
     async def chat(
         self, req: ChatCompletionRequest, jobs: list[_Job], generations: list[AsyncGeneration]

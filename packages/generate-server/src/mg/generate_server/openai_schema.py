@@ -103,11 +103,28 @@ class CompletionRequest(SamplingFields):
         return self
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content: `text`, or an `image_url` (a data: URL)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -133,13 +133,16 @@ class ModelRunner:
         input_ids: Sequence[int],
         positions: Sequence[int],
         logit_rows: Sequence[int],
+        image_rows: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """Run the packed step; fp32 logits [len(logit_rows), vocab] of those rows, on the CPU."""
+        """Run the packed step; fp32 logits [len(logit_rows), vocab] of those rows, on the CPU.
+        `image_rows` (rows of the step, their embeddings): input embeddings that replace
+        those rows' token embeddings (a vision-language model's images, `vision_prefill`)."""
         kernels = serving_kernels(self.attention_backend)
         if kernels is None:
-            return self._forward(segments, input_ids, positions, logit_rows)
+            return self._forward(segments, input_ids, positions, logit_rows, image_rows)
         with sdpa_kernel(list(kernels)):
-            return self._forward(segments, input_ids, positions, logit_rows)
+            return self._forward(segments, input_ids, positions, logit_rows, image_rows)
 
     def _forward(
         self,
@@ -147,22 +150,33 @@ class ModelRunner:
         input_ids: Sequence[int],
         positions: Sequence[int],
         logit_rows: Sequence[int],
+        image_rows: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
         pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)
-        if self.fused_decode is not None and self.fused_decode.takes(segments):
-            return self.fused_decode.logits(segments, ids, pos, logit_rows).float()
+        fused = self.fused_decode
+        if image_rows is None and fused is not None and fused.takes(segments):
+            return fused.logits(segments, ids, pos, logit_rows).float()
         self.cache.bind(segments)
         rows = torch.tensor(list(logit_rows), dtype=torch.long, device=self.device)
-        return self._logits(ids, pos, rows).float().cpu()
+        return self._logits(ids, pos, rows, image_rows=image_rows).float().cpu()
 
     def _logits(
-        self, ids: Tensor, positions: Tensor, rows: Tensor | None = None, cache=None
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        rows: Tensor | None = None,
+        cache=None,
+        image_rows: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The model over the bound cache (or `cache`, an object with the same `attend`):
         logits [rows (all when None), vocab]."""
         model = self.model
         hidden = model.embedding(ids, positions)
+        if image_rows is not None:
+            where, embeddings = image_rows
+            hidden = hidden.clone()
+            hidden[0, where.to(hidden.device)] = embeddings.to(hidden.device, hidden.dtype)
         rope = model.rotary_pos_emb
         rotary = rope(positions) if rope is not None else None
         hidden = model.decoder(hidden, rotary, None, self.cache if cache is None else cache)
