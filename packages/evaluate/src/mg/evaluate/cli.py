@@ -1,5 +1,6 @@
 """`mg-eval`: evaluate a checkpoint on WikiText, LAMBADA or an indexed-dataset split,
-or finetune a BERT on RACE / MNLI / QQP and report its accuracy.
+finetune a BERT on RACE / MNLI / QQP and report its accuracy, or score a
+vision-language model's captions and VQA answers (`captioning`, `vqa`).
 
 Every task loads the model and tokenizer the checkpoint records (no model
 flags), prints Megatron's result line and, with ``--report``, appends a JSON
@@ -26,6 +27,7 @@ from mg.evaluate.harness_cli import add_harness_task
 from mg.evaluate.ict_retrieval import add_ict_retrieval_task
 from mg.evaluate.parallel_flags import add_model_parallel_flags
 from mg.evaluate.toxicity_cli import add_toxicity_task
+from mg.evaluate.vlm_cli import add_vlm_tasks
 
 if TYPE_CHECKING:  # torch and the model code load only once the flags are parsed
     from mg.core.tokenizers.base import BaseTokenizer
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_harness_task(sub)
     add_toxicity_task(sub)
     add_ict_retrieval_task(sub)
+    add_vlm_tasks(sub)
     return parser
 
 
