@@ -1,4 +1,5 @@
-"""`mg-convert import-hf` of transformers' `LlavaForConditionalGeneration` (CLIP tower).
+"""`mg-convert import-hf` of transformers' `LlavaForConditionalGeneration` (CLIP or
+SigLIP tower).
 
     model.vision_tower.*          → vision_model.*       (mg.core.models.vision.hf_weights)
     model.multi_modal_projector.* → vision_projection.*
@@ -12,8 +13,15 @@ The image token id becomes `image_token_index`: one such token in `input_ids` st
 for the whole image (Megatron's convention), where transformers' processor writes it
 once per image row.
 
+A SigLIP tower (`vision_config.model_type` siglip_vision_model, strategy "full": it
+has no class token) ends in `ln_post` in Megatron's ViT, where LLaVA reads
+`hidden_states[layer]`, before SigLIP's `post_layernorm`: `ln_post` is left out
+(`VisionConfig.siglip_ln_post` false) and SigLIP's own norm kept aside with its
+attention-pooling `head`.
+
 The tensors LLaVA never reads (the vision layers after the feature layer, CLIP's
-`post_layernorm`) are kept in the checkpoint beside the model (`hf_unused_tensors`),
+`post_layernorm`, SigLIP's `post_layernorm` and `head`) are kept in the checkpoint
+beside the model (`hf_unused_tensors`),
 so `export-hf` gives the source folder's tensors back bit for bit.
 
 The weights are read whole (a LLaVA-7B's 14 GB in bf16 fit where one converts it);
@@ -109,11 +117,17 @@ def llava_config_from_hf(hf_config: dict[str, Any], make_vocab_size_divisible_by
         raise ConvertError(f"{where}: vision_feature_layer {layer} is outside the tower's layers")
     try:
         vision = vision_config_from_hf(vision_hf, num_layers=layers)
+        if vision.vision_model_type == "siglip":  # LLaVA reads a layer's output, unnormed
+            vision = dataclasses.replace(vision, siglip_ln_post=False)
         text = config_from_hf(hf_config["text_config"])
     except (KeyError, ValueError) as exc:
         raise ConvertError(f"{where}: {exc}") from None
-    if vision.vision_model_type != "clip":
-        raise ConvertError(f"{where}: a LLaVA with a {vision.vision_model_type} tower")
+    if vision.vision_model_type == "siglip" and strategy == "default":
+        raise ConvertError(
+            f"{where}: vision_feature_select_strategy 'default' drops the first row as a "
+            "class token, and a SigLIP tower has none (its first patch would go): 'full' is "
+            "supported"
+        )
     hf_vocab = text.vocab_size
     language = dataclasses.replace(
         text,

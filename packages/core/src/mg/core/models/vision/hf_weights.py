@@ -14,8 +14,10 @@
     multi_modal_projector.linear_1 / _2   ⇄ vision_projection.encoder.linear_fc1 / _fc2
 
 CLIP's `post_layernorm` norms the pooled class token only, which a LLaVA model never
-reads; SigLIP's attention-pooling `head` likewise: neither has a Megatron name and
-both are left out. Layers past `VisionConfig.num_layers` (LLaVA reads layer -2) too.
+reads; SigLIP's attention-pooling `head` likewise, and its `post_layernorm` where the
+tower has no `ln_post` (`VisionConfig.siglip_ln_post`: LLaVA reads an unnormed layer):
+none has a Megatron name and all are left out. Layers past `VisionConfig.num_layers`
+(LLaVA reads layer -2) too.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def vision_from_hf(
             out[f"ln_pre.{p}"] = hf[f"{prefix}pre_layrnorm.{p}"]
     else:
         out["conv1.bias"] = hf[f"{prefix}embeddings.patch_embedding.bias"]
-        for p in ("weight", "bias"):
+        for p in ("weight", "bias") if config.siglip_ln_post else ():
             out[f"ln_post.{p}"] = hf[f"{prefix}post_layernorm.{p}"]
     for i in range(config.num_layers):
         src, dst = f"{prefix}encoder.layers.{i}.", f"decoder.layers.{i}."
@@ -113,9 +115,9 @@ def vision_to_hf(state: dict[str, Tensor], config: VisionConfig, prefix: str = "
         dtype = state["conv1.weight"].dtype
         out[f"{prefix}post_layernorm.weight"] = torch.ones(h, dtype=dtype)
         out[f"{prefix}post_layernorm.bias"] = torch.zeros(h, dtype=dtype)
-    else:
+    else:  # without ln_post (siglip_ln_post false) SigLIP's post_layernorm is not ours
         out[f"{prefix}embeddings.patch_embedding.bias"] = state["conv1.bias"]
-        for p in ("weight", "bias"):
+        for p in ("weight", "bias") if config.siglip_ln_post else ():
             out[f"{prefix}post_layernorm.{p}"] = state[f"ln_post.{p}"]
     for i in range(config.num_layers):
         src, dst = f"decoder.layers.{i}.", f"{prefix}encoder.layers.{i}."

@@ -63,6 +63,9 @@ class VisionConfig:
     """None: the type's own (CLIP 1e-5, SigLIP 1e-6)."""
     class_token_len: int = 1
     init_method_std: float = 0.02
+    siglip_ln_post: bool = True
+    """False: a SigLIP tower ends at its last layer, unnormed (a LLaVA that reads
+    `hidden_states[layer]`, before SigLIP's post_layernorm)."""
 
     def __post_init__(self) -> None:
         if self.layernorm_epsilon is None:
@@ -186,7 +189,8 @@ class CLIPViTModel(nn.Module):
         self.position_embeddings = nn.Embedding(config.seq_length, h)
         self.ln_pre = nn.LayerNorm(h, eps=config.layernorm_epsilon) if clip else None
         self.decoder = VisionTransformerBlock(config)
-        self.ln_post = None if clip else nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        post = not clip and config.siglip_ln_post
+        self.ln_post = nn.LayerNorm(h, eps=config.layernorm_epsilon) if post else None
         if self.conv1.weight.device.type != "meta":
             self.init_weights()
 
