@@ -727,14 +727,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _vision(loaded, max_image_pixels: int):
     """A vision-language checkpoint's image path (None for a text-only model)."""
     if loaded.vlm is None:
         return None
-    from mg.generate_server.vision_prefill import VisionPrefill
+    from mg.generate_server.vision_prefill import VisionPrefill  # lazy: torch and the model
 
     return VisionPrefill(loaded.vlm, max_image_pixels)
+
+
+if __name__ == "__main__":
+    main()

@@ -89,11 +89,13 @@ class CudaGraphRunner(ModelRunner):
         input_ids: Sequence[int],
         positions: Sequence[int],
         logit_rows: Sequence[int],
+        image_rows: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         n = len(segments)
         decode_only = all(s.query_length == 1 for s in segments)
-        if self._eager_only or not decode_only or list(logit_rows) != list(range(n)):
-            return super()._forward(segments, input_ids, positions, logit_rows)
+        static = decode_only and image_rows is None and list(logit_rows) == list(range(n))
+        if self._eager_only or not static:
+            return super()._forward(segments, input_ids, positions, logit_rows, image_rows)
         rows = next(b for b in self.buckets if b >= n)
         step = self._steps.get(rows)
         if step is None:
