@@ -273,3 +273,22 @@ def test_text_only_model_refuses_images(server, loaded, start_server) -> None:
         )
     assert r.status_code == 400
     assert "messages[0].content[0]: this model is text-only" in r.json()["error"]["message"]
+
+
+def test_a_torch_dist_checkpoint_serves_the_same_model(vlm_loaded, tmp_path: Path) -> None:
+    """Megatron-Core's keys (`vision_model.*`, `vision_projection.*`, `language_model.*`)
+    in a torch_dist save load into the same weights as the torch save."""
+    from mg.core.checkpoint.dist_format import save_dist_checkpoint
+    from mg.core.checkpoint.megatron_dist import megatron_model_state
+    from mg.core.checkpoint.megatron_sharded_keys import key_layout
+    from mg.core.checkpoint.torch_format import mg_metadata
+
+    model = vlm_loaded.vlm
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = megatron_model_state(weights, key_layout(model.config), extra_state=True)
+    common = {"mg": mg_metadata(model.config.to_dict(), gpt2_tokenizer_config().to_dict())}
+    save_dist_checkpoint(tmp_path / "dist", 1, {**state.tensors, **state.objects}, common)
+    loaded = load_for_serving(tmp_path / "dist")
+    assert loaded.vlm is not None
+    for name, tensor in loaded.vlm.state_dict().items():
+        assert torch.equal(tensor, weights[name]), name

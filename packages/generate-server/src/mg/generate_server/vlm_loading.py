@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_full_state
+from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_model_tensors
 from mg.core.checkpoint.layout import CheckpointError, Iteration
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.checkpoint.torch_format import (
@@ -64,14 +64,16 @@ def load_vlm(
     state, folder, dist = _state(load_dir, iteration)
     meta = state.get("mg") or {}
     config = LLaVAConfig.from_dict(dict(meta["model_config"]))
-    weights = load_full_state(folder) if dist else dict(state["model"])
-    weights = {k: v for k, v in weights.items() if not k.endswith("_extra_state")}
     model = LLaVAModel(config)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:
-        message = f"{folder}: weights do not fit the recorded model config: {exc}"
-        raise CheckpointError(message) from None
+    if dist:  # filled in place, by Megatron-Core's keys (each tower its own layer axis)
+        load_model_tensors(folder, model.state_dict(), config)
+    else:
+        weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+        try:
+            model.load_state_dict(weights, strict=True)
+        except RuntimeError as exc:
+            message = f"{folder}: weights do not fit the recorded model config: {exc}"
+            raise CheckpointError(message) from None
     tokenizer_config = None
     if meta.get("tokenizer_config"):
         tokenizer_config = resolve_tokenizer_paths(
