@@ -34,12 +34,15 @@ from mg.core.models.mamba.hf import (
     nemotron_h_config_to_hf,
 )
 
-# llava: LlavaForConditionalGeneration, converted by llava_hf.py (its own tables)
+# llava: LlavaForConditionalGeneration, converted by llava_hf.py (its own tables);
+# the vision towers alone by vision_tower_hf.py
 SUPPORTED_MODEL_TYPES = (
     *sorted(ARCHITECTURES),
     MAMBA2.model_type,
     NEMOTRON_H_TYPE,
     "llava",
+    "clip_vision_model",
+    "siglip_vision_model",
 )
 
 

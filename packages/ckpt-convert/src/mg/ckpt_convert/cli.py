@@ -33,6 +33,8 @@ EPILOG = """examples:
   mg-convert reshard --load ckpt/llama --save ckpt/llama-tp2pp2 \\
       --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
   mg-convert format --to torch_dist --load ckpt/llama-tp2pp2 --save ckpt/llama-dist
+  mg-convert combine-vlm --input ckpt/mistral ckpt/clip \
+      --prefixes language_model vision_model --save ckpt/mistral-clip
 """
 
 
@@ -82,6 +84,13 @@ def _export_hf(args: argparse.Namespace) -> None:
     from mg.ckpt_convert.export_hf import export_hf
 
     export_hf(args.load, args.save, args.shard_size, args.iteration)
+
+
+def _combine_vlm(args: argparse.Namespace) -> None:
+    # lazy: the subcommand's module imports torch; --help stays instant
+    from mg.ckpt_convert.combine_vlm import combine_vlm
+
+    combine_vlm(args.input, args.prefixes, args.save)
 
 
 def _inspect(args: argparse.Namespace) -> None:
@@ -305,6 +314,28 @@ def build_parser() -> argparse.ArgumentParser:
                 "dist checkpoint, which Megatron-LM loads at any TP/PP",
             )
         p.set_defaults(run=_megatron)
+
+    p = sub.add_parser(
+        "combine-vlm",
+        help="a converted language model + vision tower → one VLM checkpoint",
+        description="Megatron's combine_state_dicts.py: each --input's weights renamed "
+        "<prefix>.<name> and written as one torch_dist checkpoint (iteration 1) for "
+        "`mg-train vlm --pretrained-checkpoint`; without a vision_projection input, train "
+        "with --allow-missing-vision-projection-checkpoint.",
+    )
+    p.add_argument(
+        "--input", nargs="+", required=True, metavar="DIR", help="mg checkpoints (one rank)"
+    )
+    p.add_argument(
+        "--prefixes",
+        nargs="+",
+        required=True,
+        metavar="PREFIX",
+        help="one per --input: language_model, vision_model, vision_projection",
+    )
+    p.add_argument("--save", required=True, help="output folder")
+    _overwrite_flag(p)
+    p.set_defaults(run=_combine_vlm)
 
     p = sub.add_parser(
         "reshard",

@@ -82,12 +82,24 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
             f"({UNSUPPORTED_MODEL_TYPES[model_type]}); supported: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    if model_type not in SUPPORTED_MODEL_TYPES and _is_vision(config):
+        name = (config.get("architectures") or [model_type])[0]
+        raise ConvertError(
+            f"{path}: {name} (model_type {model_type!r}) is a vision model import-hf does "
+            "not convert; the vision towers it converts are CLIPVisionModel and "
+            "SiglipVisionModel (and LlavaForConditionalGeneration with either)"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConvertError(
             f"{path}: unsupported architecture {model_type!r}; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return config
+
+
+def _is_vision(config: dict[str, Any]) -> bool:
+    """A vision model's (or an image-text pair's) config: a patch size, or a tower's."""
+    return "patch_size" in config or "vision_config" in config
 
 
 class HFWeights:

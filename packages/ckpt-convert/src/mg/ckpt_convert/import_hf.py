@@ -41,6 +41,11 @@ from mg.ckpt_convert.hf_source import HFWeights, read_hf_config, resolve_source,
 from mg.ckpt_convert.llava_hf import LLAVA_MODEL_TYPE, convert_llava, write_llava_release
 from mg.ckpt_convert.staging import check_target, staged_dir
 from mg.ckpt_convert.stream_writer import StreamingTorchFile
+from mg.ckpt_convert.vision_tower_hf import (
+    VISION_TOWER_MODEL_TYPES,
+    convert_vision_tower,
+    write_vision_release,
+)
 from mg.core.checkpoint import (
     CHECKPOINT_VERSION,
     RELEASE,
@@ -246,6 +251,11 @@ def import_hf(
         with staged_dir(save) as staging:
             tokenizer = copy_tokenizer(source, staging)
             write_llava_release(staging, state, llava, tokenizer, str(src), unused)
+        return Path(save)
+    if hf_config.get("model_type") in VISION_TOWER_MODEL_TYPES:  # vision_tower_hf.py
+        vision, state, unused = convert_vision_tower(source, hf_config, DTYPES.get(dtype or ""))
+        with staged_dir(save) as staging:
+            write_vision_release(staging, state, vision, str(src), unused)
         return Path(save)
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
     arch = hf_architecture(config.extra["hf_model_type"], config)
