@@ -208,3 +208,38 @@ def test_a_gpt_checkpoint_is_refused_by_name(data, tmp_path, tokenizer_config, c
     save_gpt(tmp_path / "gpt", gpt, tokenizer_config)
     assert _run("vqa", tmp_path / "gpt", data / "vqa.jsonl", tmp_path / "o.jsonl") == 2
     assert "not a vision-language checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_trained_torch_dist_checkpoint_loads_with_its_weights_and_prompt_format(
+    tmp_path, tokenizer_config, data
+) -> None:
+    """What `mg-train vlm` saves (torch_dist, Megatron-Core's stacked keys, its args)
+    loads as the trained model, and captioning runs on it."""
+    from mg.trainer.arguments import parse_args
+    from mg.trainer.training import Trainer
+
+    argv = ["vlm", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+            "--disable-bias-linear", "--seq-length", "5", "--decoder-seq-length", "48",
+            "--max-position-embeddings", "64", "--img-h", "28", "--img-w", "28",
+            "--patch-dim", "14", "--vision-num-layers", "1", "--vision-hidden-size", "16",
+            "--vision-num-attention-heads", "2", "--vision-ffn-hidden-size", "32",
+            "--mock-data", "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", tokenizer_config.vocab_file, "--merge-file",
+            tokenizer_config.merge_file, "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--lr", "1e-2", "--train-iters", "2", "--eval-iters", "0",
+            "--tokenizer-prompt-format", "mistral", "--save", str(tmp_path / "ck"),
+            "--save-interval", "2", "--data-cache-path", str(tmp_path)]  # fmt: skip
+    trainer = Trainer(parse_args(argv))
+    trainer.train()
+    trained = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    vlm = load_vlm_for_eval(tmp_path / "ck")
+    assert vlm.prompt_format == "mistral" and vlm.iteration == 2
+    loaded = vlm.model.state_dict()
+    assert sorted(loaded) == sorted(k for k in trained if not k.endswith("_extra_state"))
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor.cpu(), trained[name].float().cpu()), name
+    out = tmp_path / "cap.jsonl"
+    assert _run("captioning", tmp_path / "ck", data / "captions.jsonl", out) == 0
+    assert len(_lines(out)) == len(CAPTIONS)

@@ -8,7 +8,7 @@ training data used (`ImageTransform.for_vision_model` of the recorded tower at i
 (recorded in its args; `raw` when none is).
 
 Both checkpoint formats load whole on one process: a torch checkpoint of one shard, or
-a torch_dist one of any layout (its tensors are stored whole).
+a torch_dist one of any layout (Megatron-Core's keys, read into the whole model).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mg.core.checkpoint import CheckpointError, find_rank_file, load_checkpoint
-from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_full_state
+from mg.core.checkpoint.dist_format import is_torch_dist, load_common, load_model_tensors
 from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models.vision import LLaVAConfig, LLaVAModel
 from mg.core.models.vision.image_processing import ImageTransform
@@ -68,7 +68,6 @@ def load_vlm_for_eval(
     folder = iteration_dir(load_dir, iteration)
     if is_torch_dist(folder):
         state, path = load_common(folder), folder
-        read_weights = lambda: load_full_state(folder)  # noqa: E731 (after the config check)
     else:
         path, layout = find_rank_file(folder)
         if layout.tp * layout.pp * layout.ep != 1:
@@ -77,7 +76,6 @@ def load_vlm_for_eval(
                 "read one shard or a torch_dist checkpoint (--ckpt-format torch_dist)"
             )
         state, iteration = load_checkpoint(load_dir, iteration)
-        read_weights = lambda: state["model"]  # noqa: E731
     meta = state.get("mg") or {}
     recorded = meta.get("model_config") or {}
     if "vision" not in recorded or "language" not in recorded:
@@ -88,12 +86,17 @@ def load_vlm_for_eval(
         )
     config = LLaVAConfig.from_dict(dict(recorded))
     model = LLaVAModel(config)
-    weights = {k: v for k, v in read_weights().items() if not k.endswith("_extra_state")}
     try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:
+        if is_torch_dist(folder):  # Megatron-Core's keys (each tower's layers stacked)
+            named = model.state_dict()  # the parameters' own tensors: filled in place
+            load_model_tensors(folder, named, config)
+        else:
+            weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
+            model.load_state_dict(weights, strict=True)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
-            f"{path}: weights do not fit the recorded model config: {exc}"
+            f"{path}: weights do not fit the recorded model config: {first}"
         ) from None
     tok_config = None
     if meta.get("tokenizer_config"):
