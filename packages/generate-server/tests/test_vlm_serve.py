@@ -292,3 +292,31 @@ def test_a_torch_dist_checkpoint_serves_the_same_model(vlm_loaded, tmp_path: Pat
     assert loaded.vlm is not None
     for name, tensor in loaded.vlm.state_dict().items():
         assert torch.equal(tensor, weights[name]), name
+
+
+@pytest.mark.slow  # a server process: ~55 s on a loaded 2-CPU box
+def test_mg_serve_command_on_a_vlm_checkpoint(vlm_checkpoint, vlm_loaded) -> None:
+    """The command itself: a VLM checkpoint served (CPU kernels as chosen at start-up,
+    prompts prefilled 4 tokens a step); --max-image-pixels refuses a larger image."""
+    from .test_cli import _served
+
+    tok, model = vlm_loaded.tokenizer, vlm_loaded.vlm
+    image = _png(6)  # 24 x 20 = 480 pixels
+    flags = ["--num-threads", "1", "--max-num-batched-tokens", "4", "--max-image-pixels", "480"]
+    fields = {"tokens_to_generate": NEW_TOKENS, "top_k": 1, "stop_token": STOP}
+    with _served(vlm_checkpoint, *flags) as (url, _):
+        r = httpx.put(
+            url + "/api",
+            json={"prompts": ["Say <image> now"], "images": [_b64(image)]} | fields,
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        ids = tok.tokenize("Say ") + [model.config.image_token_index] + tok.tokenize(" now")
+        expected = greedy_llava(model, ids, [image])
+        assert r.json()["segments"][0][-NEW_TOKENS:] == [tok.id_to_token(t) for t in expected]
+        big = _b64(_png(6, (25, 20)))
+        r = httpx.put(url + "/api", json={"prompts": ["x"], "images": [big]}, timeout=60)
+        assert r.status_code == 400
+        assert r.json()["message"] == (
+            "images[0][0]: 25 × 20 = 500 pixels is more than the limit of 480"
+        )
