@@ -162,6 +162,18 @@ def test_image_and_text_prompts_in_one_batch_equal_the_model(vlm_server, vlm_loa
     assert _generated(untagged.json(), 0) == _generated(body, 0)
 
 
+def test_add_bos_moves_the_image_rows(vlm_server, vlm_loaded) -> None:
+    tok, model = vlm_loaded.tokenizer, vlm_loaded.vlm
+    image = _png(7)
+    fields = {"tokens_to_generate": NEW_TOKENS, "top_k": 1, "stop_token": STOP, "add_BOS": True}
+    r = put(vlm_server, {"prompts": ["<image> Hi"], "images": [_b64(image)]} | fields)
+    assert r.status_code == 200, r.text
+    ids = [tok.eod, model.config.image_token_index] + tok.tokenize(" Hi")
+    expected = greedy_llava(model, ids, [image])
+    assert _generated(r.json(), 0) == [tok.id_to_token(t) for t in expected]
+    assert r.json()["text"][0].startswith("<|endoftext|><image> Hi")
+
+
 def test_chat_image_url_equals_the_model(vlm_server, vlm_loaded) -> None:
     tok, model = vlm_loaded.tokenizer, vlm_loaded.vlm
     image = _png(2)

@@ -385,7 +385,10 @@ def create_app(
                 len(req.prompts),
                 req.tokens_to_generate,
             )
-        rows = [m.rows if m else None for m in with_images] if with_images else None
+        rows = None
+        if with_images:  # a BOS put in front (add_BOS) moves the image rows by one
+            bos = int(req.add_BOS)
+            rows = [m.rows.shifted(bos) if m and m.rows else None for m in with_images]
         generations = submit_all(engine, jobs, settings.request_timeout, rows)  # or a 503 now
         runs = asyncio.gather(*(collect(g) for g in generations))
         completions = await _answer(request, generations, runs)

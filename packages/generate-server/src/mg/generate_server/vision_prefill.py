@@ -88,6 +88,10 @@ class ImageRows:
     embeddings: Tensor
     """[n, hidden] in the language model's dtype."""
 
+    def shifted(self, tokens: int) -> ImageRows:
+        """The same rows with `tokens` more in front of them (a BOS added to the prompt)."""
+        return ImageRows(self.positions + tokens, self.embeddings)
+
     def rows_in(self, first: int, count: int) -> tuple[Tensor, Tensor]:
         """(offsets from `first`, embeddings) of the image rows in [first, first + count)."""
         keep = (self.positions >= first) & (self.positions < first + count)
