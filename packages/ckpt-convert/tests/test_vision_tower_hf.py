@@ -164,3 +164,25 @@ def test_a_projector_for_another_hidden_size_is_named(tmp_path: Path) -> None:
         combine_vlm(inputs, prefixes, tmp_path / "out")
     with pytest.raises(ConvertError, match="not a vision tower"):
         combine_vlm(inputs[:2][::-1], prefixes[:2], tmp_path / "out")
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_tower_export_round_trip_is_bit_exact(tmp_path: Path, kind: str) -> None:
+    """import-hf then export-hf: the source's tensors (the pooling parts kept aside
+    included) bit for bit, and transformers loads the folder."""
+    from safetensors.torch import load_file
+
+    from mg.ckpt_convert.export_hf import export_hf
+
+    _tower(kind, tmp_path / "hf")
+    import_hf(str(tmp_path / "hf"), tmp_path / "mg", progress=False)
+    export_hf(tmp_path / "mg", tmp_path / "back", progress=False)
+    source = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(source)
+    for name, tensor in source.items():
+        assert torch.equal(back[name], tensor), name
+    model = (CLIPVisionModel if kind == "clip" else SiglipVisionModel).from_pretrained(
+        tmp_path / "back"
+    )
+    assert type(model).__name__ == ("CLIPVisionModel" if kind == "clip" else "SiglipVisionModel")

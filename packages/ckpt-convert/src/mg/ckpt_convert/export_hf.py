@@ -34,6 +34,7 @@ from mg.ckpt_convert.hf_source import TOKENIZER_FILES
 from mg.ckpt_convert.import_hf import VOCAB_TENSORS
 from mg.ckpt_convert.llava_hf import export_llava, is_llava_checkpoint
 from mg.ckpt_convert.staging import check_target, staged_dir
+from mg.ckpt_convert.vision_tower_hf import export_vision_tower, is_vision_tower_checkpoint
 from mg.core.checkpoint.model_io import resolve_tokenizer_paths
 from mg.core.models import TransformerConfig
 from mg.core.models.hf_mapping import megatron_to_hf
@@ -217,6 +218,10 @@ def export_hf(
     if iteration is None and is_llava_checkpoint(load):  # vision-language: llava_hf.py
         with staged_dir(save) as staging:
             export_llava(load, staging)
+        return Path(save)
+    if iteration is None and is_vision_tower_checkpoint(load):  # vision_tower_hf.py
+        with staged_dir(save) as staging:
+            export_vision_tower(load, staging)
         return Path(save)
     source = open_checkpoint(load, iteration, check_gpt=False)
     meta = source.state.get("mg") or {}

@@ -255,7 +255,7 @@ def import_hf(
     if hf_config.get("model_type") in VISION_TOWER_MODEL_TYPES:  # vision_tower_hf.py
         vision, state, unused = convert_vision_tower(source, hf_config, DTYPES.get(dtype or ""))
         with staged_dir(save) as staging:
-            write_vision_release(staging, state, vision, str(src), unused)
+            write_vision_release(staging, state, vision, str(src), unused, hf_config)
         return Path(save)
     config = model_config_from_hf(hf_config, source, make_vocab_size_divisible_by)
     arch = hf_architecture(config.extra["hf_model_type"], config)

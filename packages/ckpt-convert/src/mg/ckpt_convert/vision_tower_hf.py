@@ -6,21 +6,23 @@ write for `combine-vlm` to join with a converted language model.
 The tower keeps all its layers; its output is the model's `last_hidden_state` (CLIP:
 the last layer's, SigLIP: after `post_layernorm`). The tensors it does not use (CLIP's
 `post_layernorm` on the pooled token, SigLIP's attention-pooling `head`) are kept beside
-the model (`hf_unused_tensors`), as the LLaVA import keeps its own.
+the model (`hf_unused_tensors`), as the LLaVA import keeps its own, and the source's
+config.json (`hf_config`): `export-hf` writes the folder back bit for bit.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from mg.ckpt_convert.errors import ConvertError
 from mg.core.checkpoint import CHECKPOINT_VERSION, RELEASE, checkpoint_file, mg_metadata
-from mg.core.checkpoint.layout import tracker_file
+from mg.core.checkpoint.layout import read_latest_iteration, tracker_file
 from mg.core.models.config import ConfigError
 from mg.core.models.vision import CLIPViTModel, VisionConfig
 from mg.core.models.vision.hf_weights import vision_config_from_hf, vision_from_hf, vision_to_hf
@@ -80,6 +82,7 @@ def write_vision_release(
     config: VisionConfig,
     source: str,
     unused: dict[str, Tensor],
+    hf_config: dict[str, Any],
 ) -> None:
     """The tower as a `release` checkpoint in `staging`, its `mg` record holding the
     `VisionConfig`."""
@@ -93,7 +96,44 @@ def write_vision_release(
             "mg": mg_metadata(config.to_dict()),
             "checkpoint_version": CHECKPOINT_VERSION,
             "hf_unused_tensors": unused,
+            "hf_config": hf_config,
         },
         path,
     )
     tracker_file(staging).write_text(RELEASE)
+
+
+def _vision_checkpoint(load: str | Path) -> dict[str, Any] | None:
+    """`load`'s one-file checkpoint when it holds a vision tower alone (mmap: the record
+    is read, not the tensors)."""
+    iteration = read_latest_iteration(load)
+    if iteration is None or not checkpoint_file(load, iteration).is_file():
+        return None
+    try:
+        state = torch.load(
+            checkpoint_file(load, iteration), map_location="cpu", mmap=True, weights_only=False
+        )
+    except (RuntimeError, OSError, ValueError):  # not a zip-format file: not ours to read
+        return None
+    config = (state.get("mg") or {}).get("model_config") or {}
+    return state if "vision_model_type" in config else None
+
+
+def is_vision_tower_checkpoint(load: str | Path) -> bool:
+    return _vision_checkpoint(load) is not None
+
+
+def export_vision_tower(load: str | Path, staging: Path) -> None:
+    """A tower imported by import-hf → its transformers folder (tensors, config.json)."""
+    checkpoint = _vision_checkpoint(load)
+    hf_config = checkpoint.get("hf_config")
+    if hf_config is None:
+        raise ConvertError(
+            f"{load}: a vision tower without its transformers config; export-hf writes "
+            "towers imported with import-hf"
+        )
+    config = VisionConfig.from_dict(checkpoint["mg"]["model_config"])
+    tensors = vision_to_hf(checkpoint["model"], config)
+    tensors.update(checkpoint.get("hf_unused_tensors") or {})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"))
+    (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
