@@ -375,7 +375,12 @@ def create_app(
         except RecursionError:
             raise ApiError("request body is nested too deeply to be a request") from None
         req = parse_megatron_request(body)
-        with_images = image_prompts(body, req, tokenizer, settings.vision)
+        if settings.vision is None:
+            with_images = image_prompts(body, req, tokenizer, None)
+        else:  # decoding and the vision tower off the event loop
+            with_images = await asyncio.to_thread(
+                image_prompts, body, req, tokenizer, settings.vision
+            )
         jobs = build_jobs(req, tokenizer, settings.limits, with_images)
         if not req.no_log:
             host = request.client.host if request.client else "?"
@@ -407,7 +412,10 @@ def create_app(
 
         @app.post("/v1/chat/completions", summary="OpenAI-compatible chat completion")
         async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
-            jobs = openai.chat_jobs(req)
+            if settings.vision is None:
+                jobs = openai.chat_jobs(req)
+            else:  # decoding and the vision tower off the event loop
+                jobs = await asyncio.to_thread(openai.chat_jobs, req)
             generations = openai.admit(jobs)  # a full queue is a 503 here, before any 200
             if req.stream:
                 return AdmittedStream(openai.stream_chat(req, jobs, generations), generations)
