@@ -186,3 +186,20 @@ def test_tower_export_round_trip_is_bit_exact(tmp_path: Path, kind: str) -> None
         tmp_path / "back"
     )
     assert type(model).__name__ == ("CLIPVisionModel" if kind == "clip" else "SiglipVisionModel")
+
+
+def test_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ViTModel(ViTConfig(**TOWER, image_size=28, patch_size=14)).save_pretrained(tmp_path / "vit")
+    capsys.readouterr()  # transformers' progress bar
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import-hf", str(tmp_path / "vit"), "--save", str(tmp_path / "mg")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mg-convert import-hf: error:") and "ViTModel" in err
+    assert "\n" not in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["combine-vlm", "--input", str(tmp_path / "vit"), "--prefixes", "language_model"]
+             + ["--save", str(tmp_path / "out")])  # fmt: skip
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--prefixes: a vision_model input is needed" in err and "\n" not in err
