@@ -388,6 +388,8 @@ def _own_input(args: argparse.Namespace) -> str | None:
         source = ("SRC", args.src if os.path.exists(args.src) else None)
     elif args.command == "import-gguf":
         source = ("GGUF_FILE", args.src)
+    elif args.command == "combine-vlm":
+        return output_clash([("--save", args.save)], [("--input", i) for i in args.input])
     else:
         source = ("--load", getattr(args, "load", None))
     return output_clash([("--save", getattr(args, "save", None))], [source])
