@@ -76,6 +76,7 @@ def data(tmp_path_factory) -> Path:
     (folder / "images").mkdir()
     for i, colour in enumerate(COLOURS):  # not square, not 28 px: resize and crop apply
         Image.new("RGB", (40 + 7 * i, 33), colour).save(folder / "images" / f"{i}.png")
+    (folder / "images" / "bad.png").write_bytes(b"not a png")
     with (folder / "captions.jsonl").open("w") as f:
         for i, caption in enumerate(CAPTIONS):
             f.write(json.dumps({"image": f"images/{i}.png", "text": caption}) + "\n")
@@ -149,7 +150,7 @@ def test_forced_right_answers_score_full_marks(
 ) -> None:
     """Generation returning the reference, and a likelihood preferring the right choice."""
 
-    def generate(vlm, records, source, batch, max_new_tokens):
+    def generate(vlm, records, batch, max_new_tokens):
         return [r.references[0] for r in records]
 
     right = {tuple(tokenizer.tokenize(r["choices"][i])) for r, i in ((VQA[2], 0), (VQA[3], 0))}
@@ -177,6 +178,7 @@ def test_forced_right_answers_score_full_marks(
     [
         ("captioning", {"image": "images/9.png", "text": "x"}, "image: no such file"),
         ("captioning", {"text": "a cat"}, 'no "image" field'),
+        ("captioning", {"image": "images/bad.png", "text": "x"}, "not an image Pillow can read"),
         ("captioning", {"image": "images/0.png"}, '"text" or "caption" field'),
         ("vqa", {"image": "images/0.png", "answer": "red"}, 'no "question" field'),
         ("vqa", {"image": "images/0.png", "question": "q?"}, '"answers"'),
@@ -243,3 +245,20 @@ def test_a_trained_torch_dist_checkpoint_loads_with_its_weights_and_prompt_forma
     out = tmp_path / "cap.jsonl"
     assert _run("captioning", tmp_path / "ck", data / "captions.jsonl", out) == 0
     assert len(_lines(out)) == len(CAPTIONS)
+
+
+def test_an_mg_prep_folder_gives_the_same_captions(vlm_checkpoint, data, tmp_path) -> None:
+    """`mg-prep vlm` shards of the same records (--eval-split test): the same prompts and
+    pixels (PNG kept lossless), hence the same captions and scores."""
+    prep = pytest.importorskip("mg.corpus_prep.cli")
+    prepared = tmp_path / "prepped"
+    argv = ["vlm", "--input", str(data / "captions.jsonl"), "--output", str(prepared)]
+    with pytest.raises(SystemExit) as done:  # mg-prep exits with its status
+        prep.main([*argv, "--split", "0,0,1"])
+    assert done.value.code in (0, None)
+    assert _run("captioning", vlm_checkpoint, prepared, tmp_path / "shards.jsonl") == 0
+    assert _run("captioning", vlm_checkpoint, data / "captions.jsonl", tmp_path / "j.jsonl") == 0
+    shards, lines = _lines(tmp_path / "shards.jsonl"), _lines(tmp_path / "j.jsonl")
+    by_ref = {r["references"][0]: r["caption"] for r in lines}
+    assert sorted(r["references"][0] for r in shards) == sorted(CAPTIONS)
+    assert all(by_ref[r["references"][0]] == r["caption"] for r in shards)

@@ -29,7 +29,18 @@ def _flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
         help="iteration to load; default: latest_checkpointed_iteration.txt",
     )
     d = p.add_argument_group("data and outputs")
-    d.add_argument("--valid-data", required=True, metavar="FILE.jsonl", help="LLaVA records")
+    d.add_argument(
+        "--valid-data",
+        required=True,
+        metavar="FILE.jsonl|DIR",
+        help="LLaVA records, or an mg-prep vlm folder (its --eval-split)",
+    )
+    d.add_argument(
+        "--eval-split",
+        choices=("train", "val", "test"),
+        default="test",
+        help="the split of an mg-prep vlm folder (default test)",
+    )
     d.add_argument(
         "--input-image-path",
         metavar="DIR",
@@ -92,14 +103,13 @@ def run_vlm_task(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, An
     )
     if clash:
         raise EvalInputError(clash)
-    records = read_records(args.valid_data, args.task, args.input_image_path)
+    records = read_records(args.valid_data, args.task, args.input_image_path, args.eval_split)
     overrides = {name: getattr(args, name) for name in _TOKENIZER_FIELDS}
     vlm = load_vlm_for_eval(args.load, args.ckpt_step, overrides, args.tokenizer_prompt_format)
     evaluate = evaluate_captioning if args.task == "captioning" else evaluate_vqa
     metrics = evaluate(
         vlm,
         records,
-        args.valid_data,
         args.micro_batch_size,
         args.out_seq_length,
         args.output_path,

@@ -18,9 +18,12 @@ and a bad one is named by file, line and field.
 from __future__ import annotations
 
 import json
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from mg.evaluate.errors import EvalInputError, read_text
 
@@ -30,9 +33,11 @@ IMAGE_TAG = "<image>"
 @dataclass
 class VLMRecord:
     line: int
+    """The record's line (its place in the shards for a dataset folder); a key."""
     sample_id: Any
     image_name: str
-    image: Path
+    image: Path | bytes
+    """The image file, or its bytes (a sample of an `mg-prep vlm` folder)."""
     turns: list[dict[str, str]]
     """The prompt: the conversation before the answer, with one `<image>` tag."""
     references: list[str]
@@ -41,6 +46,8 @@ class VLMRecord:
     choices: list[str] | None = None
     answer_index: int | None = None
     """Multiple choice: the index of the right choice."""
+    where: str = ""
+    """`FILE:LINE` (or `SHARD:KEY`) for messages."""
 
 
 def _strings(value: Any) -> bool:
@@ -119,9 +126,14 @@ def _choice_index(answer: Any, choices: list[str]) -> int:
     raise ValueError(f"answer: {answer!r} is not one of the choices, their letter or index")
 
 
-def read_records(path: str | Path, task: str, image_folder: str | Path | None) -> list[VLMRecord]:
-    """The file's records, each checked; EvalInputError names the first bad one."""
+def read_records(
+    path: str | Path, task: str, image_folder: str | Path | None, split: str = "test"
+) -> list[VLMRecord]:
+    """The file's records (or the `split` of an `mg-prep vlm` folder), each checked;
+    EvalInputError names the first bad one."""
     path = Path(path)
+    if path.is_dir():
+        return read_shard_records(path, split)
     root = Path(image_folder) if image_folder else path.parent
     if image_folder and not root.is_dir():
         raise EvalInputError("no such folder (--input-image-path)", root)
@@ -146,16 +158,71 @@ def read_records(path: str | Path, task: str, image_folder: str | Path | None) -
             if task == "captioning":
                 turns, refs = _caption_parts(record)
                 item = VLMRecord(number, sample_id, name, image, _with_image_tag(turns), refs)
+                item.where = f"{path}:{number}"
             else:
                 question, answers, choices, index = _vqa_parts(record)
                 turns = [{"from": "human", "value": question}]
                 item = VLMRecord(
                     number, sample_id, name, image, _with_image_tag(turns), answers,
-                    question, choices, index,
+                    question, choices, index, f"{path}:{number}",
                 )  # fmt: skip
         except ValueError as exc:
             raise EvalInputError(str(exc), path, number) from None
         records.append(item)
     if not records:
         raise EvalInputError(f"no records; {task} has nothing to evaluate", path)
+    return records
+
+
+def read_shard_records(folder: Path, split: str) -> list[VLMRecord]:
+    """The `split` of an `mg-prep vlm` folder (energon's WebDataset layout: `.nv-meta/
+    split.yaml`, tars of KEY.png|jpg + KEY.json {"conversations"}). Each sample's last
+    `gpt` turn is its reference (a caption, or a short answer), the turns before it the
+    prompt; the image stays as its bytes."""
+    meta = folder / ".nv-meta" / "split.yaml"
+    if not meta.is_file():
+        raise EvalInputError(
+            "a folder but no .nv-meta/split.yaml; give a JSON-lines file or an mg-prep vlm "
+            "dataset (--valid-data)",
+            folder,
+        )
+    shards = (yaml.safe_load(meta.read_text()) or {}).get("split_parts", {}).get(split) or []
+    records = []
+    for name in shards:
+        shard = folder / name
+        try:
+            with tarfile.open(shard) as tar:
+                parts: dict[str, dict[str, bytes]] = {}
+                for member in tar:
+                    if member.isfile():
+                        key, _, ext = member.name.partition(".")
+                        parts.setdefault(key, {})[ext] = tar.extractfile(member).read()
+        except (OSError, tarfile.TarError) as exc:
+            raise EvalInputError(f"cannot read the shard ({exc})", shard) from None
+        for key, part in parts.items():
+            where = f"{shard}:{key}"
+            image = part.get("jpg") or part.get("png")
+            if image is None or "json" not in part:
+                raise EvalInputError("no image or no .json part", where)
+            try:
+                sample = json.loads(part["json"])
+                turns, refs = _caption_parts({"conversations": sample.get("conversations")})
+                turns = _with_image_tag(turns)
+            except (ValueError, AttributeError) as exc:
+                raise EvalInputError(str(exc), where) from None
+            name_in = sample.get("image", key) if isinstance(sample, dict) else key
+            records.append(
+                VLMRecord(
+                    len(records) + 1,
+                    key,
+                    str(name_in),
+                    image,
+                    turns,
+                    refs,
+                    question=turns[-1]["value"],
+                    where=where,
+                )  # fmt: skip
+            )
+    if not records:
+        raise EvalInputError(f"the {split} split has no samples (--eval-split)", folder)
     return records

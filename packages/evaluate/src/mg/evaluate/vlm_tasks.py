@@ -13,6 +13,7 @@ Every record's output goes to --output-path as a JSON line (Megatron's field nam
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -44,18 +45,20 @@ def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
         yield items[start : start + size]
 
 
-def _images(vlm: LoadedVLM, records: Sequence[VLMRecord], source: str) -> Tensor:
+def _images(vlm: LoadedVLM, records: Sequence[VLMRecord]) -> Tensor:
     """The records' images through the checkpoint's training transform, [b, 3, H, W]."""
     pixels = []
     for r in records:
         try:
-            pixels.append(preprocess(open_rgb(r.image), vlm.transform))
+            source = io.BytesIO(r.image) if isinstance(r.image, bytes) else r.image
+            image = open_rgb(source, name=r.image_name)
+            pixels.append(preprocess(image, vlm.transform))
         except BadImageError as exc:
-            raise EvalInputError(f"image: {exc}", source, r.line) from None
+            raise EvalInputError(f"image: {exc}", r.where) from None
     return torch.stack(pixels).to(vlm.device)
 
 
-def _prompts(vlm: LoadedVLM, records: Sequence[VLMRecord], source: str) -> list[list[int]]:
+def _prompts(vlm: LoadedVLM, records: Sequence[VLMRecord]) -> list[list[int]]:
     image_id = vlm.config.image_token_index
     prompts = []
     for r in records:
@@ -65,8 +68,7 @@ def _prompts(vlm: LoadedVLM, records: Sequence[VLMRecord], source: str) -> list[
                 f"the prompt and its image take {combined_length(ids, vlm.model)} positions, "
                 f"the model's --decoder-seq-length is {vlm.config.language.seq_length}; "
                 "no room for an answer",
-                source,
-                r.line,
+                r.where,
             )
         prompts.append(ids)
     return prompts
@@ -78,16 +80,16 @@ def _pad(vlm: LoadedVLM) -> int:
 
 
 def generate_answers(
-    vlm: LoadedVLM, records: Sequence[VLMRecord], source: str, batch: int, max_new_tokens: int
+    vlm: LoadedVLM, records: Sequence[VLMRecord], batch: int, max_new_tokens: int
 ) -> list[str]:
     """Each record's greedy answer to its prompt, as text."""
     tokenizer, fmt = vlm.tokenizer, vlm.prompt_format
     stop_text = (tokenizer, IM_END) if fmt == "chatml" else None
     texts = []
     for chunk in _batches(records, batch):
-        prompts = _prompts(vlm, chunk, source)
+        prompts = _prompts(vlm, chunk)
         ids = greedy_generate(
-            vlm.model, _images(vlm, chunk, source), prompts, max_new_tokens,
+            vlm.model, _images(vlm, chunk), prompts, max_new_tokens,
             {tokenizer.eod}, _pad(vlm), stop_text,
         )  # fmt: skip
         texts += [answer_text(row, tokenizer, fmt) for row in ids]
@@ -95,7 +97,7 @@ def generate_answers(
 
 
 def choose_options(
-    vlm: LoadedVLM, records: Sequence[VLMRecord], source: str, batch: int
+    vlm: LoadedVLM, records: Sequence[VLMRecord], batch: int
 ) -> list[tuple[int, list[float]]]:
     """(the chosen index, each choice's log-likelihood) of each multiple-choice record."""
     rows = [(r, i) for r in records for i in range(len(r.choices or []))]
@@ -103,7 +105,7 @@ def choose_options(
     for chunk in _batches(rows, batch):
         recs = [r for r, _ in chunk]
         conts = [answer_ids(r.choices[i], vlm.tokenizer, vlm.prompt_format) for r, i in chunk]
-        prompts = _prompts(vlm, recs, source)
+        prompts = _prompts(vlm, recs)
         too_long = [
             r for r, p, c in zip(recs, prompts, conts, strict=True)
             if combined_length(p, vlm.model) + len(c) > vlm.config.language.seq_length
@@ -112,12 +114,9 @@ def choose_options(
             raise EvalInputError(
                 "the prompt and a choice do not fit the model's --decoder-seq-length "
                 f"({vlm.config.language.seq_length})",
-                source,
-                too_long[0].line,
+                too_long[0].where,
             )
-        logps = continuation_logprobs(
-            vlm.model, _images(vlm, recs, source), prompts, conts, _pad(vlm)
-        )
+        logps = continuation_logprobs(vlm.model, _images(vlm, recs), prompts, conts, _pad(vlm))
         for r, logp in zip(recs, logps, strict=True):
             scores.setdefault(r.line, []).append(logp)
     return [
@@ -138,12 +137,11 @@ def _write_jsonl(path: str | Path, rows: list[dict[str, Any]]) -> None:
 def evaluate_captioning(
     vlm: LoadedVLM,
     records: Sequence[VLMRecord],
-    source: str,
     batch: int,
     max_new_tokens: int,
     output_path: str | Path | None,
 ) -> dict[str, Any]:
-    captions = generate_answers(vlm, records, source, batch, max_new_tokens)
+    captions = generate_answers(vlm, records, batch, max_new_tokens)
     references = [r.references for r in records]
     cider, per_image = cider_d(captions, references)
     bleu = bleu4(captions, references)
@@ -159,18 +157,15 @@ def evaluate_captioning(
 def evaluate_vqa(
     vlm: LoadedVLM,
     records: Sequence[VLMRecord],
-    source: str,
     batch: int,
     max_new_tokens: int,
     output_path: str | Path | None,
 ) -> dict[str, Any]:
     short = [r for r in records if r.choices is None]
     multi = [r for r in records if r.choices is not None]
-    generated = generate_answers(vlm, short, source, batch, max_new_tokens)
+    generated = generate_answers(vlm, short, batch, max_new_tokens)
     answers = dict(zip((r.line for r in short), generated, strict=True))
-    chosen = dict(
-        zip((r.line for r in multi), choose_options(vlm, multi, source, batch), strict=True)
-    )
+    chosen = dict(zip((r.line for r in multi), choose_options(vlm, multi, batch), strict=True))
     rows, short_acc, multi_acc = [], [], []
     for r in records:
         row: dict[str, Any] = {"sample_id": r.sample_id, "image": r.image_name,
