@@ -91,6 +91,7 @@ def add_vlm_tasks(sub: argparse._SubParsersAction) -> None:
 
 def run_vlm_task(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     # lazy: torch and the model code only once the flags are parsed (--help stays instant)
+    from mg.evaluate import distributed
     from mg.evaluate.vlm_loading import load_vlm_for_eval
     from mg.evaluate.vlm_samples import read_records
     from mg.evaluate.vlm_tasks import evaluate_captioning, evaluate_vqa
@@ -112,7 +113,7 @@ def run_vlm_task(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, An
         records,
         args.micro_batch_size,
         args.out_seq_length,
-        args.output_path,
+        args.output_path if distributed.is_main() else None,  # under torchrun: rank 0 writes
     )
     context = dict(
         valid_data=args.valid_data,
