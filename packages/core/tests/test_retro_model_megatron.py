@@ -138,7 +138,7 @@ def run_reference(work: Path, config: RetroConfig, untie: bool) -> dict:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,  # megatron-core imports slowly on a busy machine
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return torch.load(work / "reference.pt")
