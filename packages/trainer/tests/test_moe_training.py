@@ -954,3 +954,11 @@ def test_per_layer_logging_writes_every_layer_zero_for_dense_ones():
     moe = [layers[f"moe/{name}_layer_{i}"] for i in (1, 2)]
     assert all(v > 0.5 for v in moe)
     assert sum(moe) / 2 == pytest.approx(losses[name], rel=1e-12)
+
+
+def test_the_recompute_module_names_are_core_s() -> None:
+    """arguments/model.py names the modules without importing the models (fast --help)."""
+    from mg.core.models.recompute import RECOMPUTE_MODULES as BUILT
+    from mg.trainer.arguments.model import RECOMPUTE_MODULES as ACCEPTED
+
+    assert tuple(ACCEPTED) == BUILT

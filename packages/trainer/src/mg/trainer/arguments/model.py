@@ -63,17 +63,6 @@ class ModelArgs:
     recompute_modules: list[str] | None = None
 
 
-MEGATRON_RECOMPUTE_MODULES = (
-    "core_attn",
-    "moe_act",
-    "layernorm",
-    "mla_up_proj",
-    "mlp",
-    "moe",
-    "shared_experts",
-)
-"""megatron-core 0.16's `recompute_modules` choices."""
-
 RECOMPUTE_MODULES = {
     "core_attn": "the attention core, as --recompute-activations",
     "moe_act": "the routed experts' activation (with --moe-grouped-gemm)",
@@ -83,7 +72,9 @@ RECOMPUTE_MODULES = {
     "moe": "each MoE layer, as --moe-layer-recompute",
     "shared_experts": "each MoE layer's shared experts",
 }
-"""The ones mg-train recomputes (all of Megatron's), and what each is here."""
+"""megatron-core's `recompute_modules` choices (all recomputed here) and what each is;
+the same names as `mg.core.models.recompute.RECOMPUTE_MODULES`, which this module does not
+import (`--help` stays free of torch; a test keeps the two equal)."""
 
 
 def add_model_flags(p: argparse._ArgumentGroup) -> None:
@@ -263,10 +254,10 @@ def check_recompute_modules(args: Args) -> None:
     """Megatron's module names and its rules for them (TransformerConfig.__post_init__)."""
     modules = args.model.recompute_modules or ()
     for name in modules:
-        if name not in MEGATRON_RECOMPUTE_MODULES:
+        if name not in RECOMPUTE_MODULES:
             fail(
                 f"--recompute-modules {name}: not a module Megatron recomputes (choose from "
-                f"{', '.join(MEGATRON_RECOMPUTE_MODULES)})"
+                f"{', '.join(RECOMPUTE_MODULES)})"
             )
     gpt_only = [n for n in modules if n not in ("core_attn", "moe")]
     if gpt_only and args.family != "gpt":
