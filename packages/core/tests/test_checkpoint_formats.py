@@ -24,10 +24,10 @@ def test_the_layout_follows_from_family_and_configuration() -> None:
     assert dist_layout("gpt", dense) is DistLayout.MEGATRON
     assert dist_layout("gpt", te) is DistLayout.MEGATRON
     assert dist_layout("gpt", moe) is DistLayout.MEGATRON
-    for family in ("bert", "t5", "mamba"):  # every family: Megatron's layout
+    for family in ("bert", "t5", "mamba", "retro", "vlm"):  # every family: Megatron's layout
         assert dist_layout(family, dense) is DistLayout.MEGATRON
-    with pytest.raises(CheckpointError, match=r"^--ckpt-format torch_dist: a 'vlm' model"):
-        dist_layout("vlm", dense)  # a family must declare its layout
+    with pytest.raises(CheckpointError, match=r"^--ckpt-format torch_dist: a 'clip' model"):
+        dist_layout("clip", dense)  # a family must declare its layout
     assert check_savable("torch", te, family="gpt") is None
     assert check_savable("torch_dist", te, family="gpt") is DistLayout.MEGATRON
 
