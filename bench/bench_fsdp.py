@@ -39,10 +39,12 @@ over the single-rank-copy baseline (what a rank holds before the model is built)
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -196,6 +198,7 @@ def main() -> None:
         _worker(options.worker)
         return
     work = Path(tempfile.mkdtemp(prefix="bench_fsdp_"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # checkpoints of GBs each
     model = (
         {"layers": 2, "hidden": 128, "heads": 4} if options.quick else dict(MODELS[options.model])
     )
@@ -223,6 +226,8 @@ def main() -> None:
                 raise
             failed[name] = str(failure).splitlines()[0]
             print(failure, flush=True)
+        finally:  # measured: one path's checkpoint on disk at a time
+            shutil.rmtree(work / name, ignore_errors=True)
     baseline = _train_peak(rows[ONE_PROCESS]) if ONE_PROCESS in rows else None
     command = "bench/bench_fsdp.py" + (" --quick" if options.quick else "")
     if options.model != "124m" and not options.quick:
