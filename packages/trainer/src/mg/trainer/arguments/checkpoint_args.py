@@ -92,6 +92,11 @@ def apply_checkpoint_args(args: Args, given: set[str]) -> None:
     if not load:
         raise ArgumentError("--use-checkpoint-args needs --load (the checkpoint to read)")
     if not Path(load).exists():  # a first run: Megatron uses the flags it was given
+        if args.checkpoint.exit_on_missing_checkpoint:  # ... or exits, with this flag
+            raise ArgumentError(
+                f"--use-checkpoint-args: no checkpoint in {load} to read the model from, and "
+                "--exit-on-missing-checkpoint; convert or train one into --load first"
+            )
         print(
             f"--use-checkpoint-args: no checkpoint in {load} yet; using the flags", file=sys.stderr
         )
