@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.tensor import DTensor
 
+from mg.core.parallel.collective_device import collective_device
+
 
 @dataclass
 class DistEnv:
@@ -145,18 +147,11 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def _collective_device() -> torch.device:
-    """NCCL reduces CUDA tensors only; gloo takes CPU tensors."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (a no-op on one process); returns a CPU tensor."""
     if not is_distributed():
         return tensor
-    moved = tensor.to(_collective_device())
+    moved = tensor.to(collective_device())
     dist.all_reduce(moved)
     return moved.cpu()
 
@@ -164,7 +159,7 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 def all_reduce_max(value: float) -> float:
     if not is_distributed():
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mg.core.parallel.collective_device import collective_device
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.expert_optimizer import ExpertParallelDistributedOptimizer
 from mg.core.parallel.expert_parallel import is_expert_parameter
@@ -109,10 +110,6 @@ def _over_stages(totals: Tensor, layout: ParallelLayout) -> float:
 
 def _all_reduce(value: Tensor, group: Any) -> Tensor:
     """A sum over `group`, on the device its backend reduces on."""
-    if dist.get_backend(group) == "nccl":
-        on_device = value.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(on_device, group=group)
-        return on_device.cpu()
-    value = value.clone()
-    dist.all_reduce(value, group=group)
-    return value
+    on_device = value.to(collective_device(group), copy=True)
+    dist.all_reduce(on_device, group=group)
+    return on_device.cpu()

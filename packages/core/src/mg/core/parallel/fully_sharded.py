@@ -94,6 +94,7 @@ from torch.distributed.tensor import DTensor
 
 from mg.core.models.language_model import LanguageModelEmbedding
 from mg.core.models.output_head import OutputHead, OutputModuleHead, is_plain_output
+from mg.core.parallel.collective_device import collective_device
 from mg.core.parallel.expert_parallel import is_expert_parameter
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -315,7 +316,7 @@ def clip_grad_norm(
     squares = grad_norm_squares([p.grad for p in params if not is_expert_parameter(p)])
     if expert_group is not None:
         experts = grad_norm_squares([p.grad for p in params if is_expert_parameter(p)])
-        experts = experts.to(_collective_device(expert_group))
+        experts = experts.to(collective_device(expert_group))
         dist.all_reduce(experts, group=expert_group)
         squares = squares + experts.cpu()
     norm = math.sqrt(float(squares))
@@ -325,13 +326,6 @@ def clip_grad_norm(
             for grad in grads:
                 _local(grad).mul_(coefficient)
     return norm
-
-
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    """NCCL reduces CUDA tensors only; gloo takes CPU tensors."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _local(tensor: Tensor) -> Tensor:

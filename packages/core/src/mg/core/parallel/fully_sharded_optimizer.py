@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from mg.core.parallel.collective_device import collective_device
 from mg.core.parallel.expert_parallel import is_expert_parameter
 from mg.core.parallel.fully_sharded import clip_grad_norm, no_gradient_sync
 
@@ -96,7 +97,7 @@ class FullyShardedOptimizer:
                 grad.mul_(1.0 / scale)
             found = torch.maximum(found, (~torch.isfinite(grad)).any().float().cpu())
         if dist.is_initialized() and dist.get_world_size() > 1:
-            device = _collective_device()
+            device = collective_device()
             found = found.to(device)
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         return bool(found > 0)
@@ -115,10 +116,3 @@ class FullyShardedOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
-
-
-def _collective_device() -> torch.device:
-    """NCCL reduces CUDA tensors only; gloo takes CPU tensors."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
