@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from mg.core.parallel.collective_device import collective_device
 from mg.trainer.housekeeping import Housekeeping
 
 NAMES = ("forward-backward", "optimizer")
@@ -49,8 +50,7 @@ class StepTimers:
             [self.elapsed[n] / max(self.iterations, 1) for n in NAMES], dtype=torch.float64
         )
         if dist.is_initialized() and dist.get_world_size() > 1:
-            on = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-            reduced = per_iteration.to(on)
+            reduced = per_iteration.to(collective_device())
             dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
             per_iteration = reduced.cpu()
         self.elapsed = dict.fromkeys(NAMES, 0.0)
