@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.models.vision import LLaVAModel
-from mg.core.models.vision.llava import combine_text_and_images
+from mg.core.models.vision.llava import check_one_image_per_tag, combine_text_and_images
 from mg.core.parallel.pipeline import PipelineChunk, layer_ranges
 
 
@@ -93,12 +93,8 @@ class LLaVAPipelineChunk(nn.Module):
         loss_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         config = self.config
-        n_tags = int((input_ids == config.image_token_index).sum())
-        if self.is_first and n_tags != (0 if images is None else images.shape[0]):
-            raise ValueError(
-                f"input_ids hold {n_tags} image tokens ({config.image_token_index}) "
-                f"but {0 if images is None else images.shape[0]} images were given"
-            )
+        if self.is_first:
+            check_one_image_per_tag(input_ids, images, config.image_token_index)
         hidden = self._embed(input_ids, images) if self.is_first else input
         lm = self.language_model
         hidden = lm.run_decoder(hidden, self._positions(input_ids), None)

@@ -112,6 +112,17 @@ class CombinedSequence:
     loss_mask: Tensor | None
 
 
+def check_one_image_per_tag(input_ids: Tensor, images: Tensor | None, image_token: int) -> int:
+    """The number of images, after checking it equals the `<image>` tokens in `input_ids`."""
+    n_tags = int((input_ids == image_token).sum())
+    n_images = 0 if images is None else images.shape[0]
+    if n_tags != n_images:
+        raise ValueError(
+            f"input_ids hold {n_tags} image tokens ({image_token}) but {n_images} images were given"
+        )
+    return n_images
+
+
 def combine_text_and_images(
     input_ids: Tensor,
     image_token_index: int,
@@ -213,13 +224,7 @@ class LLaVAModel(nn.Module):
         sequence; with labels [b, s] (and loss_mask), (per-token fp32 loss [b, S],
         loss mask [b, S]) with no loss on image rows."""
         config = self.config
-        n_tags = int((input_ids == config.image_token_index).sum())
-        n_images = 0 if images is None else images.shape[0]
-        if n_tags != n_images:
-            raise ValueError(
-                f"input_ids hold {n_tags} image tokens ({config.image_token_index}) "
-                f"but {n_images} images were given"
-            )
+        n_images = check_one_image_per_tag(input_ids, images, config.image_token_index)
         combined = combine_text_and_images(
             input_ids,
             config.image_token_index,
