@@ -169,10 +169,11 @@ def llava_state_from_hf(hf_state: dict[str, Tensor], config: LLaVAConfig) -> dic
     return state
 
 
-def read_llava_weights(source: Path) -> dict[str, Tensor]:
+def read_llava_weights(source: Path, what: str = "a LLaVA") -> dict[str, Tensor]:
+    """Every tensor of the folder's *.safetensors files (`what` names the folder's kind)."""
     files = sorted(source.glob("*.safetensors"))
     if not files:
-        raise ConvertError(f"{source}: no *.safetensors files (a LLaVA folder has them)")
+        raise ConvertError(f"{source}: no *.safetensors files ({what} folder has them)")
     state: dict[str, Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))

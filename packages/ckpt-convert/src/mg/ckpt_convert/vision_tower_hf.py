@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from mg.ckpt_convert.errors import ConvertError
+from mg.ckpt_convert.llava_hf import read_llava_weights
 from mg.core.checkpoint import CHECKPOINT_VERSION, RELEASE, checkpoint_file, mg_metadata
 from mg.core.checkpoint.layout import read_latest_iteration, tracker_file
 from mg.core.models.config import ConfigError
@@ -36,12 +37,7 @@ _PREFIX = "vision_model."
 
 
 def read_tower_weights(source: Path) -> dict[str, Tensor]:
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
-        raise ConvertError(f"{source}: no *.safetensors files (a vision tower folder has them)")
-    state: dict[str, Tensor] = {}
-    for file in files:
-        state.update(load_file(str(file)))
+    state = read_llava_weights(source, "a vision tower")
     return {k.removeprefix(_PREFIX): v for k, v in state.items()}
 
 
