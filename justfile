@@ -126,6 +126,10 @@ detoxify *args: setup
     "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/demo/make_corpus.py --output detoxify-output/prompts.jsonl --sources shakespeare botchan
     exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/detoxify/run_detoxify.py --prompts-from detoxify-output/prompts.jsonl "$@"
 
+# Retro against the same-size GPT where the retrieval database holds near-duplicates of half the validation documents: corpus -> BPE -> mg-prep retro (MiniLM embeddings, Faiss Flat, neighbours) -> mg-train gpt and retro -> validation perplexity with and without retrieval (workflows/retro_vs_gpt/summary.md); exits 1 if Retro does not win
+retro-vs-gpt *args: setup
+    exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/retro_vs_gpt/run_retro_vs_gpt.py --output-dir retro-output {{args}}
+
 # serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
 serve load="demo-output/smollm2-sft-int8" *args: setup
     exec bin/mg-serve --load {{load}} {{args}}

@@ -1,0 +1,338 @@
+"""`just retro-vs-gpt`: a small Retro against the same-size GPT, where retrieval should help.
+
+    python workflows/retro_vs_gpt/run_retro_vs_gpt.py --output-dir retro-output [--dry-run]
+
+1. data: passages of Botchan, Shakespeare and Wikipedia (`make_corpus.py`); half the
+   validation passages have a perturbed copy (words changed, two sentences swapped) in
+   the training part, the other half none; a 4,096-token BPE trained on the corpus
+   (the demo's `train_tokenizer.py`); `mg-prep tokenize`
+2. retrieval: the real MiniLM-L6 BERT's first two layers (`import_bert.py`) embed
+   every chunk of the training documents; `mg-prep retro build`: the chunk database, a
+   Faiss Flat index, the neighbours of every train and valid sample's chunks
+3. `mg-train gpt` and `mg-train retro`: the same layers, width, data, iterations,
+   learning rate and seed; Retro adds its neighbour encoder and chunked cross-attention
+4. `evaluate.py`: validation perplexity on the same tokens of the GPT, the Retro
+   model with its neighbours, and the Retro model with retrieval off (every neighbour
+   missing; and random neighbours), over all validation documents and split into those
+   with a near-duplicate in the database and the rest
+5. `summary.md`: the figures, training times, the machine. Exit 1 when Retro does not
+   beat the GPT.
+
+`--dry-run` prints the commands and runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+BIN = ROOT / "bin"
+
+
+@dataclass
+class Settings:
+    out: Path
+    train_iters: int = 600
+    num_layers: int = 6
+    hidden_size: int = 128
+    seq_length: int = 128
+    chunk_length: int = 32
+    num_neighbors: int = 2
+    global_batch_size: int = 16
+    max_passages: int | None = 700
+    valid_documents: int = 80
+    bert_layers: int = 2
+    seed: int = 1234
+
+    @property
+    def train_samples(self) -> int:
+        """Queried training samples: the run cycles over them (Megatron's cyclic Retro)."""
+        return min(self.train_iters * self.global_batch_size, 2400)
+
+
+@dataclass
+class Step:
+    phase: str
+    argv: list[str]
+    stdout: Path | None = None
+
+
+def tool(name: str, *args: object) -> list[str]:
+    return [str(BIN / name), *map(str, args)]
+
+
+def script(path: Path, *args: object) -> list[str]:
+    return [sys.executable, str(path), *map(str, args)]
+
+
+def model_flags(s: Settings, split: str) -> list[object]:
+    """What the GPT and the Retro model share: the decoder, the data, the schedule."""
+    d = s.out
+    # fmt: off
+    return [
+        "--num-layers", s.num_layers, "--hidden-size", s.hidden_size,
+        "--num-attention-heads", 4, "--seq-length", s.seq_length,
+        "--max-position-embeddings", s.seq_length,
+        "--micro-batch-size", s.global_batch_size, "--global-batch-size", s.global_batch_size,
+        "--train-iters", s.train_iters, "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-decay-style", "cosine", "--lr-warmup-iters", min(30, s.train_iters // 10),
+        "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", s.seed,
+        "--data-path", d / "data" / "corpus_text_document", "--split", split,
+        "--data-cache-path", d / "cache", *tokenizer_flags(s, ""),
+        "--log-interval", max(1, s.train_iters // 12), "--eval-interval", s.train_iters,
+        "--eval-iters", 1, "--ckpt-format", "torch", "--no-save-optim", "--no-save-rng",
+    ]
+    # fmt: on
+
+
+def tokenizer_flags(s: Settings, prefix: str) -> list[object]:
+    t = s.out / "tokenizer"
+    return [
+        f"--{prefix}tokenizer-type",
+        "GPT2BPETokenizer",
+        f"--{prefix}vocab-file",
+        t / "vocab.json",
+        f"--{prefix}merge-file",
+        t / "merges.txt",
+    ]
+
+
+def plan(s: Settings, split: str) -> list[Step]:
+    """The commands in order; every file one reads, an earlier one wrote. ``split`` is the
+    corpus's train,valid document counts (make_corpus.py prints and writes it)."""
+    d = s.out
+    data = d / "data" / "corpus_text_document"
+    project = d / "retro-project"
+    shared = model_flags(s, split)
+    corpus_flags = ["--valid-documents", s.valid_documents, "--seed", s.seed]
+    if s.max_passages:
+        corpus_flags += ["--max-passages", s.max_passages]
+    # fmt: off
+    return [
+        Step("data", script(HERE / "make_corpus.py", "--output", d / "corpus.jsonl",
+                            *corpus_flags)),
+        Step("data", script(ROOT / "workflows/demo/train_tokenizer.py", "--input",
+                            d / "corpus.jsonl", "--vocab-size", 4096,
+                            "--output-dir", d / "tokenizer")),
+        Step("data", tool("mg-prep", "tokenize", "--input", d / "corpus.jsonl",
+                          "--output-prefix", d / "data" / "corpus", *tokenizer_flags(s, ""),
+                          "--append-eod", "--workers", 1)),
+        Step("retrieval", script(HERE / "import_bert.py", "--save", d / "bert",
+                                 "--num-layers", s.bert_layers)),
+        Step("retrieval", tool(
+            "mg-prep", "retro", "--retro-project-dir", project, "--retro-tasks", "build",
+            "--retro-gpt-data-path", 1, data, "--retro-gpt-split", split,
+            "--retro-gpt-seed", s.seed, *tokenizer_flags(s, "retro-gpt-"),
+            "--retro-gpt-seq-length", s.seq_length,
+            "--retro-gpt-chunk-length", s.chunk_length,
+            "--retro-gpt-train-samples", s.train_samples,
+            "--retro-gpt-global-batch-size", s.global_batch_size,
+            # validation samples queried: 2 x 6 x batch, one pass over the split or less
+            "--retro-gpt-eval-interval", s.train_samples // s.global_batch_size,
+            "--retro-gpt-eval-iters", 6,
+            "--load", d / "bert", "--retro-bert-max-chunk-length", 64,
+            "--retro-bert-batch-size", 128, "--retro-block-size", 5000,
+            "--retro-index-str", "Flat", "--retro-index-ntrain", 5000,
+            "--retro-query-num-neighbors-query", 20, "--retro-query-num-neighbors-save", 4,
+        )),
+        Step("train GPT", tool("mg-train", "gpt", *shared, "--save", d / "gpt"),
+             stdout=d / "train_gpt.log"),
+        Step("train Retro", tool(
+            "mg-train", "retro", *shared, "--save", d / "retro",
+            "--retro-add-retriever", "--retro-project-dir", project,
+            "--retro-num-neighbors", s.num_neighbors, "--retro-no-verify-neighbor-count",
+        ), stdout=d / "train_retro.log"),
+        Step("evaluate", script(HERE / "evaluate.py", "--gpt", d / "gpt", "--retro", d / "retro",
+                                "--retro-project-dir", project, "--corpus", d / "corpus.jsonl",
+                                "--output", d / "eval.json")),
+    ]
+    # fmt: on
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run(steps: list[Step]) -> dict[str, tuple[float, float]]:
+    """Each step in turn (a failure stops the run); wall and CPU seconds by phase."""
+    timings: dict[str, tuple[float, float]] = {}
+    for number, step in enumerate(steps, 1):
+        print(f"== {number}. [{step.phase}] {shlex.join(step.argv)}", flush=True)
+        start, cpu = time.monotonic(), children_cpu()
+        if step.stdout is not None:  # the log is kept, and shown as it is written
+            with step.stdout.open("w") as log:
+                process = subprocess.Popen(
+                    step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+                for line in process.stdout:
+                    sys.stdout.write(line)
+                    log.write(line)
+                if process.wait() != 0:
+                    sys.exit(f"failed ({process.returncode}): {shlex.join(step.argv)}")
+        elif subprocess.run(step.argv).returncode != 0:
+            sys.exit(f"failed: {shlex.join(step.argv)}")
+        wall, used = time.monotonic() - start, children_cpu() - cpu
+        print(f"-- {number}. [{step.phase}] {wall:.0f} s wall, {used:.0f} s CPU", flush=True)
+        before = timings.get(step.phase, (0.0, 0.0))
+        timings[step.phase] = (before[0] + wall, before[1] + used)
+    return timings
+
+
+TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    threads = os.environ.get("OMP_NUM_THREADS", "default")
+    return f"{model}, {os.cpu_count()} CPUs, OMP_NUM_THREADS {threads}"
+
+
+def summary(s: Settings, split: str, timings: dict, seconds: float, load: tuple) -> str:
+    d = s.out
+    result = json.loads((d / "eval.json").read_text())
+    ways = result["ways"]
+    losses = {
+        name: [float(v) for _, v in TRAIN_LOSS.findall((d / f"train_{name}.log").read_text())]
+        for name in ("gpt", "retro")
+    }
+    n_train, n_valid = (int(v) for v in split.split(",")[:2])
+    hits = result["top_neighbour_from_near_duplicate"]
+    labels = {
+        "gpt": "GPT",
+        "retro": "Retro, with its neighbours",
+        "retro_no_retrieval": "Retro, retrieval off (no neighbours: end-of-document tokens)",
+        "retro_random_neighbours": "Retro, random neighbours from the database",
+    }
+    lines = [
+        "# Retro against the same-size GPT: validation perplexity",
+        "",
+        f"Validation: {n_valid} documents, {result['tokens']:,} predicted tokens in "
+        f"{result['samples']} samples of {s.seq_length}; {result['tokens_near_duplicate']:,} "
+        f"of them in the {n_valid // 2} documents with a near-duplicate (a perturbed copy) "
+        f"among the {n_train} training documents the database holds, "
+        f"{result['tokens_fresh']:,} in the {n_valid - n_valid // 2} without.",
+        "",
+        "| model | perplexity | near-duplicate documents | the rest |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for way, label in labels.items():
+        r = ways[way]
+        lines.append(
+            f"| {label} | {r['ppl']:.2f} | {r['ppl_near_duplicate']:.2f} | {r['ppl_fresh']:.2f} |"
+        )
+    gpt, retro, off = (ways[w]["ppl"] for w in ("gpt", "retro", "retro_no_retrieval"))
+    lines += [
+        "",
+        f"Retro beats the GPT: **{'yes' if retro < gpt else 'NO'}** "
+        f"({retro:.2f} against {gpt:.2f}, {100 * (1 - retro / gpt):.1f}% lower); with "
+        f"retrieval off Retro's perplexity is {off:.2f}"
+        + (" (the gain is gone)." if off >= gpt else " (still below the GPT)."),
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| models | {s.num_layers} layers, hidden {s.hidden_size}, 4 heads, seq {s.seq_length},"
+        f" vocabulary 4,096; GPT {result['params']['gpt']:,} parameters, Retro "
+        f"{result['params']['retro']:,} (+ neighbour encoder, 2 layers, and chunked "
+        f"cross-attention in layer 6) |",
+        f"| training | both: {s.train_iters} iterations of {s.global_batch_size} x "
+        f"{s.seq_length} tokens, lr 3e-3 cosine, seed {s.seed}, fp32 on the CPU; lm loss "
+        + ", ".join(f"{n} {v[0]:.2f} → {v[-1]:.2f}" if v else f"{n} –" for n, v in losses.items())
+        + " |",
+        f"| retrieval | chunks of {s.chunk_length} tokens, embedded by MiniLM-L6's first"
+        f" {s.bert_layers} layers, Faiss Flat,"
+        f" {s.num_neighbors} neighbours of 2 x {s.chunk_length} tokens per chunk; the "
+        "validation chunks of near-duplicate documents whose first neighbour is from the "
+        "copy: " + (f"{hits:.0%}" if hits is not None else "–") + " |",
+        f"| machine | {machine()}; load average {load[0]:.1f} at the start,"
+        f" {os.getloadavg()[0]:.1f} at the end |",
+        f"| wall time | {seconds:.0f} s |",
+        "",
+        "## Time by phase",
+        "",
+        "| phase | wall s | CPU s |",
+        "| --- | ---: | ---: |",
+    ]
+    for phase, (wall, cpu) in timings.items():
+        lines.append(f"| {phase} | {wall:.0f} | {cpu:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--train-iters", type=int, default=Settings.train_iters)
+    parser.add_argument("--num-layers", type=int, default=Settings.num_layers)
+    parser.add_argument("--hidden-size", type=int, default=Settings.hidden_size)
+    parser.add_argument("--seq-length", type=int, default=Settings.seq_length)
+    parser.add_argument("--chunk-length", type=int, default=Settings.chunk_length)
+    parser.add_argument("--num-neighbors", type=int, default=Settings.num_neighbors)
+    parser.add_argument("--global-batch-size", type=int, default=Settings.global_batch_size)
+    parser.add_argument(
+        "--max-passages", type=int, default=Settings.max_passages, help="0: every passage"
+    )
+    parser.add_argument("--valid-documents", type=int, default=Settings.valid_documents)
+    parser.add_argument(
+        "--bert-layers", type=int, default=Settings.bert_layers, help="of MiniLM-L6's 6"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = parser.parse_args()
+    s = Settings(
+        args.output_dir.resolve(),
+        train_iters=args.train_iters,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        seq_length=args.seq_length,
+        chunk_length=args.chunk_length,
+        num_neighbors=args.num_neighbors,
+        global_batch_size=args.global_batch_size,
+        max_passages=args.max_passages or None,
+        valid_documents=args.valid_documents,
+        bert_layers=args.bert_layers,
+    )
+    if args.dry_run:
+        for step in plan(s, "<train>,<valid>,0"):
+            print(shlex.join(step.argv))
+        return
+    start, load = time.monotonic(), os.getloadavg()
+    for stale in ("gpt", "retro", "retro-project", "cache", "data"):  # a fresh run each time
+        shutil.rmtree(s.out / stale, ignore_errors=True)
+    (s.out / "data").mkdir(parents=True, exist_ok=True)
+    first, *rest = plan(s, "0,0,0")
+    timings = run([first])  # the corpus: its split is known from here on
+    split = (s.out / "corpus.split").read_text().strip()
+    for phase, (wall, cpu) in run(plan(s, split)[1:]).items():
+        before = timings.get(phase, (0.0, 0.0))
+        timings[phase] = (before[0] + wall, before[1] + cpu)
+    text = summary(s, split, timings, time.monotonic() - start, load)
+    (s.out / "summary.md").write_text(text)
+    print(text)
+    ways = json.loads((s.out / "eval.json").read_text())["ways"]
+    if not ways["retro"]["ppl"] < ways["gpt"]["ppl"]:
+        sys.exit("Retro does not beat the GPT on validation perplexity (summary.md)")
+
+
+if __name__ == "__main__":
+    main()
