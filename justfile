@@ -126,7 +126,7 @@ detoxify *args: setup
     "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/demo/make_corpus.py --output detoxify-output/prompts.jsonl --sources shakespeare botchan
     exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/detoxify/run_detoxify.py --prompts-from detoxify-output/prompts.jsonl "$@"
 
-# Retro against the same-size GPT where the retrieval database holds near-duplicates of half the validation documents: corpus -> BPE -> mg-prep retro (MiniLM embeddings, Faiss Flat, neighbours) -> mg-train gpt and retro -> validation perplexity with and without retrieval (workflows/retro_vs_gpt/summary.md); exits 1 if Retro does not win
+# Retro against the same-size GPT where the retrieval database holds near-duplicates of half the validation documents: corpus -> BPE -> mg-prep retro (MiniLM embeddings, Faiss Flat, neighbours) -> mg-train gpt and retro -> validation perplexity with and without retrieval (retro-output/summary.md; workflows/retro_vs_gpt); exits 1 if Retro does not win
 retro-vs-gpt *args: setup
     exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/retro_vs_gpt/run_retro_vs_gpt.py --output-dir retro-output {{args}}
 

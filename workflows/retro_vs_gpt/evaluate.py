@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from mg.core.checkpoint import load_checkpoint
-from mg.core.checkpoint.model_io import load_model
+from mg.core.checkpoint.model_io import load_model, resolve_tokenizer_paths
 from mg.core.models.retro import RetroConfig, RetroModel
 from mg.core.retro.chunk_db import ChunkDatabase
 from mg.core.retro.files import load_array, read_json
@@ -61,7 +61,8 @@ def load_retro(load_dir: Path) -> tuple[RetroModel, RetroConfig, TokenizerConfig
     model = RetroModel(config)
     weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
     model.load_state_dict(weights, strict=True)
-    return model.eval(), config, TokenizerConfig.from_dict(dict(meta["tokenizer_config"]))
+    tokenizer = TokenizerConfig.from_dict(dict(meta["tokenizer_config"]))
+    return model.eval(), config, resolve_tokenizer_paths(tokenizer, load_dir)
 
 
 def valid_samples(project_dir: Path, eod: int, num_neighbors: int, retrieved_chunks: int):

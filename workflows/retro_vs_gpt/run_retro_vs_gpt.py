@@ -45,15 +45,16 @@ BIN = ROOT / "bin"
 @dataclass
 class Settings:
     out: Path
-    train_iters: int = 600
+    train_iters: int = 300
     num_layers: int = 6
-    hidden_size: int = 128
+    hidden_size: int = 64
     seq_length: int = 128
     chunk_length: int = 32
     num_neighbors: int = 2
     global_batch_size: int = 16
     max_passages: int | None = 700
     valid_documents: int = 80
+    train_duplicates: float = 0.5
     bert_layers: int = 2
     seed: int = 1234
 
@@ -94,6 +95,9 @@ def model_flags(s: Settings, split: str) -> list[object]:
         "--data-cache-path", d / "cache", *tokenizer_flags(s, ""),
         "--log-interval", max(1, s.train_iters // 12), "--eval-interval", s.train_iters,
         "--eval-iters", 1, "--ckpt-format", "torch", "--no-save-optim", "--no-save-rng",
+        # no loader processes: on a CPU they take cores from the training (3.5 against
+        # 12 s an iteration measured on a busy 2-core machine)
+        "--num-workers", 0,
     ]
     # fmt: on
 
@@ -117,7 +121,10 @@ def plan(s: Settings, split: str) -> list[Step]:
     data = d / "data" / "corpus_text_document"
     project = d / "retro-project"
     shared = model_flags(s, split)
-    corpus_flags = ["--valid-documents", s.valid_documents, "--seed", s.seed]
+    corpus_flags = [
+        *("--valid-documents", s.valid_documents, "--train-duplicates", s.train_duplicates),
+        *("--seed", s.seed),
+    ]
     if s.max_passages:
         corpus_flags += ["--max-passages", s.max_passages]
     # fmt: off
