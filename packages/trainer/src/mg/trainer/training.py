@@ -247,6 +247,8 @@ class Trainer:
             guard,
         )
         self.valid_dataset = valid
+        if t.skip_train:  # as Megatron: evaluate from the validation set's first sample
+            self.state.consumed_valid_samples = 0
         self.valid_data = (
             _batches(
                 valid,
@@ -482,7 +484,7 @@ class Trainer:
         name = folder.name
         return int(name.removeprefix("iter_")) if name.startswith("iter_") else name
 
-    def _validate_and_log(self, prefix: str, result: TrainResult) -> None:
+    def _validate_and_log(self, prefix: str, result: TrainResult, tensorboard: bool = True) -> None:
         first = self.state.consumed_valid_samples
         losses = self.evaluate()
         loss = losses["lm loss"]
@@ -494,6 +496,8 @@ class Trainer:
             scored = (first, self.state.consumed_valid_samples, len(self.valid_dataset))
             line = validation_log_line(prefix, losses, scored)
             print("-" * len(line) + "\n" + line + "\n" + "-" * len(line), flush=True)
+        if not tensorboard:  # an evaluation-only run leaves the training run's curves alone
+            return
         scalars = {f"{name} validation": value for name, value in losses.items()}
         scalars["lm loss validation ppl"] = perplexity(loss)
         self.writer.scalars(scalars, self.state.iteration)
@@ -509,6 +513,8 @@ class Trainer:
     def _loop(self, on_iteration: Callable[[Trainer], None] | None) -> TrainResult:
         args, t, c = self.args, self.args.training, self.args.checkpoint
         result = TrainResult(state=self.state)
+        if t.skip_train:
+            return self._evaluate_only(result)
         start = time.time()
         saved_at = -1
         interval_time, interval_losses, interval_iters, interval_nan = time.time(), [], 0, 0
@@ -632,6 +638,21 @@ class Trainer:
                 self.save()
             self.finish_saves()
             self.writer.close()
+        return result
+
+    def _evaluate_only(self, result: TrainResult) -> TrainResult:
+        """`--skip-train`: one validation pass at the loaded iteration, nothing saved."""
+        if self.valid_data is None:
+            raise ValueError(
+                "--skip-train: no validation data (--split gives the validation split no share, "
+                "or the dataset has none); give it a share to evaluate on"
+            )
+        if self.env.is_main:
+            print(f" skipping training (--skip-train) at iteration {self.state.iteration}")
+        prefix = f"iteration {self.state.iteration} on validation set"
+        self._validate_and_log(prefix, result, tensorboard=False)
+        result.exit_reason = "--skip-train"
+        self.writer.close()
         return result
 
     def _exit_reason(self, start: float, received: int) -> str | None:

@@ -25,6 +25,7 @@ class TrainingArgs:
     eval_interval: int = 1000
     eval_iters: int = 100
     exit_interval: int | None = None
+    skip_train: bool = False
     exit_duration_in_mins: float | None = None
     exit_signal_handler: bool = False
     deterministic_mode: bool = False
@@ -86,6 +87,12 @@ def add_training_flags(p: argparse._ArgumentGroup) -> None:
         "--eval-iters", type=int, default=100, help="Global batches per validation (0: none)."
     )
     p.add_argument("--exit-interval", type=int, help="Save and exit at iterations divisible by N.")
+    p.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="Evaluate only: load (--load), run one validation pass at the loaded iteration "
+        "and exit without a training step or a save.",
+    )
     p.add_argument(
         "--exit-duration-in-mins", type=float, help="Save and exit after this many minutes."
     )
@@ -262,6 +269,8 @@ def check_training(args: Args) -> None:
             )
     if t.eval_interval <= 0 or t.eval_iters < 0:
         fail("--eval-interval must be positive and --eval-iters non-negative")
+    if t.skip_train and t.eval_iters == 0:
+        fail("--skip-train evaluates on the validation set: give --eval-iters > 0")
     if t.manual_gc_interval < 0:
         fail(f"--manual-gc-interval must be >= 0, got {t.manual_gc_interval}")
     if t.profile:
