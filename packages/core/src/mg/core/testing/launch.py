@@ -3,7 +3,8 @@
 Each rank runs `python SCRIPT ARGS…` with RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and a free MASTER_PORT set, one OpenMP thread each (the test
 boxes are small and shared). A failed launch raises with every rank's log
-tail; a port taken between choosing and binding it is retried.
+tail; a port taken between choosing and binding it is retried, and a rank
+killed by a signal once (see `run_ranks`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,14 @@ def run_ranks(
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
 ) -> list[RankOutcome]:
-    """Run the ranks to completion (or kill them at `timeout`) and return their outcomes."""
+    """Run the ranks to completion (or kill them at `timeout`) and return their outcomes.
+
+    A launch is repeated when a port was taken between choosing and binding it, and once
+    when a rank died by a signal other than this function's own kill (gloo's TCP transport
+    aborts the process on a loopback connection error now and then on a loaded machine; a
+    crash that the code causes happens again and is reported).
+    """
+    aborted_once = False
     for _ in range(3):
         base = {**os.environ, **(env or {})}
         base.update(
@@ -64,9 +72,22 @@ def run_ranks(
                 proc.kill()
                 log = proc.communicate()[0] + f"\n[killed after {timeout:.0f} s]"
             outcomes.append(RankOutcome(proc.returncode, log))
-        if not any("address already in use" in o.log.lower() for o in outcomes):
-            return outcomes
+        if any("address already in use" in o.log.lower() for o in outcomes):
+            continue
+        if not aborted_once and any(_killed_by_a_signal(o) for o in outcomes):
+            aborted_once = True
+            continue
+        return outcomes
     return outcomes
+
+
+def _killed_by_a_signal(outcome: RankOutcome) -> bool:
+    """Died by a signal, not by `run_ranks`'s kill at its timeout."""
+    return (
+        outcome.returncode is not None
+        and outcome.returncode < 0
+        and not (outcome.log.endswith(" s]") and "[killed after" in outcome.log)
+    )
 
 
 def launch_workers(
