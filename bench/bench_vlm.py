@@ -4,7 +4,7 @@ transformers' `LlavaForConditionalGeneration` on the same shapes and weights, in
     uv run --frozen python bench/bench_vlm.py           # writes bench/results/vlm-cpu.md
     uv run --frozen python bench/bench_vlm.py --vision-layers 2 --vision-hidden 64 \\
         --vision-heads 2 --img 32 --patch 8 --layers 2 --hidden 64 --heads 2 --vocab 256 \\
-        --seq 48 --repeats 1 --out /tmp/vlm.md      # a smoke run, seconds
+        --seq 48 --repeats 1 --out vlm-smoke.md    # a smoke run
 
 Their side is transformers' LLaVA (a `CLIPVisionConfig` tower, a `LlamaConfig` language
 model, `attn_implementation="sdpa"` everywhere, `vision_feature_layer=-1` so both sides
@@ -19,16 +19,17 @@ after `mg-convert import-hf`; logits are checked equal (fp32) before any timing.
 2. training step: tokens/s of one step on one image + text per sample (the combined
    sequence `--seq` long, the image's patches inside it): zero_grad → forward → loss →
    backward → clip 1.0 → AdamW. Ours is `Trainer.train_step`'s body with the trainer's
-   functions (`vlm_loss_terms`, `clip_grad_norm`, `build_optimizer`), plain and with the
-   language model's fused cross entropy (`--cross-entropy-loss-fusion`); theirs a plain
-   loop over `.loss` (labels -100 on image rows). bf16 is `torch.autocast("cpu",
+   functions (`vlm_loss_terms`, `clip_grad_norm`, `build_optimizer`); `--fused-ce` adds
+   ours with the language model's fused cross entropy (what `--cross-entropy-loss-fusion`
+   gives a GPT; `mg-train vlm` refuses the flag). Theirs is a plain loop over `.loss`
+   (labels -100 on image rows). bf16 is `torch.autocast("cpu",
    bfloat16)` on both sides, as `mg-train --bf16`; fp32 has no autocast.
 
 Every side runs in this process with the same `torch.set_num_threads`, one warm-up each,
-then `--repeats` alternating repeats (the order reversed every other repeat) so load from
-other jobs hits both alike; the median is reported, with ratios ours/transformers. The
-results file names the CPU's instruction sets, the threads, the shapes and the load
-average before and after.
+then `--tower-repeats` / `--repeats` alternating repeats (the order reversed every other
+repeat) so load from other jobs hits both alike; the median is reported, with ratios
+ours/transformers. The results file names the CPU's instruction sets, the threads, the
+shapes and the load average before and after.
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ def bench_tower(ours: nn.Module, hf: nn.Module, args: argparse.Namespace) -> lis
             return call
 
         times = alternate(
-            {"ours": run(mine), "transformers": run(theirs)}, args.repeats, args.warmup
+            {"ours": run(mine), "transformers": run(theirs)}, args.tower_repeats, args.warmup
         )
         med = {k: statistics.median(v) for k, v in times.items()}
         rate = {k: args.images / v for k, v in med.items()}
@@ -313,11 +314,10 @@ def bench_training(hf: nn.Module, args: argparse.Namespace) -> list[str]:
     batches = make_batches(args, image_tokens, args.steps, args.vocab - 1)
     for name in args.dtypes:
         dtype = DTYPES[name]
-        steps = {
-            "ours": OurStep(our_llava(hf), dtype),
-            "ours+fused-ce": OurStep(our_llava(hf, fused_loss=True), dtype),
-            "transformers": TheirStep(copy.deepcopy(hf), dtype),
-        }
+        steps = {"ours": OurStep(our_llava(hf), dtype)}
+        if args.fused_ce:
+            steps["ours+fused-ce"] = OurStep(our_llava(hf, fused_loss=True), dtype)
+        steps["transformers"] = TheirStep(copy.deepcopy(hf), dtype)
 
         def run(step: Callable[[dict], float], form: int) -> Callable[[], object]:
             def call() -> None:
@@ -333,7 +333,7 @@ def bench_training(hf: nn.Module, args: argparse.Namespace) -> list[str]:
         )
         per_step = {k: statistics.median(v) / len(batches) for k, v in times.items()}
         theirs = tokens / per_step["transformers"]
-        for who in ("ours", "ours+fused-ce"):
+        for who in [k for k in steps if k != "transformers"]:
             mine = tokens / per_step[who]
             rows.append(
                 f"| {name} | {who} | {mine:,.0f} | {theirs:,.0f} | {mine / theirs:.2f}x | "
@@ -382,9 +382,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("timing")
     g.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="both sides")
     g.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
-    g.add_argument("--repeats", type=int, default=5, help="timed alternations per pair")
+    g.add_argument("--repeats", type=int, default=5, help="timed training alternations")
+    g.add_argument(
+        "--tower-repeats", type=int, default=15, help="timed tower alternations (short calls)"
+    )
     g.add_argument("--warmup", type=int, default=1, help="untimed calls of each first")
     g.add_argument("--steps", type=int, default=1, help="training steps per timed call")
+    g.add_argument(
+        "--fused-ce",
+        action="store_true",
+        help="also ours with the language model's fused cross entropy (as mg-train gpt "
+        "--cross-entropy-loss-fusion; mg-train vlm refuses that flag)",
+    )
     g.add_argument("--profile", action="store_true", help="print top ops of one step of each")
     g.add_argument("--profile-rows", type=int, default=15)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vlm-cpu.md"))
@@ -430,7 +439,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{hf.config.text_config.intermediate_size}, vocab {args.vocab} "
         f"({n_params(ours) / 1e6:.1f}M params in all, equal on both sides). Ours built by "
         f"mg-convert's LLaVA importer from transformers' weights; {same}. Median of "
-        f"{args.repeats} alternating repeats after {args.warmup} warm-up call(s) each.",
+        f"{args.tower_repeats} (tower) and {args.repeats} (training) alternating repeats "
+        f"after {args.warmup} warm-up call(s) each.",
         "",
         "## Vision tower forward (no grad)",
         "",

@@ -16,7 +16,8 @@ SCRIPT = Path(__file__).parents[1] / "bench" / "bench_vlm.py"
 TINY = [
     "--vision-layers", "1", "--vision-hidden", "32", "--vision-heads", "2", "--img", "16",
     "--patch", "8", "--images", "2", "--layers", "1", "--hidden", "32", "--heads", "2",
-    "--vocab", "128", "--seq", "12", "--repeats", "1", "--warmup", "0", "--threads", "1",
+    "--vocab", "128", "--seq", "12", "--repeats", "1", "--tower-repeats", "1", "--warmup", "0",
+    "--threads", "1", "--fused-ce",
 ]  # fmt: skip
 
 
