@@ -130,6 +130,11 @@ detoxify *args: setup
 retro-vs-gpt *args: setup
     exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/retro_vs_gpt/run_retro_vs_gpt.py --output-dir retro-output {{args}}
 
+# a small VLM learns to name coloured shapes on the CPU: synthetic pictures -> mg-prep vlm -> mg-train vlm (ViT + projector + LM from scratch) and a text-only mg-train gpt -> mg-serve asked about held-out pictures (vlm-shapes-output/summary.md; workflows/vlm_shapes); exits 1 below 90% right; --quick for a smoke run
+[positional-arguments]
+vlm-shapes *args: setup
+    exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/vlm_shapes/run_vlm_shapes.py --output-dir vlm-shapes-output "$@"
+
 # serve a checkpoint over HTTP (Megatron's PUT /api, OpenAI /v1/completions): just serve ckpt --port 5000
 serve load="demo-output/smollm2-sft-int8" *args: setup
     exec bin/mg-serve --load {{load}} {{args}}
