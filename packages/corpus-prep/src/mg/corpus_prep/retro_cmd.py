@@ -24,7 +24,8 @@ from mg.core.retro.bert_embedder import (
     vocabulary_mismatch,
 )
 from mg.core.retro.chunk_db import ChunkDatabase
-from mg.core.retro.files import load_array, read_json
+from mg.core.retro.faiss_index import open_added_index, set_search_parameters
+from mg.core.retro.files import load_array
 from mg.core.retro.project import ProjectPaths, RetroProjectError, read_database_fingerprint
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.core.tokenizers.base import BaseTokenizer
@@ -34,9 +35,7 @@ from mg.corpus_prep.retro_db import DatasetInfo, build_db, open_datasets
 from mg.corpus_prep.retro_index import (
     add_to_index,
     embed_database,
-    import_faiss,
     new_index,
-    set_search_parameters,
     train_index,
 )
 from mg.corpus_prep.retro_query import QuerySettings, SampleReader, gpt_datasets, query_split
@@ -191,18 +190,7 @@ def query_all(
     infos: list[DatasetInfo],
 ) -> None:
     """Query the train, valid and test chunks against the added index."""
-    if not paths.added_index.is_file() or not paths.index_manifest.is_file():
-        raise UserError(f"{paths.root} has no finished index; run --retro-tasks index-build")
-    index_manifest = read_json(paths.index_manifest)
-    if index_manifest["database"] != fingerprint:
-        raise UserError(
-            f"{paths.added_index} was built from database {index_manifest['database']}, but "
-            f"{paths.db_dir} holds database {fingerprint}; rerun --retro-tasks index-build"
-        )
-    faiss = import_faiss()
-    index: Any = faiss.read_index(str(paths.added_index))
-    if index.ntotal != index_manifest.get("added"):
-        raise UserError(f"{paths.added_index} does not hold what {paths.index_manifest} says")
+    index: Any = open_added_index(paths, fingerprint)  # a RetroProjectError: one line
     set_search_parameters(index, config.retro_query_nprobe, config.retro_query_ef_search)
     settings = QuerySettings(
         config.retro_gpt_seq_length,

@@ -10,7 +10,8 @@ vectors the two orders agree, and raw inner products favour short chunks). It
 is trained on ``--retro-index-ntrain`` chunks drawn without replacement (seed
 ``--retro-gpt-seed``), from each dataset in proportion to its blend weight, and
 then holds every database chunk, row i being database row i.
-Faiss is imported only here, when a stage runs.
+Faiss is imported only when a stage runs; the index is read and searched by
+``mg.core.retro.faiss_index``, which retrieval at generation time shares.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import numpy as np
 
 from mg.core.retro.bert_embedder import BertEmbedder
 from mg.core.retro.chunk_db import END, START, ChunkDatabase
+from mg.core.retro.faiss_index import FaissMissingError
+from mg.core.retro.faiss_index import import_faiss as faiss_module
 from mg.core.retro.files import atomic_path, load_array, read_json, save_array, write_json
 from mg.core.retro.project import ProjectPaths, block_name, block_ranges
 from mg.core.tokenizers.base import BaseTokenizer
@@ -34,13 +37,12 @@ logger = logging.getLogger(__name__)
 
 def import_faiss() -> Any:
     try:
-        import faiss  # lazy: an optional extra, and `mg-prep --help` stays instant
-    except ImportError:
+        return faiss_module("mg-prep retro")
+    except FaissMissingError:
         raise UserError(
             "mg-prep retro needs Faiss: pip install 'mg-corpus-prep[retro]' (faiss-cpu), or "
             "faiss-gpu"
         ) from None
-    return faiss
 
 
 def _faiss_reason(err: Exception) -> str:
@@ -62,27 +64,6 @@ def new_index(index_str: str, dimension: int) -> Any:
             f"embeddings ({_faiss_reason(err)}); see the faiss.index_factory strings, e.g. "
             "Flat, IVF1024,PQ32, OPQ32_128,IVF4096_HNSW32,PQ32"
         ) from None
-
-
-def set_search_parameters(index: Any, nprobe: int, ef_search: int) -> None:
-    """--retro-query-nprobe for an IVF index, --retro-query-ef-search for HNSW (the index's
-    own or its IVF's coarse quantizer); parameters an index does not have are skipped."""
-    faiss = import_faiss()
-    space = faiss.ParameterSpace()
-    inner = faiss.downcast_index(
-        index.index if isinstance(index, faiss.IndexPreTransform) else index
-    )
-    try:
-        ivf = faiss.extract_index_ivf(index)
-    except RuntimeError:
-        ivf = None
-    if ivf is not None:
-        space.set_index_parameter(index, "nprobe", nprobe)
-        quantizer = faiss.downcast_index(ivf.quantizer)
-        if isinstance(quantizer, faiss.IndexHNSW):
-            quantizer.hnsw.efSearch = ef_search
-    elif isinstance(inner, faiss.IndexHNSW):
-        inner.hnsw.efSearch = ef_search
 
 
 def chunk_texts(db: ChunkDatabase, rows: Sequence[int], tokenizer: BaseTokenizer) -> list[str]:

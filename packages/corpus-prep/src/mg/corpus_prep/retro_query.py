@@ -23,6 +23,7 @@ import numpy as np
 
 from mg.core.retro.bert_embedder import BertEmbedder
 from mg.core.retro.chunk_db import ChunkDatabase, document_keys
+from mg.core.retro.faiss_index import search_chunks
 from mg.core.retro.files import read_json, save_array, write_json
 from mg.core.retro.project import SPLITS, ProjectPaths, block_name, block_ranges
 from mg.core.tokenizers.base import BaseTokenizer
@@ -169,8 +170,7 @@ def query_split(
             piece = tokens[(chunk % cps) * length : (chunk % cps + 1) * length]
             texts.append(gpt_tokenizer.detokenize(piece[piece >= 0].tolist()))
             own.append(keys)
-        vectors = embedder.embed(texts)
-        _, candidates = index.search(vectors, settings.num_neighbors_query)
+        candidates = search_chunks(embedder, index, texts, settings.num_neighbors_query)
         neighbors = filter_neighbors(candidates, db.doc_keys, own, settings.num_neighbors_save)
         save_array(path, neighbors)
         logger.info("query-neighbors: %s block %d/%d", split, number + 1, len(ranges))

@@ -12,5 +12,9 @@ lives here, not in the tool that writes it:
 - :mod:`.chunk_db` — the chunk table and a chunk's tokens (a neighbour and its
   continuation);
 - :mod:`.bert_embedder` — a BERT checkpoint as a text embedder (mean of the
-  last hidden states between [CLS] and [SEP], as Megatron's embedder).
+  last hidden states between [CLS] and [SEP], as Megatron's embedder);
+- :mod:`.faiss_index` — the project's index, opened and searched (Faiss lazily);
+- :mod:`.retrieval` — a prompt's chunks embedded and searched at generation time,
+  their neighbours read as training reads them;
+- :mod:`.generation` — greedy Retro generation with that retrieval.
 """
