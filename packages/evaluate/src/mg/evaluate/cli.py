@@ -26,6 +26,7 @@ from mg.evaluate.finetune_cli import add_finetune_tasks
 from mg.evaluate.harness_cli import add_harness_task
 from mg.evaluate.ict_retrieval import add_ict_retrieval_task
 from mg.evaluate.parallel_flags import add_model_parallel_flags
+from mg.evaluate.qa_cli import add_qa_task
 from mg.evaluate.toxicity_cli import add_toxicity_task
 from mg.evaluate.vlm_cli import add_vlm_tasks
 
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_toxicity_task(sub)
     add_ict_retrieval_task(sub)
     add_vlm_tasks(sub)
+    add_qa_task(sub)
     return parser
 
 
