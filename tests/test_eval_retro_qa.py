@@ -152,3 +152,34 @@ def test_bad_input_is_one_line_exit_2(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("mg-eval qa: error:")
     assert re.search(message, err), err
+
+
+@pytest.mark.slow
+def test_qa_on_an_mg_train_retro_checkpoint(setup: dict, tmp_path: Path) -> None:
+    """Two steps of `mg-train retro` on the project, saved; `mg-eval qa` finds the project
+    in the checkpoint's args and answers."""
+    from mg.trainer.arguments import parse_args
+    from mg.trainer.training import Trainer
+
+    gpt = gpt2_bpe_tokenizer_config()
+    data = str(setup["root"] / "data" / "botchan")
+    argv = [
+        "retro",
+        *("--num-layers", "6", "--hidden-size", "16", "--num-attention-heads", "2"),
+        *("--seq-length", "128", "--max-position-embeddings", "128"),
+        *("--lr", "1e-3", "--micro-batch-size", "2", "--global-batch-size", "4"),
+        *("--train-iters", "2", "--eval-iters", "0", "--log-interval", "1000"),
+        *("--data-path", data, "--split", "90,10,0"),
+        *("--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", gpt.vocab_file),
+        *("--merge-file", gpt.merge_file, "--data-cache-path", str(tmp_path / "cache")),
+        *("--retro-add-retriever", "--retro-project-dir", str(setup["project"])),
+        *("--retro-encoder-layers", "1", "--save", str(tmp_path / "ckpt")),
+        *("--ckpt-format", "torch", "--save-interval", "2"),
+    ]
+    Trainer(parse_args(argv)).train()
+    report = tmp_path / "report.jsonl"
+    qa = ["qa", "--load", str(tmp_path / "ckpt"), "--valid-data", str(setup["questions"])]
+    assert run([*qa, "--max-new-tokens", "2", "--report", str(report)]) == 0
+    record = json.loads(report.read_text())
+    assert record["iteration"] == 2 and record["metrics"]["num_examples"] == 3
+    assert Path(record["retro_project_dir"]) == setup["project"]

@@ -10,6 +10,7 @@ Single-shard checkpoints (TP=1, PP=1, `--ckpt-format torch`) are read.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,9 @@ def load_retro(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device=device, dtype=torch.float32).eval()
     set_real_vocab_size(model, unpadded_vocab_size(config, tokenizer.vocab_size))
-    return LoadedRetro(model, config, tokenizer, iteration, dict(state.get("args") or {}))
+    saved = state.get("args")  # mg-train's is Megatron's argparse.Namespace
+    args = vars(saved) if isinstance(saved, argparse.Namespace) else dict(saved or {})
+    return LoadedRetro(model, config, tokenizer, iteration, args)
 
 
 def retriever_for(loaded: LoadedRetro, project_dir: str | None) -> Retriever:
