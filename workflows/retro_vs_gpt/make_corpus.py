@@ -82,9 +82,9 @@ def main() -> None:
     parser.add_argument("--wikipedia-pages", type=int, default=10)
     parser.add_argument("--valid-documents", type=int, default=80)
     parser.add_argument(
-        "--train-duplicates", type=float, default=0.5, help="share of training passages"
+        "--train-duplicates", type=float, default=1.0, help="share of training passages"
     )
-    parser.add_argument("--change", type=float, default=0.1, help="share of words replaced")
+    parser.add_argument("--change", type=float, default=0.05, help="share of words replaced")
     parser.add_argument("--max-passages", type=int, help="cut the corpus (smoke runs)")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
