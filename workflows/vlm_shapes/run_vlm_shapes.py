@@ -338,6 +338,7 @@ def summary(s: Settings, timings: dict[str, Timing], seconds: float, load: tuple
         f" final loss {last_loss(s.out / 'train_vlm.log')} |",
         f"| text-only training | {s.text_iters} iterations; {t['train text-only'].wall:.0f} s"
         f" wall; final loss {last_loss(s.out / 'train_text.log')} |",
+        f"| command | `{shlex.join([Path(sys.executable).name, *sys.argv])}` |",
         f"| machine | {machine()} |",
         f"| wall time | {seconds:.0f} s in all, load average {load[0]:.1f} at the start,"
         f" {os.getloadavg()[0]:.1f} at the end |",
