@@ -57,8 +57,8 @@ def add_qa_task(sub: argparse._SubParsersAction) -> None:
 
 def run_qa(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     # lazy: torch and the model code only once the flags are parsed (--help stays instant)
+    from mg.core.retro.checkpoint import is_retro_config, recorded_model_config
     from mg.evaluate.qa import evaluate_qa, gpt_greedy, read_records
-    from mg.evaluate.retro_loading import is_retro_config, recorded_model_config
 
     if args.max_new_tokens < 1:
         raise EvalInputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

@@ -5,25 +5,22 @@ retrieved chunks) and, in its args, the ``retro_project_dir`` it was trained on;
 ``--retro-project-dir`` names another copy of that project. The project must hold
 a finished index (`mg-prep retro --retro-tasks index-build`) made with the model's
 tokenizer and chunk length; anything else is a one-line error naming the flag.
-Single-shard checkpoints (TP=1, PP=1, `--ckpt-format torch`) are read.
+The checkpoint is read by `mg.core.retro.checkpoint` (single shard), as mg-serve reads it.
 """
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mg.core.checkpoint import CheckpointError, find_rank_file, load_checkpoint
-from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
 from mg.core.models.retro import RetroConfig, RetroModel
 from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
+from mg.core.retro.checkpoint import load_retro_checkpoint
 from mg.core.retro.project import RetroProjectError
 from mg.core.retro.retrieval import Retriever, open_retriever
-from mg.core.tokenizers import TokenizerConfig
 from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.model_loading import eval_tokenizer
@@ -39,20 +36,6 @@ class LoadedRetro:
     args: dict[str, Any]
 
 
-def recorded_model_config(load_dir: str | Path, iteration: Any = None) -> dict[str, Any] | None:
-    """The model config a single-shard torch-format checkpoint records (None when it has
-    none, or is another format: those are GPT checkpoints to core's loader)."""
-    try:
-        state, _ = load_checkpoint(load_dir, iteration, mmap=True)
-    except CheckpointError:
-        return None
-    return dict((state.get("mg") or {}).get("model_config") or {}) or None
-
-
-def is_retro_config(model_config: dict[str, Any] | None) -> bool:
-    return bool(model_config) and "retro_chunk_length" in model_config
-
-
 def load_retro(
     load_dir: str | Path,
     iteration: Any = None,
@@ -65,41 +48,17 @@ def load_retro(
     load_dir = Path(load_dir)
     if not load_dir.is_dir():
         raise EvalInputError("no such checkpoint folder (--load)", load_dir)
-    iteration = resolve_iteration(load_dir, iteration)
-    path, layout = find_rank_file(iteration_dir(load_dir, iteration))
-    if layout.tp * layout.pp * layout.ep != 1:
-        raise CheckpointError(
-            f"{load_dir} was saved with {layout}; Retro generation reads single-shard "
-            "checkpoints (TP=1 PP=1, --ckpt-format torch)"
-        )
-    state, iteration = load_checkpoint(load_dir, iteration)
-    meta = state.get("mg") or {}
-    if not is_retro_config(meta.get("model_config")):
-        raise EvalInputError("not a Retro checkpoint (its model config has no Retro fields)", path)
-    config = RetroConfig.from_dict(dict(meta["model_config"]))
-    config.hidden_dropout = config.attention_dropout = 0.0
-    config.retro_encoder_hidden_dropout = config.retro_encoder_attention_dropout = 0.0
-    if num_neighbors is not None:
-        if num_neighbors < 1:
-            raise EvalInputError(f"--retro-num-neighbors must be >= 1, got {num_neighbors}")
-        config.retro_num_neighbors = num_neighbors
-    weights = {k: v for k, v in state["model"].items() if not k.endswith("_extra_state")}
-    model = RetroModel(config)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise CheckpointError(f"{path}: weights do not fit the recorded config: {first}") from None
-    tok_config = None
-    if meta.get("tokenizer_config"):
-        tok_config = TokenizerConfig.from_dict(dict(meta["tokenizer_config"]))
-    tokenizer = eval_tokenizer(tok_config, tokenizer_overrides, load_dir, config.vocab_size)
+    if num_neighbors is not None and num_neighbors < 1:
+        raise EvalInputError(f"--retro-num-neighbors must be >= 1, got {num_neighbors}")
+    ckpt = load_retro_checkpoint(load_dir, iteration, num_neighbors)
+    config = ckpt.config
+    tokenizer = eval_tokenizer(
+        ckpt.tokenizer_config, tokenizer_overrides, load_dir, config.vocab_size
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = model.to(device=device, dtype=torch.float32).eval()
+    model = ckpt.model.to(device=device, dtype=torch.float32).eval()
     set_real_vocab_size(model, unpadded_vocab_size(config, tokenizer.vocab_size))
-    saved = state.get("args")  # mg-train's is Megatron's argparse.Namespace
-    args = vars(saved) if isinstance(saved, argparse.Namespace) else dict(saved or {})
-    return LoadedRetro(model, config, tokenizer, iteration, args)
+    return LoadedRetro(model, config, tokenizer, ckpt.iteration, ckpt.args)
 
 
 def retriever_for(loaded: LoadedRetro, project_dir: str | None) -> Retriever:

@@ -28,6 +28,7 @@ from mg.generate_server import cpu_isa
 from mg.generate_server.client import run_client
 from mg.generate_server.errors import ServeSetupError
 from mg.generate_server.memory_size import parse_memory
+from mg.generate_server.retro_flags import add_retro_flags
 from mg.generate_server.startup_log import StartupLog, quiet_progress_bars_in_logs
 
 log = logging.getLogger("mg.generate_server")
@@ -223,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="under torchrun: a collective that takes longer ends the job",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    add_retro_flags(parser)
     return parser
 
 
@@ -325,6 +327,12 @@ def serve(args: argparse.Namespace, steps: StartupLog | None = None) -> None:
         release_freed_heap,
         set_threads,
     )
+    from mg.generate_server.retro_serving import (
+        RetroRunner,
+        is_retro_checkpoint,
+        load_retro_for_serving,
+        retro_max_length,
+    )
     from mg.generate_server.runner import GATHERED, ModelRunner
     from mg.generate_server.tensor_parallel import (
         TensorParallelRunner,
@@ -351,6 +359,16 @@ def serve(args: argparse.Namespace, steps: StartupLog | None = None) -> None:
         _check_fp8(device)
     env = init_tensor_parallel(tp, device, args.distributed_timeout_minutes)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else None
+    if is_retro_checkpoint(args.load, args.ckpt_step):  # recomputed each step, with retrieval
+        steps.step("reading the Retro checkpoint %s and its retrieval project", args.load)
+        loaded = load_retro_for_serving(args, device, dtype)
+        max_length = retro_max_length(args, loaded)
+        runner = RetroRunner(
+            loaded.model, loaded.retriever, args.inference_max_requests, max_length
+        )
+        runner.num_threads = threads
+        _serve_http(args, loaded, runner, max_length, 1, None, steps)
+        return
     which = "latest iteration" if args.ckpt_step is None else f"iteration {args.ckpt_step}"
     steps.step("reading checkpoint %s (%s) and building its model on %s", args.load, which, device)
     loaded = load_for_serving(
@@ -622,7 +640,9 @@ def _serve_http(
         if args.enable_cuda_graph:
             layout += ", decode steps as CUDA graphs"
         if runner.recurrent_state:
-            layout += ", Mamba state per sequence, no prefix caching"
+            layout += ", " + getattr(
+                runner, "description", "Mamba state per sequence, no prefix caching"
+            )
         dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
         threads = f", {runner.num_threads} threads" if runner.device.type == "cpu" else ""
         pool = runner.num_blocks * runner.block_size

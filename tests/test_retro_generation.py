@@ -1,17 +1,24 @@
-"""`mg-eval qa` end to end on tiny checkpoints: a Retro model retrieving from a real
-`mg-prep retro` project as it generates, a GPT answering from the prompt, the report
-and predictions written, and a project that does not fit refused in one line."""
+"""Generation with retrieval on tiny checkpoints and a real `mg-prep retro` project:
+`mg-eval qa` end to end (a Retro model retrieving as it generates, a GPT answering from
+the prompt, the report and predictions written, a project that does not fit refused
+in one line) and `mg-serve` answering a Retro checkpoint's requests with retrieval."""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import sys
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
+import uvicorn
 
 pytest.importorskip("faiss")
 
@@ -183,3 +190,98 @@ def test_qa_on_an_mg_train_retro_checkpoint(setup: dict, tmp_path: Path) -> None
     record = json.loads(report.read_text())
     assert record["iteration"] == 2 and record["metrics"]["num_examples"] == 3
     assert Path(record["retro_project_dir"]) == setup["project"]
+
+
+@contextmanager
+def retro_server(setup: dict, **flags: object):
+    """mg-serve's Retro path (load, runner, engine, app) on a loopback port in a thread."""
+    import argparse
+
+    from mg.generate_server.app import ServerSettings, create_app
+    from mg.generate_server.cli import build_parser
+    from mg.generate_server.engine import GenerationEngine
+    from mg.generate_server.megatron_api import Limits
+    from mg.generate_server.retro_serving import (
+        RetroRunner,
+        is_retro_checkpoint,
+        load_retro_for_serving,
+        retro_max_length,
+    )
+
+    args: argparse.Namespace = build_parser().parse_args(["--load", str(setup["retro"])])
+    for key, value in flags.items():
+        setattr(args, key, value)
+    assert is_retro_checkpoint(args.load) and not is_retro_checkpoint(setup["gpt"])
+    loaded = load_retro_for_serving(args, torch.device("cpu"), None)
+    max_length = retro_max_length(args, loaded)
+    runner = RetroRunner(loaded.model, loaded.retriever, 2, max_length)
+    engine = GenerationEngine(runner, loaded.tokenizer.detokenize, loaded.tokenizer.vocab_size)
+    app = create_app(engine, loaded.tokenizer, loaded.name, ServerSettings(Limits(max_length)))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", loaded
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()
+        sock.close()
+
+
+def test_serve_answers_with_retrieval_as_the_greedy_reference(setup: dict) -> None:
+    """PUT /api and POST /v1/completions on a Retro checkpoint: two prompts at once, one
+    completing a second chunk while it generates; the tokens are core's greedy Retro
+    generation with the same retrieval."""
+    text = " ".join(botchan_documents(5, 1))
+    with retro_server(setup) as (url, loaded):
+        tok = loaded.tokenizer
+        long_prompt = tok.detokenize(tok.tokenize(text)[:40])
+        prompts = [long_prompt, "The school"]
+        body = {"prompts": prompts, "tokens_to_generate": 30, "top_k": 1}
+        r = httpx.put(url + "/api", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        reference = setup_retriever(setup, loaded)
+        for prompt, got in zip(prompts, r.json()["text"], strict=True):
+            expected = retro_greedy_generate(loaded.model, reference, tok.tokenize(prompt), 30)
+            assert tok.eod not in expected
+            assert got == prompt + tok.detokenize(expected)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": long_prompt, "max_tokens": 5, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        expected = retro_greedy_generate(loaded.model, reference, tok.tokenize(long_prompt), 5)
+        assert r.json()["choices"][0]["text"] == tok.detokenize(expected)
+
+
+def setup_retriever(setup: dict, loaded) -> object:
+    """A second retriever of the project (its own chunk cache) for the reference."""
+    from mg.core.retro.retrieval import open_retriever
+    from mg.indexed_dataset import IndexedDataset
+
+    c = loaded.config
+    return open_retriever(
+        setup["project"],
+        loaded.tokenizer,
+        c.retro_chunk_length,
+        c.retro_num_neighbors,
+        c.retro_num_retrieved_chunks,
+        IndexedDataset,
+    )
+
+
+def test_serve_refuses_a_project_that_does_not_fit(setup: dict) -> None:
+    from mg.generate_server.errors import ServeSetupError
+
+    short = retro_server(dict(setup, retro=setup["retro16"]))
+    with pytest.raises(ServeSetupError, match=r"^--retro-project-dir .*: its chunks are 32"), short:
+        pass
+    none = retro_server(setup, retro_num_neighbors=0)
+    with pytest.raises(ServeSetupError, match="^--retro-num-neighbors must be >= 1"), none:
+        pass
