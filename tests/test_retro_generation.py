@@ -285,3 +285,13 @@ def test_serve_refuses_a_project_that_does_not_fit(setup: dict) -> None:
     none = retro_server(setup, retro_num_neighbors=0)
     with pytest.raises(ServeSetupError, match="^--retro-num-neighbors must be >= 1"), none:
         pass
+
+
+def test_mg_serve_cli_error_is_one_line_exit_2(setup: dict, capsys: pytest.CaptureFixture) -> None:
+    from mg.generate_server.cli import main as serve_main
+
+    with pytest.raises(SystemExit) as stop:
+        serve_main(["--load", str(setup["retro"]), "--retro-project-dir", str(setup["root"])])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("mg-serve: error: --retro-project-dir ") and "not a Retro project" in err
