@@ -22,8 +22,9 @@ after `mg-convert import-hf`; logits are checked equal (fp32) before any timing.
    functions (`vlm_loss_terms`, `clip_grad_norm`, `build_optimizer`); `--fused-ce` adds
    ours with the language model's fused cross entropy (what `--cross-entropy-loss-fusion`
    gives a GPT; `mg-train vlm` refuses the flag). Theirs is a plain loop over `.loss`
-   (labels -100 on image rows) with fused AdamW, as transformers' Trainer defaults to. bf16 is `torch.autocast("cpu",
-   bfloat16)` on both sides, as `mg-train --bf16`; fp32 has no autocast.
+   (labels -100 on image rows) with fused AdamW, as transformers' Trainer defaults to.
+   bf16 is `torch.autocast("cpu", bfloat16)` on both sides, as `mg-train --bf16`; fp32
+   has no autocast.
 
 Every side runs in this process with the same `torch.set_num_threads`, one warm-up each,
 then `--tower-repeats` / `--repeats` alternating repeats (the order reversed every other
