@@ -73,7 +73,7 @@ def retriever_for(loaded: LoadedRetro, project_dir: str | None) -> Retriever:
     if not Path(project_dir).is_dir():
         raise EvalInputError(f"--retro-project-dir {project_dir}: no such folder")
     try:
-        return open_retriever(
+        retriever = open_retriever(
             project_dir,
             loaded.tokenizer,
             loaded.config.retro_chunk_length,
@@ -83,3 +83,6 @@ def retriever_for(loaded: LoadedRetro, project_dir: str | None) -> Retriever:
         )
     except RetroProjectError as err:
         raise EvalInputError(str(err)) from None
+    if torch.cuda.is_available():  # BERT embeds where the model runs; Faiss stays on the CPU
+        retriever.embedder.model.cuda()
+    return retriever

@@ -207,6 +207,7 @@ def load_retro_for_serving(
         )
     except RetroProjectError as err:
         raise ServeSetupError(str(err)) from None
+    retriever.embedder.model.to(device)  # BERT embeds where the model runs (fp32)
     name = Path(args.load).resolve().name
     return LoadedRetro(model, ckpt.config, tokenizer, ckpt.tokenizer_config, name, retriever)
 
