@@ -96,6 +96,7 @@ def test_corpus_validation_documents_and_their_near_duplicates(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # minutes on two quiet cores; a loaded machine is slower
 def test_the_workflow_runs_end_to_end_at_tiny_sizes(tmp_path):
     pytest.importorskip("faiss")
     out = tmp_path / "out"
