@@ -105,7 +105,7 @@ def test_the_workflow_runs_end_to_end_at_tiny_sizes(tmp_path):
         str(WORKFLOW / "run_retro_vs_gpt.py"),
         *("--output-dir", str(out), "--max-passages", "40", "--valid-documents", "8"),
         *("--train-iters", "2", "--hidden-size", "32", "--global-batch-size", "4"),
-        *("--bert-layers", "1"),
+        *("--bert-layers", "1", "--index-ntrain", "200"),
     ]
     result = subprocess.run(argv, capture_output=True, text=True, check=False, cwd=ROOT)
     # two iterations decide nothing: a loss to the GPT is exit 1 with its message

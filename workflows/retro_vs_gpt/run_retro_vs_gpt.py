@@ -57,6 +57,8 @@ class Settings:
     train_duplicates: float = 1.0
     change: float = 0.05
     bert_layers: int = 2
+    index_ntrain: int = 5000
+    """Chunks the index is trained on: at most the database's (a smoke run's is small)."""
     seed: int = 1234
 
     @property
@@ -153,7 +155,7 @@ def plan(s: Settings, split: str) -> list[Step]:
             "--retro-gpt-eval-iters", 6,
             "--load", d / "bert", "--retro-bert-max-chunk-length", 64,
             "--retro-bert-batch-size", 128, "--retro-block-size", 5000,
-            "--retro-index-str", "Flat", "--retro-index-ntrain", 5000,
+            "--retro-index-str", "Flat", "--retro-index-ntrain", s.index_ntrain,
             "--retro-query-num-neighbors-query", 20, "--retro-query-num-neighbors-save", 4,
         )),
         Step("train GPT", tool("mg-train", "gpt", *shared, "--save", d / "gpt"),
@@ -323,6 +325,7 @@ def main() -> None:
     parser.add_argument(
         "--change", type=float, default=Settings.change, help="share of a copy's words replaced"
     )
+    parser.add_argument("--index-ntrain", type=int, default=Settings.index_ntrain)
     parser.add_argument(
         "--bert-layers", type=int, default=Settings.bert_layers, help="of MiniLM-L6's 6"
     )
@@ -340,6 +343,7 @@ def main() -> None:
         max_passages=args.max_passages or None,
         valid_documents=args.valid_documents,
         bert_layers=args.bert_layers,
+        index_ntrain=args.index_ntrain,
         train_duplicates=args.train_duplicates,
         change=args.change,
     )
