@@ -150,11 +150,30 @@ def encode_in_order(
     except BaseException:
         # An interrupt, an error, or the consumer gave up: stop the workers now rather
         # than after the chunk each is on (one huge document takes minutes).
-        for process in list((executor._processes or {}).values()):
-            process.terminate()
+        _stop_now(executor)
         raise
-    finally:
-        executor.shutdown(wait=True, cancel_futures=True)
+    executor.shutdown(wait=True)
+
+
+def _stop_now(executor: ProcessPoolExecutor) -> None:
+    """Kill the pool's workers and shut it down without hanging.
+
+    A worker killed (or interrupted by a Ctrl-C sent to the process group) while it
+    sends a result leaves part of a message in the result pipe: the pool's manager
+    thread then waits for the rest, which never comes, and `shutdown` (and the
+    interpreter's exit, which joins that thread) waits forever. With every worker gone,
+    closing this process's own write end of the result pipe ends that read (EOF: the
+    pool counts itself broken and cleans up), and the task queue's feeder thread, which
+    may be blocked writing to workers that are gone, is not waited for.
+    """
+    processes = list((executor._processes or {}).values())
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join()
+    executor._call_queue.cancel_join_thread()
+    executor._result_queue._writer.close()
+    executor.shutdown(wait=True, cancel_futures=True)
 
 
 def tokenize_segments(
