@@ -110,24 +110,6 @@ def test_every_command_parses_and_reads_only_what_an_earlier_one_wrote(tmp_path:
     assert run.Settings(tmp_path).image_tokens == image_tokens
 
 
-def test_a_dataset_of_several_shards_is_read_whole(tmp_path: Path) -> None:
-    """energon's split.yaml names a run of shards as one brace range."""
-    from mg.trainer.vlm_data import split_shards
-
-    meta = tmp_path / ".nv-meta"
-    meta.mkdir()
-    (meta / "split.yaml").write_text(
-        "split_parts:\n  train:\n  - data-{000000..000002}.tar\n  - extra-000009.tar\n  val: []\n"
-    )
-    assert [p.name for p in split_shards(tmp_path, "train")] == [
-        "data-000000.tar",
-        "data-000001.tar",
-        "data-000002.tar",
-        "extra-000009.tar",
-    ]
-    assert split_shards(tmp_path, "val") == []
-
-
 @pytest.mark.slow  # six tools' start-ups and two servers: minutes on a loaded 2-CPU box
 def test_the_quick_workflow_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"

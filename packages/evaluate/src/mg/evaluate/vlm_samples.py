@@ -23,8 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from mg.core.energon_split import split_shards
 from mg.evaluate.errors import EvalInputError, read_text
 
 IMAGE_TAG = "<image>"
@@ -179,17 +178,15 @@ def read_shard_records(folder: Path, split: str) -> list[VLMRecord]:
     split.yaml`, tars of KEY.png|jpg + KEY.json {"conversations"}). Each sample's last
     `gpt` turn is its reference (a caption, or a short answer), the turns before it the
     prompt; the image stays as its bytes."""
-    meta = folder / ".nv-meta" / "split.yaml"
-    if not meta.is_file():
+    shards = split_shards(folder, split)
+    if shards is None:
         raise EvalInputError(
             "a folder but no .nv-meta/split.yaml; give a JSON-lines file or an mg-prep vlm "
             "dataset (--valid-data)",
             folder,
         )
-    shards = (yaml.safe_load(meta.read_text()) or {}).get("split_parts", {}).get(split) or []
     records = []
-    for name in shards:
-        shard = folder / name
+    for shard in shards:
         try:
             with tarfile.open(shard) as tar:
                 parts: dict[str, dict[str, bytes]] = {}

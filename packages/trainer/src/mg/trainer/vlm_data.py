@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import io
 import json
-import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from mg.core import energon_split
 from mg.core.models.vision import LLaVAConfig
 from mg.core.models.vision.image_processing import ImageTransform, open_rgb, preprocess
 
@@ -57,23 +56,12 @@ class SampleRef:
 
 def split_shards(folder: Path, split: str) -> list[Path]:
     """The shards energon's split.yaml gives `split`."""
-    path = folder / ".nv-meta" / "split.yaml"
-    if not path.is_file():
+    shards = energon_split.split_shards(folder, split)
+    if shards is None:
         raise VLMDataError(
             f"--data-path {folder}: no .nv-meta/split.yaml; make the dataset with mg-prep vlm"
         )
-    parts = yaml.safe_load(path.read_text()).get("split_parts", {})
-    return [folder / name for entry in parts.get(split, []) for name in expand_range(entry)]
-
-
-def expand_range(name: str) -> list[str]:
-    """Energon writes a run of shards as one brace range, `data-{000000..000003}.tar`
-    (what its own reader braceexpands): the names it stands for, zero-padded alike."""
-    found = re.fullmatch(r"(.*)\{(\d+)\.\.(\d+)\}(.*)", name)
-    if found is None:
-        return [name]
-    head, first, last, tail = found.groups()
-    return [f"{head}{i:0{len(first)}d}{tail}" for i in range(int(first), int(last) + 1)]
+    return shards
 
 
 def index_shard(shard: Path) -> list[SampleRef]:
