@@ -27,10 +27,8 @@ import argparse
 import json
 import os
 import re
-import resource
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 BIN = ROOT / "bin"
 sys.path.insert(0, str(ROOT / "workflows"))
 from serving import Server, chat  # noqa: E402 (workflows/serving.py, beside this folder)
+from steps import Timing, run_command, run_steps  # noqa: E402 (workflows/steps.py)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -158,17 +157,6 @@ def plan(s: Settings) -> list[Step]:
     # fmt: on
 
 
-@dataclass
-class Timing:
-    wall: float = 0.0
-    cpu: float = 0.0
-
-
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def serve_and_ask(step: Step, s: Settings) -> None:
     with Server(step.argv, log=step.serve_answers.with_suffix(".log")) as url:
         answers = []
@@ -180,30 +168,13 @@ def serve_and_ask(step: Step, s: Settings) -> None:
 
 
 def run(steps: list[Step], s: Settings) -> dict[str, Timing]:
-    timings: dict[str, Timing] = {}
-    for number, step in enumerate(steps, 1):
-        print(f"== {number}. [{step.phase}] {shlex.join(step.argv)}", flush=True)
-        start, cpu = time.monotonic(), children_cpu()
+    def run_step(step: Step) -> None:
         if step.serve_answers is not None:
             serve_and_ask(step, s)
-        elif step.stdout is not None:  # the log is kept, and shown as it is written
-            with step.stdout.open("w") as log:
-                process = subprocess.Popen(
-                    step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
-                for line in process.stdout:
-                    sys.stdout.write(line)
-                    log.write(line)
-                if process.wait() != 0:
-                    sys.exit(f"failed ({process.returncode}): {shlex.join(step.argv)}")
-        elif subprocess.run(step.argv).returncode != 0:
-            sys.exit(f"failed: {shlex.join(step.argv)}")
-        wall, used = time.monotonic() - start, children_cpu() - cpu
-        print(f"-- {number}. [{step.phase}] {wall:.0f} s wall, {used:.0f} s CPU", flush=True)
-        timing = timings.setdefault(step.phase, Timing())
-        timing.wall += wall
-        timing.cpu += used
-    return timings
+        else:
+            run_command(step.argv, step.stdout)
+
+    return run_steps(steps, run_step)
 
 
 def metrics(path: Path) -> dict:

@@ -28,10 +28,8 @@ import json
 import os
 import platform
 import re
-import resource
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BIN = ROOT / "bin"
+sys.path.insert(0, str(ROOT / "workflows"))
+from steps import Timing, run_command, run_steps  # noqa: E402 (workflows/steps.py)
 
 
 @dataclass
@@ -172,34 +172,9 @@ def plan(s: Settings, split: str) -> list[Step]:
     # fmt: on
 
 
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def run(steps: list[Step]) -> dict[str, tuple[float, float]]:
-    """Each step in turn (a failure stops the run); wall and CPU seconds by phase."""
-    timings: dict[str, tuple[float, float]] = {}
-    for number, step in enumerate(steps, 1):
-        print(f"== {number}. [{step.phase}] {shlex.join(step.argv)}", flush=True)
-        start, cpu = time.monotonic(), children_cpu()
-        if step.stdout is not None:  # the log is kept, and shown as it is written
-            with step.stdout.open("w") as log:
-                process = subprocess.Popen(
-                    step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-                )
-                for line in process.stdout:
-                    sys.stdout.write(line)
-                    log.write(line)
-                if process.wait() != 0:
-                    sys.exit(f"failed ({process.returncode}): {shlex.join(step.argv)}")
-        elif subprocess.run(step.argv).returncode != 0:
-            sys.exit(f"failed: {shlex.join(step.argv)}")
-        wall, used = time.monotonic() - start, children_cpu() - cpu
-        print(f"-- {number}. [{step.phase}] {wall:.0f} s wall, {used:.0f} s CPU", flush=True)
-        before = timings.get(step.phase, (0.0, 0.0))
-        timings[step.phase] = (before[0] + wall, before[1] + used)
-    return timings
+def run(steps: list[Step], timings: dict[str, Timing] | None = None) -> dict[str, Timing]:
+    """Each step in turn (a failure stops the run); wall and CPU seconds added by phase."""
+    return run_steps(steps, lambda step: run_command(step.argv, step.stdout), timings)
 
 
 TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
@@ -218,7 +193,9 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs, OMP_NUM_THREADS {threads}"
 
 
-def summary(s: Settings, split: str, timings: dict, seconds: float, load: tuple) -> str:
+def summary(
+    s: Settings, split: str, timings: dict[str, Timing], seconds: float, load: tuple
+) -> str:
     d = s.out
     result = json.loads((d / "eval.json").read_text())
     ways = result["ways"]
@@ -295,8 +272,8 @@ def summary(s: Settings, split: str, timings: dict, seconds: float, load: tuple)
         "| phase | wall s | CPU s |",
         "| --- | ---: | ---: |",
     ]
-    for phase, (wall, cpu) in timings.items():
-        lines.append(f"| {phase} | {wall:.0f} | {cpu:.0f} |")
+    for phase, timing in timings.items():
+        lines.append(f"| {phase} | {timing.wall:.0f} | {timing.cpu:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -358,9 +335,7 @@ def main() -> None:
     first, *rest = plan(s, "0,0,0")
     timings = run([first])  # the corpus: its split is known from here on
     split = (s.out / "corpus.split").read_text().strip()
-    for phase, (wall, cpu) in run(plan(s, split)[1:]).items():
-        before = timings.get(phase, (0.0, 0.0))
-        timings[phase] = (before[0] + wall, before[1] + cpu)
+    run(plan(s, split)[1:], timings)
     text = summary(s, split, timings, time.monotonic() - start, load)
     (s.out / "summary.md").write_text(text)
     print(text)

@@ -30,10 +30,8 @@ import json
 import os
 import platform
 import re
-import resource
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 import urllib.request
@@ -47,6 +45,7 @@ sys.path.insert(0, str(ROOT / "workflows"))
 sys.path.insert(0, str(HERE))
 from make_shapes import COLORS, IMAGE_TAG, QUESTION, SHAPES  # noqa: E402 (beside this file)
 from serving import Server  # noqa: E402 (workflows/serving.py)
+from steps import Timing, run_command, run_steps  # noqa: E402 (workflows/steps.py)
 
 VLM_PROMPT = f"{IMAGE_TAG}\n{QUESTION}\n"  # as mg-train vlm's raw format renders the turn
 TEXT_PROMPT = f"{QUESTION}\n"  # the same question, no picture
@@ -232,17 +231,6 @@ def ask(url: str, s: Settings, with_images: bool) -> list[dict]:
     return answers
 
 
-@dataclass
-class Timing:
-    wall: float = 0.0
-    cpu: float = 0.0
-
-
-def children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run_step(step: Step, s: Settings) -> None:
     if step.ask is not None:
         log = s.out / f"serve_{step.ask}.log"
@@ -252,32 +240,12 @@ def run_step(step: Step, s: Settings) -> None:
         path.write_text("".join(json.dumps(a) + "\n" for a in answers))
         for a in answers[:5]:
             print(f"   {a['image']} ({a['color']} {a['shape']}): {a['answer']!r}")
-    elif step.log is not None:  # the log is kept, and shown as it is written
-        with step.log.open("w") as log:
-            process = subprocess.Popen(
-                step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-            for line in process.stdout:
-                sys.stdout.write(line)
-                log.write(line)
-            if process.wait() != 0:
-                sys.exit(f"failed ({process.returncode}): {shlex.join(step.argv)}")
-    elif subprocess.run(step.argv).returncode != 0:
-        sys.exit(f"failed: {shlex.join(step.argv)}")
+    else:
+        run_command(step.argv, step.log)
 
 
 def run(steps: list[Step], s: Settings) -> dict[str, Timing]:
-    timings: dict[str, Timing] = {}
-    for number, step in enumerate(steps, 1):
-        print(f"== {number}. [{step.phase}] {shlex.join(step.argv)}", flush=True)
-        start, cpu = time.monotonic(), children_cpu()
-        run_step(step, s)
-        wall, used = time.monotonic() - start, children_cpu() - cpu
-        print(f"-- {number}. [{step.phase}] {wall:.0f} s wall, {used:.0f} s CPU", flush=True)
-        timing = timings.setdefault(step.phase, Timing())
-        timing.wall += wall
-        timing.cpu += used
-    return timings
+    return run_steps(steps, lambda step: run_step(step, s))
 
 
 TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
