@@ -30,6 +30,7 @@ import json
 import math
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -37,18 +38,9 @@ import torch
 from mg.core.checkpoint import load_checkpoint
 from mg.core.checkpoint.model_io import load_model, resolve_tokenizer_paths
 from mg.core.models.retro import RetroConfig, RetroModel
-from mg.core.retro.chunk_db import ChunkDatabase
-from mg.core.retro.files import load_array, read_json
-from mg.core.retro.project import ProjectPaths, read_neighbors
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
-from mg.indexed_dataset import (
-    GPTDatasetConfig,
-    IndexedDataset,
-    build_gpt_datasets,
-    samples_per_split,
-)
-from mg.trainer.arguments.retro import read_project_config
-from mg.trainer.family_retro import RetroSampleDataset
+from mg.trainer.arguments.retro import RetroArgs
+from mg.trainer.family_retro import retro_datasets
 
 WAYS = ("gpt", "retro", "retro_no_retrieval", "retro_random_neighbours")
 
@@ -65,41 +57,19 @@ def load_retro(load_dir: Path) -> tuple[RetroModel, RetroConfig, TokenizerConfig
     return model.eval(), config, resolve_tokenizer_paths(tokenizer, load_dir)
 
 
-def valid_samples(project_dir: Path, eod: int, num_neighbors: int, retrieved_chunks: int):
-    """The project's queried validation samples with their neighbours, and the chunk
-    database, as `mg-train retro` reads them."""
-    paths = ProjectPaths.of(project_dir)
-    project = read_project_config(project_dir)
-    counts = samples_per_split(
-        global_batch_size=project["retro_gpt_global_batch_size"],
-        eval_interval=project["retro_gpt_eval_interval"],
-        eval_iters=project["retro_gpt_eval_iters"],
-        train_samples=project["retro_gpt_train_samples"],
+def valid_samples(project_dir: Path, tokenizer, num_neighbors: int, retrieved_chunks: int):
+    """The project's queried validation samples with their neighbours (`mg-train retro`'s
+    own `retro_datasets`), each once: the GPT samples, the chunk database, the neighbours."""
+    retro = RetroArgs(
+        retro_project_dir=str(project_dir),
+        retro_num_neighbors=num_neighbors,
+        retro_num_retrieved_chunks=retrieved_chunks,
     )
-    config = GPTDatasetConfig(
-        seq_length=project["retro_gpt_seq_length"],
-        seed=project["retro_gpt_seed"],
-        split=project["retro_gpt_split"],
-        path_to_cache=str(paths.root / "gpt_cache"),
-        eod_token_id=eod,
-        pad_token_id=eod,
-    )
-    words = list(project["retro_gpt_data_path"])
-    _, valid, _ = build_gpt_datasets(words[1:] if len(words) == 2 else words, counts, config)
-    infos = read_json(paths.datasets)
-    database = ChunkDatabase(
-        load_array(paths.chunks, mmap=True),
-        [IndexedDataset(info["prefix"]) for info in infos],
-        int(project["retro_gpt_chunk_length"]),
-        eod,
-    )
-    neighbors = read_neighbors(paths, "valid")
-    chunks = config.seq_length // database.chunk_length
-    queried = min(len(neighbors) // chunks, len(valid))
-    samples = RetroSampleDataset(
-        valid, neighbors, database, queried, num_neighbors, retrieved_chunks
-    )
-    return samples, valid, database, neighbors
+    _, samples, _ = retro_datasets(SimpleNamespace(retro=retro), tokenizer, (0, 1, 0))
+    if samples is None:
+        raise SystemExit(f"--retro-project-dir {project_dir}: no validation samples were queried")
+    samples.size = min(samples.queried, len(samples.samples))  # each queried sample once
+    return samples, samples.samples, samples.database, samples.neighbors
 
 
 def label_documents(dataset, index: int) -> np.ndarray:
@@ -144,9 +114,13 @@ def main() -> None:
     began = time.monotonic()
     gpt, _, _, _ = load_model(args.gpt)
     retro, config, tokenizer_config = load_retro(args.retro)
-    eod = build_tokenizer(tokenizer_config).eod
+    tokenizer = build_tokenizer(tokenizer_config)
+    eod = tokenizer.eod
     samples, valid, database, neighbors = valid_samples(
-        args.retro_project_dir, eod, config.retro_num_neighbors, config.retro_num_retrieved_chunks
+        args.retro_project_dir,
+        tokenizer,
+        config.retro_num_neighbors,
+        config.retro_num_retrieved_chunks,
     )
     near = np.array([json.loads(line)["near_duplicate"] for line in args.corpus.open()])
     rng = np.random.default_rng(args.seed)
