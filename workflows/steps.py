@@ -74,3 +74,10 @@ def run_steps(
         timing.wall += wall
         timing.cpu += used
     return timings
+
+
+def phase_table(timings: dict[str, Timing]) -> list[str]:
+    """summary.md's "Time by phase" section, a row a phase, as Markdown lines."""
+    lines = ["## Time by phase", "", "| phase | wall s | CPU s |", "| --- | ---: | ---: |"]
+    lines += [f"| {phase} | {t.wall:.0f} | {t.cpu:.0f} |" for phase, t in timings.items()]
+    return lines

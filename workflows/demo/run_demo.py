@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 BIN = ROOT / "bin"
 sys.path.insert(0, str(ROOT / "workflows"))
 from serving import Server, chat  # noqa: E402 (workflows/serving.py, beside this folder)
-from steps import Timing, run_command, run_steps  # noqa: E402 (workflows/steps.py)
+from steps import Timing, phase_table, run_command, run_steps  # noqa: E402 (workflows/steps.py)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -221,9 +221,7 @@ def summary(s: Settings, timings: dict[str, Timing], seconds: float, load: tuple
     for a, b in zip(before, after, strict=True):
         cells = [a["question"], a["answer"], b["answer"]]
         lines.append("| " + " | ".join(cell_text(c) for c in cells) + " |")
-    lines += ["", "## Time by phase", "", "| phase | wall s | CPU s |", "| --- | ---: | ---: |"]
-    for phase, t in timings.items():
-        lines.append(f"| {phase} | {t.wall:.0f} | {t.cpu:.0f} |")
+    lines += ["", *phase_table(timings)]
     total_cpu = sum(t.cpu for t in timings.values())
     lines.append(f"| all | {sum(t.wall for t in timings.values()):.0f} | {total_cpu:.0f} |")
     return "\n".join(lines) + "\n"

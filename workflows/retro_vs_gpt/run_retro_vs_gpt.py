@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BIN = ROOT / "bin"
 sys.path.insert(0, str(ROOT / "workflows"))
-from steps import Timing, run_command, run_steps  # noqa: E402 (workflows/steps.py)
+from steps import Timing, phase_table, run_command, run_steps  # noqa: E402 (workflows/steps.py)
 
 
 @dataclass
@@ -267,13 +267,8 @@ def summary(
         f" {os.getloadavg()[0]:.1f} at the end |",
         f"| wall time | {seconds:.0f} s |",
         "",
-        "## Time by phase",
-        "",
-        "| phase | wall s | CPU s |",
-        "| --- | ---: | ---: |",
+        *phase_table(timings),
     ]
-    for phase, timing in timings.items():
-        lines.append(f"| {phase} | {timing.wall:.0f} | {timing.cpu:.0f} |")
     return "\n".join(lines) + "\n"
 
 

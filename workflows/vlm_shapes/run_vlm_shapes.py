@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "workflows"))
 sys.path.insert(0, str(HERE))
 from make_shapes import COLORS, IMAGE_TAG, QUESTION, SHAPES  # noqa: E402 (beside this file)
 from serving import Server  # noqa: E402 (workflows/serving.py)
-from steps import Timing, run_command, run_steps  # noqa: E402 (workflows/steps.py)
+from steps import Timing, phase_table, run_command, run_steps  # noqa: E402 (workflows/steps.py)
 
 VLM_PROMPT = f"{IMAGE_TAG}\n{QUESTION}\n"  # as mg-train vlm's raw format renders the turn
 TEXT_PROMPT = f"{QUESTION}\n"  # the same question, no picture
@@ -312,13 +312,8 @@ def summary(s: Settings, timings: dict[str, Timing], seconds: float, load: tuple
         f" {os.getloadavg()[0]:.1f} at the end |",
         f"| target | {f'VLM accuracy >= {s.target:.0%}' if s.target else 'none (--quick)'} |",
         "",
-        "## Time by phase",
-        "",
-        "| phase | wall s | CPU s |",
-        "| --- | ---: | ---: |",
+        *phase_table(timings),
     ]
-    for phase, timing in timings.items():
-        lines.append(f"| {phase} | {timing.wall:.0f} | {timing.cpu:.0f} |")
     lines += ["", "## First answers", "", "| picture | VLM | text-only |", "| --- | --- | --- |"]
     both = zip(answers(s, "vlm"), answers(s, "text"), strict=True)
     for a, b in list(both)[:8]:
