@@ -2,7 +2,8 @@
 optimizer, on 2 gloo ranks matches one process.
 
 TP=2: both towers, the projector and the language model are sharded (fp32, dropout
-off, the padded vocabulary 128 in both runs). DP=2: the distributed optimizer over
+off, the padded vocabulary 128 in both runs), and again with sequence parallelism (the
+language model's layers on sequence slices). DP=2: the distributed optimizer over
 the projector alone (both towers frozen). Tolerance: 10 iterations, losses and
 gradient norms equal to 1e-5 relative: tensor parallelism changes only the order of
 floating-point sums (split matmuls all-reduced, the vocab-parallel softmax).
@@ -37,19 +38,14 @@ def test_vlm_tensor_and_data_parallel_match_one_process(tmp_path: Path, train) -
     argv = [*VLM, "--train-iters", str(ITERS), "--data-cache-path", str(tmp_path)]
     vit_frozen = [*argv, "--freeze-ViT"]
     towers_frozen = [*argv, "--freeze-ViT", "--freeze-LM"]
-    tp2, dp2 = run_ranks(
-        [
-            [*vit_frozen, "--tensor-model-parallel-size", "2"]
-            + ["--make-vocab-size-divisible-by", "64"],
-            [*towers_frozen, "--use-distributed-optimizer"],
-        ],
+    tp2 = [*vit_frozen, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
+    tp2, tp2_sp, dp2 = run_ranks(
+        [tp2, [*tp2, "--sequence-parallel"], [*towers_frozen, "--use-distributed-optimizer"]],
         2,
         tmp_path / "two.json",
     )
-    for two, one in (
-        (tp2, train([*vit_frozen, "--make-vocab-size-divisible-by", "128"])),
-        (dp2, train(towers_frozen)),
-    ):
+    tp_one = train([*vit_frozen, "--make-vocab-size-divisible-by", "128"])
+    for two, one in ((tp2, tp_one), (tp2_sp, tp_one), (dp2, train(towers_frozen))):
         assert len(one.losses) == len(two["losses"]) == ITERS
         assert two["losses"] == pytest.approx(one.losses, rel=RTOL)
         assert two["grad_norms"] == pytest.approx(one.grad_norms, rel=RTOL)

@@ -46,15 +46,17 @@ def test_vlm_pipeline_parallel_matches_one_process(tmp_path: Path, train) -> Non
 
 @pytest.mark.slow  # four gloo ranks, then one process
 def test_vlm_tensor_and_pipeline_parallel_together_match_one_process(tmp_path: Path, train) -> None:
-    """TP=2 x PP=2, every tower trained: the vision tower
+    """TP=2 x PP=2, without and with sequence parallelism, every tower trained: the vision tower
     sharded on the first stage's two ranks, the language model over both stages.
     Tensor parallelism reorders sums: 1e-5 relative, as test_vlm_parallel.py."""
     argv = [*VLM, "--train-iters", str(ITERS), "--data-cache-path", str(tmp_path)]
     layout = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
     # 64·tp vocabulary padding: the 100 ids give 128 rows at TP=2 and at one process
     layout += ["--make-vocab-size-divisible-by", "64"]
-    [four] = run_ranks([[*argv, *layout]], 4, tmp_path / "four.json")
+    sp = ["--sequence-parallel"]  # the language model's layers on sequence slices
+    four = run_ranks([[*argv, *layout], [*argv, *layout, *sp]], 4, tmp_path / "four.json")
     one = train(argv)
-    assert len(four["losses"]) == ITERS
-    assert four["losses"] == pytest.approx(one.losses, rel=1e-5)
-    assert four["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-5)
+    for run in four:
+        assert len(run["losses"]) == ITERS
+        assert run["losses"] == pytest.approx(one.losses, rel=1e-5)
+        assert run["grad_norms"] == pytest.approx(one.grad_norms, rel=1e-5)

@@ -46,6 +46,7 @@ class LLaVAPipelineChunk(nn.Module):
         self.config = model.config
         self.vision_model = model.vision_model if first else None
         self.vision_projection = model.vision_projection if first else None
+        self.decoder_input = model.decoder_input if first else None
         self.language_model = PipelineChunk(model.language_model, start, end, first, last)
         if last and not first and model.language_model.output_layer is None:  # tied: a copy
             words = model.language_model.embedding.word_embeddings.weight
@@ -95,7 +96,7 @@ class LLaVAPipelineChunk(nn.Module):
         config = self.config
         if self.is_first:
             check_one_image_per_tag(input_ids, images, config.image_token_index)
-        hidden = self._embed(input_ids, images) if self.is_first else input
+        hidden = self.decoder_input(self._embed(input_ids, images)) if self.is_first else input
         lm = self.language_model
         hidden = lm.run_decoder(hidden, self._positions(input_ids), None)
         if not self.is_last:

@@ -197,13 +197,17 @@ def apply_tensor_parallel(
     device: torch.device | None = None,
     expert_tensor_parallel: bool = True,
     expert_mesh: DeviceMesh | None = None,
+    scatter_embedding: bool = True,
 ) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` (every TP rank calls this).
 
     `expert_tensor_parallel=False`: MoE layers keep their routed experts whole
     (Megatron's --expert-tensor-parallel-size 1; mg.core.models.moe.tensor_parallel);
     `expert_mesh`: the mesh the routed experts are split over when it is not `tp_mesh`
-    (an expert tensor-parallel size between 1 and tp: etp consecutive TP ranks).
+    (an expert tensor-parallel size between 1 and tp: etp consecutive TP ranks);
+    `scatter_embedding=False` (Megatron's `scatter_embedding_sequence_parallel`): with
+    sequence parallelism the embedding's output stays whole, for a caller that adds to it
+    (a vision-language model's image rows) and scatters it itself.
 
     The model is either fully materialized and identical on the TP ranks
     (each keeps its slice, no communication), or on the meta device: then the
@@ -235,7 +239,7 @@ def apply_tensor_parallel(
         RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         src_data_rank=None,
     )
-    if sequence_parallel:
+    if sequence_parallel and scatter_embedding:
         # Positions are added to the full sequence, then each rank keeps its
         # slice (the backward all-gathers the slices' gradients).
         parallelize_module(

@@ -7,15 +7,20 @@
     vision_projection  encoder.linear_fc1 column-parallel, encoder.linear_fc2 row-parallel
                        (Megatron's MultimodalProjector MLP), its output whole on every rank
 
-Sequence parallelism is not applied to the vision tower yet and is refused by name.
+With sequence parallelism only the language model's layers take sequence slices (cut
+after the image rows are spliced in); the towers see whole sequences, as Megatron's.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleOutput,
+    parallelize_module,
+)
 
 from mg.core.models.vision import LLaVAModel
 from mg.core.parallel.row_parallel import RowParallelLinear
@@ -46,13 +51,27 @@ def apply_llava_tensor_parallel(
     device: torch.device | None = None,
 ) -> None:
     """Shard `model` in place over the 1-D `tp_mesh` (every TP rank calls this, with the
-    same materialized model: each keeps its slices)."""
-    if sequence_parallel:
-        raise TensorParallelError(
-            "--sequence-parallel: not implemented for the vision-language model yet"
-        )
+    same materialized model: each keeps its slices). With `sequence_parallel` the
+    language model's layers work on sequence slices, which the combined text and image
+    embeddings are cut into after the splice (`decoder_input`); the vision tower and the
+    projector see whole sequences, as Megatron's (`sequence_parallel = False` for both)."""
     check_llava_tensor_parallel_sizes(model, tp_mesh.size())
-    apply_tensor_parallel(model.language_model, tp_mesh, False, seed=seed, device=device)
+    apply_tensor_parallel(
+        model.language_model,
+        tp_mesh,
+        sequence_parallel,
+        seed=seed,
+        device=device,
+        scatter_embedding=False,
+    )
+    if sequence_parallel:
+        parallelize_module(
+            model.decoder_input,
+            tp_mesh,
+            PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+            ),
+        )
     for layer in model.vision_model.decoder.layers:
         _parallelize_layer(layer, tp_mesh, Replicate(), False)
     parallelize_module(
@@ -66,4 +85,4 @@ def apply_llava_tensor_parallel(
     )
     # what the training loop reads off a sharded model (the norm over TP ranks, ...)
     model.tensor_parallel_size = tp_mesh.size()
-    model.sequence_parallel = False
+    model.sequence_parallel = sequence_parallel

@@ -234,6 +234,12 @@ def check_vlm_flags(args: Args) -> str | None:
     d = args.distributed
     if d.context_parallel_size > 1:
         return "mg-train vlm: context parallelism is not implemented for vision-language models"
+    tp = d.tensor_model_parallel_size
+    if d.sequence_parallel and m.decoder_seq_length % tp:
+        return (
+            f"--sequence-parallel: --decoder-seq-length {m.decoder_seq_length} must be a "
+            f"multiple of --tensor-model-parallel-size {tp} (each rank takes a slice)"
+        )
     if d.pipeline_model_parallel_size > 1 and d.use_distributed_optimizer and v.freeze_LM:
         return (
             "--use-distributed-optimizer with --pipeline-model-parallel-size > 1 and "

@@ -180,6 +180,10 @@ class LLaVAModel(nn.Module):
             std=config.vision.init_method_std,
         )
         self.language_model = GPTModel(config.language)
+        # the combined text and image embeddings on their way into the decoder: an
+        # identity, where sequence parallelism (tensor_parallel_vision) keeps this rank's
+        # slice of the sequence, as Megatron scatters them after the splice
+        self.decoder_input = nn.Identity()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -241,7 +245,7 @@ class LLaVAModel(nn.Module):
             image_rows = self.image_embeddings(images).flatten(0, 1).to(hidden.dtype)
             kept = int(combined.image_rows.sum())  # fewer when the cut falls in an image
             hidden = hidden.masked_scatter(combined.image_rows.unsqueeze(-1), image_rows[:kept])
-        hidden = lm.run_decoder(hidden, position_ids, None)
+        hidden = lm.run_decoder(self.decoder_input(hidden), position_ids, None)
         if labels is None:
             return lm.output_and_loss(hidden, None)
         return lm.output_and_loss(hidden, combined.labels), combined.loss_mask
