@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from mg.core.cli_types import ckpt_step
+from mg.core.retro.flags import add_retrieval_flags
 from mg.evaluate.errors import EvalInputError
 
 _TOKENIZER = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -38,15 +39,7 @@ def add_qa_task(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--output-path", metavar="FILE.jsonl", help="each question's prediction")
     d.add_argument("--report", metavar="FILE.jsonl", help="append the results as a JSON line")
-    r = p.add_argument_group("retrieval", "Retro checkpoints (Megatron's flag names)")
-    r.add_argument(
-        "--retro-project-dir",
-        metavar="DIR",
-        help="the mg-prep retro folder to retrieve from; default: the checkpoint's",
-    )
-    r.add_argument(
-        "--retro-num-neighbors", type=int, help="neighbours per chunk; default: the model's"
-    )
+    add_retrieval_flags(p.add_argument_group("retrieval", "Retro checkpoints (Megatron's names)"))
     t = p.add_argument_group("tokenizer", "override what the checkpoint records")
     t.add_argument("--tokenizer-type")
     t.add_argument("--vocab-file")
