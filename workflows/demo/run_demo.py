@@ -139,7 +139,8 @@ def plan(s: Settings) -> list[Step]:
                 "--seq-length", s.seq_length, "--micro-batch-size", s.micro_batch_size,
                 "--global-batch-size", s.global_batch_size, "--train-iters", s.train_iters,
                 "--lr", f"{s.lr:g}", "--min-lr", f"{s.lr / 10:g}", "--lr-decay-style", "cosine",
-                "--lr-warmup-iters", 2, "--log-interval", 1,
+                # a warm-up shorter than the run (Megatron's rule), also for a short test run
+                "--lr-warmup-iters", min(2, s.train_iters - 1), "--log-interval", 1,
                 "--eval-interval", s.train_iters, "--eval-iters", 4,
                 "--save", sft, "--no-save-optim", "--no-save-rng",
                 *(["--bf16"] if s.bf16 else []),

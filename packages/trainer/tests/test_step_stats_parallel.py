@@ -15,13 +15,11 @@ The grad norms (the same reduction) equal the one-process ones too.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from mg.core.testing.launch import launch_workers
 
 WORKER = Path(__file__).with_name("step_stats_worker.py")
 ITERS = 4
@@ -38,30 +36,8 @@ FLAGS = [
 
 
 def _run_ranks(argvs: list[list[str]], world_size: int, out: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), json.dumps(argvs)],
-            env=dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world_size)
-    ]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    if any(p.returncode != 0 for p in procs):
-        raise AssertionError("ranks failed:\n" + "\n".join(log[-3000:] for log in logs))
+    # five runs in one launch: minutes on a loaded 2-CPU box
+    launch_workers(str(WORKER), world_size, [str(out), json.dumps(argvs)], timeout=900)
     return json.loads(out.read_text())
 
 
@@ -97,7 +73,14 @@ def test_parallel_layouts_match_one_process(tmp_path, mock_argv, train) -> None:
         for ranks in run["per_rank"]:  # every rank logs the same figures
             assert all(r == ranks[0] for r in ranks), (name, ranks)
         _close(run["params_norms"], one["params_norms"])
-        assert run["num_zeros"] == one["num_zeros"], name
+        if name == "pp2":
+            # the tied embedding's gradient is the sum of its two uses, added across the
+            # stages in another order than one process adds them: an element that cancels
+            # to exactly 0.0 in one order (a chance zero) is ~1e-12 in the other
+            diffs = [abs(a - b) for a, b in zip(run["num_zeros"], one["num_zeros"], strict=True)]
+            assert max(diffs) <= 1, (name, run["num_zeros"], one["num_zeros"])
+        else:
+            assert run["num_zeros"] == one["num_zeros"], name
         _close(run["grad_norms"], one["grad_norms"])
         if name in ("tp2", "dp2_dist_opt", "fsdp"):  # whole tensors on every rank
             _close(run["params_norms"], run["reference_norms"], 1e-12)
