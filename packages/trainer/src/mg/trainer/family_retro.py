@@ -9,6 +9,9 @@ from the project's chunk database (`mg.core.retro`; a missing neighbour reads as
 end-of-document tokens). A run that reads more samples than the project queried
 cycles over them, as Megatron's cyclic Retro training does. Loss: GPT's masked
 per-token cross entropy, logged as `lm loss`.
+
+With `--sft` (InstructRetro) the samples are `mg-prep sft` conversations instead, with
+the neighbours retrieved for them as generation retrieves them (retro_sft_data.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from mg.core.models.retro import RetroConfig, RetroModel
 from mg.trainer.arguments import Args, ArgumentError
 from mg.trainer.arguments.retro import read_project_config
 from mg.trainer.family_gpt import gpt_config
+from mg.trainer.retro_sft_data import retro_sft_datasets
 
 
 def retro_config(args: Args, vocab_size: int) -> RetroConfig:
@@ -85,7 +89,10 @@ class RetroSampleDataset:
 
 
 def retro_datasets(args: Args, tokenizer: Any, num_samples: Sequence[int]):
-    """(train, valid, test): the project's queried samples with their neighbours."""
+    """(train, valid, test): the project's queried samples with their neighbours; with
+    --sft, the conversations with theirs."""
+    if args.sft.sft:
+        return retro_sft_datasets(args, tokenizer, num_samples)
     from mg.core.retro.chunk_db import ChunkDatabase  # lazy: Retro runs only
     from mg.core.retro.files import load_array, read_json
     from mg.core.retro.project import SPLITS, ProjectPaths, RetroProjectError, read_neighbors

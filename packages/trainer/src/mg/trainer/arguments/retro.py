@@ -19,11 +19,17 @@ cross-attention from these:
                                       the run reads (they are cycled over)
 
 Retro-fitting a GPT: `mg-train retro ... --load GPT_CKPT --no-load-optim --finetune`.
+
+InstructRetro: `mg-train retro --sft --data-path CHATS ...` finetunes on `mg-prep sft`
+conversations instead (retro_sft_data.py); each conversation's neighbours are
+retrieved with the project's BERT and index, so the project's pretraining data,
+split and sequence length do not bind the run, but its BERT and index must be there.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -173,6 +179,8 @@ def check_retro_flags(args: Args) -> str | None:
             f"--seq-length {seq} is not a multiple of the project's --retro-gpt-chunk-length "
             f"{chunk} ({r.retro_project_dir}); use a multiple of {chunk}"
         )
+    if args.sft.sft:
+        return _sft_project_error(project, r.retro_project_dir)
     queried = project.get("retro_gpt_seq_length")
     if seq is not None and queried is not None and seq != queried:
         return (
@@ -202,6 +210,31 @@ def check_retro_flags(args: Args) -> str | None:
             f"--retro-num-neighbors {r.retro_num_neighbors} is more than the project saved "
             f"(--retro-query-num-neighbors-save {saved})"
         )
+    return None
+
+
+def _sft_project_error(project: dict[str, Any], project_dir: str) -> str | None:
+    """What --sft needs of the project besides its chunks: the BERT and the finished index
+    that retrieve each conversation's neighbours, and Faiss to search it. The
+    pretraining neighbours, data, split and sequence length do not matter then."""
+    from mg.core.retro.project import ProjectPaths  # lazy: only a Retro run reads a project
+
+    where = f"--sft with --retro-project-dir {project_dir}"
+    bert = project.get("load")
+    if not bert or not os.path.isdir(bert):
+        return (
+            f"{where}: its BERT checkpoint ({bert or 'none recorded'}, mg-prep retro --load) "
+            "is missing, and each conversation's neighbours are retrieved with it; restore "
+            "it or give a project that has it"
+        )
+    paths = ProjectPaths.of(project_dir)
+    if not paths.added_index.is_file() or not paths.index_manifest.is_file():
+        return (
+            f"{where}: the project has no finished index to retrieve each conversation's "
+            "neighbours from; run `mg-prep retro --retro-tasks index-build`"
+        )
+    if importlib.util.find_spec("faiss") is None:
+        return f"{where}: searching its index needs Faiss: pip install faiss-cpu (or faiss-gpu)"
     return None
 
 

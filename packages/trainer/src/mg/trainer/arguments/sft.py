@@ -39,7 +39,8 @@ def add_sft_flags(p: argparse._ArgumentGroup) -> None:
         "--sft",
         action="store_true",
         help="Finetune on chat data from `mg-prep sft`: loss on assistant tokens only, "
-        "conversations packed with attention that does not cross them (gpt).",
+        "conversations packed with attention that does not cross them (gpt); with retro, "
+        "one conversation a sample with neighbours retrieved for it (InstructRetro).",
     )
     p.add_argument(
         "--sft-tokenizer-prompt-format",
@@ -58,7 +59,7 @@ def add_sft_flags(p: argparse._ArgumentGroup) -> None:
 
 
 def check_sft(args: Args) -> None:
-    """--sft's needs: gpt, real data, the local attention that takes a packed mask."""
+    """--sft's needs: gpt or retro, real data, the local attention that takes a packed mask."""
     s = args.sft
     fmt = s.sft_tokenizer_prompt_format
     if fmt is not None and fmt not in PROMPT_FORMATS:
@@ -73,8 +74,8 @@ def check_sft(args: Args) -> None:
         )
     if not s.sft:
         return
-    if args.family != "gpt":
-        fail(f"--sft is for mg-train gpt, not {args.family}")
+    if args.family not in ("gpt", "retro"):
+        fail(f"--sft is for mg-train gpt, not {args.family} (mg-train retro takes it too)")
     if args.data.mock_data:
         fail("--sft needs --data-path (made by mg-prep sft), not --mock-data")
     if args.transformer_engine.transformer_impl != "local":
