@@ -224,3 +224,21 @@ def test_checkpoint_resumes_where_it_stopped(
     resumed = Trainer(parse_args([*argv, "--load", ckpt])).train().losses
     assert first == whole[:3]
     assert resumed == whole[3:]
+
+
+def test_use_checkpoint_args_reads_a_retro_checkpoint(project: dict, tmp_path: Path) -> None:
+    """`--use-checkpoint-args` on a Retro checkpoint: the shape comes from its config (the
+    Retro fields kept for RetroConfig), and the resumed run continues bit for bit."""
+    argv = retro_argv(project, tmp_path, "--train-iters", "4", "--lr-decay-iters", "4")
+    whole = Trainer(parse_args(argv)).train().losses
+    ckpt = str(tmp_path / "ckpt")
+    Trainer(
+        parse_args([*argv, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"])
+    ).train()
+    shapeless = list(argv)
+    i = shapeless.index("--hidden-size")
+    del shapeless[i : i + 2]
+    args = parse_args([*shapeless, "--load", ckpt, "--use-checkpoint-args"])
+    assert args.model.hidden_size == 32
+    assert args.checkpoint_model_config["retro_chunk_length"] == CHUNK
+    assert Trainer(args).train().losses == whole[2:]

@@ -22,6 +22,7 @@ unless a tokenizer flag is given.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,7 +117,10 @@ def apply_checkpoint_args(args: Args, given: set[str]) -> None:
             "`mg-convert import-megatron` first."
         )
     data = dict(info.model_config)
-    config = TransformerConfig.from_dict(dict(data))
+    # the shape flags are TransformerConfig's; a family's own fields (Retro's encoder and
+    # chunks, ...) stay in `data` for that family's config (e.g. RetroConfig.from_dict)
+    shared = {f.name for f in dataclasses.fields(TransformerConfig)}
+    config = TransformerConfig.from_dict({k: v for k, v in data.items() if k in shared})
     m = args.model
     for name, read in _SHAPE.items():
         saved = read(config)
