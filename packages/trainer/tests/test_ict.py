@@ -70,7 +70,7 @@ def test_titles_must_match_documents(corpus):
         ICTDataset(sentences, np.arange(10), 10, 64, corpus["tokenizer"], titles=sentences)
 
 
-def tiny_bert_checkpoint(folder: Path) -> str:
+def tiny_bert_checkpoint(folder: Path, vocab_size: int = 30592) -> str:
     """A random 2-layer BERT over MiniLM's vocabulary, saved as mg-train bert saves one."""
     import torch
 
@@ -81,7 +81,7 @@ def tiny_bert_checkpoint(folder: Path) -> str:
     torch.manual_seed(0)
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=128,
-        vocab_size=30592, seq_length=64, max_position_embeddings=64,
+        vocab_size=vocab_size, seq_length=64, max_position_embeddings=64,
     )  # fmt: skip
     tokenizer = TokenizerConfig("BertWordPieceLowerCase", vocab_file=vocab_file())
     save_model(folder, BertModel(config), config, tokenizer)
@@ -215,3 +215,17 @@ def test_mg_train_ict_refusals(corpus, tmp_path, capsys):
     gpt += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--bert-load", bert]
     assert main(gpt) == 2
     assert "--bert-load is for mg-train ict, not gpt" in capsys.readouterr().err
+
+
+def test_mg_eval_ict_retrieval_on_a_bert_without_the_added_tokens(corpus, tmp_path, capsys):
+    """A BERT whose embedding has exactly the vocabulary file's 30,522 rows (one imported
+    from Hugging Face) is the untrained bi-encoder: text never tokenizes into the [BOS] and
+    [EOS] WordPiece adds past them. One row fewer is refused by name."""
+    from mg.evaluate.cli import main
+
+    argv = ["ict-retrieval", "--data-path", corpus["prefix"], "--split", "80,20,0"]
+    argv += ["--max-pairs", "16"]
+    assert main([*argv, "--load", tiny_bert_checkpoint(tmp_path / "exact", 30522)]) == 0
+    assert "top1_acc" in capsys.readouterr().out
+    assert main([*argv, "--load", tiny_bert_checkpoint(tmp_path / "short", 30521)]) == 2
+    assert "30521" in capsys.readouterr().err

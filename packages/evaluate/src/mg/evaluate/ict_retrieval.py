@@ -109,7 +109,7 @@ def run_ict_retrieval(args: argparse.Namespace) -> tuple[dict[str, Any], dict[st
     except ImportError:
         raise EvalInputError("ict-retrieval needs Faiss: pip install faiss-cpu") from None
     model, config, tok_config = load_biencoder(args.load)
-    tokenizer = eval_tokenizer(tok_config, None, Path(args.load), config.vocab_size)
+    tokenizer = eval_tokenizer(tok_config, None, Path(args.load), config.vocab_size, text_only=True)
     seq_length = args.seq_length or config.seq_length
     try:
         sentences = IndexedDataset(args.data_path)

@@ -144,7 +144,9 @@ def load_bert_for_finetune(
     tok_config = None
     if meta.get("tokenizer_config"):
         tok_config = TokenizerConfig.from_dict(dict(meta["tokenizer_config"]))
-    tokenizer = eval_tokenizer(tok_config, tokenizer_overrides, load_dir, config.vocab_size)
+    tokenizer = eval_tokenizer(
+        tok_config, tokenizer_overrides, load_dir, config.vocab_size, text_only=True
+    )
     for special in ("cls", "sep", "pad"):
         if getattr(tokenizer, special, None) is None or getattr(tokenizer, special) < 0:
             raise EvalInputError(
@@ -161,9 +163,15 @@ def eval_tokenizer(
     tokenizer_overrides: dict[str, Any] | None,
     load_dir: Path,
     model_vocab_size: int,
+    text_only: bool = False,
 ) -> BaseTokenizer:
     """The recorded tokenizer with the ``--tokenizer-*`` overrides applied, checked
-    against the model's vocabulary."""
+    against the model's vocabulary.
+
+    `text_only`: the model only ever sees tokenized text between [CLS] and [SEP] (BERT
+    tasks, ICT), so the ids WordPiece adds past its vocabulary ([BOS], [EOS], extra ids)
+    may lie past the embedding table (a BERT imported from Hugging Face has none of
+    them), as the Retro chunk embedder allows."""
     overrides = {k: v for k, v in (tokenizer_overrides or {}).items() if v is not None}
     if tok_config is None:
         if "tokenizer_type" not in overrides:
@@ -180,7 +188,10 @@ def eval_tokenizer(
         tokenizer = build_tokenizer(tok_config)
     except (ValueError, OSError) as exc:
         raise EvalInputError(f"cannot build the tokenizer: {exc}") from None
-    if tokenizer.vocab_size > model_vocab_size:
+    beyond = set(range(model_vocab_size, tokenizer.vocab_size))
+    if text_only:
+        beyond -= {tokenizer.bos, tokenizer.eos, *tokenizer.additional_special_tokens_ids}
+    if beyond:
         raise EvalInputError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
             f"{model_vocab_size}; wrong --tokenizer-type/--vocab-file?"
