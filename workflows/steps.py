@@ -8,6 +8,9 @@ after it; a failed command ends the run with its command line.
 
 from __future__ import annotations
 
+import os
+import platform
+import re
 import resource
 import shlex
 import subprocess
@@ -17,6 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
+
+BIN = Path(__file__).resolve().parents[1] / "bin"
+"""The tools' launchers (bin/mg-prep, bin/mg-train, ...)."""
 
 
 class Step(Protocol):
@@ -81,3 +87,25 @@ def phase_table(timings: dict[str, Timing]) -> list[str]:
     lines = ["## Time by phase", "", "| phase | wall s | CPU s |", "| --- | ---: | ---: |"]
     lines += [f"| {phase} | {t.wall:.0f} | {t.cpu:.0f} |" for phase, t in timings.items()]
     return lines
+
+
+def tool(name: str, *args: object) -> list[str]:
+    """The command line of one of the project's tools (bin/NAME)."""
+    return [str(BIN / name), *map(str, args)]
+
+
+def script(path: Path, *args: object) -> list[str]:
+    """The command line of a Python script, run by this interpreter."""
+    return [sys.executable, str(path), *map(str, args)]
+
+
+def machine() -> str:
+    """The CPU model, its count and the thread setting, for a summary's machine row."""
+    model = platform.processor() or platform.machine()
+    try:
+        found = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
+        model = found.group(1).strip() if found else model
+    except OSError:
+        pass
+    threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
+    return f"{model}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -37,9 +36,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-BIN = ROOT / "bin"
 sys.path.insert(0, str(ROOT / "workflows"))
-from steps import Timing, phase_table, run_command, run_steps  # noqa: E402 (workflows/steps.py)
+from steps import (  # noqa: E402 (workflows/steps.py)
+    Timing,
+    machine,
+    phase_table,
+    run_command,
+    run_steps,
+    script,
+    tool,
+)
 
 
 @dataclass
@@ -72,14 +78,6 @@ class Step:
     phase: str
     argv: list[str]
     stdout: Path | None = None
-
-
-def tool(name: str, *args: object) -> list[str]:
-    return [str(BIN / name), *map(str, args)]
-
-
-def script(path: Path, *args: object) -> list[str]:
-    return [sys.executable, str(path), *map(str, args)]
 
 
 def model_flags(s: Settings, split: str) -> list[object]:
@@ -178,19 +176,6 @@ def run(steps: list[Step], timings: dict[str, Timing] | None = None) -> dict[str
 
 
 TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
-
-
-def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    threads = os.environ.get("OMP_NUM_THREADS", "default")
-    return f"{model}, {os.cpu_count()} CPUs, OMP_NUM_THREADS {threads}"
 
 
 def summary(

@@ -28,7 +28,6 @@ import argparse
 import base64
 import json
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -40,12 +39,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-BIN = ROOT / "bin"
 sys.path.insert(0, str(ROOT / "workflows"))
 sys.path.insert(0, str(HERE))
 from make_shapes import COLORS, IMAGE_TAG, QUESTION, SHAPES  # noqa: E402 (beside this file)
 from serving import Server  # noqa: E402 (workflows/serving.py)
-from steps import Timing, phase_table, run_command, run_steps  # noqa: E402 (workflows/steps.py)
+from steps import (  # noqa: E402 (workflows/steps.py)
+    Timing,
+    machine,
+    phase_table,
+    run_command,
+    run_steps,
+    script,
+    tool,
+)
 
 VLM_PROMPT = f"{IMAGE_TAG}\n{QUESTION}\n"  # as mg-train vlm's raw format renders the turn
 TEXT_PROMPT = f"{QUESTION}\n"  # the same question, no picture
@@ -102,14 +108,6 @@ class Step:
     argv: list[str]
     log: Path | None = None
     ask: str | None = None  # "vlm" (with the pictures) or "text" (without)
-
-
-def tool(name: str, *args: str | Path | int | float) -> list[str]:
-    return [str(BIN / name), *map(str, args)]
-
-
-def script(path: Path, *args: str | Path | int) -> list[str]:
-    return [sys.executable, str(path), *map(str, args)]
 
 
 def plan(s: Settings) -> list[Step]:
@@ -264,17 +262,6 @@ def answers(s: Settings, which: str) -> list[dict]:
 def accuracy(s: Settings, which: str) -> tuple[int, int]:
     given = answers(s, which)
     return sum(a["right"] for a in given), len(given)
-
-
-def machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        found = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-        model = found.group(1).strip() if found else model
-    except OSError:
-        pass
-    threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
-    return f"{model}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}"
 
 
 def summary(s: Settings, timings: dict[str, Timing], seconds: float, load: tuple) -> str:
