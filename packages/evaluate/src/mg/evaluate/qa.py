@@ -2,9 +2,13 @@
 questions, scored by exact match and token F1 (`qa_metrics`).
 
 A record is ``{"question": str, "answers": [str, ...]}`` with an optional
-``"context"`` (a passage put before the question). The prompt is
+``"context"`` (a passage put before the question). The plain prompt is
 ``[context + "\\n"] + "Question: " + question + "\\nAnswer:"`` and the answer is the
-greedy continuation up to its first line break or end of text. A GPT runs the
+greedy continuation up to its first line break or end of text. A model finetuned on
+`mg-prep sft` conversations is asked in its own prompt format instead
+(`--sft-tokenizer-prompt-format`): ``[context + "\\n\\n"] + question`` as one user
+turn and the generation prompt, the ids a training conversation has before its
+reply; the answer then also ends at the format's end of turn. A GPT runs the
 whole sequence each step; a Retro model does too, with its chunks' neighbours
 retrieved from the project's index as the text grows (`mg.core.retro.generation`).
 A prompt longer than the model's positions keeps its last tokens.
@@ -19,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mg.core.chat_format import ChatFormat
 from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate.errors import EvalInputError, read_text
 from mg.evaluate.qa_metrics import answer_of, exact_match, token_f1
@@ -33,6 +38,11 @@ class QARecord:
     def prompt(self) -> str:
         head = f"{self.context}\n" if self.context else ""
         return f"{head}Question: {self.question}\nAnswer:"
+
+    def messages(self) -> list[dict[str, str]]:
+        """The question as a chat's one user turn, its context (if any) first."""
+        head = f"{self.context}\n\n" if self.context else ""
+        return [{"role": "user", "content": f"{head}{self.question}"}]
 
 
 def read_records(path: str) -> list[QARecord]:
@@ -96,8 +106,10 @@ def evaluate_qa(
     generate: Callable[[list[int], int, set[int]], list[int]],
     limit: int,
     max_new_tokens: int,
+    chat: ChatFormat | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(metrics, one row per record with its prediction and scores)."""
+    """(metrics, one row per record with its prediction and scores). With `chat`, each
+    question is asked in that prompt format and the answer ends at its end of turn."""
     keep = limit - max_new_tokens
     if keep < 1:
         raise EvalInputError(
@@ -105,10 +117,21 @@ def evaluate_qa(
             f"{limit} tokens"
         )
     stops = stop_ids(tokenizer)
+    end_of_turn = ""
+    if chat is not None:
+        end_of_turn = chat.renderer.end_of_turn()
+        end_id = chat.end_of_turn_id()
+        if end_id is not None:
+            stops.add(end_id)
     rows = []
     for record in records:
-        prompt = tokenizer.tokenize(record.prompt())[-keep:]
+        if chat is None:
+            prompt = tokenizer.tokenize(record.prompt())[-keep:]
+        else:
+            prompt = chat.prompt_ids(record.messages())[-keep:]
         generated = tokenizer.detokenize(generate(prompt, max_new_tokens, stops))
+        if end_of_turn:
+            generated = generated.split(end_of_turn, 1)[0]
         prediction = answer_of(generated)
         rows.append(
             {

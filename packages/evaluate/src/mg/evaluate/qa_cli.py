@@ -3,7 +3,10 @@ checkpoint (Megatron's InstructRetro evaluation: tools/retro/text_generation).
 
 A Retro checkpoint retrieves at generation time from ``--retro-project-dir`` (default:
 the project it was trained on, from its args); a GPT checkpoint answers from the
-prompt alone. Single process, one question at a time.
+prompt alone. Single process, one question at a time. A model finetuned on `mg-prep
+sft` conversations (`mg-train gpt|retro --sft`) is asked in the prompt format it was
+trained on with ``--sft-tokenizer-prompt-format`` (Megatron's flag), as Megatron's
+InstructRetro evaluation asks in its SFT template.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 from typing import Any
 
+from mg.core.chat_format import CHAT_TEMPLATE, FLAG, SUPPORTED_FORMATS
 from mg.core.cli_types import ckpt_step
 from mg.core.retro.flags import add_retrieval_flags
 from mg.evaluate.errors import EvalInputError
@@ -37,6 +42,15 @@ def add_qa_task(sub: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--max-new-tokens", type=int, default=32, help="tokens generated per answer (32)"
     )
+    d.add_argument(
+        FLAG,
+        dest="sft_tokenizer_prompt_format",
+        metavar="|".join(SUPPORTED_FORMATS),
+        help="ask each question (after its context) as a chat's user turn in this prompt "
+        "format, as `mg-prep sft` rendered the finetuning conversations: chatml, or "
+        f"{CHAT_TEMPLATE} (the tokenizer folder's own template); the answer ends at the "
+        "format's end of turn (default: the plain 'Question: ...\\nAnswer:' prompt)",
+    )
     d.add_argument("--output-path", metavar="FILE.jsonl", help="each question's prediction")
     d.add_argument("--report", metavar="FILE.jsonl", help="append the results as a JSON line")
     add_retrieval_flags(p.add_argument_group("retrieval", "Retro checkpoints (Megatron's names)"))
@@ -58,6 +72,10 @@ def run_qa(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     records = read_records(args.valid_data)
     overrides = {name: getattr(args, name) for name in _TOKENIZER}
     context: dict[str, Any] = {"valid_data": args.valid_data, "max_new_tokens": args.max_new_tokens}
+    chat = None
+    if args.sft_tokenizer_prompt_format:
+        chat = _chat_format(args, overrides)
+        context["sft_tokenizer_prompt_format"] = args.sft_tokenizer_prompt_format
     if is_retro_config(recorded_model_config(args.load, args.ckpt_step)):
         generate, tokenizer, limit, iteration, project = _retro(args, overrides)
         context["retro_project_dir"] = project
@@ -79,7 +97,7 @@ def run_qa(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
             loaded.tokenizer,
             loaded.iteration,
         )
-    metrics, rows = evaluate_qa(records, tokenizer, generate, limit, args.max_new_tokens)
+    metrics, rows = evaluate_qa(records, tokenizer, generate, limit, args.max_new_tokens, chat)
     if args.output_path:
         tmp = f"{args.output_path}.tmp"
         with open(tmp, "w", encoding="utf-8") as out:
@@ -87,6 +105,55 @@ def run_qa(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
                 out.write(json.dumps(row) + "\n")
         os.replace(tmp, args.output_path)
     return metrics, dict(context, iteration=iteration)
+
+
+def _chat_format(args: argparse.Namespace, overrides: dict[str, Any]):
+    """The prompt format of the checkpoint's Hugging Face tokenizer folder (the one
+    `mg-prep sft --tokenizer-model` rendered the conversations with)."""
+    # lazy: the checkpoint reader and the tokenizer only once the flags are parsed
+    from mg.core.chat_format import (
+        ChatFormatError,
+        check_format,
+        load_chat_format,
+        read_tokenizer_settings,
+        template_source,
+    )
+    from mg.core.checkpoint import CheckpointError, load_checkpoint
+    from mg.core.checkpoint.model_io import resolve_tokenizer_paths
+    from mg.core.tokenizers import TokenizerConfig
+
+    fmt = args.sft_tokenizer_prompt_format
+    try:
+        check_format(fmt)
+    except ChatFormatError as exc:
+        raise EvalInputError(str(exc)) from None
+    try:
+        state, _ = load_checkpoint(args.load, args.ckpt_step, mmap=True)
+        recorded = dict((state.get("mg") or {}).get("tokenizer_config") or {})
+    except (CheckpointError, OSError, ValueError):
+        recorded = {}
+    fields = {**recorded, **{k: v for k, v in overrides.items() if v is not None}}
+    kind = fields.get("tokenizer_type")
+    if kind != "HuggingFaceTokenizer" or not fields.get("tokenizer_model"):
+        raise EvalInputError(
+            f"{FLAG} {fmt}: needs a Hugging Face tokenizer folder (HuggingFaceTokenizer "
+            f"--tokenizer-model, as mg-prep sft renders with); the checkpoint's tokenizer is "
+            f"{kind or 'not recorded'}"
+        )
+    config = resolve_tokenizer_paths(TokenizerConfig.from_dict(fields), args.load)
+    folder = Path(str(config.tokenizer_model))
+    if folder.is_file():
+        folder = folder.parent
+    if fmt == CHAT_TEMPLATE and not template_source(folder, read_tokenizer_settings(folder)):
+        raise EvalInputError(
+            f"{FLAG} {CHAT_TEMPLATE}: the tokenizer folder {folder} has no chat template "
+            "(tokenizer_config.json's chat_template or chat_template.jinja); use chatml, or "
+            "leave the flag out for the plain prompt"
+        )
+    try:
+        return load_chat_format(folder, fmt)
+    except ChatFormatError as exc:
+        raise EvalInputError(str(exc)) from None
 
 
 def _retro(args: argparse.Namespace, overrides: dict[str, Any]):

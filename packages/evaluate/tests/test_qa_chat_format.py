@@ -1,0 +1,222 @@
+"""`mg-eval qa --sft-tokenizer-prompt-format`: a chat-finetuned model is asked in the format
+it was trained on. The prompt ids equal those `mg-prep sft` writes for [user: question,
+assistant: answer] up to where the reply starts (chatml and a real ChatML-style template
+with a default system turn); the answer ends at the format's end of turn; a tiny GPT
+that learnt two such conversations answers both exactly; a request the checkpoint's
+tokenizer cannot serve is one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from eval_data import save_gpt
+
+from mg.core.chat_format import load_chat_format
+from mg.core.fixtures import FixtureError, fixture_path
+from mg.core.models import GPTModel
+from mg.core.models.presets import tiny_gpt2
+from mg.core.tokenizers import TokenizerConfig, build_tokenizer
+from mg.evaluate.cli import main
+from mg.evaluate.qa import QARecord, evaluate_qa
+
+# Qwen2-style: ChatML with a system turn of its own when the conversation has none.
+TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+RECORDS = [
+    {"question": "Who is the narrator's servant?", "answers": ["Kiyo"]},
+    {
+        "question": "What does he teach?",
+        "answers": ["mathematics"],
+        "context": "He went to Shikoku to teach mathematics at a middle school.",
+    },
+]
+
+
+def _tokenizer_folder(root: Path, template: str | None) -> Path:
+    """A Hugging Face tokenizer folder: GPT-2's real BPE plus <|im_start|>, <|im_end|>."""
+    tokenizers = pytest.importorskip("tokenizers")
+    try:
+        vocab = fixture_path("gpt2-bpe", "vocab.json")
+        merges = fixture_path("gpt2-bpe", "merges.txt")
+    except FixtureError as exc:
+        pytest.skip(f"fixture gpt2-bpe cannot be fetched: {exc}")
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    root.mkdir(parents=True, exist_ok=True)
+    tok.save(str(root / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+    }
+    if template is not None:
+        config["chat_template"] = template
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
+    return root
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory) -> Path:
+    return _tokenizer_folder(tmp_path_factory.mktemp("chat") / "tokenizer", TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def plain_folder(tmp_path_factory) -> Path:
+    return _tokenizer_folder(tmp_path_factory.mktemp("plain") / "tokenizer", None)
+
+
+@pytest.mark.parametrize("fmt", ["chatml", "chat_template"])
+@pytest.mark.parametrize("row", RECORDS)
+def test_prompt_is_the_training_conversation_up_to_the_reply(chat_folder, fmt, row) -> None:
+    sft = pytest.importorskip("mg.corpus_prep.chat_format")
+    record = QARecord(row["question"], row["answers"], row.get("context"))
+    prompt = load_chat_format(chat_folder, fmt).prompt_ids(record.messages())
+    conversation = [*record.messages(), {"role": "assistant", "content": row["answers"][0]}]
+    ids, mask = sft.load_encoder(str(chat_folder), fmt).encode(conversation)
+    reply = int(mask.argmax())  # the first token of the assistant's reply
+    assert mask[reply] == 1 and not mask[:reply].any()
+    assert prompt == ids[:reply].tolist()
+    if row.get("context"):  # the context comes first in the user turn
+        text = load_chat_format(chat_folder, fmt).renderer.render(record.messages(), True)
+        assert text.index(row["context"]) < text.index(row["question"])
+
+
+def test_chat_template_prompt_has_the_templates_system_turn(chat_folder) -> None:
+    record = QARecord("Who?", ["Kiyo"])
+    chatml = load_chat_format(chat_folder, "chatml").renderer.render(record.messages(), True)
+    own = load_chat_format(chat_folder, "chat_template").renderer.render(record.messages(), True)
+    assert chatml == "<|im_start|>user\nWho?<|im_end|>\n<|im_start|>assistant\n"
+    assert own == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + chatml
+
+
+def test_answer_ends_at_the_end_of_turn(chat_folder) -> None:
+    """A Retro model or a GPT, any `generate` sees the chat prompt and stops at <|im_end|>."""
+    chat = load_chat_format(chat_folder, "chatml")
+    tokenizer = build_tokenizer(
+        TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(chat_folder))
+    )
+    im_end = chat.tokenizer.token_to_id("<|im_end|>")
+    record = QARecord("Who is the narrator's servant?", ["Kiyo"])
+    seen = []
+
+    def generate(prompt: list[int], max_new: int, stops: set[int]) -> list[int]:
+        seen.append((prompt, stops))
+        # "Kiyo" then the end of turn, then what a model may run on into (no line break)
+        return tokenizer.tokenize(" Kiyo") + [im_end] + tokenizer.tokenize(" and Botchan")
+
+    metrics, rows = evaluate_qa([record], tokenizer, generate, 128, 8, chat)
+    assert seen[0][0] == chat.prompt_ids(record.messages())
+    assert im_end in seen[0][1]
+    assert rows[0]["prediction"] == "Kiyo"
+    assert metrics["exact_match"] == 1.0
+
+
+def _learnt_gpt(folder: Path, root: Path) -> Path:
+    """A tiny GPT that learnt the two QA conversations in ChatML by heart."""
+    sft = pytest.importorskip("mg.corpus_prep.chat_format")
+    encoder = sft.load_encoder(str(folder), "chatml")
+    rows = []
+    for row in RECORDS:
+        record = QARecord(row["question"], row["answers"], row.get("context"))
+        reply = {"role": "assistant", "content": row["answers"][0]}
+        rows.append(encoder.encode([*record.messages(), reply])[0].tolist())
+    torch.manual_seed(0)
+    config = tiny_gpt2(
+        vocab_size=50304,
+        hidden_size=32,
+        num_attention_heads=4,
+        seq_length=64,
+        max_position_embeddings=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(config)
+    width = max(len(r) for r in rows)
+    batch = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros(len(rows), width - 1)
+    for i, ids in enumerate(rows):
+        batch[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids) - 1] = 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(80):
+        loss = (model(batch[:, :-1], labels=batch[:, 1:]) * mask).sum() / mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    tok_config = TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(folder))
+    return save_gpt(root, model, tok_config)
+
+
+def _run(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as stop:
+        return int(stop.code or 0)
+
+
+def test_chatml_qa_end_to_end(chat_folder, tmp_path, capsys) -> None:
+    ckpt = _learnt_gpt(chat_folder, tmp_path / "ckpt")
+    questions = tmp_path / "qa.jsonl"
+    questions.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    output = tmp_path / "pred.jsonl"
+    argv = ["qa", "--load", str(ckpt), "--valid-data", str(questions)]
+    argv += ["--sft-tokenizer-prompt-format", "chatml", "--max-new-tokens", "8"]
+    argv += ["--output-path", str(output)]
+    assert _run(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        "validation results on QA | exact match: 1.0000 | f1: 1.0000 | total examples: 2 |" in out
+    )
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["prediction"] for r in rows] == ["Kiyo", "mathematics"]
+
+
+@pytest.mark.parametrize(
+    ("which", "fmt", "message"),
+    [
+        (
+            "plain",
+            "chat_template",
+            r"--sft-tokenizer-prompt-format chat_template: the tokenizer "
+            r"folder .* has no chat template",
+        ),  # fmt: skip
+        (
+            "gpt2",
+            "chatml",
+            r"--sft-tokenizer-prompt-format chatml: needs a Hugging Face "
+            r"tokenizer folder .* GPT2BPETokenizer",
+        ),  # fmt: skip
+        ("plain", "llama3", r"--sft-tokenizer-prompt-format llama3: not supported here"),
+    ],
+)
+def test_a_format_the_tokenizer_cannot_serve_is_one_line_exit_2(
+    plain_folder, zero_ckpt, tmp_path, capsys, which, fmt, message
+) -> None:
+    if which == "plain":
+        model = GPTModel(tiny_gpt2(vocab_size=50304, hidden_size=16, seq_length=32))
+        tok_config = TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(plain_folder))
+        ckpt = save_gpt(tmp_path / "ckpt", model, tok_config)
+    else:
+        ckpt = zero_ckpt
+    questions = tmp_path / "qa.jsonl"
+    questions.write_text(json.dumps(RECORDS[0]) + "\n")
+    argv = ["qa", "--load", str(ckpt), "--valid-data", str(questions)]
+    assert _run([*argv, "--sft-tokenizer-prompt-format", fmt]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("mg-eval qa: error:"), err
+    assert re.search(message, err), err
