@@ -1,9 +1,10 @@
 """`mg-eval qa --sft-tokenizer-prompt-format`: a chat-finetuned model is asked in the format
 it was trained on. The prompt ids equal those `mg-prep sft` writes for [user: question,
-assistant: answer] up to where the reply starts (chatml and a real ChatML-style template
-with a default system turn); the answer ends at the format's end of turn; a tiny GPT
-that learnt two such conversations answers both exactly; a request the checkpoint's
-tokenizer cannot serve is one line, exit 2."""
+assistant: answer] up to where the reply starts (chatml and a Qwen2-style template with a
+default system turn; SmolLM2-135M-Instruct's own, slow); the answer ends at the format's
+end of turn; a tiny GPT that learnt two such conversations answers both exactly (torch
+and torch_dist checkpoints); a request the checkpoint's tokenizer cannot serve is one
+line, exit 2."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 from eval_data import save_gpt
 
 from mg.core.chat_format import load_chat_format
+from mg.core.checkpoint import mg_metadata
+from mg.core.checkpoint.dist_format import save_dist_checkpoint
 from mg.core.fixtures import FixtureError, fixture_path
 from mg.core.models import GPTModel
 from mg.core.models.presets import tiny_gpt2
@@ -125,10 +128,11 @@ def test_answer_ends_at_the_end_of_turn(chat_folder) -> None:
     assert metrics["exact_match"] == 1.0
 
 
-def _learnt_gpt(folder: Path, root: Path) -> Path:
+@pytest.fixture(scope="module")
+def learnt(chat_folder) -> GPTModel:
     """A tiny GPT that learnt the two QA conversations in ChatML by heart."""
     sft = pytest.importorskip("mg.corpus_prep.chat_format")
-    encoder = sft.load_encoder(str(folder), "chatml")
+    encoder = sft.load_encoder(str(chat_folder), "chatml")
     rows = []
     for row in RECORDS:
         record = QARecord(row["question"], row["answers"], row.get("context"))
@@ -152,14 +156,21 @@ def _learnt_gpt(folder: Path, root: Path) -> Path:
         batch[i, : len(ids)] = torch.tensor(ids)
         mask[i, : len(ids) - 1] = 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(80):
+    for _ in range(60):
         loss = (model(batch[:, :-1], labels=batch[:, 1:]) * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    model.eval()
+    return model.eval()
+
+
+def _save(model: GPTModel, folder: Path, root: Path, ckpt_format: str) -> Path:
     tok_config = TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(folder))
-    return save_gpt(root, model, tok_config)
+    if ckpt_format == "torch":
+        return save_gpt(root, model, tok_config)
+    meta = mg_metadata(model.config.to_dict(), tok_config.to_dict())
+    save_dist_checkpoint(root, 40, {"model": model.state_dict()}, {"mg": meta})
+    return root
 
 
 def _run(argv: list[str]) -> int:
@@ -169,8 +180,9 @@ def _run(argv: list[str]) -> int:
         return int(stop.code or 0)
 
 
-def test_chatml_qa_end_to_end(chat_folder, tmp_path, capsys) -> None:
-    ckpt = _learnt_gpt(chat_folder, tmp_path / "ckpt")
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_chatml_qa_end_to_end(learnt, chat_folder, tmp_path, capsys, ckpt_format) -> None:
+    ckpt = _save(learnt, chat_folder, tmp_path / "ckpt", ckpt_format)
     questions = tmp_path / "qa.jsonl"
     questions.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     output = tmp_path / "pred.jsonl"
@@ -220,3 +232,45 @@ def test_a_format_the_tokenizer_cannot_serve_is_one_line_exit_2(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("mg-eval qa: error:"), err
     assert re.search(message, err), err
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct's tokenizer and ChatML template, as import-gguf writes them."""
+    pytest.importorskip("gguf")
+    from mg.ckpt_convert.gguf_file import metadata, open_reader
+    from mg.ckpt_convert.gguf_tokenizer import write_tokenizer
+
+    try:
+        gguf = fixture_path("smollm2-gguf", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    except FixtureError as exc:
+        pytest.skip(f"fixture smollm2-gguf cannot be fetched: {exc}")
+    folder = tmp_path_factory.mktemp("smollm2") / "tokenizer"
+    assert write_tokenizer(metadata(open_reader(gguf)), gguf, folder, 2048)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.compat
+@pytest.mark.parametrize("fmt", ["chat_template", "chatml"])
+def test_prompt_on_smollm2s_own_template(smollm2_folder, fmt) -> None:
+    """A real chat model's tokenizer and template: the QA prompt is the training
+    conversation up to the reply, and its own template's prompt equals transformers'
+    `apply_chat_template(..., add_generation_prompt=True)`."""
+    transformers = pytest.importorskip("transformers")
+    sft = pytest.importorskip("mg.corpus_prep.chat_format")
+    folder = smollm2_folder
+    chat = load_chat_format(folder, fmt)
+    assert chat.renderer.end_of_turn() == "<|im_end|>"
+    for row in RECORDS:
+        record = QARecord(row["question"], row["answers"], row.get("context"))
+        prompt = chat.prompt_ids(record.messages())
+        conversation = [*record.messages(), {"role": "assistant", "content": row["answers"][0]}]
+        ids, mask = sft.load_encoder(str(folder), fmt).encode(conversation)
+        assert prompt == ids[: int(mask.argmax())].tolist()
+        if fmt == "chat_template":
+            reference = transformers.AutoTokenizer.from_pretrained(str(folder))
+            expected = reference.apply_chat_template(
+                record.messages(), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            assert prompt == list(expected)

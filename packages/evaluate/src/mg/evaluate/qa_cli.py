@@ -118,7 +118,6 @@ def _chat_format(args: argparse.Namespace, overrides: dict[str, Any]):
         read_tokenizer_settings,
         template_source,
     )
-    from mg.core.checkpoint import CheckpointError, load_checkpoint
     from mg.core.checkpoint.model_io import resolve_tokenizer_paths
     from mg.core.tokenizers import TokenizerConfig
 
@@ -127,11 +126,7 @@ def _chat_format(args: argparse.Namespace, overrides: dict[str, Any]):
         check_format(fmt)
     except ChatFormatError as exc:
         raise EvalInputError(str(exc)) from None
-    try:
-        state, _ = load_checkpoint(args.load, args.ckpt_step, mmap=True)
-        recorded = dict((state.get("mg") or {}).get("tokenizer_config") or {})
-    except (CheckpointError, OSError, ValueError):
-        recorded = {}
+    recorded = _recorded_tokenizer(args.load, args.ckpt_step)
     fields = {**recorded, **{k: v for k, v in overrides.items() if v is not None}}
     kind = fields.get("tokenizer_type")
     if kind != "HuggingFaceTokenizer" or not fields.get("tokenizer_model"):
@@ -154,6 +149,25 @@ def _chat_format(args: argparse.Namespace, overrides: dict[str, Any]):
         return load_chat_format(folder, fmt)
     except ChatFormatError as exc:
         raise EvalInputError(str(exc)) from None
+
+
+def _recorded_tokenizer(load_dir: str, iteration: Any) -> dict[str, Any]:
+    """The tokenizer config a checkpoint records, torch or torch_dist ({} when none)."""
+    # lazy: the checkpoint readers only once the flags are parsed
+    from mg.core.checkpoint import CheckpointError, load_checkpoint
+    from mg.core.checkpoint.dist_format import is_torch_dist
+    from mg.core.checkpoint.model_io import described_common
+    from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
+
+    try:
+        folder = iteration_dir(load_dir, resolve_iteration(load_dir, iteration))
+        if is_torch_dist(folder):
+            state = described_common(folder)
+        else:
+            state, _ = load_checkpoint(load_dir, iteration, mmap=True)
+    except (CheckpointError, OSError, ValueError, KeyError):
+        return {}
+    return dict((state.get("mg") or {}).get("tokenizer_config") or {})
 
 
 def _retro(args: argparse.Namespace, overrides: dict[str, Any]):
