@@ -214,6 +214,7 @@ def test_chatml_qa_end_to_end(learnt, chat_folder, tmp_path, capsys, ckpt_format
             r"tokenizer folder .* GPT2BPETokenizer",
         ),  # fmt: skip
         ("plain", "llama3", r"--sft-tokenizer-prompt-format llama3: not supported here"),
+        ("missing", "chatml", r"nowhere: no such checkpoint folder \(--load\)"),
     ],
 )
 def test_a_format_the_tokenizer_cannot_serve_is_one_line_exit_2(
@@ -223,6 +224,8 @@ def test_a_format_the_tokenizer_cannot_serve_is_one_line_exit_2(
         model = GPTModel(tiny_gpt2(vocab_size=50304, hidden_size=16, seq_length=32))
         tok_config = TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(plain_folder))
         ckpt = save_gpt(tmp_path / "ckpt", model, tok_config)
+    elif which == "missing":
+        ckpt = tmp_path / "nowhere"
     else:
         ckpt = zero_ckpt
     questions = tmp_path / "qa.jsonl"

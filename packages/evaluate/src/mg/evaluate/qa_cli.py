@@ -126,6 +126,8 @@ def _chat_format(args: argparse.Namespace, overrides: dict[str, Any]):
         check_format(fmt)
     except ChatFormatError as exc:
         raise EvalInputError(str(exc)) from None
+    if not Path(args.load).is_dir():
+        raise EvalInputError("no such checkpoint folder (--load)", args.load)
     recorded = _recorded_tokenizer(args.load, args.ckpt_step)
     fields = {**recorded, **{k: v for k, v in overrides.items() if v is not None}}
     kind = fields.get("tokenizer_type")
