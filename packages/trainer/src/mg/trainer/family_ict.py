@@ -10,6 +10,23 @@ that a checkpoint rebuilds the same model. Data: `ICTDataset` over the
 sentence-split `--data-path`, titles from `--titles-data-path`, split by documents
 with `--split`. Loss: each query against every block of the micro-batch (in-batch
 negatives), cross entropy with its own block, logged as `lm loss`.
+
+With data parallelism the negatives are the blocks of the global micro-batch, as
+Megatron's pretrain_ict.py: each rank all-gathers the block embeddings of every
+rank (`mg.core.parallel.data_parallel_gather`) and scores its own queries against
+them. With P ranks of b pairs (N = P·b, rank r's pairs I_r) and ℓ_i the cross
+entropy of query i against all N blocks, one process's loss on that micro-batch
+is L = (1/N) Σ_i ℓ_i; rank r backpropagates the loop's mean over its queries,
+L_r = (1/b) Σ_{i∈I_r} ℓ_i, so L = (1/P) Σ_r L_r. Only ℓ_i holds q_i:
+∂L_r/∂q_i = P·∂L/∂q_i. Every L_s holds every block: the gather's backward sums
+∂L_s/∂c_j over the ranks s onto the rank of c_j, P·∂L/∂c_j. So each rank's
+weight gradient is P times the part of ∂L/∂θ that flows through its own rows, and
+the average over the P ranks (DDP, or the distributed optimizer's reduce-scatter)
+is ∂L/∂θ, the one-process gradient; over micro-batches the loop's / num_micro is
+the same on both. The reported loss adds Σ_{i∈I_r} ℓ_i and b over ranks and
+micro-batches: the one-process mean. (Megatron gathers the queries too, computes
+the whole L on every rank times P, and its gather's backward keeps only this
+rank's slice: the same gradient, with N×N scores on every rank instead of b×N.)
 """
 
 from __future__ import annotations
@@ -19,10 +36,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mg.core.models.biencoder import BiEncoderModel, ict_loss, retrieval_scores
 from mg.core.models.config import TransformerConfig
+from mg.core.parallel.data_parallel_gather import gather_from_data_parallel
 from mg.core.retro.bert_embedder import BertCheckpointError, load_bert_checkpoint
 from mg.indexed_dataset import IndexedDataset
 from mg.indexed_dataset.ict_dataset import ICTDataset
@@ -124,16 +143,30 @@ def _unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
+def _data_parallel_group() -> dist.ProcessGroup | None:
+    """The ranks whose blocks are each query's negatives: the world (ICT runs without model
+    parallelism, arguments/ict.py), None in one process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
 def ict_loss_terms(model: nn.Module, batch: dict[str, torch.Tensor]):
-    """(ICT loss × queries, queries): the loop's mean over queries is the ICT loss."""
+    """(ICT loss × queries, queries) of this rank's queries against the blocks of every
+    data-parallel rank: the loop's mean over queries is the ICT loss (module doc)."""
     query, context = model(
         batch["query_tokens"],
         batch["query_pad_mask"],
         batch["context_tokens"],
         batch["context_pad_mask"],
     )
+    first_block = 0
+    group = _data_parallel_group()
+    if group is not None:  # every rank, every micro-batch (training and validation) alike
+        context = gather_from_data_parallel(context, group)
+        first_block = dist.get_rank(group) * query.shape[0]
     config = _unwrapped(model).config
     scaling = (config.extra or {}).get("biencoder", {}).get("score_scaling", False)
     scores = retrieval_scores(query, context, config.hidden_size if scaling else None)
     count = torch.tensor(float(query.shape[0]), device=query.device)
-    return ict_loss(scores) * count, count
+    return ict_loss(scores, first_block) * count, count

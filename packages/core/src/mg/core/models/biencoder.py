@@ -140,9 +140,11 @@ def retrieval_scores(
     return scores / math.sqrt(scale_hidden_size) if scale_hidden_size else scores
 
 
-def ict_loss(scores: Tensor) -> Tensor:
-    """Cross entropy of each query against its own block (the diagonal) among the batch's."""
-    labels = torch.arange(scores.shape[0], device=scores.device)
+def ict_loss(scores: Tensor, first_block: int = 0) -> Tensor:
+    """Cross entropy of each query against its own block among the batch's: query i's is
+    column `first_block` + i (the diagonal; offset when the blocks are gathered from
+    several data-parallel ranks and these queries are one rank's)."""
+    labels = torch.arange(scores.shape[0], device=scores.device) + first_block
     return F.nll_loss(F.log_softmax(scores, dim=1), labels)
 
 

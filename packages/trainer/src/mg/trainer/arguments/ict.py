@@ -7,7 +7,9 @@ blocks come from a sentence-split `--data-path`, their titles from
 Megatron's group (`--block-data-path`, `--embedding-path`, `--evidence-data-path`,
 `--indexer-*`), `--ict-head-size`/`--ict-load` (REALM) and
 `--retriever-report-topk-accuracies` (the training log has no place for metrics that
-are not losses yet) are refused by argparse for now.
+are not losses yet) are refused by argparse for now. Data-parallel ranks share their
+blocks as in-batch negatives (`family_ict`); model and context parallelism and FSDP
+are refused.
 """
 
 from __future__ import annotations
@@ -99,10 +101,10 @@ def check_ict(args: Args) -> None:
         fail("mg-train ict runs without model parallelism (as Megatron's pretrain_ict.py)")
     if d.context_parallel_size > 1:
         fail("mg-train ict does not support --context-parallel-size > 1")
-    if d.world_size > 1:
+    if args.fsdp.enabled:
         fail(
-            "mg-train ict runs in one process for now: the in-batch negatives of data-parallel "
-            "ranks are not gathered yet (Megatron's AllgatherFromDataParallelRegion)"
+            "mg-train ict does not support --use-megatron-fsdp or --use-torch-fsdp2 yet; "
+            "use data parallelism (with --use-distributed-optimizer to shard the optimizer)"
         )
     if args.data.mock_data or not args.data.data_path:
         fail(
