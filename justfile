@@ -130,6 +130,11 @@ detoxify *args: setup
 retro-vs-gpt *args: setup
     exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/retro_vs_gpt/run_retro_vs_gpt.py --output-dir retro-output {{args}}
 
+# the ICT retriever (a BERT bi-encoder) trained briefly on the CPU against the untrained one: passages -> mg-prep tokenize --split-sentences -> MiniLM's first two layers -> mg-eval ict-retrieval -> mg-train ict -> mg-eval ict-retrieval on held-out pairs (ict-output/summary.md; workflows/ict_retrieval); exits 1 unless training doubles the top-5 accuracy
+[positional-arguments]
+ict-retrieval *args: setup
+    exec "${UV_PROJECT_ENVIRONMENT:-.venv}/bin/python" workflows/ict_retrieval/run_ict_retrieval.py --output-dir ict-output "$@"
+
 # a small VLM learns to name coloured shapes on the CPU: synthetic pictures -> mg-prep vlm -> mg-train vlm (ViT + projector + LM from scratch) and a text-only mg-train gpt -> mg-serve asked about held-out pictures (vlm-shapes-output/summary.md; workflows/vlm_shapes); exits 1 below 90% right; --quick for a smoke run
 [positional-arguments]
 vlm-shapes *args: setup

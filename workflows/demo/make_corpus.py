@@ -52,6 +52,27 @@ def wikipedia_pages(limit: int) -> Iterator[str]:
         element.clear()
 
 
+def passages(words_per_passage: int, wikipedia: int) -> Iterator[str]:
+    """Every text cut into passages of about ``words_per_passage`` words (whole lines)."""
+    sources = [
+        "\n".join(botchan_passages()),
+        *shakespeare_scenes(),
+        *wikipedia_pages(wikipedia),
+    ]
+    for text in sources:
+        lines, count = [], 0
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            lines.append(line.strip())
+            count += len(line.split())
+            if count >= words_per_passage:
+                yield "\n".join(lines)
+                lines, count = [], 0
+        if count >= words_per_passage // 2:
+            yield "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output", type=Path, required=True)

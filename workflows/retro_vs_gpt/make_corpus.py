@@ -29,34 +29,12 @@ import os
 import random
 import re
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "demo"))
-from make_corpus import botchan_passages, shakespeare_scenes, wikipedia_pages  # noqa: E402
+from make_corpus import passages  # noqa: E402 (workflows/demo/make_corpus.py)
 
 SENTENCE_END = re.compile(r"(?<=[.!?;:])(\s+)")
-
-
-def passages(words_per_passage: int, wikipedia: int) -> Iterator[str]:
-    """Every text cut into passages of about ``words_per_passage`` words (whole lines)."""
-    sources = [
-        "\n".join(botchan_passages()),
-        *shakespeare_scenes(),
-        *wikipedia_pages(wikipedia),
-    ]
-    for text in sources:
-        lines, count = [], 0
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            lines.append(line.strip())
-            count += len(line.split())
-            if count >= words_per_passage:
-                yield "\n".join(lines)
-                lines, count = [], 0
-        if count >= words_per_passage // 2:
-            yield "\n".join(lines)
 
 
 def perturb(text: str, vocabulary: list[str], change: float, rng: random.Random) -> str:
