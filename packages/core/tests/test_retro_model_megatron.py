@@ -132,7 +132,10 @@ def run_reference(work: Path, config: RetroConfig, untie: bool) -> dict:
 
     (work / "config.json").write_text(json.dumps(shape))
     site = unpacked_wheel("megatron-core-0.15")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *sys.path]), OMP_NUM_THREADS="1")
+    # megatron-core asserts on the attention-backend variables an earlier in-process
+    # megatron model may have left in this process's environment: start without them
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NVTE_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(site), *sys.path]), OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-c", REFERENCE, str(work)],
         env=env,

@@ -41,6 +41,12 @@ def megatron_cpu_patches() -> Any:
     import pytest
 
     patches = pytest.MonkeyPatch()
+    # a megatron-core model writes its attention backend into these variables at
+    # construction (and asserts on them at the next): undo() gives back the caller's,
+    # so that a later model, or a subprocess this process starts, sees none of them
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        patches.setenv(name, "")  # records the caller's value (or its absence) for undo()
+        patches.delenv(name)
     patches.setattr(torch.cuda, "current_device", lambda: "cpu")
     patches.setattr(
         mcore_utils.GlobalMemoryBuffer,
