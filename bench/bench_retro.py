@@ -41,8 +41,9 @@ from threadpoolctl import threadpool_limits
 
 from mg.core.fixtures import gpt2_bpe_tokenizer_config
 from mg.core.retro.bert_embedder import BertEmbedder, load_bert_checkpoint
+from mg.core.retro.faiss_index import set_search_parameters
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
-from mg.corpus_prep.retro_index import import_faiss, new_index, set_search_parameters
+from mg.corpus_prep.retro_index import import_faiss, new_index
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages/corpus-prep/tests"))
 from retro_corpus import bert_vocab, botchan_documents, minilm_bert, tiny_bert  # noqa: E402
