@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mg.core.fixtures import FixtureError, fixture_path
+from mg.core.testing.tokenizer_folders import chatml_tokenizer_folder
 from mg.corpus_prep.chat_format import ChatFormatError, load_encoder, messages_of
 from mg.corpus_prep.cli import main
 from mg.indexed_dataset import IndexedDataset
@@ -37,30 +37,9 @@ CHAT = [
 @pytest.fixture(scope="module")
 def chatml_folder(tmp_path_factory) -> Path:
     """A Hugging Face tokenizer folder: GPT-2's real BPE plus <|im_start|>, <|im_end|>."""
-    tokenizers = pytest.importorskip("tokenizers")
-    try:
-        vocab, merges = (
-            fixture_path("gpt2-bpe", "vocab.json"),
-            fixture_path("gpt2-bpe", "merges.txt"),
-        )
-    except FixtureError as exc:
-        pytest.skip(f"fixture gpt2-bpe cannot be fetched: {exc}")
-    from tokenizers import decoders, models, pre_tokenizers
-
-    tok = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    folder = tmp_path_factory.mktemp("chatml")
-    tok.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "chat_template": TEMPLATE,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return chatml_tokenizer_folder(
+        tmp_path_factory.mktemp("chatml"), TEMPLATE, eos_token="<|im_end|>"
+    )
 
 
 def test_ids_equal_transformers_apply_chat_template(chatml_folder):

@@ -22,6 +22,7 @@ from mg.core.checkpoint.dist_format import save_dist_checkpoint
 from mg.core.fixtures import FixtureError, fixture_path
 from mg.core.models import GPTModel
 from mg.core.models.presets import tiny_gpt2
+from mg.core.testing.tokenizer_folders import chatml_tokenizer_folder
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
 from mg.evaluate.cli import main
 from mg.evaluate.qa import QARecord, evaluate_qa
@@ -45,41 +46,14 @@ RECORDS = [
 ]
 
 
-def _tokenizer_folder(root: Path, template: str | None) -> Path:
-    """A Hugging Face tokenizer folder: GPT-2's real BPE plus <|im_start|>, <|im_end|>."""
-    tokenizers = pytest.importorskip("tokenizers")
-    try:
-        vocab = fixture_path("gpt2-bpe", "vocab.json")
-        merges = fixture_path("gpt2-bpe", "merges.txt")
-    except FixtureError as exc:
-        pytest.skip(f"fixture gpt2-bpe cannot be fetched: {exc}")
-    from tokenizers import decoders, models, pre_tokenizers
-
-    tok = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    root.mkdir(parents=True, exist_ok=True)
-    tok.save(str(root / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-    }
-    if template is not None:
-        config["chat_template"] = template
-    (root / "tokenizer_config.json").write_text(json.dumps(config))
-    return root
-
-
 @pytest.fixture(scope="module")
 def chat_folder(tmp_path_factory) -> Path:
-    return _tokenizer_folder(tmp_path_factory.mktemp("chat") / "tokenizer", TEMPLATE)
+    return chatml_tokenizer_folder(tmp_path_factory.mktemp("chat") / "tokenizer", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def plain_folder(tmp_path_factory) -> Path:
-    return _tokenizer_folder(tmp_path_factory.mktemp("plain") / "tokenizer", None)
+    return chatml_tokenizer_folder(tmp_path_factory.mktemp("plain") / "tokenizer", None)
 
 
 @pytest.mark.parametrize("fmt", ["chatml", "chat_template"])
