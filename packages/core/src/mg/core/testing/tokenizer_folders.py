@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mg.core.fixtures import FixtureError, fixture_path
+
 
 def chatml_tokenizer_folder(
     folder: Path, chat_template: str | None, eos_token: str = "<|endoftext|>"
@@ -16,15 +18,13 @@ def chatml_tokenizer_folder(
     # lazy: pytest and tokenizers are test-only here
     import pytest
 
-    from mg.core.fixtures import FixtureError, fixture_path
-
     tokenizers = pytest.importorskip("tokenizers")
     try:
         vocab = fixture_path("gpt2-bpe", "vocab.json")
         merges = fixture_path("gpt2-bpe", "merges.txt")
     except FixtureError as exc:
         pytest.skip(f"fixture gpt2-bpe cannot be fetched: {exc}")
-    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers import decoders, models, pre_tokenizers  # lazy: as above
 
     tok = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
