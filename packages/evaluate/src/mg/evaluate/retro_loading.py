@@ -20,7 +20,7 @@ from mg.core.models.retro import RetroConfig, RetroModel
 from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
 from mg.core.retro.checkpoint import load_retro_checkpoint
 from mg.core.retro.project import RetroProjectError
-from mg.core.retro.retrieval import Retriever, open_retriever
+from mg.core.retro.retrieval import Retriever, open_checkpoint_retriever
 from mg.core.tokenizers.base import BaseTokenizer
 from mg.evaluate.errors import EvalInputError
 from mg.evaluate.model_loading import eval_tokenizer
@@ -64,25 +64,11 @@ def load_retro(
 def retriever_for(loaded: LoadedRetro, project_dir: str | None) -> Retriever:
     """The retriever of ``project_dir`` (default: the checkpoint's retro_project_dir) for the
     loaded model, as many neighbours per chunk as its config says."""
-    project_dir = project_dir or loaded.args.get("retro_project_dir")
-    if not project_dir:
-        raise EvalInputError(
-            "the checkpoint records no retro_project_dir; give --retro-project-dir (the "
-            "mg-prep retro folder the model was trained on)"
-        )
-    if not Path(project_dir).is_dir():
-        raise EvalInputError(f"--retro-project-dir {project_dir}: no such folder")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        retriever = open_retriever(
-            project_dir,
-            loaded.tokenizer,
-            loaded.config.retro_chunk_length,
-            loaded.config.retro_num_neighbors,
-            loaded.config.retro_num_retrieved_chunks,
-            IndexedDataset,
-        )
+        return open_checkpoint_retriever(
+            project_dir, loaded.args, "the checkpoint", loaded.tokenizer, loaded.config,
+            IndexedDataset, device,
+        )  # fmt: skip
     except RetroProjectError as err:
         raise EvalInputError(str(err)) from None
-    if torch.cuda.is_available():  # BERT embeds where the model runs; Faiss stays on the CPU
-        retriever.embedder.model.cuda()
-    return retriever

@@ -32,7 +32,7 @@ from mg.core.models.retro import RetroConfig, RetroModel
 from mg.core.models.vocab_mask import set_real_vocab_size, unpadded_vocab_size
 from mg.core.retro.checkpoint import load_retro_checkpoint
 from mg.core.retro.project import RetroProjectError
-from mg.core.retro.retrieval import Retriever, open_retriever
+from mg.core.retro.retrieval import Retriever, open_checkpoint_retriever
 from mg.core.tokenizers import BaseTokenizer, TokenizerConfig, build_tokenizer
 from mg.generate_server.errors import ServeSetupError
 
@@ -181,14 +181,6 @@ def load_retro_for_serving(
         model = model.to(getattr(torch, dtype))
     model = model.to(device).eval()
     set_real_vocab_size(model, unpadded_vocab_size(ckpt.config, tokenizer.vocab_size))
-    project = args.retro_project_dir or ckpt.args.get("retro_project_dir")
-    if not project:
-        raise ServeSetupError(
-            f"{args.load} records no retro_project_dir; give --retro-project-dir (the "
-            "mg-prep retro folder the model was trained on)"
-        )
-    if not Path(project).is_dir():
-        raise ServeSetupError(f"--retro-project-dir {project}: no such folder")
     try:
         # lazy: the indexed datasets only for a Retro model (an optional dependency here)
         from mg.indexed_dataset import IndexedDataset
@@ -196,18 +188,13 @@ def load_retro_for_serving(
         raise ServeSetupError(
             "serving a Retro model reads its chunk database: pip install mg-indexed-dataset"
         ) from None
-    try:
-        retriever = open_retriever(
-            project,
-            tokenizer,
-            ckpt.config.retro_chunk_length,
-            ckpt.config.retro_num_neighbors,
-            ckpt.config.retro_num_retrieved_chunks,
-            IndexedDataset,
-        )
+    try:  # BERT embeds where the model runs (fp32)
+        retriever = open_checkpoint_retriever(
+            args.retro_project_dir, ckpt.args, args.load, tokenizer, ckpt.config,
+            IndexedDataset, device,
+        )  # fmt: skip
     except RetroProjectError as err:
         raise ServeSetupError(str(err)) from None
-    retriever.embedder.model.to(device)  # BERT embeds where the model runs (fp32)
     name = Path(args.load).resolve().name
     return LoadedRetro(model, ckpt.config, tokenizer, ckpt.tokenizer_config, name, retriever)
 

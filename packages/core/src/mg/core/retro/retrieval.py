@@ -208,3 +208,37 @@ def open_retriever(
         normalize=True,  # the database was embedded so (bert_embedder says why)
     )
     return Retriever(database, index, embedder, tokenizer, num_neighbors, num_retrieved_chunks)
+
+
+def open_checkpoint_retriever(
+    project_dir: str | None,
+    saved_args: dict[str, Any],
+    checkpoint: str,
+    tokenizer: BaseTokenizer,
+    config: Any,
+    open_source: Callable[[str], TokenSource],
+    device: Any = None,
+) -> Retriever:
+    """The retriever a Retro checkpoint generates with (mg-eval qa, mg-serve): the project
+    ``project_dir`` (--retro-project-dir) or, without it, the one the checkpoint's saved
+    args name (`mg-train retro`'s), opened for its RetroConfig ``config``; BERT moved to
+    ``device`` (the model's; Faiss searches on the CPU). ``checkpoint`` names it in errors."""
+    project_dir = project_dir or saved_args.get("retro_project_dir")
+    if not project_dir:
+        raise RetroProjectError(
+            f"{checkpoint} records no retro_project_dir; give {FLAG} (the mg-prep retro folder "
+            "the model was trained on)"
+        )
+    if not os.path.isdir(project_dir):
+        raise RetroProjectError(f"{FLAG} {project_dir}: no such folder")
+    retriever = open_retriever(
+        project_dir,
+        tokenizer,
+        config.retro_chunk_length,
+        config.retro_num_neighbors,
+        config.retro_num_retrieved_chunks,
+        open_source,
+    )
+    if device is not None:
+        retriever.embedder.model.to(device)
+    return retriever
