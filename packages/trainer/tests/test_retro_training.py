@@ -242,3 +242,34 @@ def test_use_checkpoint_args_reads_a_retro_checkpoint(project: dict, tmp_path: P
     assert args.model.hidden_size == 32
     assert args.checkpoint_model_config["retro_chunk_length"] == CHUNK
     assert Trainer(args).train().losses == whole[2:]
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        + ["--recompute-num-layers", "1"],
+        ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+        + ["--recompute-num-layers", "2"],
+        ["--recompute-granularity", "full", "--recompute-method", "block"]
+        + ["--recompute-num-layers", "4"],
+        ["--recompute-granularity", "selective"],
+        ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp"]
+        + ["layernorm"],
+    ],
+    ids=["uniform-1", "uniform-2", "block-4", "selective", "modules"],
+)
+def test_recompute_keeps_the_losses(project: dict, tmp_path: Path, recompute: list[str]) -> None:
+    """Activation recompute of the decoder's layers (Retro layers included) and of the
+    neighbour encoder's: the same losses and gradient norms as without, and it is applied
+    (the encoder's layers or attention cores are recomputed too)."""
+    argv = retro_argv(project, tmp_path, "--train-iters", "4", "--lr-decay-iters", "4")
+    plain = Trainer(parse_args(argv)).train()
+    trainer = Trainer(parse_args([*argv, *recompute]))
+    encoder = trainer.model.decoder.layers[5].cross_attention.encoder
+    assert any(getattr(m, "_mg_recompute", False) for m in encoder.modules())
+    result = trainer.train()
+    for a, b in zip(result.losses, plain.losses, strict=True):
+        assert a == pytest.approx(b, rel=1e-6, abs=0), (result.losses, plain.losses)
+    for a, b in zip(result.grad_norms, plain.grad_norms, strict=True):
+        assert a == pytest.approx(b, rel=1e-5), (result.grad_norms, plain.grad_norms)

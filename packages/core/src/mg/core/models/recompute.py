@@ -14,6 +14,9 @@ full, uniform: the layers are cut into consecutive chunks of N and each chunk
     stores only its input; everything inside is recomputed.
 full, block: the first N layers each store only their input; the rest are
     not recomputed (trading memory for speed on a pipeline stage).
+Retro: its neighbour encoder (inside the first Retro layer) is a layer stack of its
+    own, recomputed as the decoder is (Megatron builds it as a TransformerBlock with
+    the same config); selective recompute covers the cross-attention cores too.
 
 --moe-layer-recompute (`apply_moe_layer_recompute`): each MoE layer (router,
     dispatch, experts) stores only its input, as Megatron's MoELayer does
@@ -72,6 +75,7 @@ __all__ = [
     "Recomputed",
     "RecomputedMoELayer",
     "UniformlyRecomputedDecoder",
+    "UniformlyRecomputedStack",
     "RECOMPUTE_MODULES",
     "RecomputedModule",
     "apply_activation_recompute",
@@ -131,6 +135,31 @@ class UniformlyRecomputedDecoder:
         return final_norm(hidden)
 
 
+class UniformlyRecomputedStack:
+    """Mixin for a layer stack that runs its layers through `run_layers(layers, carried,
+    *fixed) -> carried` (Retro's decoder, whose runs carry the neighbours along, and its
+    neighbour encoder): each run of `recompute_chunk` consecutive layers under one
+    checkpoint, as Megatron's TransformerBlock does for every block it builds."""
+
+    _mg_recompute = True
+    recompute_chunk: int = 1
+
+    def run_layers(self, layers: list[nn.Module], carried: tuple, *fixed: Any) -> tuple:
+        chunk = self.recompute_chunk
+        run = super().run_layers
+        for start in range(0, len(layers), chunk):
+            carried = _checkpoint(run, layers[start : start + chunk], carried, *fixed)
+        return carried
+
+
+def _layer_stacks(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder and the layer stacks nested in its layers that run them
+    through `run_layers` (Retro's neighbour encoder inside its first Retro layer)."""
+    decoder = model.decoder
+    nested = [m for m in decoder.modules() if m is not decoder and hasattr(type(m), "run_layers")]
+    return [decoder, *nested]
+
+
 def apply_activation_recompute(
     model: nn.Module,
     granularity: Literal["selective", "full"] = "selective",
@@ -143,23 +172,33 @@ def apply_activation_recompute(
     replays the RNG state, so they are unchanged with dropout too).
     """
     decoder = model.decoder
-    layers = list(decoder.layers)
+    stacks = _layer_stacks(model)
+    layers = [layer for stack in stacks for layer in stack.layers]
     if any(getattr(m, "_mg_recompute", False) for m in model.modules()):
         raise ValueError("activation recompute is already applied to this model")
     if granularity == "selective":
         for layer in layers:
             extend_class(layer.self_attention.core_attention, Recomputed)
+            # a Retro layer's cross-attention core too (Megatron's Attention, any kind)
+            cross = getattr(getattr(layer, "cross_attention", None), "attn", None)
+            if cross is not None:
+                extend_class(cross.core_attention, Recomputed)
         return model
     if granularity != "full":
         raise ValueError(f"granularity must be 'selective' or 'full', got {granularity!r}")
     if num_layers < 1:
         raise ValueError(f"recompute num_layers must be >= 1, got {num_layers}")
-    if method == "uniform":
+    if method == "uniform" and hasattr(type(decoder), "run_layers"):
+        for stack in stacks:  # Retro: the decoder's and the encoder's runs of layers
+            extend_class(stack, UniformlyRecomputedStack)
+            stack.recompute_chunk = num_layers
+    elif method == "uniform":
         extend_class(decoder, UniformlyRecomputedDecoder)
         decoder.recompute_chunk = num_layers
     elif method == "block":
-        for layer in layers[:num_layers]:
-            extend_class(layer, Recomputed)
+        for stack in stacks:  # each stack's first layers, as Megatron's blocks
+            for layer in list(stack.layers)[:num_layers]:
+                extend_class(layer, Recomputed)
     else:
         raise ValueError(f"method must be 'uniform' or 'block', got {method!r}")
     return model

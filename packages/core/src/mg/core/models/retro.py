@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import ConfigError, TransformerConfig
-from mg.core.models.gpt import GPTModel, TransformerLayer, build_norm
+from mg.core.models.gpt import GPTModel, TransformerLayer, _norm_region, build_norm
 from mg.core.models.language_model import InitUnit
 from mg.core.models.t5 import CrossAttention
 
@@ -129,6 +129,18 @@ class RetroConfig(TransformerConfig):
             fail("num_moe_experts", "Retro's layers are dense GPT layers (no MoE, no MLA)")
 
 
+def _normed_call(norm: nn.Module, recompute: bool, module, hidden: Tensor) -> Tensor:
+    """module(norm(hidden)); with the layer's `layernorm` recompute on, the norm's output
+    is freed once `module` has saved it and recomputed in the backward pass (as
+    TransformerLayer does)."""
+    region = _norm_region(norm, recompute)
+    if region is None:
+        return module(norm(hidden))
+    out = module(region.run(hidden))
+    region.discard(out)
+    return out
+
+
 # --- the encoder over the retrieved neighbours -------------------------------------------
 
 
@@ -191,11 +203,19 @@ class RetroEncoderLayer(TransformerLayer):
     def forward(
         self, hidden: Tensor, chunks: Tensor, attention_mask: Tensor | None = None
     ) -> Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden), None, attention_mask)
+        attention = _normed_call(
+            self.input_layernorm,
+            self.recompute_input_layernorm,
+            lambda normed: self.self_attention(normed, None, attention_mask),
+            hidden,
+        )
         hidden = hidden + self.hidden_dropout(attention)
         normed = self.pre_cross_attn_layernorm(hidden)
         hidden = self.cross_attention(normed, chunks, self.hidden_dropout)
-        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+        mlp = _normed_call(
+            self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, self.mlp, hidden
+        )
+        return hidden + self.hidden_dropout(mlp)
 
 
 class RetroEncoderBlock(nn.Module):
@@ -220,10 +240,25 @@ class RetroEncoderBlock(nn.Module):
     def forward(
         self, neighbours: Tensor, chunks: Tensor, attention_mask: Tensor | None = None
     ) -> Tensor:
-        hidden = self.layers[0](neighbours, chunks, attention_mask)
-        for layer in self.layers[1:]:
-            hidden = layer(hidden, None, attention_mask)
+        (hidden,) = self.run_layers(list(self.layers), (neighbours,), chunks, attention_mask)
         return hidden
+
+    def run_layers(
+        self,
+        layers: list[nn.Module],
+        carried: tuple[Tensor],
+        chunks: Tensor,
+        attention_mask: Tensor | None,
+    ) -> tuple[Tensor]:
+        """`layers` (a run of this block's) on the neighbours' hidden states `carried`;
+        full recompute checkpoints such runs (`mg.core.models.recompute`)."""
+        (hidden,) = carried
+        for layer in layers:
+            if isinstance(layer, RetroEncoderLayer):
+                hidden = layer(hidden, chunks, attention_mask)
+            else:
+                hidden = layer(hidden, None, attention_mask)
+        return (hidden,)
 
 
 # --- chunked cross-attention in the decoder ------------------------------------------------
@@ -309,7 +344,12 @@ class RetroDecoderLayer(TransformerLayer):
         context: Tensor,
         context_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        attention = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
+        attention = _normed_call(
+            self.input_layernorm,
+            self.recompute_input_layernorm,
+            lambda normed: self.self_attention(normed, rotary, attention_mask),
+            hidden,
+        )
         hidden = hidden + self.hidden_dropout(attention)
         b, s, d = hidden.shape
         per_chunk, context, pad = self.cross_attention(
@@ -319,8 +359,10 @@ class RetroDecoderLayer(TransformerLayer):
         per_chunk = self.hidden_dropout(per_chunk).reshape(b, -1, d)
         cross = F.pad(per_chunk, (0, 0, pad, 0))[:, :s]
         hidden = self.attention_gate * cross + hidden
-        hidden = hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
-        return hidden, context
+        mlp = _normed_call(
+            self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, self.mlp, hidden
+        )
+        return hidden + self.hidden_dropout(mlp), context
 
 
 class RetroDecoderBlock(nn.Module):
@@ -348,12 +390,29 @@ class RetroDecoderBlock(nn.Module):
     ) -> Tensor:
         if context is None:
             raise ValueError("RetroModel needs the neighbours' token ids (context_input_ids)")
-        for layer in self.layers:
+        hidden, _ = self.run_layers(
+            list(self.layers), (hidden, context), rotary, attention_mask, context_mask
+        )
+        return hidden
+
+    def run_layers(
+        self,
+        layers: list[nn.Module],
+        carried: tuple[Tensor, Tensor],
+        rotary: tuple[Tensor, Tensor] | None,
+        attention_mask: Tensor | None,
+        context_mask: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
+        """`layers` (a run of this block's) on `carried` = (hidden states, neighbours:
+        embedded until the first Retro layer encodes them); full recompute checkpoints
+        such runs (`mg.core.models.recompute`)."""
+        hidden, context = carried
+        for layer in layers:
             if isinstance(layer, RetroDecoderLayer):
                 hidden, context = layer(hidden, rotary, attention_mask, context, context_mask)
             else:
                 hidden = layer(hidden, rotary, attention_mask)
-        return hidden
+        return hidden, context
 
 
 class RetroModel(GPTModel):

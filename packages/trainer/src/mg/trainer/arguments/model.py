@@ -260,8 +260,8 @@ def check_recompute_modules(args: Args) -> None:
                 f"{', '.join(RECOMPUTE_MODULES)})"
             )
     gpt_only = [n for n in modules if n not in ("core_attn", "moe")]
-    if gpt_only and args.family != "gpt":
-        fail(f"--recompute-modules {gpt_only[0]} is supported for gpt, not {args.family}")
+    if gpt_only and args.family not in ("gpt", "retro"):
+        fail(f"--recompute-modules {gpt_only[0]} is supported for gpt and retro, not {args.family}")
     if "moe_act" in modules and not args.moe.moe_grouped_gemm:
         fail("--recompute-modules moe_act: only with --moe-grouped-gemm (Megatron's rule)")
     if "mla_up_proj" in modules and not args.mla.multi_latent_attention:

@@ -132,7 +132,6 @@ _NOT_YET = (
     ("--sequence-parallel", lambda a: a.distributed.sequence_parallel),
     ("--pipeline-model-parallel-size", lambda a: a.distributed.pipeline_model_parallel_size > 1),
     ("--context-parallel-size", lambda a: a.distributed.context_parallel_size > 1),
-    ("--recompute-granularity", lambda a: a.model.recompute_granularity is not None),
     ("--torch-compile", lambda a: a.training.torch_compile),
     ("--use-torch-fsdp2", lambda a: a.fsdp.use_torch_fsdp2),
     ("--use-megatron-fsdp", lambda a: a.fsdp.use_megatron_fsdp),
