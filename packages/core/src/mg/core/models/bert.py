@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
-from mg.core.models.gpt import MLP, SelfAttention, TransformerBlock, _init_linear, build_norm
+from mg.core.models.gpt import MLP, SelfAttention, TransformerBlock, build_norm
 from mg.core.models.output_head import OutputHead
+from mg.core.models.te_spec import init_linear
 
 
 class BertEmbedding(nn.Module):
@@ -193,15 +194,15 @@ class BertModel(nn.Module):
             layer.init_weights(std, output_std)
         if hasattr(self.encoder, "final_layernorm"):
             self.encoder.final_layernorm.reset_parameters()
-        _init_linear(self.lm_head.dense, std)
+        init_linear(self.lm_head.dense, std)
         self.lm_head.layer_norm.reset_parameters()
         if isinstance(self.output_layer, nn.Linear):
-            _init_linear(self.output_layer, std)
+            init_linear(self.output_layer, std)
         else:
             nn.init.zeros_(self.output_layer.bias)
         for linear in (self.pooler and self.pooler.dense, self.binary_head):
             if linear is not None:
-                _init_linear(linear, std)
+                init_linear(linear, std)
 
     def output_weight(self) -> Tensor:
         if isinstance(self.output_layer, nn.Linear):

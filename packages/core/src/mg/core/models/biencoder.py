@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from mg.core.models.bert import BertEmbedding, PostLNTransformerBlock, padding_attention_mask
 from mg.core.models.config import TransformerConfig
-from mg.core.models.gpt import TransformerBlock, _init_linear
+from mg.core.models.gpt import TransformerBlock
+from mg.core.models.te_spec import init_linear
 
 TOWER_WEIGHT_PREFIXES = ("embedding.", "encoder.")
 """The weights of a BERT checkpoint that a tower takes (its heads are left out)."""
@@ -56,7 +57,7 @@ class BiEncoderTower(nn.Module):
         if hasattr(self.encoder, "final_layernorm"):
             self.encoder.final_layernorm.reset_parameters()
         if self.projection_enc is not None:
-            _init_linear(self.projection_enc, std)
+            init_linear(self.projection_enc, std)
 
     def forward(
         self, tokens: Tensor, pad_mask: Tensor, tokentype_ids: Tensor | None = None

@@ -45,7 +45,7 @@ from mg.core.models.mtp import MultiTokenPredictionBlock
 from mg.core.models.norms import build_norm_1p
 from mg.core.models.recompute_state import DiscardedOutput
 from mg.core.models.rope import apply_rotary_pos_emb, layer_rotary
-from mg.core.models.te_spec import input_linear, uses_te_spec
+from mg.core.models.te_spec import init_linear, input_linear, uses_te_spec
 
 
 def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
@@ -59,14 +59,6 @@ def build_norm(config: TransformerConfig, size: int | None = None) -> nn.Module:
     if config.normalization == "RMSNorm":
         return nn.RMSNorm(size, eps=config.layernorm_epsilon)
     return nn.LayerNorm(size, eps=config.layernorm_epsilon)
-
-
-def _init_linear(linear: nn.Linear, std: float) -> None:
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    if linear.bias is not None:
-        nn.init.zeros_(linear.bias)
-    if hasattr(linear, "reset_layer_norm"):  # the TE spec's norm inside the linear
-        linear.reset_layer_norm()
 
 
 class SelfAttention(nn.Module):
@@ -115,10 +107,10 @@ class SelfAttention(nn.Module):
         self.k_layernorm = build_norm(config, self.head_dim) if config.qk_layernorm else None
 
     def init_weights(self, std: float, output_std: float) -> None:
-        _init_linear(self.linear_qkv, std)
+        init_linear(self.linear_qkv, std)
         if hasattr(self.core_attention, "init_weights"):  # the learnable attention sinks
             self.core_attention.init_weights(std)
-        _init_linear(self.linear_proj, output_std)
+        init_linear(self.linear_proj, output_std)
         for norm in (self.q_layernorm, self.k_layernorm):
             if norm is not None:
                 norm.reset_parameters()
@@ -175,8 +167,8 @@ class MLP(nn.Module):
         )
 
     def init_weights(self, std: float, output_std: float) -> None:
-        _init_linear(self.linear_fc1, std)
-        _init_linear(self.linear_fc2, output_std)
+        init_linear(self.linear_fc1, std)
+        init_linear(self.linear_fc2, output_std)
 
     def forward(self, hidden: Tensor) -> Tensor:
         return self.linear_fc2(activate(self.linear_fc1(hidden), self.config))

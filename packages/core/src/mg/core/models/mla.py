@@ -44,15 +44,7 @@ from mg.core.models.core_attention import build_core_attention
 from mg.core.models.kv_cache import KVCache
 from mg.core.models.recompute_state import DiscardedOutput
 from mg.core.models.rope import apply_rotary_pos_emb
-from mg.core.models.te_spec import input_linear, uses_te_spec
-
-
-def _init_linear(linear: nn.Module, std: float) -> None:
-    nn.init.normal_(linear.weight, mean=0.0, std=std)
-    if linear.bias is not None:
-        nn.init.zeros_(linear.bias)
-    if hasattr(linear, "reset_layer_norm"):  # the TE spec's latent norm inside the linear
-        linear.reset_layer_norm()
+from mg.core.models.te_spec import init_linear, input_linear, uses_te_spec
 
 
 def deinterleave(x: Tensor) -> Tensor:
@@ -119,8 +111,8 @@ class MLASelfAttention(nn.Module):
             "linear_kv_up_proj",
         ):
             if hasattr(self, name):
-                _init_linear(getattr(self, name), std)
-        _init_linear(self.linear_proj, output_std)
+                init_linear(getattr(self, name), std)
+        init_linear(self.linear_proj, output_std)
         for norm in (self.q_layernorm, self.kv_layernorm):
             if norm is not None:
                 norm.reset_parameters()

@@ -24,9 +24,10 @@ from torch import Tensor, nn
 
 from mg.core.models.config import TransformerConfig
 from mg.core.models.core_attention import build_core_attention
-from mg.core.models.gpt import MLP, SelfAttention, TransformerBlock, _init_linear, build_norm
+from mg.core.models.gpt import MLP, SelfAttention, TransformerBlock, build_norm
 from mg.core.models.language_model import LanguageModelEmbedding
 from mg.core.models.output_head import OutputHead
+from mg.core.models.te_spec import init_linear
 
 
 def attention_mask_from(mask: Tensor | None) -> Tensor | None:
@@ -61,9 +62,9 @@ class CrossAttention(nn.Module):
         self.linear_proj = nn.Linear(size, config.hidden_size, bias=bias)
 
     def init_weights(self, std: float, output_std: float) -> None:
-        _init_linear(self.linear_q, std)
-        _init_linear(self.linear_kv, std)
-        _init_linear(self.linear_proj, output_std)
+        init_linear(self.linear_q, std)
+        init_linear(self.linear_kv, std)
+        init_linear(self.linear_proj, output_std)
 
     def forward(self, hidden: Tensor, context: Tensor, attention_mask: Tensor | None) -> Tensor:
         b, sq, _ = hidden.shape

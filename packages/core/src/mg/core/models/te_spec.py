@@ -395,3 +395,13 @@ def fp8_autocast(options: FP8Options | None, group: Any = None) -> Iterator[None
     te = import_transformer_engine("--fp8-format")
     with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe(options), fp8_group=group):
         yield
+
+
+def init_linear(linear: nn.Module, std: float) -> None:
+    """Megatron's init of a linear: normal(0, std) weights, zero bias, and the norm a TE
+    spec fuses into its input linear (`input_linear`) reset."""
+    nn.init.normal_(linear.weight, mean=0.0, std=std)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+    if hasattr(linear, "reset_layer_norm"):
+        linear.reset_layer_norm()
