@@ -28,7 +28,12 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.models.vision import LLaVAModel
-from mg.core.models.vision.llava import check_one_image_per_tag, combine_text_and_images
+from mg.core.models.vision.llava import (
+    check_one_image_per_tag,
+    combine_text_and_images,
+    image_features,
+    splice_images,
+)
 from mg.core.parallel.pipeline import PipelineChunk, layer_ranges
 
 
@@ -70,15 +75,10 @@ class LLaVAPipelineChunk(nn.Module):
             input_ids, config.image_token_index, config.image_tokens, config.language.seq_length
         )
         hidden = self.language_model.embedding(combined.input_ids, self._positions(input_ids))
-        n_images = 0 if images is None else images.shape[0]
-        if n_images:
-            features = self.vision_model(images)
-            if config.drop_vision_class_token:
-                features = features[:, config.vision.class_token_len :]
-            rows = self.vision_projection(features).flatten(0, 1).to(hidden.dtype)
-            kept = int(combined.image_rows.sum())
-            hidden = hidden.masked_scatter(combined.image_rows.unsqueeze(-1), rows[:kept])
-        return hidden
+        if images is None or images.shape[0] == 0:
+            return hidden
+        rows = image_features(config, self.vision_model, self.vision_projection, images)
+        return splice_images(hidden, combined, rows)
 
     def _positions(self, input_ids: Tensor) -> Tensor:
         """[b, S]: the combined sequence's positions (every stage's rotary embedding)."""

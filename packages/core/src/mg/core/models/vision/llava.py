@@ -166,6 +166,27 @@ def combine_text_and_images(
     return CombinedSequence(ids[:, :max_length], image_rows[:, :max_length], new_labels, new_mask)
 
 
+def image_features(
+    config: LLaVAConfig, vision_model: nn.Module, vision_projection: nn.Module, images: Tensor
+) -> Tensor:
+    """images [n, 3, H, W] → [n, image_tokens, language hidden]: the tower's features (its
+    class token dropped where the config says) through the projector."""
+    features = vision_model(images)
+    if config.drop_vision_class_token:
+        features = features[:, config.vision.class_token_len :]
+    return vision_projection(features)
+
+
+def splice_images(hidden: Tensor, combined: CombinedSequence, image_rows: Tensor | None) -> Tensor:
+    """The combined sequence's token embeddings [b, S, h] with its image rows replaced by
+    `image_rows` [n, image_tokens, h] (fewer kept when the cut falls inside an image)."""
+    if image_rows is None:
+        return hidden
+    rows = image_rows.flatten(0, 1).to(hidden.dtype)
+    kept = int(combined.image_rows.sum())
+    return hidden.masked_scatter(combined.image_rows.unsqueeze(-1), rows[:kept])
+
+
 class LLaVAModel(nn.Module):
     """`vision_model` + `vision_projection` + `language_model`, Megatron's names."""
 
@@ -211,10 +232,7 @@ class LLaVAModel(nn.Module):
 
     def image_embeddings(self, images: Tensor) -> Tensor:
         """images [n, 3, H, W] → [n, image_tokens, language hidden]."""
-        features = self.vision_model(images)
-        if self.config.drop_vision_class_token:
-            features = features[:, self.config.vision.class_token_len :]
-        return self.vision_projection(features)
+        return image_features(self.config, self.vision_model, self.vision_projection, images)
 
     def forward(
         self,
@@ -241,10 +259,8 @@ class LLaVAModel(nn.Module):
         position_ids = torch.arange(length, device=input_ids.device).expand(b, length)
         lm = self.language_model
         hidden = lm.embedding(combined.input_ids, position_ids)
-        if n_images:
-            image_rows = self.image_embeddings(images).flatten(0, 1).to(hidden.dtype)
-            kept = int(combined.image_rows.sum())  # fewer when the cut falls in an image
-            hidden = hidden.masked_scatter(combined.image_rows.unsqueeze(-1), image_rows[:kept])
+        image_rows = self.image_embeddings(images) if n_images else None
+        hidden = splice_images(hidden, combined, image_rows)
         hidden = lm.run_decoder(self.decoder_input(hidden), position_ids, None)
         if labels is None:
             return lm.output_and_loss(hidden, None)
