@@ -4,6 +4,7 @@
     uv run --frozen python bench/bench_fsdp.py --model 275m    # one process + the FSDP paths
     uv run --frozen python bench/bench_fsdp.py --model 757m    # bench_scale.py's 757M GPT
     uv run --frozen python bench/bench_fsdp.py --quick         # a small model, for a smoke run
+    uv run --frozen python bench/bench_fsdp.py --throughput    # tokens/s at DP=2: FSDP vs ZeRO-1
 
 The larger models run a single-process baseline (the distributed optimizer on one
 rank, bench_scale.py's "TP=1 PP=1 sharded" path) and FSDP `optim_grads_params`
@@ -30,6 +31,12 @@ glibc keeps freed heap memory (and raises its mmap threshold as large blocks are
 freed), which would count FSDP's transient all-gather and reduce-scatter buffers
 as resident: the ranks run with a fixed `MALLOC_MMAP_THRESHOLD_` (large blocks are
 mapped and returned when freed) and `malloc_trim(0)` before the resident state is read.
+
+`--throughput` times training instead, at DP=2 (2 gloo ranks): the distributed
+optimizer (ZeRO-1) and FSDP `optim_grads_params` / `optim_grads` on the same model and
+batches, each path launched --repeats times in turn (A B C A B C ...), 2 warm-up steps
+and then --steps timed ones between barriers; tokens/s from the median launch
+(`bench/results/fsdp-cpu-throughput.md`).
 
 Written to `bench/results/fsdp-cpu.md` with the dry run's plan of each FSDP strategy
 (weights + gradients + optimizer state per rank) beside the measured resident state
@@ -102,7 +109,9 @@ class Phases:
         return out
 
 
-def _argv(model: dict, flags: list[str], save: str, world: int = WORLD) -> list[str]:
+def _argv(
+    model: dict, flags: list[str], save: str, world: int = WORLD, iters: int = 3
+) -> list[str]:
     fsdp = "--use-megatron-fsdp" in flags
     return [
         "gpt",
@@ -113,7 +122,7 @@ def _argv(model: dict, flags: list[str], save: str, world: int = WORLD) -> list[
         "--max-position-embeddings", str(model["seq"]),
         "--mock-data", "--vocab-size", str(model["vocab"]),
         "--micro-batch-size", "1", "--global-batch-size", str(2 * world),
-        "--train-iters", "3", "--lr", "1e-4", "--log-interval", "1000", "--eval-iters", "0",
+        "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", "1000", "--eval-iters", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--data-cache-path", model["cache"], "--save", save,
         "--ckpt-format", "fsdp_dtensor" if fsdp else "torch_dist",
@@ -135,9 +144,21 @@ def _worker(spec_path: str) -> None:
     phases.results["baseline"] = {"rss_after": _status("VmRSS")}  # imports, no model
     rank = int(os.environ["RANK"])
     world = spec["world"]
-    args = parse_args(_argv(spec["model"], spec["flags"], spec["save"], world), world_size=world)
+    iters = 3 + spec.get("timed_steps", 0)
+    argv = _argv(spec["model"], spec["flags"], spec["save"], world, iters)
+    args = parse_args(argv, world_size=world)
     trainer = phases.run("build", lambda: Trainer(args))
     phases.run("step", lambda: (trainer.train_step(), trainer.train_step()))
+    if spec.get("timed_steps"):  # --throughput: steady-state steps between barriers
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(spec["timed_steps"]):
+            trainer.train_step()
+        dist.barrier()
+        phases.results["timed"] = {"seconds": time.perf_counter() - start}
+        Path(spec_path).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(phases.results))
+        dist.destroy_process_group()
+        return
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # what is live, not what glibc kept
     phases.results["step"]["rss_after"] = _status("VmRSS")
     trainer.state.iteration = 2
@@ -187,15 +208,81 @@ def _train_peak(ranks: list[dict]) -> float:
     return max(max(r["build"]["peak"], r["step"]["peak"]) for r in ranks)
 
 
+THROUGHPUT_PATHS = ["distributed optimizer", "FSDP optim_grads_params", "FSDP optim_grads"]
+
+
+def _throughput(options: argparse.Namespace) -> None:
+    """Tokens/s of each THROUGHPUT_PATHS path at DP=2, launches interleaved."""
+    world, steps = 2, options.steps
+    work = Path(tempfile.mkdtemp(prefix="bench_fsdp_tp_"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    model = (
+        {"layers": 2, "hidden": 128, "heads": 4} if options.quick else dict(MODELS[options.model])
+    )
+    model.update(seq=128 if not options.quick else 64, vocab=50304 if not options.quick else 8192)
+    model["cache"] = str(work / "cache")
+    load = os.getloadavg()[0]
+    seconds: dict[str, list[float]] = {name: [] for name in THROUGHPUT_PATHS}
+    for repeat in range(options.repeats):
+        for name in THROUGHPUT_PATHS:
+            print(f"{name}, launch {repeat + 1} ...", flush=True)
+            spec = {"name": name, "model": model, "flags": PATHS[name], "world": world,
+                    "save": str(work / "unused"), "timed_steps": steps}  # fmt: skip
+            ranks = _launch(spec, work / f"{name.replace(' ', '_')}_{repeat}", options.threads)
+            seconds[name].append(max(r["timed"]["seconds"] for r in ranks))
+    tokens = steps * 2 * world * model["seq"]  # global batch 2 x world sequences a step
+    rate = {name: tokens / sorted(runs)[len(runs) // 2] for name, runs in seconds.items()}
+    base = rate["distributed optimizer"]
+    lines = [
+        "# Training throughput at DP=2: fully sharded data parallelism against ZeRO-1",
+        "",
+        f"GPT, {model['layers']} layers, hidden {model['hidden']}, vocab {model['vocab']}, "
+        f"seq {model['seq']}, fp32, AdamW, micro-batch 1, 2 micro-batches per rank (global "
+        f"batch {2 * world}), 2 gloo ranks on one machine ({_cpu()}, {os.cpu_count()} cores, "
+        f"OMP_NUM_THREADS={options.threads} per rank); {steps} timed steps after 2 warm-up "
+        f"steps, {options.repeats} launches per path in turn, the median launch; load "
+        f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after. "
+        f"`bench/bench_fsdp.py --throughput{' --quick' if options.quick else ''}`.",
+        "",
+        "| path | tokens/s | vs distributed optimizer | launches (s) |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for name in THROUGHPUT_PATHS:
+        runs = ", ".join(f"{t:.1f}" for t in seconds[name])
+        lines.append(f"| {name} | {rate[name]:.0f} | {rate[name] / base:.2f}x | {runs} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    stem = "fsdp-cpu-throughput" + ("-quick" if options.quick else "")
+    out = ROOT / "bench" / "results" / f"{stem}.md"
+    out.write_text(text)
+    print(f"written to {out}")
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model (smoke run)")
     parser.add_argument("--model", choices=sorted(MODELS), default="124m", help="GPT size")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    parser.add_argument("--throughput", action="store_true", help="tokens/s at DP=2 instead")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps (--throughput)")
+    parser.add_argument("--repeats", type=int, default=3, help="launches per path (--throughput)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
         _worker(options.worker)
+        return
+    if options.throughput:
+        _throughput(options)
         return
     work = Path(tempfile.mkdtemp(prefix="bench_fsdp_"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)  # checkpoints of GBs each
