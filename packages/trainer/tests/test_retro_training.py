@@ -273,3 +273,23 @@ def test_recompute_keeps_the_losses(project: dict, tmp_path: Path, recompute: li
         assert a == pytest.approx(b, rel=1e-6, abs=0), (result.losses, plain.losses)
     for a, b in zip(result.grad_norms, plain.grad_norms, strict=True):
         assert a == pytest.approx(b, rel=1e-5), (result.grad_norms, plain.grad_norms)
+
+
+def test_retro_trains_in_bf16(project: dict, tmp_path: Path) -> None:
+    """--bf16: the Retro model (encoder and cross-attention included) trains in bf16;
+    the losses are finite, fall, and stay near fp32's without being them."""
+    argv = retro_argv(project, tmp_path, "--train-iters", "6", "--lr-decay-iters", "6")
+    fp32 = Trainer(parse_args(argv)).train().losses
+    losses = Trainer(parse_args([*argv, "--bf16"])).train().losses
+    assert len(losses) == 6 and all(np.isfinite(losses)), losses
+    assert losses[-1] < losses[0], losses
+    assert losses != fp32
+    for a, b in zip(losses, fp32, strict=True):
+        assert a == pytest.approx(b, abs=0.05), (losses, fp32)
+
+
+def test_sequence_parallel_needs_a_sequence_multiple_of_tp(project: dict, tmp_path: Path) -> None:
+    argv = retro_argv(project, tmp_path, "--tensor-model-parallel-size", "2")
+    argv += ["--sequence-parallel", "--seq-length", "33", "--max-position-embeddings", "33"]
+    with pytest.raises(ArgumentError, match="--sequence-parallel: --seq-length 33 must be a"):
+        parse_args(argv, world_size=2)

@@ -289,6 +289,9 @@ class RetroDecoderCrossAttention(nn.Module):
         self.encoder = RetroEncoderBlock(config) if with_encoder else None
         self.chunk_length = config.retro_chunk_length
         self.num_neighbors = config.retro_num_neighbors
+        # the output's dropout, over the whole sequence (with sequence parallelism too:
+        # it runs before the output is cut into the ranks' slices)
+        self.dropout = nn.Dropout(config.hidden_dropout)
 
     def init_weights(self, std: float, output_std: float) -> None:
         self.attn.init_weights(std, output_std)
@@ -297,10 +300,11 @@ class RetroDecoderCrossAttention(nn.Module):
 
     def forward(
         self, hidden: Tensor, context: Tensor, context_mask: Tensor | None
-    ) -> tuple[Tensor, Tensor, int]:
-        """hidden [b, s, d] (normed); context: the embedded neighbours [b·l·k, r, d]
-        (first Retro layer) or the encoded ones [b·l, r·k, d]. Returns the attention
-        output per chunk [b·l, m, d], the encoded context and the attending offset."""
+    ) -> tuple[Tensor, Tensor]:
+        """hidden [b, s, d] (normed, the whole sequence); context: the embedded neighbours
+        [b·l·k, r, d] (first Retro layer) or the encoded ones [b·l, r·k, d]. Returns the
+        attention output back in sequence order [b, s, d] (dropped out; 0 for the tokens
+        before the first attending one) and the encoded context."""
         b, s, d = hidden.shape
         m = self.chunk_length
         num_chunks = math.ceil(s / m)
@@ -319,7 +323,8 @@ class RetroDecoderCrossAttention(nn.Module):
         # token t attends to the neighbours of the chunk that ended at or before it
         pad = (s - 1) % m
         attending = _chunks(hidden, pad, m, num_chunks)
-        return self.attn(attending, context, None), context, pad
+        per_chunk = self.dropout(self.attn(attending, context, None)).reshape(b, -1, d)
+        return F.pad(per_chunk, (0, 0, pad, 0))[:, :s], context
 
 
 class RetroDecoderLayer(TransformerLayer):
@@ -351,13 +356,9 @@ class RetroDecoderLayer(TransformerLayer):
             hidden,
         )
         hidden = hidden + self.hidden_dropout(attention)
-        b, s, d = hidden.shape
-        per_chunk, context, pad = self.cross_attention(
+        cross, context = self.cross_attention(
             self.pre_cross_attn_layernorm(hidden), context, context_mask
         )
-        # chunks back to the sequence; the tokens before the first attending one get 0
-        per_chunk = self.hidden_dropout(per_chunk).reshape(b, -1, d)
-        cross = F.pad(per_chunk, (0, 0, pad, 0))[:, :s]
         hidden = self.attention_gate * cross + hidden
         mlp = _normed_call(
             self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, self.mlp, hidden

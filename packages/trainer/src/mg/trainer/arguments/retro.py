@@ -129,7 +129,6 @@ def read_project_config(project_dir: str) -> dict[str, Any]:
 
 # flags whose construction step or checkpoint layout Retro does not have yet, by name
 _NOT_YET = (
-    ("--sequence-parallel", lambda a: a.distributed.sequence_parallel),
     ("--pipeline-model-parallel-size", lambda a: a.distributed.pipeline_model_parallel_size > 1),
     ("--context-parallel-size", lambda a: a.distributed.context_parallel_size > 1),
     ("--torch-compile", lambda a: a.training.torch_compile),
@@ -173,6 +172,12 @@ def check_retro_flags(args: Args) -> str | None:
     project = read_project_config(r.retro_project_dir)
     chunk = int(project.get("retro_gpt_chunk_length") or 0)
     seq = args.model.seq_length
+    tp = args.distributed.tensor_model_parallel_size
+    if args.distributed.sequence_parallel and seq is not None and seq % tp:
+        return (
+            f"--sequence-parallel: --seq-length {seq} must be a multiple of "
+            f"--tensor-model-parallel-size {tp} (each rank takes an equal slice)"
+        )
     if seq is not None and (chunk <= 0 or seq % chunk):
         return (
             f"--seq-length {seq} is not a multiple of the project's --retro-gpt-chunk-length "
