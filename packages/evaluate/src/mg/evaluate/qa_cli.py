@@ -155,21 +155,14 @@ def _chat_format(args: argparse.Namespace, overrides: dict[str, Any]):
 
 def _recorded_tokenizer(load_dir: str, iteration: Any) -> dict[str, Any]:
     """The tokenizer config a checkpoint records, torch or torch_dist ({} when none)."""
-    # lazy: the checkpoint readers only once the flags are parsed
-    from mg.core.checkpoint import CheckpointError, load_checkpoint
-    from mg.core.checkpoint.dist_format import is_torch_dist
-    from mg.core.checkpoint.model_io import described_common
-    from mg.core.checkpoint.torch_format import iteration_dir, resolve_iteration
+    # lazy: the checkpoint reader only once the flags are parsed
+    from mg.core.checkpoint import CheckpointError, describe
 
     try:
-        folder = iteration_dir(load_dir, resolve_iteration(load_dir, iteration))
-        if is_torch_dist(folder):
-            state = described_common(folder)
-        else:
-            state, _ = load_checkpoint(load_dir, iteration, mmap=True)
+        info = describe(load_dir, iteration)
     except (CheckpointError, OSError, ValueError, KeyError):
         return {}
-    return dict((state.get("mg") or {}).get("tokenizer_config") or {})
+    return dict(info.tokenizer_config or {})
 
 
 def _retro(args: argparse.Namespace, overrides: dict[str, Any]):
