@@ -32,6 +32,8 @@ it replays `init_units()` to give its shards the whole model's values.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor, nn
 
 from mg.core.models.activations import ACTIVATION_FUNCTIONS, activate
@@ -230,34 +232,38 @@ class TransformerLayer(nn.Module):
         attention_mask: Tensor | None = None,
         inference_cache: KVCache | None = None,
     ) -> Tensor:
-        # --recompute-modules layernorm: a norm's output is freed once the module after it
-        # has saved it, and recomputed when the backward pass reaches that module
-        norm = _norm_region(self.input_layernorm, self.recompute_input_layernorm)
-        normed = norm.run(hidden) if norm is not None else self.input_layernorm(hidden)
         # the cache goes by keyword: parallel styles describe the positional inputs only
-        attention = self.self_attention(
-            normed, rotary, attention_mask, inference_cache=inference_cache
+        attention = normed_call(
+            self.input_layernorm,
+            self.recompute_input_layernorm,
+            lambda normed: self.self_attention(
+                normed, rotary, attention_mask, inference_cache=inference_cache
+            ),
+            hidden,
         )
-        if norm is not None:
-            norm.discard(attention)
         if self.post_self_attn_layernorm is not None:
             attention = self.post_self_attn_layernorm(attention)
         hidden = hidden + self.hidden_dropout(attention)
-        norm = _norm_region(self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm)
-        mlp = self.mlp(norm.run(hidden) if norm is not None else self.pre_mlp_layernorm(hidden))
-        if norm is not None:
-            norm.discard(mlp)
+        mlp = normed_call(
+            self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, self.mlp, hidden
+        )
         if self.post_mlp_layernorm is not None:
             mlp = self.post_mlp_layernorm(mlp)
         return hidden + self.hidden_dropout(mlp)
 
 
-def _norm_region(norm: nn.Module, recompute: bool) -> DiscardedOutput | None:
-    """The norm as an output-discarding checkpoint where its recompute is on (a fused
-    norm's identity has nothing to recompute, as in Megatron)."""
+def normed_call(
+    norm: nn.Module, recompute: bool, module: Callable[[Tensor], Tensor], hidden: Tensor
+) -> Tensor:
+    """module(norm(hidden)). With `recompute` (--recompute-modules layernorm) the norm's
+    output is freed once `module` has saved it and recomputed when the backward pass
+    reaches `module`; a fused norm's identity has nothing to recompute, as in Megatron."""
     if not recompute or isinstance(norm, nn.Identity):
-        return None
-    return DiscardedOutput(norm)
+        return module(norm(hidden))
+    region = DiscardedOutput(norm)
+    out = module(region.run(hidden))
+    region.discard(out)
+    return out
 
 
 class TransformerBlock(nn.Module):

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mg.core.models.config import ConfigError, TransformerConfig
-from mg.core.models.gpt import GPTModel, TransformerLayer, _norm_region, build_norm
+from mg.core.models.gpt import GPTModel, TransformerLayer, build_norm, normed_call
 from mg.core.models.language_model import InitUnit
 from mg.core.models.t5 import CrossAttention
 
@@ -129,18 +129,6 @@ class RetroConfig(TransformerConfig):
             fail("num_moe_experts", "Retro's layers are dense GPT layers (no MoE, no MLA)")
 
 
-def _normed_call(norm: nn.Module, recompute: bool, module, hidden: Tensor) -> Tensor:
-    """module(norm(hidden)); with the layer's `layernorm` recompute on, the norm's output
-    is freed once `module` has saved it and recomputed in the backward pass (as
-    TransformerLayer does)."""
-    region = _norm_region(norm, recompute)
-    if region is None:
-        return module(norm(hidden))
-    out = module(region.run(hidden))
-    region.discard(out)
-    return out
-
-
 # --- the encoder over the retrieved neighbours -------------------------------------------
 
 
@@ -203,7 +191,7 @@ class RetroEncoderLayer(TransformerLayer):
     def forward(
         self, hidden: Tensor, chunks: Tensor, attention_mask: Tensor | None = None
     ) -> Tensor:
-        attention = _normed_call(
+        attention = normed_call(
             self.input_layernorm,
             self.recompute_input_layernorm,
             lambda normed: self.self_attention(normed, None, attention_mask),
@@ -212,7 +200,7 @@ class RetroEncoderLayer(TransformerLayer):
         hidden = hidden + self.hidden_dropout(attention)
         normed = self.pre_cross_attn_layernorm(hidden)
         hidden = self.cross_attention(normed, chunks, self.hidden_dropout)
-        mlp = _normed_call(
+        mlp = normed_call(
             self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, self.mlp, hidden
         )
         return hidden + self.hidden_dropout(mlp)
@@ -349,7 +337,7 @@ class RetroDecoderLayer(TransformerLayer):
         context: Tensor,
         context_mask: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        attention = _normed_call(
+        attention = normed_call(
             self.input_layernorm,
             self.recompute_input_layernorm,
             lambda normed: self.self_attention(normed, rotary, attention_mask),
@@ -360,7 +348,7 @@ class RetroDecoderLayer(TransformerLayer):
             self.pre_cross_attn_layernorm(hidden), context, context_mask
         )
         hidden = self.attention_gate * cross + hidden
-        mlp = _normed_call(
+        mlp = normed_call(
             self.pre_mlp_layernorm, self.recompute_pre_mlp_layernorm, self.mlp, hidden
         )
         return hidden + self.hidden_dropout(mlp), context
