@@ -17,28 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from mg.core.chat_format import (
-    CHAT_TEMPLATE,
-    CHATML,
-    MEGATRON_ONLY_FORMATS,
-    SUPPORTED_FORMATS,
-    ChatFormatError,
-    ChatRenderer,
-    load_chat_format,
-)
-from mg.core.chat_format import token_text as _token_text
+from mg.core.chat_format import ChatFormatError, ChatRenderer, load_chat_format
 
 __all__ = [
-    "CHAT_TEMPLATE",
-    "CHATML",
-    "MEGATRON_ONLY_FORMATS",
     "ROLES",
     "SHAREGPT_ROLES",
-    "SUPPORTED_FORMATS",
     "ChatEncoder",
     "ChatFormatError",
-    "ChatRenderer",
-    "_token_text",
     "load_encoder",
     "messages_of",
 ]

@@ -17,11 +17,11 @@ from mg.core.chat_format import (
     read_tokenizer_settings,
     special_tokens,
     template_source,
+    token_text,
 )
-from mg.core.chat_format import token_text as _token_text
 from mg.core.tokenizers import BaseTokenizer, TokenizerConfig
 
-__all__ = ["ChatTemplate", "_token_text", "load_chat_template"]
+__all__ = ["ChatTemplate", "load_chat_template"]
 
 
 class ChatTemplate:
@@ -69,7 +69,7 @@ def load_chat_template(config: TokenizerConfig) -> ChatTemplate | None:
         return None
     return ChatTemplate(
         source,
-        _token_text(settings.get("bos_token")),
-        _token_text(settings.get("eos_token")),
+        token_text(settings.get("bos_token")),
+        token_text(settings.get("eos_token")),
         special_tokens(settings),
     )
