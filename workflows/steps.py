@@ -109,3 +109,12 @@ def machine() -> str:
         pass
     threads = os.environ.get("OMP_NUM_THREADS", "torch's default")
     return f"{model}, {os.cpu_count()} CPUs, OMP_NUM_THREADS={threads}"
+
+
+TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
+"""An mg-train log line's iteration and `lm loss` (Megatron's format)."""
+
+
+def train_losses(log: str) -> list[float]:
+    """The `lm loss` of each logged training iteration of an mg-train log, in order."""
+    return [float(loss) for _, loss in TRAIN_LOSS.findall(log)]

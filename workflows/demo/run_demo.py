@@ -39,7 +39,13 @@ HERE = Path(__file__).resolve().parent
 BIN = ROOT / "bin"
 sys.path.insert(0, str(ROOT / "workflows"))
 from serving import Server, chat  # noqa: E402 (workflows/serving.py, beside this folder)
-from steps import Timing, phase_table, run_command, run_steps  # noqa: E402 (workflows/steps.py)
+from steps import (  # noqa: E402 (workflows/steps.py)
+    Timing,
+    phase_table,
+    run_command,
+    run_steps,
+    train_losses,
+)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -182,7 +188,6 @@ def metrics(path: Path) -> dict:
     return json.loads(path.read_text().splitlines()[-1])["metrics"]
 
 
-TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
 VALID_LOSS = re.compile(r"validation loss at iteration (\d+)[^|]*\| lm loss value: ([\d.E+-]+)")
 
 
@@ -190,7 +195,7 @@ def summary(s: Settings, timings: dict[str, Timing], seconds: float, load: tuple
     d = s.out
     base, sft, int8 = (metrics(d / f"ppl_{n}.jsonl") for n in ("base", "sft", "int8"))
     log = (d / "train.log").read_text(errors="replace")
-    losses = [float(v) for _, v in TRAIN_LOSS.findall(log)]
+    losses = train_losses(log)
     valid = VALID_LOSS.findall(log)
     quantized = json.loads((d / "quantize.json").read_text())
     tokens = s.train_iters * s.global_batch_size * s.seq_length

@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -42,6 +41,7 @@ from steps import (  # noqa: E402 (workflows/steps.py)
     run_steps,
     script,
     tool,
+    train_losses,
 )
 
 SPLIT = "90,10,0"
@@ -110,9 +110,6 @@ def plan(s: Settings, vocab: str) -> list[Step]:
     # fmt: on
 
 
-TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
-
-
 def results(s: Settings) -> tuple[dict, dict]:
     """(untrained, trained) metrics: eval.jsonl's two records, in the order they ran."""
     records = [json.loads(line) for line in (s.out / "eval.jsonl").read_text().splitlines()]
@@ -132,7 +129,7 @@ def verdict(untrained: dict, trained: dict) -> tuple[bool, str]:
 
 def summary(s: Settings, timings: dict[str, Timing], seconds: float, load: tuple) -> str:
     untrained, trained = results(s)
-    losses = [float(v) for _, v in TRAIN_LOSS.findall((s.out / "train_ict.log").read_text())]
+    losses = train_losses((s.out / "train_ict.log").read_text())
     pairs = untrained["pairs"]
     ks = sorted(int(k[3:-4]) for k in untrained if k.startswith("top") and k.endswith("_acc"))
     lines = [

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -45,6 +44,7 @@ from steps import (  # noqa: E402 (workflows/steps.py)
     run_steps,
     script,
     tool,
+    train_losses,
 )
 
 
@@ -175,9 +175,6 @@ def run(steps: list[Step], timings: dict[str, Timing] | None = None) -> dict[str
     return run_steps(steps, lambda step: run_command(step.argv, step.stdout), timings)
 
 
-TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
-
-
 def summary(
     s: Settings, split: str, timings: dict[str, Timing], seconds: float, load: tuple
 ) -> str:
@@ -185,8 +182,7 @@ def summary(
     result = json.loads((d / "eval.json").read_text())
     ways = result["ways"]
     losses = {
-        name: [float(v) for _, v in TRAIN_LOSS.findall((d / f"train_{name}.log").read_text())]
-        for name in ("gpt", "retro")
+        name: train_losses((d / f"train_{name}.log").read_text()) for name in ("gpt", "retro")
     }
     n_train, n_valid = (int(v) for v in split.split(",")[:2])
     hits = result["top_neighbour_from_near_duplicate"]

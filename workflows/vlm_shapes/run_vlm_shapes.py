@@ -51,6 +51,7 @@ from steps import (  # noqa: E402 (workflows/steps.py)
     run_steps,
     script,
     tool,
+    train_losses,
 )
 
 VLM_PROMPT = f"{IMAGE_TAG}\n{QUESTION}\n"  # as mg-train vlm's raw format renders the turn
@@ -246,12 +247,9 @@ def run(steps: list[Step], s: Settings) -> dict[str, Timing]:
     return run_steps(steps, lambda step: run_step(step, s))
 
 
-TRAIN_LOSS = re.compile(r"iteration +(\d+)/ *\d+ \|.*? lm loss: ([\d.E+-]+) \|")
-
-
 def last_loss(log: Path) -> str:
-    losses = TRAIN_LOSS.findall(log.read_text(errors="replace"))
-    return f"{float(losses[-1][1]):.3f}" if losses else "–"
+    losses = train_losses(log.read_text(errors="replace"))
+    return f"{losses[-1]:.3f}" if losses else "–"
 
 
 def answers(s: Settings, which: str) -> list[dict]:
