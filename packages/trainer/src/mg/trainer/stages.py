@@ -60,14 +60,14 @@ class Environment:
 def setup_environment(args: Args) -> Environment:
     """torch.distributed, the parallel layout's groups, the hang watchdog, the seed."""
     d = args.distributed
+    if args.training.deterministic_mode:  # NCCL reads NCCL_ALGO when the group is made
+        enable_deterministic_mode()
     env = distributed.init_distributed(d.distributed_backend, d.distributed_timeout_minutes)
     layout = model_parallel.build_layout(args, env)
     guard = None
     if env.world_size > 1:
         minutes = watchdog.timeout_from_minutes(d.distributed_timeout_minutes)
         guard = watchdog.install(minutes, env.rank, layout.describe())
-    if args.training.deterministic_mode:
-        enable_deterministic_mode()
     set_seed(args.training.seed)
     log_rank = env.rank == env.world_size - 1 if layout.pp > 1 else env.is_main
     return Environment(env, layout, guard, log_rank)

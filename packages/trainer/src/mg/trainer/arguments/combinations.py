@@ -354,6 +354,14 @@ CONFLICTS: tuple[Conflict, ...] = (
         lambda a: a.checkpoint.save_interval is not None and a.checkpoint.save is None,
         "--save-interval needs --save",
     ),
+    # --- deterministic mode (Megatron's ARG_VALUES_REQUIRED_FOR_DETERMINISM) ---------------
+    Conflict(
+        "--deterministic-mode",
+        "--cross-entropy-loss-fusion",
+        lambda a: a.training.deterministic_mode and a.training.cross_entropy_loss_fusion,
+        "--deterministic-mode with --cross-entropy-loss-fusion: the fused cross entropy is "
+        "not deterministic (Megatron refuses it too); drop one of them",
+    ),
 )
 """Every refused pair (see the module docstring)."""
 
