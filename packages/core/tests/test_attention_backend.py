@@ -194,3 +194,101 @@ def test_flash_attn_package_is_called_as_its_contract_says(monkeypatch, window) 
     torch.testing.assert_close(attention(q, k, v).double(), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="use --attention-backend auto for custom masks"):
         attention(q, k, v, attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool))
+
+
+def _without_flash_attn(monkeypatch, broken: bool) -> None:
+    """A CUDA machine (as far as the choice asks) where flash-attn is absent, or installed
+    but failing to import (a build for another torch)."""
+    import builtins
+    import sys
+
+    from mg.core.models import attention_backend
+
+    monkeypatch.setattr(attention_backend, "cuda_available", lambda: True)
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setattr(attention_backend, "flash_attn_installed", lambda: broken)
+    real_import = builtins.__import__
+
+    def failing(name, *args, **kwargs):
+        if name.split(".")[0] == "flash_attn":
+            raise ImportError("undefined symbol: _ZN3c10 (built for another torch)")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", failing)
+    monkeypatch.setattr(attention_backend, "_said", set())
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["absent", "broken-build"])
+def test_flash_without_flash_attn_runs_sdpas_flash_kernel_said_once(
+    monkeypatch, caplog, broken: bool
+) -> None:
+    """--attention-backend flash (--use-flash-attn) without a usable flash-attn: every
+    layer's core attention is SDPA restricted to PyTorch's FLASH_ATTENTION kernel, and the
+    log says so once for the whole model, naming why."""
+    from torch.nn.attention import SDPBackend
+
+    from mg.core.models import attention_backend
+    from mg.core.models.core_attention import build_core_attention
+
+    _without_flash_attn(monkeypatch, broken)
+    config = presets.tiny_llama(attention_backend="flash", num_layers=3)
+    with caplog.at_level("WARNING", logger=attention_backend.__name__):
+        assert attention_backend.use_flash_attn_package("flash") is False
+        built = [build_core_attention(config, layer) for layer in (1, 2, 3)]
+        model = GPTModel(config)
+    assert all(isinstance(a, SDPAttention) for a in built)
+    assert all(a._kernels == (SDPBackend.FLASH_ATTENTION,) for a in built)
+    assert all(
+        m.core_attention._kernels == (SDPBackend.FLASH_ATTENTION,)
+        for m in model.modules()
+        if hasattr(m, "core_attention")
+    )
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0].startswith("--attention-backend flash: the flash-attn package ")
+    assert ("does not import" if broken else "is not installed") in said[0]
+    assert "FLASH_ATTENTION" in said[0]
+
+
+def test_fused_is_sdpas_cudnn_and_memory_efficient_kernels() -> None:
+    from torch.nn.attention import SDPBackend
+
+    from mg.core.models.attention_backend import sdpa_kernels, use_flash_attn_package
+
+    assert sdpa_kernels("fused") == (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+    assert not use_flash_attn_package("fused") and not use_flash_attn_package("auto")
+
+
+def test_flash_without_cuda_is_still_refused_by_name(monkeypatch) -> None:
+    """The fallback is a GPU one: without CUDA, flash stays refused where it would run."""
+    from mg.core.models import attention_backend
+
+    monkeypatch.setattr(attention_backend, "cuda_available", lambda: False)
+    assert attention_backend.use_flash_attn_package("flash") is False
+    attention = SDPAttention(presets.tiny_llama(attention_backend="flash"))
+    q = torch.randn(1, 4, 4, 16)
+    k = v = torch.randn(1, 4, 2, 16)
+    with pytest.raises(BackendUnavailableError, match="--attention-backend flash selects a CUDA"):
+        attention(q, k, v)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_flash_without_flash_attn_runs_on_the_gpu(monkeypatch) -> None:
+    """On a GPU with flash-attn made unimportable: a bf16 forward and backward of a tiny
+    GPT under --attention-backend flash runs SDPA's flash kernel and matches the math."""
+    _without_flash_attn(monkeypatch, broken=False)
+
+    def run(backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        config = presets.tiny_llama(attention_backend=backend, kv_channels=64)
+        model = GPTModel(config).cuda().to(torch.bfloat16)
+        ids = _ids(config, 2, 32).cuda()
+        logits = model(ids)
+        logits.float().pow(2).mean().backward()
+        grad = next(p for p in model.parameters() if p.grad is not None).grad
+        return logits.float(), grad.float()
+
+    flash, flash_grad = run("flash")
+    math_, math_grad = run("unfused")
+    torch.testing.assert_close(flash, math_, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(flash_grad, math_grad, rtol=1e-1, atol=1e-2)

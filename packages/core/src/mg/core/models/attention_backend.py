@@ -6,8 +6,9 @@ PyTorch softmax(qkᵀ)v), `local` (Megatron's own unfused DotProductAttention) a
 `auto` (TE decides). With the local layer spec the same names select PyTorch's
 `scaled_dot_product_attention` kernels here:
 
-    flash    flash-attn's `flash_attn_func` when the package is installed (as
+    flash    flash-attn's `flash_attn_func` when the package imports (as
              Megatron's `--use-flash-attn`), else SDPA's FLASH_ATTENTION kernel
+             (PyTorch's own build of FlashAttention-2), said once in the log
     fused    SDPA's cuDNN and memory-efficient kernels (the fused, non-flash ones)
     unfused  SDPA's MATH kernel: the reference numerics, any device and dtype
     local    the same as unfused (Megatron's local attention is unfused math)
@@ -23,7 +24,9 @@ goes to TE through its NVTE_* variables, exactly as Megatron sets them.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -42,6 +45,9 @@ _SDPA_KERNELS: dict[str, tuple[SDPBackend, ...] | None] = {
     "local": (SDPBackend.MATH,),
 }
 CUDA_ONLY = ("flash", "fused")
+
+_log = logging.getLogger(__name__)
+_said: set[str] = set()
 
 # Megatron's LanguageModule._set_attention_backend: (NVTE_FLASH_ATTN, NVTE_FUSED_ATTN,
 # NVTE_UNFUSED_ATTN) per name.
@@ -84,6 +90,35 @@ def flash_attn_installed() -> bool:
         return importlib.util.find_spec("flash_attn") is not None
     except ValueError:  # imported already, without a spec (a stand-in module)
         return "flash_attn" in sys.modules
+
+
+def use_flash_attn_package(backend: str) -> bool:
+    """Whether `backend`'s core attention is flash-attn's `flash_attn_func`: flash, on
+    CUDA, with the package importable. Otherwise flash runs SDPA's FLASH_ATTENTION kernel
+    (a missing or broken flash-attn build, e.g. one compiled for another torch, must not
+    stop a run that PyTorch's own kernel can serve), which the log says once."""
+    if backend != "flash" or not cuda_available():
+        return False
+    reason = "is not installed"
+    if flash_attn_installed():
+        try:
+            importlib.import_module("flash_attn")
+            return True
+        except ImportError as err:  # installed but built for another torch/CUDA
+            reason = f"does not import ({str(err).splitlines()[0] if str(err) else err!r})"
+    say_once(
+        f"{ATTENTION_BACKEND_FLAG} flash: the flash-attn package {reason}; using PyTorch's "
+        "scaled_dot_product_attention FLASH_ATTENTION kernel"
+    )
+    return False
+
+
+def say_once(message: str) -> None:
+    """Log `message` (a kernel choice) the first time only, not once per layer or call."""
+    if message in _said:
+        return
+    _said.add(message)
+    _log.warning(message)
 
 
 def check_attention_backend(backend: str, device: torch.device | str | None = None) -> None:

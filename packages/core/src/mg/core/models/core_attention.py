@@ -48,7 +48,6 @@ from mg.core.models.attention_backend import (
     CUDA_ONLY,
     BackendUnavailableError,
     check_attention_backend,
-    flash_attn_installed,
     sdpa_kernels,
     set_nvte_environment,
 )
@@ -419,14 +418,10 @@ def build_core_attention(
     config: TransformerConfig, layer_number: int = 1, causal: bool = True
 ) -> nn.Module:
     """The core-attention module for `config.attention_backend` (layer_number is 1-based):
-    flash-attn for "flash" where it is installed and CUDA is there, SDPA otherwise."""
+    flash-attn for "flash" where it imports and CUDA is there, SDPA otherwise."""
     check_softcapping(config)
     check_softmax_type(config)
-    if (
-        config.attention_backend == "flash"
-        and flash_attn_installed()
-        and attention_backend.cuda_available()
-    ):
+    if attention_backend.use_flash_attn_package(config.attention_backend):
         return FlashAttention(config, layer_number, causal=causal)
     return SDPAttention(config, layer_number, causal=causal)
 
