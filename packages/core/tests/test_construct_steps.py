@@ -95,6 +95,7 @@ def test_the_order_is_written_once() -> None:
     assert names == [
         "vocab mask",
         "cross-entropy fusion",
+        "FP8 linears (torchao)",
         "tensor parallel",
         "context parallel",
         "pipeline split",

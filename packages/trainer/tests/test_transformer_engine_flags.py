@@ -126,7 +126,7 @@ def test_transformer_engine_missing_is_one_line_naming_the_extra() -> None:
         (["--transformer-impl", "inference_optimized"], "inference_optimized is not supported"),
         (
             ["--transformer-impl", "local", "--fp8-format", "hybrid"],
-            "--fp8-format needs --transformer-impl transformer_engine",
+            "--fp8-recipe delayed needs Transformer Engine",
         ),
         ([*TE, "--fp8-format", "hybrid", "--fp8-param-gather"], "--use-distributed-optimizer"),
         ([*TE, "--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),

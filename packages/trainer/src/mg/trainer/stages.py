@@ -31,7 +31,7 @@ from mg.trainer import checkpoint_io, distributed, model_parallel, upcycling
 from mg.trainer.arguments import Args
 from mg.trainer.arguments.fsdp import fsdp_dtypes
 from mg.trainer.arguments.model import selective_recompute_modules
-from mg.trainer.arguments.transformer_engine import fp8_options
+from mg.trainer.arguments.transformer_engine import fp8_emulated, fp8_options
 from mg.trainer.batch_schedule import BatchSchedule, train_iterations
 from mg.trainer.checkpointing import TrainState
 from mg.trainer.cpu_peak import estimate_cpu_peak
@@ -123,6 +123,8 @@ def construct_options(
             modules,
         )
     device = environment.env.device
+    te_layers = args.transformer_engine.transformer_impl == "transformer_engine"
+    fp8 = fp8_options(args)  # in TE's layers, else in torchao's float8 linears
     return ConstructOptions(
         layout=environment.layout,
         device=device,
@@ -133,8 +135,10 @@ def construct_options(
         cross_entropy_fusion=t.cross_entropy_loss_fusion,
         recompute=recompute,
         moe_layer_recompute=args.moe.moe_layer_recompute or "moe" in selective,
-        transformer_engine=args.transformer_engine.transformer_impl == "transformer_engine",
-        fp8=fp8_options(args),
+        transformer_engine=te_layers,
+        fp8=fp8 if te_layers else None,
+        float8=None if te_layers else fp8,
+        float8_emulate=fp8_emulated(),
         compile=t.torch_compile,
         fully_sharded=fully_sharded_options(args),
     )

@@ -13,16 +13,17 @@ Transformer Engine put in place.
 | --- | --- | --- |
 | 1 | vocab mask | `real_vocab_size` (--mask-padded-vocab) |
 | 2 | cross-entropy fusion | `cross_entropy_fusion` (--cross-entropy-loss-fusion) |
-| 3 | tensor parallel | tp > 1 |
-| 4 | context parallel | cp > 1 |
-| 5 | pipeline split | pp > 1 |
-| 6 | materialize | always (storage for a meta model, or `.to(device)`; under FSDP at 12) |
-| 7 | expert parallel | experts live apart (ep > 1 or an etp below tp) |
-| 8 | MoE aux-loss groups | more than one rank per pipeline stage |
-| 9 | Transformer Engine | `transformer_engine` (--transformer-impl transformer_engine) |
-| 10 | recompute | `recompute` (--recompute-*) / `moe_layer_recompute` |
-| 11 | compile | `compile` (--torch-compile) |
-| 12 | fully sharded data parallel | `fully_sharded` (--use-megatron-fsdp), dp × cp > 1 |
+| 3 | FP8 linears (torchao) | `float8` (--fp8-format with --transformer-impl local) |
+| 4 | tensor parallel | tp > 1 |
+| 5 | context parallel | cp > 1 |
+| 6 | pipeline split | pp > 1 |
+| 7 | materialize | always (storage for a meta model, or `.to(device)`; under FSDP at 13) |
+| 8 | expert parallel | experts live apart (ep > 1 or an etp below tp) |
+| 9 | MoE aux-loss groups | more than one rank per pipeline stage |
+| 10 | Transformer Engine | `transformer_engine` (--transformer-impl transformer_engine) |
+| 11 | recompute | `recompute` (--recompute-*) / `moe_layer_recompute` |
+| 12 | compile | `compile` (--torch-compile) |
+| 13 | fully sharded data parallel | `fully_sharded` (--use-megatron-fsdp), dp × cp > 1 |
 
 Evaluation and serving read a checkpoint into their layout through the same
 function with `LOADING_STEPS` (their subset); a dense upcycling twin runs it
@@ -41,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from mg.core.models.compile import compile_layers
+from mg.core.models.float8_training import convert_to_float8
 from mg.core.models.fused_cross_entropy import apply_cross_entropy_fusion
 from mg.core.models.moe import TopKRouter
 from mg.core.models.recompute import (
@@ -105,6 +107,11 @@ class ConstructOptions:
     moe_layer_recompute: bool = False
     transformer_engine: bool = False
     fp8: FP8Options | None = None
+    """FP8 in Transformer Engine's layers (its `fp8_autocast`)."""
+    float8: FP8Options | None = None
+    """FP8 in torchao's float8 linears (`mg.core.models.float8_training`)."""
+    float8_emulate: bool = False
+    """torchao's FP8 rounding with high-precision matmuls (machines without FP8 matmuls)."""
     compile: bool = False
     fully_sharded: FullyShardedOptions | None = None
 
@@ -179,6 +186,19 @@ def split_pipeline(built: UnderConstruction, options: ConstructOptions) -> None:
         built.parts = split_llava_model(built.model, layout.pp_rank, layout.pp, layout.virtual)
         return
     built.parts = split_model(built.model, layout.pp_rank, layout.pp, layout.virtual)
+
+
+def float8_linears(built: UnderConstruction, options: ConstructOptions) -> None:
+    """The decoder layers' linears as torchao's `Float8Linear`s. Before tensor parallelism
+    (its styles must see the new modules, which are `nn.Linear`s) and FSDP (FP8 weight
+    all-gather is set up by the module swap)."""
+    assert options.float8 is not None
+    convert_to_float8(
+        built.model,
+        options.float8,
+        emulate=options.float8_emulate,
+        fsdp_all_gather=options.float8.param and options.fully_sharded is not None,
+    )
 
 
 def give_storage(built: UnderConstruction, options: ConstructOptions) -> None:
@@ -299,6 +319,7 @@ class Step:
 STEPS: tuple[Step, ...] = (
     Step("vocab mask", lambda o: o.real_vocab_size is not None, mask_padded_vocab),
     Step("cross-entropy fusion", lambda o: o.cross_entropy_fusion, fuse_cross_entropy),
+    Step("FP8 linears (torchao)", lambda o: o.float8 is not None, float8_linears),
     Step("tensor parallel", lambda o: o.layout.tp > 1, shard_tensor_parallel),
     Step("context parallel", lambda o: o.layout.cp > 1, ring_attention),
     Step("pipeline split", lambda o: o.layout.pp > 1, split_pipeline),

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import RowwiseParallel
 
+from mg.core.models.float8_training import bias_free_float8_linear
 from mg.core.models.subclass import swap_class
 
 
@@ -31,7 +32,7 @@ class RowParallelLinear(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Linear) and module.bias is not None:
-            swap_class(module, BiasAfterReduceLinear)
+            swap_class(module, _bias_free(type(module)))
         return super()._apply(module, device_mesh)
 
     @staticmethod
@@ -55,3 +56,14 @@ class BiasAfterReduceLinear(nn.Linear):
 
     def forward(self, hidden: Tensor) -> Tensor:
         return F.linear(hidden, self.weight)
+
+
+def _bias_free(linear: type[nn.Linear]) -> type[nn.Linear]:
+    """The subclass of `linear` whose forward leaves the bias out: ours for `nn.Linear`,
+    torchao's FP8 linear's twin for it (`mg.core.models.float8_training`)."""
+    if linear is nn.Linear:
+        return BiasAfterReduceLinear
+    twin = bias_free_float8_linear(linear)
+    if twin is None:
+        raise TypeError(f"a row-parallel {linear.__name__} cannot leave its bias out")
+    return twin

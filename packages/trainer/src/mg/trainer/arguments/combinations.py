@@ -79,15 +79,6 @@ CONFLICTS: tuple[Conflict, ...] = (
         "--fp16 and --bf16 cannot both be set",
     ),
     Conflict(
-        "--fp8-format",
-        "--transformer-impl",
-        lambda a: (
-            a.transformer_engine.fp8 is not None
-            and a.transformer_engine.transformer_impl != "transformer_engine"
-        ),
-        "--fp8-format needs --transformer-impl transformer_engine (FP8 runs in TE's layers)",
-    ),
-    Conflict(
         "--fp8-param-gather",
         "--fp8-format",
         lambda a: a.transformer_engine.fp8_param_gather and a.transformer_engine.fp8 is None,
@@ -104,8 +95,13 @@ CONFLICTS: tuple[Conflict, ...] = (
     Conflict(
         "--fp8-format",
         "--recompute-granularity full",
-        lambda a: a.transformer_engine.fp8 is not None and _full_recompute(a),
-        "--fp8-format with --recompute-granularity full is not supported: the recomputed "
+        lambda a: (
+            a.transformer_engine.fp8 is not None
+            and a.transformer_engine.transformer_impl == "transformer_engine"
+            and _full_recompute(a)
+        ),
+        "--fp8-format with --recompute-granularity full is not supported in Transformer "
+        "Engine's layers: the recomputed "
         "layers would run outside FP8 (Megatron recomputes through Transformer Engine's own "
         "checkpoint); use --recompute-activations (selective) or drop one of them",
     ),

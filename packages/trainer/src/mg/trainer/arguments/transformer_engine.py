@@ -13,10 +13,16 @@ and number formats, not the model's shape.
   `--attention-backend flash`.
 - `--fp8-format` (with `--fp8-recipe`, `--fp8-margin`, `--fp8-amax-history-len`,
   `--fp8-amax-compute-algo`, `--no-fp8-wgrad`, `--first-last-layers-bf16`) trains
-  through TE's `fp8_autocast` with the recipe megatron.core.fp8_utils builds.
-  `--fp8-param-gather` is checked as Megatron checks it and planned by `--dry-run`,
-  but a run is refused: FP8 weights need an optimizer that keeps their fp32 masters
-  (mg.core.models.te_spec.apply_transformer_engine can build them).
+  through TE's `fp8_autocast` with the recipe megatron.core.fp8_utils builds when
+  the layers are TE's; with `--transformer-impl local` (the default where TE is not
+  installed) through torchao's float8 linears on PyTorch's `_scaled_mm`
+  (`mg.core.models.float8_training`: recipes tensorwise and rowwise; the others
+  refused by name). On a machine without FP8 matmuls (a CPU, a GPU before Ada) a run
+  is refused; `MG_FP8_EMULATE=1` runs torchao's FP8 rounding with high-precision
+  matmuls instead, to test the numerics there.
+  `--fp8-param-gather` is checked as Megatron checks it and planned by `--dry-run`;
+  with torchao under FSDP it gathers FP8 weights, otherwise a run is refused: FP8
+  weights need an optimizer that keeps their fp32 masters.
 - With tensor (and sequence) or context parallelism TE's modules are told the
   groups as Megatron's TE spec tells them (`mg.core.models.te_parallel`).
 - FP8 amaxes are reduced over Megatron's amax-reduction group, the pipeline stage's
@@ -34,6 +40,7 @@ and number formats, not the model's shape.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,7 +52,10 @@ if TYPE_CHECKING:
     from mg.trainer.arguments.args import Args
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")  # Megatron's AttnBackend
-FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom", "rowwise")
+"""Megatron's Fp8Recipe names, and torchao's rowwise (ours: `--transformer-impl local`)."""
+FP8_EMULATE = "MG_FP8_EMULATE"
+"""Set to 1: torchao's FP8 with emulated matmuls, on machines without FP8 matmuls."""
 
 
 @dataclass
@@ -79,19 +89,23 @@ class TransformerEngineArgs:
 
 
 def finalize_transformer_engine(args: Args) -> None:
-    """An unset `--transformer-impl`: Megatron's default (transformer_engine) when FP8 is
-    asked for, which runs only in TE's layers — said in one line — else ours, local."""
+    """An unset `--transformer-impl` with FP8 asked for: Megatron's default
+    (transformer_engine) where TE is installed or for a dry run's plan, else local, whose
+    FP8 runs in torchao's float8 linears; said in one line. Without FP8: local."""
     te = args.transformer_engine
     if te.transformer_impl is not None:
         return
     te.transformer_impl = "local"
-    if te.fp8 is not None:
+    if te.fp8 is None:
+        return
+    from mg.core.models.te_spec import transformer_engine_installed  # lazy: torch
+
+    if args.training.dry_run or transformer_engine_installed():
         te.transformer_impl = "transformer_engine"
-        print(
-            "mg-train: --fp8-format without --transformer-impl: using transformer_engine, "
-            "Megatron's default (FP8 runs in Transformer Engine's layers)",
-            file=sys.stderr,
-        )
+        how = "using transformer_engine, Megatron's default (FP8 runs in TE's layers)"
+    else:
+        how = "Transformer Engine is not installed: local layers, FP8 through torchao"
+    print(f"mg-train: --fp8-format without --transformer-impl: {how}", file=sys.stderr)
 
 
 def add_transformer_engine_flags(p: argparse._ArgumentGroup) -> None:
@@ -119,10 +133,16 @@ def add_transformer_engine_flags(p: argparse._ArgumentGroup) -> None:
         "--fp8-format",
         dest="fp8",
         choices=["e4m3", "hybrid"],
-        help="Train in FP8 through Transformer Engine: e4m3 everywhere, or hybrid "
-        "(e4m3 forward, e5m2 gradients). Needs --transformer-impl transformer_engine.",
+        help="Train in FP8: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients). In "
+        "Transformer Engine's layers, or with --transformer-impl local through torchao "
+        "(recipes tensorwise, rowwise; needs an FP8 GPU and the fp8 extra).",
     )
-    p.add_argument("--fp8-recipe", default="delayed", choices=FP8_RECIPES, help="FP8 scaling.")
+    p.add_argument(
+        "--fp8-recipe",
+        default="delayed",
+        choices=FP8_RECIPES,
+        help="FP8 scaling: Megatron's recipes in TE; tensorwise or rowwise through torchao.",
+    )
     p.add_argument("--fp8-margin", type=int, default=0, help="Delayed scaling: scale margin.")
     p.add_argument(
         "--fp8-interval", type=int, default=1, help="Accepted; TE 2 has no interval (no-op)."
@@ -146,8 +166,8 @@ def add_transformer_engine_flags(p: argparse._ArgumentGroup) -> None:
     p.add_argument(
         "--fp8-param-gather",
         action="store_true",
-        help="FP8 weights (TE's fp8_model_init): checked and planned by --dry-run; a run is "
-        "refused (not supported yet).",
+        help="FP8 weights: with torchao under FSDP, FP8 weight all-gather; otherwise checked "
+        "and planned by --dry-run, and a run is refused (not supported yet).",
     )
     for flag in ("--fp8-dot-product-attention", "--fp8-multi-head-attention"):
         p.add_argument(flag, action="store_true", help="Refused: not supported yet.")
@@ -214,17 +234,35 @@ def check_transformer_engine(args: Args) -> None:
             fail(f"{flag} must be >= 1, got {value}")
     if te.transformer_impl == "transformer_engine":
         _check_te_layout(args)
+    elif te.fp8 is not None:
+        _check_torchao_recipe(args)
     if not args.training.dry_run:
         _check_machine(te)
         t = args.training
         if te.attention_backend == "flash" and not (t.bf16 or t.fp16):
             flag = "--use-flash-attn" if te.use_flash_attn else "--attention-backend flash"
             fail(f"{flag} needs --bf16 or --fp16 (FlashAttention runs in 16-bit only)")
-        if te.fp8_param_gather:  # planned by --dry-run; FP8 weights need an FP8-aware optimizer
-            fail(
+        torchao_gather = te.transformer_impl == "local" and args.fsdp.enabled
+        if te.fp8_param_gather and not torchao_gather:  # planned by --dry-run; FP8 weights
+            fail(  # need an FP8-aware optimizer (torchao's FSDP all-gather keeps them plain)
                 "--fp8-param-gather is not supported by mg-train yet (its distributed optimizer "
                 "keeps fp32 copies of plain weights); FP8 compute runs without it"
             )
+
+
+def _check_torchao_recipe(args: Args) -> None:
+    """FP8 in local layers runs through torchao: its recipes only, one line naming the flag."""
+    from mg.core.models.float8_training import refusal  # lazy: --help stays instant
+
+    options = fp8_options(args)
+    why = refusal(options) if options is not None else None
+    if why is not None:
+        fail(why)
+
+
+def fp8_emulated() -> bool:
+    """`MG_FP8_EMULATE=1`: torchao's FP8 rounding with high-precision matmuls."""
+    return os.environ.get(FP8_EMULATE) == "1"
 
 
 def _check_te_layout(args: Args) -> None:
@@ -255,6 +293,31 @@ def _check_machine(te: TransformerEngineArgs) -> None:
             )
         if not cuda:
             fail("--transformer-impl transformer_engine needs a CUDA GPU and none is visible")
+        if te.fp8_recipe == "rowwise" and te.fp8 is not None:
+            fail("--fp8-recipe rowwise is torchao's: use it with --transformer-impl local")
+    elif te.fp8 is not None:
+        _check_torchao_machine(cuda)
+
+
+def _check_torchao_machine(cuda: bool) -> None:
+    """torchao installed, and FP8 matmuls here (compute capability 8.9+) or emulation."""
+    from mg.core.models.float8_training import torchao_installed  # lazy: torch
+
+    if not torchao_installed():
+        fail(
+            "--fp8-format with --transformer-impl local trains through torchao, which is not "
+            "installed; install the fp8 extra: pip install 'mg-core[fp8]'"
+        )
+    if fp8_emulated():
+        return
+    import torch  # lazy: --help stays instant
+
+    if not cuda or torch.cuda.get_device_capability() < (8, 9):
+        fail(
+            "--fp8-format needs FP8 matmuls (a CUDA GPU of compute capability 8.9+: Ada, "
+            f"Hopper or newer) and this machine has none; {FP8_EMULATE}=1 emulates them "
+            "(slow; for testing the numerics)"
+        )
 
 
 def fp8_options(args: Args) -> FP8Options | None:
