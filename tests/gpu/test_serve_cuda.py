@@ -1,7 +1,8 @@
 """On a CUDA GPU, mg-serve gives transformers' greedy `generate()` tokens (also on the GPU):
 the eager paged runner under several schedules, and `--enable-cuda-graph`'s runner with
 every decode-only step replayed from a captured graph, in-process and through the HTTP
-server. Skipped without CUDA (the CPU suite checks the same static path uncaptured)."""
+server. Skipped without CUDA (the CPU suite checks the same static path uncaptured);
+MG_GPU_TEST_DEVICE=cpu runs the eager runner's case on the CPU."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import httpx
 import pytest
 import torch
+from gpu_device import DEVICE, ON_CUDA, cuda_only, needs_device
 
 from mg.core.testing.serving_checkpoints import save_decisive_model
 from mg.generate_server.batch import generate_batch
@@ -20,7 +22,7 @@ from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = needs_device
 transformers = pytest.importorskip("transformers")
 
 NEW_TOKENS = 24
@@ -36,22 +38,22 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """A Llama-shaped model (RoPE, GQA, SwiGLU) saved as an mg checkpoint and loaded on the
-    GPU; the prompts' ids and transformers' greedy continuations of each alone, on the GPU."""
+    device; the prompts' ids and transformers' greedy continuations of each alone, there."""
     from mg.ckpt_convert.export_hf import export_hf
     from mg.generate_server.loading import load_for_serving
 
     folder = tmp_path_factory.mktemp("cuda")
     save_decisive_model(folder, positions=128)  # RoPE, GQA, SwiGLU
     export_hf(folder / "ckpt", folder / "hf", progress=False)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval().cuda()
-    loaded = load_for_serving(folder / "ckpt", device="cuda")
-    assert next(loaded.model.parameters()).device.type == "cuda"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").eval().to(DEVICE)
+    loaded = load_for_serving(folder / "ckpt", device=str(DEVICE))
+    assert next(loaded.model.parameters()).device.type == DEVICE.type
     prompts = [loaded.tokenizer.tokenize(p) for p in PROMPTS]
     expected = []
     for ids in prompts:
         with torch.no_grad():
             out = hf.generate(
-                torch.tensor([ids], device="cuda"),
+                torch.tensor([ids], device=DEVICE),
                 max_new_tokens=NEW_TOKENS,
                 do_sample=False,
                 eos_token_id=None,
@@ -83,8 +85,9 @@ def test_eager_runner_on_the_gpu_equals_transformers(served, schedule: dict) -> 
         num_blocks=options.pop("num_blocks", None),
         block_size=options.pop("block_size", 16),
     )
-    runner.choose_decode_attention()
-    assert runner.device.type == "cuda" and runner.cache_decode_kernel is None
+    if ON_CUDA:  # on a CPU, auto would pick the CPU decode kernel (a C++ build)
+        runner.choose_decode_attention()
+    assert runner.device.type == DEVICE.type and runner.cache_decode_kernel is None
     engine = GenerationEngine(runner, loaded.tokenizer.detokenize, 50257, **options)
     try:
         assert _generate(engine, prompts) == expected
@@ -95,6 +98,7 @@ def test_eager_runner_on_the_gpu_equals_transformers(served, schedule: dict) -> 
         engine.shutdown()
 
 
+@cuda_only
 def test_cuda_graph_runner_replays_captured_graphs_with_the_same_tokens(served) -> None:
     """Three prompts (decode steps of 3 sequences padded to the bucket of 4), then five on
     4 slots: every decode-only step replays a graph captured for its bucket."""
@@ -115,6 +119,7 @@ def test_cuda_graph_runner_replays_captured_graphs_with_the_same_tokens(served) 
         engine.shutdown()
 
 
+@cuda_only
 def test_served_with_cuda_graphs_over_http(served) -> None:
     """`mg-serve --device cuda --enable-cuda-graph`: a greedy completion of token ids is
     transformers' continuation, and the log says a graph was captured."""
