@@ -182,6 +182,10 @@ finetune-refresh load save refresh_dir *args: setup
     exec bin/mg-train gpt --use-checkpoint-args --finetune --load {{load}} --save {{save}} --data-args-path {{refresh_dir}}/blend.txt \
         --split 90,10,0 --micro-batch-size 4 --global-batch-size 8 --train-iters 50 --lr 1e-4 {{args}}
 
-# GPU benchmark: Megatron's 1.3B GPT on mock data, bf16 (and FP8 with Transformer Engine) on every GPU here, MFU per iteration -> bench/results/gpu-<device>.md (without CUDA: a message; --device cpu: a smoke run)
+# GPU benchmark: Megatron's 1.3B GPT on mock data, bf16, bf16 + compile, FP8 through torchao (and TE's runs where TE is installed) on every GPU here, MFU per iteration -> bench/results/gpu-<device>.md (without CUDA: a message; --device cpu: a smoke run)
 bench-gpu *args: setup
     exec uv run --frozen python bench/bench_gpu.py {{args}}
+
+# Every GPU test and the 1.3B benchmark (bf16, bf16 + compile, FP8) on one GPU -> bench/results/gpu-<device>.md; needs only python3 with CUDA torch (no setup: mg runs from this checkout; --wheels DIR installs missing packages, e.g. torchao, from wheels)
+gpu-check *args:
+    exec python3 bench/gpu_check.py {{args}}

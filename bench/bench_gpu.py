@@ -12,6 +12,8 @@ on several GPUs), in these runs:
 
     bf16            --bf16 (PyTorch SDPA, flash kernel where it applies)
     bf16 + compile  --bf16 --torch-compile (inductor fuses each layer's elementwise ops)
+    fp8 + compile   --bf16 --torch-compile, FP8 through torchao (--transformer-impl local
+                    --fp8-format hybrid --fp8-recipe tensorwise), as torchtitan runs it
     TE bf16         --bf16 --transformer-impl transformer_engine      (TE installed)
     TE fp8          ... --fp8-format hybrid, delayed scaling, amax history 1024 / max,
                     as Megatron's llama3 FP8 example                     (TE installed)
@@ -74,6 +76,14 @@ SHAPE_SMOKE = [
     "gloo",
 ]
 TE = ["--transformer-impl", "transformer_engine"]
+TORCHAO_FP8 = [
+    "--transformer-impl",
+    "local",
+    "--fp8-format",
+    "hybrid",
+    "--fp8-recipe",
+    "tensorwise",
+]
 FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024"]
 FP8 += ["--fp8-amax-compute-algo", "max"]
 # Every GPU run: the fused output layer + cross-entropy (no fp32 logits tensor), as
@@ -82,6 +92,7 @@ COMMON = ["--cross-entropy-loss-fusion"]
 VARIANTS: dict[str, list[str]] = {
     "bf16": ["--bf16"],
     "bf16 + compile": ["--bf16", "--torch-compile"],
+    "fp8 + compile": ["--bf16", "--torch-compile", *TORCHAO_FP8],
     "TE bf16": ["--bf16", *TE],
     "TE fp8": ["--bf16", *TE, *FP8],
 }
@@ -296,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, help="GPUs to use (default: all visible).")
     p.add_argument("--runs", nargs="+", choices=list(VARIANTS), help="Default: all that apply.")
     p.add_argument("--output", type=Path, help="Default: bench/results/gpu-<device>.md.")
+    p.add_argument("--records", type=Path, help="Also write each run's record here (JSON).")
     opts = p.parse_args(argv)
 
     import torch
@@ -307,10 +319,13 @@ def main(argv: list[str] | None = None) -> int:
             "bench_gpu: no CUDA device here; nothing to measure (use --device cpu for a smoke run)"
         )
         return 0
+    from mg.core.models.float8_training import torchao_installed
     from mg.core.models.te_spec import transformer_engine_installed
 
     gpus = opts.gpus or torch.cuda.device_count()
     names = opts.runs or [n for n in VARIANTS if transformer_engine_installed() or "TE" not in n]
+    if not opts.runs and not torchao_installed():
+        names.remove("fp8 + compile")
     mbs = opts.micro_batch_size
     gbs = mbs * gpus * opts.accumulation
     records, errors = {}, {}
@@ -325,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 errors[name] = str(err).splitlines()[-1][:200]
                 print(f"bench_gpu: {name} failed:\n{err}", flush=True)
                 continue
+            keep_record(opts.records, name, records[name])
             s = summary(records[name], opts.warmup)
             print(
                 f"bench_gpu: {name}: {s['tflops_per_gpu']:.1f} TFLOP/s/GPU, MFU {s['mfu']:.1%}",
@@ -342,16 +358,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def smoke(opts: argparse.Namespace) -> int:
-    """A tiny shape on the CPU, in this process: the same record, report and arithmetic."""
+    """A tiny shape on the CPU, in this process: the same record, report and arithmetic;
+    with `--runs`, those runs (FP8 with torchao's matmuls emulated), else one fp32 run."""
     mbs = opts.micro_batch_size
-    train = train_argv(SHAPE_SMOKE, mbs, mbs * opts.accumulation, opts.iters, [])
-    record = run_training(train, None)
-    text = report({"fp32 (cpu smoke)": record}, {}, opts.warmup, "a tiny GPT (smoke run)")
+    runs = {name: VARIANTS[name] for name in opts.runs or []} or {"fp32 (cpu smoke)": []}
+    records = {}
+    for name, extra in runs.items():
+        if "--fp8-format" in extra:
+            os.environ["MG_FP8_EMULATE"] = "1"  # no FP8 matmuls on a CPU
+        train = train_argv(SHAPE_SMOKE, mbs, mbs * opts.accumulation, opts.iters, extra)
+        records[name] = run_training(train, None)
+        keep_record(opts.records, name, records[name])
+    text = report(records, {}, opts.warmup, "a tiny GPT (smoke run)")
     if opts.output is not None:
         opts.output.write_text(text)
-        opts.output.with_suffix(".json").write_text(json.dumps(record))
+        opts.output.with_suffix(".json").write_text(json.dumps(next(iter(records.values()))))
     print(text)
     return 0
+
+
+def keep_record(folder: Path | None, name: str, record: dict[str, Any]) -> None:
+    """`record` as `folder/record-<run>.json`, its run's name inside (for gpu_check.py)."""
+    if folder is not None:
+        path = folder / f"record-{device_slug(name)}.json"
+        path.write_text(json.dumps({**record, "run": name}))
 
 
 if __name__ == "__main__":

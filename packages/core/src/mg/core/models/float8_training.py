@@ -29,9 +29,12 @@ the TP styles then see `Float8Linear`s, which are `nn.Linear`s.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import re
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -160,7 +163,6 @@ _BIAS_FREE: type[nn.Module] | None = None
 
 
 def _make_bias_free_float8_linear() -> type[nn.Module]:
-    import torch
     from torchao.float8.float8_linear import (  # lazy: the fp8 extra
         Float8Linear,
         matmul_with_hp_or_float8_args,
@@ -180,8 +182,6 @@ def _make_bias_free_float8_linear() -> type[nn.Module]:
 
 
 def torchao_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("torchao") is not None
 
 
@@ -197,6 +197,4 @@ def _import_torchao() -> Any:
 
 
 def _replace(config: Any, **changes: Any) -> Any:
-    import dataclasses
-
     return dataclasses.replace(config, **changes)
