@@ -206,3 +206,24 @@ def test_fp8_composes_with_tensor_parallelism_and_recompute(
 def test_fp8_options_record_the_flags() -> None:
     args = parse_args([*BASE, *TENSORWISE, "--no-fp8-wgrad", "--dry-run"])
     assert fp8_options(args) == FP8Options(format="hybrid", recipe="tensorwise", wgrad=False)
+
+
+@pytest.mark.slow
+def test_fp8_under_fsdp_with_and_without_fp8_weight_gather(
+    tmp_path, mock_argv, train, monkeypatch
+) -> None:
+    """Emulated FP8 under --use-megatron-fsdp (ZeRO-3, 2 gloo ranks), with the weights
+    gathered in high precision and, with --fp8-param-gather, in FP8 (torchao's FSDP2
+    all-gather of each shard cast with the whole tensor's scale): both follow one
+    process's FP8 run."""
+    monkeypatch.setenv("MG_FP8_EMULATE", "1")
+    argv = mock_argv(tmp_path, *TENSORWISE, *NO_DROPOUT, mbs=2, gbs=4, iters=6)
+    one = train(argv).losses
+    fsdp = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+    fsdp += ["--data-parallel-sharding-strategy", "optim_grads_params"]
+    gather = ["--fp8-param-gather", "--use-distributed-optimizer"]
+    plain, fp8_gather = _run_ranks()(
+        [[*argv, *fsdp], [*argv, *fsdp, *gather]], 2, tmp_path / "fsdp.json"
+    )
+    assert plain["losses"] == pytest.approx(one, rel=1e-3)
+    assert fp8_gather["losses"] == pytest.approx(one, rel=1e-2)
