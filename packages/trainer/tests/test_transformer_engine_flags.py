@@ -339,6 +339,7 @@ def test_te_fp8_training_resumes_bitwise(tmp_path, mock_argv, train, monkeypatch
     from mg.core.testing import te_standin
 
     te_standin.install(monkeypatch)
+    monkeypatch.setenv(te_standin.UNSAFE_PICKLE_ENV, "1")  # TE 2.x's opt-in for delayed scaling
     common = [*TE, "--fp8-format", "hybrid", "--bf16", "--distributed-backend", "gloo"]
     common += ["--attention-dropout", "0", "--hidden-dropout", "0", "--ckpt-format", fmt]
     ckpt = str(tmp_path / "ckpt")

@@ -35,6 +35,7 @@ from mg.core.checkpoint import (
 )
 from mg.core.checkpoint.layout import DISTRIB_OPTIM_FILENAME
 from mg.core.checkpoint.serialization import load_file
+from mg.core.checkpoint.te_extra_state import te_pickle_refusal
 from mg.core.models.rng_stream import restore_tracker_states, tracker_states
 from mg.core.parallel.distributed_optimizer import DistributedOptimizer
 from mg.core.parallel.dtensor_layout import shard_like
@@ -204,6 +205,8 @@ def _load_fitting(module: nn.Module, saved: dict[str, Any], path: str) -> None:
     try:
         module.load_state_dict(saved)
     except RuntimeError as error:
+        if (refusal := te_pickle_refusal(error, path)) is not None:  # TE's FP8 state
+            raise refusal from None
         raise CheckpointError(
             f"{path}: the checkpoint's weights do not fit this run's model "
             f"({weights_mismatch(module.state_dict(), saved, error)}); resume with the model "

@@ -77,6 +77,7 @@ from mg.core.checkpoint.megatron_dist import (
     sharded_object,
 )
 from mg.core.checkpoint.megatron_sharded_keys import key_layout
+from mg.core.checkpoint.te_extra_state import restore_extra_state
 from mg.core.models.config import TransformerConfig
 from mg.core.models.moe.expert_names import (
     global_expert_names,
@@ -385,7 +386,9 @@ def _restore_rng(common_state: Any, position: dict[str, Any]) -> None:
     restore_tracker_states({k: v for k, v in position.items() if k != _RNG_STATE})
 
 
-def _restore_extra_states(model: nn.Module, state: ModelState, loaded: dict[str, Any]) -> None:
+def _restore_extra_states(
+    model: nn.Module, state: ModelState, loaded: dict[str, Any], folder: Path
+) -> None:
     """Hand each module its loaded `_extra_state` (Transformer Engine's FP8 scaling state),
     as `load_state_dict` would; one stored as None (a local-spec save) is left alone."""
     modules = _extra_state_modules(model)
@@ -393,8 +396,7 @@ def _restore_extra_states(model: nn.Module, state: ModelState, loaded: dict[str,
         if key not in loaded:
             continue
         (data,) = loaded[key]  # the ShardedObject's data
-        if data is not None:
-            modules[name].set_extra_state(data)
+        restore_extra_state(modules[name], data, str(folder))
 
 
 def _foreign_optimizer_refusal(folder: Path, common: dict[str, Any]) -> str:
@@ -508,7 +510,7 @@ def resume(
     common = load_dist_checkpoint(folder, sharded, allow_pickle=True)
     if model_state is not None:
         model_state.finish_load()
-        _restore_extra_states(unwrapped, model_state, sharded)
+        _restore_extra_states(unwrapped, model_state, sharded, folder)
     if want_optim:
         loaded = rename_optimizer_state(sharded["optimizer"], inverse(experts))
         _load_optimizer(model, optimizer, loaded, load_dir)

@@ -17,7 +17,10 @@ communication themselves, told so the way Megatron's TE spec tells them:
   with a partial gradient placement, so `sync_tensor_parallel_grads` sums it.
 - TE's sequence parallelism gathers and scatters along the first dimension
   (Megatron's [s, b, h]); our activations are [b, s, h], so a sequence-parallel
-  module sees its input transposed to sequence-first and returns batch-first.
+  module sees its input transposed to sequence-first and returns batch-first. The
+  transposed input is handed over contiguous: TE's `prepare_forward` would copy a
+  strided one before its forward `view`s it as (-1, in_features), so the copy is
+  made here, once, where it is visible.
 - `DotProductAttention` gets the tensor-parallel group and size (it takes the
   whole model's head counts and divides them itself), and under context
   parallelism `cp_group`, `cp_global_ranks`, a side `cp_stream` and
@@ -107,7 +110,7 @@ def _sharded_class(te_class: type) -> type:
             if isinstance(inp, DTensor):
                 inp = inp.to_local()
             if self.mg_sequence_parallel:
-                inp = inp.transpose(0, 1)  # TE's sequence dim is the first
+                inp = inp.transpose(0, 1).contiguous()  # TE's sequence dim is the first
             owned = dict(self._parameters)
             try:
                 for name, param in owned.items():
@@ -126,6 +129,7 @@ def _sharded_class(te_class: type) -> type:
 
 
 _PARAMETERS = ("weight", "bias", "layer_norm_weight", "layer_norm_bias")
+_SP_MARK = "sequence_parallel"  # the attribute TE sets on a parameter (reset_parameters)
 
 
 def sharded_te_module(
@@ -135,9 +139,12 @@ def sharded_te_module(
     `old` (whole sizes in `kwargs`, as TE wants them), holding `old`'s parameters."""
     new = _sharded_class(te_class)(**kwargs, **parallel.linear_kwargs(parallel_mode))
     new.mg_sequence_parallel = parallel.sequence_parallel
-    if parallel.sequence_parallel:
-        partial = ("layer_norm_weight", "layer_norm_bias") if parallel_mode == "column" else ()
-        new.mg_partial_grads = partial + (("bias",) if parallel_mode == "row" else ())
+    # The parameters TE's reset_parameters marks `sequence_parallel` (a column module's
+    # norms, a row module's bias): replicated, their gradients partial sums per rank,
+    # which Megatron's finalize_model_grads all-reduces by that mark.
+    new.mg_partial_grads = tuple(
+        name for name in _PARAMETERS if getattr(getattr(new, name, None), _SP_MARK, False)
+    )
     for name in _PARAMETERS:
         mine = getattr(old, name, None)
         if mine is None:

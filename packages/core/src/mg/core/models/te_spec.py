@@ -297,11 +297,15 @@ def apply_transformer_engine(
                 attention.linear_qkv = _te_layer_norm_linear(te, attention.linear_qkv, parallel)
             attention.linear_proj = _te_linear(te, attention.linear_proj, parallel)
             if not config.extra.get("export_force_local_attention"):  # else SDPA's, sinks
-                attention.core_attention = build_te_core_attention(
-                    config,
-                    layer.layer_number,
-                    causal=getattr(attention.core_attention, "causal", True),
-                    parallel=parallel,
+                old = attention.core_attention
+                attention.core_attention = _kept_recompute(
+                    old,
+                    build_te_core_attention(
+                        config,
+                        layer.layer_number,
+                        causal=getattr(old, "causal", True),
+                        parallel=parallel,
+                    ),
                 )
             if isinstance(getattr(mlp, "linear_fc1", None), LayerNormLinear):  # not MoE's experts
                 mlp.linear_fc1 = _te_layer_norm_linear(te, mlp.linear_fc1, parallel)
@@ -309,6 +313,17 @@ def apply_transformer_engine(
             if fp8 is not None and layer.layer_number - 1 in fp8.bf16_layers:
                 extend_class(layer, OutsideFP8)
     return model
+
+
+def _kept_recompute(old: nn.Module, new: nn.Module) -> nn.Module:
+    """`new` (TE's attention) under the selective recompute `old` was given, if any
+    (`mg.core.models.recompute.Recomputed`, found by its `_mg_recompute` mark): swapped in
+    after recompute, TE's attention is still recomputed in the backward pass, as Megatron's
+    TE attention is through `checkpoint_core_attention`."""
+    for mixin in type(old).__bases__:
+        if "_mg_recompute" in vars(mixin) and not isinstance(new, mixin):
+            extend_class(new, mixin)
+    return new
 
 
 def _swap_mla_linears(te: Any, attention: nn.Module, parallel: TEParallelism) -> None:
