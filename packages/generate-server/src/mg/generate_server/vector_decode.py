@@ -13,14 +13,20 @@ step of 1-32 rows: each output is one row's dot product with one weight row, sum
 register each), four weight rows against four or two input rows per inner loop, OpenMP over
 blocks of weight rows. So every row's numbers are the same whatever else the step
 holds (oneDNN picks its blocking by the number of rows) and the weights are read
-once a step. The kernel reads fp32 or bf16 weights (bf16 converted in registers);
-the step serves fp32 models, activations and KV cache for now: norms, RoPE, SwiGLU
-and residual adds run in fp32 as the eager fp32 model does,
+once a step. The kernel reads each matrix as it is held: fp32, bf16, or mg-quantize's
+weight-only int8 (a scale per output channel) and int4 (two a byte, a scale and zero
+point per group of columns), made into the eager modules' dequantized fp32 values in
+registers (`q * scale`, `(q - zero) * scale`: the same products), so a quantized step
+reads a quarter or an eighth of the fp32 bytes and computes the eager quantized model's
+numbers up to the order of the sums. Activations and the KV cache are fp32: norms,
+RoPE, SwiGLU and residual adds run in fp32 as the eager fp32 model does,
 and the paged attention is `mg.core.models.paged_attention_cpu`'s kernel.
 
 It serves what the AMX step serves (pre-norm RMSNorm, fused QKV without bias, RoPE,
-SwiGLU without bias, dense layers) with an fp32 model and KV cache;
-`vector_decode_unsupported` says why anything else keeps the per-op step.
+SwiGLU without bias, dense layers) with an fp32 model and KV cache, its linears fp32,
+int8_wo or int4 ones (int4_wo, AWQ, GPTQ: one format), the output layer too where it is
+fp32 or quantized without bias; `vector_decode_unsupported` says why anything else keeps
+the per-op step.
 """
 
 from __future__ import annotations
@@ -33,9 +39,16 @@ import torch
 from torch import Tensor, nn
 
 from mg.core.models import GPTModel
-from mg.core.models.output_head import is_plain_output, mask_padded_vocab, real_vocab_size
+from mg.core.models.output_head import (
+    OutputModuleHead,
+    is_plain_output,
+    mask_padded_vocab,
+    real_vocab_size,
+)
 from mg.core.models.paged_attention_cpu import kernel_flags, kernel_source, quiet_cpp_extension
 from mg.core.models.paged_kv_cache import PagedKVCache, PagedSegment
+from mg.core.quantization.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+from mg.core.quantization.primitives import pack_int4
 from mg.generate_server import cpu_isa
 from mg.generate_server.fused_decode import (
     layer_linears,
@@ -63,30 +76,106 @@ static inline float total(fv v) {  // the lanes in order
     return s;
 }
 
-// y[M, N] = x[M, K] @ W[N, K]^T; K a multiple of VL. Each y[m][n] is summed in the same
-// order whatever M is and wherever row m falls: VL lanes over K, then the lanes in order.
-template <typename W>
-static void linear(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+// A weight matrix [N, K] as the step reads it (`_matrix`): fp32 or bf16 values; int8 ones
+// with a scale per output row (w = q * scale); or int4 ones, two a byte (column 2i in the
+// low nibble, 2i + 1 in the high), with a scale and an integer zero point per `group`
+// columns of a row (w = (q - zero) * scale). Each kind's values are those the eager
+// quantized linear dequantizes to, made in registers: each product x * w is the eager
+// dequantized model's.
+struct Matrix {
+    int64_t kind;  // FP32, BF16, INT8, INT4
+    const void* values;
+    const float* scales;
+    const int8_t* zeros;
+    int64_t group;
+};
+enum { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
+
+// One weight row's values VL at a time, from column k (k at or after the chunk `start`
+// was made for: int4's chunks are its groups, the others' the whole row).
+template <typename T>
+struct FloatRow {
+    const T* row;
+    FloatRow(const Matrix& w, int64_t n, int64_t K, int64_t) {
+        row = static_cast<const T*>(w.values) + n * K;
+    }
+    fv at(int64_t k) const { return load(row + k); }
+};
+
+typedef int8_t cv __attribute__((vector_size(VL)));  // VL int8
+struct Int8Row {
+    const int8_t* row;
+    float scale;
+    Int8Row(const Matrix& w, int64_t n, int64_t K, int64_t) {
+        row = static_cast<const int8_t*>(w.values) + n * K;
+        scale = w.scales[n];
+    }
+    fv at(int64_t k) const {
+        cv q; std::memcpy(&q, row + k, sizeof q);
+        return __builtin_convertvector(q, fv) * scale;  // as dequantize_int8: q * scale
+    }
+};
+
+typedef uint8_t bv __attribute__((vector_size(VL / 2)));   // VL / 2 bytes of two nibbles
+typedef uint16_t wv __attribute__((vector_size(VL)));      // VL / 2 of them widened
+typedef uint8_t qv __attribute__((vector_size(VL)));       // VL nibbles, in column order
+struct Int4Row {
+    const uint8_t* row;
+    float zero, scale;
+    Int4Row(const Matrix& w, int64_t n, int64_t K, int64_t start) {
+        row = static_cast<const uint8_t*>(w.values) + n * (K / 2);
+        const int64_t g = n * (K / w.group) + start / w.group;
+        zero = static_cast<float>(w.zeros[g]);
+        scale = w.scales[g];
+    }
+    fv at(int64_t k) const {
+        bv b; std::memcpy(&b, row + k / 2, sizeof b);
+        const wv h = __builtin_convertvector(b, wv);
+        const wv pairs = (h & 15) | ((h >> 4) << 8);  // little-endian: low nibble first
+        qv q; std::memcpy(&q, &pairs, sizeof q);
+        return (__builtin_convertvector(q, fv) - zero) * scale;  // as dequantize_int4
+    }
+};
+
+// y[M, N] = x[M, K] @ W[N, K]^T; K a multiple of VL (and of int4's group, itself one of VL).
+// Each y[m][n] is summed in the same order whatever M is and wherever row m falls: VL
+// lanes over K, then the lanes in order.
+template <typename Row>
+static void linear_of(const float* x, const Matrix& w, float* y, int64_t M, int64_t N,
+                      int64_t K) {
+    const int64_t chunk = w.kind == INT4 ? w.group : K;
     #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 4) {
         const int64_t nb = N - n0 < 4 ? N - n0 : 4;
-        const W* rows[4];
-        for (int64_t j = 0; j < 4; j++) rows[j] = w + (n0 + (j < nb ? j : 0)) * K;
         for (int64_t m = 0; m < M; m += MR) {
             const float* in[MR];
             for (int64_t r = 0; r < MR; r++) in[r] = x + (m + r < M ? m + r : m) * K;
             fv a[MR][4] = {};
-            for (int64_t k = 0; k < K; k += VL) {
-                fv u[MR];
-                for (int r = 0; r < MR; r++) u[r] = load(in[r] + k);
-                for (int j = 0; j < 4; j++) {
-                    const fv v = load(rows[j] + k);
-                    for (int r = 0; r < MR; r++) a[r][j] += u[r] * v;
+            for (int64_t start = 0; start < K; start += chunk) {
+                const Row rows[4] = {Row(w, n0, K, start), Row(w, n0 + (1 < nb), K, start),
+                                     Row(w, n0 + (2 < nb) * 2, K, start),
+                                     Row(w, n0 + (3 < nb) * 3, K, start)};
+                for (int64_t k = start; k < start + chunk; k += VL) {
+                    fv u[MR];
+                    for (int r = 0; r < MR; r++) u[r] = load(in[r] + k);
+                    for (int j = 0; j < 4; j++) {
+                        const fv v = rows[j].at(k);
+                        for (int r = 0; r < MR; r++) a[r][j] += u[r] * v;
+                    }
                 }
             }
             for (int64_t r = 0; r < MR && m + r < M; r++)
                 for (int64_t j = 0; j < nb; j++) y[(m + r) * N + n0 + j] = total(a[r][j]);
         }
+    }
+}
+
+static void linear(const float* x, const Matrix& w, float* y, int64_t M, int64_t N, int64_t K) {
+    switch (w.kind) {
+        case FP32: return linear_of<FloatRow<float>>(x, w, y, M, N, K);
+        case BF16: return linear_of<FloatRow<uint16_t>>(x, w, y, M, N, K);
+        case INT8: return linear_of<Int8Row>(x, w, y, M, N, K);
+        default: return linear_of<Int4Row>(x, w, y, M, N, K);
     }
 }
 
@@ -137,32 +226,39 @@ static void swiglu(const float* fc1, float* act, int64_t n, int64_t ffn) {
 }
 
 // Every layer of a step: hidden [n, width] (the embeddings in; the final norm's output
-// out). weights: per layer the addresses of the input norm, the QKV and output
-// projections, the pre-MLP norm, fc1 and fc2 ([out, in], weight_t); then the final norm.
-// keys, values: the pool [layers][blocks, block_size, G, D] (`layer_elements` apart);
-// tables [n, blocks_width], lengths [n] (the new position included), slots [n]. With an
-// output weight [vocab, width] (its address; 0: none), logits [logit_count, vocab] of the
-// rows logit_rows.
+// out). weights: per layer (STRIDE apart) the input norm's address, the QKV and output
+// projections (a Matrix each: MATRIX int64s), the pre-MLP norm's address, fc1 and fc2
+// ([out, in]); then the final norm's address and the output layer [vocab, width] (kind -1:
+// none). keys, values: the pool [layers][blocks, block_size, G, D] (`layer_elements`
+// apart); tables [n, blocks_width], lengths [n] (the new position included), slots [n].
+// With an output layer, logits [logit_count, vocab] of the rows logit_rows.
+#define MATRIX 5
+#define STRIDE (2 + 4 * MATRIX)
 extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float* values,
                        const float* cos, const float* sin, const int64_t* tables,
                        const int64_t* lengths, const int64_t* slots, int64_t n, int64_t layers,
                        int64_t width, int64_t ffn, int64_t rot, int64_t blocks_width,
                        int64_t window, int64_t layer_elements, float eps, float scale,
-                       const int64_t* logit_rows, int64_t logit_count, int64_t output_weight,
-                       int64_t vocab, float* logits) {
+                       const int64_t* logit_rows, int64_t logit_count, int64_t vocab,
+                       float* logits) {
     PyThreadState* released = PyEval_SaveThread();  // the server's other threads run meanwhile
     const int64_t qkv_width = G * (H + 2) * D, context_width = G * H * D;
     std::vector<float> normed(n * width), qkv(n * qkv_width), context(n * context_width);
     std::vector<float> out(n * width), fc1(n * 2 * ffn), act(n * ffn);
-    auto vector = [&](int64_t layer, int64_t k) {
-        return reinterpret_cast<const float*>(weights[layer * 6 + k]);
+    auto matrix_at = [](const int64_t* m) {
+        return Matrix{m[0], reinterpret_cast<const void*>(m[1]),
+                      reinterpret_cast<const float*>(m[2]), reinterpret_cast<const int8_t*>(m[3]),
+                      m[4]};
     };
-    auto matrix = [&](int64_t layer, int64_t k) {
-        return reinterpret_cast<const weight_t*>(weights[layer * 6 + k]);
+    auto vector = [&](int64_t layer, int64_t k) {  // k: 0 input norm, 1 pre-MLP norm
+        return reinterpret_cast<const float*>(weights[layer * STRIDE + k * (1 + 2 * MATRIX)]);
+    };
+    auto matrix = [&](int64_t layer, int64_t k) {  // k: 0 QKV, 1 proj, 2 fc1, 3 fc2
+        return matrix_at(weights + layer * STRIDE + 1 + k * MATRIX + (k >= 2));
     };
     for (int64_t l = 0; l < layers; l++) {
         rms_norm(hidden, vector(l, 0), normed.data(), n, width, eps);
-        linear(normed.data(), matrix(l, 1), qkv.data(), n, qkv_width, width);
+        linear(normed.data(), matrix(l, 0), qkv.data(), n, qkv_width, width);
         rope(qkv.data(), cos, sin, n, rot);
         const int64_t group = (H + 2) * D;  // every row's key and value first
         float* layer_keys = keys + l * layer_elements;
@@ -174,22 +270,22 @@ extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float
         paged_attention(qkv.data(), layer_keys, layer_values, tables, lengths, context.data(),
                         nullptr, nullptr, slots, n, blocks_width, window, 0, qkv_width, group, 0,
                         0, 0, 0, scale, nullptr, 0);
-        linear(context.data(), matrix(l, 2), out.data(), n, width, context_width);
+        linear(context.data(), matrix(l, 1), out.data(), n, width, context_width);
         add_into(hidden, out.data(), n * width);
-        rms_norm(hidden, vector(l, 3), normed.data(), n, width, eps);
-        linear(normed.data(), matrix(l, 4), fc1.data(), n, 2 * ffn, width);
+        rms_norm(hidden, vector(l, 1), normed.data(), n, width, eps);
+        linear(normed.data(), matrix(l, 2), fc1.data(), n, 2 * ffn, width);
         swiglu(fc1.data(), act.data(), n, ffn);
-        linear(act.data(), matrix(l, 5), out.data(), n, width, ffn);
+        linear(act.data(), matrix(l, 3), out.data(), n, width, ffn);
         add_into(hidden, out.data(), n * width);
     }
-    rms_norm(hidden, reinterpret_cast<const float*>(weights[layers * 6]), hidden, n, width, eps);
-    if (output_weight) {  // the output layer over the rows that sample, by the same kernel
+    const int64_t* last = weights + layers * STRIDE;
+    rms_norm(hidden, reinterpret_cast<const float*>(last[0]), hidden, n, width, eps);
+    if (last[1] >= 0) {  // the output layer over the rows that sample, by the same kernel
         std::vector<float> picked(logit_count * width);
         for (int64_t r = 0; r < logit_count; r++)
             std::memcpy(picked.data() + r * width, hidden + logit_rows[r] * width,
                         width * sizeof(float));
-        linear(picked.data(), reinterpret_cast<const weight_t*>(output_weight), logits,
-               logit_count, vocab, width);
+        linear(picked.data(), matrix_at(last + 1), logits, logit_count, vocab, width);
     }
     PyEval_RestoreThread(released);
 }
@@ -197,8 +293,10 @@ extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float
 
 _ARGUMENTS = ["float*", "const int64_t*", "float*", "float*", "const float*", "const float*"]
 _ARGUMENTS += ["const int64_t*"] * 3 + ["int64_t"] * 8 + ["float", "float"]
-_ARGUMENTS += ["const int64_t*", "int64_t", "int64_t", "int64_t", "float*"]
-_WEIGHT_TYPES = {torch.float32: "float", torch.bfloat16: "uint16_t"}
+_ARGUMENTS += ["const int64_t*", "int64_t", "int64_t", "float*"]
+_KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+"""The kernel's weight kinds (its `Matrix`)."""
+_NO_MATRIX = [-1, 0, 0, 0, 0]
 _BLOCKING = {"avx512": (16, 4), "avx2": (8, 2)}
 """Per instruction set: lanes a vector, input rows a matmul's inner loop."""
 VECTOR_ISAS = ("avx512", "avx2")
@@ -210,6 +308,21 @@ def vector_isa() -> str | None:
     return next((isa for isa in VECTOR_ISAS if cpu_isa.allows(isa)), None)
 
 
+def weight_kind(linear: nn.Module) -> str | None:
+    """The kernel's weight kind for a layer it reads as it is ("fp32", "bf16", "int8",
+    "int4": mg-quantize's int8_wo and int4 modules), or None: one it cannot read."""
+    if type(linear) is nn.Linear:
+        return _FLOAT_KINDS.get(linear.weight.dtype)
+    if type(linear) is Int8WeightOnlyLinear:  # (not its W8A8 subclass)
+        return "int8"
+    if type(linear) is Int4WeightOnlyLinear and linear.group_size % 16 == 0:
+        return "int4"
+    return None
+
+
+_FLOAT_KINDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
 def vector_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> str | None:
     """Why `VectorDecode` cannot run this model's steps here, or None."""
     if vector_isa() is None:
@@ -218,10 +331,14 @@ def vector_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> s
         return why
     for layer in model.decoder.layers:
         for linear in layer_linears(layer):
-            if type(linear) is not nn.Linear or linear.bias is not None:
-                return "its linears are not plain and bias-free"
-            if linear.weight.dtype != torch.float32 or linear.in_features % 16:
-                return "its linears are not fp32 with inputs in multiples of 16"
+            if linear.bias is not None:
+                return "its linears are not bias-free"
+            kind = weight_kind(linear)
+            if kind is None or kind == "bf16" or linear.in_features % 16:
+                return (
+                    "its linears are not fp32, int8_wo or int4 (groups of a multiple of 16) "
+                    "with inputs in multiples of 16"
+                )
     return None
 
 
@@ -234,32 +351,37 @@ class VectorDecode:
         self.model, self.cache = model, cache
         attention = model.decoder.layers[0].self_attention
         groups, heads, d = attention.num_groups, attention.num_heads, attention.head_dim
-        weight_dtype = attention.linear_qkv.weight.dtype
         self.isa = vector_isa()
-        self.description = f"{self.isa} {_label(weight_dtype)}"
-        """For the log: "avx2 fp32", "avx512 bf16 weights"."""
-        self._step = _build(
-            self.isa, _WEIGHT_TYPES[weight_dtype], groups, heads // groups, d, cache.block_size
-        )
-        addresses: list[int] = []
+        self._step = _build(self.isa, groups, heads // groups, d, cache.block_size)
+        table: list[int] = []
         self._keep: list[Tensor] = []  # what the addresses point into
+        kinds: list[str] = []
         for layer in model.decoder.layers:
             attention, mlp = layer.self_attention, layer.mlp
-            for tensor in (
-                layer.input_layernorm.weight.float(),
-                attention.linear_qkv.weight,
-                attention.linear_proj.weight,
-                layer.pre_mlp_layernorm.weight.float(),
-                mlp.linear_fc1.weight,
-                mlp.linear_fc2.weight,
-            ):
-                tensor = tensor.detach().contiguous()
-                self._keep.append(tensor)
-                addresses.append(tensor.data_ptr())
-        final = model.decoder.final_layernorm.weight.detach().float().contiguous()
-        self._keep.append(final)
-        addresses.append(final.data_ptr())
-        self._weights = torch.tensor(addresses, dtype=torch.int64)
+            table.append(self._address(layer.input_layernorm.weight.float()))
+            table += self._matrix(attention.linear_qkv, kinds)
+            table += self._matrix(attention.linear_proj, kinds)
+            table.append(self._address(layer.pre_mlp_layernorm.weight.float()))
+            table += self._matrix(mlp.linear_fc1, kinds)
+            table += self._matrix(mlp.linear_fc2, kinds)
+        table.append(self._address(model.decoder.final_layernorm.weight.float()))
+        self._vocab = 0
+        """The output layer's rows where the step computes the logits itself (a plain
+        head without bias, or a quantized output layer: the same sums whatever the batch,
+        as the layers'); 0: the model's head computes them."""
+        output = _output_layer(model) if config.hidden_size % 16 == 0 else None
+        if isinstance(output, Tensor):
+            table += [_KINDS["fp32"], self._address(output), 0, 0, 0]
+            self._vocab = output.shape[0]
+        elif output is not None:
+            table += self._matrix(output, [])
+            self._vocab = output.out_features
+        else:
+            table += _NO_MATRIX
+        self._weights = torch.tensor(table, dtype=torch.int64)
+        quantized = sorted({k for k in kinds if k.startswith("int")})
+        self.description = f"{self.isa} fp32" + "".join(f", {k} weights" for k in quantized)
+        """For the log: "avx2 fp32", "avx512 fp32, int8 weights"."""
         self._sizes = (
             len(model.decoder.layers),
             config.hidden_size,
@@ -271,13 +393,27 @@ class VectorDecode:
         self._window = config.window_size[0] if config.window_size is not None else -1
         self.steps = 0
         """Steps run so far."""
-        self._output_weight = None
-        """The output layer's fp32 weight where the step computes the logits itself (a
-        plain head without bias: the same sums whatever the batch, as the layers')."""
-        weight = model.output_weight()
-        plain = is_plain_output(model) and model.output_bias() is None
-        if plain and weight.dtype == torch.float32 and config.hidden_size % 16 == 0:
-            self._output_weight = weight.detach().contiguous()
+
+    def _address(self, tensor: Tensor) -> int:
+        tensor = tensor.detach().contiguous()
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def _matrix(self, linear: nn.Module, kinds: list[str]) -> list[int]:
+        """The kernel's `Matrix` of a layer `weight_kind` reads: kind, values, scales,
+        zero points, group size (the tensors kept alive here: a quantized layer may drop
+        its own copy for another kernel's layout)."""
+        kind = weight_kind(linear)
+        kinds.append(kind)
+        if kind in ("fp32", "bf16"):
+            return [_KINDS[kind], self._address(linear.weight), 0, 0, 0]
+        if kind == "int8":
+            scales = self._address(linear.weight_scale.float())
+            return [_KINDS[kind], self._address(linear.qweight), scales, 0, 0]
+        packed = linear.qweight if linear.qweight is not None else pack_int4(linear.q_values())
+        values, scales = self._address(packed), self._address(linear.weight_scale.float())
+        zeros = self._address(linear.weight_zero_point.to(torch.int8))
+        return [_KINDS[kind], values, scales, zeros, linear.group_size]
 
     def takes(self, segments: Sequence[PagedSegment]) -> bool:
         """Whether this step runs fused (the AMX step's rule, `fused_decode.takes`)."""
@@ -295,26 +431,36 @@ class VectorDecode:
         cos, sin = (x[0, :, 0].float().contiguous() for x in rope)
         layers, width, ffn, rot = self._sizes
         rows = torch.tensor(list(logit_rows), dtype=torch.long)
-        output = self._output_weight
-        logits = hidden.new_empty(len(rows), output.shape[0] if output is not None else 0)
+        logits = hidden.new_empty(len(rows), self._vocab)
         self._step(
             hidden, self._weights, cache.keys, cache.values, cos, sin, blocks, lengths, slots,
             hidden.shape[0], layers, width, ffn, rot, blocks.shape[1], self._window,
-            cache.keys[0].numel(), self._eps, self._scale, rows, len(rows),
-            0 if output is None else output.data_ptr(), logits.shape[1], logits,
+            cache.keys[0].numel(), self._eps, self._scale, rows, len(rows), self._vocab, logits,
         )  # fmt: skip
         self.steps += 1
-        if output is not None:
+        if self._vocab:
             return mask_padded_vocab(logits, real_vocab_size(model))
         return model.output_and_loss(hidden[rows][None], None)[0]
 
 
-def _label(dtype: torch.dtype) -> str:
-    return "fp32" if dtype == torch.float32 else "bf16 weights"
+def _output_layer(model: GPTModel) -> Tensor | nn.Module | None:
+    """What the step computes the logits with, where it can: the plain head's fp32 weight
+    without bias, or a quantized output layer without bias whose module computes the
+    logits (`OutputModuleHead`)."""
+    if is_plain_output(model):
+        weight = model.output_weight()
+        if model.output_bias() is None and weight.dtype == torch.float32:
+            return weight
+        return None
+    if type(model.output_head) is OutputModuleHead:
+        layer = model.output_layer
+        if weight_kind(layer) in ("int8", "int4") and layer.bias is None:
+            return layer
+    return None
 
 
 @functools.cache
-def _build(isa: str, weight_type: str, groups: int, per_group: int, head_dim: int, block: int):
+def _build(isa: str, groups: int, per_group: int, head_dim: int, block: int):
     # lazy: torch._inductor takes seconds to import; only a serving CPU builds this step
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
@@ -325,7 +471,6 @@ def _build(isa: str, weight_type: str, groups: int, per_group: int, head_dim: in
             "#define kernel paged_attention",
             kernel_source("float", groups, per_group, head_dim, block),
             "#undef kernel",
-            f"typedef {weight_type} weight_t;",
             "#define VL {}\n#define MR {}".format(*_BLOCKING[isa]),
             _STEP,
         ]

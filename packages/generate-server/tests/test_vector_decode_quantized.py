@@ -1,0 +1,207 @@
+"""Weight-only int8 and int4 models (mg-quantize's int8_wo and int4 modules) in the fp32
+step as one C++ call (`vector_decode`), on AVX-512 and AVX2 (each forced through
+`MG_CPU_ISA` where the CPU has it): the kernel reads the quantized weights and makes the
+eager modules' dequantized values in registers, so its logits are the op-by-op quantized
+model's up to the order of the sums (1e-5, as the fp32 step's), its greedy tokens the
+same; a sequence's numbers are bitwise the same whatever else its steps hold; the step is
+chosen and logged in one line."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from mg.core.models import GPTModel, presets
+from mg.core.models.paged_kv_cache import PagedSegment
+from mg.core.quantization import primitives as P
+from mg.core.quantization.apply import set_submodule
+from mg.core.quantization.linear import (
+    Int4WeightOnlyLinear,
+    Int8DynamicLinear,
+    Int8WeightOnlyLinear,
+)
+from mg.generate_server import cpu_isa
+from mg.generate_server.runner import ModelRunner
+from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
+
+ISAS = [
+    pytest.param(isa, marks=pytest.mark.skipif(
+        cpu_isa.ORDER.index(cpu_isa.available()) < cpu_isa.ORDER.index(isa),
+        reason=f"this CPU has no {isa}",
+    ))
+    for isa in ("avx512", "avx2")
+]  # fmt: skip
+
+RECIPES = {
+    # recipe: (the layers' kind, int4 group size, asymmetric, the output layer quantized)
+    "int8": ("int8", 0, False, False),
+    "int8-output": ("int8", 0, False, True),
+    "int4-g32": ("int4", 32, False, False),
+    "int4-g16-asym-output": ("int4", 16, True, True),
+}
+
+
+def _quantized(linear: nn.Linear, kind: str, group: int, asymmetric: bool) -> nn.Module:
+    if kind == "int8":
+        return Int8WeightOnlyLinear.from_linear(linear)
+    q, scale, zero = P.quantize_int4(linear.weight.detach(), group, symmetric=not asymmetric)
+    return Int4WeightOnlyLinear.from_quantized(linear, q, scale, zero)
+
+
+def _model(recipe: str, **overrides) -> GPTModel:
+    """tiny_llama with its linears quantized as mg-quantize's modules hold them."""
+    kind, group, asymmetric, output = RECIPES[recipe]
+    torch.manual_seed(0)
+    config = presets.tiny_llama(hidden_dropout=0.0, attention_dropout=0.0, **overrides)
+    model = GPTModel(config).eval()
+    names = [
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and (output or name != "output_layer")
+    ]
+    for name in names:
+        set_submodule(model, name, _quantized(model.get_submodule(name), kind, group, asymmetric))
+    return model.eval()
+
+
+def _runner(model: GPTModel, fused: bool, slots: int = 3) -> ModelRunner:
+    runner = ModelRunner(model, num_slots=slots, max_length=32, block_size=4)
+    runner.choose_decode_attention()
+    if fused:
+        assert runner.use_fused_decode() is None
+        assert isinstance(runner.fused_decode, VectorDecode)
+    return runner
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@torch.inference_mode()
+def test_quantized_steps_equal_the_op_by_op_runner(isa: str, recipe: str, monkeypatch) -> None:
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
+    model = _model(recipe)
+    runners = [_runner(model, False), _runner(model, True)]
+    kind = RECIPES[recipe][0]
+    assert runners[1].fused_decode.description == f"{isa} fp32, {kind} weights"
+    assert runners[1].fused_decode._vocab == 128  # the output layer in the step too
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (7, 2, 11)]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    ids, positions, segments, rows = sum(prompts, []), [], [], 0
+    for i, prompt in enumerate(prompts):
+        segments.append(PagedSegment(rows, len(prompt), 0, tables[i]))
+        positions += range(len(prompt))
+        rows += len(prompt)
+    steps: list[list[torch.Tensor]] = [[], []]
+    for out, runner in zip(steps, runners, strict=True):
+        out.append(runner.forward(segments, ids, positions, [0, 1, 2, 6, 8, 19]))
+        for step in range(4):
+            decodes = [PagedSegment(i, 1, len(prompts[i]) + step, tables[i]) for i in range(3)]
+            new = [(11 * step + 5 * i) % 128 for i in range(3)]
+            where = [len(prompts[i]) + step for i in range(3)]
+            out.append(runner.forward(decodes, new, where, [0, 1, 2]))
+        # one row alone: the eager int8 / int4 modules take torch's weight-only kernels
+        single = [PagedSegment(0, 1, len(prompts[0]) + 4, tables[0])]
+        out.append(runner.forward(single, [3], [len(prompts[0]) + 4], [0]))
+    assert runners[1].fused_decode.steps == 6
+    for want, got in zip(*steps, strict=True):
+        # the eager model's dequantized weights exactly; fp32 sums in another order
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(runners[1].cache.keys, runners[0].cache.keys, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("recipe", ["int8", "int4-g16-asym-output"])
+@torch.inference_mode()
+def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(
+    isa: str, recipe: str, monkeypatch
+) -> None:
+    """Sequence 0's prompt and decodes, alone and then among 1-8 others at every place in
+    the step (others' prompts included): its logits bitwise equal each time."""
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
+    model = _model(recipe)
+    torch.manual_seed(2)
+    mine = torch.randint(0, 128, (6,)).tolist()
+
+    def run(others: int, place: int) -> list[torch.Tensor]:
+        runner = _runner(model, True, slots=9)
+        tables = [list(range(4 * i, 4 * i + 4)) for i in range(others + 1)]
+        order = list(range(1, others + 1))
+        order.insert(place, 0)
+        lengths = {0: len(mine), **{k: 3 + k for k in order if k}}
+        prompts = {0: mine, **{k: [(7 * k + j) % 128 for j in range(lengths[k])] for k in order}}
+        segments, ids, positions, rows, mine_row = [], [], [], 0, 0
+        for k in order:
+            if k == 0:
+                mine_row = rows + len(mine) - 1
+            segments.append(PagedSegment(rows, lengths[k], 0, tables[k]))
+            ids += prompts[k]
+            positions += range(lengths[k])
+            rows += lengths[k]
+        logits = [runner.forward(segments, ids, positions, [mine_row])[0]]
+        for step in range(3):
+            decodes = [PagedSegment(k, 1, lengths[k] + step, tables[k]) for k in order]
+            new = [(13 * step + k) % 128 for k in order]
+            where = [lengths[k] + step for k in order]
+            logits.append(runner.forward(decodes, new, where, [place])[0])
+        return logits
+
+    alone = run(0, 0)
+    for others, place in ((1, 1), (3, 0), (8, 8)):
+        for want, got in zip(alone, run(others, place), strict=True):
+            assert torch.equal(got, want), (others, place)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("recipe", ["int8", "int4-g32"])
+def test_greedy_tokens_equal_the_op_by_op_engines(isa: str, recipe: str, monkeypatch) -> None:
+    from mg.generate_server.batch import generate_batch
+    from mg.generate_server.engine import GenerationEngine
+    from mg.generate_server.sampling import SamplingParams
+
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
+    model = _model(recipe)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (5, 9, 2)]
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    tokens = []
+    for fused in (False, True):
+        runner = _runner(model, fused)
+        engine = GenerationEngine(runner, lambda ids: "", 128)
+        try:
+            tokens.append([r.tokens for r in generate_batch(engine, prompts, params)])
+        finally:
+            engine.shutdown()
+        if fused:
+            assert runner.fused_decode.steps == engine.stats.steps
+    assert tokens[0] == tokens[1] and all(len(t) == 12 for t in tokens[1])
+
+
+@pytest.mark.skipif(cpu_isa.available() == "none", reason="this CPU has neither AVX2 nor AVX-512")
+def test_mg_serve_logs_the_int8_step_in_one_line(monkeypatch, caplog) -> None:
+    from mg.generate_server.cli import _pack_and_fuse
+
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, "avx2")
+    runner = ModelRunner(_model("int8"), num_slots=1, max_length=16, block_size=4)
+    with caplog.at_level(logging.INFO, logger="mg.generate_server"):
+        _pack_and_fuse(runner)
+    assert "decode steps fused: avx2 fp32, int8 weights" in caplog.messages
+
+
+def test_quantized_models_it_cannot_run_say_why() -> None:
+    def why(model: GPTModel) -> str | None:
+        return vector_decode_unsupported(model, ModelRunner(model, 1, 16).cache)
+
+    if cpu_isa.available() == "none":
+        pytest.skip("this CPU has neither AVX2 nor AVX-512")
+    assert why(_model("int8")) is None and why(_model("int4-g32")) is None
+    model = _model("int8")
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    model.decoder.layers[0].self_attention.linear_qkv = Int8DynamicLinear.from_linear(
+        nn.Linear(qkv.in_features, qkv.out_features, bias=False)
+    )
+    assert why(model).startswith("its linears are not fp32, int8_wo or int4")
+    assert why(_model("int8", add_bias_linear=True)) == "its linears are not bias-free"
