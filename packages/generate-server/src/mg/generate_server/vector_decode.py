@@ -102,7 +102,19 @@ struct FloatRow {
     fv at(int64_t k) const { return load(row + k); }
 };
 
-typedef int8_t cv __attribute__((vector_size(VL)));  // VL int8
+// VL int8 (AVX2: the low 8 bytes of `bytes`) widened to int32 and made floats, by the
+// instruction itself (GCC's vector conversions of bytes go through scalars)
+static inline fv int8_floats(__m128i bytes, bool is_signed) {
+#if VL == 16
+    const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+    const __m512 f = _mm512_cvtepi32_ps(wide);
+#else
+    const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    const __m256 f = _mm256_cvtepi32_ps(wide);
+#endif
+    fv v; std::memcpy(&v, &f, sizeof v); return v;
+}
+
 struct Int8Row {
     const int8_t* row;
     float scale;
@@ -111,14 +123,15 @@ struct Int8Row {
         scale = w.scales[n];
     }
     fv at(int64_t k) const {
-        cv q; std::memcpy(&q, row + k, sizeof q);
-        return __builtin_convertvector(q, fv) * scale;  // as dequantize_int8: q * scale
+#if VL == 16
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+#else
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k));
+#endif
+        return int8_floats(q, true) * scale;  // as dequantize_int8: q * scale
     }
 };
 
-typedef uint8_t bv __attribute__((vector_size(VL / 2)));   // VL / 2 bytes of two nibbles
-typedef uint16_t wv __attribute__((vector_size(VL)));      // VL / 2 of them widened
-typedef uint8_t qv __attribute__((vector_size(VL)));       // VL nibbles, in column order
 struct Int4Row {
     const uint8_t* row;
     float zero, scale;
@@ -128,18 +141,57 @@ struct Int4Row {
         zero = static_cast<float>(w.zeros[g]);
         scale = w.scales[g];
     }
-    fv at(int64_t k) const {
-        bv b; std::memcpy(&b, row + k / 2, sizeof b);
-        const wv h = __builtin_convertvector(b, wv);
-        const wv pairs = (h & 15) | ((h >> 4) << 8);  // little-endian: low nibble first
-        qv q; std::memcpy(&q, &pairs, sizeof q);
-        return (__builtin_convertvector(q, fv) - zero) * scale;  // as dequantize_int4
+    fv at(int64_t k) const {  // VL / 2 bytes: each byte's low nibble, then its high one
+#if VL == 16
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+#else
+        int32_t four; std::memcpy(&four, row + k / 2, 4);
+        const __m128i b = _mm_cvtsi32_si128(four);
+#endif
+        const __m128i h = _mm_cvtepu8_epi16(b);  // little-endian u16: [low nibble, high]
+        const __m128i low = _mm_and_si128(h, _mm_set1_epi16(0x000F));
+        const __m128i high = _mm_and_si128(_mm_slli_epi16(h, 4), _mm_set1_epi16(0x0F00));
+        const __m128i pairs = _mm_or_si128(low, high);
+        return (int8_floats(pairs, false) - zero) * scale;  // as dequantize_int4
     }
 };
 
+// R input rows m.. against weight rows n0..n0 + nb - 1 (nb <= 4): R x 4 accumulators.
+template <typename Row, int R>
+static void block(const float* x, const Matrix& w, float* y, int64_t m, int64_t n0, int64_t nb,
+                  int64_t N, int64_t K, int64_t chunk) {
+    const float* in[R];
+    for (int64_t r = 0; r < R; r++) in[r] = x + (m + r) * K;
+    fv a[R][4] = {};
+    for (int64_t start = 0; start < K; start += chunk) {
+        const Row rows[4] = {Row(w, n0, K, start), Row(w, n0 + (1 < nb), K, start),
+                             Row(w, n0 + (2 < nb) * 2, K, start),
+                             Row(w, n0 + (3 < nb) * 3, K, start)};
+        for (int64_t k = start; k < start + chunk; k += VL) {
+            fv u[R];
+            for (int r = 0; r < R; r++) u[r] = load(in[r] + k);
+            for (int j = 0; j < 4; j++) {
+                const fv v = rows[j].at(k);
+                for (int r = 0; r < R; r++) a[r][j] += u[r] * v;
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t j = 0; j < nb; j++) y[(m + r) * N + n0 + j] = total(a[r][j]);
+}
+
+// The last `left` (< MR) rows: a block of just them (no work for rows that are not there).
+template <typename Row, int R>
+static void tail(const float* x, const Matrix& w, float* y, int64_t left, int64_t m, int64_t n0,
+                 int64_t nb, int64_t N, int64_t K, int64_t chunk) {
+    if constexpr (R > 1)
+        if (left < R) return tail<Row, R - 1>(x, w, y, left, m, n0, nb, N, K, chunk);
+    block<Row, R>(x, w, y, m, n0, nb, N, K, chunk);
+}
+
 // y[M, N] = x[M, K] @ W[N, K]^T; K a multiple of VL (and of int4's group, itself one of VL).
-// Each y[m][n] is summed in the same order whatever M is and wherever row m falls: VL
-// lanes over K, then the lanes in order.
+// Each y[m][n] is summed in the same order whatever M is and wherever row m falls (each
+// accumulator its own row's and weight row's): VL lanes over K, then the lanes in order.
 template <typename Row>
 static void linear_of(const float* x, const Matrix& w, float* y, int64_t M, int64_t N,
                       int64_t K) {
@@ -147,26 +199,9 @@ static void linear_of(const float* x, const Matrix& w, float* y, int64_t M, int6
     #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 4) {
         const int64_t nb = N - n0 < 4 ? N - n0 : 4;
-        for (int64_t m = 0; m < M; m += MR) {
-            const float* in[MR];
-            for (int64_t r = 0; r < MR; r++) in[r] = x + (m + r < M ? m + r : m) * K;
-            fv a[MR][4] = {};
-            for (int64_t start = 0; start < K; start += chunk) {
-                const Row rows[4] = {Row(w, n0, K, start), Row(w, n0 + (1 < nb), K, start),
-                                     Row(w, n0 + (2 < nb) * 2, K, start),
-                                     Row(w, n0 + (3 < nb) * 3, K, start)};
-                for (int64_t k = start; k < start + chunk; k += VL) {
-                    fv u[MR];
-                    for (int r = 0; r < MR; r++) u[r] = load(in[r] + k);
-                    for (int j = 0; j < 4; j++) {
-                        const fv v = rows[j].at(k);
-                        for (int r = 0; r < MR; r++) a[r][j] += u[r] * v;
-                    }
-                }
-            }
-            for (int64_t r = 0; r < MR && m + r < M; r++)
-                for (int64_t j = 0; j < nb; j++) y[(m + r) * N + n0 + j] = total(a[r][j]);
-        }
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) block<Row, MR>(x, w, y, m, n0, nb, N, K, chunk);
+        if (m < M) tail<Row, MR - 1>(x, w, y, M - m, m, n0, nb, N, K, chunk);
     }
 }
 
@@ -379,8 +414,8 @@ class VectorDecode:
         else:
             table += _NO_MATRIX
         self._weights = torch.tensor(table, dtype=torch.int64)
-        quantized = sorted({k for k in kinds if k.startswith("int")})
-        self.description = f"{self.isa} fp32" + "".join(f", {k} weights" for k in quantized)
+        narrower = sorted({k for k in kinds if k != "fp32"})
+        self.description = f"{self.isa} fp32" + "".join(f", {k} weights" for k in narrower)
         """For the log: "avx2 fp32", "avx512 fp32, int8 weights"."""
         self._sizes = (
             len(model.decoder.layers),
@@ -467,7 +502,8 @@ def _build(isa: str, groups: int, per_group: int, head_dim: int, block: int):
     source = "\n".join(
         [
             f"// instruction set: {isa}",
-            "#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n#include <cmath>\n#include <vector>",
+            "#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n#include <immintrin.h>",
+            "#include <cmath>\n#include <vector>",
             "#define kernel paged_attention",
             kernel_source("float", groups, per_group, head_dim, block),
             "#undef kernel",
