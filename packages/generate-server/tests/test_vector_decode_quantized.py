@@ -205,3 +205,59 @@ def test_quantized_models_it_cannot_run_say_why() -> None:
     )
     assert why(model).startswith("its linears are not fp32, int8_wo or int4")
     assert why(_model("int8", add_bias_linear=True)) == "its linears are not bias-free"
+
+
+@torch.inference_mode()
+def test_int4_layers_whose_weights_went_to_torchs_kernel_layout() -> None:
+    """An int4 module that ran torch's CPU kernel holds only that kernel's tiles (its
+    `qweight` dropped): the step packs the checkpoint's layout again from them."""
+    model = _model("int4-g32")
+    reference = _runner(model, True)
+    want = reference.forward([PagedSegment(0, 5, 0, [0, 1])], [1, 2, 3, 4, 5], range(5), [4])
+    for layer in model.decoder.layers:
+        for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
+            linear(torch.randn(1, linear.in_features))  # one row: torch's int4 kernel
+            if linear.qweight is not None:
+                pytest.skip("this torch's int4 tiles are not read back: qweight kept")
+    runner = _runner(model, True)
+    got = runner.forward([PagedSegment(0, 5, 0, [0, 1])], [1, 2, 3, 4, 5], range(5), [4])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("recipe", ["int8_wo", "int4_wo"])
+def test_mg_quantize_checkpoints_served_take_the_step(
+    isa: str, recipe: str, tmp_path, monkeypatch, caplog
+) -> None:
+    """An mg-quantize checkpoint loaded as mg-serve loads it: the step chosen and logged in
+    one line, greedy tokens those of the op-by-op engine."""
+    quantize = pytest.importorskip("mg.quantize_export.cli").main
+    from mg.core.testing.serving_checkpoints import save_decisive_model
+    from mg.generate_server.batch import generate_batch
+    from mg.generate_server.cli import _pack_and_fuse
+    from mg.generate_server.engine import GenerationEngine
+    from mg.generate_server.loading import load_for_serving
+    from mg.generate_server.sampling import SamplingParams
+
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
+    source = save_decisive_model(tmp_path, name="float", ffn_hidden_size=128)
+    extra = ["--group-size", "32"] if recipe == "int4_wo" else []
+    save = tmp_path / recipe
+    quantize(["--load", str(source), "--save", str(save), "--recipe", recipe, *extra])
+    model = load_for_serving(save).model
+    prompts = [[5, 900, 31], [7] * 9, [40000, 2]]
+    params = SamplingParams(max_new_tokens=8, greedy=True)
+    tokens = []
+    for fused in (False, True):
+        runner = ModelRunner(model, num_slots=3, max_length=32, block_size=4)
+        if fused:
+            with caplog.at_level(logging.INFO, logger="mg.generate_server"):
+                _pack_and_fuse(runner)
+            kind = recipe.removesuffix("_wo")
+            assert f"decode steps fused: {isa} fp32, {kind} weights" in caplog.messages
+        engine = GenerationEngine(runner, lambda ids: "", 50257)
+        try:
+            tokens.append([r.tokens for r in generate_batch(engine, prompts, params)])
+        finally:
+            engine.shutdown()
+    assert tokens[0] == tokens[1] and all(len(t) == 8 for t in tokens[1])
