@@ -102,15 +102,13 @@ struct FloatRow {
     fv at(int64_t k) const { return load(row + k); }
 };
 
-// VL int8 (AVX2: the low 8 bytes of `bytes`) widened to int32 and made floats, by the
-// instruction itself (GCC's vector conversions of bytes go through scalars)
-static inline fv int8_floats(__m128i bytes, bool is_signed) {
+// VL int8 (AVX2: the low 8 bytes of `bytes`) widened to int32 and made floats by the
+// instructions themselves (GCC's vector conversions of bytes go through scalars)
+static inline fv int8_floats(__m128i bytes) {
 #if VL == 16
-    const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
-    const __m512 f = _mm512_cvtepi32_ps(wide);
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 #else
-    const __m256i wide = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
-    const __m256 f = _mm256_cvtepi32_ps(wide);
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
 #endif
     fv v; std::memcpy(&v, &f, sizeof v); return v;
 }
@@ -128,31 +126,49 @@ struct Int8Row {
 #else
         const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k));
 #endif
-        return int8_floats(q, true) * scale;  // as dequantize_int8: q * scale
+        return int8_floats(q) * scale;  // as dequantize_int8: q * scale
     }
 };
 
+// Int4: VL / 2 bytes to VL lanes, each byte twice (its low nibble's column, then its high
+// one's), shifted so that a lane's low 4 bits are its nibble.
 struct Int4Row {
     const uint8_t* row;
+#if VL == 16
+    __m512 table;  // the group's 16 values (q - zero) * scale, looked up by nibble
+#else
     float zero, scale;
+#endif
     Int4Row(const Matrix& w, int64_t n, int64_t K, int64_t start) {
         row = static_cast<const uint8_t*>(w.values) + n * (K / 2);
         const int64_t g = n * (K / w.group) + start / w.group;
+#if VL == 16
+        const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512 zero = _mm512_set1_ps(static_cast<float>(w.zeros[g]));
+        table = _mm512_mul_ps(_mm512_sub_ps(q, zero), _mm512_set1_ps(w.scales[g]));
+#else
         zero = static_cast<float>(w.zeros[g]);
         scale = w.scales[g];
+#endif
     }
-    fv at(int64_t k) const {  // VL / 2 bytes: each byte's low nibble, then its high one
+    fv at(int64_t k) const {
 #if VL == 16
         const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+        const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        const __m512i nibbles = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b)),
+                                                  shifts);  // (the lookup reads 4 bits)
+        const __m512 f = _mm512_permutexvar_ps(nibbles, table);  // as dequantize_int4
+        fv v; std::memcpy(&v, &f, sizeof v); return v;
 #else
         int32_t four; std::memcpy(&four, row + k / 2, 4);
         const __m128i b = _mm_cvtsi32_si128(four);
+        const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+        const __m256i wide = _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(wide, shifts), _mm256_set1_epi32(15));
+        const __m256 f = _mm256_cvtepi32_ps(q);
+        fv v; std::memcpy(&v, &f, sizeof v);
+        return (v - zero) * scale;  // as dequantize_int4: (q - zero) * scale
 #endif
-        const __m128i h = _mm_cvtepu8_epi16(b);  // little-endian u16: [low nibble, high]
-        const __m128i low = _mm_and_si128(h, _mm_set1_epi16(0x000F));
-        const __m128i high = _mm_and_si128(_mm_slli_epi16(h, 4), _mm_set1_epi16(0x0F00));
-        const __m128i pairs = _mm_or_si128(low, high);
-        return (int8_floats(pairs, false) - zero) * scale;  // as dequantize_int4
     }
 };
 
