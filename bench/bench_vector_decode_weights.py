@@ -6,16 +6,17 @@ query groups, SwiGLU 1536, tied embeddings, vocabulary 50304) with random weight
 fp32; its decoder linears are then held as each kind (int8: a scale per output channel;
 int4: groups of `--group-size` columns, symmetric). The output layer is the tied fp32
 embedding in every case, as mg-quantize leaves it by default (`--quantize-output`
-quantizes an untied copy too). The bf16 case converts the linears' weights only: the
+quantizes an untied copy too, bf16 aside). The bf16 case converts the linears' weights only: the
 kernel reads bf16 as it reads the others (an fp32 model with bf16 linears is not a model
 mg-serve loads; it shows what the bytes cost). Where AMX is there and no instruction set
 is forced, the AMX bf16 step of the same model in bf16 is timed too (mg-serve's bf16 path
 on such a CPU).
 
 Each case: `--batch` sequences prefilled with 16-token prompts, then `--steps` decode
-steps, each one call of the fused step through `ModelRunner.forward`; best of
-`--repeats`. The machine's load average is printed: the figures are indicative where
-other work shares the CPU.
+steps, each one call of the fused step through `ModelRunner.forward` (`--op-by-op`:
+the servable kinds' op-by-op steps too, what they ran before); the best of `--repeats`
+rounds over all cases. The machine's load average is printed: the figures are indicative
+where other work shares the CPU.
 
     .venv/bin/python bench/bench_vector_decode_weights.py --threads 2 --batch 1 8
     MG_CPU_ISA=avx2 .venv/bin/python bench/bench_vector_decode_weights.py --kinds fp32 int8
@@ -57,7 +58,8 @@ def build_model(layers: int, kind: str, group_size: int, quantize_output: bool):
     )
     model = GPTModel(config).eval()
     for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or (name == "output_layer" and not quantize_output):
+        output = name == "output_layer"
+        if type(module) is not nn.Linear or (output and (not quantize_output or kind == "bf16")):
             continue
         if kind == "bf16":
             module.weight.data = module.weight.data.to(torch.bfloat16)
@@ -77,30 +79,27 @@ def weight_megabytes(model: nn.Module) -> float:
     return (total - (0 if tied else embedding.numel() * embedding.element_size())) / 1e6
 
 
-def time_decode(runner, batch: int, steps: int, repeats: int) -> tuple[float, float]:
-    """Best decode tokens/s over `repeats` runs of `steps` steps of `batch` sequences: by
-    the wall clock, and by the process's CPU time (with one thread, the time it ran: less
-    moved by other work on a shared machine, which still shares the memory bandwidth)."""
+def time_decode(runner, batch: int, steps: int) -> tuple[float, float]:
+    """Decode tokens/s of `steps` steps of `batch` sequences: by the wall clock, and by the
+    process's CPU time (with one thread, the time it ran: less moved by other work on a
+    shared machine, which still shares the memory bandwidth)."""
     from mg.core.models.paged_kv_cache import PagedSegment
 
     per = -(-(PROMPT + steps) // runner.block_size)
     tables = [list(range(per * i, per * (i + 1))) for i in range(batch)]
-    best, best_cpu = 0.0, 0.0
-    for _ in range(repeats):
-        segments, ids, positions = [], [], []
-        for i in range(batch):
-            segments.append(PagedSegment(i * PROMPT, PROMPT, 0, tables[i]))
-            ids += [(7 * i + j) % 50000 for j in range(PROMPT)]
-            positions += range(PROMPT)
-        runner.forward(segments, ids, positions, [PROMPT * (i + 1) - 1 for i in range(batch)])
-        start, cpu = time.perf_counter(), time.process_time()
-        for step in range(steps):
-            decodes = [PagedSegment(i, 1, PROMPT + step, tables[i]) for i in range(batch)]
-            runner.forward(decodes, [(step + i) % 50000 for i in range(batch)],
-                           [PROMPT + step] * batch, list(range(batch)))  # fmt: skip
-        best = max(best, batch * steps / (time.perf_counter() - start))
-        best_cpu = max(best_cpu, batch * steps / (time.process_time() - cpu))
-    return best, best_cpu
+    segments, ids, positions = [], [], []
+    for i in range(batch):
+        segments.append(PagedSegment(i * PROMPT, PROMPT, 0, tables[i]))
+        ids += [(7 * i + j) % 50000 for j in range(PROMPT)]
+        positions += range(PROMPT)
+    runner.forward(segments, ids, positions, [PROMPT * (i + 1) - 1 for i in range(batch)])
+    start, cpu = time.perf_counter(), time.process_time()
+    for step in range(steps):
+        decodes = [PagedSegment(i, 1, PROMPT + step, tables[i]) for i in range(batch)]
+        runner.forward(decodes, [(step + i) % 50000 for i in range(batch)],
+                       [PROMPT + step] * batch, list(range(batch)))  # fmt: skip
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return batch * steps / wall, batch * steps / cpu
 
 
 def main() -> None:
@@ -113,6 +112,9 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--group-size", type=int, default=64)  # 576 = 9 x 64
     parser.add_argument("--quantize-output", action="store_true")
+    parser.add_argument(
+        "--op-by-op", action="store_true", help="also time each servable kind's op-by-op step"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -132,7 +134,12 @@ def main() -> None:
         runner.choose_decode_attention()
         # direct: the bf16 case is no servable model (`vector_decode_unsupported` says so)
         runner.fused_decode = VectorDecode(model, runner.cache)
-        cases.append((runner.fused_decode.description, kind, weight_megabytes(model), runner))
+        megabytes = weight_megabytes(model)
+        cases.append((runner.fused_decode.description, kind, megabytes, runner))
+        if args.op_by_op and kind != "bf16":  # (an fp32 model with bf16 linears: none)
+            plain = ModelRunner(model, max(args.batch), max_length, block_size=16)
+            plain.choose_decode_attention()
+            cases.append(("op by op", kind, megabytes, plain))
     if "bf16" in args.kinds and cpu_isa.chosen() == "amx":
         model = build_model(args.layers, "fp32", 0, False).to(torch.bfloat16)
         megabytes = weight_megabytes(model)
@@ -144,10 +151,16 @@ def main() -> None:
     columns = " | ".join(f"batch {b} tok/s (per CPU s)" for b in args.batch)
     print(f"| step | linears | weights MB | {columns} |")
     print("| --- | --- | ---: |" + " ---: |" * len(args.batch))
-    for description, kind, megabytes, runner in cases:
-        rates = [time_decode(runner, b, args.steps, args.repeats) for b in args.batch]
-        cells = " | ".join(f"{wall:.1f} ({cpu:.1f})" for wall, cpu in rates)
-        print(f"| {description} | {kind} | {megabytes:.0f} | {cells} |", flush=True)
+    best = {}  # (case, batch): the best (wall, CPU) rates; rounds over every case in turn,
+    for _ in range(args.repeats):  # so that other work on the machine spreads over them all
+        for c, (_, _, _, runner) in enumerate(cases):
+            for b in args.batch:
+                wall, cpu = time_decode(runner, b, args.steps)
+                old = best.get((c, b), (0.0, 0.0))
+                best[c, b] = (max(old[0], wall), max(old[1], cpu))
+    for c, (description, kind, megabytes, _) in enumerate(cases):
+        cells = " | ".join(f"{best[c, b][0]:.1f} ({best[c, b][1]:.1f})" for b in args.batch)
+        print(f"| {description} | {kind} | {megabytes:.0f} | {cells} |")
     print(f"load average after: {os.getloadavg()}")
 
 
