@@ -253,7 +253,7 @@ def _throughput(options: argparse.Namespace) -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     stem = "fsdp-cpu-throughput" + ("-quick" if options.quick else "")
-    out = ROOT / "bench" / "results" / f"{stem}.md"
+    out = options.output or ROOT / "bench" / "results" / f"{stem}.md"
     out.write_text(text)
     print(f"written to {out}")
 
@@ -276,6 +276,10 @@ def main() -> None:
     parser.add_argument("--throughput", action="store_true", help="tokens/s at DP=2 instead")
     parser.add_argument("--steps", type=int, default=6, help="timed steps (--throughput)")
     parser.add_argument("--repeats", type=int, default=3, help="launches per path (--throughput)")
+    parser.add_argument(
+        "--paths", nargs="+", choices=list(PATHS), help="only these paths (default: the model's)"
+    )
+    parser.add_argument("--output", type=Path, help="default: bench/results/fsdp-cpu*.md")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -290,7 +294,7 @@ def main() -> None:
         {"layers": 2, "hidden": 128, "heads": 4} if options.quick else dict(MODELS[options.model])
     )
     model.update(seq=128 if not options.quick else 64, vocab=50304 if not options.quick else 8192)
-    paths = MODEL_PATHS["757m" if options.quick else options.model]
+    paths = options.paths or MODEL_PATHS["757m" if options.quick else options.model]
     model["cache"] = str(work / "cache")
     h, layers, vocab, seq = model["hidden"], model["layers"], model["vocab"], model["seq"]
     params = layers * (12 * h * h + 13 * h) + vocab * h + seq * h + 2 * h
@@ -319,6 +323,8 @@ def main() -> None:
     command = "bench/bench_fsdp.py" + (" --quick" if options.quick else "")
     if options.model != "124m" and not options.quick:
         command += f" --model {options.model}"
+    if options.paths:
+        command += " --paths " + " ".join(f'"{p}"' for p in options.paths)
     lines = [
         "# Per-rank memory of fully sharded data parallelism (DP=4)",
         "",
@@ -364,7 +370,7 @@ def main() -> None:
     stem = "fsdp-cpu-quick" if options.quick else "fsdp-cpu"
     if options.model != "124m" and not options.quick:
         stem += f"-{options.model}"
-    out = ROOT / "bench" / "results" / f"{stem}.md"
+    out = options.output or ROOT / "bench" / "results" / f"{stem}.md"
     out.write_text(text)
     print(f"written to {out}")
 
