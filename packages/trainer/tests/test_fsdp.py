@@ -177,6 +177,11 @@ def test_dp2_fsdp_with_mtp_matches_one_process(tmp_path, mock_argv, train) -> No
             [*FSDP, "--megatron-fsdp-main-params-dtype", "bf16"],
             "--megatron-fsdp-main-params-dtype bf16",
         ),
+        (
+            [*FSDP, "--num-experts", "4", "--expert-model-parallel-size", "2"]
+            + ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"],
+            "use --expert-tensor-parallel-size 1",
+        ),
     ],
 )
 def test_refused_combinations(tmp_path, mock_argv, flags, message) -> None:
@@ -306,25 +311,32 @@ def test_dp4_fsdp_with_context_parallel_moe_and_mamba_match_one_process(
 ) -> None:
     """One 4-rank launch: ZeRO-3 over data × context ranks (CP=2 × DP=2), an MoE GPT
     (4 experts, top-2, aux loss) with the experts on every rank and at EP=2 (each rank's
-    experts sharded over the expert data-parallel pair), and a Mamba hybrid (M*M-), each
-    equal to one process."""
+    experts sharded over the expert data-parallel pair), EP=2 beside CP=2 and beside
+    TP=2 + SP (experts whole on their ranks: --expert-tensor-parallel-size 1), and a
+    Mamba hybrid (M*M-), each equal to one process."""
     argv = mock_argv(tmp_path, *FLAGS, mbs=2, gbs=16, iters=10)
     moe = [*argv, "--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"]
     mamba = ["mamba", *argv[1:], "--hybrid-override-pattern", "M*M-", "--num-layers", "4"]
     mamba += ["--mamba-num-groups", "1", "--mamba-head-dim", "16"]
     zero3 = _strategy("optim_grads_params")
+    ep2 = ["--expert-model-parallel-size", "2"]
+    moe_tp = [*moe, "--make-vocab-size-divisible-by", "64"]  # 128 rows at TP=1 and TP=2
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     runs = _run_ranks(
         [
             [*argv, *zero3, "--context-parallel-size", "2"],
             [*moe, *zero3],
-            [*moe, *zero3, "--expert-model-parallel-size", "2"],
+            [*moe, *zero3, *ep2],
             [*mamba, *zero3],
+            [*moe, *zero3, *ep2, "--context-parallel-size", "2"],
+            [*moe_tp, *zero3, *ep2, *tp2, "--expert-tensor-parallel-size", "1"],
         ],
         4,
         tmp_path / "four.json",
     )
-    ones = {id(reference): train(reference) for reference in (argv, moe, mamba)}
-    for reference, run in zip((argv, moe, moe, mamba), runs, strict=True):
+    ones = {id(reference): train(reference) for reference in (argv, moe, mamba, moe_tp)}
+    references = (argv, moe, moe, mamba, moe, moe_tp)
+    for reference, run in zip(references, runs, strict=True):
         one = ones[id(reference)]
         _assert_close(one.losses, run["losses"], LOSS_RTOL)
         _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)

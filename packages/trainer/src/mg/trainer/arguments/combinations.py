@@ -33,6 +33,12 @@ def _pp(a: Args) -> int:
     return a.distributed.pipeline_model_parallel_size
 
 
+def _expert_tp(a: Args) -> int:
+    """Megatron's expert tensor-parallel size: the TP size unless set."""
+    etp = a.moe.expert_tensor_parallel_size
+    return _tp(a) if etp is None else etp
+
+
 def _cp(a: Args) -> int:
     return a.distributed.context_parallel_size
 
@@ -274,11 +280,12 @@ CONFLICTS: tuple[Conflict, ...] = (
         "--ckpt-format fsdp_dtensor is saved by fully sharded runs: add --use-megatron-fsdp "
         "(or --use-torch-fsdp2), or save --ckpt-format torch_dist",
     ),
-    _fsdp_not_yet(
-        "--expert-model-parallel-size",
-        lambda a: a.moe.expert_model_parallel_size > 1 and (_tp(a) > 1 or _cp(a) > 1),
-        "expert parallelism (--expert-model-parallel-size > 1) beside tensor or context "
-        "parallelism",
+    _fsdp_not_yet(  # the experts' shards would need a mesh of expert-data × tensor ranks
+        "--expert-tensor-parallel-size",
+        lambda a: a.moe.expert_model_parallel_size > 1 and _expert_tp(a) > 1,
+        "expert parallelism (--expert-model-parallel-size > 1) with the experts split over "
+        "tensor-parallel ranks (--expert-tensor-parallel-size > 1, by default the TP size; "
+        "use --expert-tensor-parallel-size 1)",
     ),
     _fsdp_not_yet(
         "--transformer-impl",
