@@ -219,7 +219,8 @@ def _throughput(options: argparse.Namespace) -> None:
     model = (
         {"layers": 2, "hidden": 128, "heads": 4} if options.quick else dict(MODELS[options.model])
     )
-    model.update(seq=128 if not options.quick else 64, vocab=50304 if not options.quick else 8192)
+    seq = options.seq or (128 if not options.quick else 64)
+    model.update(seq=seq, vocab=50304 if not options.quick else 8192)
     model["cache"] = str(work / "cache")
     load = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {name: [] for name in THROUGHPUT_PATHS}
@@ -242,7 +243,9 @@ def _throughput(options: argparse.Namespace) -> None:
         f"OMP_NUM_THREADS={options.threads} per rank); {steps} timed steps after 2 warm-up "
         f"steps, {options.repeats} launches per path in turn, the median launch; load "
         f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after. "
-        f"`bench/bench_fsdp.py --throughput{' --quick' if options.quick else ''}`.",
+        f"`bench/bench_fsdp.py --throughput{' --quick' if options.quick else ''}"
+        f"{f' --seq {options.seq}' if options.seq else ''} --steps {steps} --repeats "
+        f"{options.repeats}`.",
         "",
         "| path | tokens/s | vs distributed optimizer | launches (s) |",
         "| --- | ---: | ---: | --- |",
@@ -275,6 +278,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
     parser.add_argument("--throughput", action="store_true", help="tokens/s at DP=2 instead")
     parser.add_argument("--steps", type=int, default=6, help="timed steps (--throughput)")
+    parser.add_argument("--seq", type=int, help="sequence length (--throughput; default 128)")
     parser.add_argument("--repeats", type=int, default=3, help="launches per path (--throughput)")
     parser.add_argument(
         "--paths", nargs="+", choices=list(PATHS), help="only these paths (default: the model's)"
