@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -399,11 +400,13 @@ def main() -> int:
         results.append(measure("baseline (HF tokenizers loop)", command, prefix, env))
     megatron_dir = os.environ.get("MEGATRON_LM_DIR")
     if megatron_dir:
-        # its bert_tokenization.py imports `six`, which this environment lacks
-        shims = WORK / "megatron-shims"
-        shims.mkdir(exist_ok=True)
-        (shims / "six.py").write_text("PY2 = False\nPY3 = True\n")
-        env = {**env, "PYTHONPATH": str(shims)}
+        # its bert_tokenization.py imports `six`: a stand-in where it is not installed
+        # (never over the real one, which other packages import more from)
+        if importlib.util.find_spec("six") is None:
+            shims = WORK / "megatron-shims"
+            shims.mkdir(exist_ok=True)
+            (shims / "six.py").write_text("PY2 = False\nPY3 = True\n")
+            env = {**env, "PYTHONPATH": str(shims)}
         for workers in args.workers:
             prefix = str(out / f"megatron{workers}")
             command = megatron_command(Path(megatron_dir), corpus, prefix, workers)
