@@ -11,6 +11,7 @@ import torch
 from mg.core.models import GPTModel, presets
 from mg.core.models.config import RopeScaling
 from mg.core.models.paged_kv_cache import PagedSegment
+from mg.core.testing.batch_invariance import logits_among_others
 from mg.generate_server import cpu_isa
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
@@ -88,27 +89,7 @@ def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(isa: str, monk
     mine = torch.randint(0, 128, (6,)).tolist()
 
     def run(others: int, place: int) -> list[torch.Tensor]:
-        runner = _runner(model, True, slots=9)
-        tables = [list(range(4 * i, 4 * i + 4)) for i in range(others + 1)]
-        order = list(range(1, others + 1))
-        order.insert(place, 0)
-        lengths = {0: len(mine), **{k: 3 + k for k in order if k}}
-        prompts = {0: mine, **{k: [(7 * k + j) % 128 for j in range(lengths[k])] for k in order}}
-        segments, ids, positions, rows, mine_row = [], [], [], 0, 0
-        for k in order:
-            if k == 0:
-                mine_row = rows + len(mine) - 1
-            segments.append(PagedSegment(rows, lengths[k], 0, tables[k]))
-            ids += prompts[k]
-            positions += range(lengths[k])
-            rows += lengths[k]
-        logits = [runner.forward(segments, ids, positions, [mine_row])[0]]
-        for step in range(3):
-            decodes = [PagedSegment(k, 1, lengths[k] + step, tables[k]) for k in order]
-            new = [(13 * step + k) % 128 for k in order]
-            where = [lengths[k] + step for k in order]
-            logits.append(runner.forward(decodes, new, where, [place])[0])
-        return logits
+        return logits_among_others(lambda: _runner(model, True, slots=9), mine, others, place)
 
     alone = run(0, 0)
     for others, place in ((1, 1), (3, 0), (5, 2), (8, 8)):

@@ -1,0 +1,41 @@
+"""A sequence's logits alone and among others in paged steps: the check that a serving
+step's numbers do not depend on what else it holds (mg-serve's fused decode tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mg.core.models.paged_kv_cache import PagedSegment
+
+
+def logits_among_others(
+    make_runner: Callable[[], Any], mine: list[int], others: int, place: int, vocab: int = 128
+) -> list[torch.Tensor]:
+    """Sequence 0 (prompt `mine`) prefilled with `others` other sequences' prompts, itself
+    at `place` in the step, then 3 decode steps of all: its logits at each step.
+    `make_runner()` gives a fresh runner with at least `others + 1` slots of 4 blocks of 4
+    (`forward(segments, ids, positions, rows)` as `ModelRunner`'s)."""
+    runner = make_runner()
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(others + 1)]
+    order = list(range(1, others + 1))
+    order.insert(place, 0)
+    lengths = {0: len(mine), **{k: 3 + k for k in order if k}}
+    prompts = {0: mine, **{k: [(7 * k + j) % vocab for j in range(lengths[k])] for k in order}}
+    segments, ids, positions, rows, mine_row = [], [], [], 0, 0
+    for k in order:
+        if k == 0:
+            mine_row = rows + len(mine) - 1
+        segments.append(PagedSegment(rows, lengths[k], 0, tables[k]))
+        ids += prompts[k]
+        positions += range(lengths[k])
+        rows += lengths[k]
+    logits = [runner.forward(segments, ids, positions, [mine_row])[0]]
+    for step in range(3):
+        decodes = [PagedSegment(k, 1, lengths[k] + step, tables[k]) for k in order]
+        new = [(13 * step + k) % vocab for k in order]
+        where = [lengths[k] + step for k in order]
+        logits.append(runner.forward(decodes, new, where, [place])[0])
+    return logits
