@@ -104,7 +104,9 @@ def test_kill_9_of_bin_mg_prep_stops_the_tokenizer_and_publishes_nothing(corpus,
     )
     try:
         _wait_for(_started_writing(out), 120, "mg-prep to start writing")
-        assert len(_processes_naming(str(prefix))) >= 2  # the tool and its tokenizer workers
+        # the tool and its tokenizer workers (forked as the first chunks are handed out,
+        # which can be just after the output file is opened)
+        _wait_for(lambda: len(_processes_naming(str(prefix))) >= 2, 60, "its workers")
     finally:
         _kill_and_check_gone(process, str(prefix))
     time.sleep(2)  # a surviving tool would rename its finished files into place now
