@@ -10,8 +10,10 @@ import torch
 
 from mg.core.models import GPTModel, presets
 from mg.core.models.config import RopeScaling
-from mg.core.models.paged_kv_cache import PagedSegment
-from mg.core.testing.batch_invariance import logits_among_others
+from mg.core.testing.paged_steps import (
+    logits_among_others,
+    prefill_and_decode,
+)
 from mg.generate_server import cpu_isa
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
@@ -55,22 +57,7 @@ def test_fused_steps_equal_the_op_by_op_runner(isa: str, shape: str, monkeypatch
     model = _model(**SHAPES[shape])
     runners = [_runner(model, False), _runner(model, True)]
     assert runners[1].fused_decode.description == f"{isa} fp32"
-    torch.manual_seed(1)
-    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (7, 2, 11)]
-    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
-    ids, positions, segments, rows = sum(prompts, []), [], [], 0
-    for i, prompt in enumerate(prompts):
-        segments.append(PagedSegment(rows, len(prompt), 0, tables[i]))
-        positions += range(len(prompt))
-        rows += len(prompt)
-    steps: list[list[torch.Tensor]] = [[], []]
-    for out, runner in zip(steps, runners, strict=True):
-        out.append(runner.forward(segments, ids, positions, [0, 1, 2, 6, 8, 19]))
-        for step in range(4):
-            decodes = [PagedSegment(i, 1, len(prompts[i]) + step, tables[i]) for i in range(3)]
-            new = [(11 * step + 5 * i) % 128 for i in range(3)]
-            where = [len(prompts[i]) + step for i in range(3)]
-            out.append(runner.forward(decodes, new, where, [0, 1, 2]))
+    steps = [prefill_and_decode(runner) for runner in runners]
     assert runners[1].fused_decode.steps == 5
     for want, got in zip(*steps, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fp32, summed otherwise

@@ -23,7 +23,12 @@ from mg.core.quantization.linear import (
     Int8DynamicLinear,
     Int8WeightOnlyLinear,
 )
-from mg.core.testing.batch_invariance import logits_among_others
+from mg.core.testing.paged_steps import (
+    PROMPT_LENGTHS,
+    TABLES,
+    logits_among_others,
+    prefill_and_decode,
+)
 from mg.generate_server import cpu_isa
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
@@ -87,25 +92,11 @@ def test_quantized_steps_equal_the_op_by_op_runner(isa: str, recipe: str, monkey
     kind = RECIPES[recipe][0]
     assert runners[1].fused_decode.description == f"{isa} fp32, {kind} weights"
     assert runners[1].fused_decode._vocab == 128  # the output layer in the step too
-    torch.manual_seed(1)
-    prompts = [torch.randint(0, 128, (n,)).tolist() for n in (7, 2, 11)]
-    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
-    ids, positions, segments, rows = sum(prompts, []), [], [], 0
-    for i, prompt in enumerate(prompts):
-        segments.append(PagedSegment(rows, len(prompt), 0, tables[i]))
-        positions += range(len(prompt))
-        rows += len(prompt)
-    steps: list[list[torch.Tensor]] = [[], []]
+    steps = [prefill_and_decode(runner) for runner in runners]
     for out, runner in zip(steps, runners, strict=True):
-        out.append(runner.forward(segments, ids, positions, [0, 1, 2, 6, 8, 19]))
-        for step in range(4):
-            decodes = [PagedSegment(i, 1, len(prompts[i]) + step, tables[i]) for i in range(3)]
-            new = [(11 * step + 5 * i) % 128 for i in range(3)]
-            where = [len(prompts[i]) + step for i in range(3)]
-            out.append(runner.forward(decodes, new, where, [0, 1, 2]))
         # one row alone: the eager int8 / int4 modules take torch's weight-only kernels
-        single = [PagedSegment(0, 1, len(prompts[0]) + 4, tables[0])]
-        out.append(runner.forward(single, [3], [len(prompts[0]) + 4], [0]))
+        position = PROMPT_LENGTHS[0] + 4
+        out.append(runner.forward([PagedSegment(0, 1, position, TABLES[0])], [3], [position], [0]))
     assert runners[1].fused_decode.steps == 6
     for want, got in zip(*steps, strict=True):
         # the eager model's dequantized weights exactly; fp32 sums in another order

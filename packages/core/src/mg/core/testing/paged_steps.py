@@ -1,5 +1,6 @@
-"""A sequence's logits alone and among others in paged steps: the check that a serving
-step's numbers do not depend on what else it holds (mg-serve's fused decode tests)."""
+"""Paged serving steps for tests of a runner's step (mg-serve's fused decode tests): three
+sequences prefilled and decoded together, and one sequence alone and among others (the
+check that a step's numbers do not depend on what else it holds)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,30 @@ from typing import Any
 import torch
 
 from mg.core.models.paged_kv_cache import PagedSegment
+
+PROMPT_LENGTHS = (7, 2, 11)
+TABLES = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+"""`prefill_and_decode`'s three sequences: prompt lengths and block tables (blocks of 4)."""
+
+
+def prefill_and_decode(runner: Any, steps: int = 4, vocab: int = 128) -> list[torch.Tensor]:
+    """Three prompts (seed 1) in one prefill step, then `steps` decode steps of all three:
+    the logits of each step (`forward(segments, ids, positions, rows)` as `ModelRunner`'s;
+    at least 3 slots of 4 blocks of 4)."""
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in PROMPT_LENGTHS]
+    ids, positions, segments, rows = sum(prompts, []), [], [], 0
+    for i, prompt in enumerate(prompts):
+        segments.append(PagedSegment(rows, len(prompt), 0, TABLES[i]))
+        positions += range(len(prompt))
+        rows += len(prompt)
+    logits = [runner.forward(segments, ids, positions, [0, 1, 2, 6, 8, 19])]
+    for step in range(steps):
+        decodes = [PagedSegment(i, 1, len(prompts[i]) + step, TABLES[i]) for i in range(3)]
+        new = [(11 * step + 5 * i) % vocab for i in range(3)]
+        where = [len(prompts[i]) + step for i in range(3)]
+        logits.append(runner.forward(decodes, new, where, [0, 1, 2]))
+    return logits
 
 
 def logits_among_others(
