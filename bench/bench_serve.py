@@ -61,15 +61,12 @@ BENCH = Path(__file__).resolve()
 MG_SERVE_MODULE = "mg.generate_server.cli"  # where no `mg-serve` script sits beside python
 
 
-def build_checkpoint(folder: Path, layers: int, positions: int) -> tuple[int, int, int]:
-    """Save the model; (parameters, bytes of weights, bytes of keys+values per token)."""
-    from mg.ckpt_convert.export_hf import export_hf
-    from mg.core.checkpoint import save_model
-    from mg.core.models import GPTModel, presets
-    from mg.core.models.flops import num_parameters
+def smollm_135m_shape(layers: int, positions: int, untied: bool = False):
+    """SmolLM-135M's shape (hidden 576, 9 heads in 3 groups, SwiGLU 1536, vocabulary
+    50304) with `layers` layers, no dropout."""
+    from mg.core.models import presets
 
-    torch.manual_seed(0)
-    config = presets.tiny_llama(
+    return presets.tiny_llama(
         num_layers=layers,
         hidden_size=576,
         num_attention_heads=9,
@@ -78,10 +75,21 @@ def build_checkpoint(folder: Path, layers: int, positions: int) -> tuple[int, in
         vocab_size=50304,
         seq_length=positions,
         max_position_embeddings=positions,
-        untie_embeddings_and_output_weights=False,
+        untie_embeddings_and_output_weights=untied,
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+
+
+def build_checkpoint(folder: Path, layers: int, positions: int) -> tuple[int, int, int]:
+    """Save the model; (parameters, bytes of weights, bytes of keys+values per token)."""
+    from mg.ckpt_convert.export_hf import export_hf
+    from mg.core.checkpoint import save_model
+    from mg.core.models import GPTModel
+    from mg.core.models.flops import num_parameters
+
+    torch.manual_seed(0)
+    config = smollm_135m_shape(layers, positions)
     model = GPTModel(config)
     save_model(folder / "ckpt", model, config, tokenizer_config())
     export_hf(folder / "ckpt", folder / "hf", progress=False)

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -37,25 +39,16 @@ KINDS = ("fp32", "bf16", "int8", "int4")
 
 def build_model(layers: int, kind: str, group_size: int, quantize_output: bool):
     """bench_serve.py's model (seed 0) with its decoder linears held as `kind`."""
-    from mg.core.models import GPTModel, presets
+    from mg.core.models import GPTModel
     from mg.core.quantization import primitives as P
     from mg.core.quantization.apply import set_submodule
     from mg.core.quantization.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_serve import smollm_135m_shape  # lazy: the same model as bench_serve.py's
+
     torch.manual_seed(0)
-    config = presets.tiny_llama(
-        num_layers=layers,
-        hidden_size=576,
-        num_attention_heads=9,
-        num_query_groups=3,
-        ffn_hidden_size=1536,
-        vocab_size=50304,
-        seq_length=2048,
-        max_position_embeddings=2048,
-        untie_embeddings_and_output_weights=quantize_output,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    config = smollm_135m_shape(layers, 2048, untied=quantize_output)
     model = GPTModel(config).eval()
     for name, module in list(model.named_modules()):
         output = name == "output_layer"
