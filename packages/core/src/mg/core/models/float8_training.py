@@ -112,7 +112,7 @@ def float8_config(
             "--fp8-param-gather gathers FP8 weights with one scale per tensor: use "
             "--fp8-recipe tensorwise"
         )
-    return _replace(base, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
+    return dataclasses.replace(base, emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
 
 
 def convert_to_float8(
@@ -194,7 +194,3 @@ def _import_torchao() -> Any:
             "installed; install the fp8 extra: pip install 'mg-core[fp8]'"
         ) from err
     return config
-
-
-def _replace(config: Any, **changes: Any) -> Any:
-    return dataclasses.replace(config, **changes)

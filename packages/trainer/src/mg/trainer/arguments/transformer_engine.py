@@ -255,7 +255,8 @@ def _check_torchao_recipe(args: Args) -> None:
     from mg.core.models.float8_training import refusal  # lazy: --help stays instant
 
     options = fp8_options(args)
-    why = refusal(options) if options is not None else None
+    assert options is not None  # called with --fp8-format set
+    why = refusal(options)
     if why is not None:
         fail(why)
 
