@@ -17,6 +17,10 @@ functions): zero_grad → autocast(`gpt_loss_terms`) → masked mean → backwar
     uv run --frozen python bench/bench_train.py --layers 4 --hidden 256 --seq 256 --steps 5
     uv run --frozen python bench/bench_train.py --profile            # + top ops of each
 
+HF's AdamW is fused as ours (`fused=True`: transformers' `adamw_torch_fused`). `--isa avx2`
+runs both sides as a CPU with AVX2 only would (`isa_cap.py`: MKL, oneDNN and PyTorch's
+kernels capped), and the first line names the CPU and the cap.
+
 Ours runs as plain `mg-train` and with `--cross-entropy-loss-fusion`; `--compile` adds
 a run with `--torch-compile` too (the compilation is in the warmup, not timed).
 """
@@ -29,6 +33,7 @@ import os
 import statistics
 import time
 
+import isa_cap
 import torch
 from torch import nn
 
@@ -123,9 +128,10 @@ class HF:
         )
         self.model = GPT2LMHeadModel(hf_config)
         assert self.model.config._attn_implementation == "sdpa"
-        # Same AdamW and decay groups as ours (the groups do not change the cost).
+        # Same AdamW and decay groups as ours (the groups do not change the cost), fused as
+        # ours is: transformers' own best, `optim="adamw_torch_fused"`.
         self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, WD), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD
+            param_groups(self.model, WD), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True
         )
         self.dtype = dtype
 
@@ -180,9 +186,18 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time ours with --torch-compile")
     p.add_argument("--profile", action="store_true", help="print top ops of one step of each")
     p.add_argument("--profile-rows", type=int, default=15)
+    p.add_argument(
+        "--isa",
+        choices=isa_cap.CHOICES,
+        default="native",
+        help="run both sides as a CPU with only this instruction set would (bench/isa_cap.py)",
+    )
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="on both sides")
     args = p.parse_args()
+    isa_cap.apply(args.isa)
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
+    print(isa_cap.describe(args.isa))
     config = TransformerConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,
