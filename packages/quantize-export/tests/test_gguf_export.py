@@ -209,3 +209,33 @@ def test_llama_gguf_k_mixes(mix, base, tokenizer_config, tmp_path) -> None:
     ]:
         got = torch.from_numpy(tensors[name].copy())
         assert float((got - expected).norm() / expected.norm()) < bound, name
+
+
+def test_float_llama_gguf_f32_is_exact(tokenizer_config, tmp_path) -> None:
+    """write_gguf of a float model in F32: every tensor F32 and equal to the weights
+    (embedding and output layer too), q/k rows permuted as llama.cpp's converter does."""
+    import gguf
+
+    from mg.core.models.presets import tiny_llama
+    from mg.quantize_export.gguf_export import write_gguf
+
+    torch.manual_seed(0)
+    config = tiny_llama(vocab_size=50304, ffn_hidden_size=128)
+    model = GPTModel(config).eval()
+    write_gguf(tmp_path / "m.gguf", model, config, tokenizer_config, tmp_path, "F32")
+    reader, tensors = _tensors(tmp_path / "m.gguf")
+    assert {t.tensor_type.name for t in reader.tensors} == {"F32"}
+    assert int(_field(reader, "general.file_type")) == gguf.LlamaFileType.ALL_F32
+    layer = model.decoder.layers[1]
+    q, k, v = split_qkv(layer.self_attention.linear_qkv.weight.detach(), config)
+    embedding = model.embedding.word_embeddings.weight.detach()
+    ours = {
+        "blk.1.attn_q.weight": _permute(q, 4),
+        "blk.1.attn_k.weight": _permute(k, 2),
+        "blk.1.attn_v.weight": v,
+        "blk.1.ffn_down.weight": layer.mlp.linear_fc2.weight.detach(),
+        "token_embd.weight": embedding,
+        "output.weight": model.output_layer.weight.detach(),
+    }
+    for name, expected in ours.items():
+        assert torch.equal(torch.from_numpy(tensors[name].copy()), expected), name

@@ -1,12 +1,13 @@
 """GGUF for llama.cpp: the quantized model's linears as Q8_0 / Q4_0 / Q4_1 blocks, Q4_K /
-Q5_K / Q6_K super-blocks (or F16 / BF16), norms in F32, embeddings in F16, with the
-hyper-parameters and tokenizer llama.cpp reads.
+Q5_K / Q6_K super-blocks (or F16 / BF16 / F32), norms in F32, embeddings in F16 (in BF16
+/ F32 in those files), with the hyper-parameters and tokenizer llama.cpp reads.
 
 ``Q4_K_M`` / ``Q5_K_M`` are llama.cpp's mixes (``llama_tensor_get_type``): Q4_K / Q5_K,
 with the value projection (``attn_v``, or GPT-2's fused ``attn_qkv``) and ``ffn_down`` in
 Q6_K in the layers where llama.cpp spends more bits (the first and last eighth and every
 third layer between), and a quantized output layer in Q6_K. ``Q4_K`` and ``Q5_K`` alone
-are the "S" files: every linear in one type. The token embedding stays F16 in every type.
+are the "S" files: every linear in one type. The token embedding stays F16 in every
+quantized type.
 
 mg's own blocks are carried over exactly where the formats coincide: ``int8_wo`` is
 Q8_0 with every block of a row scaled by the row's scale; symmetric int4 (any group
@@ -219,6 +220,7 @@ def write_gguf(
             "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
             "F16": gguf.LlamaFileType.MOSTLY_F16,
             "BF16": gguf.LlamaFileType.MOSTLY_BF16,
+            "F32": gguf.LlamaFileType.ALL_F32,
         }[gguf_type]
     )
     writer.add_tokenizer_model("gpt2")
@@ -231,7 +233,7 @@ def write_gguf(
     writer.add_eos_token_id(eod)
 
     tensor_types: dict[str, str] = {}
-    float_type = "BF16" if gguf_type == "BF16" else "F16"
+    float_type = gguf_type if gguf_type in ("BF16", "F32") else "F16"
     base_type = K_MIXES.get(gguf_type, gguf_type)
 
     def sensitive_type(layer: int) -> str:
