@@ -5,12 +5,11 @@ The model is bench_serve.py's (SmolLM-135M's shape: 30 layers, hidden 576, 9 hea
 query groups, SwiGLU 1536, tied embeddings, vocabulary 50304) with random weights, in
 fp32; its decoder linears are then held as each kind (int8: a scale per output channel;
 int4: groups of `--group-size` columns, symmetric). The output layer is the tied fp32
-embedding in every case, as mg-quantize leaves it by default (`--quantize-output`
-quantizes an untied copy too, bf16 aside). The bf16 case converts the linears' weights only: the
-kernel reads bf16 as it reads the others (an fp32 model with bf16 linears is not a model
-mg-serve loads; it shows what the bytes cost). Where AMX is there and no instruction set
-is forced, the AMX bf16 step of the same model in bf16 is timed too (mg-serve's bf16 path
-on such a CPU).
+embedding, as mg-quantize leaves it by default (`--quantize-output` quantizes an untied
+copy too). The bf16 case is the whole model in bf16 (weights, activations rounded as the
+eager bf16 model's, a bf16 KV cache: what `mg-serve --bf16` serves). Where AMX is there
+and no instruction set is forced, the AMX bf16 step of the same model is timed too
+(mg-serve's bf16 path on such a CPU).
 
 Each case: `--batch` sequences prefilled with 16-token prompts, then `--steps` decode
 steps, each one call of the fused step through `ModelRunner.forward` (`--op-by-op`:
@@ -38,7 +37,8 @@ KINDS = ("fp32", "bf16", "int8", "int4")
 
 
 def build_model(layers: int, kind: str, group_size: int, quantize_output: bool):
-    """bench_serve.py's model (seed 0) with its decoder linears held as `kind`."""
+    """bench_serve.py's model (seed 0) with its decoder linears held as `kind` (bf16: the
+    whole model)."""
     from mg.core.models import GPTModel
     from mg.core.quantization import primitives as P
     from mg.core.quantization.apply import set_submodule
@@ -50,13 +50,13 @@ def build_model(layers: int, kind: str, group_size: int, quantize_output: bool):
     torch.manual_seed(0)
     config = smollm_135m_shape(layers, 2048, untied=quantize_output)
     model = GPTModel(config).eval()
+    if kind == "bf16":
+        return model.to(torch.bfloat16)
     for name, module in list(model.named_modules()):
         output = name == "output_layer"
-        if type(module) is not nn.Linear or (output and (not quantize_output or kind == "bf16")):
+        if type(module) is not nn.Linear or (output and not quantize_output):
             continue
-        if kind == "bf16":
-            module.weight.data = module.weight.data.to(torch.bfloat16)
-        elif kind == "int8":
+        if kind == "int8":
             set_submodule(model, name, Int8WeightOnlyLinear.from_linear(module))
         elif kind == "int4":
             q, scale, zero = P.quantize_int4(module.weight.detach(), group_size)
@@ -125,16 +125,16 @@ def main() -> None:
         model = build_model(args.layers, kind, args.group_size, args.quantize_output)
         runner = ModelRunner(model, max(args.batch), max_length, block_size=16)
         runner.choose_decode_attention()
-        # direct: the bf16 case is no servable model (`vector_decode_unsupported` says so)
+        # (what `use_fused_decode` picks for these unpacked models, AMX or not)
         runner.fused_decode = VectorDecode(model, runner.cache)
         megabytes = weight_megabytes(model)
         cases.append((runner.fused_decode.description, kind, megabytes, runner))
-        if args.op_by_op and kind != "bf16":  # (an fp32 model with bf16 linears: none)
+        if args.op_by_op:
             plain = ModelRunner(model, max(args.batch), max_length, block_size=16)
             plain.choose_decode_attention()
             cases.append(("op by op", kind, megabytes, plain))
     if "bf16" in args.kinds and cpu_isa.chosen() == "amx":
-        model = build_model(args.layers, "fp32", 0, False).to(torch.bfloat16)
+        model = build_model(args.layers, "bf16", 0, False)
         megabytes = weight_megabytes(model)
         pack_linears(model)
         runner = ModelRunner(model, max(args.batch), max_length, block_size=16)

@@ -30,6 +30,7 @@ from mg.core.models.attention_backend import serving_kernels
 from mg.core.models.mamba import MambaModel, PagedHybridCache
 from mg.core.models.paged_kv_cache import GATHERED, PagedKVCache, PagedSegment
 from mg.core.models.paged_latent_cache import PagedLatentCache
+from mg.generate_server import cpu_isa
 from mg.generate_server.fused_decode import FusedDecode, fused_decode_unsupported
 from mg.generate_server.moe_routing import route_dropless
 from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
@@ -107,13 +108,16 @@ class ModelRunner:
     def use_fused_decode(self) -> str | None:
         """Run steps of decodes and short prompt chunks as one C++ call (`fused_decode`)
         where this model and machine allow it (a Llama-shaped bf16 model whose linears the
-        AMX kernel took, or an fp32 one on AVX2/AVX-512: `vector_decode`); None, or why
-        not, for the log."""
+        AMX kernel took; else an fp32 or bf16 one on AVX2/AVX-512: `vector_decode`); None,
+        or why not, for the log (a bf16 model's AMX reason where AMX may run)."""
         cache = self._attention_cache
         why = fused_decode_unsupported(self.model, cache)
         step = FusedDecode
-        if why is not None and cache is not None and cache.keys.dtype == torch.float32:
-            why, step = vector_decode_unsupported(self.model, cache), VectorDecode
+        dtype = cache.keys.dtype if cache is not None else None
+        if why is not None and dtype in (torch.float32, torch.bfloat16):
+            vector_why = vector_decode_unsupported(self.model, cache)
+            if vector_why is None or dtype == torch.float32 or not cpu_isa.allows("amx"):
+                why, step = vector_why, VectorDecode
         if why is None:
             try:
                 self.fused_decode = step(self.model, cache)

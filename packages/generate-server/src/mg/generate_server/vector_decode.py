@@ -1,4 +1,4 @@
-"""A Llama-shaped fp32 model's serving step as one C++ call, on CPUs with AVX2 or AVX-512.
+"""A Llama-shaped fp32/bf16 model's serving step as one C++ call, on CPUs with AVX2 or AVX-512.
 
 The AMX step (`fused_decode`) needs AMX and bf16. Elsewhere a decode step ran op by
 op: per layer five matmuls through oneDNN and a dozen small torch ops, each with its
@@ -18,15 +18,18 @@ weight-only int8 (a scale per output channel) and int4 (two a byte, a scale and 
 point per group of columns), made into the eager modules' dequantized fp32 values in
 registers (`q * scale`, `(q - zero) * scale`: the same products), so a quantized step
 reads a quarter or an eighth of the fp32 bytes and computes the eager quantized model's
-numbers up to the order of the sums. Activations and the KV cache are fp32: norms,
-RoPE, SwiGLU and residual adds run in fp32 as the eager fp32 model does,
-and the paged attention is `mg.core.models.paged_attention_cpu`'s kernel.
+numbers up to the order of the sums. Activations and the KV cache are the model's, fp32
+or bf16 (a bf16 model where AMX does not run). The step computes in fp32; for a bf16 model
+it rounds to bf16 where the eager model's bf16 ops round (each norm's and linear's output,
+RoPE's products and their sum, SiLU and its product, each residual add), so it computes
+that model's numbers up to the order of the sums too. The paged attention is
+`mg.core.models.paged_attention_cpu`'s kernel for the cache's type.
 
 It serves what the AMX step serves (pre-norm RMSNorm, fused QKV without bias, RoPE,
-SwiGLU without bias, dense layers) with an fp32 model and KV cache, its linears fp32,
-int8_wo or int4 ones (int4_wo, AWQ, GPTQ: one format), the output layer too where it is
-fp32 or quantized without bias; `vector_decode_unsupported` says why anything else keeps
-the per-op step.
+SwiGLU without bias, dense layers), its linears in the model's dtype or int8_wo or int4
+ones (int4_wo, AWQ, GPTQ: one format), the output layer too where it is one of those
+without bias; `vector_decode_unsupported` says why anything else keeps the per-op step
+(linears `pack_linears` packed for oneDNN among them: that layout cannot be read back).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from mg.generate_server.fused_decode import (
     step_tables,
     takes,
 )
+from mg.generate_server.packed_linears import PackedLinear
 
 _STEP = r"""
 // VL lanes a vector (16: one zmm; 8: one ymm), MR input rows an inner loop: 4 weight rows
@@ -69,6 +73,16 @@ static inline fv load(const uint16_t* x) {  // bf16 bits -> float
     hv h; std::memcpy(&h, x, sizeof h);
     const uv u = __builtin_convertvector(h, uv) << 16;
     fv v; std::memcpy(&v, &u, sizeof v); return v;
+}
+// A value as the model's activations hold it: fp32 as it is; bf16 rounded to the nearest
+// even bf16 (kept as a float): where the eager bf16 model's ops round their outputs.
+static inline float act(float x) {
+#if BF16_ACTIVATIONS
+    uint32_t u; std::memcpy(&u, &x, 4);
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000u;
+    std::memcpy(&x, &u, 4);
+#endif
+    return x;
 }
 static inline float total(fv v) {  // the lanes in order
     float s = 0.f;
@@ -221,7 +235,7 @@ static void block(const float* x, const Matrix& w, float* y, int64_t m, int64_t 
     for (int64_t r = 0; r < R; r++) {
         float sums[4];
         totals4(a[r], sums);
-        for (int64_t j = 0; j < nb; j++) y[(m + r) * N + n0 + j] = sums[j];
+        for (int64_t j = 0; j < nb; j++) y[(m + r) * N + n0 + j] = act(sums[j]);
     }
 }
 
@@ -268,7 +282,8 @@ static void linear(const float* x, const Matrix& w, float* y, int64_t M, int64_t
     }
 }
 
-// y = x / rms(x) * w per row, as torch's RMSNorm in fp32 (x * rsqrt(mean(x^2) + eps) * w).
+// y = x / rms(x) * w per row, as torch's RMSNorm (x * rsqrt(mean(x^2) + eps) * w in fp32,
+// one rounding to bf16 at the end).
 static void rms_norm(const float* x, const float* w, float* y, int64_t n, int64_t width,
                      float eps) {
     #pragma omp parallel for
@@ -277,12 +292,13 @@ static void rms_norm(const float* x, const float* w, float* y, int64_t n, int64_
         fv squares = {};
         for (int64_t c = 0; c < width; c += VL) { const fv v = load(row + c); squares += v * v; }
         const float inverse = 1.f / std::sqrt(total(squares) / width + eps);
-        for (int64_t c = 0; c < width; c++) y[i * width + c] = row[c] * inverse * w[c];
+        for (int64_t c = 0; c < width; c++) y[i * width + c] = act(row[c] * inverse * w[c]);
     }
 }
 
 // RoPE ("rotate half") over the first `rot` channels of every query and key head, in place
-// in the QKV rows ([n][groups][per_group queries, key, value][d]); cos, sin: [n, rot].
+// in the QKV rows ([n][groups][per_group queries, key, value][d]); cos, sin: [n, rot] (a
+// bf16 model's rounded to bf16, as RoPE casts them; each product and their sum rounded).
 static void rope(float* qkv, const float* cos, const float* sin, int64_t n, int64_t rot) {
     const int64_t row = G * (H + 2) * D, half = rot / 2;
     #pragma omp parallel for
@@ -294,23 +310,24 @@ static void rope(float* qkv, const float* cos, const float* sin, int64_t n, int6
                 for (int64_t j = 0; j < rot; j++) x[j] = head[j];
                 for (int64_t j = 0; j < rot; j++) {
                     const float other = j < half ? -x[j + half] : x[j - half];
-                    head[j] = x[j] * cos[i * rot + j] + other * sin[i * rot + j];
+                    head[j] = act(act(x[j] * cos[i * rot + j]) + act(other * sin[i * rot + j]));
                 }
             }
 }
 
 static void add_into(float* hidden, const float* x, int64_t count) {
     #pragma omp parallel for simd
-    for (int64_t c = 0; c < count; c++) hidden[c] += x[c];
+    for (int64_t c = 0; c < count; c++) hidden[c] = act(hidden[c] + x[c]);
 }
 
-// act = silu(gate) * up over rows [gate | up] of 2 * ffn
-static void swiglu(const float* fc1, float* act, int64_t n, int64_t ffn) {
+// out = silu(gate) * up over rows [gate | up] of 2 * ffn (bf16: silu rounded, then the product)
+static void swiglu(const float* fc1, float* out, int64_t n, int64_t ffn) {
     #pragma omp parallel for
     for (int64_t i = 0; i < n; i++)
         for (int64_t c = 0; c < ffn; c++) {
             const float gate = fc1[i * 2 * ffn + c];
-            act[i * ffn + c] = gate / (1.f + std::exp(-gate)) * fc1[i * 2 * ffn + ffn + c];
+            const float silu = act(gate / (1.f + std::exp(-gate)));
+            out[i * ffn + c] = act(silu * fc1[i * 2 * ffn + ffn + c]);
         }
 }
 
@@ -319,11 +336,13 @@ static void swiglu(const float* fc1, float* act, int64_t n, int64_t ffn) {
 // projections (a Matrix each: MATRIX int64s), the pre-MLP norm's address, fc1 and fc2
 // ([out, in]); then the final norm's address and the output layer [vocab, width] (kind -1:
 // none). keys, values: the pool [layers][blocks, block_size, G, D] (`layer_elements`
-// apart); tables [n, blocks_width], lengths [n] (the new position included), slots [n].
-// With an output layer, logits [logit_count, vocab] of the rows logit_rows.
+// apart; scalar_t: fp32 or bf16, as the activations); tables [n, blocks_width], lengths [n]
+// (the new position included), slots [n]. With an output layer, logits [logit_count,
+// vocab] of the rows logit_rows. Activations are floats (a bf16 model's bf16 values: `act`);
+// the attention reads and writes the cache's type (the bf16 copies of bf16 values: exact).
 #define MATRIX 5
 #define STRIDE (2 + 4 * MATRIX)
-extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float* values,
+extern "C" void kernel(float* hidden, const int64_t* weights, scalar_t* keys, scalar_t* values,
                        const float* cos, const float* sin, const int64_t* tables,
                        const int64_t* lengths, const int64_t* slots, int64_t n, int64_t layers,
                        int64_t width, int64_t ffn, int64_t rot, int64_t blocks_width,
@@ -333,7 +352,15 @@ extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float
     PyThreadState* released = PyEval_SaveThread();  // the server's other threads run meanwhile
     const int64_t qkv_width = G * (H + 2) * D, context_width = G * H * D;
     std::vector<float> normed(n * width), qkv(n * qkv_width), context(n * context_width);
-    std::vector<float> out(n * width), fc1(n * 2 * ffn), act(n * ffn);
+    std::vector<float> out(n * width), fc1(n * 2 * ffn), gated(n * ffn);
+#if BF16_ACTIVATIONS
+    std::vector<scalar_t> qkv_cache(n * qkv_width), context_cache(n * context_width);
+    scalar_t* attention_in = qkv_cache.data();
+    scalar_t* attention_out = context_cache.data();
+#else
+    scalar_t* attention_in = qkv.data();
+    scalar_t* attention_out = context.data();
+#endif
     auto matrix_at = [](const int64_t* m) {
         return Matrix{m[0], reinterpret_cast<const void*>(m[1]),
                       reinterpret_cast<const float*>(m[2]), reinterpret_cast<const int8_t*>(m[3]),
@@ -350,21 +377,29 @@ extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float
         linear(normed.data(), matrix(l, 0), qkv.data(), n, qkv_width, width);
         rope(qkv.data(), cos, sin, n, rot);
         const int64_t group = (H + 2) * D;  // every row's key and value first
-        float* layer_keys = keys + l * layer_elements;
-        float* layer_values = values + l * layer_elements;
+        scalar_t* layer_keys = keys + l * layer_elements;
+        scalar_t* layer_values = values + l * layer_elements;
+#if BF16_ACTIVATIONS
+        #pragma omp parallel for
+        for (int64_t c = 0; c < n * qkv_width; c++) store(qkv[c], attention_in + c);
+#endif
         #pragma omp parallel for
         for (int64_t i = 0; i < n; i++)
-            store_new(layer_keys, layer_values, qkv.data() + i * qkv_width + H * D,
-                      qkv.data() + i * qkv_width + (H + 1) * D, group, group, slots[i]);
-        paged_attention(qkv.data(), layer_keys, layer_values, tables, lengths, context.data(),
+            store_new(layer_keys, layer_values, attention_in + i * qkv_width + H * D,
+                      attention_in + i * qkv_width + (H + 1) * D, group, group, slots[i]);
+        paged_attention(attention_in, layer_keys, layer_values, tables, lengths, attention_out,
                         nullptr, nullptr, slots, n, blocks_width, window, 0, qkv_width, group, 0,
                         0, 0, 0, scale, nullptr, 0);
+#if BF16_ACTIVATIONS
+        #pragma omp parallel for
+        for (int64_t c = 0; c < n * context_width; c++) context[c] = to_float(attention_out[c]);
+#endif
         linear(context.data(), matrix(l, 1), out.data(), n, width, context_width);
         add_into(hidden, out.data(), n * width);
         rms_norm(hidden, vector(l, 1), normed.data(), n, width, eps);
         linear(normed.data(), matrix(l, 2), fc1.data(), n, 2 * ffn, width);
-        swiglu(fc1.data(), act.data(), n, ffn);
-        linear(act.data(), matrix(l, 3), out.data(), n, width, ffn);
+        swiglu(fc1.data(), gated.data(), n, ffn);
+        linear(gated.data(), matrix(l, 3), out.data(), n, width, ffn);
         add_into(hidden, out.data(), n * width);
     }
     const int64_t* last = weights + layers * STRIDE;
@@ -380,7 +415,7 @@ extern "C" void kernel(float* hidden, const int64_t* weights, float* keys, float
 }
 """
 
-_ARGUMENTS = ["float*", "const int64_t*", "float*", "float*", "const float*", "const float*"]
+_ARGUMENTS = ["float*", "const int64_t*", "scalar_t*", "scalar_t*", "const float*", "const float*"]
 _ARGUMENTS += ["const int64_t*"] * 3 + ["int64_t"] * 8 + ["float", "float"]
 _ARGUMENTS += ["const int64_t*", "int64_t", "int64_t", "float*"]
 _KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
@@ -412,23 +447,35 @@ def weight_kind(linear: nn.Module) -> str | None:
 _FLOAT_KINDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
+def activations(cache: PagedKVCache) -> str:
+    """The model's activations as the step computes them: "bf16" with a bf16 cache (a bf16
+    model's), else "fp32"."""
+    return "bf16" if cache.keys.dtype == torch.bfloat16 else "fp32"
+
+
 def vector_decode_unsupported(model: nn.Module, cache: PagedKVCache | None) -> str | None:
     """Why `VectorDecode` cannot run this model's steps here, or None."""
     if vector_isa() is None:
         return f"the CPU kernels may use neither AVX-512 nor AVX2 ({cpu_isa.chosen()})"
-    if why := llama_shape_unsupported(model, cache, torch.float32):
+    dtype = activations(cache) if cache is not None else "fp32"
+    if why := llama_shape_unsupported(model, cache, _DTYPES[dtype]):
         return why
     for layer in model.decoder.layers:
         for linear in layer_linears(layer):
+            if isinstance(linear, PackedLinear):  # (oneDNN's layout cannot be read back)
+                return "its linears are packed for another kernel (pack_linears)"
             if linear.bias is not None:
                 return "its linears are not bias-free"
             kind = weight_kind(linear)
-            if kind is None or kind == "bf16" or linear.in_features % 16:
+            if kind not in (dtype, "int8", "int4") or linear.in_features % 16:
                 return (
-                    "its linears are not fp32, int8_wo or int4 (groups of a multiple of 16) "
-                    "with inputs in multiples of 16"
+                    f"its linears are not {dtype}, int8_wo or int4 (groups of a multiple of "
+                    "16) with inputs in multiples of 16"
                 )
     return None
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class VectorDecode:
@@ -441,7 +488,10 @@ class VectorDecode:
         attention = model.decoder.layers[0].self_attention
         groups, heads, d = attention.num_groups, attention.num_heads, attention.head_dim
         self.isa = vector_isa()
-        self._step = _build(self.isa, groups, heads // groups, d, cache.block_size)
+        self.activations = activations(cache)
+        """"fp32", or "bf16": each op's outputs rounded to bf16 where the eager model's are."""
+        bf16 = self.activations == "bf16"
+        self._step = _build(self.isa, bf16, groups, heads // groups, d, cache.block_size)
         table: list[int] = []
         self._keep: list[Tensor] = []  # what the addresses point into
         kinds: list[str] = []
@@ -458,9 +508,10 @@ class VectorDecode:
         """The output layer's rows where the step computes the logits itself (a plain
         head without bias, or a quantized output layer: the same sums whatever the batch,
         as the layers'); 0: the model's head computes them."""
-        output = _output_layer(model) if config.hidden_size % 16 == 0 else None
+        dtype = _DTYPES[self.activations]
+        output = _output_layer(model, dtype) if config.hidden_size % 16 == 0 else None
         if isinstance(output, Tensor):
-            table += [_KINDS["fp32"], self._address(output), 0, 0, 0]
+            table += [_KINDS[self.activations], self._address(output), 0, 0, 0]
             self._vocab = output.shape[0]
         elif output is not None:
             table += self._matrix(output, [])
@@ -468,9 +519,10 @@ class VectorDecode:
         else:
             table += _NO_MATRIX
         self._weights = torch.tensor(table, dtype=torch.int64)
-        narrower = sorted({k for k in kinds if k != "fp32"})
-        self.description = f"{self.isa} fp32" + "".join(f", {k} weights" for k in narrower)
-        """For the log: "avx2 fp32", "avx512 fp32, int8 weights"."""
+        narrower = sorted({k for k in kinds if k != self.activations})
+        self.description = f"{self.isa} {self.activations}"
+        self.description += "".join(f", {k} weights" for k in narrower)
+        """For the log: "avx2 fp32", "avx512 bf16", "avx512 fp32, int8 weights"."""
         self._sizes = (
             len(model.decoder.layers),
             config.hidden_size,
@@ -515,9 +567,10 @@ class VectorDecode:
         """`ModelRunner.forward` for a step it `takes`: logits [len(logit_rows), vocab]."""
         blocks, lengths, slots = step_tables(segments, self.cache.block_size)
         model, cache = self.model, self.cache
+        dtype = _DTYPES[self.activations]  # (a bf16 model's values held exactly as floats)
         hidden = model.embedding(ids, pos)[0].float().contiguous()
-        rope = model.rotary_pos_emb(pos)  # fp32 [1, n, 1, rot]
-        cos, sin = (x[0, :, 0].float().contiguous() for x in rope)
+        rope = model.rotary_pos_emb(pos)  # fp32 [1, n, 1, rot], cast as RoPE casts them
+        cos, sin = (x[0, :, 0].to(dtype).float().contiguous() for x in rope)
         layers, width, ffn, rot = self._sizes
         rows = torch.tensor(list(logit_rows), dtype=torch.long)
         logits = hidden.new_empty(len(rows), self._vocab)
@@ -529,16 +582,16 @@ class VectorDecode:
         self.steps += 1
         if self._vocab:
             return mask_padded_vocab(logits, real_vocab_size(model))
-        return model.output_and_loss(hidden[rows][None], None)[0]
+        return model.output_and_loss(hidden[rows][None].to(dtype), None)[0]
 
 
-def _output_layer(model: GPTModel) -> Tensor | nn.Module | None:
-    """What the step computes the logits with, where it can: the plain head's fp32 weight
-    without bias, or a quantized output layer without bias whose module computes the
-    logits (`OutputModuleHead`)."""
+def _output_layer(model: GPTModel, dtype: torch.dtype) -> Tensor | nn.Module | None:
+    """What the step computes the logits with, where it can: the plain head's weight in
+    the activations' `dtype` without bias, or a quantized output layer without bias whose
+    module computes the logits (`OutputModuleHead`)."""
     if is_plain_output(model):
         weight = model.output_weight()
-        if model.output_bias() is None and weight.dtype == torch.float32:
+        if model.output_bias() is None and weight.dtype == dtype:
             return weight
         return None
     if type(model.output_head) is OutputModuleHead:
@@ -549,7 +602,7 @@ def _output_layer(model: GPTModel) -> Tensor | nn.Module | None:
 
 
 @functools.cache
-def _build(isa: str, groups: int, per_group: int, head_dim: int, block: int):
+def _build(isa: str, bf16: bool, groups: int, per_group: int, head_dim: int, block: int):
     # lazy: torch._inductor takes seconds to import; only a serving CPU builds this step
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
@@ -559,9 +612,10 @@ def _build(isa: str, groups: int, per_group: int, head_dim: int, block: int):
             "#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n#include <immintrin.h>",
             "#include <cmath>\n#include <vector>",
             "#define kernel paged_attention",
-            kernel_source("float", groups, per_group, head_dim, block),
+            kernel_source("uint16_t" if bf16 else "float", groups, per_group, head_dim, block),
             "#undef kernel",
             "#define VL {}\n#define MR {}".format(*_BLOCKING[isa]),
+            f"#define BF16_ACTIVATIONS {int(bf16)}",
             _STEP,
         ]
     )
