@@ -15,7 +15,11 @@ process with `--threads` torch threads:
 3. memory: 8 clients with ~1000-token prompts; the server's peak resident
    memory against the weights plus the keys/values of the tokens cached;
 4. long context: 7 clients decoding, alone and while an 8th sends an
-   8000-token prompt (chunked prefill keeps their inter-token latency down).
+   8000-token prompt (chunked prefill keeps their inter-token latency down);
+5. with `--llama-cpp` (llama-cpp-python installed apart): at each of
+   `--llama-cpp-types` (F32, BF16, Q8_0: GGUF files from mg-quantize's exporter),
+   mg-serve with 1 client at the matching precision, then llama.cpp on the same
+   requests one at a time (bench/llama_cpp_phase.py).
 
 Prompts are Botchan text of mixed lengths (the same token ids on both sides;
 end-of-document can never stop a request early: no eos on theirs, a logit bias
@@ -385,6 +389,54 @@ def long_context_phase(ckpt: Path, threads: int, args, *extra: str) -> dict:
     }
 
 
+def llama_cpp_contender(folder: Path, ckpt: Path, prompts: list[list[int]], args) -> list[str]:
+    """--llama-cpp: at each --llama-cpp-types, mg-serve with one client at the matching
+    precision, then llama.cpp single-stream on the same requests (bench/llama_cpp_phase.py);
+    the summary's lines."""
+    import llama_cpp_phase  # beside this script; only with --llama-cpp
+
+    if not llama_cpp_phase.installed():
+        print(llama_cpp_phase.SKIPPED, flush=True)
+        return []
+    if args.device != "cpu":
+        print("llama.cpp: skipped (CPU only: --device cuda)", flush=True)
+        return []
+    requests = prompts[: args.llama_cpp_requests]
+    flags = ["--device", args.device, "--cpu-isa", args.cpu_isa, *shlex.split(args.serve_args)]
+    rows, ratios = [], []
+    for kind in args.llama_cpp_types:
+        pair = llama_cpp_phase.prepare(kind, folder, ckpt)
+        ours = serve_phase(
+            pair.ckpt, args.threads, 1, requests, args.new_tokens, *pair.serve_flags, *flags
+        )
+        theirs = llama_cpp_phase.measure(pair.gguf, requests, args.new_tokens, args.threads)
+        for name, r in (
+            (f"mg-serve, 1 client, {pair.label} ({len(requests)} requests)", ours),
+            (f"llama.cpp {kind}, 1 stream ({len(requests)} requests)", theirs),
+        ):
+            rows.append(row(name, r))
+            print(rows[-1], flush=True)
+        tps = [r["tokens"] / r["elapsed"] for r in (ours, theirs)]
+        decode = [llama_cpp_phase.decode_tps(r) for r in (ours, theirs)]
+        ratios.append(
+            f"- {kind}: mg-serve 1 client ({pair.label}) {tps[0]:.1f} tokens/s, llama.cpp "
+            f"{kind} {tps[1]:.1f}: {tps[0] / tps[1]:.2f}x; decode only {decode[0]:.1f} and "
+            f"{decode[1]:.1f}: {decode[0] / decode[1]:.2f}x"
+            + (f" (llama.cpp: {theirs['note']})" if theirs["note"] else "")
+        )
+    return [
+        f"llama.cpp (llama-cpp-python {theirs['version']}, n_threads = n_threads_batch = "
+        f"{args.threads}, greedy, one sequence at a time): {theirs['system_info']}",
+        "",
+        "| run | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+        "| peak RSS MB | threads |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        *rows,
+        "",
+        *ratios,
+    ]
+
+
 def row(name: str, r: dict) -> str:
     ms = 1000.0
     return (
@@ -428,6 +480,20 @@ def main() -> None:
     )
     parser.add_argument(
         "--batch-32", action="store_true", help="also transformers at batch 32 (64 requests)"
+    )
+    parser.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also llama.cpp (llama-cpp-python, installed apart) one sequence at a time, "
+        "beside mg-serve with 1 client at the matching precision",
+    )
+    parser.add_argument(
+        "--llama-cpp-types", nargs="+", choices=("F32", "BF16", "Q8_0"),
+        default=["F32", "BF16", "Q8_0"],
+        help="GGUF types (mg-serve beside them: fp32, --bf16, an int8_wo checkpoint with --bf16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--llama-cpp-requests", type=int, default=16, help="requests in each 1-stream phase"
     )
     parser.add_argument("--_transformers", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -509,6 +575,7 @@ def main() -> None:
             print(row("mg-serve 8 x 1k", memory), f"bound {memory['bound_mb']:.0f} MB", flush=True)
         if not args.skip_long:
             results["long"] = long_context_phase(ckpt, args.threads, args, *serve_flags)
+        contender = llama_cpp_contender(folder, ckpt, prompts, args) if args.llama_cpp else []
 
     first, again = (results[name]["tokens"] / results[name]["elapsed"] for name in BASELINES)
     base_tps = (first + again) / 2
@@ -570,6 +637,9 @@ def main() -> None:
             f"prefilled in chunks of {lc['chunk']} (p99 ratio {ratio:.2f}x; the long prompt's "
             f"TTFT {lc['long_ttft']:.1f} s)"
         )
+    if contender:
+        print()
+        print("\n".join(contender))
     one, five, fifteen = os.getloadavg()
     print(
         f"- machine: {os.cpu_count()} CPUs, load average at the end "
