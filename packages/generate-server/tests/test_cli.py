@@ -90,18 +90,21 @@ def test_serve_with_compiled_decode_steps(checkpoint, server) -> None:
 
 
 @pytest.mark.skipif(cpu_isa.available() not in ("avx2", "avx512", "amx"), reason="no AVX2")
-def test_serve_a_llama_shape_in_fp32_with_avx2_fused_steps(tmp_path) -> None:
-    """--cpu-isa avx2 (forced on a newer CPU): an fp32 Llama-shaped model's steps run as one
-    C++ call built for AVX2, the start-up line says so, and the greedy completion is the
-    one --cpu-isa none gives (op by op)."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_serve_a_llama_shape_with_avx2_fused_steps(tmp_path, dtype: str) -> None:
+    """--cpu-isa avx2 (forced on a newer CPU): an fp32 or bf16 Llama-shaped model's steps
+    run as one C++ call built for AVX2 (a bf16 model's weights left unpacked for it), the
+    start-up line says so, and the greedy completion is the one --cpu-isa none gives (op by
+    op)."""
     from mg.core.testing.serving_checkpoints import save_decisive_model
 
     ckpt = save_decisive_model(tmp_path)
     request = {"prompt": "The school", "max_tokens": 8, "temperature": 0}
+    flags = ["--inference-max-requests", "2"] + (["--bf16"] if dtype == "bf16" else [])
     texts = []
     for isa in ("avx2", "none"):
-        with _served(ckpt, "--cpu-isa", isa, "--inference-max-requests", "2") as (url, line):
-            assert ("decode steps fused (avx2 fp32)" in line) == (isa == "avx2"), line
+        with _served(ckpt, "--cpu-isa", isa, *flags) as (url, line):
+            assert (f"decode steps fused (avx2 {dtype})" in line) == (isa == "avx2"), line
             answer = httpx.post(url + "/v1/completions", json=request, timeout=60).json()
             assert answer["usage"]["completion_tokens"] == 8
             texts.append(answer["choices"][0]["text"])

@@ -449,10 +449,18 @@ def _pack_and_fuse(runner) -> None:
     allow it (`fused_decode` with AMX, `vector_decode` on AVX2/AVX-512), logged in one
     line: "decode steps fused: avx2 fp32", or why not."""
     # lazy: torch and the serving code only once the flags are good (--help stays instant)
-    from mg.generate_server.packed_linears import pack_linears
+    from mg.generate_server.packed_linears import pack_linears, weight_packing
+    from mg.generate_server.vector_decode import vector_decode_unsupported
 
-    runner.packed_linears = pack_linears(runner.model)
-    if runner.attention_backend != "auto":
+    fused = runner.attention_backend == "auto"
+    # oneDNN's packed layout cannot be read back: where the vector step takes the model
+    # (no AMX here, or not allowed), its weights stay as they are for it
+    vector_step = weight_packing() != "AMX" and (
+        vector_decode_unsupported(runner.model, runner.cache) is None
+    )
+    if not (fused and vector_step):
+        runner.packed_linears = pack_linears(runner.model)
+    if not fused:
         log.info("decode steps op by op: --attention-backend %s", runner.attention_backend)
         return
     why = runner.use_fused_decode()
