@@ -8,8 +8,9 @@ weights on both sides). llama-cpp-python's `Llama` serves one sequence at a time
 sides are measured single-stream: llama.cpp takes each prompt in turn (`Llama.generate`
 on the prompt's token ids, greedy, `--new-tokens` tokens; end-of-document does not stop
 it) in a fresh process with n_threads = n_threads_batch = `--threads`. Tokens/s is the
-generated tokens over the wall time, prompt processing included; decode-only tokens/s
-is the tokens after each request's first over the time after its first.
+generated tokens over the wall time, prompt processing included (mg-serve's through
+HTTP streaming, llama.cpp's in process); decode-only tokens/s is the tokens after each
+request's first over the time from its first to its last.
 
 llama-cpp-python is a benchmark-only, optional dependency (it builds llama.cpp from its
 sdist, several minutes): `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`.
@@ -105,8 +106,12 @@ def measure(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int)
 
 
 def decode_tps(result: dict) -> float:
-    """Tokens after each request's first over the time after its first."""
-    return len(result["itl"]) / sum(result["itl"]) if result["itl"] else float("nan")
+    """Tokens after each request's first over the time from its first to its last (the
+    inter-token gaps of a request add up to that time). mg-serve's times are its streamed
+    chunks' arrivals at the client (chunks can arrive together), so with few new tokens its
+    figure is rough."""
+    gaps = sum(result["itl"])
+    return (result["tokens"] - len(result["ttft"])) / gaps if gaps else float("nan")
 
 
 def run(
