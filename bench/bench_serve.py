@@ -32,6 +32,7 @@ threads; the ratios; the machine's load.
     .venv/bin/python bench/bench_serve.py                       # the full run (~10 min quiet)
     .venv/bin/python bench/bench_serve.py --layers 4 --skip-long --new-tokens 32   # a smoke run
     .venv/bin/python bench/bench_serve.py --bf16 --serve-args=--enable-torch-compile
+    .venv/bin/python bench/bench_serve.py --isa avx2 --bf16 --transformers-fp32  # no AMX/AVX-512
     python bench/bench_serve.py --device cuda --bf16 --serve-args=--enable-cuda-graph
 
 With `--device cuda` both sides run on the GPU (transformers' `generate()` and
@@ -57,6 +58,7 @@ import time
 from pathlib import Path
 
 import httpx
+import isa_cap
 import torch
 
 from mg.generate_server.cpu_isa import check, describe
@@ -495,8 +497,24 @@ def main() -> None:
     parser.add_argument(
         "--llama-cpp-requests", type=int, default=16, help="requests in each 1-stream phase"
     )
+    parser.add_argument(
+        "--isa",
+        choices=isa_cap.CHOICES,
+        default="native",
+        help="run every side as a CPU with only this instruction set would (bench/isa_cap.py: "
+        "PyTorch's, MKL's, oneDNN's and mg's kernels capped; --cpu-isa follows)",
+    )
+    parser.add_argument(
+        "--transformers-fp32",
+        action="store_true",
+        help="transformers in fp32 even with --bf16: its best on a CPU without bf16 "
+        "instructions, where torch's bf16 matmuls crawl",
+    )
     parser.add_argument("--_transformers", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    isa_cap.apply(args.isa)
+    if args.isa != "native" and args.cpu_isa == "auto":
+        args.cpu_isa = isa_cap.CAPS[args.isa]["MG_CPU_ISA"]
     torch.set_num_threads(args.threads)
     if args._transformers:  # the child process of phase 1
         hf_dir, prompts_file, new_tokens, batch = args._transformers
@@ -521,11 +539,14 @@ def main() -> None:
             f"{args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens, {args.new_tokens} new "
             f"tokens each; mg-serve flags: {' '.join(['--bf16'] * args.bf16) or 'none'} "
             f"{args.serve_args} --cpu-isa {args.cpu_isa}; CPU kernels: "
-            f"{describe(check(args.cpu_isa))}",
+            f"{describe(check(args.cpu_isa))}"
+            + ("; transformers in fp32" if args.bf16 and args.transformers_fp32 else "")
+            + f"\n{isa_cap.describe(args.isa)}",
             flush=True,
         )
         results: dict[str, dict] = {}
         bf16 = ["--bf16"] if args.bf16 else []
+        theirs = [] if args.transformers_fp32 else bf16
         device = ["--device", args.device]
         serve_flags = [*bf16, *device, "--cpu-isa", args.cpu_isa, *shlex.split(args.serve_args)]
 
@@ -533,7 +554,7 @@ def main() -> None:
             prompts_file = folder / f"prompts{2 * batch}.json"
             prompts_file.write_text(json.dumps(prompts[: 2 * batch]))
             child = subprocess.run(
-                [sys.executable, str(BENCH), "--threads", str(args.threads), *bf16, *device,
+                [sys.executable, str(BENCH), "--threads", str(args.threads), *theirs, *device,
                  "--_transformers", str(folder / "hf"), str(prompts_file), str(args.new_tokens),
                  str(batch)],
                 capture_output=True, text=True,
