@@ -428,7 +428,12 @@ def llama_cpp_contender(folder: Path, ckpt: Path, prompts: list[list[int]], args
         )
     return [
         f"llama.cpp (llama-cpp-python {theirs['version']}, n_threads = n_threads_batch = "
-        f"{args.threads}, greedy, one sequence at a time): {theirs['system_info']}",
+        f"{args.threads}, greedy, one sequence at a time): {theirs['system_info']}"
+        + (
+            ""
+            if args.isa == "native"
+            else f" (not capped by --isa {args.isa}: its build runs what this CPU has)"
+        ),
         "",
         "| run | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
         "| peak RSS MB | threads |",
