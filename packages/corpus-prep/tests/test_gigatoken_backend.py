@@ -64,7 +64,10 @@ def test_gigatoken_ids_equal_the_classic_gpt2_ids():
         TokenizerConfig("GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
     )
     short = [text for text in TRICKY if len(text) < 65_536]
-    assert encode(short) == [classic.tokenize(text) for text in short]
+    tokens, lengths = encode(short)
+    expected = [classic.tokenize(text) for text in short]
+    assert lengths.tolist() == [len(ids) for ids in expected]
+    assert tokens.tolist() == [i for ids in expected for i in ids]
 
 
 @pytest.mark.parametrize(
@@ -92,13 +95,18 @@ def test_gigatoken_backend_writes_the_classic_bytes(corpus, tmp_path, options):
     assert len(outputs["classic"][0][0]) > 100_000  # a real corpus, not an empty file
 
 
-def test_auto_picks_the_classic_path_measured_faster():
-    assert gigatoken_backend.resolve_backend("auto", "GPT2BPETokenizer") == "classic"
+def test_auto_picks_gigatoken_where_measured_faster(monkeypatch):
+    assert gigatoken_backend.resolve_backend("auto", "GPT2BPETokenizer") == "gigatoken"
+    assert gigatoken_backend.resolve_backend("auto", "GPTSentencePieceTokenizer") == "gigatoken"
     assert gigatoken_backend.resolve_backend("auto", "BertWordPieceLowerCase") == "classic"
+    assert gigatoken_backend.resolve_backend("auto", "HuggingFaceTokenizer") == "classic"
     assert gigatoken_backend.resolve_backend("classic", "GPT2BPETokenizer") == "classic"
-    assert gigatoken_backend.resolve_backend("auto", "GPTSentencePieceTokenizer") == "classic"
     spm = gigatoken_backend.resolve_backend("gigatoken", "GPTSentencePieceTokenizer")
     assert spm == "gigatoken"
+    monkeypatch.setattr(gigatoken_backend, "installed", lambda: False)
+    assert gigatoken_backend.resolve_backend("auto", "GPT2BPETokenizer") == "classic"
+    with pytest.raises(gigatoken_backend.BackendError, match="not installed"):
+        gigatoken_backend.resolve_backend("gigatoken", "GPT2BPETokenizer")
 
 
 def test_gigatoken_sentencepiece_writes_the_classic_bytes(corpus, tmp_path):

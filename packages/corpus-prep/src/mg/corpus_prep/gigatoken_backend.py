@@ -2,22 +2,31 @@
 
 `--tokenizer-backend` picks it: `gigatoken` requires it, `classic` keeps
 mg.core's tokenizers, and `auto` (default) takes gigatoken for the types in
-`AUTO` — none for now: measured end to end (20 MiB of non-repeating GPT-2 text,
-2 workers, AVX-512 machine, load 5), the classic path (tiktoken) ran at 4.7 MB/s
-and 290 MB, the gigatoken backend at 3.5 MB/s and 475 MB. Only the batch of a
-chunk's sentences goes through gigatoken; reading, JSON, sentence splitting,
-errors and long texts stay on the classic path, so the output is the same
-bytes whichever backend runs (tested on each supported type).
+`AUTO`, where it was measured faster. Only the batch of a chunk's sentences
+goes through gigatoken, its ids straight into numpy (never a Python int per
+token); reading, JSON, sentence splitting, errors and long texts stay on the
+classic path, so the output is the same bytes whichever backend runs (tested
+on each supported type).
+
+Measured in process CPU seconds (user + sys; the machine was shared, so not
+wall time), `mg-prep tokenize --workers 1 --append-eod` on 20 MB of JSON
+lines: GPT2BPETokenizer 2.1-2.2 s classic (tiktoken) vs 1.7-1.8 s gigatoken,
+1.3-1.4 s where Python's bytecode cache holds awkward (imported by gigatoken:
+0.7 s to compile without it); GPTSentencePieceTokenizer 4.8-5.1 s vs
+1.7-2.5 s. Per MB beyond a worker's start-up: GPT-2 about 0.08 vs 0.02 s,
+and 4-7x faster on text whose words it had never seen (the corpus with its
+letters rotated); a worker's start-up costs gigatoken about 0.8 s more, so on
+a few MB per worker the classic path is the cheaper one. Peak RSS: 195 vs
+100 MB for GPT-2, 160 vs 73 MB for SentencePiece (gigatoken's word cache;
+bounded, see encoder.GIGATOKEN_REFRESH_CHARS).
 
 Supported, and why the others are not:
 - GPT2BPETokenizer: the vocab.json + merges.txt as one
   byte-level BPE tokenizer.json without added tokens, so a literal
   `<|endoftext|>` stays text, as in Megatron.
-- GPTSentencePieceTokenizer (only when asked for): the .model converted by
-  gigatoken, its `<s>`/`</s>` added tokens removed so that they stay text, as
-  `sp.encode` leaves them. Not under `auto`: on this machine it was 2-4x
-  sentencepiece's speed on text it had seen and 10x slower on text it had not
-  (its caches warming), so which is faster depends on the corpus.
+- GPTSentencePieceTokenizer: the .model converted by gigatoken, its
+  `<s>`/`</s>` added tokens removed so that they stay text, as `sp.encode`
+  leaves them.
 - not yet: HuggingFaceTokenizer (added tokens found in the text and
   normalizers must first be shown to match `tokenizers`), Llama2Tokenizer
   (bos per sentence), SentencePieceTokenizer (Megatron's looks for its special
@@ -32,14 +41,17 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from mg.core.tokenizers import TokenizerConfig
 
 BACKENDS = ("auto", "gigatoken", "classic")
 SUPPORTED = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer")
-AUTO: tuple[str, ...] = ()  # where `auto` picks gigatoken: where it was measured faster
+AUTO = SUPPORTED  # where `auto` picks gigatoken: where it was measured faster (see above)
 
-# A batch of sentences to their token ids, in order.
-BatchEncoder = Callable[[list[str]], list[list[int]]]
+# A batch of sentences to their token ids back to back (one array) and each one's
+# number of ids (int64), in order.
+BatchEncoder = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]
 
 
 class BackendError(ValueError):
@@ -124,8 +136,29 @@ def sentencepiece_tokenizer_json(model_file: str) -> str:
 
 def build_batch_encoder(config: TokenizerConfig) -> BatchEncoder:
     """gigatoken's encoder for `config`, one core: the workers are the parallelism."""
+    import awkward as ak  # lazy: gigatoken's dependency
     import gigatoken  # lazy: an optional dependency, and `--help` stays instant
 
+    tokenizer = gigatoken.Tokenizer.from_json(_tokenizer_json(config))
+
+    def encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        # An awkward array of arrays: its flat ids and lengths go to numpy as they are,
+        # never one Python int per token.
+        ids = tokenizer.encode_batch(texts, parallel=False)
+        return ak.to_numpy(ak.flatten(ids, axis=1)), ak.to_numpy(ak.num(ids, axis=1))
+
+    return encode
+
+
+# A worker rebuilds its encoder now and then (see encoder.GIGATOKEN_REFRESH_CHARS): the
+# tokenizer.json is made once per process (0.14 s for GPT-2), only parsed again.
+_json_made: dict[tuple[str | None, ...], str] = {}
+
+
+def _tokenizer_json(config: TokenizerConfig) -> str:
+    files = (config.tokenizer_type, config.vocab_file, config.merge_file, config.tokenizer_model)
+    if files in _json_made:
+        return _json_made[files]
     if config.tokenizer_type == "GPT2BPETokenizer":
         assert config.vocab_file is not None and config.merge_file is not None
         data = gpt2_tokenizer_json(config.vocab_file, config.merge_file)
@@ -134,9 +167,6 @@ def build_batch_encoder(config: TokenizerConfig) -> BatchEncoder:
         data = sentencepiece_tokenizer_json(config.tokenizer_model)
     else:
         raise BackendError(f"--tokenizer-backend gigatoken: {config.tokenizer_type} unsupported")
-    tokenizer = gigatoken.Tokenizer.from_json(data)
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        return tokenizer.encode_batch_list(texts, parallel=False)
-
-    return encode
+    _json_made.clear()  # one tokenizer per worker: keep only the latest
+    _json_made[files] = data
+    return data
