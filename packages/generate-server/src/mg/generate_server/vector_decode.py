@@ -65,13 +65,16 @@ _STEP = r"""
 // VL lanes a vector (16: one zmm; 8: one ymm), MR input rows an inner loop: 4 weight rows
 // times MR input rows of accumulators, the inputs and a weight vector fit the registers.
 typedef float fv __attribute__((vector_size(VL * 4)));
-typedef uint16_t hv __attribute__((vector_size(VL * 2)));  // VL bf16
-typedef uint32_t uv __attribute__((vector_size(VL * 4)));
 
 static inline fv load(const float* x) { fv v; std::memcpy(&v, x, sizeof v); return v; }
-static inline fv load(const uint16_t* x) {  // bf16 bits -> float
-    hv h; std::memcpy(&h, x, sizeof h);
-    const uv u = __builtin_convertvector(h, uv) << 16;
+static inline fv load(const uint16_t* x) {  // bf16 bits -> float: widened, shifted up
+#if VL == 16
+    const __m512i u = _mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16);
+#else
+    const __m256i u = _mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16);
+#endif
     fv v; std::memcpy(&v, &u, sizeof v); return v;
 }
 // A value as the model's activations hold it: fp32 as it is; bf16 rounded to the nearest
@@ -136,10 +139,13 @@ enum { FP32 = 0, BF16 = 1, INT8 = 2, INT4 = 3 };
 template <typename T>
 struct FloatRow {
     const T* row;
+    const T* ahead;  // the same column four rows on: what the next block reads
     FloatRow(const Matrix& w, int64_t n, int64_t K, int64_t) {
         row = static_cast<const T*>(w.values) + n * K;
+        ahead = row + 4 * K;
     }
     fv at(int64_t k) const { return load(row + k); }
+    void prefetch(int64_t k) const { __builtin_prefetch(ahead + k, 0, 1); }
 };
 
 // VL int8 (AVX2: the low 8 bytes of `bytes`) widened to int32 and made floats by the
@@ -155,11 +161,14 @@ static inline fv int8_floats(__m128i bytes) {
 
 struct Int8Row {
     const int8_t* row;
+    const int8_t* ahead;
     float scale;
     Int8Row(const Matrix& w, int64_t n, int64_t K, int64_t) {
         row = static_cast<const int8_t*>(w.values) + n * K;
+        ahead = row + 4 * K;
         scale = w.scales[n];
     }
+    void prefetch(int64_t k) const { __builtin_prefetch(ahead + k, 0, 1); }
     fv at(int64_t k) const {
 #if VL == 16
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
@@ -179,8 +188,11 @@ struct Int4Row {
 #else
     float zero, scale;
 #endif
+    const uint8_t* ahead;
+    void prefetch(int64_t k) const { __builtin_prefetch(ahead + k / 2, 0, 1); }
     Int4Row(const Matrix& w, int64_t n, int64_t K, int64_t start) {
         row = static_cast<const uint8_t*>(w.values) + n * (K / 2);
+        ahead = row + 4 * (K / 2);
         const int64_t g = n * (K / w.group) + start / w.group;
 #if VL == 16
         const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -227,6 +239,7 @@ static void block(const float* x, const Matrix& w, float* y, int64_t m, int64_t 
             fv u[R];
             for (int r = 0; r < R; r++) u[r] = load(in[r] + k);
             for (int j = 0; j < 4; j++) {
+                rows[j].prefetch(k);  // a step reads each weight once: from memory, ahead
                 const fv v = rows[j].at(k);
                 for (int r = 0; r < R; r++) a[r][j] += u[r] * v;
             }
