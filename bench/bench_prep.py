@@ -9,8 +9,9 @@ paragraphs, Wikipedia pages), repeated up to --size-mb (`--corpus repeated`),
 or documents of 2 to 40 sentences drawn at random from them, so that no
 document repeats and whole-document caches do not help (`--corpus shuffled`,
 the default); cached under bench/.work/. Every contender tokenizes it with
-GPT-2 BPE and --append-eod into a document-level dataset, each in its own
-process, side by side in one run:
+GPT-2 BPE (or `--tokenizer sentencepiece`: Mistral's SentencePiece model as
+Megatron's GPTSentencePieceTokenizer) and --append-eod into a document-level
+dataset, each in its own process, side by side in one run:
 
 - `mg-prep tokenize --workers N` for each N in --workers (gigatoken's Rust BPE
   encoding the workers' batches, the default where installed), and with
@@ -199,18 +200,36 @@ def gpt2_files() -> tuple[str, str]:
     return str(fixture_path("gpt2-bpe", "vocab.json")), str(fixture_path("gpt2-bpe", "merges.txt"))
 
 
-def mg_prep_command(corpus: Path, prefix: str, workers: int, backend: str = "auto") -> list[str]:
+def sentencepiece_file() -> str:
+    from mg.core.fixtures import fixture_path
+
+    return str(fixture_path("mistral-spm", "tokenizer.model"))
+
+
+TOKENIZERS = {"gpt2": "GPT-2 BPE", "sentencepiece": "SentencePiece (Mistral's tokenizer.model)"}
+
+
+def tokenizer_flags(tokenizer: str) -> list[str]:
+    """`--tokenizer-type` and its files, as mg-prep and Megatron's preprocess_data.py take them."""
+    if tokenizer == "sentencepiece":
+        return ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                "--tokenizer-model", sentencepiece_file()]  # fmt: skip
     vocab, merges = gpt2_files()
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+
+
+def mg_prep_command(
+    corpus: Path, prefix: str, workers: int, backend: str = "auto", tokenizer: str = "gpt2"
+) -> list[str]:
     return [
         str(Path(sys.executable).parent / "mg-prep"), "tokenize", "--input", str(corpus),
-        "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
-        "--vocab-file", vocab, "--merge-file", merges, "--append-eod",
+        "--output-prefix", prefix, *tokenizer_flags(tokenizer), "--append-eod",
         "--workers", str(workers), "--no-progress-bar", "--log-interval", "1000000000",
         "--tokenizer-backend", backend,
     ]  # fmt: skip
 
 
-def gigatoken_main(corpus: str, prefix: str, threads: str) -> None:
+def gigatoken_main(corpus: str, prefix: str, threads: str, kind: str) -> None:
     """gigatoken's file API on `threads` threads, written in bulk as Megatron's dataset."""
     os.environ["RAYON_NUM_THREADS"] = threads  # before gigatoken starts its pool
     import awkward as ak
@@ -218,11 +237,17 @@ def gigatoken_main(corpus: str, prefix: str, threads: str) -> None:
     import numpy as np
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    from mg.corpus_prep.gigatoken_backend import gpt2_tokenizer_json
+    from mg.corpus_prep.gigatoken_backend import gpt2_tokenizer_json, sentencepiece_tokenizer_json
 
-    vocab_file, merge_file = gpt2_files()
-    tokenizer = gigatoken.Tokenizer.from_json(gpt2_tokenizer_json(vocab_file, merge_file))
-    eod = tokenizer.vocab_size - 1  # <|endoftext|>, the last of GPT-2's ids
+    if kind == "sentencepiece":
+        tokenizer = gigatoken.Tokenizer.from_json(
+            sentencepiece_tokenizer_json(sentencepiece_file())
+        )
+        eod = 2  # </s>: Megatron's GPTSentencePieceTokenizer's eod, sp.eos_id()
+    else:
+        vocab_file, merge_file = gpt2_files()
+        tokenizer = gigatoken.Tokenizer.from_json(gpt2_tokenizer_json(vocab_file, merge_file))
+        eod = tokenizer.vocab_size - 1  # <|endoftext|>, the last of GPT-2's ids
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     start = time.perf_counter()
     ids = tokenizer.encode_files(gigatoken.JsonlFileSource([corpus], "text"), parallel=True)
@@ -243,9 +268,28 @@ def gigatoken_main(corpus: str, prefix: str, threads: str) -> None:
     print(f"processing seconds: {time.perf_counter() - start:.2f} s")
 
 
-def baseline_main(corpus: str, prefix: str) -> None:
-    """The plain loop: HF tokenizers GPT-2 encode per document + megatron-core's builder."""
+def baseline_main(corpus: str, prefix: str, kind: str) -> None:
+    """The plain loop: HF tokenizers GPT-2 encode (or sentencepiece's) per document +
+    megatron-core's builder."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    if kind == "sentencepiece":
+        import sentencepiece
+
+        processor = sentencepiece.SentencePieceProcessor(model_file=sentencepiece_file())
+        builder = IndexedDatasetBuilder(
+            prefix + ".bin", dtype=DType.optimal_dtype(processor.vocab_size())
+        )
+        start = time.perf_counter()
+        with open(corpus, encoding="utf-8") as fin:
+            for line in fin:
+                ids = processor.encode(json.loads(line)["text"])
+                if ids:
+                    ids.append(processor.eos_id())
+                builder.add_document(ids, [len(ids)] if ids else [])
+        builder.finalize(prefix + ".idx")
+        print(f"processing seconds: {time.perf_counter() - start:.2f} s")
+        return
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab_file, merge_file = gpt2_files()
@@ -269,28 +313,28 @@ def baseline_main(corpus: str, prefix: str) -> None:
     print(f"processing seconds: {time.perf_counter() - start:.2f} s")
 
 
-def megatron_command(megatron_dir: Path, corpus: Path, prefix: str, workers: int) -> list[str]:
-    vocab, merges = gpt2_files()
+def megatron_command(
+    megatron_dir: Path, corpus: Path, prefix: str, workers: int, tokenizer: str = "gpt2"
+) -> list[str]:
     return [
         sys.executable, str(megatron_dir / "tools" / "preprocess_data.py"),
-        "--input", str(corpus), "--output-prefix", prefix,
-        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
+        "--input", str(corpus), "--output-prefix", prefix, *tokenizer_flags(tokenizer),
         "--append-eod", "--workers", str(workers), "--log-interval", "1000000000",
-        "--legacy-tokenizer",  # core_v0.14+; the classic GPT-2 tokenizer
+        "--legacy-tokenizer",  # core_v0.14+; the classic GPT-2 / SentencePiece tokenizers
     ]  # fmt: skip
 
 
 # --- report ----------------------------------------------------------------------------------
 
 
-def report(results: list[Result], corpus: Path) -> None:
+def report(results: list[Result], corpus: Path, tokenizer: str = "gpt2") -> None:
     size = corpus.stat().st_size
     reference = next((r for r in results if r.ok and r.output), None)
     ref_hash = None
     if reference is not None:
         ref_hash = (sha256(reference.output + ".bin"), sha256(reference.output + ".idx"))
         tokens = count_tokens(reference.output)
-    print(f"\ncorpus: {corpus} ({size / MIB:,.0f} MiB), GPT-2 BPE, --append-eod")
+    print(f"\ncorpus: {corpus} ({size / MIB:,.0f} MiB), {TOKENIZERS[tokenizer]}, --append-eod")
     header = (
         f"{'contender':<34} {'wall s':>7} {'MB/s':>6} {'Mtok/s':>6} | {'run s':>6} {'MB/s':>6} "
         f"| {'RSS tree':>9} {'largest':>8} | same bytes"
@@ -363,8 +407,11 @@ def main() -> int:
     parser.add_argument("--no-gigatoken", action="store_true", help="skip gigatoken's file API")
     parser.add_argument("--no-classic", action="store_true", help="skip the classic backend")
     parser.add_argument("--keep", action="store_true", help="keep the outputs in bench/.work")
-    parser.add_argument("--_baseline", nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--_gigatoken", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tokenizer", choices=tuple(TOKENIZERS), default="gpt2", help="every contender's"
+    )
+    parser.add_argument("--_baseline", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--_gigatoken", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._baseline:
         baseline_main(*args._baseline)
@@ -381,23 +428,25 @@ def main() -> int:
     results = []
     for workers in args.workers:
         prefix = str(out / f"mg{workers}")
-        command = mg_prep_command(corpus, prefix, workers)
+        command = mg_prep_command(corpus, prefix, workers, tokenizer=args.tokenizer)
         results.append(measure(f"mg-prep --workers {workers}", command, prefix + "_text_document"))
     if not args.no_classic:
         for workers in args.workers:
             prefix = str(out / f"classic{workers}")
-            command = mg_prep_command(corpus, prefix, workers, "classic")
+            command = mg_prep_command(corpus, prefix, workers, "classic", args.tokenizer)
             name = f"mg-prep -w{workers} classic backend"
             results.append(measure(name, command, prefix + "_text_document"))
     if not args.no_gigatoken:
         for threads in args.workers:
             prefix = str(out / f"gigatoken{threads}")
-            command = [sys.executable, __file__, "--_gigatoken", str(corpus), prefix, str(threads)]
+            command = [sys.executable, __file__, "--_gigatoken", str(corpus), prefix, str(threads),
+                       args.tokenizer]  # fmt: skip
             results.append(measure(f"gigatoken file API, {threads} threads", command, prefix, env))
     if not args.no_baseline:
         prefix = str(out / "baseline")
-        command = [sys.executable, __file__, "--_baseline", str(corpus), prefix]
-        results.append(measure("baseline (HF tokenizers loop)", command, prefix, env))
+        command = [sys.executable, __file__, "--_baseline", str(corpus), prefix, args.tokenizer]
+        loop = "sentencepiece" if args.tokenizer == "sentencepiece" else "HF tokenizers"
+        results.append(measure(f"baseline ({loop} loop)", command, prefix, env))
     megatron_dir = os.environ.get("MEGATRON_LM_DIR")
     if megatron_dir:
         # its bert_tokenization.py imports `six`: a stand-in where it is not installed
@@ -409,7 +458,7 @@ def main() -> int:
             env = {**env, "PYTHONPATH": str(shims)}
         for workers in args.workers:
             prefix = str(out / f"megatron{workers}")
-            command = megatron_command(Path(megatron_dir), corpus, prefix, workers)
+            command = megatron_command(Path(megatron_dir), corpus, prefix, workers, args.tokenizer)
             results.append(
                 measure(
                     f"Megatron preprocess_data.py -w{workers}",
@@ -420,17 +469,17 @@ def main() -> int:
             )
     else:
         print("MEGATRON_LM_DIR not set: skipping Megatron-LM's preprocess_data.py")
-    report(results, corpus)
+    report(results, corpus, args.tokenizer)
     if args.memory_mb:
         big = make_corpus(args.memory_mb)
         workers = max(args.workers)
         prefix = str(out / "big")
         result = measure(
             f"mg-prep --workers {workers}",
-            mg_prep_command(big, prefix, workers),
+            mg_prep_command(big, prefix, workers, tokenizer=args.tokenizer),
             prefix + "_text_document",
         )
-        report([result], big)
+        report([result], big, args.tokenizer)
         big.unlink()
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
