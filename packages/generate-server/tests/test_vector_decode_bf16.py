@@ -15,7 +15,7 @@ from mg.core.models.config import RopeScaling
 from mg.core.quantization import primitives as P
 from mg.core.quantization.apply import set_submodule
 from mg.core.quantization.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from mg.core.testing.paged_steps import logits_among_others, prefill_and_decode
+from mg.core.testing.paged_steps import assert_logits_do_not_depend_on_the_batch, prefill_and_decode
 from mg.generate_server import cpu_isa
 from mg.generate_server.amx_matmul import amx_matmul
 from mg.generate_server.fused_decode import FusedDecode
@@ -142,16 +142,7 @@ def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(
     the step (others' prompts included): its logits bitwise equal each time."""
     monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     model = _model(quantized)
-    torch.manual_seed(2)
-    mine = torch.randint(0, 128, (6,)).tolist()
-
-    def run(others: int, place: int) -> list[torch.Tensor]:
-        return logits_among_others(lambda: _runner(model, True, slots=9), mine, others, place)
-
-    alone = run(0, 0)
-    for others, place in ((1, 1), (3, 0), (5, 2), (8, 8)):
-        for want, got in zip(alone, run(others, place), strict=True):
-            assert torch.equal(got, want), (others, place)
+    assert_logits_do_not_depend_on_the_batch(lambda: _runner(model, True, slots=9))
 
 
 @pytest.mark.parametrize("isa", ISAS)

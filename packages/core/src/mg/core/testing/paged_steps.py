@@ -64,3 +64,19 @@ def logits_among_others(
         where = [lengths[k] + step for k in order]
         logits.append(runner.forward(decodes, new, where, [place])[0])
     return logits
+
+
+def assert_logits_do_not_depend_on_the_batch(
+    make_runner: Callable[[], Any],
+    places: tuple[tuple[int, int], ...] = ((1, 1), (3, 0), (5, 2), (8, 8)),
+    vocab: int = 128,
+) -> None:
+    """A 6-token sequence's prompt and decode logits alone, then among (others, its place)
+    of `places`: bitwise equal each time (`make_runner()`: a fresh runner with 9 slots)."""
+    torch.manual_seed(2)
+    mine = torch.randint(0, vocab, (6,)).tolist()
+    alone = logits_among_others(make_runner, mine, 0, 0, vocab)
+    for others, place in places:
+        among = logits_among_others(make_runner, mine, others, place, vocab)
+        for want, got in zip(alone, among, strict=True):
+            assert torch.equal(got, want), (others, place)
