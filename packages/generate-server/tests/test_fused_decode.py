@@ -11,6 +11,7 @@ import torch
 from mg.core.models import GPTModel, presets
 from mg.core.models.config import RopeScaling
 from mg.core.models.paged_kv_cache import PagedSegment
+from mg.core.testing.paged_steps import bf16_rounding_model, prefill_and_decode
 from mg.generate_server.amx_matmul import amx_matmul
 from mg.generate_server.fused_decode import fused_decode_unsupported
 from mg.generate_server.packed_linears import pack_linears
@@ -34,6 +35,26 @@ SHAPES = {
     "llama3-scaling": {"rope_scaling": RopeScaling(8.0, 1.0, 4.0, 16)},
     "three-groups": {"num_attention_heads": 6, "num_query_groups": 3, "hidden_size": 96},
 }
+
+
+@needs_amx
+@torch.inference_mode()
+def test_each_op_rounds_where_the_eager_bf16_model_rounds() -> None:
+    """The AMX step's decode logits are the eager bf16 model's bitwise on a model where a
+    rounding missed or doubled shows (its RMSNorm rounded twice left 17% equal)."""
+    model = bf16_rounding_model()
+    logits = []
+    for fused in (False, True):
+        if fused:
+            pack_linears(model)
+        runner = ModelRunner(model, num_slots=3, max_length=32, block_size=4)
+        runner.choose_decode_attention()  # the decode rows' kernel: the same sums
+        if fused:
+            assert runner.use_fused_decode() is None
+            assert runner.fused_decode.description == "amx bf16"
+        logits.append(torch.cat(prefill_and_decode(runner)[1:]))
+    want, got = logits
+    assert (got == want).float().mean() >= 0.5
 
 
 @needs_amx

@@ -15,7 +15,11 @@ from mg.core.models.config import RopeScaling
 from mg.core.quantization import primitives as P
 from mg.core.quantization.apply import set_submodule
 from mg.core.quantization.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
-from mg.core.testing.paged_steps import assert_logits_do_not_depend_on_the_batch, prefill_and_decode
+from mg.core.testing.paged_steps import (
+    assert_logits_do_not_depend_on_the_batch,
+    bf16_rounding_model,
+    prefill_and_decode,
+)
 from mg.generate_server import cpu_isa
 from mg.generate_server.amx_matmul import amx_matmul
 from mg.generate_server.fused_decode import FusedDecode
@@ -106,15 +110,7 @@ def test_each_op_rounds_where_the_eager_bf16_model_rounds(isa: str, monkeypatch)
     third). The prompt step differs (the eager prompt attention is SDPA's), and so would
     a second layer's inputs."""
     monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
-    torch.manual_seed(0)
-    config = presets.tiny_llama(
-        hidden_dropout=0.0, attention_dropout=0.0, num_layers=1, init_method_std=0.2
-    )
-    model = GPTModel(config).eval()
-    for name, weight in model.named_parameters():
-        if "layernorm" in name:
-            nn.init.normal_(weight, 1.0, 0.3)
-    model = model.to(torch.bfloat16)
+    model = bf16_rounding_model()
     steps = [prefill_and_decode(_runner(model, fused)) for fused in (False, True)]
     want, got = (torch.cat(logits[1:]) for logits in steps)
     assert (got == want).float().mean() >= 0.5

@@ -68,8 +68,8 @@ static inline __m512 rounded16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(0xFFFF0000)));
 }
 
-// y = x / rms(x) * w per row, rounded as torch's rms_norm on bf16 (x / rms, then * w).
-// In place (y == x) is allowed.
+// y = x / rms(x) * w per row, rounded once as torch's rms_norm on bf16 rounds it (torch
+// 2.15's fused kernel: x / rms * w in fp32, then to bf16). In place (y == x) is allowed.
 static void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t n,
                      int64_t width, float eps) {
     #pragma omp parallel for
@@ -79,7 +79,7 @@ static void rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t 
         for (int64_t c = 0; c < width; c++) squares += from_bf16(row[c]) * from_bf16(row[c]);
         const float inverse = 1.f / std::sqrt(squares / width + eps);
         for (int64_t c = 0; c < width; c++)
-            y[i * width + c] = to_bf16(rounded(from_bf16(row[c]) * inverse) * from_bf16(w[c]));
+            y[i * width + c] = to_bf16(from_bf16(row[c]) * inverse * from_bf16(w[c]));
     }
 }
 
