@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from mg.core.models.paged_kv_cache import PagedSegment
 
@@ -87,8 +88,6 @@ def bf16_rounding_model() -> Any:
     rounding to bf16 missed or doubled shows in the decode logits (a fused step's against
     the eager model's: all bitwise equal when each op rounds where eager's does, a fifth to
     a third with one rounding missed or doubled)."""
-    from torch import nn
-
     from mg.core.models import GPTModel, presets  # lazy: the testing helpers import light
 
     torch.manual_seed(0)
