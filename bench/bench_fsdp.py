@@ -31,6 +31,7 @@ glibc keeps freed heap memory (and raises its mmap threshold as large blocks are
 freed), which would count FSDP's transient all-gather and reduce-scatter buffers
 as resident: the ranks run with a fixed `MALLOC_MMAP_THRESHOLD_` (large blocks are
 mapped and returned when freed) and `malloc_trim(0)` before the resident state is read.
+Throughput runs leave the allocator at its defaults, as a user runs.
 
 `--throughput` times training instead, at DP=2 (2 gloo ranks): the distributed
 optimizer (ZeRO-1) and FSDP `optim_grads_params` / `optim_grads` on the same model and
@@ -113,6 +114,7 @@ def _argv(
     model: dict, flags: list[str], save: str, world: int = WORLD, iters: int = 3
 ) -> list[str]:
     fsdp = "--use-megatron-fsdp" in flags
+    micro_batch = model.get("micro_batch", 1)
     return [
         "gpt",
         "--num-layers", str(model["layers"]),
@@ -121,7 +123,8 @@ def _argv(
         "--seq-length", str(model["seq"]),
         "--max-position-embeddings", str(model["seq"]),
         "--mock-data", "--vocab-size", str(model["vocab"]),
-        "--micro-batch-size", "1", "--global-batch-size", str(2 * world),
+        "--micro-batch-size", str(micro_batch),
+        "--global-batch-size", str(micro_batch * model.get("micro_batches", 2) * world),
         "--train-iters", str(iters), "--lr", "1e-4", "--log-interval", "1000", "--eval-iters", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--data-cache-path", model["cache"], "--save", save,
@@ -170,14 +173,18 @@ def _worker(spec_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _launch(spec: dict, folder: Path, threads: int) -> list[dict]:
+def _launch(spec: dict, folder: Path, threads: int, fixed_mmap: bool = True) -> list[dict]:
+    """Run one path's ranks; `fixed_mmap`: glibc's mmap threshold fixed (memory runs, see
+    the docstring), else the allocator's defaults (throughput runs)."""
     sys.path.insert(0, str(ROOT / "packages" / "core" / "src"))
     from mg.core.testing.launch import run_ranks
 
     folder.mkdir(parents=True, exist_ok=True)
     spec_path = folder / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = {"OMP_NUM_THREADS": str(threads), "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if fixed_mmap:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     world = spec["world"]
     outcomes = run_ranks(__file__, world, ["--worker", str(spec_path)], timeout=3600, env=env)
     for r, o in enumerate(outcomes):
@@ -221,30 +228,37 @@ def _throughput(options: argparse.Namespace) -> None:
     )
     seq = options.seq or (128 if not options.quick else 64)
     model.update(seq=seq, vocab=50304 if not options.quick else 8192)
+    model.update(micro_batch=options.micro_batch_size, micro_batches=options.micro_batches)
     model["cache"] = str(work / "cache")
+    overlap = ["--overlap-grad-reduce", "--overlap-param-gather"] if options.overlap else []
     load = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {name: [] for name in THROUGHPUT_PATHS}
     for repeat in range(options.repeats):
         for name in THROUGHPUT_PATHS:
             print(f"{name}, launch {repeat + 1} ...", flush=True)
-            spec = {"name": name, "model": model, "flags": PATHS[name], "world": world,
+            spec = {"name": name, "model": model, "flags": PATHS[name] + overlap, "world": world,
                     "save": str(work / "unused"), "timed_steps": steps}  # fmt: skip
-            ranks = _launch(spec, work / f"{name.replace(' ', '_')}_{repeat}", options.threads)
+            folder = work / f"{name.replace(' ', '_')}_{repeat}"
+            ranks = _launch(spec, folder, options.threads, fixed_mmap=False)
             seconds[name].append(max(r["timed"]["seconds"] for r in ranks))
-    tokens = steps * 2 * world * model["seq"]  # global batch 2 x world sequences a step
+    batch = options.micro_batch_size * options.micro_batches * world  # sequences a step
+    tokens = steps * batch * model["seq"]
     rate = {name: tokens / sorted(runs)[len(runs) // 2] for name, runs in seconds.items()}
     base = rate["distributed optimizer"]
     lines = [
         "# Training throughput at DP=2: fully sharded data parallelism against ZeRO-1",
         "",
         f"GPT, {model['layers']} layers, hidden {model['hidden']}, vocab {model['vocab']}, "
-        f"seq {model['seq']}, fp32, AdamW, micro-batch 1, 2 micro-batches per rank (global "
-        f"batch {2 * world}), 2 gloo ranks on one machine ({_cpu()}, {os.cpu_count()} cores, "
+        f"seq {model['seq']}, fp32, AdamW, micro-batch {options.micro_batch_size}, "
+        f"{options.micro_batches} micro-batches per rank (global batch {batch})"
+        f"{', --overlap-grad-reduce --overlap-param-gather' if options.overlap else ''}, "
+        f"2 gloo ranks on one machine ({_cpu()}, {os.cpu_count()} cores, "
         f"OMP_NUM_THREADS={options.threads} per rank); {steps} timed steps after 2 warm-up "
         f"steps, {options.repeats} launches per path in turn, the median launch; load "
         f"average {load:.1f} before, {os.getloadavg()[0]:.1f} after. "
         f"`bench/bench_fsdp.py --throughput{' --quick' if options.quick else ''}"
-        f"{f' --seq {options.seq}' if options.seq else ''} --steps {steps} --repeats "
+        f"{f' --seq {options.seq}' if options.seq else ''}{_batch_options(options)}"
+        f" --steps {steps} --repeats "
         f"{options.repeats}`.",
         "",
         "| path | tokens/s | vs distributed optimizer | launches (s) |",
@@ -259,6 +273,15 @@ def _throughput(options: argparse.Namespace) -> None:
     out = options.output or ROOT / "bench" / "results" / f"{stem}.md"
     out.write_text(text)
     print(f"written to {out}")
+
+
+def _batch_options(options: argparse.Namespace) -> str:
+    """The command line's batch and overlap options, where not the defaults."""
+    text = (
+        f" --micro-batch-size {options.micro_batch_size}" if options.micro_batch_size != 1 else ""
+    )
+    text += f" --micro-batches {options.micro_batches}" if options.micro_batches != 2 else ""
+    return text + (" --overlap" if options.overlap else "")
 
 
 def _cpu() -> str:
@@ -280,6 +303,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="timed steps (--throughput)")
     parser.add_argument("--seq", type=int, help="sequence length (--throughput; default 128)")
     parser.add_argument("--repeats", type=int, default=3, help="launches per path (--throughput)")
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=1, help="sequences per micro-batch (--throughput)"
+    )
+    parser.add_argument(
+        "--micro-batches", type=int, default=2, help="micro-batches per rank a step (--throughput)"
+    )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="--overlap-grad-reduce --overlap-param-gather on every path (--throughput)",
+    )
     parser.add_argument(
         "--paths", nargs="+", choices=list(PATHS), help="only these paths (default: the model's)"
     )

@@ -41,6 +41,9 @@ if __name__ == "__main__":
                 "numel": full,
                 "units": len(units),
                 "prefetching": prefetching,
+                "tied_gradient": any(
+                    getattr(m, "tied_gradient", None) is not None for m in model.modules()
+                ),
             }
         )
     if trainer.env.rank == 0:

@@ -64,6 +64,7 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
         _assert_close([v for _, v in one.validation], [v for _, v in run["validation"]], LOSS_RTOL)
         assert len(run["validation"]) == 2
         assert run["units"] == 4
+        assert run["tied_gradient"]  # the head's and the lookup's parts summed in one tensor
     assert sum(zero3["shares"]) == zero3["numel"]
     assert max(zero3["shares"]) - min(zero3["shares"]) <= zero3["numel"] // 10
     assert zero3["prefetching"] == 2  # the embedding starts layer 1's gather, layer 1 layer 2's

@@ -106,8 +106,12 @@ def build_optimizer(
     return _torch_optimizer(groups, args)
 
 
-def _has_dtensor(groups: list[dict]) -> bool:
-    return any(isinstance(p, DTensor) for g in groups for p in g["params"])
+def _fuses(groups: list[dict]) -> bool:
+    """Whether torch's fused AdamW takes these parameters: plain tensors, or DTensors all on
+    one device mesh (its one kernel over a list cannot mix meshes: tensor or fully sharded
+    parameters beside experts sharded over the expert mesh)."""
+    meshes = {id(p.device_mesh) for g in groups for p in g["params"] if isinstance(p, DTensor)}
+    return len(meshes) <= 1
 
 
 def _torch_optimizer(groups: list[dict], args: OptimizerArgs) -> torch.optim.Optimizer:
@@ -118,10 +122,10 @@ def _torch_optimizer(groups: list[dict], args: OptimizerArgs) -> torch.optim.Opt
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
             weight_decay=args.weight_decay,
-            # One kernel for all tensors (Megatron's fused Adam), deterministic; torch's fused
-            # kernel does not take DTensors (tensor parallelism without the distributed
-            # optimizer), which step one tensor at a time.
-            **({"foreach": False} if _has_dtensor(groups) else {"fused": True}),
+            # One kernel for all tensors (Megatron's fused Adam), deterministic, over DTensor
+            # shards too (fully sharded or tensor-parallel parameters: each rank steps its
+            # local part); parameters on several meshes step one tensor at a time.
+            **({"fused": True} if _fuses(groups) else {"foreach": False}),
         )
     if args.optimizer == "sgd":
         return torch.optim.SGD(

@@ -33,6 +33,7 @@ from mg.core.models.config import TransformerConfig
 from mg.core.models.mtp import MTPLosses, roll_left
 from mg.core.models.output_head import OutputHead
 from mg.core.models.rope import RotaryEmbedding
+from mg.core.models.tied_gradient import TiedGradient, tied_logits, tied_lookup
 
 if TYPE_CHECKING:
     from mg.core.models.kv_cache import KVCache
@@ -64,6 +65,9 @@ class LanguageModelEmbedding(nn.Module):
         self.embedding_scale = (
             config.hidden_size**0.5 if config.scale_embeddings_by_sqrt_hidden else None
         )
+        self.tied_gradient: TiedGradient | None = None
+        """Set where the lookup and `tied_logits` sum the shared weight's gradient in one
+        tensor (fully sharded training: mg.core.parallel.fully_sharded)."""
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=std)
@@ -73,10 +77,13 @@ class LanguageModelEmbedding(nn.Module):
     def tied_logits(self, hidden: Tensor) -> Tensor:
         """hidden @ word_embeddingsᵀ: the tied output layer as a method of the module that
         owns its weight, so that FSDP can gather the weight around it (fully_sharded.py)."""
-        return torch.nn.functional.linear(hidden, self.word_embeddings.weight)
+        return tied_logits(hidden, self.word_embeddings.weight, self.tied_gradient)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        hidden = self.word_embeddings(input_ids)
+        if self.tied_gradient is None:
+            hidden = self.word_embeddings(input_ids)
+        else:
+            hidden = tied_lookup(input_ids, self.word_embeddings.weight, self.tied_gradient)
         if self.embedding_scale is not None:
             hidden = hidden * torch.tensor(self.embedding_scale, dtype=hidden.dtype)
         if self.position_embeddings is not None:

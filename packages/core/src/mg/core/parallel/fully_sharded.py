@@ -15,8 +15,9 @@ as the plain head. The output weight is then whole only around the head (and,
 tied, the lookup), not from the first forward to the end of the last backward as
 in the root unit (at vocab × hidden, the largest tensors of a small model); the
 untied output layer's gradient is reduce-scattered as soon as the head's backward
-ends (a tied one when the embedding's backward has added its part: autograd sums
-a leaf's gradients before it hands them over). Another head (fused
+ends, a tied one when the embedding's backward has added its part, in the one
+tensor the head's part waited in (`TiedGradient`: not the three whole-size
+tensors autograd's sum of a leaf's two gradients holds). Another head (fused
 cross-entropy, vocab-parallel, a bias) keeps the output weight in the root unit,
 gathered for the whole step.
 
@@ -94,6 +95,7 @@ from torch.distributed.tensor import DTensor
 
 from mg.core.models.language_model import LanguageModelEmbedding
 from mg.core.models.output_head import OutputHead, OutputModuleHead, is_plain_output
+from mg.core.models.tied_gradient import TiedGradient
 from mg.core.parallel.collective_device import collective_device
 from mg.core.parallel.expert_parallel import is_expert_parameter
 
@@ -204,7 +206,10 @@ def _route_head_through(model: nn.Module, output: nn.Module, reshard: bool) -> b
         return False
     register_fsdp_forward_method(output, "tied_logits")
     # with MTP the head runs once per depth: each call's backward needs the weight again
-    keep = reshard and getattr(model, "mtp", None) is None
+    single_head = getattr(model, "mtp", None) is None
+    if single_head:  # the head's and the lookup's gradients summed in one tensor
+        output.tied_gradient = TiedGradient()
+    keep = reshard and single_head
     model.output_head = FullyShardedTiedHead(keep)
     return keep
 
@@ -280,17 +285,18 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 def grad_norm_squares(grads: Iterable[Tensor]) -> Tensor:
     """The sum of squares of all gradients as if unsharded (float64, the same on every
-    rank): each DTensor's local squares are summed over the mesh dims it is sharded on,
-    one collective per (mesh, dims); replicated dims count once."""
+    rank; each tensor's norm in its own dtype, as torch's `clip_grad_norm_`, without a
+    float64 copy of it): each DTensor's local squares are summed over the mesh dims it
+    is sharded on, one collective per (mesh, dims); replicated dims count once."""
     total = torch.zeros((), dtype=torch.float64)
     sharded: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, Tensor]] = {}
     for grad in grads:
         if not isinstance(grad, DTensor):
-            total += (torch.linalg.vector_norm(grad.double()) ** 2).cpu()
+            total += (torch.linalg.vector_norm(grad).double() ** 2).cpu()
             continue
         if any(p.is_partial() for p in grad.placements):
             raise ValueError(f"a gradient is still a partial sum ({grad.placements})")
-        square = torch.linalg.vector_norm(grad.to_local().double()) ** 2
+        square = torch.linalg.vector_norm(grad.to_local()).double() ** 2
         dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
         key = (id(grad.device_mesh), dims)
         mesh, sum_ = sharded.get(key, (grad.device_mesh, torch.zeros_like(square)))
