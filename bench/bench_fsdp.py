@@ -34,9 +34,11 @@ mapped and returned when freed) and `malloc_trim(0)` before the resident state i
 Throughput runs leave the allocator at its defaults, as a user runs.
 
 `--throughput` times training instead, at DP=2 (2 gloo ranks): the distributed
-optimizer (ZeRO-1) and FSDP `optim_grads_params` / `optim_grads` on the same model and
-batches, each path launched --repeats times in turn (A B C A B C ...), 2 warm-up steps
-and then --steps timed ones between barriers; tokens/s from the median launch
+optimizer (ZeRO-1) and FSDP `optim_grads_params` / `optim_grads` (or `--paths`) on the
+same model and batches (`--micro-batch-size`, `--micro-batches` per rank, `--overlap`
+for both sides' overlap flags), each path launched --repeats times in turn (A B C A B
+C ...), 2 warm-up steps and then --steps timed ones between barriers; tokens/s from the
+median launch
 (`bench/results/fsdp-cpu-throughput.md`).
 
 Written to `bench/results/fsdp-cpu.md` with the dry run's plan of each FSDP strategy
@@ -232,9 +234,12 @@ def _throughput(options: argparse.Namespace) -> None:
     model["cache"] = str(work / "cache")
     overlap = ["--overlap-grad-reduce", "--overlap-param-gather"] if options.overlap else []
     load = os.getloadavg()[0]
-    seconds: dict[str, list[float]] = {name: [] for name in THROUGHPUT_PATHS}
+    paths = options.paths or THROUGHPUT_PATHS
+    if "distributed optimizer" not in paths:
+        paths = ["distributed optimizer", *paths]
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
     for repeat in range(options.repeats):
-        for name in THROUGHPUT_PATHS:
+        for name in paths:
             print(f"{name}, launch {repeat + 1} ...", flush=True)
             spec = {"name": name, "model": model, "flags": PATHS[name] + overlap, "world": world,
                     "save": str(work / "unused"), "timed_steps": steps}  # fmt: skip
@@ -264,7 +269,7 @@ def _throughput(options: argparse.Namespace) -> None:
         "| path | tokens/s | vs distributed optimizer | launches (s) |",
         "| --- | ---: | ---: | --- |",
     ]
-    for name in THROUGHPUT_PATHS:
+    for name in paths:
         runs = ", ".join(f"{t:.1f}" for t in seconds[name])
         lines.append(f"| {name} | {rate[name]:.0f} | {rate[name] / base:.2f}x | {runs} |")
     text = "\n".join(lines) + "\n"
@@ -276,12 +281,15 @@ def _throughput(options: argparse.Namespace) -> None:
 
 
 def _batch_options(options: argparse.Namespace) -> str:
-    """The command line's batch and overlap options, where not the defaults."""
+    """The command line's batch, overlap and path options, where not the defaults."""
     text = (
         f" --micro-batch-size {options.micro_batch_size}" if options.micro_batch_size != 1 else ""
     )
     text += f" --micro-batches {options.micro_batches}" if options.micro_batches != 2 else ""
-    return text + (" --overlap" if options.overlap else "")
+    text += " --overlap" if options.overlap else ""
+    if options.paths:
+        text += " --paths " + " ".join(f'"{p}"' for p in options.paths)
+    return text
 
 
 def _cpu() -> str:

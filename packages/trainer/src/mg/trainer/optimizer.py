@@ -108,10 +108,11 @@ def build_optimizer(
 
 def _fuses(groups: list[dict]) -> bool:
     """Whether torch's fused AdamW takes these parameters: plain tensors, or DTensors all on
-    one device mesh (its one kernel over a list cannot mix meshes: tensor or fully sharded
-    parameters beside experts sharded over the expert mesh)."""
-    meshes = {id(p.device_mesh) for g in groups for p in g["params"] if isinstance(p, DTensor)}
-    return len(meshes) <= 1
+    one device mesh (its one kernel over a list mixes neither plain tensors with DTensors,
+    as tensor parallelism leaves some, nor meshes, as experts beside dense parameters)."""
+    params = [p for g in groups for p in g["params"]]
+    meshes = {id(p.device_mesh) for p in params if isinstance(p, DTensor)}
+    return not meshes or (len(meshes) == 1 and all(isinstance(p, DTensor) for p in params))
 
 
 def _torch_optimizer(groups: list[dict], args: OptimizerArgs) -> torch.optim.Optimizer:
