@@ -123,9 +123,9 @@ def _torch_optimizer(groups: list[dict], args: OptimizerArgs) -> torch.optim.Opt
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_eps,
             weight_decay=args.weight_decay,
-            # One kernel for all tensors (Megatron's fused Adam), deterministic, over DTensor
-            # shards too (fully sharded or tensor-parallel parameters: each rank steps its
-            # local part); parameters on several meshes step one tensor at a time.
+            # One kernel for all tensors (Megatron's fused Adam), deterministic, over FSDP's
+            # DTensor shards too (each rank steps its local part); where `_fuses` says the
+            # kernel refuses the mix, one tensor at a time.
             **({"fused": True} if _fuses(groups) else {"foreach": False}),
         )
     if args.optimizer == "sgd":

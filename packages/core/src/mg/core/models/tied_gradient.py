@@ -42,20 +42,15 @@ class TiedGradient:
         hidden)."""
         if grad_logits.shape[0] < hidden.shape[1]:
             self.factors.append((grad_logits, hidden))
-        elif self.summed is None:
-            self.summed = grad_logits.t().mm(hidden)
         else:
-            self.summed.addmm_(grad_logits.t(), hidden)
+            self.summed = _plus_product(self.summed, grad_logits, hidden)
 
     def take(self) -> Tensor | None:
         """The heads' parts summed into one tensor (None if there were none), which the
         caller now owns; nothing is left pending."""
         total, self.summed = self.summed, None
         for grad_logits, hidden in self.factors:
-            if total is None:
-                total = grad_logits.t().mm(hidden)
-            else:
-                total.addmm_(grad_logits.t(), hidden)
+            total = _plus_product(total, grad_logits, hidden)
         self.factors.clear()
         return total
 
@@ -63,6 +58,13 @@ class TiedGradient:
         """Drop what an unfinished backward left."""
         self.summed = None
         self.factors.clear()
+
+
+def _plus_product(total: Tensor | None, grad_logits: Tensor, hidden: Tensor) -> Tensor:
+    """total + grad_logitsᵀ hidden, added in place where `total` exists."""
+    if total is None:
+        return grad_logits.t().mm(hidden)
+    return total.addmm_(grad_logits.t(), hidden)
 
 
 class _TiedLogits(torch.autograd.Function):
