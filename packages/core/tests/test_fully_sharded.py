@@ -32,6 +32,7 @@ from mg.core.parallel.fully_sharded import (
     output_unit,
     units,
 )
+from mg.core.parallel.fully_sharded_gloo import AllReduceScatter
 from mg.core.parallel.layout import build_parallel_layout
 from mg.core.testing.launch import launch_workers
 
@@ -64,14 +65,14 @@ def _worker(out: str) -> None:
     held = sum(p.to_local().numel() for p in model.parameters())
     full = {name: p.full_tensor() for name, p in model.named_parameters()}
     tokens = _batch()
-    reduced: list[int] = []  # FSDP2's reduce-scatters, counted
-    original = dist.reduce_scatter_single
-    dist.reduce_scatter_single = lambda *a, **k: (reduced.append(1), original(*a, **k))[1]
+    reduced: list[int] = []  # FSDP2's reduce-scatters (on gloo: AllReduceScatter), counted
+    original = AllReduceScatter.__call__
+    AllReduceScatter.__call__ = lambda *a, **k: (reduced.append(1), original(*a, **k))[1]
     with no_gradient_sync(model):  # two micro-batches: the first without a reduction
         model(tokens, labels=tokens).mean().backward()
     first = len(reduced)
     model(tokens, labels=tokens).mean().backward()
-    dist.reduce_scatter_single = original
+    AllReduceScatter.__call__ = original
     norm = float(grad_norm_squares([p.grad for p in model.parameters()]).sqrt())
     torch.manual_seed(SEED)
     reference = GPTModel(_config())

@@ -47,8 +47,8 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
     """Global batch 8: one process (4 micro-batches of 2) vs DP=2 (2 micro-batches each,
     the first without gradient sync) with parameters sharded (ZeRO-3, prefetching the
     next layer's all-gather) and not sharded at all: the same losses and grad norms;
-    each rank holds half the parameters, or all of them; 4 units (the tied embedding, which
-    the output head calls, 2 layers, the root)."""
+    each rank holds half the parameters, or all of them; 5 units (the tied embedding, which
+    the output head calls, its learned positions, 2 layers, the root)."""
     argv = mock_argv(
         tmp_path, *FLAGS, "--eval-interval", "3", "--eval-iters", "1", mbs=2, gbs=8, iters=6
     )
@@ -63,7 +63,7 @@ def test_dp2_fsdp_matches_one_process(tmp_path, mock_argv, train) -> None:
         _assert_close(one.grad_norms, run["grad_norms"], NORM_RTOL)
         _assert_close([v for _, v in one.validation], [v for _, v in run["validation"]], LOSS_RTOL)
         assert len(run["validation"]) == 2
-        assert run["units"] == 4
+        assert run["units"] == 5
         assert run["tied_gradient"]  # the head's and the lookup's parts summed in one tensor
     assert sum(zero3["shares"]) == zero3["numel"]
     assert max(zero3["shares"]) - min(zero3["shares"]) <= zero3["numel"] // 10
@@ -125,7 +125,7 @@ def test_dp4_each_strategy_tp_and_hsdp_match_one_process(tmp_path, mock_argv, tr
     # a quarter each; what TP replicates (norms, biases) is sharded over DP only
     assert max(tp["shares"]) < tp["numel"] // 3
     assert sum(hsdp["shares"]) == 2 * hsdp["numel"]  # two replicas of the shards
-    assert untied_run["units"] == 5  # 2 layers, the embedding, the output layer, the root
+    assert untied_run["units"] == 6  # 2 layers, the embedding, its positions, the output, root
 
 
 @pytest.mark.slow

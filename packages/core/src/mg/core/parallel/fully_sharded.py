@@ -3,8 +3,9 @@
 Megatron's `--use-megatron-fsdp` and `--use-torch-fsdp2` both land here: one
 implementation, PyTorch's own, not a hand-written sharder. `apply_fully_shard`
 makes one FSDP unit of each transformer layer (the children of every `layers`
-list: GPT, BERT and T5 stacks, Mamba hybrids, MoE layers), one of the embedding,
-one of the output layer, and the root unit (the final norm, what is left).
+list: GPT, BERT and T5 stacks, Mamba hybrids, MoE layers), one of the embedding
+(and one of its learned positions, if any), one of the output layer, and the root
+unit (the final norm, what is left).
 
 FSDP gathers a unit around its module's calls only, and the output head reads
 its weight as a tensor (`output_weight()`). So the head's use of the weight is
@@ -61,6 +62,10 @@ must see the modules every other step left (Transformer Engine's, recompute's
 wrappers, compiled layers), as torchtitan's `apply_fsdp` follows TP, activation
 checkpointing and compile.
 
+On gloo (CPU) every unit all-gathers and reduce-scatters in place
+(`fully_sharded_gloo`): gloo's own collectives copy a unit's worth beside FSDP2's
+buffers, and a one-parameter unit gathers into its parameter's storage.
+
 Gradient accumulation: `no_gradient_sync` around every micro-batch's backward but
 the last; each unit's gradients are then reduced once, as its last backward ends.
 
@@ -98,6 +103,7 @@ from mg.core.models.output_head import OutputHead, OutputModuleHead, is_plain_ou
 from mg.core.models.tied_gradient import TiedGradient
 from mg.core.parallel.collective_device import collective_device
 from mg.core.parallel.expert_parallel import is_expert_parameter
+from mg.core.parallel.fully_sharded_gloo import use_in_place_collectives
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -165,6 +171,17 @@ def units(model: nn.Module) -> list[nn.Module]:
     if output is not None and output is not embedding:
         found.append(output)
     return found
+
+
+def position_unit(model: nn.Module) -> nn.Module | None:
+    """A GPT-2 embedding's learned positions, made a unit of their own (inside the
+    embedding's) so that the embedding's unit holds its one vocab × hidden weight, which
+    gloo then gathers straight into the weight's storage (`fully_sharded_gloo`)."""
+    embedding = getattr(model, "embedding", None)
+    positions = getattr(embedding, "position_embeddings", None)
+    if not isinstance(positions, nn.Embedding):
+        return None
+    return positions
 
 
 def _holds_output_weight(model: nn.Module) -> bool:
@@ -247,6 +264,10 @@ def apply_fully_shard(
     output = output_unit(model)
     inner = units(model)
     embedding = getattr(model, "embedding", None)
+    positions = position_unit(model) if embedding in inner else None
+    if positions is not None:  # inside the embedding's unit, which then holds one weight
+        fully_shard(positions, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        positions.set_unshard_in_backward(False)  # its backward scatters rows only
     # the unit that runs last in the forward has its backward at once: keep it gathered
     # (the untied output layer, else the last layer; not the tied embedding, which runs
     # first too, nor the layer before the head's gathered weight)
@@ -255,6 +276,7 @@ def apply_fully_shard(
         keep = module is kept
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not keep, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    use_in_place_collectives(model.modules())  # on gloo: see fully_sharded_gloo.py
     kept_for_head = output is not None and _route_head_through(model, output, reshard)
     # the lookup's backward reads no weight: not gathered for it, unless the head's is
     lookup_only = embedding in inner and (embedding is not output or kept_for_head)
