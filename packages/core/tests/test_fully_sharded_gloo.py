@@ -2,10 +2,11 @@
 
 This file is also the rank worker (`python test_fully_sharded_gloo.py OUT`). Each rank
 checks the broadcast all-gather and the all-reduce reduce-scatter against gloo's own
-collectives, then trains a tied GPT-2 under ZeRO-3 for two steps and reports which
-collectives its units use, whether the embedding's gathered weight lives in the
-all-gather's output (held once, not copied out of it), and its losses, against the
-model trained whole in one process.
+collectives, then trains GPT-2 under ZeRO-3 for three steps, against the model trained
+whole in one process: untied, reporting which collectives its units use and whether the
+embedding's gathered weight lives in the all-gather's output (held once, not copied out
+of it); tied, with the weight sharded by vocabulary rows outside every unit
+(`mg.core.parallel.vocab_shards`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ SEED = 99
 WORLD = 3
 
 
-def _config():  # learned positions: a unit of their own; 101 vocab rows: padded shards
-    return presets.tiny_gpt2(num_layers=2, vocab_size=101)
+def _config(untied: bool):  # learned positions: a unit of their own; 101 rows: uneven shards
+    return presets.tiny_gpt2(
+        num_layers=2, vocab_size=101, untie_embeddings_and_output_weights=untied
+    )
 
 
 def _collectives_match_gloo(group: dist.ProcessGroup) -> dict[str, bool]:
@@ -57,9 +60,19 @@ def _collectives_match_gloo(group: dist.ProcessGroup) -> dict[str, bool]:
     return results
 
 
-def _worker(out: str) -> None:
-    dist.init_process_group("gloo")
-    result = _collectives_match_gloo(dist.group.WORLD)
+def _train(model, batches: list[torch.Tensor]) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for tokens in batches:
+        loss = model(tokens, labels=tokens).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _sharded(untied: bool):
     options = ConstructOptions(
         layout=build_parallel_layout(WORLD, dist.get_rank()),
         device=torch.device("cpu"),
@@ -68,7 +81,23 @@ def _worker(out: str) -> None:
     )
     torch.manual_seed(SEED)
     with torch.device("meta"):
-        model = construct(GPTModel(_config()), options)
+        return construct(GPTModel(_config(untied)), options)
+
+
+def _whole(untied: bool) -> GPTModel:
+    torch.manual_seed(SEED)
+    return GPTModel(_config(untied))
+
+
+def _worker(out: str) -> None:
+    dist.init_process_group("gloo")
+    result = _collectives_match_gloo(dist.group.WORLD)
+    draw = torch.Generator().manual_seed(3)
+    short, long = (torch.randint(0, 101, shape, generator=draw) for shape in ((2, 12), (3, 32)))
+    # tied: 24 tokens a rank (fewer than hidden 64) exchange logits, 96 gather the rows
+    batches = [short, long, short]
+    # untied: the embedding's and the output layer's units hold one weight each
+    model = _sharded(untied=True)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     gathers = [m._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm for m in units]
     outputs: list[int] = []  # where each all-gather's output lives
@@ -84,32 +113,23 @@ def _worker(out: str) -> None:
     model.embedding.register_forward_pre_hook(  # pre-forward hook, which gathers it, ran)
         lambda module, _: weights.append(module.word_embeddings.weight.untyped_storage().data_ptr())
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    tokens = torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(3))
-    losses = []
-    for _ in range(3):
-        loss = model(tokens, labels=tokens).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _train(model, [short] * 3)
     BroadcastAllGather.allocate = allocate
-    torch.manual_seed(SEED)
-    reference = GPTModel(_config())
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = []
-    for _ in range(3):
-        loss = reference(tokens, labels=tokens).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        expected.append(loss.item())
     result.update(
         units=len(units),
         broadcast=all(isinstance(g, BroadcastAllGather) for g in gathers),
         gathered_in_place=weights[-1] in outputs,
         losses=losses,
-        expected=expected,
+        expected=_train(_whole(untied=True), [short] * 3),
+    )
+    # tied: the weight stays sharded by vocabulary rows, outside every unit
+    model = _sharded(untied=False)
+    weight = model.embedding.word_embeddings.weight
+    result.update(
+        tied_units=sum(isinstance(m, FSDPModule) for m in model.modules()),
+        tied_rows=weight.to_local().shape[0],
+        tied_losses=_train(model, batches),
+        tied_expected=_train(_whole(untied=False), batches),
     )
     gathered = [None] * WORLD
     dist.all_gather_object(gathered, result)
@@ -118,17 +138,21 @@ def _worker(out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_in_place_collectives_match_gloo_and_gather_into_the_weight(tmp_path) -> None:
+def test_in_place_collectives_and_vocabulary_shards_match_one_process(tmp_path) -> None:
     out = tmp_path / "ranks.json"
     launch_workers(__file__, WORLD, [str(out)], timeout=300)
-    for rank in json.loads(out.read_text()):
-        assert rank["all_gather"]
-        assert all(v for k, v in rank.items() if k.startswith("reduce_scatter"))
-        assert (
-            rank["units"] == 2 + 2 + 1 and rank["broadcast"]
-        )  # embedding, positions, layers, root
-        assert rank["gathered_in_place"]
-        assert rank["losses"] == pytest.approx(rank["expected"], rel=1e-5)
+    for rank, result in enumerate(json.loads(out.read_text())):
+        assert result["all_gather"]
+        assert all(v for k, v in result.items() if k.startswith("reduce_scatter"))
+        # the embedding, its positions, 2 layers, the output layer, the root
+        assert result["units"] == 2 + 2 + 1 + 1
+        assert result["broadcast"]
+        assert result["gathered_in_place"]
+        assert result["losses"] == pytest.approx(result["expected"], rel=1e-5)
+        # tied: positions, 2 layers, the root; the weight's 101 rows as torch.chunk splits
+        assert result["tied_units"] == 1 + 2 + 1
+        assert result["tied_rows"] == [34, 34, 33][rank]
+        assert result["tied_losses"] == pytest.approx(result["tied_expected"], rel=1e-5)
 
 
 if __name__ == "__main__":

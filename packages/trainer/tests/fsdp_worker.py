@@ -44,6 +44,9 @@ if __name__ == "__main__":
                 "tied_gradient": any(
                     getattr(m, "tied_gradient", None) is not None for m in model.modules()
                 ),
+                "vocab_shards": any(
+                    getattr(m, "vocab_shards", None) is not None for m in model.modules()
+                ),
             }
         )
     if trainer.env.rank == 0:

@@ -38,6 +38,7 @@ from mg.core.models.tied_gradient import TiedGradient, tied_logits, tied_lookup
 if TYPE_CHECKING:
     from mg.core.models.kv_cache import KVCache
     from mg.core.models.mamba.cache import HybridCache
+    from mg.core.parallel.vocab_shards import VocabShards
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class LanguageModelEmbedding(nn.Module):
         self.tied_gradient: TiedGradient | None = None
         """Set where the lookup and `tied_logits` sum the shared weight's gradient in one
         tensor (fully sharded training: mg.core.parallel.fully_sharded)."""
+        self.vocab_shards: VocabShards | None = None
+        """Set where the weight stays sharded by rows over the data-parallel ranks and the
+        lookup and `tied_logits` exchange tokens instead (mg.core.parallel.vocab_shards)."""
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.word_embeddings.weight, mean=0.0, std=std)
@@ -77,10 +81,14 @@ class LanguageModelEmbedding(nn.Module):
     def tied_logits(self, hidden: Tensor) -> Tensor:
         """hidden @ word_embeddingsᵀ: the tied output layer as a method of the module that
         owns its weight, so that FSDP can gather the weight around it (fully_sharded.py)."""
+        if self.vocab_shards is not None:
+            return self.vocab_shards.logits(hidden, self.word_embeddings.weight)
         return tied_logits(hidden, self.word_embeddings.weight, self.tied_gradient)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        if self.tied_gradient is None:
+        if self.vocab_shards is not None:
+            hidden = self.vocab_shards.lookup(input_ids, self.word_embeddings.weight)
+        elif self.tied_gradient is None:
             hidden = self.word_embeddings(input_ids)
         else:
             hidden = tied_lookup(input_ids, self.word_embeddings.weight, self.tied_gradient)

@@ -22,6 +22,12 @@ tensors autograd's sum of a leaf's two gradients holds). Another head (fused
 cross-entropy, vocab-parallel, a bias) keeps the output weight in the root unit,
 gathered for the whole step.
 
+Under a sharded strategy on a 1-D mesh, a tied embedding without MTP or tensor
+parallelism is no unit at all: its weight stays a DTensor sharded by vocabulary rows
+that FSDP leaves alone (`ignored_params`), and its lookup and the head's logits
+exchange tokens over the data-parallel group instead of gathering the weight
+(`vocab_shards`, `shard_vocabulary`); what follows is for the other cases.
+
 The embedding's backward needs no weight (it only scatters the gradient rows),
 so it does not gather the embedding again (`set_unshard_in_backward(False)`);
 tied, the head's forward keeps the weight gathered for its own backward, which
@@ -96,7 +102,7 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from mg.core.models.language_model import LanguageModelEmbedding
 from mg.core.models.output_head import OutputHead, OutputModuleHead, is_plain_output
@@ -104,6 +110,7 @@ from mg.core.models.tied_gradient import TiedGradient
 from mg.core.parallel.collective_device import collective_device
 from mg.core.parallel.expert_parallel import is_expert_parameter
 from mg.core.parallel.fully_sharded_gloo import use_in_place_collectives
+from mg.core.parallel.vocab_shards import VocabShards
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -171,6 +178,32 @@ def units(model: nn.Module) -> list[nn.Module]:
     if output is not None and output is not embedding:
         found.append(output)
     return found
+
+
+def shard_vocabulary(
+    model: nn.Module, mesh: DeviceMesh, options: FullyShardedOptions
+) -> VocabShards | None:
+    """Make the tied embedding's weight a DTensor sharded by rows over `mesh` that FSDP
+    leaves alone, and its lookup and logits exchange tokens instead (`vocab_shards`), where
+    the tied weight is used once by each per forward (no MTP), `mesh` is 1-D (no HSDP, no
+    `no_shard`) and the weight is a plain tensor (no tensor parallelism). None elsewhere."""
+    embedding = getattr(model, "embedding", None)
+    if not isinstance(embedding, LanguageModelEmbedding) or getattr(model, "mtp", None):
+        return None
+    weight = embedding.word_embeddings.weight
+    if mesh.ndim != 1 or options.strategy == "no_shard" or isinstance(weight, DTensor):
+        return None
+    group = mesh.get_group()
+    rank, size = group.rank(), group.size()
+    chunks = torch.chunk(weight.detach(), size, dim=0)
+    local = chunks[rank].clone() if rank < len(chunks) else weight.new_empty(0, weight.shape[1])
+    sharded = DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride()
+    )
+    embedding.word_embeddings.weight = nn.Parameter(sharded, requires_grad=weight.requires_grad)
+    embedding.word_embeddings.weight.__dict__.update(weight.__dict__)  # marks set on it
+    embedding.vocab_shards = VocabShards(group, weight.shape[0], options.param_dtype)
+    return embedding.vocab_shards
 
 
 def position_unit(model: nn.Module) -> nn.Module | None:
@@ -264,20 +297,31 @@ def apply_fully_shard(
     output = output_unit(model)
     inner = units(model)
     embedding = getattr(model, "embedding", None)
-    positions = position_unit(model) if embedding in inner else None
-    if positions is not None:  # inside the embedding's unit, which then holds one weight
+    vocab = shard_vocabulary(model, mesh, options) if output is embedding else None
+    if vocab is not None:  # the tied weight stays sharded: no unit gathers it
+        inner.remove(embedding)
+    positions = position_unit(model) if embedding in inner or vocab is not None else None
+    if positions is not None:  # the embedding's unit then holds its one weight
         fully_shard(positions, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         positions.set_unshard_in_backward(False)  # its backward scatters rows only
     # the unit that runs last in the forward has its backward at once: keep it gathered
     # (the untied output layer, else the last layer; not the tied embedding, which runs
     # first too, nor the layer before the head's gathered weight)
-    kept = None if output is embedding and output is not None else inner[-1] if inner else None
+    gathered_head = output is embedding and output is not None and vocab is None
+    kept = None if gathered_head else inner[-1] if inner else None
     for module in inner:
         keep = module is kept
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not keep, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    ignored = {embedding.word_embeddings.weight} if vocab is not None else None
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored
+    )
     use_in_place_collectives(model.modules())  # on gloo: see fully_sharded_gloo.py
-    kept_for_head = output is not None and _route_head_through(model, output, reshard)
+    if vocab is not None:  # the head calls the embedding's tied_logits, on the shards
+        model.output_head = FullyShardedTiedHead(keep=False)
+        kept_for_head = False
+    else:
+        kept_for_head = output is not None and _route_head_through(model, output, reshard)
     # the lookup's backward reads no weight: not gathered for it, unless the head's is
     lookup_only = embedding in inner and (embedding is not output or kept_for_head)
     if lookup_only:
