@@ -46,8 +46,9 @@ def _collectives_match_gloo(group: dist.ProcessGroup) -> dict[str, bool]:
     output = comm.allocate((WORLD * 35,), dtype=torch.float32, device=torch.device("cpu"))
     own = output.narrow(0, 35 * rank, 35)
     own.copy_(shard.view(-1))  # FSDP2's copy-in
-    done = comm(output, own, group).wait()  # finished on return
-    gathered = done and torch.equal(output.view(-1, 5), expected)
+    work = comm(output, own, group)  # runs when waited for; until then the output is empty
+    lazy = output.untyped_storage().nbytes() == 0
+    gathered = lazy and work.wait() and torch.equal(output.view(-1, 5), expected)
     whole = torch.randn(WORLD * 4, 6, generator=torch.Generator().manual_seed(10 + rank))
     results = {"all_gather": gathered}
     for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -105,13 +106,13 @@ def _worker(out: str) -> None:
 
     def recorded(self, *args, **kwargs):
         buffer = allocate(self, *args, **kwargs)
-        outputs.append(buffer.untyped_storage().data_ptr())
+        outputs.append(buffer.untyped_storage()._cdata)  # the storage, not its memory
         return buffer
 
     BroadcastAllGather.allocate = recorded
     weights: list[int] = []  # where the gathered embedding weight lives (FSDP2's
     model.embedding.register_forward_pre_hook(  # pre-forward hook, which gathers it, ran)
-        lambda module, _: weights.append(module.word_embeddings.weight.untyped_storage().data_ptr())
+        lambda module, _: weights.append(module.word_embeddings.weight.untyped_storage()._cdata)
     )
     losses = _train(model, [short] * 3)
     BroadcastAllGather.allocate = allocate

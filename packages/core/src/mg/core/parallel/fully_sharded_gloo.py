@@ -16,8 +16,10 @@ these:
   as the parameter (rank-major, dim-0 shards), so the output is the parameter's
   own storage and FSDP2's copy-out copies it onto itself: the whole weight is held
   once, not twice. (That reads FSDP2's parameter record; where it is not there, the
-  output is a fresh buffer as before.) The output of a unit of several parameters is
-  freed after FSDP2's copy-out, not kept until the next unit's.
+  output is a fresh buffer as before.) The broadcasts run when FSDP2 waits for them,
+  before its copy-out: a prefetched unit holds nothing whole until it is needed (on a
+  synchronous collective a prefetch overlaps nothing), and the output is freed after
+  the copy-out, not kept until the next unit's.
 - `AllReduceScatter`: the input summed in place by one all-reduce, and this rank's
   chunk copied out (averaged where FSDP2 asks for an average, which gloo's
   all-reduce lacks); any other reduction goes to gloo's reduce-scatter. The input's
@@ -73,26 +75,37 @@ class BroadcastAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work:
-        chunks = output_tensor.view(group.size(), -1)
-        own = chunks[group.rank()]
-        if own.data_ptr() != input_tensor.data_ptr():
-            own.copy_(input_tensor.view(-1))
-        for rank, chunk in enumerate(chunks):
-            dist.broadcast(chunk, group=group, group_src=rank)
-        # a finished work, not None: FSDP2 then frees the output after its copy-out, where
-        # it would otherwise keep it (in the forward) until the next unit's copy-out, for
-        # an overlap that a synchronous collective cannot have
-        return _Done()
+        return _LazyBroadcasts(output_tensor, input_tensor, group)
 
 
-class _Done(dist.Work):
-    """A collective that has already finished."""
+class _LazyBroadcasts(dist.Work):
+    """The all-gather, run when FSDP2 waits for it (before its copy-out). Until then the
+    output holds no memory, only this rank's shard: a prefetch (FSDP2's default one
+    unit ahead in the backward) would otherwise hold a whole unit's output, and its
+    parameters, for an overlap that a synchronous collective cannot have. Every rank
+    waits in the same order (the same program), so the broadcasts match."""
+
+    def __init__(self, output: torch.Tensor, own: torch.Tensor, group: dist.ProcessGroup):
+        super().__init__()
+        self._output, self._group = output, group
+        self._own = own.reshape(-1).clone()
+        self._bytes = output.untyped_storage().nbytes()
+        output.untyped_storage().resize_(0)
 
     def wait(self, timeout: object = None) -> bool:
+        if self._output is None:
+            return True
+        output, group = self._output, self._group
+        output.untyped_storage().resize_(self._bytes)
+        chunks = output.view(group.size(), -1)
+        chunks[group.rank()].copy_(self._own)
+        for rank, chunk in enumerate(chunks):
+            dist.broadcast(chunk, group=group, group_src=rank)
+        self._output = self._own = None
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self._output is None
 
 
 class AllReduceScatter(ReduceScatter):
