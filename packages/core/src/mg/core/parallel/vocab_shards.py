@@ -49,6 +49,7 @@ class VocabShards:
         self.size = group.size()
         self.rank = group.rank()
         rows = -(-vocab // self.size)  # torch.chunk's (DTensor Shard(0)'s) split
+        self.widths = [max(0, min(rows, vocab - rows * r)) for r in range(self.size)]
         self.start = min(rows * self.rank, vocab)
         self.vocab = vocab
         self.dtype = dtype
@@ -127,7 +128,7 @@ class _Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, local: Tensor, shards: VocabShards) -> Tensor:
         shards.check_shape(hidden)
-        widths = _widths(shards)
+        widths = shards.widths
         ctx.shards, ctx.widths = shards, widths
         ctx.exchanged = hidden.numel() // hidden.shape[-1] <= hidden.shape[-1]
         ctx.save_for_backward(hidden, local)
@@ -159,12 +160,6 @@ def _gather_rows(shards: VocabShards, local: Tensor, widths: list[int]) -> Tenso
     """The whole vocab × hidden weight from every rank's rows."""
     padded = F.pad(local, (0, 0, 0, max(widths) - local.shape[0]))
     return torch.cat([rows[:w] for rows, w in zip(shards.gather(padded), widths, strict=True)])
-
-
-def _widths(shards: VocabShards) -> list[int]:
-    """Each rank's number of rows (torch.chunk's split of the vocabulary)."""
-    rows = -(-shards.vocab // shards.size)
-    return [max(0, min(rows, shards.vocab - rows * r)) for r in range(shards.size)]
 
 
 def _join(parts: Tensor, widths: list[int]) -> Tensor:
