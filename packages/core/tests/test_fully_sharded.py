@@ -109,10 +109,10 @@ def test_meta_model_is_sharded_before_storage_and_equals_one_process(tmp_path) -
     assert sum(r["held"] for r in ranks) == numel  # one copy between the two ranks
     for r in ranks:
         assert r["equal"] and r["dtensors"]
-        # the (untied) embedding, 3 layers, the output layer, the root (the final norm)
-        assert r["units"] == 1 + 3 + 1 + 1
+        # the (untied) embedding, 3 layers with their fc1 and fc2, the output layer, the root
+        assert r["units"] == 1 + 3 * 3 + 1 + 1
         assert r["norm"] == pytest.approx(r["expected_norm"], rel=1e-5)
-        assert r["reductions"] == [0, 6]  # one per unit, after the last micro-batch only
+        assert r["reductions"] == [0, 12]  # one per unit, after the last micro-batch only
 
 
 def test_units_are_the_embedding_the_layers_and_the_output_layer() -> None:

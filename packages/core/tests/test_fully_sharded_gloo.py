@@ -3,10 +3,10 @@
 This file is also the rank worker (`python test_fully_sharded_gloo.py OUT`). Each rank
 checks the broadcast all-gather and the all-reduce reduce-scatter against gloo's own
 collectives, then trains GPT-2 under ZeRO-3 for three steps, against the model trained
-whole in one process: untied, reporting which collectives its units use and whether the
+whole in one process: untied, reporting which collectives its units use, whether the
 embedding's gathered weight lives in the all-gather's output (held once, not copied out
-of it); tied, with the weight sharded by vocabulary rows outside every unit
-(`mg.core.parallel.vocab_shards`).
+of it) and whether a pending all-gather keeps a copy of this rank's part; tied, with the
+weight sharded by vocabulary rows outside every unit (`mg.core.parallel.vocab_shards`).
 """
 
 from __future__ import annotations
@@ -109,15 +109,25 @@ def _worker(out: str) -> None:
         outputs.append(buffer.untyped_storage()._cdata)  # the storage, not its memory
         return buffer
 
-    BroadcastAllGather.allocate = recorded
+    call = BroadcastAllGather.__call__
+    copies: list[bool] = []  # whether a pending all-gather keeps a copy of its own part
+
+    def called(self, *args, **kwargs):
+        work = call(self, *args, **kwargs)
+        copies.append(work._own is not None)
+        return work
+
+    BroadcastAllGather.allocate, BroadcastAllGather.__call__ = recorded, called
     weights: list[int] = []  # where the gathered embedding weight lives (FSDP2's
     model.embedding.register_forward_pre_hook(  # pre-forward hook, which gathers it, ran)
         lambda module, _: weights.append(module.word_embeddings.weight.untyped_storage()._cdata)
     )
     losses = _train(model, [short] * 3)
-    BroadcastAllGather.allocate = allocate
+    BroadcastAllGather.allocate, BroadcastAllGather.__call__ = allocate, call
     result.update(
         units=len(units),
+        copies_kept=any(copies),
+        gathers=len(copies),
         broadcast=all(isinstance(g, BroadcastAllGather) for g in gathers),
         gathered_in_place=weights[-1] in outputs,
         losses=losses,
@@ -145,13 +155,16 @@ def test_in_place_collectives_and_vocabulary_shards_match_one_process(tmp_path) 
     for rank, result in enumerate(json.loads(out.read_text())):
         assert result["all_gather"]
         assert all(v for k, v in result.items() if k.startswith("reduce_scatter"))
-        # the embedding, its positions, 2 layers, the output layer, the root
-        assert result["units"] == 2 + 2 + 1 + 1
+        # the embedding, its positions, 2 layers with their fc1 and fc2, the output, the root
+        assert result["units"] == 2 + 2 * 3 + 1 + 1
         assert result["broadcast"]
+        # re-read from the shards at the wait, not copied while pending
+        assert result["gathers"] > 0 and not result["copies_kept"]
         assert result["gathered_in_place"]
         assert result["losses"] == pytest.approx(result["expected"], rel=1e-5)
-        # tied: positions, 2 layers, the root; the weight's 101 rows as torch.chunk splits
-        assert result["tied_units"] == 1 + 2 + 1
+        # tied: positions, 2 layers with their fc1 and fc2, the root; the weight's 101 rows
+        # as torch.chunk splits
+        assert result["tied_units"] == 1 + 2 * 3 + 1
         assert result["tied_rows"] == [34, 34, 33][rank]
         assert result["tied_losses"] == pytest.approx(result["tied_expected"], rel=1e-5)
 

@@ -3,9 +3,10 @@
 Megatron's `--use-megatron-fsdp` and `--use-torch-fsdp2` both land here: one
 implementation, PyTorch's own, not a hand-written sharder. `apply_fully_shard`
 makes one FSDP unit of each transformer layer (the children of every `layers`
-list: GPT, BERT and T5 stacks, Mamba hybrids, MoE layers), one of the embedding
-(and one of its learned positions, if any), one of the output layer, and the root
-unit (the final norm, what is left).
+list: GPT, BERT and T5 stacks, Mamba hybrids, MoE layers), with its MLP's linear
+layers units inside it (`mlp_units`), one of the embedding (and one of its learned
+positions, if any), one of the output layer, and the root unit (the final norm,
+what is left).
 
 FSDP gathers a unit around its module's calls only, and the output head reads
 its weight as a tensor (`output_weight()`). So the head's use of the weight is
@@ -72,8 +73,11 @@ On gloo (CPU) every unit all-gathers and reduce-scatters in place
 (`fully_sharded_gloo`): gloo's own collectives copy a unit's worth beside FSDP2's
 buffers, and a one-parameter unit gathers into its parameter's storage.
 
-Gradient accumulation: `no_gradient_sync` around every micro-batch's backward but
-the last; each unit's gradients are then reduced once, as its last backward ends.
+Gradient accumulation: under `optim_grads` and `optim_grads_params` each
+micro-batch's gradients are reduce-scattered into the shards
+(`FullyShardedOptimizer.reduce_every_micro_batch`); under `no_shard` and `optim`,
+`no_gradient_sync` around every micro-batch's backward but the last, and each unit's
+gradients are reduced once, as its last backward ends.
 
 Expert parallelism: a rank's routed experts (`is_expert_parameter`) differ across
 its expert-parallel group, so each MoE layer's experts are a unit of their own,
@@ -178,6 +182,33 @@ def units(model: nn.Module) -> list[nn.Module]:
     if output is not None and output is not embedding:
         found.append(output)
     return found
+
+
+def mlp_units(layers: Iterable[nn.Module]) -> dict[nn.Module, list[nn.Module]]:
+    """The units inside each layer's unit, in forward order: its MLP's linear layers (the
+    MLP's children that hold parameters: fc1 and fc2 of a dense MLP), or the MLP whole
+    where it holds parameters of its own. With them a layer's backward frees each linear
+    layer's gathered weight and reduce-scatters its gradients before the next one's
+    backward: FSDP holds a unit's weights and gradients at once (and, gathering, its
+    all-gather buffer beside its parameters; reducing, its gradients beside the
+    reduce-scatter's input), so the transient peak is twice the largest unit's size,
+    here a third of a dense layer (fc1, fc2, the attention in the layer's unit), not
+    the whole layer. None for an MLP that already holds a unit (expert-parallel
+    experts) or a layer without one (Mamba)."""
+    found: dict[nn.Module, list[nn.Module]] = {}
+    for layer in layers:
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module) or not _holds_parameters(mlp):
+            continue
+        if any(isinstance(m, FSDPModule) for m in mlp.modules()):
+            continue
+        parts = [child for child in mlp.children() if _holds_parameters(child)]
+        found[layer] = parts if parts and not _holds_parameters(mlp, recurse=False) else [mlp]
+    return found
+
+
+def _holds_parameters(module: nn.Module, recurse: bool = True) -> bool:
+    return any(True for _ in module.parameters(recurse=recurse))
 
 
 def shard_vocabulary(
@@ -305,11 +336,14 @@ def apply_fully_shard(
         fully_shard(positions, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         positions.set_unshard_in_backward(False)  # its backward scatters rows only
     # the unit that runs last in the forward has its backward at once: keep it gathered
-    # (the untied output layer, else the last layer; not the tied embedding, which runs
-    # first too, nor the layer before the head's gathered weight)
+    # (the untied output layer, else the last layer's last unit; not the tied embedding,
+    # which runs first too, nor the layer before the head's gathered weight)
     gathered_head = output is embedding and output is not None and vocab is None
-    kept = None if gathered_head else inner[-1] if inner else None
-    for module in inner:
+    parts = mlp_units(inner)
+    forward = [unit for module in inner for unit in (module, *parts.get(module, ()))]
+    kept = None if gathered_head else forward[-1] if forward else None
+    nested = [unit for units_of_layer in parts.values() for unit in units_of_layer]
+    for module in [*nested, *inner]:  # units inside a layer's before the layer's own
         keep = module is kept
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard and not keep, mp_policy=policy)
     ignored = {embedding.word_embeddings.weight} if vocab is not None else None
@@ -329,11 +363,19 @@ def apply_fully_shard(
     for name, param in model.named_parameters():  # fully_shard made new parameters
         if name in expert_names:
             param.allreduce = False
-    if options.prefetch and len(inner) > 1:  # --overlap-param-gather: the next unit's
-        for current, following in zip(inner, inner[1:], strict=False):  # all-gather early
+    if options.prefetch and len(forward) > 1:  # --overlap-param-gather: the next unit's
+        for current, following in zip(forward, forward[1:], strict=False):  # all-gather early
             current.set_modules_to_forward_prefetch([following])
-            if not (current is embedding and lookup_only):  # what backward gathers
-                following.set_modules_to_backward_prefetch([current])
+        # backward gathers a layer's unit (its output's gradient comes first), then its
+        # MLP's in reverse; not the embedding where its backward reads no weight
+        backward = [
+            unit
+            for module in reversed(inner)
+            if not (module is embedding and lookup_only)
+            for unit in (module, *reversed(parts.get(module, ())))
+        ]
+        for current, following in zip(backward, backward[1:], strict=False):
+            current.set_modules_to_backward_prefetch([following])
 
 
 @contextlib.contextmanager

@@ -32,13 +32,14 @@ backend keep FSDP2's own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_param_all_gather_inputs
 
 
 def uses_gloo(group: dist.ProcessGroup) -> bool:
@@ -75,20 +76,32 @@ class BroadcastAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work:
-        return _LazyBroadcasts(output_tensor, input_tensor, group)
+        refill = _shard_refill(self._module, input_tensor)
+        return _LazyBroadcasts(output_tensor, input_tensor, group, refill)
+
+
+Refill = Callable[[torch.Tensor], None]
 
 
 class _LazyBroadcasts(dist.Work):
     """The all-gather, run when FSDP2 waits for it (before its copy-out). Until then the
-    output holds no memory, only this rank's shard: a prefetch (FSDP2's default one
-    unit ahead in the backward) would otherwise hold a whole unit's output, and its
-    parameters, for an overlap that a synchronous collective cannot have. Every rank
-    waits in the same order (the same program), so the broadcasts match."""
+    output holds no memory: a prefetch (FSDP2's default one unit ahead in the backward)
+    would otherwise hold a whole unit's output, and its parameters, for an overlap that
+    a synchronous collective cannot have. This rank's part is copied again from its
+    shards at the wait (`refill`; they do not change between a unit's all-gather and its
+    use), or, where that cannot be done, kept as a copy meanwhile. Every rank waits in
+    the same order (the same program), so the broadcasts match."""
 
-    def __init__(self, output: torch.Tensor, own: torch.Tensor, group: dist.ProcessGroup):
+    def __init__(
+        self,
+        output: torch.Tensor,
+        own: torch.Tensor,
+        group: dist.ProcessGroup,
+        refill: Refill | None = None,
+    ):
         super().__init__()
-        self._output, self._group = output, group
-        self._own = own.reshape(-1).clone()
+        self._output, self._group, self._refill = output, group, refill
+        self._own = own.reshape(-1).clone() if refill is None else None
         self._bytes = output.untyped_storage().nbytes()
         output.untyped_storage().resize_(0)
 
@@ -98,10 +111,13 @@ class _LazyBroadcasts(dist.Work):
         output, group = self._output, self._group
         output.untyped_storage().resize_(self._bytes)
         chunks = output.view(group.size(), -1)
-        chunks[group.rank()].copy_(self._own)
+        if self._refill is not None:
+            self._refill(chunks[group.rank()])
+        else:
+            chunks[group.rank()].copy_(self._own)
         for rank, chunk in enumerate(chunks):
             dist.broadcast(chunk, group=group, group_src=rank)
-        self._output = self._own = None
+        self._output = self._own = self._refill = None
         return True
 
     def is_completed(self) -> bool:
@@ -155,6 +171,34 @@ def _param_groups(module: nn.Module) -> list:
     if not isinstance(module, FSDPModule):
         return []
     return list(getattr(module._get_fsdp_state(), "_fsdp_param_groups", []))
+
+
+def _shard_refill(module: nn.Module, own: torch.Tensor) -> Refill | None:
+    """A function that copies this rank's all-gather input again from the unit's shards
+    (as FSDP2's copy-in does), where FSDP2 made `own` that way: its parameters cast or
+    copied as they are, no tensor subclass's own pre-all-gather (e.g. float8), no
+    offload; one dtype. None elsewhere."""
+    groups = _param_groups(module)
+    params = groups[0].fsdp_params if len(groups) == 1 else []
+    if not params or any(
+        getattr(p, "offload_to_cpu", True)
+        or hasattr(p._sharded_local_tensor, "fsdp_pre_all_gather")
+        or getattr(p, "padded_sharded_param_size", None) is None
+        for p in params
+    ):
+        return None
+    if sum(p.padded_sharded_param_size.numel() for p in params) != own.numel():
+        return None
+    dtypes = {p.param_dtype or p.orig_dtype for p in params}
+    if dtypes != {own.dtype}:
+        return None
+
+    def refill(chunk: torch.Tensor) -> None:
+        inputs = [t for ts in _get_param_all_gather_inputs(params) for t in ts]
+        with torch.no_grad():
+            torch._foreach_copy_(torch.split(chunk, [t.numel() for t in inputs]), inputs)
+
+    return refill
 
 
 def _parameter_storage(
