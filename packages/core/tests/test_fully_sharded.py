@@ -30,6 +30,7 @@ from mg.core.parallel.fully_sharded import (
     grad_norm_squares,
     no_gradient_sync,
     output_unit,
+    sublayer_units,
     units,
 )
 from mg.core.parallel.fully_sharded_gloo import AllReduceScatter
@@ -109,10 +110,10 @@ def test_meta_model_is_sharded_before_storage_and_equals_one_process(tmp_path) -
     assert sum(r["held"] for r in ranks) == numel  # one copy between the two ranks
     for r in ranks:
         assert r["equal"] and r["dtensors"]
-        # the (untied) embedding, 3 layers with their fc1 and fc2, the output layer, the root
-        assert r["units"] == 1 + 3 * 3 + 1 + 1
+        # the (untied) embedding, 3 layers, the output layer, the root (the final norm)
+        assert r["units"] == 1 + 3 + 1 + 1
         assert r["norm"] == pytest.approx(r["expected_norm"], rel=1e-5)
-        assert r["reductions"] == [0, 12]  # one per unit, after the last micro-batch only
+        assert r["reductions"] == [0, 6]  # one per unit, after the last micro-batch only
 
 
 def test_units_are_the_embedding_the_layers_and_the_output_layer() -> None:
@@ -129,6 +130,20 @@ def test_units_are_the_embedding_the_layers_and_the_output_layer() -> None:
     fused.output_head = OutputModuleHead()  # e.g. a quantized output layer's
     assert output_unit(fused) is None
     assert units(fused) == [fused.embedding, *fused.decoder.layers]
+
+
+def test_a_large_layers_linear_layers_are_units_inside_it() -> None:
+    """Above `min_bytes` of parameters a layer's attention and MLP linear layers become
+    units (in forward order); at or below it the layer stays one unit."""
+    with torch.device("meta"):
+        model = GPTModel(presets.tiny_gpt2(num_layers=2))
+    layers = list(model.decoder.layers)
+    size = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+    assert sublayer_units(layers, min_bytes=size) == {}
+    split = sublayer_units(layers, min_bytes=size - 1)
+    attention, mlp = layers[1].self_attention, layers[1].mlp
+    expected = [attention.linear_qkv, attention.linear_proj, mlp.linear_fc1, mlp.linear_fc2]
+    assert split[layers[1]] == expected and len(split) == 2
 
 
 if __name__ == "__main__":

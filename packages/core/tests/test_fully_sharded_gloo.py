@@ -78,7 +78,7 @@ def _sharded(untied: bool):
         layout=build_parallel_layout(WORLD, dist.get_rank()),
         device=torch.device("cpu"),
         seed=SEED,
-        fully_sharded=FullyShardedOptions("optim_grads_params"),
+        fully_sharded=FullyShardedOptions("optim_grads_params", split_layer_bytes=0),
     )
     torch.manual_seed(SEED)
     with torch.device("meta"):
@@ -155,16 +155,17 @@ def test_in_place_collectives_and_vocabulary_shards_match_one_process(tmp_path) 
     for rank, result in enumerate(json.loads(out.read_text())):
         assert result["all_gather"]
         assert all(v for k, v in result.items() if k.startswith("reduce_scatter"))
-        # the embedding, its positions, 2 layers with their fc1 and fc2, the output, the root
-        assert result["units"] == 2 + 2 * 3 + 1 + 1
+        # the embedding, its positions, 2 layers with their qkv, proj, fc1 and fc2, the
+        # output layer, the root
+        assert result["units"] == 2 + 2 * 5 + 1 + 1
         assert result["broadcast"]
         # re-read from the shards at the wait, not copied while pending
         assert result["gathers"] > 0 and not result["copies_kept"]
         assert result["gathered_in_place"]
         assert result["losses"] == pytest.approx(result["expected"], rel=1e-5)
-        # tied: positions, 2 layers with their fc1 and fc2, the root; the weight's 101 rows
-        # as torch.chunk splits
-        assert result["tied_units"] == 1 + 2 * 3 + 1
+        # tied: positions, 2 layers with their 4 linear layers, the root; the weight's 101
+        # rows as torch.chunk splits
+        assert result["tied_units"] == 1 + 2 * 5 + 1
         assert result["tied_rows"] == [34, 34, 33][rank]
         assert result["tied_losses"] == pytest.approx(result["tied_expected"], rel=1e-5)
 

@@ -15,7 +15,8 @@ The all-gather buffer is what is gathered at the peak, between forward and backw
 (`mg.core.parallel.fully_sharded`): every unit at `no_shard`, `optim` and
 `optim_grads` (each is kept from its forward to its backward), the root unit and
 the largest other unit (the untied embedding, or a layer; two of them when prefetching
-the next one, k = 2) at `optim_grads_params`: an upper bound.
+the next one, k = 2) at `optim_grads_params`: an upper bound (a large layer's linear
+layers are units inside its unit, gathered one at a time).
 """
 
 from __future__ import annotations
