@@ -110,13 +110,12 @@ class _LazyBroadcasts(dist.Work):
             return True
         output, group = self._output, self._group
         output.untyped_storage().resize_(self._bytes)
-        chunks = output.view(group.size(), -1)
+        own = output.view(group.size(), -1)[group.rank()]
         if self._refill is not None:
-            self._refill(chunks[group.rank()])
+            self._refill(own)
         else:
-            chunks[group.rank()].copy_(self._own)
-        for rank, chunk in enumerate(chunks):
-            dist.broadcast(chunk, group=group, group_src=rank)
+            own.copy_(self._own)
+        broadcast_all_gather(output, group)
         self._output = self._own = self._refill = None
         return True
 
@@ -144,14 +143,29 @@ class AllReduceScatter(ReduceScatter):
         if not (average or op == dist.ReduceOp.SUM):
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return None
-        dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM, group=group)
-        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        all_reduce_scatter(output_tensor, input_tensor, group)
         if average:
             output_tensor.div_(group.size())
         # done with it: FSDP2 keeps the input alive until the next unit's reduction, for an
         # asynchronous collective still reading it; this one is not, so let it hold nothing
         input_tensor.untyped_storage().resize_(0)
         return None
+
+
+def broadcast_all_gather(output: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """All-gather in place: `output` holds this rank's part at its place (rank-major,
+    equal parts); each rank's part is broadcast into the others'."""
+    for rank, chunk in enumerate(output.view(group.size(), -1)):
+        dist.broadcast(chunk, group=group, group_src=rank)
+
+
+def all_reduce_scatter(
+    output: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup
+) -> None:
+    """Reduce-scatter (sum) as an all-reduce of `stacked` in place (it is overwritten) and
+    a copy of this rank's part into `output`."""
+    dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=group)
+    output.copy_(stacked.view(group.size(), -1)[group.rank()].view_as(output))
 
 
 def use_in_place_collectives(modules: Iterable[nn.Module]) -> None:

@@ -27,8 +27,10 @@ loss is untouched. The weight's gradient comes out reduced over the group: divid
 its size, as FSDP2 averages the gradients it reduces.
 
 Collectives only (all-gather, reduce-scatter, all-to-all of equal splits), each rank
-calling them in the same order: NCCL's contract, and gloo's. Every rank's micro-batch
-has the same shape, as in training: checked, since a mismatch would hang a collective.
+calling them in the same order: NCCL's contract, and gloo's. On gloo the all-gathers
+and reduce-scatters run in place, as FSDP's units' do there (`fully_sharded_gloo`).
+Every rank's micro-batch has the same shape, as in training: checked, since a mismatch
+would hang a collective.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+
+from mg.core.parallel.fully_sharded_gloo import (
+    all_reduce_scatter,
+    broadcast_all_gather,
+    uses_gloo,
+)
 
 
 class VocabShards:
@@ -53,6 +61,9 @@ class VocabShards:
         self.start = min(rows * self.rank, vocab)
         self.vocab = vocab
         self.dtype = dtype
+        self.in_place = uses_gloo(group)
+        """gloo: all-gathers as broadcasts, reduce-scatters as an all-reduce in place
+        (`fully_sharded_gloo`: gloo's own copy the whole tensor and are slower)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ranks={self.size}, vocab={self.vocab})"
@@ -72,13 +83,21 @@ class VocabShards:
     def gather(self, tensor: Tensor) -> Tensor:
         """Every rank's `tensor` (same shape), stacked on a new first dim."""
         out = tensor.new_empty(self.size * tensor.numel())
-        dist.all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=self.group)
+        if self.in_place:
+            out.view(self.size, -1)[self.rank].copy_(tensor.reshape(-1))
+            broadcast_all_gather(out, self.group)
+        else:
+            dist.all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=self.group)
         return out.view(self.size, *tensor.shape)
 
     def scatter_sum(self, stacked: Tensor) -> Tensor:
-        """The sum over ranks of `stacked` (one slice per rank), this rank's slice."""
+        """The sum over ranks of `stacked` (one slice per rank), this rank's slice; on gloo
+        `stacked` (a temporary at every call) is summed in place."""
         out = stacked.new_empty(stacked[0].numel())
-        dist.reduce_scatter_tensor(out, stacked.reshape(-1).contiguous(), group=self.group)
+        if self.in_place:
+            all_reduce_scatter(out, stacked.contiguous(), self.group)
+        else:
+            dist.reduce_scatter_tensor(out, stacked.reshape(-1).contiguous(), group=self.group)
         return out.view(stacked.shape[1:])
 
     def exchange(self, parts: Tensor) -> Tensor:
