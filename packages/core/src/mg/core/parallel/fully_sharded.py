@@ -319,7 +319,7 @@ def expert_units(model: nn.Module) -> list[nn.Module]:
         module
         for name, module in model.named_modules()
         if name.rsplit(".", 1)[-1] == "experts"
-        and any(True for _ in module.parameters())
+        and _holds_parameters(module)
         and all(is_expert_parameter(p) for p in module.parameters())
     ]
 
