@@ -114,6 +114,7 @@ from mg.core.models.tied_gradient import TiedGradient
 from mg.core.parallel.collective_device import collective_device
 from mg.core.parallel.expert_parallel import is_expert_parameter
 from mg.core.parallel.fully_sharded_gloo import use_in_place_collectives
+from mg.core.parallel.grad_norm import global_sum, squares_in_dtype
 from mg.core.parallel.vocab_shards import VocabShards
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -411,27 +412,8 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 def grad_norm_squares(grads: Iterable[Tensor]) -> Tensor:
     """The sum of squares of all gradients as if unsharded (float64, the same on every
-    rank; each tensor's norm in its own dtype, as torch's `clip_grad_norm_`, without a
-    float64 copy of it): each DTensor's local squares are summed over the mesh dims it
-    is sharded on, one collective per (mesh, dims); replicated dims count once."""
-    total = torch.zeros((), dtype=torch.float64)
-    sharded: dict[tuple[int, tuple[int, ...]], tuple[DeviceMesh, Tensor]] = {}
-    for grad in grads:
-        if not isinstance(grad, DTensor):
-            total += (torch.linalg.vector_norm(grad).double() ** 2).cpu()
-            continue
-        if any(p.is_partial() for p in grad.placements):
-            raise ValueError(f"a gradient is still a partial sum ({grad.placements})")
-        square = torch.linalg.vector_norm(grad.to_local()).double() ** 2
-        dims = tuple(i for i, p in enumerate(grad.placements) if not p.is_replicate())
-        key = (id(grad.device_mesh), dims)
-        mesh, sum_ = sharded.get(key, (grad.device_mesh, torch.zeros_like(square)))
-        sharded[key] = (mesh, sum_ + square)
-    for (_, dims), (mesh, sum_) in sharded.items():
-        for dim in dims:
-            dist.all_reduce(sum_, group=mesh.get_group(dim))
-        total += sum_.cpu()
-    return total
+    rank; each tensor's norm in its own dtype): `grad_norm.global_sum`."""
+    return torch.tensor(global_sum(grads, squares_in_dtype), dtype=torch.float64)
 
 
 @torch.no_grad()

@@ -29,6 +29,12 @@ def squares(tensor: Tensor) -> Tensor:
     return torch.linalg.vector_norm(tensor.double()) ** 2
 
 
+def squares_in_dtype(tensor: Tensor) -> Tensor:
+    """The sum of squares with the norm taken in the tensor's own dtype (as torch's
+    `clip_grad_norm_`), without a float64 copy of the tensor; the result in float64."""
+    return torch.linalg.vector_norm(tensor).double() ** 2
+
+
 def zeros(tensor: Tensor) -> Tensor:
     """The number of zero elements (Megatron's `numel - count_nonzero`)."""
     return (tensor.numel() - torch.count_nonzero(tensor)).double()
