@@ -20,6 +20,7 @@ from mg.core.models import GPTModel, TransformerConfig
 from mg.core.models.presets import tiny_gpt2
 from mg.core.testing.botchan_training import train_on_botchan
 from mg.core.tokenizers import TokenizerConfig, build_tokenizer
+from mg.generate_server import cpu_isa
 from mg.generate_server.app import ServerSettings, create_app
 from mg.generate_server.engine import GenerationEngine
 from mg.generate_server.loading import LoadedModel, load_for_serving
@@ -27,6 +28,16 @@ from mg.generate_server.megatron_api import Limits
 from mg.generate_server.runner import ModelRunner
 
 SEQ_LENGTH = 64
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each instruction set the vector step (`vector_decode`) is built for, forced through
+    `MG_CPU_ISA`; skipped where this CPU lacks it."""
+    if cpu_isa.ORDER.index(cpu_isa.available()) < cpu_isa.ORDER.index(request.param):
+        pytest.skip(f"this CPU has no {request.param}")
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, request.param)
+    return request.param
 
 
 def gpt2_tokenizer_config() -> TokenizerConfig:

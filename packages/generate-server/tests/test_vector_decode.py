@@ -9,29 +9,14 @@ import pytest
 import torch
 
 from mg.core.models import GPTModel, presets
-from mg.core.models.config import RopeScaling
 from mg.core.testing.paged_steps import (
+    LLAMA_SHAPES,
     assert_logits_do_not_depend_on_the_batch,
     prefill_and_decode,
 )
 from mg.generate_server import cpu_isa
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
-
-ISAS = [
-    pytest.param(isa, marks=pytest.mark.skipif(
-        cpu_isa.ORDER.index(cpu_isa.available()) < cpu_isa.ORDER.index(isa),
-        reason=f"this CPU has no {isa}",
-    ))
-    for isa in ("avx512", "avx2")
-]  # fmt: skip
-
-SHAPES = {
-    "llama": {},
-    "mha-partial-rope": {"num_query_groups": 4, "rotary_percent": 0.5},
-    "sliding-window": {"window_size": (5, 0)},
-    "llama3-scaling": {"rope_scaling": RopeScaling(8.0, 1.0, 4.0, 16)},
-}
 
 
 def _model(**overrides) -> GPTModel:
@@ -49,12 +34,10 @@ def _runner(model: GPTModel, fused: bool, slots: int = 3) -> ModelRunner:
     return runner
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(LLAMA_SHAPES))
 @torch.inference_mode()
-def test_fused_steps_equal_the_op_by_op_runner(isa: str, shape: str, monkeypatch) -> None:
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
-    model = _model(**SHAPES[shape])
+def test_fused_steps_equal_the_op_by_op_runner(isa: str, shape: str) -> None:
+    model = _model(**LLAMA_SHAPES[shape])
     runners = [_runner(model, False), _runner(model, True)]
     assert runners[1].fused_decode.description == f"{isa} fp32"
     steps = [prefill_and_decode(runner) for runner in runners]
@@ -65,23 +48,19 @@ def test_fused_steps_equal_the_op_by_op_runner(isa: str, shape: str, monkeypatch
     torch.testing.assert_close(runners[1].cache.keys, runners[0].cache.keys, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @torch.inference_mode()
-def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(isa: str, monkeypatch) -> None:
+def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(isa: str) -> None:
     """Sequence 0's prompt and decodes, alone and then among 1-8 others at every place in
     the step (others' prompts included): its logits bitwise equal each time."""
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     model = _model()
     assert_logits_do_not_depend_on_the_batch(lambda: _runner(model, True, slots=9))
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_greedy_tokens_equal_the_op_by_op_engines(isa: str, monkeypatch) -> None:
+def test_greedy_tokens_equal_the_op_by_op_engines(isa: str) -> None:
     from mg.generate_server.batch import generate_batch
     from mg.generate_server.engine import GenerationEngine
     from mg.generate_server.sampling import SamplingParams
 
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     model = _model()
     torch.manual_seed(3)
     prompts = [torch.randint(0, 128, (n,)).tolist() for n in (5, 9, 2)]

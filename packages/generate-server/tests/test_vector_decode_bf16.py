@@ -11,36 +11,20 @@ import torch
 from torch import nn
 
 from mg.core.models import GPTModel, presets
-from mg.core.models.config import RopeScaling
 from mg.core.quantization import primitives as P
 from mg.core.quantization.apply import set_submodule
 from mg.core.quantization.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from mg.core.testing.paged_steps import (
+    LLAMA_SHAPES,
     assert_logits_do_not_depend_on_the_batch,
     bf16_rounding_model,
     prefill_and_decode,
 )
-from mg.generate_server import cpu_isa
 from mg.generate_server.amx_matmul import amx_matmul
 from mg.generate_server.fused_decode import FusedDecode
 from mg.generate_server.packed_linears import pack_linears, packing_available
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
-
-ISAS = [
-    pytest.param(isa, marks=pytest.mark.skipif(
-        cpu_isa.ORDER.index(cpu_isa.available()) < cpu_isa.ORDER.index(isa),
-        reason=f"this CPU has no {isa}",
-    ))
-    for isa in ("avx512", "avx2")
-]  # fmt: skip
-
-SHAPES = {
-    "llama": {},
-    "mha-partial-rope": {"num_query_groups": 4, "rotary_percent": 0.5},
-    "sliding-window": {"window_size": (5, 0)},
-    "llama3-scaling": {"rope_scaling": RopeScaling(8.0, 1.0, 4.0, 16)},
-}
 
 BF16_TOLERANCE = {"atol": 2**-6, "rtol": 2**-6}
 """Both runners round every op's output to bf16 (steps of 2^-8 to 2^-7 of the value), but
@@ -91,62 +75,52 @@ def _close_to_the_op_by_op_runner(model: GPTModel) -> VectorDecode:
     return runners[1].fused_decode
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("shape", sorted(LLAMA_SHAPES))
 @torch.inference_mode()
-def test_bf16_steps_equal_the_op_by_op_bf16_runner(isa: str, shape: str, monkeypatch) -> None:
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
-    step = _close_to_the_op_by_op_runner(_model(**SHAPES[shape]))
+def test_bf16_steps_equal_the_op_by_op_bf16_runner(isa: str, shape: str) -> None:
+    step = _close_to_the_op_by_op_runner(_model(**LLAMA_SHAPES[shape]))
     assert step.description == f"{isa} bf16"
     assert step._vocab == 128  # the bf16 output layer in the step too
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @torch.inference_mode()
-def test_each_op_rounds_where_the_eager_bf16_model_rounds(isa: str, monkeypatch) -> None:
+def test_each_op_rounds_where_the_eager_bf16_model_rounds(isa: str) -> None:
     """One layer with larger weights and norm weights other than 1 (where a rounding missed
     or doubled shows): the decode steps' logits are the eager model's bitwise, nearly all
     (here all; one op's rounding left out, or the norm's rounded twice, leaves a fifth to a
     third). The prompt step differs (the eager prompt attention is SDPA's), and so would
     a second layer's inputs."""
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     model = bf16_rounding_model()
     steps = [prefill_and_decode(_runner(model, fused)) for fused in (False, True)]
     want, got = (torch.cat(logits[1:]) for logits in steps)
     assert (got == want).float().mean() >= 0.5
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @torch.inference_mode()
-def test_quantized_linears_in_a_bf16_model(isa: str, kind: str, monkeypatch) -> None:
+def test_quantized_linears_in_a_bf16_model(isa: str, kind: str) -> None:
     """The kernel makes the eager modules' dequantized values (bf16 scales widened) and
     rounds each output to bf16, as the eager modules' bf16 outputs are."""
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     step = _close_to_the_op_by_op_runner(_model(kind))
     assert step.description == f"{isa} bf16, {kind} weights"
     assert step._vocab == 128
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("quantized", [None, "int4"])
 @torch.inference_mode()
 def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(
-    isa: str, quantized: str | None, monkeypatch
+    isa: str, quantized: str | None
 ) -> None:
     """Sequence 0's prompt and decodes, alone and then among 1-8 others at every place in
     the step (others' prompts included): its logits bitwise equal each time."""
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     model = _model(quantized)
     assert_logits_do_not_depend_on_the_batch(lambda: _runner(model, True, slots=9))
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_the_runner_chooses_it_for_a_bf16_cache_without_amx(isa: str, monkeypatch) -> None:
+def test_the_runner_chooses_it_for_a_bf16_cache_without_amx(isa: str) -> None:
     """With AMX ruled out (`--cpu-isa`, or a CPU without it) a bf16 model's steps are this
     step's; a model whose linears `pack_linears` packed for oneDNN keeps the per-op step,
     and says why."""
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     runner = _runner(_model(), True)
     assert runner.fused_decode.description == f"{isa} bf16"
     if not packing_available():

@@ -33,14 +33,6 @@ from mg.generate_server import cpu_isa
 from mg.generate_server.runner import ModelRunner
 from mg.generate_server.vector_decode import VectorDecode, vector_decode_unsupported
 
-ISAS = [
-    pytest.param(isa, marks=pytest.mark.skipif(
-        cpu_isa.ORDER.index(cpu_isa.available()) < cpu_isa.ORDER.index(isa),
-        reason=f"this CPU has no {isa}",
-    ))
-    for isa in ("avx512", "avx2")
-]  # fmt: skip
-
 RECIPES = {
     # recipe: (the layers' kind, int4 group size, asymmetric, the output layer quantized)
     "int8": ("int8", 0, False, False),
@@ -82,11 +74,9 @@ def _runner(model: GPTModel, fused: bool, slots: int = 3) -> ModelRunner:
     return runner
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 @torch.inference_mode()
-def test_quantized_steps_equal_the_op_by_op_runner(isa: str, recipe: str, monkeypatch) -> None:
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
+def test_quantized_steps_equal_the_op_by_op_runner(isa: str, recipe: str) -> None:
     model = _model(recipe)
     runners = [_runner(model, False), _runner(model, True)]
     kind = RECIPES[recipe][0]
@@ -105,28 +95,22 @@ def test_quantized_steps_equal_the_op_by_op_runner(isa: str, recipe: str, monkey
     torch.testing.assert_close(runners[1].cache.keys, runners[0].cache.keys, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("recipe", ["int8", "int4-g16-asym-output"])
 @torch.inference_mode()
-def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(
-    isa: str, recipe: str, monkeypatch
-) -> None:
+def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(isa: str, recipe: str) -> None:
     """Sequence 0's prompt and decodes, alone and then among 1-8 others at every place in
     the step (others' prompts included): its logits bitwise equal each time."""
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     model = _model(recipe)
     places = ((1, 1), (3, 0), (8, 8))
     assert_logits_do_not_depend_on_the_batch(lambda: _runner(model, True, slots=9), places)
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("recipe", ["int8", "int4-g32"])
-def test_greedy_tokens_equal_the_op_by_op_engines(isa: str, recipe: str, monkeypatch) -> None:
+def test_greedy_tokens_equal_the_op_by_op_engines(isa: str, recipe: str) -> None:
     from mg.generate_server.batch import generate_batch
     from mg.generate_server.engine import GenerationEngine
     from mg.generate_server.sampling import SamplingParams
 
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     model = _model(recipe)
     torch.manual_seed(3)
     prompts = [torch.randint(0, 128, (n,)).tolist() for n in (5, 9, 2)]
@@ -188,10 +172,9 @@ def test_int4_layers_whose_weights_went_to_torchs_kernel_layout() -> None:
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("recipe", ["int8_wo", "int4_wo"])
 def test_mg_quantize_checkpoints_served_take_the_step(
-    isa: str, recipe: str, tmp_path, monkeypatch, caplog
+    isa: str, recipe: str, tmp_path, caplog
 ) -> None:
     """An mg-quantize checkpoint loaded as mg-serve loads it: the step chosen and logged in
     one line, greedy tokens those of the op-by-op engine."""
@@ -203,7 +186,6 @@ def test_mg_quantize_checkpoints_served_take_the_step(
     from mg.generate_server.loading import load_for_serving
     from mg.generate_server.sampling import SamplingParams
 
-    monkeypatch.setenv(cpu_isa.ENVIRONMENT, isa)
     source = save_decisive_model(tmp_path, name="float", ffn_hidden_size=128)
     extra = ["--group-size", "32"] if recipe == "int4_wo" else []
     save = tmp_path / recipe

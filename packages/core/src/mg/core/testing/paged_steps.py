@@ -10,11 +10,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from mg.core.models.config import RopeScaling
 from mg.core.models.paged_kv_cache import PagedSegment
 
 PROMPT_LENGTHS = (7, 2, 11)
 TABLES = [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
 """`prefill_and_decode`'s three sequences: prompt lengths and block tables (blocks of 4)."""
+
+LLAMA_SHAPES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mha-partial-rope": {"num_query_groups": 4, "rotary_percent": 0.5},
+    "sliding-window": {"window_size": (5, 0)},
+    "llama3-scaling": {"rope_scaling": RopeScaling(8.0, 1.0, 4.0, 16)},
+}
+"""`presets.tiny_llama` overrides a fused step must serve as the eager model does: grouped
+and full multi-head attention, partial RoPE, a sliding window, Llama 3's RoPE scaling."""
 
 
 def prefill_and_decode(runner: Any, steps: int = 4, vocab: int = 128) -> list[torch.Tensor]:
