@@ -16,7 +16,12 @@ lines: GPT2BPETokenizer 2.1-2.2 s classic (tiktoken) vs 1.7-1.8 s gigatoken,
 1.7-2.5 s. Per MB beyond a worker's start-up: GPT-2 about 0.08 vs 0.02 s,
 and 4-7x faster on text whose words it had never seen (the corpus with its
 letters rotated); a worker's start-up costs gigatoken about 0.8 s more, so on
-a few MB per worker the classic path is the cheaper one. Peak RSS: 195 vs
+a few MB per worker the classic path is the cheaper one: `auto` takes it below
+`AUTO_MIN_BYTES_PER_WORKER` of known (uncompressed) input a worker. Measured
+end to end with `bench/bench_prep.py --workers 2` on a quiet machine, gigatoken
+against classic: GPT-2 1 MiB 2.8 vs 1.2 s, 4 MiB 2.8 vs 1.4 s, 8 MiB 2.9 vs
+2.9 s, 64 MiB 3.6 vs 4.9 s; SentencePiece 2 MiB 2.2 vs 1.1 s, 8 MiB 2.6 vs
+2.7 s. Peak RSS: 195 vs
 100 MB for GPT-2, 160 vs 73 MB for SentencePiece (gigatoken's word cache;
 bounded, see encoder.GIGATOKEN_REFRESH_CHARS).
 
@@ -48,6 +53,9 @@ from mg.core.tokenizers import TokenizerConfig
 BACKENDS = ("auto", "gigatoken", "classic")
 SUPPORTED = ("GPT2BPETokenizer", "GPTSentencePieceTokenizer")
 AUTO = SUPPORTED  # where `auto` picks gigatoken: where it was measured faster (see above)
+AUTO_MIN_BYTES_PER_WORKER = 4 << 20
+"""Below this much input a worker, `auto` takes the classic path: gigatoken's start-up costs
+more than it saves (both took the same time at 8 MiB on 2 workers; see above)."""
 
 # A batch of sentences to their token ids back to back (one array) and each one's
 # number of ids (int64), in order.
@@ -62,9 +70,16 @@ def installed() -> bool:
     return importlib.util.find_spec("gigatoken") is not None
 
 
-def resolve_backend(choice: str, tokenizer_type: str) -> str:
-    """The backend that runs (`gigatoken` or `classic`) for --tokenizer-backend `choice`."""
+def resolve_backend(
+    choice: str, tokenizer_type: str, input_bytes: int | None = None, workers: int = 1
+) -> str:
+    """The backend that runs (`gigatoken` or `classic`) for --tokenizer-backend `choice`;
+    `input_bytes`: the text to encode where known (`auto` keeps the classic path for less
+    than `AUTO_MIN_BYTES_PER_WORKER` a worker)."""
     if choice == "classic":
+        return "classic"
+    small = input_bytes is not None and input_bytes < AUTO_MIN_BYTES_PER_WORKER * max(workers, 1)
+    if choice == "auto" and small:
         return "classic"
     if tokenizer_type not in SUPPORTED:
         if choice == "gigatoken":

@@ -161,8 +161,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer_type.lower().startswith("bert") and not args.split_sentences:
         warn("a BERT tokenizer without --split-sentences: each document is one sequence")
     dtype = best_dtype(tokenizer.vocab_size)
+    total = sum(s.size for s in sources) if all(s.compression == "none" for s in sources) else None
     try:
-        backend = resolve_backend(args.tokenizer_backend, args.tokenizer_type)
+        backend = resolve_backend(args.tokenizer_backend, args.tokenizer_type, total, args.workers)
     except BackendError as err:
         raise UserError(str(err)) from err
     segments = [Segment(source) for source in sources]
@@ -176,7 +177,6 @@ def run(args: argparse.Namespace) -> int:
     )
     created = missing_folders(os.path.dirname(os.path.abspath(args.output_prefix)))
     _make_output_folder(args.output_prefix)
-    total = sum(s.size for s in sources) if all(s.compression == "none" for s in sources) else None
     info(
         f"mg-prep tokenize: {len(sources)} input file(s), {args.tokenizer_type} "
         f"(vocab {tokenizer.vocab_size:,}, {dtype.name}"

@@ -137,8 +137,8 @@ def add_tokenize_arguments(parser: argparse.ArgumentParser, input_output: bool =
         default="auto",
         help="what encodes the text: gigatoken (Rust BPE, when installed; GPT2BPETokenizer "
         "and GPTSentencePieceTokenizer), classic (mg.core's tokenizers), or auto (default: "
-        "gigatoken where it is installed and supports the type: measured faster); the output "
-        "is the same bytes",
+        "gigatoken where it is installed and supports the type, on 4 MiB of input a worker or "
+        "more: measured faster); the output is the same bytes",
     )
     group.add_argument(
         "--log-interval",
