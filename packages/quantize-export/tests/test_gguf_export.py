@@ -88,6 +88,13 @@ def test_llama_gguf_equals_mg_dequantized(recipe, extra, kind, rtol, trained_lla
         else:
             assert torch.allclose(got, expected, rtol=rtol, atol=1e-6), name
     assert tensors["output.weight"].shape == (config.vocab_size, 64)
+    # the embedding and the float output layer: Q8_0 in a Q8_0 file, as llama.cpp's converter
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    table = "Q8_0" if kind == "Q8_0" else "F16"
+    assert kinds["token_embd.weight"] == table and kinds["output.weight"] == table
+    embedding = model.embedding.word_embeddings.weight.detach().float()
+    got = torch.from_numpy(tensors["token_embd.weight"].copy())
+    assert float((got - embedding).norm() / embedding.norm()) < (1e-2 if kind == "Q8_0" else 1e-3)
 
 
 @pytest.mark.slow

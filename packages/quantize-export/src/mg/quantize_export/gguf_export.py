@@ -6,8 +6,9 @@ Q5_K / Q6_K super-blocks (or F16 / BF16 / F32), norms in F32, embeddings in F16 
 with the value projection (``attn_v``, or GPT-2's fused ``attn_qkv``) and ``ffn_down`` in
 Q6_K in the layers where llama.cpp spends more bits (the first and last eighth and every
 third layer between), and a quantized output layer in Q6_K. ``Q4_K`` and ``Q5_K`` alone
-are the "S" files: every linear in one type. The token embedding stays F16 in every
-quantized type.
+are the "S" files: every linear in one type. In a Q8_0 file the token embedding and a
+float output layer are Q8_0 too, as llama.cpp's converter writes them
+(``convert_hf_to_gguf.py --outtype q8_0``); in the other quantized types they stay F16.
 
 mg's own blocks are carried over exactly where the formats coincide: ``int8_wo`` is
 Q8_0 with every block of a row scaled by the row's scale; symmetric int4 (any group
@@ -93,6 +94,14 @@ def norm_gamma(norm: nn.Module) -> Tensor:
     (--apply-layernorm-1p), which llama.cpp's norms do not know."""
     weight = norm.weight.detach()
     return weight + 1 if isinstance(norm, (LayerNorm1P, RMSNorm1P)) else weight
+
+
+def _encode_table(t: Tensor, gguf_type: str) -> tuple[str, np.ndarray]:
+    """The token embedding or a float output layer [rows, hidden]: Q8_0 where asked for and
+    the rows are whole blocks of 32, else `gguf_type`'s float encoding."""
+    if gguf_type == "Q8_0" and t.shape[1] % 32 == 0:
+        return "Q8_0", QUANTIZERS["Q8_0"](t.detach().float()).numpy()
+    return _encode_float(t, "F16" if gguf_type == "Q8_0" else gguf_type)
 
 
 def _encode_float(t: Tensor, gguf_type: str) -> tuple[str, np.ndarray]:
@@ -234,6 +243,7 @@ def write_gguf(
 
     tensor_types: dict[str, str] = {}
     float_type = gguf_type if gguf_type in ("BF16", "F32") else "F16"
+    table_type = "Q8_0" if gguf_type == "Q8_0" else float_type  # the embedding, a float output
     base_type = K_MIXES.get(gguf_type, gguf_type)
 
     def sensitive_type(layer: int) -> str:
@@ -260,7 +270,7 @@ def write_gguf(
             put(f"{prefix}.bias", *_encode_float(b, "F32"))
 
     embedding = model.embedding.word_embeddings.weight
-    put("token_embd.weight", *_encode_float(embedding, float_type))
+    put("token_embd.weight", *_encode_table(embedding, table_type))
     if model.embedding.position_embeddings is not None:
         put(
             "position_embd.weight",
@@ -293,11 +303,11 @@ def write_gguf(
     norm("output_norm", model.decoder.final_layernorm)
     output = model.output_layer if model.output_layer is not None else None
     if output is None:  # tied: llama.cpp's gpt2 converter writes the copy as output.weight
-        put("output.weight", *_encode_float(embedding, float_type))
+        put("output.weight", *_encode_table(embedding, table_type))
     elif isinstance(output, QuantizedLinear):  # a _M mix writes it in Q6_K, as llama.cpp
         put("output.weight", *_encode_linear(output, "Q6_K" if gguf_type in K_MIXES else gguf_type))
     else:
-        put("output.weight", *_encode_float(output.weight, float_type))
+        put("output.weight", *_encode_table(output.weight, table_type))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
