@@ -12,6 +12,10 @@ on several GPUs), in these runs:
 
     bf16            --bf16 (PyTorch SDPA, flash kernel where it applies)
     bf16 + compile  --bf16 --torch-compile (inductor fuses each layer's elementwise ops)
+    bf16 + FSDP2    --bf16 --use-torch-fsdp2 --data-parallel-sharding-strategy
+                    optim_grads_params (ZeRO-3 on torch's fully_shard, a unit a layer),
+                    --untie-embeddings-and-output-weights as Megatron requires with FSDP2
+                    (the same FLOPs a step; 103M more parameters)
     fp8 + compile   --bf16 --torch-compile, FP8 through torchao (--transformer-impl local
                     --fp8-format hybrid --fp8-recipe tensorwise), as torchtitan runs it
     TE bf16         --bf16 --transformer-impl transformer_engine      (TE installed)
@@ -92,6 +96,13 @@ COMMON = ["--cross-entropy-loss-fusion"]
 VARIANTS: dict[str, list[str]] = {
     "bf16": ["--bf16"],
     "bf16 + compile": ["--bf16", "--torch-compile"],
+    "bf16 + FSDP2": [
+        "--bf16",
+        "--use-torch-fsdp2",
+        "--data-parallel-sharding-strategy",
+        "optim_grads_params",
+        "--untie-embeddings-and-output-weights",
+    ],
     "fp8 + compile": ["--bf16", "--torch-compile", *TORCHAO_FP8],
     "TE bf16": ["--bf16", *TE],
     "TE fp8": ["--bf16", *TE, *FP8],

@@ -1,6 +1,6 @@
 """`just gpu-check`: every GPU test and the 1.3B benchmark, on one GPU, from a clean checkout.
 
-    python3 bench/gpu_check.py                    # tests, then bf16 / bf16+compile / FP8 runs
+    python3 bench/gpu_check.py                    # tests, then bf16 / +compile / FP8 / FSDP2 runs
     python3 bench/gpu_check.py --wheels DIR       # install missing packages from wheels first
     python3 bench/gpu_check.py --skip-bench       # the tests only
 
@@ -13,8 +13,9 @@ with no package index runs it too. In order, each stage timed:
 1. The GPU tests: `tests/gpu` (attention backends, bf16 and FP8 training numerics,
    CUDA-graph and quantized serving, Mamba's torch path) and the CUDA cases of the
    package suites named in `CUDA_TESTS`; pytest's pass/fail/skip counts are kept.
-2. `bench/bench_gpu.py`: Megatron's 1.3B GPT in bf16, bf16 + torch.compile and FP8
-   (torchao, tensorwise, compiled), `--iters` iterations each.
+2. `bench/bench_gpu.py`: Megatron's 1.3B GPT in bf16, bf16 + torch.compile, FP8
+   (torchao, tensorwise, compiled) and bf16 with `--use-torch-fsdp2` (ZeRO-3), `--iters`
+   iterations each.
 3. The results file `bench/results/gpu-<device>.md`: the benchmark's table, then the
    test counts, FP8 against bf16 (tokens/s ratio, largest relative loss difference
    over the run) and every stage or run that could not run, with why.
@@ -43,8 +44,8 @@ CUDA_TESTS = [  # CUDA cases of the package suites (each skips itself elsewhere)
     "packages/core/tests/test_attention_backend.py",
     "packages/trainer/tests/test_fp8_torchao.py",
 ]
-RUNS = ["bf16", "bf16 + compile", "fp8 + compile"]
-FP8_RUN, BF16_RUN = "fp8 + compile", "bf16"
+RUNS = ["bf16", "bf16 + compile", "fp8 + compile", "bf16 + FSDP2"]
+FP8_RUN, BF16_RUN, FSDP_RUN = "fp8 + compile", "bf16", "bf16 + FSDP2"
 
 
 def source_path() -> str:
@@ -97,7 +98,8 @@ def run_tests(env: dict[str, str], junit: Path, on_cpu: bool) -> tuple[dict[str,
 
 
 def fp8_comparison(records: dict[str, dict], warmup: int) -> list[str]:
-    """FP8 against bf16: tokens/s ratio and the largest relative loss difference."""
+    """FP8 and compile against bf16: tokens/s ratio and the largest relative loss difference;
+    FSDP2 against bf16: the tokens/s ratio."""
     sys.path.insert(0, str(BENCH.parent))
     import bench_gpu  # the benchmark's own arithmetic
 
@@ -115,6 +117,13 @@ def fp8_comparison(records: dict[str, dict], warmup: int) -> list[str]:
             f"- {name} against {BF16_RUN}: {speed:.2f}x the tokens/s; losses within "
             f"{worst:.2%} of {BF16_RUN}'s over {len(pairs)} iterations (largest relative "
             f"difference; last losses {run['losses'][-1]:.3f} and {ref['losses'][-1]:.3f})"
+        )
+    if base is not None and FSDP_RUN in records:  # untied embeddings: other losses, by design
+        speed = bench_gpu.summary(records[FSDP_RUN], warmup)["tokens_per_s_per_gpu"]
+        speed /= bench_gpu.summary(base, warmup)["tokens_per_s_per_gpu"]
+        lines.append(
+            f"- {FSDP_RUN} (ZeRO-3, untied embeddings) against {BF16_RUN}: "
+            f"{speed:.2f}x the tokens/s"
         )
     return lines
 

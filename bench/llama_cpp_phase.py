@@ -86,8 +86,9 @@ def prepare(kind: str, folder: Path, ckpt: Path) -> Pair:
 
 def measure(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int) -> dict:
     """llama.cpp on `prompts`, one after another, in a fresh process. Should it crash
-    (SIGSEGV: llama.cpp's AMX matmul does on this model's Q8_0 prompts on an AMX CPU), once
-    more with its extra weight buffers (AMX, repacked weights) off, and a note saying so."""
+    (SIGSEGV or SIGILL: llama.cpp's AMX matmul does on this model's Q8_0 prompts on an AMX
+    CPU), once more with its extra weight buffers (AMX, repacked weights) off, and a note
+    saying so."""
     prompts_file = gguf.with_suffix(".prompts.json")
     prompts_file.write_text(json.dumps(prompts))
     command = [sys.executable, __file__, str(gguf), str(prompts_file), str(new_tokens)]
@@ -95,8 +96,9 @@ def measure(gguf: Path, prompts: list[list[int]], new_tokens: int, threads: int)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     child = subprocess.run(command, capture_output=True, text=True, env=env)
     note = None
-    if child.returncode == -signal.SIGSEGV:
-        note = "default buffers crashed (SIGSEGV); use_extra_bufts off (no AMX/repacked weights)"
+    if child.returncode in (-signal.SIGSEGV, -signal.SIGILL):
+        crash = signal.Signals(-child.returncode).name
+        note = f"default buffers crashed ({crash}); use_extra_bufts off (no AMX/repacked weights)"
         child = subprocess.run(
             [*command, NO_EXTRA_BUFFERS], capture_output=True, text=True, env=env
         )

@@ -74,12 +74,14 @@ def test_cpu_smoke_run_reports_megatrons_mfu(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_runs_go_through_torchrun(tmp_path) -> None:
-    """The launch path of the GPU runs (torchrun, one worker writing the record), on CPU."""
+    """The launch path of the GPU runs (torchrun, one worker writing the record), on CPU,
+    with the FSDP2 run's flags (the others' are tested by the trainer's own tests)."""
     bench = _bench()
-    argv = bench.train_argv(bench.SHAPE_SMOKE, 2, 2, 2, [])
+    argv = bench.train_argv(bench.SHAPE_SMOKE, 2, 2, 2, bench.VARIANTS["bf16 + FSDP2"])
     record = bench.launch(argv, 1, tmp_path)
     assert record["world_size"] == 1 and len(record["seconds"]) == 2
     assert record["config"]["num_layers"] == 2
+    assert record["config"]["untie_embeddings_and_output_weights"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
