@@ -277,6 +277,21 @@ def report(
         "CPU's FP32 estimate), median over the iterations after the first "
         f"{warmup}. `torch` {torch_version()}.",
         "",
+        *table(records, errors, warmup),
+        "",
+        "Per iteration (MFU):",
+        "",
+    ]
+    for name, record in records.items():
+        mfus = " ".join(f"{r['mfu']:.1%}" for r in per_iteration(record))
+        losses = " ".join(f"{x:.3f}" for x in record["losses"])
+        lines += [f"- {name}: {mfus}", f"  - lm loss: {losses}"]
+    return "\n".join(lines) + "\n"
+
+
+def table(records: dict[str, dict[str, Any]], errors: dict[str, str], warmup: int) -> list[str]:
+    """The runs' table (medians after `warmup` iterations), a failed run's error in its row."""
+    lines = [
         "| run | GPUs | MBS | GBS | s/iter | tokens/s/GPU | TFLOP/s/GPU | MFU | max mem GiB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -296,12 +311,7 @@ def report(
         )
     for name, error in errors.items():
         lines.append(f"| {name} | failed: {error} | | | | | | | |")
-    lines += ["", "Per iteration (MFU):", ""]
-    for name, record in records.items():
-        mfus = " ".join(f"{r['mfu']:.1%}" for r in per_iteration(record))
-        losses = " ".join(f"{x:.3f}" for x in record["losses"])
-        lines += [f"- {name}: {mfus}", f"  - lm loss: {losses}"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

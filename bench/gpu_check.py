@@ -98,17 +98,23 @@ def run_tests(env: dict[str, str], junit: Path, on_cpu: bool) -> tuple[dict[str,
     return counts, "\n".join([*(lines[-1:] or ["(no summary)"]), *problems, *skips])
 
 
+def _bench_gpu():
+    """bench_gpu.py as a module: the benchmark's own arithmetic and table."""
+    sys.path.insert(0, str(BENCH.parent))
+    import bench_gpu
+
+    return bench_gpu
+
+
 def fsdp_warmup(opts: argparse.Namespace) -> int:
     """Iterations of the shorter FSDP2 run left out of its median."""
     return min(opts.warmup, max(opts.fsdp_iters // 3, 1))
 
 
-def fp8_comparison(records: dict[str, dict], warmup: int, fsdp_warmup: int) -> list[str]:
+def comparisons(records: dict[str, dict], warmup: int, fsdp_warmup: int) -> list[str]:
     """FP8 and compile against bf16: tokens/s ratio and the largest relative loss difference;
     FSDP2 against bf16: the tokens/s ratio."""
-    sys.path.insert(0, str(BENCH.parent))
-    import bench_gpu  # the benchmark's own arithmetic
-
+    bench_gpu = _bench_gpu()
     lines = []
     base = records.get(BF16_RUN)
     for name in (FP8_RUN, "bf16 + compile"):
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--micro-batch-size", str(opts.micro_batch_size), "--records", str(work)]
         command += ["--device", opts.device]
         done = subprocess.run([*command, "--runs", *RUNS], cwd=ROOT, env=env)
-        fsdp = [*command, "--runs", FSDP_RUN]  # its own table, not over the first one's
+        fsdp = [*command, "--runs", FSDP_RUN]  # its report aside, not over the first one's
         for flag, value in [
             ("--iters", opts.fsdp_iters),
             ("--warmup", fsdp_warmup(opts)),
@@ -210,11 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", f"GPU tests: {counts['passed']} passed, {counts['failed']} failed, "]
         lines[-1] += f"{counts['errors']} errors, {counts['skipped']} skipped."
         lines += ["", "```", test_summary, "```"]
-    if (work / "fsdp.md").exists():
-        table = (work / "fsdp.md").read_text().split("\n| run |", 1)[-1].split("\n\n", 1)[0]
+    if FSDP_RUN in records:
         heading = f"{FSDP_RUN}, {opts.fsdp_iters} iterations (median after {fsdp_warmup(opts)}):"
-        lines += ["", heading, "", "| run |" + table]
-    comparison = fp8_comparison(records, opts.warmup, fsdp_warmup(opts))
+        table = _bench_gpu().table({FSDP_RUN: records[FSDP_RUN]}, {}, fsdp_warmup(opts))
+        lines += ["", heading, "", *table]
+    comparison = comparisons(records, opts.warmup, fsdp_warmup(opts))
     if comparison:
         lines += ["", *comparison]
     if not_run:

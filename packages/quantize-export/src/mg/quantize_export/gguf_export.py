@@ -96,12 +96,12 @@ def norm_gamma(norm: nn.Module) -> Tensor:
     return weight + 1 if isinstance(norm, (LayerNorm1P, RMSNorm1P)) else weight
 
 
-def _encode_table(t: Tensor, gguf_type: str) -> tuple[str, np.ndarray]:
-    """The token embedding or a float output layer [rows, hidden]: Q8_0 where asked for and
-    the rows are whole blocks of 32, else `gguf_type`'s float encoding."""
+def _encode_table(t: Tensor, gguf_type: str, float_type: str) -> tuple[str, np.ndarray]:
+    """The token embedding or a float output layer [rows, hidden]: Q8_0 in a Q8_0 file where
+    the rows are whole blocks of 32, else in `float_type`."""
     if gguf_type == "Q8_0" and t.shape[1] % 32 == 0:
         return "Q8_0", QUANTIZERS["Q8_0"](t.detach().float()).numpy()
-    return _encode_float(t, "F16" if gguf_type == "Q8_0" else gguf_type)
+    return _encode_float(t, float_type)
 
 
 def _encode_float(t: Tensor, gguf_type: str) -> tuple[str, np.ndarray]:
@@ -243,7 +243,6 @@ def write_gguf(
 
     tensor_types: dict[str, str] = {}
     float_type = gguf_type if gguf_type in ("BF16", "F32") else "F16"
-    table_type = "Q8_0" if gguf_type == "Q8_0" else float_type  # the embedding, a float output
     base_type = K_MIXES.get(gguf_type, gguf_type)
 
     def sensitive_type(layer: int) -> str:
@@ -270,7 +269,7 @@ def write_gguf(
             put(f"{prefix}.bias", *_encode_float(b, "F32"))
 
     embedding = model.embedding.word_embeddings.weight
-    put("token_embd.weight", *_encode_table(embedding, table_type))
+    put("token_embd.weight", *_encode_table(embedding, gguf_type, float_type))
     if model.embedding.position_embeddings is not None:
         put(
             "position_embd.weight",
@@ -303,11 +302,11 @@ def write_gguf(
     norm("output_norm", model.decoder.final_layernorm)
     output = model.output_layer if model.output_layer is not None else None
     if output is None:  # tied: llama.cpp's gpt2 converter writes the copy as output.weight
-        put("output.weight", *_encode_table(embedding, table_type))
+        put("output.weight", *_encode_table(embedding, gguf_type, float_type))
     elif isinstance(output, QuantizedLinear):  # a _M mix writes it in Q6_K, as llama.cpp
         put("output.weight", *_encode_linear(output, "Q6_K" if gguf_type in K_MIXES else gguf_type))
     else:
-        put("output.weight", *_encode_table(output.weight, table_type))
+        put("output.weight", *_encode_table(output.weight, gguf_type, float_type))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
