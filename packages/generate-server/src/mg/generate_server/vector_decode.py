@@ -261,28 +261,71 @@ static void tail(const float* x, const Matrix& w, float* y, int64_t left, int64_
     block<Row, R>(x, w, y, m, n0, nb, N, K, chunk);
 }
 
+// A block's weight rows already made floats (`widen`): read as they are, from cache.
+struct Widened {
+    const float* row;
+    Widened(const Matrix& w, int64_t n, int64_t K, int64_t) {
+        row = static_cast<const float*>(w.values) + n * K;
+    }
+    fv at(int64_t k) const { return load(row + k); }
+    void prefetch(int64_t) const {}
+};
+
+// Rows n0.. n0 + nb - 1 of `w` made the floats `Row::at` makes (the same values, so the
+// same sums), into `out` [nb, K]: what the rows' inputs then read instead.
+template <typename Row>
+static void widen(const Matrix& w, int64_t n0, int64_t nb, int64_t K, int64_t chunk, float* out) {
+    for (int64_t n = n0; n < n0 + nb; n++)
+        for (int64_t start = 0; start < K; start += chunk) {
+            const Row row(w, n, K, start);
+            for (int64_t k = start; k < start + chunk; k += VL) {
+                row.prefetch(k);
+                const fv v = row.at(k);
+                std::memcpy(out + (n - n0) * K + k, &v, sizeof v);
+            }
+        }
+}
+
+// Every input row past weight rows first..end - 1, MR rows at a time against 4 weight rows.
+template <typename Row>
+static void rows_past(const float* x, const Matrix& w, float* y, int64_t M, int64_t first,
+                      int64_t end, int64_t N, int64_t K, int64_t chunk) {
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR)
+        for (int64_t n0 = first; n0 < end; n0 += 4)
+            block<Row, MR>(x, w, y, m, n0, end - n0 < 4 ? end - n0 : 4, N, K, chunk);
+    if (m < M)
+        for (int64_t n0 = first; n0 < end; n0 += 4)
+            tail<Row, MR - 1>(x, w, y, M - m, m, n0, end - n0 < 4 ? end - n0 : 4, N, K, chunk);
+}
+
 // y[M, N] = x[M, K] @ W[N, K]^T; K a multiple of VL (and of int4's group, itself one of VL).
 // Each y[m][n] is summed in the same order whatever M is and wherever row m falls (each
 // accumulator its own row's and weight row's): VL lanes over K, then the lanes in order.
 // A thread takes NB weight rows at a time and runs every input row past them, MR rows at a
 // time against 4 weight rows: the NB rows stay in its L2 cache while the inputs stream by
 // once (with 4 rows a task, a prompt's inputs were read from memory again every 4 rows).
+// With more than 2 x MR input rows (a prompt), int8 and int4 rows are first made floats
+// once a block, in a buffer of the thread's, rather than once for every MR inputs: int4
+// prompts 1.3-1.7x faster on two cores (bf16's widening, two instructions, gained nothing).
 #define NB 32
 template <typename Row>
 static void linear_of(const float* x, const Matrix& w, float* y, int64_t M, int64_t N,
                       int64_t K) {
     const int64_t chunk = w.kind == INT4 ? w.group : K;
+    const bool widened = (w.kind == INT8 || w.kind == INT4) && M > 2 * MR;
     #pragma omp parallel for schedule(static)
     for (int64_t first = 0; first < N; first += NB) {
         const int64_t end = N - first < NB ? N : first + NB;
-        int64_t m = 0;
-        for (; m + MR <= M; m += MR)
-            for (int64_t n0 = first; n0 < end; n0 += 4)
-                block<Row, MR>(x, w, y, m, n0, end - n0 < 4 ? end - n0 : 4, N, K, chunk);
-        if (m < M)
-            for (int64_t n0 = first; n0 < end; n0 += 4)
-                tail<Row, MR - 1>(x, w, y, M - m, m, n0, end - n0 < 4 ? end - n0 : 4, N, K,
-                                  chunk);
+        if (!widened) {
+            rows_past<Row>(x, w, y, M, first, end, N, K, chunk);
+            continue;
+        }
+        thread_local std::vector<float> floats;
+        if (floats.size() < static_cast<size_t>(NB * K)) floats.resize(NB * K);
+        widen<Row>(w, first, end - first, K, chunk, floats.data());
+        const Matrix block_rows{FP32, floats.data(), nullptr, nullptr, 0};
+        rows_past<Widened>(x, block_rows, y + first, M, 0, end - first, N, K, K);
     }
 }
 
