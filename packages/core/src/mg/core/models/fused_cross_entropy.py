@@ -54,7 +54,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, tokens, chunk):
                 end = min(tokens, start + chunk)
                 target = labels[start:end].unsqueeze(1)
-                if dtype == torch.float32:  # computed where the gradient is kept: no copy
+                in_place = dtype == torch.float32  # computed where the gradient is kept
+                if in_place:
                     logits = torch.mm(h[start:end], w.t(), out=grad_logits[start:end])
                 else:
                     logits = (h[start:end] @ w.t()).float()
@@ -62,12 +63,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     logits[:, real_vocab:] = float("-inf")  # the padding takes no probability
                 picked = logits.gather(1, target)
                 peak = logits.amax(dim=-1, keepdim=True)
-                exps = logits.sub_(peak).exp_()  # in place: four passes over the chunk in all
+                exps = logits.sub_(peak).exp_()  # in place: five passes over the chunk in all
                 total = exps.sum(dim=-1, keepdim=True)
                 loss[start:end] = (peak + total.log() - picked).squeeze(1)
                 probs = exps.div_(total)
                 probs.scatter_add_(1, target, torch.full_like(target, -1, dtype=probs.dtype))
-                if probs.data_ptr() != grad_logits[start:end].data_ptr():
+                if not in_place:
                     grad_logits[start:end] = probs
         ctx.save_for_backward(h, w, grad_logits)
         ctx.dtypes = (hidden.dtype, weight.dtype)
