@@ -73,3 +73,20 @@ def test_gpt_model_with_fusion_matches_unfused() -> None:
 def test_out_of_range_label_is_refused() -> None:
     with pytest.raises(ValueError, match=r"token ids in \[0, 5\)"):
         linear_cross_entropy(torch.zeros(2, 4), torch.zeros(5, 4), torch.tensor([1, 5]))
+
+
+def test_backward_allocates_nothing_of_the_logits_size() -> None:
+    """Backward scales the small operands by the incoming gradient: no op in it allocates a
+    second [tokens, vocab] buffer (the stored gradient is the only one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden_size, vocab = 64, 16, 1000
+    h = torch.randn(tokens, hidden_size, generator=gen).requires_grad_()
+    w = torch.randn(vocab, hidden_size, generator=gen).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    loss = linear_cross_entropy(h, w, labels, chunk_tokens=32)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        (loss * torch.rand(tokens, generator=gen)).sum().backward()
+    largest = max(event.self_cpu_memory_usage for event in prof.key_averages())
+    assert 0 < largest < tokens * vocab * 4 // 2  # the largest: grad_weight, vocab x hidden
