@@ -269,7 +269,8 @@ def write_gguf(
             put(f"{prefix}.bias", *_encode_float(b, "F32"))
 
     embedding = model.embedding.word_embeddings.weight
-    put("token_embd.weight", *_encode_table(embedding, gguf_type, float_type))
+    embedding_table = _encode_table(embedding, gguf_type, float_type)
+    put("token_embd.weight", *embedding_table)
     if model.embedding.position_embeddings is not None:
         put(
             "position_embd.weight",
@@ -302,7 +303,7 @@ def write_gguf(
     norm("output_norm", model.decoder.final_layernorm)
     output = model.output_layer if model.output_layer is not None else None
     if output is None:  # tied: llama.cpp's gpt2 converter writes the copy as output.weight
-        put("output.weight", *_encode_table(embedding, gguf_type, float_type))
+        put("output.weight", *embedding_table)  # (encoded once for both)
     elif isinstance(output, QuantizedLinear):  # a _M mix writes it in Q6_K, as llama.cpp
         put("output.weight", *_encode_linear(output, "Q6_K" if gguf_type in K_MIXES else gguf_type))
     else:
