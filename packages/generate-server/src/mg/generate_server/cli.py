@@ -658,18 +658,19 @@ def _serve_http(
         if drafter is not None:  # a draft model, or the served model's MTP layer
             draft = Path(args.draft_load).name if args.draft_load else "its MTP layer"
             kv_dtype += f", draft {draft} x {drafter.num_tokens} tokens"
-        print(
-            f"mg-serve: {loaded.name} ({layout}, {dtype}{threads}, {max_length} positions, "
-            f"{args.inference_max_requests} sequences, KV cache {runner.num_blocks} blocks x "
-            f"{runner.block_size} = {pool} positions{kv_dtype}) "
-            f"listening on http://{args.host}:{port} "
-            f"[{endpoints}, GET /health, /metrics, /docs]"
-            + (f" after {steps.elapsed():.1f} s of start-up" if steps is not None else ""),
-            flush=True,
-        )
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-        with _stopping_signals_return():
-            uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+        with _stop_on_signals(server):
+            print(
+                f"mg-serve: {loaded.name} ({layout}, {dtype}{threads}, {max_length} positions, "
+                f"{args.inference_max_requests} sequences, KV cache {runner.num_blocks} blocks x "
+                f"{runner.block_size} = {pool} positions{kv_dtype}) "
+                f"listening on http://{args.host}:{port} "
+                f"[{endpoints}, GET /health, /metrics, /docs]"
+                + (f" after {steps.elapsed():.1f} s of start-up" if steps is not None else ""),
+                flush=True,
+            )
+            server.run(sockets=[sock])
     finally:
         if engine is not None:
             engine.shutdown()  # its thread closes the runner (the other ranks stop)
@@ -678,12 +679,20 @@ def _serve_http(
 
 
 @contextlib.contextmanager
-def _stopping_signals_return() -> Iterator[None]:
-    """uvicorn stops gracefully on SIGINT/SIGTERM and then re-raises the signal to the
-    handler that was installed before it; make that handler a no-op, so `run` returns
-    and the engine (and, under torchrun, the other ranks) are shut down, exit status 0."""
+def _stop_on_signals(server) -> Iterator[None]:
+    """SIGINT/SIGTERM stop `server` gracefully from the moment "listening on" is printed.
+
+    uvicorn installs its own handlers only once `run` has started its loop, and when done
+    re-raises the signal to the handler installed before it. Ours asks the server to exit,
+    so a signal that comes before uvicorn's handlers (a slow start) is not lost, and one
+    uvicorn re-raises makes `run` return: the engine (and, under torchrun, the other ranks)
+    is shut down, exit status 0."""
+
+    def stop(*_) -> None:
+        server.should_exit = True
+
     stopping = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stopping}
+    previous = {sig: signal.signal(sig, stop) for sig in stopping}
     try:
         yield
     finally:
