@@ -12,6 +12,7 @@ from mg.core.models import GPTModel, presets
 from mg.core.testing.paged_steps import (
     LLAMA_SHAPES,
     assert_logits_do_not_depend_on_the_batch,
+    assert_prompt_chunks_do_not_change_logits,
     prefill_and_decode,
 )
 from mg.generate_server import cpu_isa
@@ -25,8 +26,8 @@ def _model(**overrides) -> GPTModel:
     return GPTModel(config).eval()
 
 
-def _runner(model: GPTModel, fused: bool, slots: int = 3) -> ModelRunner:
-    runner = ModelRunner(model, num_slots=slots, max_length=32, block_size=4)
+def _runner(model: GPTModel, fused: bool, slots: int = 3, max_length: int = 32) -> ModelRunner:
+    runner = ModelRunner(model, num_slots=slots, max_length=max_length, block_size=4)
     runner.choose_decode_attention()
     if fused:
         assert runner.use_fused_decode() is None
@@ -54,6 +55,14 @@ def test_a_sequences_logits_do_not_depend_on_what_else_is_batched(isa: str) -> N
     the step (others' prompts included): its logits bitwise equal each time."""
     model = _model()
     assert_logits_do_not_depend_on_the_batch(lambda: _runner(model, True, slots=9))
+
+
+@pytest.mark.parametrize("shape", ["llama", "sliding-window"])
+@torch.inference_mode()
+def test_a_long_prompt_in_one_step_equals_it_in_short_steps(isa: str, shape: str) -> None:
+    """60 rows take the GEMM form, 5 rows the dot-product form: the same numbers."""
+    model = _model(**LLAMA_SHAPES[shape])
+    assert_prompt_chunks_do_not_change_logits(lambda: _runner(model, True, 1, max_length=64))
 
 
 def test_greedy_tokens_equal_the_op_by_op_engines(isa: str) -> None:

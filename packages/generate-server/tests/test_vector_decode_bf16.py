@@ -17,6 +17,7 @@ from mg.core.quantization.linear import Int4WeightOnlyLinear, Int8WeightOnlyLine
 from mg.core.testing.paged_steps import (
     LLAMA_SHAPES,
     assert_logits_do_not_depend_on_the_batch,
+    assert_prompt_chunks_do_not_change_logits,
     bf16_rounding_model,
     prefill_and_decode,
 )
@@ -52,8 +53,8 @@ def _model(quantized: str | None = None, **overrides) -> GPTModel:
     return model.to(torch.bfloat16)
 
 
-def _runner(model: GPTModel, fused: bool, slots: int = 3) -> ModelRunner:
-    runner = ModelRunner(model, num_slots=slots, max_length=32, block_size=4)
+def _runner(model: GPTModel, fused: bool, slots: int = 3, max_length: int = 32) -> ModelRunner:
+    runner = ModelRunner(model, num_slots=slots, max_length=max_length, block_size=4)
     runner.choose_decode_attention()
     if fused:
         assert runner.use_fused_decode() is None
@@ -140,3 +141,14 @@ def test_amx_keeps_the_bf16_models_it_packed() -> None:
     runner = ModelRunner(model, num_slots=1, max_length=16)
     assert runner.use_fused_decode() is None and isinstance(runner.fused_decode, FusedDecode)
     assert runner.fused_decode.description == "amx bf16"
+
+
+@pytest.mark.parametrize("quantized", [None, "int8", "int4"])
+@torch.inference_mode()
+def test_a_long_prompt_in_one_step_equals_it_in_short_steps(
+    isa: str, quantized: str | None
+) -> None:
+    """60 rows take the GEMM form (weights made floats once a block), 5 rows the dot-product
+    form: the same numbers."""
+    model = _model(quantized)
+    assert_prompt_chunks_do_not_change_logits(lambda: _runner(model, True, 1, max_length=64))

@@ -27,6 +27,7 @@ from mg.core.testing.paged_steps import (
     PROMPT_LENGTHS,
     TABLES,
     assert_logits_do_not_depend_on_the_batch,
+    assert_prompt_chunks_do_not_change_logits,
     prefill_and_decode,
 )
 from mg.generate_server import cpu_isa
@@ -65,8 +66,8 @@ def _model(recipe: str, **overrides) -> GPTModel:
     return model.eval()
 
 
-def _runner(model: GPTModel, fused: bool, slots: int = 3) -> ModelRunner:
-    runner = ModelRunner(model, num_slots=slots, max_length=32, block_size=4)
+def _runner(model: GPTModel, fused: bool, slots: int = 3, max_length: int = 32) -> ModelRunner:
+    runner = ModelRunner(model, num_slots=slots, max_length=max_length, block_size=4)
     runner.choose_decode_attention()
     if fused:
         assert runner.use_fused_decode() is None
@@ -207,3 +208,12 @@ def test_mg_quantize_checkpoints_served_take_the_step(
         finally:
             engine.shutdown()
     assert tokens[0] == tokens[1] and all(len(t) == 8 for t in tokens[1])
+
+
+@pytest.mark.parametrize("recipe", ["int8", "int4-g16-asym-output"])
+@torch.inference_mode()
+def test_a_long_prompt_in_one_step_equals_it_in_short_steps(isa: str, recipe: str | None) -> None:
+    """60 rows take the GEMM form (weights made floats once a block), 5 rows the dot-product
+    form: the same numbers."""
+    model = _model(recipe)
+    assert_prompt_chunks_do_not_change_logits(lambda: _runner(model, True, 1, max_length=64))

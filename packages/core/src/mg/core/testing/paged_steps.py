@@ -109,3 +109,27 @@ def bf16_rounding_model() -> Any:
         if "layernorm" in name:
             nn.init.normal_(weight, 1.0, 0.3)
     return model.to(torch.bfloat16)
+
+
+def assert_prompt_chunks_do_not_change_logits(
+    make_runner: Callable[[], Any], length: int = 60, chunk: int = 5, vocab: int = 128
+) -> None:
+    """A `length`-token prompt in one step and in steps of `chunk` tokens: every row's logits
+    bitwise equal (a fused step takes the GEMM form for the long step and the dot-product
+    form for the short ones; `make_runner()`: a fresh runner with one slot of `length` + 4
+    positions in blocks of 4)."""
+    torch.manual_seed(4)
+    prompt = torch.randint(0, vocab, (length,)).tolist()
+    table = list(range(-(-length // 4) + 1))
+    rows = list(range(length))
+    whole = make_runner().forward([PagedSegment(0, length, 0, table)], prompt, rows, rows)
+    runner = make_runner()
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        part = runner.forward(
+            [PagedSegment(0, end - start, start, table)],
+            prompt[start:end],
+            rows[start:end],
+            list(range(end - start)),
+        )
+        assert torch.equal(part, whole[start:end]), f"rows {start}-{end - 1}"
