@@ -387,15 +387,20 @@ static void pack_weights(const Matrix& w, int64_t n0, int64_t nb, int64_t K, int
 }
 
 // One tile: packed rows `xp` (rows m0.. m0 + rows - 1 real) against packed weights `wp`.
+// Meanwhile the cache lines [ahead, ahead + 64 lines) are fetched into L2, spread over its
+// iterations (the weights the thread packs next: a step of few rows then waits less on memory).
 static void tile(const float* xp, const float* wp, float* y, int64_t m0, int64_t rows,
-                 int64_t n0, int64_t nb, int64_t N, int64_t K) {
-    const int64_t I = K / VL;
+                 int64_t n0, int64_t nb, int64_t N, int64_t K, const char* ahead, int64_t lines) {
+    const int64_t I = K / VL, each = (lines + VL * I - 1) / (VL * I);
+    const char* const ahead_end = ahead + lines * 64;
     fv part[VL][GR][GV];
     for (int j = 0; j < VL; j++) {
         const float* xj = xp + j * I * GR;
         const float* wj = wp + j * I * GN;
         fv a[GR][GV] = {};
         for (int64_t i = 0; i < I; i++) {
+            for (int64_t p = 0; p < each && ahead < ahead_end; p++, ahead += 64)
+                __builtin_prefetch(ahead, 0, 2);
             fv v[GV];
             for (int g = 0; g < GV; g++) v[g] = load(wj + i * GN + g * VL);
             for (int r = 0; r < GR; r++) {
@@ -439,15 +444,15 @@ static void gemm_rows(const float* x, const Matrix& w, float* y, int64_t M, int6
         if (packed.size() < static_cast<size_t>(GN * K)) packed.resize(GN * K);
         pack_weights<Row>(w, n0, nb, K, chunk, packed.data());
         // the thread's next weight rows (static: its iterations are consecutive) fetched
-        // into L2 a slice a tile, while this block's tiles compute
+        // into L2 while this block's tiles compute, a slice each
         const int64_t next = n0 + GN < N ? n0 + GN : N;
         const int64_t next_bytes = ((N - next < GN ? N - next : GN) * K * ROW_BITS[w.kind]) / 8;
         const char* ahead = static_cast<const char*>(w.values) + next * K * ROW_BITS[w.kind] / 8;
+        const int64_t lines = (next_bytes + 63) / 64;
         for (int64_t t = 0; t < tiles; t++) {
-            for (int64_t b = next_bytes * t / tiles; b < next_bytes * (t + 1) / tiles; b += 64)
-                __builtin_prefetch(ahead + b, 0, 2);
-            tile(rows + t * GR * K, packed.data(), y, t * GR,
-                 M - t * GR < GR ? M - t * GR : GR, n0, nb, N, K);
+            const int64_t first = lines * t / tiles, end = lines * (t + 1) / tiles;
+            tile(rows + t * GR * K, packed.data(), y, t * GR, M - t * GR < GR ? M - t * GR : GR,
+                 n0, nb, N, K, ahead + first * 64, end - first);
         }
     }
 }
@@ -631,11 +636,11 @@ _ARGUMENTS += ["const int64_t*", "int64_t", "int64_t", "float*"]
 _KINDS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 """The kernel's weight kinds (its `Matrix`)."""
 _NO_MATRIX = [-1, 0, 0, 0, 0]
-_BLOCKING = {"avx512": (16, 4, 48), "avx2": (8, 2, 24)}
+_BLOCKING = {"avx512": (16, 4, 32), "avx2": (8, 2, 24)}
 """Per instruction set: the lanes a vector (VL), the input rows `block` takes a time (MR), and
-the rows from which a step's linears take the GEMM form (GEMM_ROWS: where it measured faster
-on two cores, the 135M model's prompts of 12-144 tokens; below, packing the weights costs
-more than it saves)."""
+the rows from which a step's linears take the GEMM form (GEMM_ROWS: where it measured as fast
+or faster on two cores, the 135M model's steps of 12-144 rows in fp32 and bf16; below,
+packing the weights costs more than it saves)."""
 """Per instruction set: lanes a vector, input rows a matmul's inner loop."""
 VECTOR_ISAS = ("avx512", "avx2")
 """The instruction sets this step is built for, best first."""
