@@ -245,7 +245,7 @@ static void block(const float* x, const Matrix& w, float* y, int64_t m, int64_t 
             fv u[R];
             for (int r = 0; r < R; r++) u[r] = load(in[r] + k);
             for (int j = 0; j < 4; j++) {
-                rows[j].prefetch(k);  // a step reads each weight once: from memory, ahead
+                if (m == 0) rows[j].prefetch(k);  // each weight from memory once, ahead
                 const fv v = rows[j].at(k);
                 for (int r = 0; r < R; r++) a[r][j] += u[r] * v;
             }
@@ -292,17 +292,18 @@ static void widen(const Matrix& w, int64_t n0, int64_t nb, int64_t K, int64_t ch
         }
 }
 
-// Every input row past weight rows first..end - 1, MR rows at a time against 4 weight rows.
+// Every input row past weight rows first..end - 1, MR rows at a time against 4 weight rows:
+// each 4 weight rows meet every input row while they are in L1 (the inputs, fewer than
+// GEMM_ROWS rows, stay in L2); the first MR rows' pass reads them from memory.
 template <typename Row>
 static void rows_past(const float* x, const Matrix& w, float* y, int64_t M, int64_t first,
                       int64_t end, int64_t N, int64_t K, int64_t chunk) {
-    int64_t m = 0;
-    for (; m + MR <= M; m += MR)
-        for (int64_t n0 = first; n0 < end; n0 += 4)
-            block<Row, MR>(x, w, y, m, n0, end - n0 < 4 ? end - n0 : 4, N, K, chunk);
-    if (m < M)
-        for (int64_t n0 = first; n0 < end; n0 += 4)
-            tail<Row, MR - 1>(x, w, y, M - m, m, n0, end - n0 < 4 ? end - n0 : 4, N, K, chunk);
+    for (int64_t n0 = first; n0 < end; n0 += 4) {
+        const int64_t nb = end - n0 < 4 ? end - n0 : 4;
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) block<Row, MR>(x, w, y, m, n0, nb, N, K, chunk);
+        if (m < M) tail<Row, MR - 1>(x, w, y, M - m, m, n0, nb, N, K, chunk);
+    }
 }
 
 // The same sums for many rows (a prompt), as a GEMM: a tile of GR input rows against GN
@@ -460,12 +461,10 @@ static void gemm_rows(const float* x, const Matrix& w, float* y, int64_t M, int6
 // y[M, N] = x[M, K] @ W[N, K]^T; K a multiple of VL (and of int4's group, itself one of VL).
 // Each y[m][n] is summed in the same order whatever M is and wherever row m falls (each
 // accumulator its own row's and weight row's): VL lanes over K, then the lanes in order.
-// A thread takes NB weight rows at a time and runs every input row past them, MR rows at a
-// time against 4 weight rows: the NB rows stay in its L2 cache while the inputs stream by
-// once (with 4 rows a task, a prompt's inputs were read from memory again every 4 rows).
-// With more than 2 x MR input rows (a prompt), int8 and int4 rows are first made floats
-// once a block, in a buffer of the thread's, rather than once for every MR inputs: int4
-// prompts 1.3-1.7x faster on two cores (bf16's widening, two instructions, gained nothing).
+// From GEMM_ROWS rows, the GEMM form (`gemm_rows`). Below, a thread takes NB weight rows at
+// a time and runs every input row past them (`rows_past`). With more than 2 x MR input rows,
+// int8 and int4 rows are first made floats once a block, in a buffer of the thread's, rather
+// than once for every MR inputs (bf16's widening, two instructions, gained nothing).
 #define NB 32
 template <typename Row>
 static void linear_of(const float* x, const Matrix& w, float* y, int64_t M, int64_t N,
