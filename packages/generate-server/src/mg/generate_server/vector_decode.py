@@ -534,20 +534,21 @@ static void add_into(float* hidden, const float* x, int64_t count) {
     for (int64_t c = 0; c < count; c++) hidden[c] = act(hidden[c] + x[c]);
 }
 
-// e^x in every lane: Cephes' expf (x = n ln 2 + r, |r| <= ln 2 / 2; e^r a degree-7
-// polynomial; 2^n made in the exponent bits), within 2 ulp of the exact value, x clamped to
-// [-87.3, 88.7] (e^x a normal float). std::exp is a call a value; this is VL a few cycles.
-#if VL == 16
-typedef __m512 native;
-#define NATIVE(op) _mm512_##op
-#else
-typedef __m256 native;
-#define NATIVE(op) _mm256_##op
-#endif
+// e^x in every lane: with AVX-512 the attention kernel's `exp16`; with AVX2 the same
+// Cephes expf on 8 lanes (x = n ln 2 + r, |r| <= ln 2 / 2; e^r a degree-7 polynomial; 2^n
+// made in the exponent bits; x clamped to [-87.3, 88.7], e^x a normal float). std::exp is
+// a call a value; these are VL values in a few cycles.
 static inline fv exp_lanes(fv x) {
-    native v;
+#if VL == 16
+    __m512 v;
     std::memcpy(&v, &x, sizeof v);
-    v = NATIVE(min_ps)(NATIVE(max_ps)(v, NATIVE(set1_ps)(-87.3f)), NATIVE(set1_ps)(88.7f));
+    v = exp16(v);
+    std::memcpy(&x, &v, sizeof v);
+    return x;
+#else
+    __m256 v;
+    std::memcpy(&v, &x, sizeof v);
+    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
     std::memcpy(&x, &v, sizeof v);
     const fv magic = fv{} + 12582912.f;  // 1.5 x 2^23: adding it rounds to an integer
     const fv shifted = x * 1.44269504088896341f + magic;
@@ -567,6 +568,7 @@ static inline fv exp_lanes(fv x) {
     fv scale;
     std::memcpy(&scale, &two_to_n, sizeof scale);
     return p * scale;
+#endif
 }
 
 // out = silu(gate) * up over rows [gate | up] of 2 * ffn (bf16: silu rounded, then the
