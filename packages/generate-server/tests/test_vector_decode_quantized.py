@@ -212,7 +212,7 @@ def test_mg_quantize_checkpoints_served_take_the_step(
 
 @pytest.mark.parametrize("recipe", ["int8", "int4-g16-asym-output"])
 @torch.inference_mode()
-def test_a_long_prompt_in_one_step_equals_it_in_short_steps(isa: str, recipe: str | None) -> None:
+def test_a_long_prompt_in_one_step_equals_it_in_short_steps(isa: str, recipe: str) -> None:
     """60 rows take the GEMM form (weights made floats once a block), 5 rows the dot-product
     form: the same numbers."""
     model = _model(recipe)

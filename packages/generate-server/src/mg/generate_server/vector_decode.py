@@ -431,8 +431,7 @@ static void tile(const float* xp, const float* wp, float* y, int64_t m0, int64_t
 // weight rows at a time, packs them (in L2) and runs every row tile past them.
 template <typename Row>
 static void gemm_rows(const float* x, const Matrix& w, float* y, int64_t M, int64_t N,
-                      int64_t K) {
-    const int64_t chunk = w.kind == INT4 ? w.group : K;
+                      int64_t K, int64_t chunk) {
     const int64_t tiles = (M + GR - 1) / GR;
     thread_local std::vector<float> buffer;  // the calling thread's: its workers read `rows`
     if (buffer.size() < static_cast<size_t>(tiles * GR * K)) buffer.resize(tiles * GR * K);
@@ -469,8 +468,8 @@ static void gemm_rows(const float* x, const Matrix& w, float* y, int64_t M, int6
 template <typename Row>
 static void linear_of(const float* x, const Matrix& w, float* y, int64_t M, int64_t N,
                       int64_t K) {
-    if (M >= GEMM_ROWS) return gemm_rows<Row>(x, w, y, M, N, K);
     const int64_t chunk = w.kind == INT4 ? w.group : K;
+    if (M >= GEMM_ROWS) return gemm_rows<Row>(x, w, y, M, N, K, chunk);
     const bool widened = (w.kind == INT8 || w.kind == INT4) && M > 2 * MR;
     #pragma omp parallel for schedule(static)
     for (int64_t first = 0; first < N; first += NB) {
@@ -678,7 +677,6 @@ _BLOCKING = {"avx512": (16, 4, 32), "avx2": (8, 2, 24)}
 the rows from which a step's linears take the GEMM form (GEMM_ROWS: where it measured as fast
 or faster on two cores, the 135M model's steps of 12-144 rows in fp32 and bf16; below,
 packing the weights costs more than it saves)."""
-"""Per instruction set: lanes a vector, input rows a matmul's inner loop."""
 VECTOR_ISAS = ("avx512", "avx2")
 """The instruction sets this step is built for, best first."""
 
