@@ -91,6 +91,10 @@ def test_cpu_isa_refuses_what_the_cpu_lacks_by_name(monkeypatch) -> None:
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
     assert cpu_isa.available() == "avx2"
     assert cpu_isa.check("auto") == "avx2" and cpu_isa.check("none") == "none"
+    monkeypatch.delenv(cpu_isa.ENVIRONMENT, raising=False)
+    assert cpu_isa.confining_flags() == ()  # the CPU's best: built as it is
+    monkeypatch.setenv(cpu_isa.ENVIRONMENT, "none")  # below it: the attention kernel too
+    assert cpu_isa.confining_flags() == ("-mno-avx",)
     with pytest.raises(cpu_isa.CpuIsaError) as err:
         cpu_isa.check("avx512")
     assert str(err.value) == (

@@ -94,6 +94,14 @@ def build_flags(isa: str) -> tuple[str, ...]:
     return _BUILD_FLAGS[isa]
 
 
+def confining_flags() -> tuple[str, ...]:
+    """Compiler flags that confine a kernel built for this CPU to the chosen set, where
+    `--cpu-isa` chose one below the CPU's best (the decode attention kernel's build); ()
+    where it did not."""
+    isa = chosen()
+    return _BUILD_FLAGS[isa] if isa != available() and isa in _BUILD_FLAGS else ()
+
+
 def describe(isa: str) -> str:
     """`isa` with the flags of the CPU that matter to the kernels, for logs and results."""
     extra = [f for f in ("avx512_bf16", "avx512_vnni", "amx_bf16") if f in cpu_flags()]

@@ -103,7 +103,7 @@ class ModelRunner:
         cache = self._attention_cache
         if cache is None or self.attention_backend != "auto":
             return GATHERED
-        return cache.use_cpu_decode_kernel()
+        return cache.use_cpu_decode_kernel(cpu_isa.confining_flags())
 
     def use_fused_decode(self) -> str | None:
         """Run steps of decodes and short prompt chunks as one C++ call (`fused_decode`)

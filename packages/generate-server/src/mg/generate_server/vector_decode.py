@@ -533,41 +533,22 @@ static void add_into(float* hidden, const float* x, int64_t count) {
     for (int64_t c = 0; c < count; c++) hidden[c] = act(hidden[c] + x[c]);
 }
 
-// e^x in every lane: with AVX-512 the attention kernel's `exp16`; with AVX2 the same
-// Cephes expf on 8 lanes (x = n ln 2 + r, |r| <= ln 2 / 2; e^r a degree-7 polynomial; 2^n
-// made in the exponent bits; x clamped to [-87.3, 88.7], e^x a normal float). std::exp is
-// a call a value; these are VL values in a few cycles.
+// e^x in every lane: the attention kernel's Cephes expf, `exp16` with AVX-512 and `exp8`
+// with AVX2 (std::exp is a call a value; these are VL values in a few cycles).
 static inline fv exp_lanes(fv x) {
 #if VL == 16
     __m512 v;
-    std::memcpy(&v, &x, sizeof v);
-    v = exp16(v);
-    std::memcpy(&x, &v, sizeof v);
-    return x;
 #else
     __m256 v;
-    std::memcpy(&v, &x, sizeof v);
-    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-    std::memcpy(&x, &v, sizeof v);
-    const fv magic = fv{} + 12582912.f;  // 1.5 x 2^23: adding it rounds to an integer
-    const fv shifted = x * 1.44269504088896341f + magic;
-    const fv n = shifted - magic;
-    const fv r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    fv p = fv{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.f;
-    typedef int32_t iv __attribute__((vector_size(VL * 4)));
-    iv bits;
-    std::memcpy(&bits, &shifted, sizeof bits);
-    const iv two_to_n = (bits - 0x4B400000 + 127) << 23;  // n's bits: shifted's low ones
-    fv scale;
-    std::memcpy(&scale, &two_to_n, sizeof scale);
-    return p * scale;
 #endif
+    std::memcpy(&v, &x, sizeof v);
+#if VL == 16
+    v = exp16(v);
+#else
+    v = exp8(v);
+#endif
+    std::memcpy(&x, &v, sizeof v);
+    return x;
 }
 
 // out = silu(gate) * up over rows [gate | up] of 2 * ffn (bf16: silu rounded, then the

@@ -11,9 +11,9 @@ block prefetched while one is computed, and all of a sequence's query groups
 served from one pass over its blocks.
 
 It is C++ specialised to one model's shape and dtype. Where the CPU has AVX-512
-and head_dim and the block size are multiples of 16, it scores 16 positions at a
-time and runs the softmax on vectors (per-position dot products spent most of
-their time in horizontal sums); elsewhere it is plain loops the
+and head_dim and the block size are multiples of 16 (AVX2: 8), it scores 16 (8)
+positions at a time and runs the softmax on vectors (per-position dot products
+spent most of their time in horizontal sums); elsewhere it is plain loops the
 compiler vectorizes. It is built at first use with the C++ toolchain that
 torch.compile's inductor uses on CPUs (its cache keeps the library across
 processes). `decode_kernel` answers None, with the reason, where that toolchain
@@ -137,12 +137,72 @@ static inline __m512 exp16(__m512 x) {{
 
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 lanes at a time, as above (also used by `mg.generate_server.vector_decode`)
+#include <immintrin.h>
+static inline __m256 load8(const float* x) {{ return _mm256_loadu_ps(x); }}
+static inline __m256 load8(const uint16_t* x) {{  // bfloat16 bits -> float
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}}
+static inline void store8(__m256 x, float* y) {{ _mm256_storeu_ps(y, x); }}
+static inline void store8(__m256 x, uint16_t* y) {{  // round to nearest even
+    __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+    u = _mm256_srli_epi32(u, 16);
+    const __m128i bits =
+        _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), bits);
+}}
+// e^x: the same Cephes expf (x = n ln 2 + r, |r| <= ln 2 / 2), 2^n made in the exponent
+// bits, so x is clamped to [-87.3, 88.7] (e^x a normal float)
+static inline __m256 exp8(__m256 x) {{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 magic = _mm256_set1_ps(12582912.f);  // 1.5 x 2^23: adding it rounds
+    const __m256 shifted = x * 1.44269504088896341f + magic;
+    const __m256 n = shifted - magic;
+    const __m256 r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.f;
+    const __m256i bits = _mm256_castps_si256(shifted);  // n's bits: shifted's low ones
+    const __m256i two_to_n = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(bits, _mm256_set1_epi32(0x4B400000)),
+                         _mm256_set1_epi32(127)), 23);
+    return p * _mm256_castsi256_ps(two_to_n);
+}}
+#endif
+
 #if defined(__AVX512F__) && HEAD_DIM % 16 == 0 && BLOCK_SIZE % 16 == 0
 // AVX-512: the scores of 16 positions at a time. Each position's partial products fold
-// into one vector per query head, and `sum16` turns 16 such vectors into one vector of
+// into one vector per query head, and `sums` turns 16 such vectors into one vector of
 // 16 scores (a transposing add tree: 45 instructions where 16 horizontal sums take
 // ~130), so the softmax runs on vectors too (`exp16`).
-constexpr int64_t V = D / 16;  // vectors per head row
+#define LANES 16
+typedef __m512 vec;
+static inline vec vsplat(float x) {{ return splat(x); }}
+static inline vec vload(const float* x) {{ return load16(x); }}
+static inline vec vload(const uint16_t* x) {{ return load16(x); }}
+static inline void vstore(vec x, float* y) {{ store16(x, y); }}
+static inline void vstore(vec x, uint16_t* y) {{ store16(x, y); }}
+static inline vec vadd(vec a, vec b) {{ return _mm512_add_ps(a, b); }}
+static inline vec vsub(vec a, vec b) {{ return _mm512_sub_ps(a, b); }}
+static inline vec vmul(vec a, vec b) {{ return _mm512_mul_ps(a, b); }}
+static inline vec vfmadd(vec a, vec b, vec c) {{ return _mm512_fmadd_ps(a, b, c); }}
+static inline vec vmax(vec a, vec b) {{ return _mm512_max_ps(a, b); }}
+static inline vec vexp(vec x) {{ return exp16(x); }}
+static inline float vtotal(vec x) {{ return _mm512_reduce_add_ps(x); }}
+static inline float vpeak(vec x) {{ return _mm512_reduce_max_ps(x); }}
+// x's lanes start..stop - 1, and `other`'s elsewhere
+static inline vec vlanes(vec x, int64_t start, int64_t stop, vec other) {{
+    const uint32_t below_stop = (1u << stop) - 1, below_start = (1u << start) - 1;
+    return _mm512_mask_blend_ps(static_cast<__mmask16>(below_stop & ~below_start), other, x);
+}}
 
 static inline __m512 fold(__m512 a, __m512 b, int lanes) {{  // 128-bit lanes of a and b, added
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, lanes & 0xFF),
@@ -150,7 +210,7 @@ static inline __m512 fold(__m512 a, __m512 b, int lanes) {{  // 128-bit lanes of
 }}
 
 // lane j of the result: the sum of v[j]'s 16 lanes
-static inline __m512 sum16(const __m512* v) {{
+static inline vec sums(const vec* v) {{
     __m512 s[8], u[4];
     for (int k = 0; k < 8; k++)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
         s[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
@@ -167,7 +227,7 @@ static inline __m512 sum16(const __m512* v) {{
 // Lane j of partial[j] sums to the dot product of the query row `q` with the key row of
 // position j (row j at keys + j * G * D).
 #if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
-static inline void dots16(const uint16_t* q, const uint16_t* keys, __m512* partial) {{
+static inline void dots(const uint16_t* q, const uint16_t* keys, vec* partial) {{
     // bfloat16 pairs multiplied exactly and summed in float, straight from the pool
     __m512i query[D / 32];
     for (int64_t c = 0; c < D / 32; c++) query[c] = _mm512_loadu_si512(q + 32 * c);
@@ -181,22 +241,68 @@ static inline void dots16(const uint16_t* q, const uint16_t* keys, __m512* parti
     }}
 }}
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && HEAD_DIM % 8 == 0 && BLOCK_SIZE % 8 == 0
+// AVX2: the same, 8 positions at a time (per-position dot products and a scalar exp a
+// score took twice the time at 8 sequences)
+#define LANES 8
+typedef __m256 vec;
+static inline vec vsplat(float x) {{ return _mm256_set1_ps(x); }}
+static inline vec vload(const float* x) {{ return load8(x); }}
+static inline vec vload(const uint16_t* x) {{ return load8(x); }}
+static inline void vstore(vec x, float* y) {{ store8(x, y); }}
+static inline void vstore(vec x, uint16_t* y) {{ store8(x, y); }}
+static inline vec vadd(vec a, vec b) {{ return _mm256_add_ps(a, b); }}
+static inline vec vsub(vec a, vec b) {{ return _mm256_sub_ps(a, b); }}
+static inline vec vmul(vec a, vec b) {{ return _mm256_mul_ps(a, b); }}
+static inline vec vfmadd(vec a, vec b, vec c) {{ return _mm256_fmadd_ps(a, b, c); }}
+static inline vec vmax(vec a, vec b) {{ return _mm256_max_ps(a, b); }}
+static inline vec vexp(vec x) {{ return exp8(x); }}
+static inline float vtotal(vec x) {{
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}}
+static inline float vpeak(vec x) {{
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}}
+static inline vec vlanes(vec x, int64_t start, int64_t stop, vec other) {{
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i in = _mm256_and_si256(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(stop)), lane),
+        _mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(start) - 1)));
+    return _mm256_blendv_ps(other, x, _mm256_castsi256_ps(in));
+}}
+// lane j of the result: the sum of v[j]'s 8 lanes (pairs, then quads, then the halves)
+static inline vec sums(const vec* v) {{
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}}
+#endif
+
+#ifdef LANES
+constexpr int64_t V = D / LANES;  // vectors per head row
+
 template <typename T>
-static inline void dots16(const T* q, const T* keys, __m512* partial) {{
-    __m512 query[V];
-    for (int64_t v = 0; v < V; v++) query[v] = load16(q + 16 * v);
-    for (int64_t j = 0; j < 16; j++) {{
-        __m512 dot = _mm512_mul_ps(query[0], load16(keys + j * G * D));
+static inline void dots(const T* q, const T* keys, vec* partial) {{
+    vec query[V];
+    for (int64_t v = 0; v < V; v++) query[v] = vload(q + LANES * v);
+    for (int64_t j = 0; j < LANES; j++) {{
+        vec dot = vmul(query[0], vload(keys + j * G * D));
         for (int64_t v = 1; v < V; v++)
-            dot = _mm512_fmadd_ps(query[v], load16(keys + j * G * D + 16 * v), dot);
+            dot = vfmadd(query[v], vload(keys + j * G * D + LANES * v), dot);
         partial[j] = dot;
     }}
 }}
 
 // Two passes over a sequence's blocks. The first scores every position for every query
-// head, 16 positions at a time, into `scores` ([G][H][positions], masked lanes -inf); one
+// head, LANES positions at a time, into `scores` ([G][H][positions], masked lanes -inf); one
 // softmax per head follows; the second sums the value rows by their weights. (A running
-// softmax rescales each head's state every 16 positions: a chain of reductions and an
+// softmax rescales each head's state every LANES positions: a chain of reductions and an
 // exponential that kept the cores waiting, ~2x the time at 32 sequences.)
 extern "C" void kernel(KERNEL_ARGUMENTS)
 {{
@@ -210,8 +316,8 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
                       key_group, value_group, slots[i]);
         const int64_t length = lengths[i];
         const int64_t first = window >= 0 ? std::max<int64_t>(0, length - 1 - window) : 0;
-        const int64_t origin = first / 16 * 16;  // scores[.][.][0] is this position's
-        const int64_t span = (length - origin + 15) / 16 * 16;
+        const int64_t origin = first / LANES * LANES;  // scores[.][.][0] is this position's
+        const int64_t span = (length - origin + LANES - 1) / LANES * LANES;
         if (int64_t(scores.size()) < G * H * span) scores.resize(G * H * span);
         const int64_t* table = tables + i * width;
         if ((first / BS + 1) * BS < length)  // two blocks ahead of the one being scored
@@ -219,19 +325,19 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
         for (int64_t b = first / BS; b * BS < length; b++) {{
             if ((b + 2) * BS < length)
                 prefetch_block(keys, values, table[b + 2]);
-            for (int64_t t = std::max(b * BS, origin); t < (b + 1) * BS && t < length; t += 16) {{
-                const int64_t start = std::max(t, first) - t, stop = std::min(t + 16, length) - t;
-                const uint32_t below_stop = (1u << stop) - 1, below_start = (1u << start) - 1;
-                const __mmask16 valid = static_cast<__mmask16>(below_stop & ~below_start);
+            const int64_t block_end = std::min((b + 1) * BS, length);
+            for (int64_t t = std::max(b * BS, origin); t < block_end; t += LANES) {{
+                const int64_t start = std::max(t, first) - t;
+                const int64_t stop = std::min(t + LANES, length) - t;
                 const int64_t row = (table[b] * BS + t - b * BS) * G * D;
                 for (int64_t g = 0; g < G; g++) {{
                     const scalar_t* q = query + i * query_row + g * query_group;
                     for (int64_t h = 0; h < H; h++) {{
-                        __m512 partial[16];
-                        dots16(q + h * D, keys + row + g * D, partial);
-                        const __m512 dots = _mm512_mul_ps(sum16(partial), splat(scale));
-                        _mm512_storeu_ps(scores.data() + (g * H + h) * span + t - origin,
-                                         _mm512_mask_blend_ps(valid, splat(-INFINITY), dots));
+                        vec partial[LANES];
+                        dots(q + h * D, keys + row + g * D, partial);
+                        const vec scores_t = vmul(sums(partial), vsplat(scale));
+                        vstore(vlanes(scores_t, start, stop, vsplat(-INFINITY)),
+                               scores.data() + (g * H + h) * span + t - origin);
                     }}
                 }}
             }}
@@ -239,41 +345,41 @@ extern "C" void kernel(KERNEL_ARGUMENTS)
         float total[G][H];
         for (int64_t g = 0; g < G; g++) for (int64_t h = 0; h < H; h++) {{
             float* x = scores.data() + (g * H + h) * span;
-            __m512 top = splat(-INFINITY);
-            for (int64_t c = 0; c < span; c += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(x + c));
-            float peak = _mm512_reduce_max_ps(top);
+            vec top = vsplat(-INFINITY);
+            for (int64_t c = 0; c < span; c += LANES) top = vmax(top, vload(x + c));
+            float peak = vpeak(top);
             const float sink = has_sinks ? sinks[g * H + h] : -INFINITY;
             peak = std::max(peak, sink);
-            const __m512 most = splat(peak);
-            __m512 sum = splat(0.f);
-            for (int64_t c = 0; c < span; c += 16) {{
-                const __m512 w = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + c), most));
-                _mm512_storeu_ps(x + c, w);
-                sum = _mm512_add_ps(sum, w);
+            const vec most = vsplat(peak);
+            vec sum = vsplat(0.f);
+            for (int64_t c = 0; c < span; c += LANES) {{
+                const vec w = vexp(vsub(vload(x + c), most));
+                vstore(w, x + c);
+                sum = vadd(sum, w);
             }}
-            total[g][h] = _mm512_reduce_add_ps(sum) + (has_sinks ? std::exp(sink - peak) : 0.f);
+            total[g][h] = vtotal(sum) + (has_sinks ? std::exp(sink - peak) : 0.f);
         }}
         for (int64_t g = 0; g < G; g++) {{
-            __m512 acc[H][V];
-            for (int64_t h = 0; h < H; h++) for (int64_t v = 0; v < V; v++) acc[h][v] = splat(0.f);
+            vec acc[H][V];
+            for (int64_t h = 0; h < H; h++) for (int64_t v = 0; v < V; v++) acc[h][v] = vsplat(0.f);
             for (int64_t b = first / BS; b * BS < length; b++) {{
                 const int64_t begin = std::max(b * BS, first), end = std::min((b + 1) * BS, length);
                 const scalar_t* rows = values + (table[b] * BS - b * BS) * G * D + g * D;
                 for (int64_t p = begin; p < end; p++) {{  // positions outside are never read
-                    __m512 row[V];
-                    for (int64_t v = 0; v < V; v++) row[v] = load16(rows + p * G * D + 16 * v);
+                    vec row[V];
+                    for (int64_t v = 0; v < V; v++) row[v] = vload(rows + p * G * D + LANES * v);
                     for (int64_t h = 0; h < H; h++) {{
-                        const __m512 w = splat(scores[(g * H + h) * span + p - origin]);
+                        const vec w = vsplat(scores[(g * H + h) * span + p - origin]);
                         for (int64_t v = 0; v < V; v++)
-                            acc[h][v] = _mm512_fmadd_ps(w, row[v], acc[h][v]);
+                            acc[h][v] = vfmadd(w, row[v], acc[h][v]);
                     }}
                 }}
             }}
             for (int64_t h = 0; h < H; h++) {{
                 scalar_t* out_row = out + ((i * G + g) * H + h) * D;
-                const __m512 inverse = splat(1.f / total[g][h]);
+                const vec inverse = vsplat(1.f / total[g][h]);
                 for (int64_t v = 0; v < V; v++)
-                    store16(_mm512_mul_ps(acc[h][v], inverse), out_row + 16 * v);
+                    vstore(vmul(acc[h][v], inverse), out_row + LANES * v);
             }}
         }}
     }}
@@ -422,13 +528,20 @@ class DecodeKernel:
 
 
 def decode_kernel(
-    dtype: torch.dtype, groups: int, heads: int, head_dim: int, block_size: int
+    dtype: torch.dtype,
+    groups: int,
+    heads: int,
+    head_dim: int,
+    block_size: int,
+    isa_flags: tuple[str, ...] = (),
 ) -> tuple[DecodeKernel | None, str]:
-    """The kernel for this shape, or None and why it cannot be had here."""
+    """The kernel for this shape, or None and why it cannot be had here. `isa_flags`:
+    compiler flags that confine it to an older instruction set than this CPU's (say
+    ("-mno-avx512f",): the AVX2 path), as a server's --cpu-isa asks."""
     if dtype not in _SCALARS:
         return None, f"no CPU paged-attention kernel for {dtype} (float32 and bfloat16 only)"
     try:
-        entry = _build(_SCALARS[dtype], groups, heads // groups, head_dim, block_size)
+        entry = _build(_SCALARS[dtype], groups, heads // groups, head_dim, block_size, isa_flags)
     except Exception as err:  # noqa: BLE001 - no compiler, or it failed: SDPA serves
         return None, f"the CPU paged-attention kernel could not be built ({type(err).__name__})"
     return DecodeKernel(entry), "the CPU paged-attention kernel (blocks read in place)"
@@ -448,15 +561,27 @@ def quiet_cpp_extension() -> Iterator[None]:
 
 
 @functools.cache
-def _build(scalar: str, groups: int, per_group: int, head_dim: int, block_size: int):
+def _build(
+    scalar: str,
+    groups: int,
+    per_group: int,
+    head_dim: int,
+    block_size: int,
+    isa_flags: tuple[str, ...] = (),
+):
     """Compile (or load from inductor's on-disk cache) the kernel for one shape."""
     # lazy: inductor takes seconds to import, and every model import reaches this module
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     source = kernel_source(scalar, groups, per_group, head_dim, block_size)
+    if isa_flags:  # (the cache knows a library by its source)
+        source = f"// built with {' '.join(isa_flags)}\n{source}"
     with quiet_cpp_extension():
         return CppPythonBindingsCodeCache.load_pybinding(
-            _ARGUMENTS, source, needs_vec_isa=True, extra_flags=kernel_flags()
+            _ARGUMENTS,
+            source,
+            needs_vec_isa=not isa_flags,  # (inductor's ISA flags would follow, and undo, these)
+            extra_flags=(*kernel_flags(), *isa_flags),
         )
 
 

@@ -190,14 +190,17 @@ class PagedKVCache:
         gathered blocks."""
         self._bound = False
 
-    def use_cpu_decode_kernel(self) -> str:
+    def use_cpu_decode_kernel(self, isa_flags: tuple[str, ...] = ()) -> str:
         """Answer decode rows with the CPU kernel that reads blocks in place, where it can
-        be built (a CPU pool in float32 or bfloat16, a C++ compiler); what decode attention
-        runs, for the log."""
+        be built (a CPU pool in float32 or bfloat16, a C++ compiler; `isa_flags`: confined
+        to an older instruction set, `decode_kernel`'s); what decode attention runs, for
+        the log."""
         if self.device.type != "cpu" or self.fp8:
             return GATHERED
         groups, d = self.keys.shape[3], self.keys.shape[4]
-        kernel, what = decode_kernel(self.keys.dtype, groups, self.num_heads, d, self.block_size)
+        kernel, what = decode_kernel(
+            self.keys.dtype, groups, self.num_heads, d, self.block_size, isa_flags
+        )
         self.decode_kernel = kernel
         return what if kernel is not None else f"{GATHERED}: {what}"
 

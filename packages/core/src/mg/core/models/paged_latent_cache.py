@@ -92,7 +92,7 @@ class PagedLatentCache(PagedKVCache):
             device=weight.device,
         )
 
-    def use_cpu_decode_kernel(self) -> str:
+    def use_cpu_decode_kernel(self, isa_flags: tuple[str, ...] = ()) -> str:
         return f"{GATHERED}: the latent cache rebuilds keys and values per step"
 
     def attend(self, layer_index: int, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
