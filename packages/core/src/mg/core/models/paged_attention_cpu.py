@@ -178,6 +178,21 @@ static inline __m256 exp8(__m256 x) {{
 }}
 #endif
 
+// The two-pass kernel's operations on `vec`, from one set of intrinsics (P: _mm512 or
+// _mm256) and that width's loads, stores and e^x.
+#define LANE_OPERATIONS(P, LOAD, STORE, EXP)                                                \
+    static inline vec vsplat(float x) {{ return P##_set1_ps(x); }}                            \
+    static inline vec vload(const float* x) {{ return LOAD(x); }}                             \
+    static inline vec vload(const uint16_t* x) {{ return LOAD(x); }}                          \
+    static inline void vstore(vec x, float* y) {{ STORE(x, y); }}                             \
+    static inline void vstore(vec x, uint16_t* y) {{ STORE(x, y); }}                          \
+    static inline vec vadd(vec a, vec b) {{ return P##_add_ps(a, b); }}                       \
+    static inline vec vsub(vec a, vec b) {{ return P##_sub_ps(a, b); }}                       \
+    static inline vec vmul(vec a, vec b) {{ return P##_mul_ps(a, b); }}                       \
+    static inline vec vfmadd(vec a, vec b, vec c) {{ return P##_fmadd_ps(a, b, c); }}         \
+    static inline vec vmax(vec a, vec b) {{ return P##_max_ps(a, b); }}                       \
+    static inline vec vexp(vec x) {{ return EXP(x); }}
+
 #if defined(__AVX512F__) && HEAD_DIM % 16 == 0 && BLOCK_SIZE % 16 == 0
 // AVX-512: the scores of 16 positions at a time. Each position's partial products fold
 // into one vector per query head, and `sums` turns 16 such vectors into one vector of
@@ -185,17 +200,7 @@ static inline __m256 exp8(__m256 x) {{
 // ~130), so the softmax runs on vectors too (`exp16`).
 #define LANES 16
 typedef __m512 vec;
-static inline vec vsplat(float x) {{ return splat(x); }}
-static inline vec vload(const float* x) {{ return load16(x); }}
-static inline vec vload(const uint16_t* x) {{ return load16(x); }}
-static inline void vstore(vec x, float* y) {{ store16(x, y); }}
-static inline void vstore(vec x, uint16_t* y) {{ store16(x, y); }}
-static inline vec vadd(vec a, vec b) {{ return _mm512_add_ps(a, b); }}
-static inline vec vsub(vec a, vec b) {{ return _mm512_sub_ps(a, b); }}
-static inline vec vmul(vec a, vec b) {{ return _mm512_mul_ps(a, b); }}
-static inline vec vfmadd(vec a, vec b, vec c) {{ return _mm512_fmadd_ps(a, b, c); }}
-static inline vec vmax(vec a, vec b) {{ return _mm512_max_ps(a, b); }}
-static inline vec vexp(vec x) {{ return exp16(x); }}
+LANE_OPERATIONS(_mm512, load16, store16, exp16)
 static inline float vtotal(vec x) {{ return _mm512_reduce_add_ps(x); }}
 static inline float vpeak(vec x) {{ return _mm512_reduce_max_ps(x); }}
 // x's lanes start..stop - 1, and `other`'s elsewhere
@@ -246,17 +251,7 @@ static inline void dots(const uint16_t* q, const uint16_t* keys, vec* partial) {
 // score took twice the time at 8 sequences)
 #define LANES 8
 typedef __m256 vec;
-static inline vec vsplat(float x) {{ return _mm256_set1_ps(x); }}
-static inline vec vload(const float* x) {{ return load8(x); }}
-static inline vec vload(const uint16_t* x) {{ return load8(x); }}
-static inline void vstore(vec x, float* y) {{ store8(x, y); }}
-static inline void vstore(vec x, uint16_t* y) {{ store8(x, y); }}
-static inline vec vadd(vec a, vec b) {{ return _mm256_add_ps(a, b); }}
-static inline vec vsub(vec a, vec b) {{ return _mm256_sub_ps(a, b); }}
-static inline vec vmul(vec a, vec b) {{ return _mm256_mul_ps(a, b); }}
-static inline vec vfmadd(vec a, vec b, vec c) {{ return _mm256_fmadd_ps(a, b, c); }}
-static inline vec vmax(vec a, vec b) {{ return _mm256_max_ps(a, b); }}
-static inline vec vexp(vec x) {{ return exp8(x); }}
+LANE_OPERATIONS(_mm256, load8, store8, exp8)
 static inline float vtotal(vec x) {{
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
