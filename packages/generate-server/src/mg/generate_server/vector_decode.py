@@ -545,13 +545,11 @@ static void add_into(float* hidden, const float* x, int64_t count) {
 static inline fv exp_lanes(fv x) {
 #if VL == 16
     __m512 v;
-#else
-    __m256 v;
-#endif
     std::memcpy(&v, &x, sizeof v);
-#if VL == 16
     v = exp16(v);
 #else
+    __m256 v;
+    std::memcpy(&v, &x, sizeof v);
     v = exp8(v);
 #endif
     std::memcpy(&x, &v, sizeof v);
