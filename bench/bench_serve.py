@@ -27,7 +27,9 @@ on ours). Reported per phase: generated tokens/s, time to first token and
 inter-token latency p50/p99 (ours: between streamed chunks, as a client sees
 them; theirs: between generate() steps), peak resident memory (ours: while
 serving, the mark reset after the warm-up; theirs: the whole process),
-threads; the ratios; the machine's load.
+threads; the ratios; the machine's load, and its GEMM and memory speed read before
+each throughput phase (bench/machine_probe.py: a run whose readings spread more than 10%
+says it is not a result).
 
     .venv/bin/python bench/bench_serve.py                       # the full run (~10 min quiet)
     .venv/bin/python bench/bench_serve.py --layers 4 --skip-long --new-tokens 32   # a smoke run
@@ -59,6 +61,7 @@ from pathlib import Path
 
 import httpx
 import isa_cap
+import machine_probe
 import torch
 
 from mg.generate_server.cpu_isa import check, describe
@@ -555,7 +558,14 @@ def main() -> None:
         device = ["--device", args.device]
         serve_flags = [*bf16, *device, "--cpu-isa", args.cpu_isa, *shlex.split(args.serve_args)]
 
+        phases: list[tuple[str, machine_probe.Reading]] = []
+
+        def probe_before(name: str) -> None:
+            phases.append((name, machine_probe.probe(args.threads)))
+            print(f"  machine before {name}: {phases[-1][1]}", flush=True)
+
         def transformers_run(name: str, batch: int = 8) -> None:
+            probe_before(name)
             prompts_file = folder / f"prompts{2 * batch}.json"
             prompts_file.write_text(json.dumps(prompts[: 2 * batch]))
             child = subprocess.run(
@@ -575,6 +585,7 @@ def main() -> None:
             transformers_run(BATCH_32, 32)
         for clients in (8, 32):
             name = f"mg-serve, {clients} clients ({2 * clients} requests)"
+            probe_before(name)
             results[name] = serve_phase(
                 ckpt, args.threads, clients, prompts[: 2 * clients], args.new_tokens, *serve_flags
             )
@@ -632,6 +643,7 @@ def main() -> None:
         f"{again:.1f} tokens/s ({drift:.0%} apart)"
         + ("; the machine's speed changed during the run: not a result" if drift > 0.1 else "")
     )
+    print(machine_probe.verdict(phases))
     if "memory" in results:
         m = results["memory"]
         print(

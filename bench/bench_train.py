@@ -5,7 +5,9 @@ Same process, same shapes, same random batches, same optimizer settings
 both, same thread count. For each dtype (bf16 = torch.autocast(bfloat16) as
 mg-train does, fp32 = no autocast) it times `--steps` steps after `--warmup`
 steps, alternating ours/HF in `--rounds` rounds so that load from other jobs on
-the machine hits both, and reports the median step time of each.
+the machine hits both, and reports the median step time of each. Before each round it
+reads the machine's GEMM and memory speed (bench/machine_probe.py): readings more than 10%
+apart mark the run as not a result.
 
 Ours is the trainer's own step, piece by piece (`Trainer.train_step` needs a
 whole `Trainer` with datasets, so its body is replayed with the trainer's
@@ -34,6 +36,7 @@ import statistics
 import time
 
 import isa_cap
+import machine_probe
 import torch
 from torch import nn
 
@@ -223,6 +226,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1234)
     batches = [make_batch(b, s, args.vocab, gen) for _ in range(args.steps)]
     rows = []
+    phases: list[tuple[str, machine_probe.Reading]] = []
     for name in args.dtypes.split(","):
         dtype = {"bf16": torch.bfloat16, "fp32": None}[name.strip()]
         runners = [Ours(config, dtype), Ours(config, dtype, fused_loss=True), HF(config, dtype)]
@@ -239,6 +243,8 @@ def main() -> None:
             print(f"  warmup {r.name}: {time.perf_counter() - t0:.1f}s (compilation included)")
         times: dict[str, list[float]] = {r.name: [] for r in runners}
         for rnd in range(args.rounds):
+            phases.append((f"{name} round {rnd}", machine_probe.probe(args.threads)))
+            print(f"  machine before round {rnd}: {phases[-1][1]}", flush=True)
             for r in runners if rnd % 2 == 0 else runners[::-1]:
                 t = time_steps(r, batches)
                 times[r.name] += t
@@ -264,6 +270,7 @@ def main() -> None:
         + ", ".join(f"{r[0]} {r[1]} {r[5][r[1]]:.2f}s / HF {r[5]['HF']:.2f}s" for r in rows)
         + ")"
     )
+    print(machine_probe.verdict(phases))
 
 
 if __name__ == "__main__":
