@@ -28,8 +28,8 @@ inter-token latency p50/p99 (ours: between streamed chunks, as a client sees
 them; theirs: between generate() steps), peak resident memory (ours: while
 serving, the mark reset after the warm-up; theirs: the whole process),
 threads; the ratios; the machine's load, and its GEMM and memory speed read before
-each throughput phase (bench/machine_probe.py: a run whose readings spread more than 10%
-says it is not a result).
+each throughput phase and after the last (bench/machine_probe.py: a run whose readings
+spread more than 10% says it is not a result).
 
     .venv/bin/python bench/bench_serve.py                       # the full run (~10 min quiet)
     .venv/bin/python bench/bench_serve.py --layers 4 --skip-long --new-tokens 32   # a smoke run
@@ -560,12 +560,12 @@ def main() -> None:
 
         phases: list[tuple[str, machine_probe.Reading]] = []
 
-        def probe_before(name: str) -> None:
-            phases.append((name, machine_probe.probe(args.threads)))
-            print(f"  machine before {name}: {phases[-1][1]}", flush=True)
+        def probe_at(moment: str) -> None:
+            phases.append((moment, machine_probe.probe(args.threads)))
+            print(f"  machine {moment}: {phases[-1][1]}", flush=True)
 
         def transformers_run(name: str, batch: int = 8) -> None:
-            probe_before(name)
+            probe_at(f"before {name}")
             prompts_file = folder / f"prompts{2 * batch}.json"
             prompts_file.write_text(json.dumps(prompts[: 2 * batch]))
             child = subprocess.run(
@@ -585,7 +585,7 @@ def main() -> None:
             transformers_run(BATCH_32, 32)
         for clients in (8, 32):
             name = f"mg-serve, {clients} clients ({2 * clients} requests)"
-            probe_before(name)
+            probe_at(f"before {name}")
             results[name] = serve_phase(
                 ckpt, args.threads, clients, prompts[: 2 * clients], args.new_tokens, *serve_flags
             )
@@ -598,6 +598,7 @@ def main() -> None:
         # the baseline again after the server's throughput phases: a VM whose speed
         # drifts during the run shows as two different baselines
         transformers_run(BASELINE_AGAIN)
+        probe_at("after the last phase")
         if not args.skip_memory and args.device == "cpu":
             long_prompts = prompt_ids(8, (1000, 1000), offset=30000)
             memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24, *serve_flags)

@@ -5,9 +5,9 @@ Same process, same shapes, same random batches, same optimizer settings
 both, same thread count. For each dtype (bf16 = torch.autocast(bfloat16) as
 mg-train does, fp32 = no autocast) it times `--steps` steps after `--warmup`
 steps, alternating ours/HF in `--rounds` rounds so that load from other jobs on
-the machine hits both, and reports the median step time of each. Before each round it
-reads the machine's GEMM and memory speed (bench/machine_probe.py): readings more than 10%
-apart mark the run as not a result.
+the machine hits both, and reports the median step time of each. Before each round and
+after the last it reads the machine's GEMM and memory speed (bench/machine_probe.py):
+readings more than 10% apart mark the run as not a result.
 
 Ours is the trainer's own step, piece by piece (`Trainer.train_step` needs a
 whole `Trainer` with datasets, so its body is replayed with the trainer's
@@ -249,6 +249,8 @@ def main() -> None:
                 t = time_steps(r, batches)
                 times[r.name] += t
                 print(f"  round {rnd} {r.name:>4}: " + " ".join(f"{x:.2f}s" for x in t))
+        phases.append((f"{name} after the rounds", machine_probe.probe(args.threads)))
+        print(f"  machine after the rounds: {phases[-1][1]}", flush=True)
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: b * s / v for k, v in med.items()}
         for who in [r.name for r in runners if r.name != "HF"]:

@@ -3,8 +3,9 @@
 The sides of a comparison run one after the other, so a machine whose speed changes
 during a run puts the change on one side. On a shared VM it does: chains of AVX2 FMAs alone
 have run at 63-79 and at 110 GFLOP/s a core on one 2-core VM hours apart (another guest on
-the physical core, a lower clock). A benchmark calls `probe` before each phase; it takes two
-short readings with the library both sides' matmuls use, under the same ISA cap:
+the physical core, a lower clock). A benchmark calls `probe` before each phase and after the
+last; it takes two short readings with the library both sides' matmuls use, under the same
+ISA cap:
 
 - an fp32 GEMM of 384 x 384 x 384 held in cache (MKL runs it near the FMA peak, so it
   reads the cores' arithmetic speed), with the benchmark's threads;
@@ -85,8 +86,8 @@ def verdict(phases: list[tuple[str, Reading]]) -> str:
     read = " / ".join(f"{r.read_gbps:.1f}" for r in readings)
     apart = spread(readings)
     line = (
-        f"- machine probe before each of the {len(readings)} phases: GEMM {gemm} GFLOP/s, "
-        f"memory read {read} GB/s ({apart:.0%} apart)"
+        f"- machine probe before each phase and after the last ({len(readings)} readings): "
+        f"GEMM {gemm} GFLOP/s, memory read {read} GB/s ({apart:.0%} apart)"
     )
     if apart > TOLERANCE:
         line += "; the machine's speed changed during the run: not a result"
