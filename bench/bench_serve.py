@@ -558,14 +558,10 @@ def main() -> None:
         device = ["--device", args.device]
         serve_flags = [*bf16, *device, "--cpu-isa", args.cpu_isa, *shlex.split(args.serve_args)]
 
-        phases: list[tuple[str, machine_probe.Reading]] = []
-
-        def probe_at(moment: str) -> None:
-            phases.append((moment, machine_probe.probe(args.threads)))
-            print(f"  machine {moment}: {phases[-1][1]}", flush=True)
+        readings: list[machine_probe.Reading] = []
 
         def transformers_run(name: str, batch: int = 8) -> None:
-            probe_at(f"before {name}")
+            machine_probe.read_into(readings, args.threads, f"before {name}")
             prompts_file = folder / f"prompts{2 * batch}.json"
             prompts_file.write_text(json.dumps(prompts[: 2 * batch]))
             child = subprocess.run(
@@ -585,7 +581,7 @@ def main() -> None:
             transformers_run(BATCH_32, 32)
         for clients in (8, 32):
             name = f"mg-serve, {clients} clients ({2 * clients} requests)"
-            probe_at(f"before {name}")
+            machine_probe.read_into(readings, args.threads, f"before {name}")
             results[name] = serve_phase(
                 ckpt, args.threads, clients, prompts[: 2 * clients], args.new_tokens, *serve_flags
             )
@@ -598,7 +594,7 @@ def main() -> None:
         # the baseline again after the server's throughput phases: a VM whose speed
         # drifts during the run shows as two different baselines
         transformers_run(BASELINE_AGAIN)
-        probe_at("after the last phase")
+        machine_probe.read_into(readings, args.threads, "after the last phase")
         if not args.skip_memory and args.device == "cpu":
             long_prompts = prompt_ids(8, (1000, 1000), offset=30000)
             memory = serve_phase(ckpt, args.threads, 8, long_prompts, 24, *serve_flags)
@@ -642,9 +638,9 @@ def main() -> None:
     print(
         f"- transformers batch 8 before and after the server's phases: {first:.1f} and "
         f"{again:.1f} tokens/s ({drift:.0%} apart)"
-        + ("; the machine's speed changed during the run: not a result" if drift > 0.1 else "")
+        + (machine_probe.NOT_A_RESULT if drift > machine_probe.TOLERANCE else "")
     )
-    print(machine_probe.verdict(phases))
+    print(machine_probe.verdict(readings))
     if "memory" in results:
         m = results["memory"]
         print(

@@ -226,7 +226,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1234)
     batches = [make_batch(b, s, args.vocab, gen) for _ in range(args.steps)]
     rows = []
-    phases: list[tuple[str, machine_probe.Reading]] = []
+    readings: list[machine_probe.Reading] = []
     for name in args.dtypes.split(","):
         dtype = {"bf16": torch.bfloat16, "fp32": None}[name.strip()]
         runners = [Ours(config, dtype), Ours(config, dtype, fused_loss=True), HF(config, dtype)]
@@ -243,14 +243,12 @@ def main() -> None:
             print(f"  warmup {r.name}: {time.perf_counter() - t0:.1f}s (compilation included)")
         times: dict[str, list[float]] = {r.name: [] for r in runners}
         for rnd in range(args.rounds):
-            phases.append((f"{name} round {rnd}", machine_probe.probe(args.threads)))
-            print(f"  machine before round {rnd}: {phases[-1][1]}", flush=True)
+            machine_probe.read_into(readings, args.threads, f"before round {rnd}")
             for r in runners if rnd % 2 == 0 else runners[::-1]:
                 t = time_steps(r, batches)
                 times[r.name] += t
                 print(f"  round {rnd} {r.name:>4}: " + " ".join(f"{x:.2f}s" for x in t))
-        phases.append((f"{name} after the rounds", machine_probe.probe(args.threads)))
-        print(f"  machine after the rounds: {phases[-1][1]}", flush=True)
+        machine_probe.read_into(readings, args.threads, "after the rounds")
         med = {k: statistics.median(v) for k, v in times.items()}
         tps = {k: b * s / v for k, v in med.items()}
         for who in [r.name for r in runners if r.name != "HF"]:
@@ -272,7 +270,7 @@ def main() -> None:
         + ", ".join(f"{r[0]} {r[1]} {r[5][r[1]]:.2f}s / HF {r[5]['HF']:.2f}s" for r in rows)
         + ")"
     )
-    print(machine_probe.verdict(phases))
+    print(machine_probe.verdict(readings))
 
 
 if __name__ == "__main__":

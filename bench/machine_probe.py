@@ -24,6 +24,7 @@ from dataclasses import dataclass
 GEMM_SIZE = 384
 READ_BYTES = 512 << 20
 TOLERANCE = 0.10
+NOT_A_RESULT = "; the machine's speed changed during the run: not a result"
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ def probe(threads: int, gemm_size: int = GEMM_SIZE, read_bytes: int = READ_BYTES
     return Reading(gemm, read)
 
 
+def read_into(readings: list[Reading], threads: int, moment: str) -> None:
+    """Probe, keep the reading for `verdict` and print it with `moment` ("before ...")."""
+    readings.append(probe(threads))
+    print(f"  machine {moment}: {readings[-1]}", flush=True)
+
+
 def spread(readings: list[Reading]) -> float:
     """The larger of the two readings' spread across phases: max / min - 1."""
     if len(readings) < 2:
@@ -77,9 +84,8 @@ def spread(readings: list[Reading]) -> float:
     return max(max(gemm) / min(gemm), max(read) / min(read)) - 1
 
 
-def verdict(phases: list[tuple[str, Reading]]) -> str:
-    """One results line: each phase's readings and whether the run counts."""
-    readings = [reading for _, reading in phases]
+def verdict(readings: list[Reading]) -> str:
+    """One results line: the readings in order and whether the run counts."""
     if not readings:
         return "- machine probe: none taken"
     gemm = " / ".join(f"{r.gemm_gflops:.0f}" for r in readings)
@@ -90,5 +96,5 @@ def verdict(phases: list[tuple[str, Reading]]) -> str:
         f"GEMM {gemm} GFLOP/s, memory read {read} GB/s ({apart:.0%} apart)"
     )
     if apart > TOLERANCE:
-        line += "; the machine's speed changed during the run: not a result"
+        line += NOT_A_RESULT
     return line

@@ -26,16 +26,16 @@ def test_a_probe_reads_positive_speeds_and_restores_the_threads() -> None:
 
 
 def test_the_verdict_marks_a_run_whose_machine_changed_speed() -> None:
-    steady = [("a", Reading(120.0, 20.0)), ("b", Reading(126.0, 19.0))]
+    steady = [Reading(120.0, 20.0), Reading(126.0, 19.0)]
     line = machine_probe.verdict(steady)
     assert "GEMM 120 / 126 GFLOP/s" in line and "memory read 20.0 / 19.0 GB/s" in line
     assert "(5% apart)" in line and "not a result" not in line
 
-    slowed = [*steady, ("c", Reading(95.0, 20.0))]  # the cores a fifth slower
-    assert machine_probe.spread([r for _, r in slowed]) == 126.0 / 95.0 - 1
+    slowed = [*steady, Reading(95.0, 20.0)]  # the cores a fifth slower
+    assert machine_probe.spread(slowed) == 126.0 / 95.0 - 1
     assert machine_probe.verdict(slowed).endswith("not a result")
 
-    memory = [("a", Reading(120.0, 20.0)), ("b", Reading(120.0, 14.0))]
+    memory = [Reading(120.0, 20.0), Reading(120.0, 14.0)]
     assert machine_probe.verdict(memory).endswith("not a result")
     assert machine_probe.verdict([]) == "- machine probe: none taken"
     assert "(0% apart)" in machine_probe.verdict(steady[:1])
